@@ -1,0 +1,5 @@
+import sys
+
+from batchfit.cli import main
+
+sys.exit(main())

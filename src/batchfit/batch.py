@@ -1,0 +1,110 @@
+"""Per-sample batches: a mapping of field name to tensor (sample dimension first) or list.
+
+This is the container every batchfit function that touches data works with (the
+``TensorDict``/``DataProto`` of other frameworks, reduced to a plain ``dict``). Every
+field holds one entry per sample; values that are neither tensors nor lists/tuples
+(scalars, strings, ``None``) are *metadata* of the whole batch and are dropped from any
+slice, so nothing describing other samples leaks into a sub-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from batchfit.errors import BatchError
+
+Batch = Mapping[str, Any]
+
+
+def is_per_sample(value: Any) -> bool:
+    """True if ``value`` holds one entry per sample: a tensor/array with a dimension, a list or a tuple."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return value.ndim >= 1
+    return isinstance(value, (list, tuple))
+
+
+def batch_size(batch: Batch) -> int:
+    """Number of samples in ``batch``.
+
+    Raises:
+        BatchError: the batch has no per-sample field, or its fields disagree on the
+            sample count (each field and its count are named).
+    """
+    sizes = {key: len(value) for key, value in batch.items() if is_per_sample(value)}
+    if not sizes:
+        raise BatchError(
+            f"batch has no per-sample field (tensors or lists), but got keys {sorted(batch)!r}; "
+            "add at least one field with one entry per sample"
+        )
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{k}={n}" for k, n in sizes.items())
+        raise BatchError(f"batch fields must have the same number of samples, but got {listed}")
+    return next(iter(sizes.values()))
+
+
+def slice_batch(batch: Batch, start: int, end: int) -> dict[str, Any]:
+    """Samples ``start:end`` of every per-sample field; metadata is dropped.
+
+    Tensors are sliced as views (no copy); lists and tuples keep their type.
+
+    Raises:
+        BatchError: fields disagree on the sample count, or ``0 <= start <= end <= size``
+            does not hold.
+    """
+    n = batch_size(batch)
+    if not (0 <= start <= end <= n):
+        raise BatchError(f"slice must satisfy 0 <= start <= end <= {n}, but got start={start}, end={end}")
+    return {k: v[start:end] for k, v in batch.items() if is_per_sample(v)}
+
+
+def take_rows(batch: Batch, indices: Sequence[int] | torch.Tensor | np.ndarray) -> dict[str, Any]:
+    """The samples at ``indices`` (in that order) of every per-sample field; metadata is dropped.
+
+    Raises:
+        BatchError: fields disagree on the sample count, or an index is out of range.
+    """
+    n = batch_size(batch)
+    idx = [int(i) for i in (indices.tolist() if hasattr(indices, "tolist") else indices)]
+    bad = [i for i in idx if not 0 <= i < n]
+    if bad:
+        raise BatchError(f"indices must be in [0, {n}), but got {bad[:5]!r}")
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if not is_per_sample(value):
+            continue
+        if isinstance(value, torch.Tensor):
+            out[key] = value[torch.as_tensor(idx, dtype=torch.long, device=value.device)]
+        elif isinstance(value, np.ndarray):
+            out[key] = value[np.asarray(idx, dtype=np.int64)]
+        else:
+            out[key] = type(value)(value[i] for i in idx)
+    return out
+
+
+def concat_batches(batches: Sequence[Batch]) -> dict[str, Any]:
+    """Concatenate per-sample fields of ``batches`` along the sample dimension.
+
+    Raises:
+        BatchError: the batches do not have the same per-sample keys.
+    """
+    if not batches:
+        return {}
+    keys = [k for k, v in batches[0].items() if is_per_sample(v)]
+    for b in batches[1:]:
+        other = [k for k, v in b.items() if is_per_sample(v)]
+        if sorted(other) != sorted(keys):
+            raise BatchError(f"batches to concatenate must have the same fields, but got {keys!r} and {other!r}")
+    out: dict[str, Any] = {}
+    for key in keys:
+        parts = [b[key] for b in batches]
+        if isinstance(parts[0], torch.Tensor):
+            out[key] = torch.cat(parts, dim=0)
+        elif isinstance(parts[0], np.ndarray):
+            out[key] = np.concatenate(parts, axis=0)
+        else:
+            out[key] = type(parts[0])(x for p in parts for x in p)
+    return out

@@ -1,0 +1,79 @@
+"""The ``batchfit`` command line: parse, call one library function, render.
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)``, which
+registers the parser and sets ``func(args) -> int``. Bad input from the user (any
+:class:`~batchfit.errors.BatchfitError` that is a ``ValueError``, and argparse usage
+errors) prints one line per fault on stderr and exits 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from batchfit.errors import BatchConfigError, BatchfitError
+
+# Subcommand modules, in the order `batchfit --help` lists them.
+COMMANDS = ("profile", "plan", "autobatch", "bench")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit 2) instead of the usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> ArgumentParser:
+    from batchfit import __version__
+
+    parser = ArgumentParser(
+        prog="batchfit",
+        description="Fit LLM training to accelerator memory: batch plans, token budgets, micro-batching.",
+    )
+    parser.add_argument("--version", action="version", version=f"batchfit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"batchfit.cli.{name}")
+        except ModuleNotFoundError as exc:  # a subcommand not built yet
+            if exc.name == f"batchfit.cli.{name}":
+                continue
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def report_error(prog: str, exc: BaseException) -> None:
+    """Print ``exc`` as one line per fault on stderr."""
+    if isinstance(exc, BatchConfigError):
+        for fault in exc.faults:
+            sys.stderr.write(f"{prog}: error: {fault}\n")
+    else:
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            if line.strip():
+                sys.stderr.write(f"{prog}: error: {line.strip()}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``batchfit`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except BatchfitError as exc:
+        # Bad input (a ValueError subclass) exits 2; "nothing fits" and other verdicts exit 1.
+        report_error(f"batchfit {args.command}", exc)
+        return 2 if isinstance(exc, ValueError) else 1
+    except OSError as exc:  # a file named on the command line cannot be read or written
+        report_error(f"batchfit {args.command}", exc)
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("batchfit: interrupted\n")
+        return 130

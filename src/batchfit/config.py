@@ -1,0 +1,404 @@
+"""Batch plans: validate and explain train / mini / micro batch sizes and the data-parallel layout.
+
+:class:`BatchConfig` holds the user's numbers (SkyRL's names and units);
+:meth:`BatchConfig.plan` checks every rule at once and returns a frozen :class:`BatchPlan`,
+or raises one :class:`~batchfit.errors.BatchConfigError` listing every fault with a fix.
+
+Units: ``train_batch_size`` and the ``*_mini_batch_size`` fields count **prompts**; the
+``micro_*_per_gpu`` fields count **samples** (sequences); ``max_tokens_per_micro_batch``
+counts tokens. One rule set serves policy and critic (:func:`_role_plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchfit.errors import BatchConfigError
+from batchfit.validation import is_int
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """A batch-size configuration, as a trainer such as SkyRL takes it.
+
+    Nothing is checked at construction; :meth:`plan` checks everything and reports every
+    fault at once.
+
+    Attributes:
+        train_batch_size: prompts per training step.
+        policy_mini_batch_size: prompts per policy optimizer step.
+        n_samples_per_prompt: trajectories generated per prompt.
+        critic_mini_batch_size: prompts per critic optimizer step; ``None`` = no critic.
+        micro_train_batch_size_per_gpu: samples per forward/backward on one GPU.
+        micro_forward_batch_size_per_gpu: samples per forward-only pass (log-probs, values).
+        max_tokens_per_micro_batch: token budget per micro-batch; when set, micro-batches
+            are bounded by tokens and the ``micro_*`` sample sizes are not used.
+        update_epochs_per_batch: passes over the training batch per step.
+        world_size: total GPUs; ``None`` = ``num_nodes × gpus_per_node`` (default 1).
+        num_nodes, gpus_per_node: the alternative way to give ``world_size``.
+        tensor_parallel, pipeline_parallel, context_parallel, sequence_parallel: model
+            parallel sizes; ``dp_size = world_size / (tp · pp · cp · sp)``.
+        step_wise: each trajectory yields one sequence per turn, so sample counts vary.
+    """
+
+    train_batch_size: int
+    policy_mini_batch_size: int
+    n_samples_per_prompt: int = 1
+    critic_mini_batch_size: int | None = None
+    micro_train_batch_size_per_gpu: int = 1
+    micro_forward_batch_size_per_gpu: int = 1
+    max_tokens_per_micro_batch: int | None = None
+    update_epochs_per_batch: int = 1
+    world_size: int | None = None
+    num_nodes: int | None = None
+    gpus_per_node: int | None = None
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    context_parallel: int = 1
+    sequence_parallel: int = 1
+    step_wise: bool = False
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        """Names of the configuration fields, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BatchConfig:
+        """Build a config from flat keys or a SkyRL-style nested mapping.
+
+        See :func:`batchfit.config_io.config_from_mapping` for the accepted keys.
+
+        Raises:
+            BatchConfigError: unknown keys (with the closest known name), missing required
+                keys, or values that cannot be read.
+        """
+        from batchfit.config_io import config_from_mapping
+
+        return config_from_mapping(data)
+
+    def replace(self, **changes: Any) -> BatchConfig:
+        """A copy with ``changes`` applied (nothing is checked until :meth:`plan`)."""
+        return dataclasses.replace(self, **changes)
+
+    def plan(self) -> BatchPlan:
+        """Check every rule and derive the plan.
+
+        Returns:
+            A frozen :class:`BatchPlan`.
+
+        Raises:
+            BatchConfigError: one error listing every fault; each names the fields, their
+                values, the rule broken and the nearest valid values.
+        """
+        return _build_plan(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a flat ``dict``."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """The mini- and micro-batch layout of one trained model (``policy`` or ``critic``).
+
+    Sample counts are ``None`` in step-wise training, where they vary from step to step.
+    """
+
+    role: str
+    mini_batch_size: int
+    mini_batches_per_epoch: int
+    optimizer_steps_per_step: int
+    samples_per_mini_batch: int | None
+    samples_per_mini_batch_per_gpu: int | None
+    micro_batch_size_per_gpu: int | None
+    gradient_accumulation_steps: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A validated batch layout. Build with :meth:`BatchConfig.plan`.
+
+    Identities (non-step-wise): ``samples_per_step = train_batch_size × n_samples_per_prompt``;
+    ``samples_per_mini_batch = mini × n``; ``samples_per_mini_batch_per_gpu × dp_size =
+    samples_per_mini_batch``; ``gradient_accumulation_steps × micro_train_batch_size_per_gpu =
+    samples_per_mini_batch_per_gpu``; always ``optimizer_steps_per_step = train / mini × epochs``.
+    """
+
+    config: BatchConfig
+    world_size: int
+    dp_size: int
+    model_parallel_size: int
+    trajectories_per_step: int
+    samples_per_step: int | None
+    samples_per_step_per_gpu: int | None
+    forward_micro_batches_per_gpu: int | None
+    micro_batching: str
+    policy: RolePlan
+    critic: RolePlan | None
+    notes: tuple[str, ...] = field(default=())
+
+    # The policy's numbers are the plan's headline numbers.
+    @property
+    def mini_batches_per_epoch(self) -> int:
+        return self.policy.mini_batches_per_epoch
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        return self.policy.optimizer_steps_per_step
+
+    @property
+    def samples_per_mini_batch(self) -> int | None:
+        return self.policy.samples_per_mini_batch
+
+    @property
+    def samples_per_mini_batch_per_gpu(self) -> int | None:
+        return self.policy.samples_per_mini_batch_per_gpu
+
+    @property
+    def gradient_accumulation_steps(self) -> int | None:
+        return self.policy.gradient_accumulation_steps
+
+    @property
+    def roles(self) -> tuple[RolePlan, ...]:
+        return (self.policy,) if self.critic is None else (self.policy, self.critic)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready ``dict``: the config, the derived numbers and the notes."""
+        return {
+            "config": self.config.to_dict(),
+            "world_size": self.world_size,
+            "dp_size": self.dp_size,
+            "model_parallel_size": self.model_parallel_size,
+            "trajectories_per_step": self.trajectories_per_step,
+            "samples_per_step": self.samples_per_step,
+            "samples_per_step_per_gpu": self.samples_per_step_per_gpu,
+            "forward_micro_batches_per_gpu": self.forward_micro_batches_per_gpu,
+            "micro_batching": self.micro_batching,
+            "policy": self.policy.to_dict(),
+            "critic": None if self.critic is None else self.critic.to_dict(),
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        from batchfit.render import plan_tree_text
+
+        return plan_tree_text(self)
+
+
+# --------------------------------------------------------------------------- rules
+
+_INT_FIELDS = (
+    "train_batch_size",
+    "policy_mini_batch_size",
+    "n_samples_per_prompt",
+    "micro_train_batch_size_per_gpu",
+    "micro_forward_batch_size_per_gpu",
+    "update_epochs_per_batch",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "context_parallel",
+    "sequence_parallel",
+)
+_OPTIONAL_INT_FIELDS = (
+    "critic_mini_batch_size",
+    "max_tokens_per_micro_batch",
+    "world_size",
+    "num_nodes",
+    "gpus_per_node",
+)
+_ROLE_FIELDS = {"policy": "policy_mini_batch_size", "critic": "critic_mini_batch_size"}
+
+
+def _divisors(n: int) -> list[int]:
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i != n // i:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]
+
+
+def _nearest(candidates: Iterable[int], value: int, k: int = 2) -> list[int]:
+    """The ``k`` candidates closest to ``value`` (ties to the smaller), in increasing order."""
+    return sorted(sorted(set(candidates), key=lambda c: (abs(c - value), c))[:k])
+
+
+def _or_list(values: list[int]) -> str:
+    return " or ".join(str(v) for v in values)
+
+
+def _type_faults(cfg: BatchConfig) -> list[str]:
+    faults = []
+    for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+        value = getattr(cfg, name)
+        if value is None and name in _OPTIONAL_INT_FIELDS:
+            continue
+        if not is_int(value) or value < 1:
+            what = "an integer >= 1" + (" or None" if name in _OPTIONAL_INT_FIELDS else "")
+            faults.append(f"{name}={value!r} must be {what}")
+    if not isinstance(cfg.step_wise, bool):
+        faults.append(f"step_wise={cfg.step_wise!r} must be true or false")
+    return faults
+
+
+def _world_size(cfg: BatchConfig, faults: list[str]) -> int | None:
+    by_nodes = None
+    if cfg.gpus_per_node is not None:
+        by_nodes = (cfg.num_nodes or 1) * cfg.gpus_per_node
+    elif cfg.num_nodes is not None and cfg.world_size is None:
+        faults.append(
+            f"num_nodes={cfg.num_nodes} is set without gpus_per_node: set gpus_per_node "
+            "(world_size = num_nodes × gpus_per_node) or set world_size directly"
+        )
+        return None
+    if cfg.world_size is not None and by_nodes is not None and by_nodes != cfg.world_size:
+        faults.append(
+            f"world_size={cfg.world_size} disagrees with num_nodes × gpus_per_node = "
+            f"{cfg.num_nodes or 1} × {cfg.gpus_per_node} = {by_nodes}: set world_size={by_nodes} "
+            "or drop one of the two"
+        )
+        return None
+    if cfg.world_size is not None:
+        return cfg.world_size
+    return by_nodes if by_nodes is not None else 1
+
+
+def _dp_size(cfg: BatchConfig, world: int, faults: list[str]) -> int | None:
+    parts = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.context_parallel, cfg.sequence_parallel)
+    mp = math.prod(parts)
+    if world % mp == 0:
+        return world // mp
+    below, above = (world // mp) * mp, (world // mp + 1) * mp
+    world_fix = _or_list([w for w in (below, above) if w > 0])
+    faults.append(
+        f"world_size={world} is not a multiple of tensor_parallel × pipeline_parallel × context_parallel "
+        f"× sequence_parallel = {' × '.join(map(str, parts))} = {mp} (dp_size would be {world / mp:.4g}): "
+        f"set world_size to {world_fix}, or model-parallel sizes whose product divides {world} "
+        f"(one of {_or_list(_nearest(_divisors(world), mp, 3))})"
+    )
+    return None
+
+
+def _role_plan(role: str, cfg: BatchConfig, dp: int | None, faults: list[str]) -> RolePlan | None:
+    """The one rule set for a trained model; ``role`` picks the mini-batch field."""
+    name = _ROLE_FIELDS[role]
+    mini, train, n = getattr(cfg, name), cfg.train_batch_size, cfg.n_samples_per_prompt
+    start = len(faults)
+    if mini > train:
+        faults.append(
+            f"{name}={mini} exceeds train_batch_size={train} (both count prompts): a mini-batch cannot "
+            f"hold more prompts than a training step; set {name} to at most {train} "
+            f"(a divisor such as {_or_list(_nearest(_divisors(train), mini))}) or train_batch_size to at least {mini}"
+        )
+    elif train % mini:
+        train_fix = _or_list([t for t in ((train // mini) * mini, (train // mini + 1) * mini) if t > 0])
+        faults.append(
+            f"train_batch_size={train} is not a multiple of {name}={mini} (prompts): the last mini-batch "
+            f"would be partial; set {name} to {_or_list(_nearest(_divisors(train), mini))} "
+            f"or train_batch_size to {train_fix}"
+        )
+    if len(faults) > start:
+        return None
+
+    steps_per_epoch = train // mini
+    samples = per_gpu = micro = accumulation = None
+    if not cfg.step_wise:
+        samples = mini * n
+        if dp is not None:
+            if samples % dp:
+                step = dp // math.gcd(n, dp)  # mini must be a multiple of this
+                valid = [d for d in _divisors(train) if d % step == 0]
+                fix = (
+                    f"set {name} to {_or_list(_nearest(valid, mini))} (divides train_batch_size={train} "
+                    "and gives whole per-GPU counts)"
+                    if valid
+                    else f"no divisor of train_batch_size={train} works; change n_samples_per_prompt or the GPU count"
+                )
+                faults.append(
+                    f"{name} × n_samples_per_prompt = {mini} × {n} = {samples} samples per mini-batch do not "
+                    f"split evenly over dp_size={dp} ({samples}/{dp} = {samples / dp:.4g} per GPU): {fix}; "
+                    "or set step_wise=true to pad mini-batches for data parallelism"
+                )
+                return None
+            per_gpu = samples // dp
+            if cfg.max_tokens_per_micro_batch is None:
+                micro = cfg.micro_train_batch_size_per_gpu
+                if per_gpu % micro:
+                    rule = "exceeds" if micro > per_gpu else "does not divide"
+                    faults.append(
+                        f"micro_train_batch_size_per_gpu={micro} {rule} the {role}'s samples per GPU per "
+                        f"mini-batch = {mini} × {n} / {dp} = {per_gpu}: set micro_train_batch_size_per_gpu to "
+                        f"{_or_list(_nearest(_divisors(per_gpu), micro))}, or set max_tokens_per_micro_batch "
+                        "to bound micro-batches by tokens"
+                    )
+                    return None
+                accumulation = per_gpu // micro
+    return RolePlan(
+        role=role,
+        mini_batch_size=mini,
+        mini_batches_per_epoch=steps_per_epoch,
+        optimizer_steps_per_step=steps_per_epoch * cfg.update_epochs_per_batch,
+        samples_per_mini_batch=samples,
+        samples_per_mini_batch_per_gpu=per_gpu,
+        micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=accumulation,
+    )
+
+
+def _build_plan(cfg: BatchConfig) -> BatchPlan:
+    faults = _type_faults(cfg)
+    if faults:
+        raise BatchConfigError(faults)
+    world = _world_size(cfg, faults)
+    dp = _dp_size(cfg, world, faults) if world is not None else None
+    policy = _role_plan("policy", cfg, dp, faults)
+    critic = _role_plan("critic", cfg, dp, faults) if cfg.critic_mini_batch_size is not None else None
+    if faults:
+        raise BatchConfigError(faults)
+    assert world is not None and dp is not None and policy is not None  # no faults: all derived
+
+    tokens = cfg.max_tokens_per_micro_batch is not None
+    trajectories = cfg.train_batch_size * cfg.n_samples_per_prompt
+    notes = []
+    if cfg.step_wise:
+        notes.append(
+            "step-wise: each trajectory yields one sequence per turn, so sample counts per step, "
+            "mini-batch and GPU vary; sample-level divisibility is not checked. Cut mini-batches "
+            "at prompt boundaries (batchfit.minibatch.mini_batch_boundaries) and pad each for data "
+            "parallelism (pad_for_data_parallel); the optimizer-step count does not depend on turns."
+        )
+        samples = per_gpu_step = forward = None
+    else:
+        samples = trajectories
+        per_gpu_step = samples // dp
+        forward = None if tokens else -(-per_gpu_step // cfg.micro_forward_batch_size_per_gpu)
+    if tokens:
+        notes.append(
+            f"micro-batches are bounded by max_tokens_per_micro_batch={cfg.max_tokens_per_micro_batch} "
+            "tokens (batchfit.packing.plan_micro_batches); micro_*_batch_size_per_gpu are not used."
+        )
+    return BatchPlan(
+        config=cfg,
+        world_size=world,
+        dp_size=dp,
+        model_parallel_size=world // dp,
+        trajectories_per_step=trajectories,
+        samples_per_step=samples,
+        samples_per_step_per_gpu=per_gpu_step,
+        forward_micro_batches_per_gpu=forward,
+        micro_batching="tokens" if tokens else "samples",
+        policy=policy,
+        critic=critic,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,65 @@
+"""The one exception family of batchfit.
+
+Every error batchfit raises on purpose derives from :class:`BatchfitError`. Errors about
+bad values are also :class:`ValueError`, so callers that only know the standard library
+can still catch them.
+"""
+
+from __future__ import annotations
+
+
+class BatchfitError(Exception):
+    """Base class of every error batchfit raises on purpose."""
+
+
+class InvalidArgument(BatchfitError, ValueError):
+    """An argument has the wrong type or a value outside its domain.
+
+    Raised by the checks in :mod:`batchfit.validation`; the message names the argument,
+    the value received and what would be accepted.
+    """
+
+
+class BatchConfigError(InvalidArgument):
+    """A batch-size configuration breaks one or more rules.
+
+    Raised by :meth:`batchfit.BatchConfig.plan` (and the config loaders) with **every**
+    fault at once; ``faults`` holds one message per fault, each naming the fields, their
+    values, the rule broken and the nearest valid values.
+    """
+
+    def __init__(self, faults: list[str]):
+        self.faults = list(faults)
+        n = len(self.faults)
+        head = f"{n} fault in the batch configuration" if n == 1 else f"{n} faults in the batch configuration"
+        super().__init__(head + ":\n" + "\n".join(f"  - {f}" for f in self.faults))
+
+
+class BatchError(InvalidArgument):
+    """A per-sample batch (a mapping of fields) or its uids are malformed.
+
+    Raised by :mod:`batchfit.minibatch` and :mod:`batchfit.batch`: fields with different
+    sample counts, a uid that reappears after another uid, a prompt count that does not
+    split into whole mini-batches.
+    """
+
+
+class BudgetError(InvalidArgument):
+    """A token budget cannot hold what was asked of it.
+
+    Raised by :mod:`batchfit.packing` when one sequence alone costs more than the budget
+    (and ``oversize="raise"``), or when a budget is not a positive number of tokens.
+    """
+
+
+class DoesNotFitError(BatchfitError):
+    """Nothing fits in memory: even the smallest candidate exceeds the limit.
+
+    Raised by the budget and batch-size searches. ``needed`` and ``available`` are bytes
+    (``None`` when unknown), so callers can say by how much it failed.
+    """
+
+    def __init__(self, message: str, *, needed: int | None = None, available: int | None = None):
+        self.needed = needed
+        self.available = available
+        super().__init__(message)
