@@ -97,7 +97,9 @@ def concat_batches(batches: Sequence[Batch]) -> dict[str, Any]:
     for b in batches[1:]:
         other = [k for k, v in b.items() if is_per_sample(v)]
         if sorted(other) != sorted(keys):
-            raise BatchError(f"batches to concatenate must have the same fields, but got {keys!r} and {other!r}")
+            raise BatchError(
+                f"batches to concatenate must have the same fields, but got {keys!r} and {other!r}"
+            )
     out: dict[str, Any] = {}
     for key in keys:
         parts = [b[key] for b in batches]

@@ -182,7 +182,9 @@ def pad_rows(
             is_torch = isinstance(value, torch.Tensor)
             shape = (n, *value.shape[1:])
             if is_torch:
-                rows = torch.full(shape, fill if fill is not None else 0, dtype=value.dtype, device=value.device)
+                rows = torch.full(
+                    shape, fill if fill is not None else 0, dtype=value.dtype, device=value.device
+                )
             else:
                 rows = np.full(shape, fill if fill is not None else 0, dtype=value.dtype)
             if key == "attention_mask" and fill is None and value.ndim >= 2 and n:

@@ -74,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # a file named on the command line cannot be read or written
         report_error(f"batchfit {args.command}", exc)
         return 2
+    except BrokenPipeError:  # e.g. `batchfit plan --json | head`
+        return 0
     except KeyboardInterrupt:
         sys.stderr.write("batchfit: interrupted\n")
         return 130

@@ -1,0 +1,66 @@
+"""Plain-text renderings of library results (no terminal styling; the CLI adds that)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchfit.config import BatchPlan, RolePlan
+
+
+def _varies(value: int | None) -> str:
+    return "varies (step-wise)" if value is None else f"{value:,}"
+
+
+def _role_lines(role: RolePlan, plan: BatchPlan, last: bool) -> list[str]:
+    cfg = plan.config
+    lead, pad = ("└─ ", "   ") if last else ("├─ ", "│  ")
+    lines = [f"{lead}{role.role}: mini-batch of {role.mini_batch_size:,} prompts"]
+    items = [
+        f"mini-batches per epoch: {role.mini_batches_per_epoch:,} "
+        f"(= {cfg.train_batch_size:,} / {role.mini_batch_size:,})",
+        f"optimizer steps per training step: {role.optimizer_steps_per_step:,} "
+        f"(= {role.mini_batches_per_epoch:,} × {cfg.update_epochs_per_batch} epochs)",
+        f"samples per mini-batch: {_varies(role.samples_per_mini_batch)}",
+        f"samples per mini-batch per GPU: {_varies(role.samples_per_mini_batch_per_gpu)}",
+    ]
+    if plan.micro_batching == "tokens":
+        items.append(f"micro-batches: by token budget ({cfg.max_tokens_per_micro_batch:,} tokens)")
+    elif role.gradient_accumulation_steps is not None:
+        items.append(
+            f"gradient accumulation: {role.gradient_accumulation_steps:,} micro-batches of "
+            f"{role.micro_batch_size_per_gpu:,} samples per GPU"
+        )
+    else:
+        items.append(
+            f"micro-batches of {cfg.micro_train_batch_size_per_gpu:,} samples per GPU (count varies)"
+        )
+    for i, item in enumerate(items):
+        lines.append(f"{pad}{'└─ ' if i == len(items) - 1 else '├─ '}{item}")
+    return lines
+
+
+def plan_tree_text(plan: BatchPlan) -> str:
+    """A readable tree of a :class:`~batchfit.config.BatchPlan` (what ``str(plan)`` returns)."""
+    cfg = plan.config
+    mp = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.context_parallel, cfg.sequence_parallel)
+    lines = [
+        f"training step: {cfg.train_batch_size:,} prompts × {cfg.n_samples_per_prompt} samples = "
+        f"{plan.trajectories_per_step:,} trajectories"
+        + (" (one sequence per turn)" if cfg.step_wise else ""),
+        f"├─ GPUs: {plan.world_size} = dp {plan.dp_size} × model-parallel {plan.model_parallel_size} "
+        f"(tp {mp[0]} · pp {mp[1]} · cp {mp[2]} · sp {mp[3]})",
+        f"├─ samples per step: {_varies(plan.samples_per_step)}"
+        + ("" if plan.samples_per_step_per_gpu is None else f" ({plan.samples_per_step_per_gpu:,} per GPU)"),
+    ]
+    if plan.forward_micro_batches_per_gpu is not None:
+        lines.append(
+            f"├─ forward passes per GPU: {plan.forward_micro_batches_per_gpu:,} micro-batches of "
+            f"≤ {cfg.micro_forward_batch_size_per_gpu:,} samples"
+        )
+    roles = plan.roles
+    for i, role in enumerate(roles):
+        lines.extend(_role_lines(role, plan, last=i == len(roles) - 1 and not plan.notes))
+    for i, note in enumerate(plan.notes):
+        lines.append(f"{'└─ ' if i == len(plan.notes) - 1 else '├─ '}note: {note}")
+    return "\n".join(lines)
