@@ -1,0 +1,484 @@
+"""Token-budget micro-batch plans: which sequences run together in one forward/backward.
+
+A pure function of the sequence lengths (numpy only, no tensors, no collectives): every
+data-parallel rank computes the same :class:`MicroBatchPlan` locally. The tensor side
+(iterating a batch along a plan, agreeing on counts across ranks) is
+:mod:`batchfit.microbatch`.
+
+Guarantees of :func:`plan_micro_batches`:
+
+- **hard cap**: every micro-batch costs at most ``token_budget`` (unlike verl's
+  ``rearrange_micro_batches``, which fixes the count first and overshoots the budget);
+- **every index exactly once**, over all ranks;
+- **equal counts**: every rank has ``num_micro_batches`` micro-batches; ranks short of it get
+  padding micro-batches (see NOTE [ Pad rows cost one token ] in :mod:`batchfit.minibatch`),
+  without which FSDP/DDP ranks deadlock (SkyRL #1060);
+- **deterministic**: ties are broken by index, so the plan is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from batchfit.errors import BudgetError, InvalidArgument
+from batchfit.validation import check_choice, check_positive_int, is_int
+
+__all__ = ["COSTS", "OVERSIZE", "PADDING_MICRO_BATCH_COST", "MicroBatchPlan", "plan_micro_batches"]
+
+COSTS = ("padded", "packed")
+"""``padded``: a micro-batch costs ``count × longest length``; ``packed``: the sum of lengths."""
+
+OVERSIZE = ("raise", "alone")
+"""What to do with a sequence longer than the budget: raise :class:`BudgetError`, or run it alone."""
+
+PADDING_MICRO_BATCH_COST = 1
+"""Cost of a padding micro-batch: one pad row with one valid token (NOTE [ Pad rows cost one token ])."""
+
+Indices = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Micro-batches per data-parallel rank, each a tuple of sequence indices.
+
+    Attributes:
+        ranks: ``ranks[r][k]`` is the tuple of input indices of micro-batch ``k`` of rank
+            ``r``. A padding micro-batch is the empty tuple ``()``: it runs one pad row that
+            costs one token and carries no loss (NOTE [ Pad rows cost one token ]).
+        costs: ``costs[r][k]`` is the cost of that micro-batch in tokens (1 for padding).
+        token_budget: the budget ``C`` the plan was made for.
+        cost: ``"padded"`` or ``"packed"``.
+        oversize: indices longer than ``token_budget``, each run alone (``oversize="alone"``);
+            their micro-batches are the only ones whose cost exceeds the budget.
+        lengths: valid tokens per sequence, in input order.
+
+    "Plan order" is rank-major: rank 0's micro-batches in order, each in its index order,
+    then rank 1's, and so on; padding micro-batches contribute no sequence.
+    """
+
+    ranks: tuple[tuple[Indices, ...], ...]
+    costs: tuple[tuple[int, ...], ...]
+    token_budget: int
+    cost: str
+    oversize: Indices = ()
+    lengths: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, dtype=np.int64), compare=False, repr=False
+    )
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks."""
+        return len(self.ranks)
+
+    @property
+    def num_sequences(self) -> int:
+        """Number of (real) sequences planned."""
+        return len(self.lengths)
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per rank, the same on every rank (padding included)."""
+        return len(self.ranks[0]) if self.ranks else 0
+
+    @cached_property
+    def num_padding_micro_batches(self) -> int:
+        """Padding micro-batches summed over all ranks."""
+        return sum(1 for rank in self.ranks for mb in rank if not mb)
+
+    def is_padding(self, rank: int, k: int) -> bool:
+        """True if micro-batch ``k`` of ``rank`` is a padding micro-batch."""
+        return not self.ranks[rank][k]
+
+    @cached_property
+    def rank_costs(self) -> tuple[int, ...]:
+        """Total cost per rank (padding micro-batches included)."""
+        return tuple(sum(c) for c in self.costs)
+
+    @cached_property
+    def total_cost(self) -> int:
+        """Cost summed over every micro-batch of every rank."""
+        return sum(self.rank_costs)
+
+    @cached_property
+    def utilization(self) -> float:
+        """``Σ cost / (micro-batch count over all ranks × token_budget)``; 1.0 for an empty plan."""
+        slots = self.num_micro_batches * self.dp_size * self.token_budget
+        return self.total_cost / slots if slots else 1.0
+
+    @cached_property
+    def imbalance(self) -> float:
+        """Max over mean rank cost (1.0 is perfect balance; 1.0 for an empty plan)."""
+        mean = self.total_cost / self.dp_size if self.dp_size else 0
+        return max(self.rank_costs) / mean if mean else 1.0
+
+    @cached_property
+    def lower_bound(self) -> int:
+        """Fewest micro-batches per rank that any plan could have: ``⌈Σ min(length, C) / (dp_size · C)⌉``.
+
+        With ``dp_size=1`` this is ``⌈Σ per-sequence cost / budget⌉``. Lengths are clipped to
+        the budget because an oversize sequence fills one micro-batch alone. For
+        ``cost="padded"`` the true optimum can be higher (padding is unavoidable when lengths
+        differ); the plan's count is that optimum (see :func:`plan_micro_batches`).
+        """
+        clipped = int(np.minimum(self.lengths, self.token_budget).sum())
+        return -(-clipped // (self.dp_size * self.token_budget)) if clipped else 0
+
+    @cached_property
+    def rank_lower_bounds(self) -> tuple[int, ...]:
+        """Per rank, ``⌈Σ min(length, C) over its sequences / C⌉``."""
+        clipped = np.minimum(self.lengths, self.token_budget)
+        return tuple(
+            -(-int(clipped[list(self.order(r))].sum()) // self.token_budget) for r in range(self.dp_size)
+        )
+
+    @cached_property
+    def padding_tokens(self) -> int:
+        """Pad tokens inside real micro-batches: ``Σ cost − Σ lengths`` (0 for ``packed``).
+
+        Padding micro-batches are not counted here (see ``num_padding_micro_batches``).
+        """
+        real = sum(c for rank, costs in zip(self.ranks, self.costs) for mb, c in zip(rank, costs) if mb)
+        return real - int(self.lengths.sum())
+
+    def order(self, rank: int | None = None) -> np.ndarray:
+        """Input indices in plan order: of all ranks (rank-major) or of one ``rank``.
+
+        Raises:
+            InvalidArgument: ``rank`` is not in ``[0, dp_size)``.
+        """
+        ranks = self.ranks if rank is None else [self.ranks[self._check_rank(rank)]]
+        flat = [i for r in ranks for mb in r for i in mb]
+        return np.asarray(flat, dtype=np.int64)
+
+    def _check_rank(self, rank: int) -> int:
+        if not is_int(rank) or not 0 <= rank < self.dp_size:
+            raise InvalidArgument(f"rank must be an integer in [0, {self.dp_size}), but got rank={rank!r}")
+        return int(rank)
+
+    def restore_order(self, outputs: Any, rank: int | None = None) -> Any:
+        """Put per-sequence outputs produced in plan order back into input order.
+
+        Args:
+            outputs: one entry per sequence in plan order (see :meth:`order`): a list/tuple,
+                or a numpy array or tensor with the sequence dimension first (e.g. the
+                concatenated outputs of the real micro-batches; skip padding micro-batches).
+            rank: ``None``: ``outputs`` cover every rank (rank-major) and the result is in input
+                order, ``result[i]`` for sequence ``i``. A rank: ``outputs`` cover that rank only
+                and the result is sorted by input index (``sorted(plan.order(rank))``).
+
+        Returns:
+            The same kind of container (list for list/tuple input), reordered.
+
+        Raises:
+            InvalidArgument: ``outputs`` does not have one entry per planned sequence, or a bad
+                ``rank``.
+
+        Example:
+            >>> plan = plan_micro_batches([3, 5, 2], token_budget=5, cost="packed")
+            >>> plan.order().tolist()  # 5 alone, then 3 + 2
+            [1, 0, 2]
+            >>> plan.restore_order(["out1", "out0", "out2"])
+            ['out0', 'out1', 'out2']
+        """
+        order = self.order(rank)
+        if len(outputs) != len(order):
+            where = "all ranks" if rank is None else f"rank {rank}"
+            raise InvalidArgument(
+                f"outputs must have one entry per sequence of {where} in plan order ({len(order)}), "
+                f"but got len(outputs)={len(outputs)}; concatenate the outputs of real micro-batches only"
+            )
+        inverse = np.argsort(order, kind="stable")
+        if isinstance(outputs, (list, tuple)):
+            return [outputs[j] for j in inverse.tolist()]
+        if isinstance(outputs, np.ndarray):
+            return outputs[inverse]
+        import torch  # only when given tensors: the plan itself needs numpy alone
+
+        if isinstance(outputs, torch.Tensor):
+            return outputs[torch.as_tensor(inverse, device=outputs.device)]
+        raise InvalidArgument(
+            f"outputs must be a list, tuple, numpy array or tensor, but got {type(outputs).__name__}"
+        )
+
+    def pad_to(self, num_micro_batches: int) -> MicroBatchPlan:
+        """A plan with padding micro-batches appended so each rank has ``num_micro_batches``.
+
+        Raises:
+            InvalidArgument: ``num_micro_batches`` is smaller than the current count.
+        """
+        if not is_int(num_micro_batches) or num_micro_batches < self.num_micro_batches:
+            raise InvalidArgument(
+                f"num_micro_batches must be >= the plan's count {self.num_micro_batches}, but got "
+                f"num_micro_batches={num_micro_batches}; a plan can only grow with padding"
+            )
+        extra = num_micro_batches - self.num_micro_batches
+        if not extra:
+            return self
+        ranks, costs = _pad_ranks(
+            [list(r) for r in self.ranks], [list(c) for c in self.costs], num_micro_batches
+        )
+        return MicroBatchPlan(
+            ranks=ranks,
+            costs=costs,
+            token_budget=self.token_budget,
+            cost=self.cost,
+            oversize=self.oversize,
+            lengths=self.lengths,
+        )
+
+
+def _as_lengths(lengths: Any) -> np.ndarray:
+    if hasattr(lengths, "detach"):  # a tensor, possibly on an accelerator
+        lengths = lengths.detach().cpu().numpy()
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"lengths must be 1-D (one entry per sequence), but got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgument(
+            f"lengths must be integers (valid tokens per sequence), but got dtype {arr.dtype}; "
+            "pass attention_mask.sum(-1) or a list of ints"
+        )
+    arr = arr.astype(np.int64, copy=False)
+    bad = np.flatnonzero(arr < 1)
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidArgument(
+            f"lengths must be >= 1, but got lengths[{i}]={int(arr[i])}; every sequence has at least one "
+            "valid token (drop empty sequences first)"
+        )
+    return arr
+
+
+def _check_budget(token_budget: Any) -> int:
+    if not is_int(token_budget) or token_budget < 1:
+        raise BudgetError(
+            f"token_budget must be a positive integer number of tokens, but got token_budget={token_budget!r}"
+        )
+    return int(token_budget)
+
+
+def _pack_padded(lens: list[int], idx: list[int], budget: int) -> tuple[list[list[int]], list[int]]:
+    """Greedy consecutive runs over lengths sorted in descending order (``padded`` cost).
+
+    A run led by length ``L`` takes the next ``max(1, C // L)`` sequences. This is optimal
+    for the count: some micro-batch holds the longest sequence, so it has at most ``C // L0``
+    members, and swapping them for the next-longest ones never raises any other micro-batch's
+    cost (induction on the rest). O(number of micro-batches) Python steps.
+    """
+    groups: list[list[int]] = []
+    costs: list[int] = []
+    i, n = 0, len(lens)
+    while i < n:
+        j = min(n, i + max(1, budget // lens[i]))
+        groups.append(idx[i:j])
+        costs.append((j - i) * lens[i])
+        i = j
+    return groups, costs
+
+
+def _pack_packed(lens: list[int], idx: list[int], budget: int) -> tuple[list[list[int]], list[int]]:
+    """Largest-first, smallest-fill over lengths sorted in descending order (``packed`` cost).
+
+    Each micro-batch takes the longest remaining sequences while they fit, then fills the rest
+    with the shortest remaining ones while they fit. Prefix sums and bisection make each
+    micro-batch O(log n), so the Python loop runs once per micro-batch, not per sequence.
+    Bound: a micro-batch closes only when the shortest remaining sequence ``s`` does not fit,
+    so every micro-batch but the last holds more than ``C − s`` tokens; with sequences of at
+    most ``C / k`` tokens the count is at most ``⌈Σ / ((1 − 1/k)·C)⌉ + 1``, and in practice at
+    most one above ``⌈Σ / C⌉`` when short sequences are plentiful (RL rollouts, multi-turn).
+    """
+    prefix = [0]
+    for length in lens:
+        prefix.append(prefix[-1] + length)
+    groups: list[list[int]] = []
+    costs: list[int] = []
+    lo, hi = 0, len(lens)
+    while lo < hi:
+        # front: the longest remaining while they fit (at least one: an oversize sequence runs alone)
+        j = max(lo + 1, min(hi, bisect.bisect_right(prefix, prefix[lo] + budget) - 1))
+        load = prefix[j] - prefix[lo]
+        room = budget - load
+        # back: the shortest remaining while they fit: the largest t with prefix[hi] - prefix[hi - t] <= room
+        back = hi if room <= 0 else max(j, bisect.bisect_left(prefix, prefix[hi] - room, j, hi + 1))
+        groups.append(idx[lo:j] + idx[back:hi])
+        costs.append(load + prefix[hi] - prefix[back])
+        lo, hi = j, back
+    return groups, costs
+
+
+_PACKERS = {"padded": _pack_padded, "packed": _pack_packed}
+
+
+def _snake(n: int, dp_size: int) -> np.ndarray:
+    """Rank of each of ``n`` items dealt boustrophedon: 0..d-1, d-1..0, 0..d-1, ...
+
+    Over items sorted in descending order, the spread of the rank sums is at most the
+    largest item minus the smallest: each forward/backward pair of rounds shifts any two
+    ranks apart by at most that round's range, and the ranges telescope.
+    """
+    pos = np.arange(n, dtype=np.int64)
+    rnd, col = np.divmod(pos, dp_size)
+    return np.where(rnd % 2 == 0, col, dp_size - 1 - col)
+
+
+def _pad_ranks(
+    ranks: list[list[Indices]], costs: list[list[int]], count: int
+) -> tuple[tuple[tuple[Indices, ...], ...], tuple[tuple[int, ...], ...]]:
+    # NOTE [ Pad rows cost one token ] (batchfit.minibatch): a padding micro-batch is one pad row.
+    out_r = tuple(tuple(r) + ((),) * (count - len(r)) for r in ranks)
+    out_c = tuple(tuple(c) + (PADDING_MICRO_BATCH_COST,) * (count - len(c)) for c in costs)
+    return out_r, out_c
+
+
+def _deal_micro_batches(
+    groups: list[list[int]], costs: list[int], dp_size: int, balance: bool
+) -> tuple[list[list[Indices]], list[list[int]]]:
+    """Assign whole micro-batches to ranks: at most ``⌈M / dp_size⌉`` each."""
+    order = sorted(range(len(groups)), key=lambda g: (-costs[g], g)) if balance else list(range(len(groups)))
+    rank_of = _snake(len(order), dp_size) if balance else np.arange(len(order)) % dp_size
+    ranks: list[list[Indices]] = [[] for _ in range(dp_size)]
+    rank_costs: list[list[int]] = [[] for _ in range(dp_size)]
+    for g, r in zip(order, rank_of.tolist()):
+        ranks[r].append(tuple(groups[g]))
+        rank_costs[r].append(costs[g])
+    return ranks, rank_costs
+
+
+def _deal_sequences(
+    lens: np.ndarray, idx: np.ndarray, budget: int, dp_size: int, cost: str
+) -> tuple[list[list[Indices]], list[list[int]]]:
+    """Assign sequences to ranks (boustrophedon over descending lengths), then pack each rank."""
+    rank_of = _snake(len(idx), dp_size)
+    ranks: list[list[Indices]] = []
+    rank_costs: list[list[int]] = []
+    for r in range(dp_size):
+        mask = rank_of == r
+        groups, costs = _PACKERS[cost](lens[mask].tolist(), idx[mask].tolist(), budget)
+        ranks.append([tuple(g) for g in groups])
+        rank_costs.append(costs)
+    return ranks, rank_costs
+
+
+def _candidate_key(candidate: tuple[list[list[Indices]], list[list[int]]]) -> tuple[int, int]:
+    ranks, costs = candidate
+    return max(len(r) for r in ranks), max(sum(c) for c in costs)
+
+
+def plan_micro_batches(
+    lengths: Sequence[int] | np.ndarray | Any,
+    token_budget: int,
+    *,
+    dp_size: int = 1,
+    cost: str = "padded",
+    balance: bool = True,
+    oversize: str = "raise",
+) -> MicroBatchPlan:
+    """Plan micro-batches that never exceed ``token_budget``, as few as possible, equal over ranks.
+
+    Algorithm (sequences sorted by length, longest first, ties by index):
+
+    - ``cost="padded"`` (micro-batch cost ``count × longest``): greedy consecutive runs; a run
+      led by length ``L`` holds ``C // L`` sequences. The count is **optimal**: no plan under
+      the cap has fewer micro-batches (per rank: ``⌈M*/dp_size⌉`` with ``M*`` the optimum
+      for one rank).
+    - ``cost="packed"`` (cost = sum of lengths): largest-first then fill with the shortest;
+      every micro-batch but the last holds more than ``C −`` (shortest sequence left), so the
+      count is within one or two of ``lower_bound`` when short sequences are plentiful.
+    - ``dp_size > 1``: two candidate plans, the one with fewer micro-batches per rank wins (then
+      the lower maximum rank cost, then the first): (1) sequences dealt to ranks boustrophedon
+      over descending lengths (rank costs differ by at most the longest length), then packed
+      per rank; (2) all sequences packed together, whole micro-batches dealt to ranks (at most
+      ``⌈M/dp_size⌉`` each, which keeps the padded optimum). With ``balance=False`` only (2)
+      is used, dealt round-robin in packing order.
+    - ``balance=True`` also orders each rank's micro-batches by cost, largest first, so that
+      the ``k``-th micro-batches of all ranks (which run in lockstep under FSDP) match.
+    - Ranks short of the maximum count get padding micro-batches (cost 1, no sequence).
+
+    Complexity: O(n log n) for the sort, then O(M log n) Python steps for M micro-batches;
+    100k sequences plan in tens of milliseconds.
+
+    Args:
+        lengths: valid tokens per sequence (list, numpy array or 1-D tensor), each >= 1.
+        token_budget: the largest cost ``C`` of a micro-batch, in tokens.
+        dp_size: data-parallel ranks.
+        cost: ``"padded"`` or ``"packed"`` (see :data:`COSTS`).
+        balance: balance rank costs and align micro-batches across ranks (see above).
+        oversize: ``"raise"`` (default) or ``"alone"``: a sequence longer than the budget
+            runs alone in its own micro-batch and is listed in ``plan.oversize``.
+
+    Returns:
+        A :class:`MicroBatchPlan`; the same inputs always give the same plan.
+
+    Raises:
+        BudgetError: ``token_budget`` is not a positive integer, or (``oversize="raise"``) a
+            sequence is longer than the budget (names its index, length and the budget).
+        InvalidArgument: bad ``lengths``, ``dp_size``, ``cost``, ``balance`` or ``oversize``.
+
+    Example:
+        >>> plan = plan_micro_batches([100, 30, 70, 40], token_budget=140, cost="packed")
+        >>> plan.ranks  # the longest (100) filled with the shortest (30), then 70 + 40
+        (((0, 1), (2, 3)),)
+        >>> plan.num_micro_batches, plan.lower_bound
+        (2, 2)
+    """
+    lens = _as_lengths(lengths)
+    budget = _check_budget(token_budget)
+    dp_size = check_positive_int("dp_size", dp_size)
+    cost = check_choice("cost", cost, COSTS)
+    oversize = check_choice("oversize", oversize, OVERSIZE)
+    if not isinstance(balance, bool):
+        raise InvalidArgument(f"balance must be True or False, but got balance={balance!r}")
+
+    over = np.flatnonzero(lens > budget)
+    if over.size and oversize == "raise":
+        i = int(over[0])
+        others = (
+            f" ({over.size} sequences are over the budget, longest {int(lens.max())})"
+            if over.size > 1
+            else ""
+        )
+        raise BudgetError(
+            f"sequence {i} has {int(lens[i])} tokens, more than token_budget={budget}{others}; raise "
+            f"token_budget to at least {int(lens.max())}, truncate or drop the sequence, or pass "
+            "oversize='alone' to run it alone in a micro-batch over the budget"
+        )
+
+    order = np.argsort(-lens, kind="stable")  # longest first, ties by index
+    sorted_lens = lens[order]
+    groups, costs = _PACKERS[cost](sorted_lens.tolist(), order.tolist(), budget)
+    if dp_size == 1:
+        ranks, rank_costs = [[tuple(g) for g in groups]], [costs]
+    else:
+        chosen = _deal_micro_batches(groups, costs, dp_size, balance)
+        if balance:
+            by_sequence = _deal_sequences(sorted_lens, order, budget, dp_size, cost)
+            if _candidate_key(by_sequence) <= _candidate_key(chosen):
+                chosen = by_sequence
+        ranks, rank_costs = chosen
+    if balance:
+        for r in range(dp_size):
+            perm = sorted(
+                range(len(ranks[r])), key=lambda k, c=rank_costs[r]: -c[k]
+            )  # stable: ties keep order
+            ranks[r] = [ranks[r][k] for k in perm]
+            rank_costs[r] = [rank_costs[r][k] for k in perm]
+    count = max((len(r) for r in ranks), default=0)
+    padded_ranks, padded_costs = _pad_ranks(ranks, rank_costs, count)
+    frozen = lens.copy()
+    frozen.setflags(write=False)
+    return MicroBatchPlan(
+        ranks=padded_ranks,
+        costs=padded_costs,
+        token_budget=budget,
+        cost=cost,
+        oversize=tuple(over.tolist()),
+        lengths=frozen,
+    )
