@@ -1,0 +1,271 @@
+"""Token-budget micro-batch plans (the pure algorithm of batchfit.packing)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchfit import BudgetError, InvalidArgument
+from batchfit.packing import MicroBatchPlan, plan_micro_batches
+
+
+def micro_batch_cost(lengths, indices, cost):
+    """The definition of a micro-batch's cost (not the planner's code path)."""
+    members = [lengths[i] for i in indices]
+    return len(members) * max(members) if cost == "padded" else sum(members)
+
+
+def brute_force_min_count(lengths, budget, cost):
+    """Fewest micro-batches under the cap, by trying every set partition (tiny inputs only)."""
+    n = len(lengths)
+
+    @functools.cache
+    def best(remaining: frozenset) -> int:
+        if not remaining:
+            return 0
+        first = min(remaining)
+        rest = sorted(remaining - {first})
+        result = n + 1
+        for mask in range(1 << len(rest)):
+            group = [first] + [rest[b] for b in range(len(rest)) if mask >> b & 1]
+            if micro_batch_cost(lengths, group, cost) <= budget:
+                result = min(result, 1 + best(remaining - set(group)))
+        return result
+
+    return best(frozenset(range(n)))
+
+
+# ---------------------------------------------------------------- invariants (hypothesis)
+
+plan_inputs = st.tuples(
+    st.lists(st.integers(1, 300), max_size=60),
+    st.integers(1, 600),
+    st.integers(1, 5),
+    st.sampled_from(["padded", "packed"]),
+    st.booleans(),
+)
+
+
+def check_plan_invariants(plan: MicroBatchPlan, lengths, budget, dp_size, cost):
+    assert plan.dp_size == dp_size
+    # every index exactly once
+    flat = sorted(i for rank in plan.ranks for mb in rank for i in mb)
+    assert flat == list(range(len(lengths)))
+    # equal counts per rank
+    assert {len(rank) for rank in plan.ranks} == {plan.num_micro_batches}
+    assert [len(c) for c in plan.costs] == [plan.num_micro_batches] * dp_size
+    oversize = set(plan.oversize)
+    for rank, costs in zip(plan.ranks, plan.costs):
+        for mb, c in zip(rank, costs):
+            if not mb:  # padding micro-batch: one pad row, one token
+                assert c == 1
+                continue
+            assert c == micro_batch_cost(lengths, mb, cost)
+            if oversize & set(mb):
+                assert len(mb) == 1  # an oversize sequence runs alone
+            else:
+                assert c <= budget  # the hard cap
+    assert plan.num_padding_micro_batches == sum(1 for r in plan.ranks for mb in r if not mb)
+    assert plan.num_micro_batches >= plan.lower_bound
+
+
+@settings(max_examples=150, deadline=None)
+@given(plan_inputs)
+def test_plan_keeps_every_index_once_under_the_cap_with_equal_counts(inputs):
+    lengths, budget, dp_size, cost, balance = inputs
+    plan = plan_micro_batches(lengths, budget, dp_size=dp_size, cost=cost, balance=balance, oversize="alone")
+    check_plan_invariants(plan, lengths, budget, dp_size, cost)
+    assert set(plan.oversize) == {i for i, n in enumerate(lengths) if n > budget}
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan_inputs)
+def test_plan_is_deterministic_and_independent_of_input_type(inputs):
+    lengths, budget, dp_size, cost, balance = inputs
+    kwargs = dict(dp_size=dp_size, cost=cost, balance=balance, oversize="alone")
+    plan = plan_micro_batches(lengths, budget, **kwargs)
+    assert plan_micro_batches(list(lengths), budget, **kwargs) == plan
+    assert plan_micro_batches(np.asarray(lengths, dtype=np.int32), budget, **kwargs) == plan
+    assert plan_micro_batches(torch.tensor(lengths, dtype=torch.long), budget, **kwargs) == plan
+
+
+@settings(max_examples=100, deadline=None)
+@given(plan_inputs)
+def test_restore_order_inverts_the_plan_permutation(inputs):
+    lengths, budget, dp_size, cost, balance = inputs
+    plan = plan_micro_batches(lengths, budget, dp_size=dp_size, cost=cost, balance=balance, oversize="alone")
+    in_plan_order = [f"out{i}" for i in plan.order()]
+    assert plan.restore_order(in_plan_order) == [f"out{i}" for i in range(len(lengths))]
+    tensor = torch.as_tensor(plan.order(), dtype=torch.long)
+    assert plan.restore_order(tensor).tolist() == list(range(len(lengths)))
+    for r in range(dp_size):
+        own = plan.order(r)
+        assert plan.restore_order(own * 10, rank=r).tolist() == sorted(int(i) * 10 for i in own)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=7), st.integers(40, 120))
+def test_padded_count_is_optimal_and_packed_within_one(lengths, budget):
+    padded = plan_micro_batches(lengths, budget, cost="padded")
+    packed = plan_micro_batches(lengths, budget, cost="packed")
+    assert padded.num_micro_batches == brute_force_min_count(lengths, budget, "padded")
+    assert packed.num_micro_batches <= brute_force_min_count(lengths, budget, "packed") + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=7), st.integers(40, 120), st.integers(2, 3))
+def test_padded_count_per_rank_is_optimal_with_data_parallel(lengths, budget, dp_size):
+    # any dp plan with m per rank is a one-rank plan with dp·m micro-batches, so m >= ⌈M*/dp⌉
+    plan = plan_micro_batches(lengths, budget, cost="padded", dp_size=dp_size)
+    optimum = brute_force_min_count(lengths, budget, "padded")
+    assert plan.num_micro_batches == -(-optimum // dp_size)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=80), st.integers(2, 4))
+def test_rank_costs_differ_by_at_most_the_budget(lengths, dp_size):
+    budget = 2 * max(lengths)
+    plan = plan_micro_batches(lengths, budget, dp_size=dp_size, cost="packed")
+    assert max(plan.rank_costs) - min(plan.rank_costs) <= budget
+
+
+# ---------------------------------------------------------------- literal examples
+
+
+def test_packed_plan_fills_the_longest_with_the_shortest():
+    plan = plan_micro_batches([100, 30, 70, 40], token_budget=140, cost="packed")
+    assert plan.ranks == (((0, 1), (2, 3)),)  # 100+30 = 130, 70+40 = 110
+    assert plan.costs == ((130, 110),)
+    assert plan.lower_bound == 2  # ⌈240 / 140⌉
+    assert plan.utilization == pytest.approx(240 / 280)  # (130 + 110) / (2 × 140)
+    assert plan.padding_tokens == 0
+
+
+def test_padded_plan_takes_runs_of_sorted_lengths():
+    plan = plan_micro_batches([100, 30, 70, 40], token_budget=140, cost="padded")
+    # sorted 100, 70, 40, 30: 140 // 100 = 1 → {100}; 140 // 70 = 2 → {70, 40} cost 140; {30}
+    assert plan.ranks == (((2, 3), (0,), (1,)),)  # largest cost first
+    assert plan.costs == ((140, 100, 30),)
+    assert plan.padding_tokens == 30  # {70, 40} costs 2 × 70 = 140 for 110 tokens
+    assert plan.lower_bound == 2  # ⌈240 / 140⌉; the padded optimum is 3
+    assert plan.utilization == pytest.approx(270 / 420)  # 270 / (3 × 140)
+
+
+def test_short_ranks_get_padding_micro_batches_that_cost_one_token():
+    # 3 sequences, 4 ranks: one rank has nothing and runs one padding micro-batch
+    plan = plan_micro_batches([10, 10, 10], token_budget=10, dp_size=4)
+    assert plan.num_micro_batches == 1
+    assert plan.num_padding_micro_batches == 1
+    empty = [r for r in range(4) if plan.is_padding(r, 0)]
+    assert len(empty) == 1 and plan.costs[empty[0]] == (1,)
+    assert plan.utilization == pytest.approx(31 / 40)  # (3 × 10 + 1) / (4 ranks × 1 × 10)
+
+
+def test_data_parallel_lower_bound_spans_ranks():
+    plan = plan_micro_batches([50] * 10, token_budget=100, dp_size=2, cost="packed")
+    assert plan.lower_bound == 3  # ⌈500 / (2 × 100)⌉
+    assert plan.num_micro_batches == 3  # 5 sequences per rank, two per micro-batch
+    assert plan.rank_costs == (250, 250)
+    assert plan.imbalance == pytest.approx(1.0)
+
+
+def test_balance_aligns_micro_batch_costs_across_ranks():
+    plan = plan_micro_batches([90, 80, 20, 10, 60, 50], token_budget=100, dp_size=2, cost="packed")
+    for costs in plan.costs:
+        assert list(costs) == sorted(costs, reverse=True)
+
+
+def test_unbalanced_plan_deals_packing_order_round_robin():
+    plan = plan_micro_batches([60, 60, 60, 60], token_budget=100, dp_size=2, cost="packed", balance=False)
+    # packing order 0, 1, 2, 3 (one each) dealt 0 → rank 0, 1 → rank 1, 2 → rank 0, 3 → rank 1
+    assert plan.ranks == (((0,), (2,)), ((1,), (3,)))
+
+
+def test_empty_lengths_give_an_empty_plan():
+    plan = plan_micro_batches([], token_budget=10, dp_size=2)
+    assert plan.ranks == ((), ())
+    assert plan.num_micro_batches == 0 and plan.lower_bound == 0 and plan.utilization == 1.0
+    assert plan.restore_order([]) == []
+
+
+def test_pad_to_appends_padding_micro_batches_to_every_rank():
+    plan = plan_micro_batches([5, 5], token_budget=10).pad_to(3)
+    assert plan.ranks == (((0, 1), (), ()),)
+    assert plan.costs == ((10, 1, 1),)
+    assert plan.num_padding_micro_batches == 2
+
+
+def test_pad_to_cannot_shrink_a_plan():
+    plan = plan_micro_batches([5, 5, 5], token_budget=5)
+    with pytest.raises(InvalidArgument, match=r"num_micro_batches must be >= the plan's count 3"):
+        plan.pad_to(2)
+
+
+# ---------------------------------------------------------------- oversize sequences
+
+
+def test_oversize_sequence_error_names_index_length_and_budget():
+    with pytest.raises(BudgetError, match=r"sequence 1 has 300 tokens, more than token_budget=256") as info:
+        plan_micro_batches([10, 300, 20], token_budget=256)
+    assert "oversize='alone'" in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_oversize_error_counts_every_offender():
+    with pytest.raises(BudgetError, match=r"\(2 sequences are over the budget, longest 400\)"):
+        plan_micro_batches([300, 10, 400], token_budget=256)
+
+
+@pytest.mark.parametrize("cost", ["padded", "packed"])
+def test_oversize_alone_runs_the_sequence_alone_and_reports_it(cost):
+    plan = plan_micro_batches([10, 300, 20], token_budget=256, cost=cost, oversize="alone")
+    assert plan.oversize == (1,)
+    assert (1,) in plan.ranks[0]
+    assert plan.costs[0][plan.ranks[0].index((1,))] == 300
+    # lower bound clips the oversize sequence to one full budget: ⌈(10 + 256 + 20) / 256⌉ = 2
+    assert plan.lower_bound == 2
+
+
+# ---------------------------------------------------------------- invalid arguments
+
+INVALID = [
+    pytest.param(dict(lengths=[[1, 2]]), InvalidArgument, r"lengths must be 1-D", id="lengths-2d"),
+    pytest.param(dict(lengths=[1.5, 2.0]), InvalidArgument, r"lengths must be integers", id="lengths-float"),
+    pytest.param(dict(lengths=[True]), InvalidArgument, r"lengths must be integers", id="lengths-bool"),
+    pytest.param(dict(lengths=[3, 0]), InvalidArgument, r"lengths\[1\]=0", id="lengths-zero"),
+    pytest.param(dict(token_budget=0), BudgetError, r"token_budget=0", id="budget-zero"),
+    pytest.param(dict(token_budget=2.5), BudgetError, r"token_budget=2.5", id="budget-float"),
+    pytest.param(dict(token_budget=True), BudgetError, r"token_budget=True", id="budget-bool"),
+    pytest.param(dict(dp_size=0), InvalidArgument, r"dp_size=0", id="dp-zero"),
+    pytest.param(dict(cost="pad"), InvalidArgument, r"cost=.pad.; did you mean .padded.", id="cost-typo"),
+    pytest.param(dict(oversize="skip"), InvalidArgument, r"oversize must be one of", id="oversize-unknown"),
+    pytest.param(dict(balance=1), InvalidArgument, r"balance must be True or False", id="balance-int"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "error", "match"), INVALID)
+def test_invalid_arguments_are_rejected_with_their_value(overrides, error, match):
+    kwargs = dict(lengths=[3, 4], token_budget=8) | overrides
+    lengths = kwargs.pop("lengths")
+    budget = kwargs.pop("token_budget")
+    with pytest.raises(error, match=match):
+        plan_micro_batches(lengths, budget, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("outputs", "rank", "match"),
+    [
+        pytest.param([1], None, r"one entry per sequence of all ranks in plan order \(2\)", id="too-short"),
+        pytest.param([1, 2], 1, r"rank must be an integer in \[0, 1\), but got rank=1", id="bad-rank"),
+        pytest.param({1, 2}, None, r"outputs must be a list, tuple, numpy array or tensor", id="set"),
+    ],
+)
+def test_restore_order_rejects_mismatched_outputs(outputs, rank, match):
+    plan = plan_micro_batches([3, 4], token_budget=8)
+    with pytest.raises(InvalidArgument, match=match):
+        plan.restore_order(outputs, rank=rank)
