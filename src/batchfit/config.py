@@ -364,9 +364,8 @@ def _build_plan(cfg: BatchConfig) -> BatchPlan:
     dp = _dp_size(cfg, world, faults) if world is not None else None
     policy = _role_plan("policy", cfg, dp, faults)
     critic = _role_plan("critic", cfg, dp, faults) if cfg.critic_mini_batch_size is not None else None
-    if faults:
+    if faults or world is None or dp is None or policy is None:  # without faults all three exist
         raise BatchConfigError(faults)
-    assert world is not None and dp is not None and policy is not None  # no faults: all derived
 
     tokens = cfg.max_tokens_per_micro_batch is not None
     trajectories = cfg.train_batch_size * cfg.n_samples_per_prompt

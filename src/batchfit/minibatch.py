@@ -143,14 +143,6 @@ def mini_batch_boundaries(
 # are made of such rows.
 
 
-def _pad_value_for(key: str, value: Any, loss_mask_key: str, overrides: Mapping[str, Any]) -> Any:
-    if key in overrides:
-        return overrides[key]
-    if key == loss_mask_key:
-        return 0
-    return None  # decided by the field's type below
-
-
 def pad_rows(
     batch: Batch,
     n: int,
@@ -177,7 +169,8 @@ def pad_rows(
     for key, value in batch.items():
         if not is_per_sample(value):
             continue
-        fill = _pad_value_for(key, value, loss_mask_key, overrides)
+        # None = the default for the field's type (zeros, one attention token, PAD)
+        fill = overrides.get(key, 0 if key == loss_mask_key else None)
         if isinstance(value, (torch.Tensor, np.ndarray)):
             is_torch = isinstance(value, torch.Tensor)
             shape = (n, *value.shape[1:])

@@ -9,6 +9,10 @@ allocation (``../shared/DESIGN.md``, memory measurement facts).
 
 Storages that exist before the tracker starts (parameters, buffers, inputs, optimizer
 state) are invisible to it until registered with :meth:`MemoryTracker.register`.
+
+With ``limit_bytes`` the tracker behaves like a device that runs out of memory: the op
+whose output takes the live bytes above the limit raises :class:`MemoryLimitExceeded`
+(see NOTE [ Abort above the limit ]).
 """
 
 from __future__ import annotations
@@ -24,6 +28,21 @@ from torch.utils._pytree import tree_flatten
 OTHER = "activations"
 
 
+class MemoryLimitExceeded(Exception):
+    """Live bytes went above the tracker's ``limit_bytes``: the tracked block is aborted.
+
+    Internal control flow, the simulated counterpart of ``torch.OutOfMemoryError``: raised
+    from inside the dispatch mode (or :meth:`MemoryTracker.register`) and caught by the
+    memory backends, which report "does not fit". ``reached`` is the live byte count at the
+    abort (a lower bound of the peak the block would have had), ``limit`` the limit.
+    """
+
+    def __init__(self, reached: int, limit: int):
+        self.reached = reached
+        self.limit = limit
+        super().__init__(f"live bytes {reached} exceeded the limit of {limit} bytes")
+
+
 def _round_up(nbytes: int, multiple: int) -> int:
     return -(-nbytes // multiple) * multiple if multiple > 1 else nbytes
 
@@ -34,6 +53,8 @@ class MemoryTracker(TorchDispatchMode):
     Args:
         round_to: round each storage up to a multiple of this many bytes (512 models the CUDA
             caching allocator's block size; 1 = exact bytes).
+        limit_bytes: if given, raise :class:`MemoryLimitExceeded` as soon as the live bytes
+            exceed it (``None`` = no limit).
 
     Attributes:
         current_bytes: bytes held now by tracked storages.
@@ -51,9 +72,10 @@ class MemoryTracker(TorchDispatchMode):
         8192
     """
 
-    def __init__(self, *, round_to: int = 1):
+    def __init__(self, *, round_to: int = 1, limit_bytes: int | None = None):
         super().__init__()
         self.round_to = int(round_to)
+        self.limit_bytes = None if limit_bytes is None else int(limit_bytes)
         self._live: dict[int, tuple[int, str]] = {}
         self._by_category: dict[str, int] = {}
         self.current_bytes = 0
@@ -81,6 +103,13 @@ class MemoryTracker(TorchDispatchMode):
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             self.peak_breakdown = {k: v for k, v in self._by_category.items() if v}
+            # NOTE [ Abort above the limit ]
+            # Raising here, right after the op whose output crossed the limit, stops the
+            # block the way a real allocation failure would, so a probe far above the limit
+            # costs little. Only growth can cross it (frees never raise, so weakref
+            # finalizers stay silent), and the bookkeeping is complete before the raise.
+            if self.limit_bytes is not None and self.current_bytes > self.limit_bytes:
+                raise MemoryLimitExceeded(self.current_bytes, self.limit_bytes)
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
@@ -98,6 +127,22 @@ class MemoryTracker(TorchDispatchMode):
         for obj in objects:
             for t in _tensors_of(obj):
                 self._add(t.untyped_storage(), category)
+
+    def recategorize(self, tensor: torch.Tensor, category: str) -> None:
+        """Move a tracked storage's bytes to ``category`` (the total is unchanged).
+
+        Used for storages whose role is known only after they were created, such as a
+        gradient produced by a backward op and then accumulated into ``param.grad``.
+        Untracked storages are ignored.
+        """
+        key = tensor.untyped_storage()._cdata
+        entry = self._live.get(key)
+        if entry is None or entry[1] == category:
+            return
+        nbytes, old = entry
+        self._live[key] = (nbytes, category)
+        self._by_category[old] -= nbytes
+        self._by_category[category] = self._by_category.get(category, 0) + nbytes
 
     def reset_peak(self) -> None:
         """Start a new peak measurement from the bytes held now."""
