@@ -1,0 +1,293 @@
+"""``find_batch_size``: the search of :mod:`~batchfit.autobatch.search` on a memory backend, on every rank.
+
+# NOTE [ Ranks agree on every trial ]
+Every rank runs every trial. After each trial one all-reduce (max) of
+``[does not fit, failing rank + 1, peak bytes, peak is a lower bound]`` gives every rank the
+same verdict (any rank over its own target = does not fit), the same peak (the largest) and
+the same error flag; the byte target used by the memory model is the smallest over the
+ranks. The search is a deterministic function of these, so every rank probes the same sizes
+in the same order, runs the same number of collectives and returns the same size: no rank
+waits on another (Linnaeus searches on rank 0 and the other ranks time out). An exception
+other than running out of memory on one rank is re-raised there, and the other ranks raise
+:class:`~batchfit.errors.BatchfitError` naming that rank instead of waiting for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchfit.autobatch.search import Trial, search_largest
+from batchfit.autobatch.task import MODES, TaskTrial, is_task, task_trial
+from batchfit.distributed import all_reduce_max_list, all_reduce_min, get_rank, get_world_size
+from batchfit.errors import BatchfitError, DoesNotFitError, InvalidArgument
+from batchfit.memory import get_backend
+from batchfit.validation import check_choice, check_int, check_number, check_positive_int
+
+logger = logging.getLogger("batchfit.autobatch")
+
+ProgressCallback = Callable[[Trial], None]
+
+
+@dataclass(frozen=True)
+class BatchSizeResult:
+    """The batch size chosen by :func:`find_batch_size`, with every trial behind it.
+
+    Attributes:
+        batch_size: the largest size whose peak stayed within ``target_bytes`` on every rank.
+        mode: ``"train"`` or ``"val"``.
+        memory_fraction: the target fraction of :attr:`limit_bytes`.
+        target_bytes: ``floor(memory_fraction × limit_bytes)``, the smallest over the ranks:
+            what each peak is compared against (``peak <= target`` = fits).
+        limit_bytes: this rank's usable bytes, ``backend.limit_bytes`` (``memory_limit`` minus
+            the reserve; on cuda, total device memory minus the reserve by default).
+        peak_bytes: the peak measured at :attr:`batch_size` (largest over the ranks).
+        trials: every probe in order (batch size, peak, verdict, how it was chosen).
+        max_trials: the bound on ``len(trials)`` the search guarantees.
+        backend: the backend's name.
+        world_size: ranks that took part.
+    """
+
+    batch_size: int
+    mode: str
+    memory_fraction: float
+    target_bytes: int
+    limit_bytes: int
+    peak_bytes: int | None
+    trials: tuple[Trial, ...]
+    max_trials: int
+    backend: str
+    world_size: int = 1
+
+    @property
+    def next_peak_bytes(self) -> int | None:
+        """The peak measured at ``batch_size + 1`` (a lower bound if aborted), ``None`` if not probed."""
+        for t in self.trials:
+            if t.batch_size == self.batch_size + 1:
+                return t.peak_bytes
+        return None
+
+    def to_row(self) -> dict[str, Any]:
+        """The report row: ``mode, memory_fraction, batch_size, peak_bytes, trials`` and context.
+
+        ``trials`` is the number of trials; ``trial_log`` lists them.
+        """
+        return {
+            "mode": self.mode,
+            "memory_fraction": self.memory_fraction,
+            "batch_size": self.batch_size,
+            "peak_bytes": self.peak_bytes,
+            "target_bytes": self.target_bytes,
+            "limit_bytes": self.limit_bytes,
+            "trials": len(self.trials),
+            "max_trials": self.max_trials,
+            "backend": self.backend,
+            "world_size": self.world_size,
+            "trial_log": [t.to_dict() for t in self.trials],
+        }
+
+
+@contextlib.contextmanager
+def _evaluating(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """``eval()`` + ``no_grad`` for a plain trial callable in val mode; training flags restored."""
+    flags = [(m, m.training) for m in modules]
+    try:
+        for m in modules:
+            m.eval()
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in flags:
+            m.train(training)
+
+
+def _modules_in(objects: Any) -> list[torch.nn.Module]:
+    if isinstance(objects, torch.nn.Module):
+        return [objects]
+    if isinstance(objects, (list, tuple)):
+        return [m for o in objects for m in _modules_in(o)]
+    return []
+
+
+def _report(progress: bool | ProgressCallback | None, trial: Trial, mode: str, fraction: float, group: Any) -> None:
+    if callable(progress):
+        progress(trial)
+    elif progress and get_rank(group) == 0:
+        peak = "?" if trial.peak_bytes is None else f"{trial.peak_bytes:,}"
+        logger.info(
+            f"autobatch {mode} @ {fraction:g}: batch_size={trial.batch_size} peak={peak} bytes "
+            f"{'fits' if trial.fits else 'does not fit'} ({trial.chosen_by})"
+        )
+
+
+def find_batch_size(
+    trial: Any,
+    *,
+    mode: str = "train",
+    target_memory_fraction: float = 0.8,
+    min_batch_size: int = 1,
+    max_batch_size: int = 512,
+    steps_per_trial: int = 2,
+    memory_limit: Any = None,
+    backend: Any = "auto",
+    group: Any = None,
+    progress: bool | ProgressCallback | None = True,
+    register: Any = None,
+    reserve_bytes: Any = None,
+) -> BatchSizeResult:
+    """The largest batch size whose peak memory stays within a fraction of the device, on every rank.
+
+    Each candidate runs ``steps_per_trial`` steps under ``backend.measure``; its peak is the
+    largest over them (so lazily created optimizer state counts). It fits when
+    ``peak <= floor(target_memory_fraction × backend.limit_bytes)``. The search (memory-model
+    guesses, then bisection; :func:`~batchfit.autobatch.search.search_largest`) takes at most
+    ``ceil(log2(max_batch_size - min_batch_size + 1)) + 3`` trials. Under torch.distributed,
+    every rank runs every trial and the verdicts are all-reduced (NOTE [ Ranks agree on every
+    trial ]), so all ranks return the same size.
+
+    Args:
+        trial: either a :class:`~batchfit.autobatch.task.Task` (the step for ``mode`` is built
+            from it: train = forward, backward, optimizer step; val = ``eval()`` + ``no_grad``
+            forward with the loss), or a callable ``trial(batch_size)`` that builds a batch and
+            runs one step. For a callable, pass the objects that live across steps (model,
+            optimizer) in ``register`` or as ``trial.persistent``; in val mode the call runs under
+            ``torch.no_grad()`` with the registered modules in ``eval()``.
+        mode: ``"train"`` or ``"val"``.
+        target_memory_fraction: in ``(0, 1]``.
+        min_batch_size, max_batch_size: the candidate range, ``1 <= min <= max``.
+        steps_per_trial: steps per candidate (>= 1; 2 counts optimizer state created by the
+            first ``step()``).
+        memory_limit: device bytes or a name (``"16GiB"``, ``"a100-40gb"``) when ``backend`` is a
+            name; required for ``cpu`` and ``estimate`` (on cuda: total device memory).
+        backend: ``"auto"``, ``"cpu"``, ``"estimate"``, ``"cuda"`` or a
+            :class:`batchfit.memory.Backend`. Models measured on ``estimate`` must have been built
+            inside ``backend.context()``, so pass the Backend object you built them with.
+        group: the torch.distributed process group (``None`` = the default group, or single rank).
+        progress: a callback receiving each :class:`~batchfit.autobatch.search.Trial`; ``True``
+            logs each trial on rank 0 to the ``batchfit.autobatch`` logger (INFO); ``False``/``None``
+            is silent. The library never prints.
+        register: objects counted in every peak (default: ``trial.persistent`` if present).
+        reserve_bytes: bytes of ``memory_limit`` no tracker sees, when ``backend`` is a name.
+
+    Returns:
+        :class:`BatchSizeResult`.
+
+    Raises:
+        InvalidArgument: a bad argument, or no memory limit (a fraction of "unlimited").
+        DoesNotFitError: even ``min_batch_size`` does not fit; the message says by how much.
+        BatchfitError: another rank's trial raised (this rank raises instead of waiting).
+        Exception: whatever the trial raises on this rank other than running out of memory.
+
+    Example:
+        >>> from batchfit.memory import get_backend
+        >>> be = get_backend("cpu", memory_limit="64MiB")
+        >>> find_batch_size(lambda b: torch.zeros(b, 1024), backend=be, progress=False).batch_size
+        512
+    """
+    mode = check_choice("mode", mode, MODES)
+    fraction = check_number("target_memory_fraction", target_memory_fraction, low=0.0, high=1.0, low_open=True)
+    low = check_positive_int("min_batch_size", min_batch_size)
+    high = check_int("max_batch_size", max_batch_size)
+    if high < low:
+        raise InvalidArgument(
+            f"max_batch_size must be >= min_batch_size={low}, but got max_batch_size={high}; raise max_batch_size or lower min_batch_size"
+        )
+    steps = check_positive_int("steps_per_trial", steps_per_trial)
+    if not (callable(trial) or is_task(trial)):
+        raise InvalidArgument(
+            f"trial must be a Task or a callable trial(batch_size), but got trial={trial!r} ({type(trial).__name__})"
+        )
+    if progress is not None and not isinstance(progress, bool) and not callable(progress):
+        raise InvalidArgument(f"progress must be a bool or a callable, but got progress={progress!r}")
+    be = get_backend(backend, memory_limit=memory_limit, reserve_bytes=reserve_bytes)
+    limit = be.limit_bytes
+    if limit is None:
+        raise InvalidArgument(
+            f"a memory limit is needed for a target fraction, but backend {be.name!r} has memory_limit=None; pass memory_limit (e.g. '16GiB' or 'a100-40gb')"
+        )
+
+    if isinstance(trial, TaskTrial):
+        if trial.mode != mode:
+            raise InvalidArgument(
+                f"trial was built for mode={trial.mode!r}, but got mode={mode!r}; build a TaskTrial for {mode!r}"
+            )
+        step = trial
+        persistent = trial.persistent if register is None else register
+        wrap = contextlib.nullcontext
+    elif is_task(trial):
+        step = task_trial(trial, mode)
+        persistent = step.persistent if register is None else register
+        wrap: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+    else:
+        step = trial
+        persistent = getattr(trial, "persistent", ()) if register is None else register
+        modules = _modules_in(persistent)
+        wrap = (lambda: _evaluating(modules)) if mode == "val" else contextlib.nullcontext
+
+    local_target = math.floor(fraction * limit)
+    target = all_reduce_min(local_target, group)
+    rank = get_rank(group)
+
+    def run(batch_size: int) -> None:
+        with wrap():
+            for _ in range(steps):
+                step(batch_size)
+
+    def probe(batch_size: int) -> Trial:
+        error: BaseException | None = None
+        peak, over, inexact = 0, True, True
+        try:
+            m = be.measure(lambda: run(batch_size), register=persistent)
+            peak, inexact = int(m.peak_bytes), bool(m.exceeded)
+            over = inexact or peak > local_target
+        except Exception as exc:  # not an OOM (measure reports those): agree on it, then re-raise
+            error = exc
+        # NOTE [ Ranks agree on every trial ]
+        over_any, failed_rank, peak_max, inexact_any = all_reduce_max_list(
+            [int(over), rank + 1 if error is not None else 0, peak, int(inexact)], group
+        )
+        if error is not None:
+            raise error
+        if failed_rank:
+            raise BatchfitError(
+                f"rank {failed_rank - 1} raised during the trial at batch_size={batch_size}; rank {rank} stops too (see that rank's error)"
+            )
+        measured = Trial(batch_size, peak_max, not over_any, exact=not inexact_any)
+        probed.append(measured)
+        return measured
+
+    probed: list[Trial] = []
+    try:
+        found = search_largest(
+            probe,
+            low=low,
+            high=high,
+            target_bytes=target,
+            on_trial=lambda t: _report(progress, t, mode, fraction, group),
+        )
+    except DoesNotFitError as exc:
+        first = probed[0]
+        at_least = "" if first.exact else "at least "
+        raise DoesNotFitError(
+            f"even min_batch_size={low} does not fit in {mode} mode: its peak is {at_least}{first.peak_bytes:,} bytes, over the target {fraction:g} × {limit:,} = {target:,} bytes by {at_least}{first.peak_bytes - target:,} bytes; lower min_batch_size, raise target_memory_fraction or memory_limit, or use a smaller model",
+            needed=exc.needed,
+            available=target,
+        ) from None
+    return BatchSizeResult(
+        batch_size=found.batch_size,
+        mode=mode,
+        memory_fraction=fraction,
+        target_bytes=target,
+        limit_bytes=limit,
+        peak_bytes=found.peak_bytes,
+        trials=found.trials,
+        max_trials=found.max_trials,
+        backend=be.name,
+        world_size=get_world_size(group),
+    )

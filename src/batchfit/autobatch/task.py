@@ -1,0 +1,229 @@
+"""The ``Task`` protocol: what ``batchfit autobatch`` needs to know about a model, and its steps.
+
+A task is any object with
+
+- ``model``: the ``nn.Module``;
+- ``make_batch(batch_size, mode)``: a batch (a tensor, or a dict/list/tuple of tensors) of
+  ``batch_size`` samples for ``mode`` (``"train"`` or ``"val"``), created on the CPU or on
+  the model's device (batchfit moves it to the model's device);
+- ``loss(model, batch)``: the scalar loss of ``model`` on ``batch``;
+- optionally ``make_optimizer(parameters)``: an optimizer factory (default:
+  ``torch.optim.AdamW``; ``make_optimizer = None`` means no optimizer step).
+
+# NOTE [ Tasks are built inside the backend's context ]
+The task factory (``module:function``, called with no arguments) is called inside
+``backend.context()`` by :func:`build_task`: on the ``estimate`` backend that is a
+``FakeTensorMode``, so the model's parameters are fake and nothing is allocated. Build the
+model directly in the factory (``module.to()`` under the fake mode fails); batchfit moves it
+to ``backend.device`` only when that differs (cuda). ``make_batch`` and the steps run inside
+``backend.measure``, which enters the same context.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from batchfit.errors import InvalidArgument
+from batchfit.validation import check_choice, closest
+
+MODES = ("train", "val")
+BUILTIN_TASKS = {
+    "causal-lm": "batchfit.autobatch.builtin_tasks:causal_lm",
+    "vision-cnn": "batchfit.autobatch.builtin_tasks:vision_cnn",
+}
+DEFAULT_TASK = "causal-lm"
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A model with a batch factory and a loss (see the module docstring)."""
+
+    model: torch.nn.Module
+
+    def make_batch(self, batch_size: int, mode: str) -> Any:
+        """A batch of ``batch_size`` samples for ``mode`` (``"train"`` or ``"val"``)."""
+        ...
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """The scalar loss of ``model`` on ``batch``."""
+        ...
+
+
+def is_task(obj: Any) -> bool:
+    """True if ``obj`` has a ``model`` module and callable ``make_batch`` and ``loss``."""
+    return (
+        isinstance(getattr(obj, "model", None), torch.nn.Module)
+        and callable(getattr(obj, "make_batch", None))
+        and callable(getattr(obj, "loss", None))
+    )
+
+
+def load_task(spec: str) -> Callable[[], Any]:
+    """The task factory named by ``spec``.
+
+    Args:
+        spec: a built-in name (``"causal-lm"``, ``"vision-cnn"``), ``"package.module:function"``
+            or ``"path/to/file.py:function"``.
+
+    Returns:
+        The factory, to be called with no arguments inside ``backend.context()``
+        (:func:`build_task`).
+
+    Raises:
+        InvalidArgument: malformed spec, module that cannot be imported, missing or
+            non-callable function (one line each, naming the spec and the fix).
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise InvalidArgument(f"task must be a string 'module:function', but got task={spec!r}")
+    spec = spec.strip()
+    target = BUILTIN_TASKS.get(spec, spec)
+    module_name, sep, func_name = target.rpartition(":")
+    if not sep or not module_name or not func_name:
+        near = closest(spec, list(BUILTIN_TASKS))
+        hint = f"; did you mean {near!r}?" if near else ""
+        raise InvalidArgument(
+            f"task must be 'module:function', 'path/to/file.py:function' or one of {', '.join(map(repr, BUILTIN_TASKS))}, but got task={spec!r}{hint}"
+        )
+    module = _import(module_name, spec)
+    factory = getattr(module, func_name, None)
+    if not callable(factory):
+        raise InvalidArgument(
+            f"task={spec!r}: module {module_name!r} has no callable {func_name!r}; name a function that returns a task"
+        )
+    return factory
+
+
+def _import(module_name: str, spec: str) -> Any:
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise InvalidArgument(f"task={spec!r}: file {module_name!r} does not exist; check the path")
+        name = f"_batchfit_task_{path.stem}"
+        loader_spec = importlib.util.spec_from_file_location(name, path)
+        if loader_spec is None or loader_spec.loader is None:  # pragma: no cover - .py files always load
+            raise InvalidArgument(f"task={spec!r}: cannot load {module_name!r} as Python")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module
+        loader_spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise InvalidArgument(
+            f"task={spec!r}: cannot import module {module_name!r} ({exc}); check the name and that it is on PYTHONPATH"
+        ) from None
+
+
+def build_task(factory: Callable[[], Any], backend: Any) -> Any:
+    """Call ``factory()`` inside ``backend.context()`` and check that it returned a task.
+
+    See NOTE [ Tasks are built inside the backend's context ]. The model is moved to
+    ``backend.device`` when its parameters are elsewhere (a real CPU model for cuda).
+
+    Raises:
+        InvalidArgument: the returned object lacks ``model``, ``make_batch`` or ``loss``.
+    """
+    with backend.context():
+        task = factory()
+    if not is_task(task):
+        missing = [
+            name
+            for name, ok in (
+                ("model (an nn.Module)", isinstance(getattr(task, "model", None), torch.nn.Module)),
+                ("make_batch(batch_size, mode)", callable(getattr(task, "make_batch", None))),
+                ("loss(model, batch)", callable(getattr(task, "loss", None))),
+            )
+            if not ok
+        ]
+        raise InvalidArgument(
+            f"the task factory {getattr(factory, '__qualname__', factory)!r} returned {type(task).__name__}, which lacks {', '.join(missing)}; return an object with model, make_batch and loss"
+        )
+    device = _device_of(task.model)
+    if device is not None and device != backend.device:
+        task.model.to(backend.device)
+    return task
+
+
+def _device_of(model: torch.nn.Module) -> torch.device | None:
+    for p in model.parameters():
+        return p.device
+    return None
+
+
+def _to_device(batch: Any, device: torch.device | None) -> Any:
+    if device is None:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+class TaskTrial:
+    """One step of a task in one mode, as ``find_batch_size`` runs it: ``trial(batch_size)``.
+
+    Train: ``model.train()``, gradients reset to ``None``, forward, ``loss.backward()``,
+    optimizer step (the optimizer is created on first use by the task's ``make_optimizer``, or
+    AdamW). Val: gradients dropped, ``model.eval()`` and ``torch.no_grad()`` around the batch and
+    the loss. :attr:`persistent` holds what lives across steps (model, optimizer) for
+    ``backend.measure(register=...)``.
+    """
+
+    def __init__(self, task: Any, mode: str):
+        self.task = task
+        self.mode = check_choice("mode", mode, MODES)
+        self.model: torch.nn.Module = task.model
+        self.optimizer: torch.optim.Optimizer | None = None
+        if self.mode == "train":
+            factory = getattr(task, "make_optimizer", _adamw)
+            if factory is not None:
+                self.optimizer = factory(self.model.parameters())
+        else:
+            for p in self.model.parameters():
+                p.grad = None
+
+    @property
+    def persistent(self) -> tuple[Any, ...]:
+        """Objects counted in every measurement: the model, and the optimizer in train mode."""
+        return (self.model,) if self.optimizer is None else (self.model, self.optimizer)
+
+    def __call__(self, batch_size: int) -> None:
+        """Run one step of ``batch_size`` samples."""
+        device = _device_of(self.model)
+        if self.mode == "val":
+            self.model.eval()
+            with torch.no_grad():
+                batch = _to_device(self.task.make_batch(batch_size, "val"), device)
+                self.task.loss(self.model, batch)
+            return
+        self.model.train()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.model.zero_grad(set_to_none=True)
+        batch = _to_device(self.task.make_batch(batch_size, "train"), device)
+        loss = self.task.loss(self.model, batch)
+        del batch
+        loss.backward()
+        del loss
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+
+def _adamw(parameters: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(parameters, lr=1e-4)
+
+
+def task_trial(task: Any, mode: str) -> TaskTrial:
+    """The step of ``task`` in ``mode`` (see :class:`TaskTrial`)."""
+    return TaskTrial(task, mode)
