@@ -256,17 +256,17 @@ def _resolve_backend(step: Any, backend: Any, memory_limit: Any) -> Any:
                 f"backend must be the step's own backend, but got backend={backend!r} while "
                 f"step.backend={own!r}; pass backend='auto'"
             )
-        own_limit = getattr(own, "memory_limit", None)
-        if memory_limit is not None and own_limit is not None and _as_bytes(memory_limit) != own_limit:
-            raise InvalidArgument(
-                f"memory_limit must match the limit of the step's backend ({own_limit} bytes), but got "
-                f"memory_limit={memory_limit!r}; build the backend with that limit or pass memory_limit=None"
-            )
-        return own
-    if isinstance(backend, str):
+        backend = own
+    elif isinstance(backend, str):
         from batchfit.memory import get_backend
 
         return get_backend(backend, memory_limit=memory_limit)
+    own_limit = getattr(backend, "memory_limit", None)
+    if memory_limit is not None and own_limit is not None and _as_bytes(memory_limit) != own_limit:
+        raise InvalidArgument(
+            f"memory_limit must match the backend's memory_limit={own_limit} bytes, but got "
+            f"memory_limit={memory_limit!r}; build the backend with that limit or pass memory_limit=None"
+        )
     return backend
 
 

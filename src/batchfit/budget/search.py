@@ -124,12 +124,10 @@ def search_max_batch(
         if len(probes) >= max_probes:
             raise BatchfitError(
                 f"the search made max_probes={max_probes} probes without closing the bracket "
-                f"(fits up to {lo}, fails at {hi}); the probe is probably not monotone in the batch size"
+                f"(fits up to {lo}, fails at {hi}); the probe is not monotone in the batch size, or its memory does not "
+                "grow with it: pass max_batch_size to cap the search"
             )
         predicted = None if guess is None or misses >= _MAX_MISSES else guess(probes)
-        if predicted is not None and hi is not None and predicted >= hi:
-            # the model is refuted by a measurement (it says hi fits): bisect this time
-            predicted, misses = None, misses + 1
         candidate = min(_next_candidate(lo, hi, predicted, start), cap)
         result = probe(candidate)
         probes.append(result)

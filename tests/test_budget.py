@@ -1,0 +1,439 @@
+"""batchfit.budget: the search (pure, on probe functions), the memory model, TokenBudget,
+find_token_budget on a synthetic backend, on the real cpu backend, and across two gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import queue
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchfit.budget import (
+    BudgetPoint,
+    BudgetProgress,
+    Probe,
+    TokenBudget,
+    default_seq_lens,
+    doubling_search,
+    find_token_budget,
+    fit_memory_model,
+    guess_max_batch,
+    search_max_batch,
+)
+from batchfit.errors import BatchfitError, DoesNotFitError, InvalidArgument
+
+# --------------------------------------------------------------------------- helpers
+
+
+class SyntheticBackend:
+    """A backend whose step returns ``(b, s)`` and whose peak is ``peak_fn(b, s)``.
+
+    Like the cpu/estimate backends, a run above ``limit_bytes`` is aborted: it reports the
+    bytes at the abort (``limit + 1``, a lower bound) with ``exceeded=True``.
+    ``fail`` injects "does not fit" for chosen candidates (an OOM on this rank only).
+    """
+
+    name = "synthetic"
+    reserve_bytes = 0
+    memory_limit = None
+
+    def __init__(self, peak_fn, limit_bytes, fail=()):
+        self.peak_fn, self.limit_bytes, self.fail = peak_fn, limit_bytes, set(fail)
+        self.calls = []
+
+    def measure(self, fn, register=(), categories=None):
+        b, s = fn()
+        self.calls.append((b, s))
+        peak = self.peak_fn(b, s)
+        if (b, s) in self.fail or peak > self.limit_bytes:
+            return SimpleNamespace(peak_bytes=min(peak, self.limit_bytes + 1), fits=False, exceeded=True)
+        return SimpleNamespace(peak_bytes=peak, fits=True, exceeded=False)
+
+
+def shape_step(batch_size, seq_len):
+    return batch_size, seq_len
+
+
+def linear_quadratic(b, s):
+    # 10 MB base + 1000 B per token + 3 B per token per position (attention-like)
+    return 10_000_000 + 1_000 * b * s + 3 * b * s * s
+
+
+def synthetic_budget(peak_fn=linear_quadratic, limit=2_000_000_000, **kwargs):
+    be = SyntheticBackend(peak_fn, limit)
+    kwargs.setdefault("max_seq_len", 4096)
+    kwargs.setdefault("safety_margin", 1.0)
+    return find_token_budget(shape_step, backend=be, progress=False, **kwargs), be
+
+
+# --------------------------------------------------------------------------- search (pure)
+
+
+@settings(max_examples=60, deadline=None)
+@given(answer=st.integers(0, 5_000), start=st.integers(1, 10_000))
+def test_blind_search_returns_a_measured_fit_with_the_next_size_measured_to_fail(answer, start):
+    result = search_max_batch(lambda b: Probe(b, 1, b, fits=b <= answer), start=start)
+    assert result.max_batch_size == answer
+    verdicts = {p.batch_size: p.fits for p in result.probes}
+    assert verdicts[answer + 1] is False
+    assert answer == 0 or verdicts[answer] is True
+    assert len(result.probes) <= 2 * math.log2(max(answer, start) + 2) + 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(answer=st.integers(1, 100_000), error=st.floats(-0.3, 0.3))
+def test_a_wrong_guess_still_finds_the_exact_answer_within_a_log_bound(answer, error):
+    # the guess is off by a constant factor (a wrong slope), the search must still be exact
+    result = search_max_batch(
+        lambda b: Probe(b, 1, b, fits=b <= answer), guess=lambda probes: (answer + 0.5) * (1 + error)
+    )
+    assert result.max_batch_size == answer
+    assert len(result.probes) <= 2 * math.log2(answer + 2) + 4
+
+
+def test_an_exact_guess_costs_two_probes():
+    # guess 95.5 -> probe 95 (fits), then 96 (does not): the answer is bracketed by measurement
+    result = search_max_batch(lambda b: Probe(b, 1, b, fits=b <= 95), guess=lambda probes: 95.5)
+    assert [p.batch_size for p in result.probes] == [95, 96]
+    assert result.max_batch_size == 95
+
+
+def test_doubling_baseline_probes_powers_of_two_then_bisects():
+    # 1,2,4,...,128 (8 probes; 128 fails), then 96 80 88 92 94 95 -> 14 probes
+    result = doubling_search(lambda b: Probe(b, 1, b, fits=b <= 95))
+    assert [p.batch_size for p in result.probes][:8] == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert (result.max_batch_size, len(result.probes)) == (95, 14)
+
+
+def test_search_stops_at_its_cap():
+    result = search_max_batch(
+        lambda b: Probe(b, 1, 0, fits=True), guess=lambda p: math.inf, max_batch_size=64
+    )
+    assert result.max_batch_size == 64
+    assert [p.batch_size for p in result.probes] == [64]
+
+
+def test_a_probe_that_never_fails_raises_instead_of_looping():
+    with pytest.raises(BatchfitError, match="max_probes=5"):
+        search_max_batch(lambda b: Probe(b, 1, 0, fits=True), max_probes=5)
+
+
+# --------------------------------------------------------------------------- memory model (pure)
+
+
+def test_fit_recovers_the_literal_coefficients():
+    # peak = 100 + 2·b·s + 0.1·b·s²: (1,10) -> 100+20+10 = 130, (2,10) -> 160, (1,20) -> 100+40+40 = 180
+    model = fit_memory_model([(1, 10, 130), (2, 10, 160), (1, 20, 180)])
+    assert (round(model.base), round(model.linear, 6), round(model.quadratic, 6)) == (100, 2.0, 0.1)
+    assert model.r2 == pytest.approx(1.0)
+    assert model.predict(3, 10) == pytest.approx(190)  # 100 + 60 + 30
+    assert model.max_batch_size(10, 190) == pytest.approx(3)  # (190 - 100) / (20 + 10)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    base=st.integers(0, 10**9),
+    a=st.integers(1, 10**5),
+    q=st.integers(0, 100),
+)
+def test_fit_is_exact_on_model_data_and_never_negative(base, a, q):
+    pts = [(b, s, base + a * b * s + q * b * s * s) for s in (512, 1024, 4096) for b in (1, 7, 30)]
+    model = fit_memory_model(pts)
+    assert model.linear >= 0 and model.quadratic >= 0
+    assert model.max_residual <= 1e-6 * max(p for *_, p in pts) + 1
+    assert model.predict(5, 2048) == pytest.approx(base + a * 5 * 2048 + q * 5 * 2048**2, rel=1e-6)
+
+
+def test_guess_from_two_probes_solves_the_line():
+    # peak = 1000 + 100·b at s=100; limit 2000 -> b = 10
+    assert guess_max_batch([(1, 100, 1_100), (2, 100, 1_200)], 100, 2_000) == pytest.approx(10)
+
+
+def test_guess_for_a_shorter_length_errs_small_with_one_length_known():
+    # at s=1000: peak = 0 + 3000·b (a=1, q=0.002 -> 1000 + 2000 per sequence). Linear scaling to s=500
+    # predicts 1500 per sequence, the truth is 500 + 500 = 1000: the guess (limit/1500) is below the truth.
+    pts = [(1, 1000, 3000), (2, 1000, 6000)]
+    guess = guess_max_batch(pts, 500, 30_000)
+    assert guess == pytest.approx(20)  # 30000 / 1500; the true answer is 30000 / 1000 = 30
+    assert guess <= 30
+
+
+def test_guess_is_none_without_data():
+    assert guess_max_batch([], 128, 1000) is None
+
+
+# --------------------------------------------------------------------------- TokenBudget
+
+
+def _budget(tokens, role, max_seq_len=1024):
+    point = BudgetPoint(
+        seq_len=max_seq_len, max_batch_size=tokens // max_seq_len, peak_bytes=1, next_peak_bytes=2, probes=3
+    )
+    return TokenBudget(
+        tokens=tokens, max_seq_len=max_seq_len, cost="padded", points=(point,), memory_model=None,
+        probes=3, limit_bytes=10, usable_bytes=11, safety_margin=0.9, backend="cpu", role=role,
+    )  # fmt: skip
+
+
+def test_token_budget_max_batch_size_and_fits():
+    budget = _budget(12288, "policy", max_seq_len=4096)
+    assert budget.max_batch_size(1000) == 12  # 12288 // 1000
+    assert budget.max_batch_size(4096) == 3  # 12288 // 4096
+    assert budget.fits(12, 1000) and not budget.fits(13, 1000)  # 12000 <= 12288 < 13000
+    assert not budget.fits(1, 4097)  # longer than the budget covers
+    with pytest.raises(InvalidArgument, match="seq_len must be <= max_seq_len=4096"):
+        budget.max_batch_size(5000)
+
+
+def test_min_of_roles_is_the_smallest_and_keeps_every_part():
+    policy, critic = _budget(8192, "policy"), _budget(4096, "critic")
+    both = TokenBudget.min(policy, critic)
+    assert both.tokens == 4096
+    assert both.role == "policy+critic" and both.binding_role == "critic"
+    assert both.parts == (policy, critic)
+    assert both.probes == 6  # 3 + 3
+    json.dumps(both.to_dict())
+
+
+@pytest.mark.parametrize(
+    "budgets, match",
+    [
+        pytest.param((), "at least one budget", id="none"),
+        pytest.param((7,), r"budgets\[0\]=7", id="not-a-budget"),
+    ],
+)
+def test_min_rejects_bad_input(budgets, match):
+    with pytest.raises(InvalidArgument, match=match):
+        TokenBudget.min(*budgets)
+
+
+# --------------------------------------------------------------------------- find_token_budget (synthetic)
+
+
+def test_every_reported_max_batch_fits_and_the_next_does_not():
+    budget, _ = synthetic_budget()
+    for p in budget.points:
+        assert linear_quadratic(p.max_batch_size, p.seq_len) <= budget.limit_bytes
+        assert linear_quadratic(p.max_batch_size + 1, p.seq_len) > budget.limit_bytes
+    # C = min over lengths of b·s; at 4096: 10e6 + b·(4096000 + 3·4096²=50331648) <= 2e9 -> b = 36
+    assert budget.points[0].seq_len == 4096 and budget.points[0].max_batch_size == 36
+    assert budget.tokens == 36 * 4096
+
+
+def test_probe_count_is_bounded_and_warm_starts_need_fewer():
+    budget, backend = synthetic_budget()
+    per_length = [p.probes for p in budget.points]
+    assert budget.probes == len(backend.calls) == sum(per_length)
+    assert max(per_length) <= 8
+    assert all(n <= 3 for n in per_length[1:]), per_length  # the memory model predicts; 2-3 verify
+
+
+@pytest.mark.parametrize("kind", ["plateau", "steps"])
+def test_search_stays_exact_and_cheap_when_memory_is_not_exactly_the_model(kind):
+    peak_fns = {
+        # the optimizer step sets a floor at small batches
+        "plateau": lambda b, s: max(50_000_000, 10_000_000 + 1_500 * b * s + b * s * s),
+        # allocations come in 4 KiB pages
+        "steps": lambda b, s: 10_000_000 + 4096 * math.ceil(1_500 * b * s / 4096) + (b * s * s) // 2,
+    }
+    budget, _ = synthetic_budget(peak_fns[kind])
+    for p in budget.points:
+        assert peak_fns[kind](p.max_batch_size, p.seq_len) <= budget.limit_bytes
+        assert peak_fns[kind](p.max_batch_size + 1, p.seq_len) > budget.limit_bytes
+    assert max(p.probes for p in budget.points) <= 8
+
+
+def test_the_budget_holds_at_every_length_under_the_model():
+    budget, _ = synthetic_budget()
+    assert "agrees at every length" in budget.model_check
+    for s in range(1, 4097, 37):
+        b = budget.max_batch_size(s)
+        assert linear_quadratic(b, s) <= budget.limit_bytes
+
+
+def test_safety_margin_scales_the_limit():
+    budget, _ = synthetic_budget(safety_margin=0.5)
+    assert budget.limit_bytes == 1_000_000_000  # 0.5 × 2e9
+    # at 4096: (1e9 - 1e7) / 54427648 = 18.19 -> 18
+    assert budget.points[0].max_batch_size == 18
+
+
+def test_one_sequence_that_does_not_fit_names_what_to_reduce():
+    with pytest.raises(DoesNotFitError, match=r"max_seq_len=4096 does not fit.*reduce max_seq_len") as info:
+        synthetic_budget(limit=20_000_000)  # one sequence of 4096 needs 10e6 + 54.4e6 bytes
+    assert info.value.available == 20_000_000
+
+
+def test_progress_callback_sees_every_probe_and_nothing_is_printed(capsys):
+    events: list[BudgetProgress] = []
+    be = SyntheticBackend(linear_quadratic, 2_000_000_000)
+    budget = find_token_budget(
+        shape_step, max_seq_len=1024, backend=be, progress=events.append, role="critic"
+    )
+    probes = [e for e in events if e.probe is not None]
+    done = [e for e in events if e.probe is None]
+    assert len(probes) == budget.probes
+    assert [e.seq_len for e in done] == [p.seq_len for p in budget.points]
+    assert all(e.role == "critic" for e in events)
+    find_token_budget(shape_step, max_seq_len=1024, backend=be, progress=True)
+    assert capsys.readouterr() == ("", "")
+
+
+def test_seq_lens_always_include_max_seq_len_longest_first():
+    assert default_seq_lens(4096) == [4096, 2048, 1024, 512]
+    assert default_seq_lens(2) == [2, 1]
+    budget, _ = synthetic_budget(seq_lens=[100, 1000])
+    assert [p.seq_len for p in budget.points] == [4096, 1000, 100]
+
+
+def test_to_dict_is_json():
+    budget, _ = synthetic_budget()
+    data = json.loads(json.dumps(budget.to_dict()))
+    assert data["tokens"] == budget.tokens
+    assert set(data["memory_model"]) == {"base", "linear", "quadratic", "r2", "max_residual", "n_points"}
+    assert len(data["trials"]) == budget.probes
+
+
+BAD_ARGUMENTS = [
+    pytest.param({"max_seq_len": 0}, "max_seq_len must be an integer >= 1", id="max_seq_len-zero"),
+    pytest.param({"max_seq_len": True}, "max_seq_len must be an integer", id="max_seq_len-bool"),
+    pytest.param({"safety_margin": 0.0}, r"safety_margin must be in \(0, 1\]", id="margin-zero"),
+    pytest.param({"safety_margin": 1.5}, r"safety_margin must be in \(0, 1\]", id="margin-above-one"),
+    pytest.param({"cost": "pad"}, "did you mean 'padded'", id="cost-typo"),
+    pytest.param({"seq_lens": [8192]}, "seq_lens must be <= max_seq_len=4096", id="seq-len-too-long"),
+    pytest.param({"seq_lens": "4096"}, "seq_lens must be a sequence", id="seq-lens-string"),
+    pytest.param({"seq_lens": [0]}, r"seq_lens\[0\] must be an integer >= 1", id="seq-len-zero"),
+    pytest.param({"progress": "yes"}, "progress must be True, False or a callable", id="progress-string"),
+    pytest.param({"backend": "gpu"}, "backend must be one of", id="backend-unknown"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", BAD_ARGUMENTS)
+def test_invalid_arguments_are_named(kwargs, match):
+    be = SyntheticBackend(linear_quadratic, 2_000_000_000)
+    kwargs = {"max_seq_len": 4096, "backend": be, **kwargs}
+    with pytest.raises(InvalidArgument, match=match):
+        find_token_budget(shape_step, **kwargs)
+
+
+def test_a_backend_without_a_limit_asks_for_memory_limit():
+    be = SyntheticBackend(linear_quadratic, None)
+    with pytest.raises(
+        InvalidArgument, match=r"memory_limit must be given for backend 'synthetic'.*--memory"
+    ):
+        find_token_budget(shape_step, max_seq_len=64, backend=be)
+
+
+# --------------------------------------------------------------------------- real cpu backend
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> MLP -> vocabulary logits: memory grows with b·s, exactly measured on cpu."""
+
+    def __init__(self, vocab=64, hidden=32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden)
+        )
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids):
+        return self.head(self.mlp(self.embed(ids)))
+
+
+def make_tiny_step(vocab=64):
+    torch.manual_seed(0)
+    model = TinyLM(vocab)
+
+    def step(batch_size, seq_len):
+        ids = torch.randint(0, vocab, (batch_size, seq_len))
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        model.zero_grad(set_to_none=True)
+
+    step.persistent = (model,)
+    return step
+
+
+def test_cpu_budget_max_batch_fits_and_one_more_does_not_by_measurement():
+    from batchfit.memory import get_backend
+
+    backend = get_backend("cpu", memory_limit=4_000_000)
+    step = make_tiny_step()
+    step.backend = backend
+    budget = find_token_budget(step, max_seq_len=256, seq_lens=[256, 64], safety_margin=1.0, progress=False)
+    assert budget.backend == "cpu"
+    for point in budget.points:
+        s, b = point.seq_len, budget.max_batch_size(point.seq_len)
+        assert b >= 1
+        at_b = backend.measure(lambda b=b, s=s: step(b, s), register=step.persistent)
+        above = backend.measure(lambda b=point.max_batch_size + 1, s=s: step(b, s), register=step.persistent)
+        assert at_b.fits and at_b.peak_bytes <= budget.limit_bytes
+        assert not above.fits or above.peak_bytes > budget.limit_bytes
+    assert max(p.probes for p in budget.points) <= 8
+
+
+# --------------------------------------------------------------------------- two gloo ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_worker(rank: int, world: int, port: int, fail: list, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60)
+    )
+    try:
+        be = SyntheticBackend(
+            linear_quadratic, 2_000_000_000, fail=[tuple(f) for f in fail] if rank == 1 else ()
+        )
+        budget = find_token_budget(
+            shape_step, max_seq_len=4096, backend=be, safety_margin=1.0, progress=False
+        )
+        results.put((rank, budget.tokens, [p.max_batch_size for p in budget.points], len(be.calls)))
+    except BaseException as exc:  # report, do not hang the parent
+        results.put((rank, "error", repr(exc), 0))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_agree_on_a_smaller_budget_when_one_rank_runs_out():
+    # alone, 36 sequences of 4096 fit (see above); rank 1 runs out of memory at (36, 4096)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, [(36, 4096)], results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in procs:
+            rank, *rest = results.get(timeout=90)
+            got[rank] = rest
+    except queue.Empty:
+        pytest.fail(f"a rank hung; got results from {sorted(got)}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert got[0][0] != "error" and got[1][0] != "error", got
+    assert got[0] == got[1]  # same budget, same points, same number of probes on both ranks
+    assert got[0][0] == 35 * 4096  # the verdict at 36 was "does not fit" on every rank
+    assert got[0][1][0] == 35
