@@ -128,6 +128,13 @@ class MemoryTracker(TorchDispatchMode):
             for t in _tensors_of(obj):
                 self._add(t.untyped_storage(), category)
 
+    def register_tensor(self, tensor: torch.Tensor, category: str) -> None:
+        """Count the storage of ``tensor`` alone (not its ``.grad``) under ``category``.
+
+        A storage already tracked keeps its first category.
+        """
+        self._add(tensor.untyped_storage(), category)
+
     def recategorize(self, tensor: torch.Tensor, category: str) -> None:
         """Move a tracked storage's bytes to ``category`` (the total is unchanged).
 

@@ -1,0 +1,124 @@
+"""The ``cuda`` backend: real execution, ``torch.cuda`` peak statistics, OOM caught."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from batchfit.errors import InvalidArgument
+from batchfit.memory.base import Backend
+from batchfit.memory.measurement import MemoryMeasurement
+from batchfit.memory.registration import ACTIVATIONS, registered_tensors, storage_bytes
+
+# Messages of allocation failures that surface as a plain RuntimeError (library workspaces).
+_OOM_MESSAGES = ("CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True when ``exc`` is the device running out of memory (and nothing else).
+
+    NOTE [ What counts as OOM ]
+    ``torch.OutOfMemoryError`` (the caching allocator failed), and the ``RuntimeError`` that
+    cuBLAS or a raw CUDA call raises when its own allocation fails. Every other exception is
+    a bug in the step and is re-raised unchanged by :meth:`CudaBackend.measure`.
+    """
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
+
+
+class CudaBackend(Backend):
+    """Run the step on a CUDA device and read the allocator's peak; an OOM is "does not fit".
+
+    ``peak_bytes`` is ``torch.cuda.max_memory_allocated`` over the call (everything
+    allocated on the device, registered state included, rounded by the allocator). On
+    ``torch.OutOfMemoryError`` the call's frames are dropped, ``gc.collect()`` and
+    ``torch.cuda.empty_cache()`` release its memory, and the result has
+    ``fits=False, exceeded=True``; the peak is then the bytes reached before the failure.
+
+    Args:
+        memory_limit: device bytes to plan for; default the device's total memory.
+        reserve_bytes: bytes of ``memory_limit`` torch cannot use; default measured at
+            construction as ``total - free - torch.cuda.memory_reserved()`` (the CUDA
+            context and other processes).
+        round_to: informational (the allocator rounds to 512 B by itself); default 512.
+        device: the CUDA device (default the current one).
+
+    Raises:
+        InvalidArgument: CUDA is not available.
+    """
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        *,
+        memory_limit: Any = None,
+        reserve_bytes: Any = None,
+        round_to: int | None = None,
+        device: torch.device | int | str | None = None,
+    ):
+        if not torch.cuda.is_available():
+            raise InvalidArgument(
+                "backend='cuda' needs a CUDA device, but torch.cuda.is_available() is False; use backend='estimate' (or 'auto') to estimate without a GPU"
+            )
+        self._device = torch.device(
+            "cuda", torch.cuda.current_device() if device is None else torch.device(device).index or 0
+        )
+        total = int(torch.cuda.get_device_properties(self._device).total_memory)
+        if reserve_bytes is None:
+            free, total_now = torch.cuda.mem_get_info(self._device)
+            reserve_bytes = max(0, int(total_now) - int(free) - int(torch.cuda.memory_reserved(self._device)))
+        super().__init__(
+            memory_limit=total if memory_limit is None else memory_limit,
+            reserve_bytes=reserve_bytes,
+            round_to=512 if round_to is None else round_to,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        """The CUDA device measured."""
+        return self._device
+
+    def measure(
+        self,
+        fn: Callable[[], Any],
+        register: Any = (),
+        categories: Sequence[str | None] | str | None = None,
+    ) -> MemoryMeasurement:
+        """Run ``fn()`` once on the device; see :meth:`Backend.measure` and NOTE [ What counts as OOM ]."""
+        registered = storage_bytes(registered_tensors(register, categories))
+        start = time.perf_counter()
+        gc.collect()
+        torch.cuda.synchronize(self._device)
+        torch.cuda.reset_peak_memory_stats(self._device)
+        exceeded = False
+        try:
+            fn()
+            torch.cuda.synchronize(self._device)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            exceeded = True  # the traceback (and the tensors its frames hold) dies here
+        peak = int(torch.cuda.max_memory_allocated(self._device))
+        if exceeded:
+            gc.collect()
+            torch.cuda.empty_cache()
+        breakdown = {k: v for k, v in registered.items() if v}
+        rest = peak - sum(breakdown.values())
+        if rest > 0:
+            breakdown[ACTIVATIONS] = rest
+        limit = self.limit_bytes
+        return MemoryMeasurement(
+            peak_bytes=peak,
+            fits=not exceeded and (limit is None or peak <= limit),
+            limit_bytes=limit,
+            backend=self.name,
+            breakdown=breakdown,
+            exceeded=exceeded,
+            seconds=time.perf_counter() - start,
+        )

@@ -1,0 +1,73 @@
+"""The ``estimate`` backend: the live-storage tracker under ``FakeTensorMode``, no allocation."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from batchfit.memory.fake_patches import transformers_fake_patches
+from batchfit.memory.sizes import GiB
+from batchfit.memory.tracked import TrackedBackend
+
+#: Default bytes of ``memory_limit`` kept for what no tracker sees on a CUDA device: the CUDA
+#: context (~0.3-0.6 GiB), cuBLAS/cuDNN workspaces, NCCL buffers. 1 GiB.
+DEFAULT_RESERVE_BYTES = 1 * GiB
+
+#: Default storage rounding: the CUDA caching allocator hands out multiples of 512 bytes.
+DEFAULT_ROUND_TO = 512
+
+
+class EstimateBackend(TrackedBackend):
+    """Predict a CUDA step's peak by running it on fake CPU tensors: shapes only, no memory.
+
+    The model, optimizer and inputs must be created inside :meth:`context` (one
+    ``FakeTensorMode`` per backend, kept for its lifetime; fake tensors of different
+    backends do not mix). The peak equals the real CPU run's to the byte with
+    ``round_to=1`` and takes seconds even for 0.5B-parameter models at long sequences.
+
+    What it models of a CUDA device: ``round_to`` (default 512 B, the caching allocator's
+    block) and ``reserve_bytes`` (default :data:`DEFAULT_RESERVE_BYTES` = 1 GiB, subtracted
+    from ``memory_limit``). Not modelled: fragmentation and kernels whose CUDA version
+    allocates differently from the CPU one (e.g. flash/efficient SDPA keeps a
+    log-sum-exp, the CPU math path differs) -- the budget search's safety margin covers
+    these. Fake *cuda* tensors are never used: they abort a CPU-only build.
+
+    Args:
+        memory_limit: target device size (bytes, ``"80GiB"``, ``"h100-80gb"``), or ``None``.
+        reserve_bytes: bytes of ``memory_limit`` not available to tensors (default 1 GiB).
+        round_to: storage rounding in bytes (default 512; 1 reproduces the cpu backend).
+    """
+
+    name = "estimate"
+
+    def __init__(self, *, memory_limit: Any = None, reserve_bytes: Any = None, round_to: int | None = None):
+        super().__init__(
+            memory_limit=memory_limit,
+            reserve_bytes=DEFAULT_RESERVE_BYTES if reserve_bytes is None else reserve_bytes,
+            round_to=DEFAULT_ROUND_TO if round_to is None else round_to,
+        )
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """Enter this backend's ``FakeTensorMode`` and the transformers patches (re-entrant).
+
+        See NOTE [ Fake tensors are not tracing ] in :mod:`batchfit.memory.fake_patches`.
+        """
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        with self.fake_mode, transformers_fake_patches():
+            self._depth = 1
+            try:
+                yield
+            finally:
+                self._depth = 0

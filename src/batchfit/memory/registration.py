@@ -1,0 +1,109 @@
+"""Which category each pre-existing tensor belongs to, for registering state with a backend.
+
+A step's persistent state (model, optimizer, inputs) exists before the measurement starts,
+so a tracker cannot see it being created; it is registered by object instead. Default
+categories: a module's parameters are ``"parameters"``, their existing ``.grad`` are
+``"gradients"``, its buffers ``"buffers"``; an optimizer's state tensors are
+``"optimizer_state"``; bare tensors (and containers of them) are ``"inputs"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from batchfit.errors import InvalidArgument
+
+PARAMETERS = "parameters"
+GRADIENTS = "gradients"
+BUFFERS = "buffers"
+OPTIMIZER_STATE = "optimizer_state"
+INPUTS = "inputs"
+ACTIVATIONS = "activations"
+
+
+def categorized_tensors(obj: Any, category: str | None = None) -> Iterator[tuple[torch.Tensor, str]]:
+    """Yield ``(tensor, category)`` for every tensor held by ``obj``.
+
+    Args:
+        obj: a tensor, ``nn.Module``, ``torch.optim.Optimizer``, mapping or iterable of these
+            (``None`` yields nothing; other objects are ignored).
+        category: force this category for everything ``obj`` holds; ``None`` = the defaults
+            in the module docstring.
+    """
+    if obj is None:
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj, category or INPUTS
+        if obj.grad is not None:
+            yield obj.grad, category or GRADIENTS
+    elif isinstance(obj, torch.nn.Module):
+        for p in obj.parameters():
+            yield p, category or PARAMETERS
+            if p.grad is not None:
+                yield p.grad, category or GRADIENTS
+        for b in obj.buffers():
+            yield b, category or BUFFERS
+    elif isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            for t, _ in categorized_tensors(state, category):
+                yield t, category or OPTIMIZER_STATE
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from categorized_tensors(v, category)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            yield from categorized_tensors(v, category)
+
+
+def registered_tensors(
+    register: Any, categories: Sequence[str | None] | str | None = None
+) -> list[tuple[torch.Tensor, str]]:
+    """``(tensor, category)`` pairs for ``register``, one entry per object in it.
+
+    Args:
+        register: one object or a tuple/list of objects (see :func:`categorized_tensors`).
+        categories: ``None`` (defaults), one category for everything, or one entry per
+            object of ``register`` (``None`` entries keep the defaults).
+
+    Raises:
+        InvalidArgument: ``categories`` is a sequence whose length differs from ``register``'s.
+    """
+    objects = list(register) if isinstance(register, (list, tuple)) else [register]
+    if categories is None or isinstance(categories, str):
+        cats: list[str | None] = [categories] * len(objects)
+    else:
+        cats = list(categories)
+        if len(cats) != len(objects):
+            raise InvalidArgument(
+                f"categories must have one entry per registered object ({len(objects)}), but got categories={categories!r}; pass None to use the default categories"
+            )
+    return [pair for obj, cat in zip(objects, cats) for pair in categorized_tensors(obj, cat)]
+
+
+def trainable_parameters(register: Any) -> list[torch.nn.Parameter]:
+    """The parameters requiring grad of every module in ``register`` (each once)."""
+    objects = list(register) if isinstance(register, (list, tuple)) else [register]
+    seen: dict[int, torch.nn.Parameter] = {}
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def storage_bytes(pairs: list[tuple[torch.Tensor, str]]) -> dict[str, int]:
+    """Bytes per category of the distinct storages in ``pairs`` (a shared storage counts once)."""
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+    for t, cat in pairs:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in seen:
+            continue
+        seen.add(key)
+        out[cat] = out.get(cat, 0) + int(storage.nbytes())
+    return out

@@ -1,0 +1,90 @@
+"""Choosing a backend by name (:func:`get_backend`) and the one-call :func:`measure_peak`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from batchfit.errors import InvalidArgument
+from batchfit.memory.base import Backend
+from batchfit.memory.cpu import CpuBackend
+from batchfit.memory.cuda import CudaBackend
+from batchfit.memory.estimate import EstimateBackend
+from batchfit.memory.measurement import MemoryMeasurement
+from batchfit.validation import check_choice
+
+BACKENDS: dict[str, type[Backend]] = {"cpu": CpuBackend, "estimate": EstimateBackend, "cuda": CudaBackend}
+BACKEND_NAMES = ("auto", *BACKENDS)
+
+
+def get_backend(
+    name: str | Backend = "auto",
+    *,
+    memory_limit: Any = None,
+    reserve_bytes: Any = None,
+    round_to: int | None = None,
+) -> Backend:
+    """The memory backend called ``name``, configured for a target device.
+
+    Args:
+        name: ``"auto"`` (``"cuda"`` if ``torch.cuda.is_available()``, else ``"estimate"``),
+            ``"cpu"``, ``"estimate"`` or ``"cuda"``; a :class:`Backend` is returned as is
+            (then the other arguments must be ``None``).
+        memory_limit: device bytes (int, ``"80GiB"``, ``"80GB"``, a device preset such as
+            ``"h100-80gb"``); default: unlimited (cpu, estimate), the device's memory (cuda).
+        reserve_bytes: bytes of ``memory_limit`` no tracker sees; default 0 (cpu), 1 GiB
+            (estimate), measured (cuda).
+        round_to: storage rounding; default 1 (cpu), 512 (estimate, cuda).
+
+    Returns:
+        A :class:`Backend`; ``backend.limit_bytes = memory_limit - reserve_bytes``.
+
+    Raises:
+        InvalidArgument: unknown name (the choices are listed), bad sizes, reserve not below
+            the limit, or ``"cuda"`` without a CUDA device.
+
+    Example:
+        >>> b = get_backend("estimate", memory_limit="h100-80gb")
+        >>> b.name, b.limit_bytes == b.memory_limit - 1024**3
+        ('estimate', True)
+    """
+    if isinstance(name, Backend):
+        if not (memory_limit is None and reserve_bytes is None and round_to is None):
+            raise InvalidArgument(
+                f"memory_limit, reserve_bytes and round_to must be None when backend is a Backend instance, but got memory_limit={memory_limit!r}, reserve_bytes={reserve_bytes!r}, round_to={round_to!r}; configure the instance instead"
+            )
+        return name
+    check_choice("backend", name, BACKEND_NAMES)
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "estimate"
+    return BACKENDS[name](memory_limit=memory_limit, reserve_bytes=reserve_bytes, round_to=round_to)
+
+
+def measure_peak(
+    step: Callable[[], Any],
+    *,
+    backend: str | Backend = "auto",
+    register: Any = (),
+    categories: Any = None,
+    **backend_kwargs: Any,
+) -> MemoryMeasurement:
+    """Measure one call of ``step()``: ``get_backend(backend, **backend_kwargs).measure(step, register)``.
+
+    For the estimate backend, ``step``'s tensors must come from that backend's
+    ``context()``: pass the ``Backend`` instance used to build them. A step built by
+    :func:`batchfit.models.causal_lm_step` with its ``persistent`` state is registered for
+    you when ``register`` is empty.
+
+    Example:
+        >>> import torch
+        >>> x = torch.ones(256)
+        >>> measure_peak(lambda: x * 2, backend="cpu", register=x).peak_bytes  # 2 * 256 * 4
+        2048
+    """
+    chosen = get_backend(backend, **backend_kwargs)
+    empty = register is None or (isinstance(register, (tuple, list)) and len(register) == 0)
+    if empty and hasattr(step, "persistent"):
+        register = step.persistent
+    return chosen.measure(step, register=register, categories=categories)

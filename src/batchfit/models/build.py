@@ -1,0 +1,124 @@
+"""Building causal LMs (and value-head critics) from a spec, with real or fake tensors."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from batchfit.errors import InvalidArgument
+from batchfit.memory import Backend, get_backend
+from batchfit.models.specs import DEFAULT_PRESET, load_config
+from batchfit.validation import check_choice
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: Any) -> torch.dtype:
+    """A floating ``torch.dtype`` from a dtype or a name (``"bf16"``, ``"bfloat16"``, ``"fp32"``, ...).
+
+    Raises:
+        InvalidArgument: anything else, listing the names.
+    """
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.strip().lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.strip().lower().removeprefix("torch.")]
+    raise InvalidArgument(
+        f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (or a name: {', '.join(_DTYPES)}), but got dtype={dtype!r}"
+    )
+
+
+def resolve_backend(backend: Any) -> Backend | None:
+    """``None`` stays ``None`` (plain CPU tensors); a name goes through :func:`get_backend`."""
+    if backend is None or isinstance(backend, Backend):
+        return backend
+    return get_backend(backend)
+
+
+def build_causal_lm(
+    spec: Any = DEFAULT_PRESET,
+    *,
+    backend: Any = None,
+    dtype: Any = torch.float32,
+    attn_implementation: str = "sdpa",
+    gradient_checkpointing: bool = False,
+    value_head: bool = False,
+    **config_overrides: Any,
+) -> torch.nn.Module:
+    """A randomly initialised causal LM (or value-head critic) in training mode.
+
+    Args:
+        spec: preset name, local directory with ``config.json``, hub id, or a
+            ``PretrainedConfig`` (see :func:`batchfit.models.load_config`); default ``"tiny"``.
+        backend: a :class:`~batchfit.memory.Backend` or its name; the model is built inside
+            ``backend.context()`` on ``backend.device`` (fake tensors for ``"estimate"``,
+            which allocate nothing). ``None``: ordinary CPU tensors.
+        dtype: parameter dtype (``torch.bfloat16`` or ``"bf16"``, ...).
+        attn_implementation: ``"sdpa"`` (default), ``"eager"``, ``"flash_attention_2"``, ...
+        gradient_checkpointing: non-reentrant activation checkpointing of every decoder layer
+            (``activation_checkpointing_enable`` in transformers 5.x,
+            ``gradient_checkpointing_enable`` before).
+        value_head: build a critic instead: the backbone plus ``Linear(hidden, 1)``
+            (``AutoModelForTokenClassification`` with ``num_labels=1``, no dropout).
+        **config_overrides: config attributes to override, e.g. ``num_hidden_layers=2``.
+
+    Returns:
+        The model, in ``train()`` mode, with ``use_cache=False``.
+
+    Raises:
+        InvalidArgument: bad spec, dtype, attention implementation or backend name.
+
+    Example:
+        >>> model = build_causal_lm("tiny")
+        >>> type(model).__name__, next(model.parameters()).dtype
+        ('LlamaForCausalLM', torch.float32)
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    torch_dtype = parse_dtype(dtype)
+    check_choice("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
+    chosen = resolve_backend(backend)
+    config = load_config(spec, **config_overrides)
+    config.use_cache = False
+    if value_head:
+        config.num_labels = 1
+        config.classifier_dropout = 0.0
+    factory = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    context = chosen.context() if chosen is not None else contextlib.nullcontext()
+    device = chosen.device if chosen is not None else torch.device("cpu")
+    with context, torch.device(device) if device.type != "cpu" else contextlib.nullcontext():
+        model = factory.from_config(config, dtype=torch_dtype, attn_implementation=attn_implementation)
+        if gradient_checkpointing:
+            enable_activation_checkpointing(model)
+    return model.train()
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation checkpointing through whichever API transformers offers.
+
+    Raises:
+        InvalidArgument: the model supports neither ``activation_checkpointing_enable`` nor
+            ``gradient_checkpointing_enable``.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise InvalidArgument(
+            f"gradient_checkpointing=True needs a transformers model with activation_checkpointing_enable or gradient_checkpointing_enable, but got a {type(model).__name__}; pass gradient_checkpointing=False"
+        )

@@ -1,0 +1,122 @@
+"""Model specs: a preset shipped as data, a local directory with ``config.json``, or a hub id.
+
+Presets are JSON files in ``batchfit/models/presets/`` (``{"description", "hub_id",
+"config"}``, ``config`` being a transformers ``config.json``). Only configurations are read:
+models are built from them with random weights (:func:`batchfit.models.build_causal_lm`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from batchfit.errors import InvalidArgument
+from batchfit.validation import closest
+
+DEFAULT_PRESET = "tiny"
+
+
+@cache
+def _preset_files() -> dict[str, str]:
+    folder = resources.files("batchfit.models") / "presets"
+    return {
+        entry.name[: -len(".json")]: entry.read_text(encoding="utf-8")
+        for entry in folder.iterdir()
+        if entry.name.endswith(".json")
+    }
+
+
+def list_presets() -> list[str]:
+    """Names of the shipped presets, sorted (``"tiny"``, ``"qwen2.5-0.5b"``, ``"llama-3.1-8b"``, ...)."""
+    return sorted(_preset_files())
+
+
+def preset_info(name: str) -> dict[str, Any]:
+    """The preset's JSON: ``{"description": str, "hub_id": str | None, "config": dict}``.
+
+    Raises:
+        InvalidArgument: ``name`` is not a preset (the presets are listed).
+    """
+    files = _preset_files()
+    key = name.strip().lower()
+    if key not in files:
+        raise InvalidArgument(_unknown_spec_message(name))
+    return json.loads(files[key])
+
+
+def _unknown_spec_message(spec: str) -> str:
+    presets = list_presets()
+    near = closest(spec.strip().lower(), presets)
+    hint = f"; did you mean {near!r}?" if near else ""
+    return f"spec must be a preset ({', '.join(presets)}), a local directory containing config.json, or a hub id such as 'Qwen/Qwen2.5-0.5B', but got spec={spec!r}{hint}"
+
+
+def load_config(spec: Any = DEFAULT_PRESET, **overrides: Any) -> Any:
+    """A transformers ``PretrainedConfig`` for ``spec``.
+
+    Resolution order: a ``PretrainedConfig`` (copied); a preset name (case-insensitive);
+    a local directory containing ``config.json`` or a path to a ``.json`` file; a hub id
+    ``"org/name"`` (downloads ``config.json`` only, when the network allows).
+
+    Args:
+        spec: see above; default ``"tiny"``.
+        **overrides: config attributes to set, e.g. ``num_hidden_layers=2``.
+
+    Returns:
+        The config (a new object; the presets are never modified).
+
+    Raises:
+        InvalidArgument: unknown spec (lists the presets and the closest), an unreadable
+            config file, or a hub id that cannot be fetched.
+
+    Example:
+        >>> cfg = load_config("qwen2.5-0.5b")
+        >>> cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads
+        (896, 24, 2)
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(spec, PretrainedConfig):
+        config = spec.__class__.from_dict(spec.to_dict())
+    elif not isinstance(spec, (str, os.PathLike)):
+        raise InvalidArgument(
+            f"spec must be a preset name, a path or a hub id (a string), but got spec={spec!r} ({type(spec).__name__}); presets: {', '.join(list_presets())}"
+        )
+    else:
+        config = _config_from_string(str(spec), AutoConfig)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _config_from_string(spec: str, auto_config: Any) -> Any:
+    key = spec.strip().lower()
+    if key in _preset_files():
+        data = dict(preset_info(key)["config"])
+        return auto_config.for_model(data.pop("model_type"), **data)
+    path = Path(spec).expanduser()
+    if path.is_dir() or path.suffix == ".json":
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise InvalidArgument(
+                f"spec={spec!r} is a path but {str(file)!r} does not exist; point spec at a directory containing config.json"
+            )
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+            return auto_config.for_model(data.pop("model_type"), **data)
+        except (OSError, ValueError, KeyError) as exc:
+            raise InvalidArgument(
+                f"spec={spec!r}: cannot read a transformers config from {str(file)!r} ({exc}); it needs a 'model_type' field"
+            ) from exc
+    if spec.count("/") == 1 and not spec.startswith(("/", ".")):
+        try:
+            return auto_config.from_pretrained(spec)
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(
+                f"spec={spec!r} looks like a hub id but its config could not be fetched ({type(exc).__name__}); check the id and the network, or use a preset ({', '.join(list_presets())}) or a local directory with config.json"
+            ) from exc
+    raise InvalidArgument(_unknown_spec_message(spec))

@@ -1,0 +1,241 @@
+"""Ready-made training steps for a causal LM (policy) or a value-head model (critic).
+
+A :class:`TrainingStep` runs one forward + backward (+ optimizer step) on random tokens of
+a given shape, creating its inputs on ``backend.device`` inside ``backend.context()``, so
+the same step serves the cpu, estimate and cuda backends:
+
+    backend = get_backend("estimate", memory_limit="h100-80gb")
+    model = build_causal_lm("qwen2.5-0.5b", backend=backend, dtype="bf16")
+    step = causal_lm_step(model, backend=backend)
+    m = backend.measure(lambda: step(4, 8192), register=step.persistent)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+
+from batchfit.errors import InvalidArgument
+from batchfit.memory import Backend
+from batchfit.models.build import resolve_backend
+from batchfit.validation import check_choice, check_int, check_positive_int
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+class TrainingStep:
+    """One training step of ``model`` on random tokens: ``step(batch_size, seq_len)``.
+
+    Policy (``critic=False``): per-token log-probs of the next token from ``log_softmax``
+    of the fp32 logits, loss = minus their masked mean (the shape of an RL policy loss).
+    Critic (``critic=True``): values ``model(...).logits[..., 0]`` in fp32, loss = masked
+    mean squared error against random returns. Then backward, then ``optimizer.step()`` and
+    ``zero_grad(set_to_none=True)`` (or only ``zero_grad`` without an optimizer), so the
+    state after a call equals the state before it.
+
+    Attributes:
+        model: the module trained.
+        optimizer: the optimizer (state already initialised) or ``None``.
+        backend: the :class:`~batchfit.memory.Backend` the step was built for.
+        critic: value-head loss instead of the policy loss.
+        vocab_size: token ids are drawn from ``[0, vocab_size)``.
+        persistent: ``(model, optimizer)`` (or ``(model,)``), to register with
+            ``backend.measure``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        backend: Backend,
+        optimizer: torch.optim.Optimizer | None,
+        critic: bool,
+        vocab_size: int,
+    ):
+        self.model = model
+        self.backend = backend
+        self.optimizer = optimizer
+        self.critic = critic
+        self.vocab_size = vocab_size
+        self.persistent: tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
+
+    def __call__(self, batch_size: int, seq_len: int) -> None:
+        """Run one step on ``batch_size`` random sequences of ``seq_len`` tokens.
+
+        Raises:
+            InvalidArgument: ``batch_size < 1``, or ``seq_len`` below 2 (policy) / 1 (critic).
+        """
+        batch_size = check_positive_int("batch_size", batch_size)
+        seq_len = check_int("seq_len", seq_len, minimum=1 if self.critic else 2)
+        with self.backend.context():
+            self.model.train()
+            loss = self._loss(batch_size, seq_len)
+            loss.backward()
+            del loss
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
+                self.model.zero_grad(set_to_none=True)
+
+    def _loss(self, batch_size: int, seq_len: int) -> torch.Tensor:
+        # A function of its own so that every intermediate not saved for backward dies here.
+        device = self.backend.device
+        input_ids = torch.randint(0, self.vocab_size, (batch_size, seq_len), device=device)
+        if self.critic:
+            values = self.model(input_ids=input_ids, use_cache=False).logits[..., 0].float()
+            returns = torch.randn(batch_size, seq_len, device=device)
+            mask = torch.ones(batch_size, seq_len, device=device)
+            return ((values - returns).square() * mask).sum() / mask.sum()
+        logits = self.model(input_ids=input_ids, use_cache=False).logits
+        logprobs = token_logprobs(logits[:, :-1], input_ids[:, 1:])
+        del logits
+        mask = torch.ones(batch_size, seq_len - 1, device=device)
+        return -(logprobs * mask).sum() / mask.sum()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits.float())`` gathered at ``tokens``: shape ``tokens.shape``.
+
+    The plain version: it materialises fp32 ``[B, S, V]`` log-probs (the memory-bounded
+    ones live in :mod:`batchfit.logprobs`).
+    """
+    return F.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazy state now with a zero-learning-rate step on zero gradients.
+
+    Parameters and their existing gradients are left unchanged (AdamW's decoupled weight
+    decay multiplies by ``1 - lr * wd = 1``); gradients are set to ``None`` afterwards.
+    Without this, the first measured step would also allocate the state and a single
+    profile would miss it on later steps (SkyRL #1060).
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved_grads = [p.grad for p in params]
+    saved_lrs = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0 if not isinstance(group["lr"], torch.Tensor) else group["lr"] * 0
+        with torch.no_grad():
+            optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs):
+            group["lr"] = lr
+        for p, grad in zip(params, saved_grads):
+            p.grad = grad
+
+
+def causal_lm_step(
+    model: torch.nn.Module,
+    *,
+    backend: Any,
+    optimizer: str | torch.optim.Optimizer | None = "adamw",
+    critic: bool | None = None,
+    vocab_size: int | None = None,
+    lr: float = 1e-6,
+) -> TrainingStep:
+    """The training step function for ``model`` on ``backend``, optimizer state initialised.
+
+    Args:
+        model: built by :func:`batchfit.models.build_causal_lm` with the same ``backend``
+            (or any transformers causal LM / token classifier on ``backend.device``).
+        backend: the :class:`~batchfit.memory.Backend` (or its name) to measure with.
+        optimizer: ``"adamw"`` (``foreach=True``, the CUDA default, on every backend),
+            ``"sgd"`` (momentum 0.9), an optimizer over ``model``'s parameters, or ``None``
+            (forward + backward only).
+        critic: value-head loss; default: ``True`` iff ``model`` is a token classifier with
+            one label (``build_causal_lm(value_head=True)``).
+        vocab_size: token ids are drawn below this; default ``model.config.vocab_size``.
+        lr: learning rate of a created optimizer.
+
+    Returns:
+        A :class:`TrainingStep`; ``step.persistent`` is what to register with
+        ``backend.measure``.
+
+    Raises:
+        InvalidArgument: the model's tensors do not belong to ``backend`` (fake vs real,
+            or another estimate backend's fake mode), an unknown optimizer name, ``critic``
+            inconsistent with the model, a bad ``vocab_size``.
+
+    Example:
+        >>> from batchfit.memory import get_backend
+        >>> from batchfit.models import build_causal_lm
+        >>> backend = get_backend("cpu")
+        >>> step = causal_lm_step(build_causal_lm("tiny", backend=backend), backend=backend)
+        >>> backend.measure(lambda: step(2, 16), register=step.persistent).fits
+        True
+    """
+    chosen = resolve_backend(backend)
+    if chosen is None:
+        raise InvalidArgument(
+            "backend must be a Backend or a backend name, but got backend=None; pass the backend the model was built with"
+        )
+    _check_model_on_backend(model, chosen)
+    is_value_model = _is_value_model(model)
+    if critic is None:
+        critic = is_value_model
+    elif critic and not is_value_model:
+        raise InvalidArgument(
+            f"critic=True needs a value-head model (one output per token), but got a {type(model).__name__}; build it with build_causal_lm(..., value_head=True)"
+        )
+    if vocab_size is None:
+        vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+        if vocab_size is None:
+            raise InvalidArgument(
+                f"vocab_size is required when the model has no config.vocab_size, but got vocab_size=None for a {type(model).__name__}"
+            )
+    vocab_size = check_positive_int("vocab_size", vocab_size)
+    opt = _make_optimizer(model, optimizer, lr, chosen)
+    return TrainingStep(model, backend=chosen, optimizer=opt, critic=bool(critic), vocab_size=vocab_size)
+
+
+def _make_optimizer(
+    model: torch.nn.Module, optimizer: Any, lr: float, backend: Backend
+) -> torch.optim.Optimizer | None:
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        opt = optimizer
+    else:
+        check_choice("optimizer", optimizer, OPTIMIZERS)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if optimizer == "adamw":
+            opt = torch.optim.AdamW(params, lr=lr, foreach=True)
+        else:
+            opt = torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
+    with backend.context():
+        initialize_optimizer_state(opt)
+    return opt
+
+
+def _is_value_model(model: torch.nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return (
+        type(model).__name__.endswith("ForTokenClassification") and getattr(config, "num_labels", None) == 1
+    )
+
+
+def _check_model_on_backend(model: torch.nn.Module, backend: Backend) -> None:
+    param = next(model.parameters(), None)
+    if param is None:
+        return
+    fake_mode = getattr(backend, "fake_mode", None)
+    if fake_mode is not None:
+        if not isinstance(param, FakeTensor) or param.fake_mode is not fake_mode:
+            raise InvalidArgument(
+                f"model must be built inside this backend's context() for backend={backend.name!r} (fake tensors), but got a model with {type(param).__name__} parameters from elsewhere; build it with build_causal_lm(..., backend=backend)"
+            )
+    elif isinstance(param, FakeTensor):
+        raise InvalidArgument(
+            f"model has fake parameters (built for the estimate backend) but got backend={backend.name!r}; build the model with build_causal_lm(..., backend=backend)"
+        )
+    elif param.device.type != backend.device.type:
+        raise InvalidArgument(
+            f"model parameters are on {param.device} but backend={backend.name!r} creates inputs on {backend.device}; build the model with build_causal_lm(..., backend=backend)"
+        )
