@@ -12,7 +12,12 @@ import torch
 from batchfit.errors import InvalidArgument
 from batchfit.memory.base import Backend
 from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.memory.registration import ACTIVATIONS, registered_tensors, storage_bytes
+from batchfit.memory.registration import (
+    ACTIVATIONS,
+    registered_tensors,
+    restore_grads_after_abort,
+    storage_bytes,
+)
 
 # Messages of allocation failures that surface as a plain RuntimeError (library workspaces).
 _OOM_MESSAGES = ("CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
@@ -92,6 +97,7 @@ class CudaBackend(Backend):
     ) -> MemoryMeasurement:
         """Run ``fn()`` once on the device; see :meth:`Backend.measure` and NOTE [ What counts as OOM ]."""
         registered = storage_bytes(registered_tensors(register, categories))
+        restore_grads = restore_grads_after_abort(register)
         start = time.perf_counter()
         gc.collect()
         torch.cuda.synchronize(self._device)
@@ -106,6 +112,7 @@ class CudaBackend(Backend):
             exceeded = True  # the traceback (and the tensors its frames hold) dies here
         peak = int(torch.cuda.max_memory_allocated(self._device))
         if exceeded:
+            restore_grads()
             gc.collect()
             torch.cuda.empty_cache()
         breakdown = {k: v for k, v in registered.items() if v}

@@ -9,7 +9,7 @@ categories: a module's parameters are ``"parameters"``, their existing ``.grad``
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -107,3 +107,20 @@ def storage_bytes(pairs: list[tuple[torch.Tensor, str]]) -> dict[str, int]:
         seen.add(key)
         out[cat] = out.get(cat, 0) + int(storage.nbytes())
     return out
+
+
+def restore_grads_after_abort(register: Any) -> Callable[[], None]:
+    """Remember the ``.grad`` of the registered modules' trainable parameters; return a restorer.
+
+    A step aborted mid-backward (simulated limit or real OOM) leaves partial gradients
+    behind, which the next measurement would count. The returned function puts back the
+    gradients that existed before the call (usually ``None``).
+    """
+    params = trainable_parameters(register)
+    before = [p.grad for p in params]
+
+    def restore() -> None:
+        for p, grad in zip(params, before):
+            p.grad = grad
+
+    return restore

@@ -9,7 +9,12 @@ from typing import Any
 
 from batchfit.memory.base import Backend
 from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.memory.registration import GRADIENTS, registered_tensors, trainable_parameters
+from batchfit.memory.registration import (
+    GRADIENTS,
+    registered_tensors,
+    restore_grads_after_abort,
+    trainable_parameters,
+)
 from batchfit.memory.tracker import MemoryLimitExceeded, MemoryTracker
 
 
@@ -30,6 +35,7 @@ class TrackedBackend(Backend):
     ) -> MemoryMeasurement:
         """Run ``fn()`` once under the tracker; see :meth:`Backend.measure`."""
         pairs = registered_tensors(register, categories)
+        restore_grads = restore_grads_after_abort(register)
         start = time.perf_counter()
         tracker = MemoryTracker(round_to=self.round_to, limit_bytes=self.limit_bytes)
         exceeded = False
@@ -51,6 +57,7 @@ class TrackedBackend(Backend):
                 for handle in handles:
                     handle.remove()
         if exceeded:
+            restore_grads()
             gc.collect()
         peak = tracker.peak_bytes
         limit = self.limit_bytes

@@ -1,0 +1,398 @@
+"""batchfit.memory: sizes, backends (cpu exact, estimate == cpu to the byte, cuda through a fake OOM)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchfit import InvalidArgument
+from batchfit.memory import (
+    Backend,
+    CpuBackend,
+    CudaBackend,
+    EstimateBackend,
+    MemoryLimitExceeded,
+    MemoryTracker,
+    format_bytes,
+    get_backend,
+    is_out_of_memory,
+    measure_peak,
+    parse_memory,
+)
+from batchfit.models import build_causal_lm, causal_lm_step
+
+# --------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        pytest.param(123456789, 123456789, id="int-bytes"),
+        pytest.param("80GiB", 85899345920, id="GiB"),  # 80 * 1024**3
+        pytest.param("80GB", 80_000_000_000, id="GB"),  # 80 * 1000**3
+        pytest.param(" 512 mib ", 536870912, id="spaces-and-case"),  # 512 * 1024**2
+        pytest.param("1.5GB", 1_500_000_000, id="fraction"),
+        pytest.param("4096", 4096, id="bare-number"),
+        pytest.param("h100-80gb", 85520809984, id="h100"),  # nvidia-smi 81559 MiB * 1024**2
+        pytest.param("H100", 85520809984, id="alias-upper-case"),
+        pytest.param("a100-40gb", 42505076736, id="a100-40gb"),  # 40536 MiB
+        pytest.param("b200", 192265846784, id="b200"),  # 183359 MiB
+        pytest.param("l4", 24152899584, id="l4"),  # 23034 MiB
+    ],
+)
+def test_parse_memory_literal_values(value, expected):
+    assert parse_memory(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        pytest.param(0, r"positive number of bytes, but got memory=0", id="zero"),
+        pytest.param(-5, r"positive number of bytes, but got memory=-5", id="negative"),
+        pytest.param(True, r"must be an int or a string, but got memory=True", id="bool"),
+        pytest.param(1.5e9, r"must be an int or a string, but got memory=1500000000.0", id="float"),
+        pytest.param("80XB", r"got memory='80XB'.*h100-80gb", id="bad-unit"),
+        pytest.param("h10-80gb", r"did you mean 'h100-80gb'\?", id="typo-preset"),
+        pytest.param("", r"got memory=''", id="empty"),
+        pytest.param("0GB", r"got memory='0GB'", id="zero-size"),
+    ],
+)
+def test_parse_memory_rejects_bad_values_naming_value_and_presets(value, match):
+    with pytest.raises(InvalidArgument, match=match):
+        parse_memory(value)
+
+
+def test_format_bytes_is_binary():
+    assert format_bytes(3 * 1024**3) == "3.00 GiB"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(12) == "12 B"
+    assert format_bytes(None) == "unlimited"
+
+
+# --------------------------------------------------------------------------- backend selection
+
+
+def test_auto_is_estimate_without_cuda():
+    assert get_backend("auto").name == "estimate"
+
+
+def test_backend_defaults_and_limit_arithmetic():
+    cpu, est = get_backend("cpu"), get_backend("estimate", memory_limit="80GiB")
+    assert (cpu.memory_limit, cpu.reserve_bytes, cpu.round_to, cpu.limit_bytes) == (None, 0, 1, None)
+    # 80 GiB - the 1 GiB default reserve = 79 GiB
+    assert (est.reserve_bytes, est.round_to, est.limit_bytes) == (1024**3, 512, 79 * 1024**3)
+    assert cpu.device == est.device == torch.device("cpu")
+    assert get_backend(cpu) is cpu
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "match"),
+    [
+        pytest.param(
+            "gpu",
+            {},
+            r"backend must be one of 'auto', 'cpu', 'estimate', 'cuda', but got backend='gpu'",
+            id="unknown",
+        ),
+        pytest.param("estimat", {}, r"did you mean 'estimate'\?", id="typo"),
+        pytest.param(
+            "cuda", {}, r"torch.cuda.is_available\(\) is False; use backend='estimate'", id="cuda-without-gpu"
+        ),
+        pytest.param(
+            "estimate",
+            {"memory_limit": "1GiB"},
+            r"reserve_bytes must be smaller than memory_limit",
+            id="reserve-too-big",
+        ),
+        pytest.param(
+            "cpu",
+            {"round_to": 0},
+            r"round_to must be an integer >= 1, but got round_to=0",
+            id="round-to-zero",
+        ),
+        pytest.param("cpu", {"memory_limit": "lots"}, r"memory_limit=.lots.", id="bad-limit"),
+    ],
+)
+def test_get_backend_rejects_bad_arguments(name, kwargs, match):
+    with pytest.raises(InvalidArgument, match=match):
+        get_backend(name, **kwargs)
+
+
+def test_backend_instance_with_settings_is_rejected():
+    with pytest.raises(InvalidArgument, match=r"must be None when backend is a Backend instance"):
+        get_backend(CpuBackend(), memory_limit="1GiB")
+
+
+# --------------------------------------------------------------------------- tracker and cpu backend
+
+
+def test_tracker_aborts_above_its_limit():
+    x = torch.ones(1024)  # 4096 B
+    with pytest.raises(MemoryLimitExceeded) as info, MemoryTracker(limit_bytes=10_000) as t:
+        t.register(x)
+        y = x * 2  # 8192 B live
+        _ = y * 2  # 12288 B > 10000: abort
+    assert (info.value.reached, info.value.limit) == (12288, 10_000)
+    assert t.peak_bytes == 12288
+
+
+def test_cpu_measure_is_exact_and_counts_registered_state():
+    x = torch.ones(256)
+    m = CpuBackend().measure(lambda: x * 2, register=x)
+    # x (1 KiB, inputs) + x * 2 (1 KiB, activations)
+    assert (m.peak_bytes, m.fits, m.exceeded, m.limit_bytes) == (2048, True, False, None)
+    assert m.breakdown == {"inputs": 1024, "activations": 1024}
+
+
+def test_round_to_rounds_every_storage():
+    x = torch.ones(10)  # 40 B -> 512 B
+    m = CpuBackend(round_to=512).measure(lambda: x * 2, register=x)
+    assert m.peak_bytes == 1024  # 2 storages of 40 B, each rounded to 512
+
+
+@settings(max_examples=15, deadline=None)
+@given(sizes=st.lists(st.integers(1, 4096), min_size=1, max_size=8), limit=st.integers(1, 40_000))
+def test_a_limited_run_fits_iff_the_unlimited_peak_is_within_the_limit(sizes, limit):
+    def step():
+        held = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        return held
+
+    free = CpuBackend().measure(step)
+    assert free.peak_bytes == sum(sizes)
+    capped = CpuBackend(memory_limit=limit).measure(step)
+    assert capped.fits == (free.peak_bytes <= limit) == (not capped.exceeded)
+    if capped.exceeded:  # aborted: a lower bound above the limit
+        assert limit < capped.peak_bytes <= free.peak_bytes
+    else:
+        assert capped.peak_bytes == free.peak_bytes
+
+
+def test_gradients_are_counted_as_gradients_once_accumulated():
+    lin = torch.nn.Linear(16, 16, bias=False)  # 1 KiB weight
+    x = torch.ones(4, 16)
+
+    def step():
+        lin(x).sum().backward()
+        return torch.empty(4096, dtype=torch.uint8)  # the peak comes after the backward
+
+    m = CpuBackend().measure(step, register=(lin, x))
+    # parameters 16 * 16 * 4, its gradient the same, inputs 4 * 16 * 4, the 4096 B tensor
+    assert m.breakdown == {"parameters": 1024, "gradients": 1024, "inputs": 256, "activations": 4096}
+
+
+def test_categories_override_and_length_is_checked():
+    x, y = torch.ones(8), torch.ones(16)
+    m = CpuBackend().measure(lambda: None, register=(x, y), categories=("prompt", None))
+    assert m.breakdown == {"prompt": 32, "inputs": 64}
+    with pytest.raises(InvalidArgument, match=r"categories must have one entry per registered object \(2\)"):
+        CpuBackend().measure(lambda: None, register=(x, y), categories=("a",))
+
+
+def test_an_aborted_step_leaves_no_partial_gradients():
+    backend = CpuBackend(memory_limit=4_600_000)
+    step = causal_lm_step(build_causal_lm("tiny", backend=backend), backend=backend)
+    m = backend.measure(lambda: step(8, 64), register=step.persistent)
+    assert (m.fits, m.exceeded) == (False, True)
+    assert all(p.grad is None for p in step.model.parameters())
+
+
+def test_measure_peak_registers_a_training_steps_persistent_state():
+    backend = CpuBackend()
+    step = causal_lm_step(build_causal_lm("tiny", backend=backend), backend=backend, optimizer=None)
+    m = measure_peak(_StepAt(step, 1, 8), backend=backend)
+    assert m.breakdown["parameters"] == 894208  # 223552 parameters * 4 B
+    # a lambda has no `persistent`: nothing is registered unless passed explicitly
+    assert "parameters" not in measure_peak(lambda: step(1, 8), backend=backend).breakdown
+    explicit = measure_peak(lambda: step(1, 8), backend=backend, register=step.persistent)
+    assert explicit.peak_bytes == m.peak_bytes
+
+
+class _StepAt:
+    """A step bound to a shape that still exposes ``persistent`` (what measure_peak looks for)."""
+
+    def __init__(self, step, b, s):
+        self.step, self.b, self.s, self.persistent = step, b, s, step.persistent
+
+    def __call__(self):
+        self.step(self.b, self.s)
+
+
+# --------------------------------------------------------------------------- estimate == cpu
+
+
+def _peak(backend_name, spec="tiny", **kwargs):
+    attn = kwargs.pop("attn_implementation", "sdpa")
+    shape = kwargs.pop("shape")
+    backend = get_backend(backend_name, round_to=1, reserve_bytes=0)
+    model = build_causal_lm(spec, backend=backend, attn_implementation=attn, **kwargs)
+    step = causal_lm_step(model, backend=backend)
+    return backend.measure(lambda: step(*shape), register=step.persistent)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("shape", [(1, 32), (3, 96)], ids=["1x32", "3x96"])
+def test_estimate_equals_cpu_to_the_byte(attn, shape):
+    cpu = _peak("cpu", attn_implementation=attn, shape=shape)
+    est = _peak("estimate", attn_implementation=attn, shape=shape)
+    assert est.peak_bytes == cpu.peak_bytes
+    assert est.breakdown == cpu.breakdown
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"gradient_checkpointing": True}, id="checkpointing"),
+        pytest.param({"value_head": True}, id="critic"),
+    ],
+)
+def test_estimate_equals_cpu_with_checkpointing_and_for_the_critic(kwargs):
+    assert (
+        _peak("estimate", shape=(2, 64), **kwargs).peak_bytes
+        == _peak("cpu", shape=(2, 64), **kwargs).peak_bytes
+    )
+
+
+def test_estimate_keeps_sdpa_causal_and_restores_transformers():
+    import transformers.masking_utils as mu
+
+    original = mu.find_packed_sequence_indices
+    backend = EstimateBackend(round_to=1, reserve_bytes=0)
+    model = build_causal_lm("tiny", backend=backend)
+    seen = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return real_sdpa(*args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = spy
+    try:
+        with backend.context():
+            assert mu.find_packed_sequence_indices is not original
+            model(input_ids=torch.randint(0, 1024, (2, 16)))
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = real_sdpa
+    assert seen == [(True, True), (True, True)]  # 2 layers, no explicit (B, 1, S, S) mask
+    assert mu.find_packed_sequence_indices is original
+
+
+def test_estimate_allocates_nothing_for_a_large_model():
+    backend = EstimateBackend(memory_limit="h100-80gb", round_to=1)
+    step = causal_lm_step(build_causal_lm("qwen2.5-0.5b", backend=backend, dtype="bf16"), backend=backend)
+    m = backend.measure(lambda: step(1, 256), register=step.persistent)
+    # 494,032,768 parameters (embeddings tied, counted once) * 2 B
+    assert m.breakdown["parameters"] == 988_065_536
+    # AdamW: exp_avg + exp_avg_sq in bf16 (2 * 988,065,536) + one 4-byte step per tensor (290 tensors)
+    assert m.breakdown["optimizer_state"] == 2 * 988_065_536 + 290 * 4
+    assert m.fits
+
+
+def test_estimate_reports_does_not_fit_cheaply():
+    backend = EstimateBackend(memory_limit="l4")
+    step = causal_lm_step(build_causal_lm("qwen2.5-0.5b", backend=backend, dtype="bf16"), backend=backend)
+    m = backend.measure(lambda: step(64, 8192), register=step.persistent)
+    assert (m.fits, m.exceeded) == (False, True)
+    assert m.peak_bytes > m.limit_bytes == parse_memory("l4") - 1024**3
+
+
+# --------------------------------------------------------------------------- cuda through a fake device
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's statistics functions replaced; no CUDA tensor is ever created."""
+    state = types.SimpleNamespace(peak=0, empty_cache_calls=0, resets=0)
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=10_000_000)
+    )
+    monkeypatch.setattr(cuda, "mem_get_info", lambda d=None: (9_000_000, 10_000_000))
+    monkeypatch.setattr(cuda, "memory_reserved", lambda d=None: 500_000)
+    monkeypatch.setattr(cuda, "synchronize", lambda d=None: None)
+
+    def reset(d=None):
+        state.resets += 1
+
+    def empty_cache():
+        state.empty_cache_calls += 1
+
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda d=None: state.peak)
+    monkeypatch.setattr(cuda, "empty_cache", empty_cache)
+    return state
+
+
+def test_cuda_defaults_come_from_the_device(fake_cuda):
+    b = get_backend("auto")
+    assert isinstance(b, CudaBackend) and b.device == torch.device("cuda", 0)
+    # reserve = total - free - torch's reserved = 10,000,000 - 9,000,000 - 500,000
+    assert (b.memory_limit, b.reserve_bytes, b.limit_bytes) == (10_000_000, 500_000, 9_500_000)
+
+
+def test_cuda_reports_peak_and_breakdown(fake_cuda):
+    weights = torch.ones(1000)  # 4000 B registered (a CPU tensor standing in for device state)
+
+    def step():
+        fake_cuda.peak = 1_004_000
+
+    m = CudaBackend().measure(step, register=weights)
+    assert (m.peak_bytes, m.fits, m.exceeded, m.backend) == (1_004_000, True, False, "cuda")
+    assert m.breakdown == {"inputs": 4000, "activations": 1_000_000}  # 1,004,000 - 4,000
+    assert fake_cuda.resets == 1
+
+
+def test_cuda_out_of_memory_is_does_not_fit_and_releases_memory(fake_cuda):
+    lin = torch.nn.Linear(4, 4)
+
+    def step():
+        lin(torch.ones(2, 4)).sum().backward()  # partial gradients, as in an OOM mid-backward
+        fake_cuda.peak = 9_900_000
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    m = CudaBackend().measure(step, register=lin)
+    assert (m.fits, m.exceeded, m.peak_bytes) == (False, True, 9_900_000)
+    assert fake_cuda.empty_cache_calls == 1
+    assert lin.weight.grad is None  # restored to the state before the call
+
+
+def test_cuda_peak_above_the_limit_without_oom_does_not_fit(fake_cuda):
+    def step():
+        fake_cuda.peak = 9_600_000  # above limit_bytes 9,500,000
+
+    m = CudaBackend().measure(step)
+    assert (m.fits, m.exceeded) == (False, False)
+
+
+@pytest.mark.parametrize(
+    ("exc", "is_oom"),
+    [
+        pytest.param(torch.OutOfMemoryError("CUDA out of memory"), True, id="OutOfMemoryError"),
+        pytest.param(
+            RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"),
+            True,
+            id="cublas",
+        ),
+        pytest.param(RuntimeError("shape mismatch"), False, id="other-runtime-error"),
+        pytest.param(ValueError("out of memory"), False, id="value-error"),
+    ],
+)
+def test_only_out_of_memory_counts_as_oom(exc, is_oom):
+    assert is_out_of_memory(exc) is is_oom
+
+
+def test_cuda_reraises_errors_that_are_not_oom(fake_cuda):
+    def step():
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        CudaBackend().measure(step)
+
+
+def test_every_backend_is_a_backend():
+    assert all(issubclass(cls, Backend) for cls in (CpuBackend, EstimateBackend, CudaBackend))
