@@ -289,7 +289,8 @@ def test_progress_callback_sees_every_probe_and_nothing_is_printed(capsys):
 
 def test_seq_lens_always_include_max_seq_len_longest_first():
     assert default_seq_lens(4096) == [4096, 2048, 1024, 512]
-    assert default_seq_lens(2) == [2, 1]
+    assert default_seq_lens(2) == [2]  # 1 is dropped: a next-token loss needs two tokens
+    assert default_seq_lens(1) == [1]
     budget, _ = synthetic_budget(seq_lens=[100, 1000])
     assert [p.seq_len for p in budget.points] == [4096, 1000, 100]
 

@@ -64,7 +64,8 @@ def default_seq_lens(max_seq_len: int, count: int = 4) -> list[int]:
     """Lengths to probe: ``max_seq_len, max_seq_len/2, /4, …`` (``count`` of them), longest first.
 
     A geometric spread over ``(0, max_seq_len]`` separates the per-token and the quadratic
-    (attention) terms of the memory model; duplicates (tiny ``max_seq_len``) are dropped.
+    (attention) terms of the memory model; lengths below 2 (a next-token loss needs two
+    tokens) and duplicates are dropped.
 
     Example:
         >>> default_seq_lens(4096)
@@ -72,7 +73,8 @@ def default_seq_lens(max_seq_len: int, count: int = 4) -> list[int]:
     """
     max_seq_len = check_positive_int("max_seq_len", max_seq_len)
     count = check_positive_int("count", count)
-    lens = [max(1, max_seq_len >> i) for i in range(count)]
+    # 2 is the shortest length a next-token loss can train on
+    lens = [max(min(2, max_seq_len), max_seq_len >> i) for i in range(count)]
     return sorted(set(lens), reverse=True)
 
 
@@ -193,7 +195,8 @@ def find_token_budget(
     check = ""
     for extra in range(_MAX_EXTRA_LENGTHS + 1):
         worst, check = _check_against_model(model, tokens, max_seq_len, limit, cost)
-        if worst is None or worst in {p.seq_len for p in points} or extra == _MAX_EXTRA_LENGTHS:
+        probed = {p.seq_len for p in points}
+        if worst is None or worst < 2 or worst in probed or extra == _MAX_EXTRA_LENGTHS:
             break
         point = run_length(worst, planned + extra, planned + extra + 1)
         points.append(point)
@@ -423,15 +426,21 @@ def _check_against_model(
     i = int(np.argmax(excess))
     if excess[i] > 0:
         return int(s[i]), (
-            f"the model predicts {predicted[i]:,.0f} bytes > limit {limit:,} (+{tolerance:,.0f} fit error) "
+            f"the model predicts {_fmt(predicted[i])} > limit {_fmt(limit)} (+{_fmt(tolerance)} fit error) "
             f"at seq_len={int(s[i])}"
         )
     j = int(np.argmax(predicted))
     headroom = limit - predicted[j]
     return None, (
-        f"the model agrees at every length 1..{max_seq_len}: worst predicted peak {predicted[j]:,.0f} bytes "
-        f"at seq_len={int(s[j])} ({headroom:,.0f} bytes {'below' if headroom >= 0 else 'above'} the limit)"
+        f"the model agrees at every length 1..{max_seq_len}: worst predicted peak {_fmt(predicted[j])} "
+        f"at seq_len={int(s[j])} ({_fmt(abs(headroom))} {'below' if headroom >= 0 else 'above'} the limit)"
     )
+
+
+def _fmt(nbytes: float) -> str:
+    from batchfit.memory import format_bytes
+
+    return format_bytes(round(float(nbytes)))
 
 
 __all__ = ["BudgetProgress", "ProgressCallback", "default_seq_lens", "find_token_budget"]

@@ -1,0 +1,97 @@
+"""Renderings of a :class:`~batchfit.budget.TokenBudget` for ``batchfit profile``: table, lines, plot."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+
+from batchfit.memory import format_bytes
+
+if TYPE_CHECKING:
+    from batchfit.budget import MemoryModel, TokenBudget
+
+
+def memory_model_text(model: MemoryModel | None) -> str:
+    """``peak ≈ 1.37 GiB + 18.04 KiB·b·s + 0.005 B·b·s²  (R² 0.99999, max residual 22.7 MiB, 13 probes)``."""
+    if model is None:
+        return "peak ≈ (no model)"
+    quad = f"{model.quadratic:.4g} B" if model.quadratic < 1024 else format_bytes(round(model.quadratic))
+    lin = f"{model.linear:.4g} B" if model.linear < 1024 else format_bytes(round(model.linear))
+    base = format_bytes(round(model.base)) if model.base >= 0 else f"-{format_bytes(round(-model.base))}"
+    return (
+        f"peak ≈ {base} + {lin}·b·s + {quad}·b·s²  "
+        f"(R² {model.r2:.5f}, max residual {format_bytes(round(model.max_residual))}, {model.n_points} probes)"
+    )
+
+
+def budget_table(budget: TokenBudget, title: str | None = None) -> Table:
+    """One row per probed length: max batch, tokens, peak, headroom to the limit, probes."""
+    table = Table(title=title, title_justify="left")
+    for name in ("seq len", "max batch", "tokens", "peak", "headroom", "probes"):
+        table.add_column(name, justify="right")
+    for p in budget.points:
+        headroom = budget.limit_bytes - p.peak_bytes
+        table.add_row(
+            f"{p.seq_len:,}",
+            f"{p.max_batch_size:,}" + (" (cap)" if p.capped else ""),
+            f"{p.tokens:,}" + (" ◀" if p.tokens == budget.tokens else ""),
+            format_bytes(p.peak_bytes),
+            format_bytes(headroom),
+            str(p.probes),
+        )
+    return table
+
+
+def budget_lines(budget: TokenBudget) -> list[str]:
+    """The budget, its guarantee, the limit, the memory model and the model check, as lines."""
+    if budget.cost == "padded":
+        meaning = f"b sequences padded to s ≤ {budget.max_seq_len:,} fit when b·s ≤ {budget.tokens:,}"
+    else:
+        meaning = (
+            f"packed micro-batches of sequences ≤ {budget.max_seq_len:,} tokens fit when the sum of "
+            f"lengths ≤ {budget.tokens:,}"
+        )
+    return [
+        f"token budget C = {budget.tokens:,} tokens ({budget.cost}): {meaning}",
+        f"limit {format_bytes(budget.limit_bytes)} = safety margin {budget.safety_margin:g} × "
+        f"{format_bytes(budget.usable_bytes)} usable; {budget.probes} probes",
+        f"memory model: {memory_model_text(budget.memory_model)}",
+        f"model check: {budget.model_check}",
+    ]
+
+
+def plot_budget(budgets: dict[str, TokenBudget], path: str) -> None:
+    """Peak memory vs. tokens per probed length (one line per length and role), with the limit.
+
+    matplotlib (Agg) is imported here only, so the CLI needs it only with ``--plot``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    limit = None
+    for role, budget in budgets.items():
+        limit = budget.limit_bytes if limit is None else min(limit, budget.limit_bytes)
+        by_len: dict[int, list[tuple[int, int, bool]]] = {}
+        for t in budget.trials:
+            by_len.setdefault(t.seq_len, []).append((t.batch_size * t.seq_len, t.peak_bytes, t.exceeded))
+        for seq_len, rows in sorted(by_len.items(), reverse=True):
+            rows.sort()
+            label = f"{role}: s={seq_len}" if len(budgets) > 1 else f"s={seq_len}"
+            (line,) = ax.plot([r[0] for r in rows], [r[1] / 2**30 for r in rows], "o-", label=label)
+            aborted = [r for r in rows if r[2]]
+            if aborted:
+                ax.plot([r[0] for r in aborted], [r[1] / 2**30 for r in aborted], "x", color=line.get_color())
+        ax.axvline(budget.tokens, linestyle=":", color="grey")
+    if limit is not None:
+        ax.axhline(limit / 2**30, color="red", linestyle="--", label=f"limit {format_bytes(limit)}")
+    ax.set_xlabel("tokens in the micro-batch (b·s)")
+    ax.set_ylabel("peak memory (GiB)")
+    ax.set_title("batchfit profile: probes (x = aborted at the limit), dotted = budget C")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
