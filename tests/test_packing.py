@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchfit import BudgetError, InvalidArgument
+from batchfit import BudgetError, InvalidArgument, packing
 from batchfit.packing import MicroBatchPlan, plan_micro_batches
 
 
@@ -94,6 +94,28 @@ def test_plan_is_deterministic_and_independent_of_input_type(inputs):
     assert plan_micro_batches(torch.tensor(lengths, dtype=torch.long), budget, **kwargs) == plan
 
 
+def test_large_packed_inputs_use_the_vectorised_packer_with_the_same_guarantees():
+    # above BEST_FIT_MAX_SEQUENCES: largest first, then the shortest that fit
+    plan = plan_micro_batches([100, 30, 70, 40], token_budget=140, cost="packed")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packing, "BEST_FIT_MAX_SEQUENCES", 0)
+        fast = plan_micro_batches([100, 30, 70, 40], token_budget=140, cost="packed")
+    assert fast.ranks == (((0, 1), (2, 3)),)  # 100 + 30 = 130, then 70 + 40 = 110
+    assert fast.num_micro_batches == plan.num_micro_batches == 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(plan_inputs)
+def test_vectorised_packed_plan_keeps_every_index_once_under_the_cap(inputs):
+    lengths, budget, dp_size, _, balance = inputs
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packing, "BEST_FIT_MAX_SEQUENCES", 0)
+        plan = plan_micro_batches(
+            lengths, budget, dp_size=dp_size, cost="packed", balance=balance, oversize="alone"
+        )
+    check_plan_invariants(plan, lengths, budget, dp_size, "packed")
+
+
 @settings(max_examples=100, deadline=None)
 @given(plan_inputs)
 def test_restore_order_inverts_the_plan_permutation(inputs):
@@ -137,12 +159,13 @@ def test_rank_costs_differ_by_at_most_the_budget(lengths, dp_size):
 # ---------------------------------------------------------------- literal examples
 
 
-def test_packed_plan_fills_the_longest_with_the_shortest():
+def test_packed_plan_puts_each_sequence_where_it_fits_best():
     plan = plan_micro_batches([100, 30, 70, 40], token_budget=140, cost="packed")
-    assert plan.ranks == (((0, 1), (2, 3)),)  # 100+30 = 130, 70+40 = 110
-    assert plan.costs == ((130, 110),)
+    # 100 leaves 40, 70 opens a second (room 70), 40 fits the room of 40 exactly, 30 joins 70
+    assert plan.ranks == (((0, 3), (2, 1)),)
+    assert plan.costs == ((140, 100),)
     assert plan.lower_bound == 2  # ⌈240 / 140⌉
-    assert plan.utilization == pytest.approx(240 / 280)  # (130 + 110) / (2 × 140)
+    assert plan.utilization == pytest.approx(240 / 280)  # (140 + 100) / (2 × 140)
     assert plan.padding_tokens == 0
 
 

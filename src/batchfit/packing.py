@@ -19,7 +19,7 @@ Guarantees of :func:`plan_micro_batches`:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -314,7 +314,50 @@ def _pack_packed(lens: list[int], idx: list[int], budget: int) -> tuple[list[lis
     return groups, costs
 
 
-_PACKERS = {"padded": _pack_padded, "packed": _pack_packed}
+def _pack_best_fit(lens: list[int], idx: list[int], budget: int) -> tuple[list[list[int]], list[int]]:
+    """Best-fit decreasing over lengths sorted in descending order (``packed`` cost).
+
+    Each sequence goes to the open micro-batch with the least room that still holds it
+    (ties: the one found first by bisection), else opens a new one. Bound (as for
+    first-fit decreasing): at most ``11/9·OPT + 6/9`` micro-batches. O(n log M) comparisons
+    plus list shifts of O(M) per sequence, with M the micro-batch count: one Python step per
+    sequence, so used only up to :data:`BEST_FIT_MAX_SEQUENCES` sequences.
+    """
+    rooms: list[int] = []  # open micro-batches' free tokens, ascending
+    owners: list[int] = []  # the micro-batch of each entry of rooms
+    groups: list[list[int]] = []
+    costs: list[int] = []
+    for length, i in zip(lens, idx):
+        k = bisect.bisect_left(rooms, length)
+        if k < len(rooms):
+            room = rooms.pop(k) - length
+            g = owners.pop(k)
+        else:  # nothing open holds it (an oversize sequence gets room < 0 and never takes more)
+            room = budget - length
+            g = len(groups)
+            groups.append([])
+            costs.append(0)
+        groups[g].append(i)
+        costs[g] += length
+        k = bisect.bisect_left(rooms, room)
+        rooms.insert(k, room)
+        owners.insert(k, g)
+    return groups, costs
+
+
+BEST_FIT_MAX_SEQUENCES = 16_384
+"""Up to this many sequences, ``packed`` plans use best-fit decreasing (fewer micro-batches);
+above it, the vectorised largest-first/smallest-fill packer (about 0.1 s per 100k sequences)."""
+
+
+Packer = Callable[[list[int], list[int], int], tuple[list[list[int]], list[int]]]
+
+
+def _packer(cost: str, num_sequences: int) -> Packer:
+    """The packer for ``cost``, chosen once per plan (by the total sequence count)."""
+    if cost == "padded":
+        return _pack_padded
+    return _pack_best_fit if num_sequences <= BEST_FIT_MAX_SEQUENCES else _pack_packed
 
 
 def _snake(n: int, dp_size: int) -> np.ndarray:
@@ -353,7 +396,7 @@ def _deal_micro_batches(
 
 
 def _deal_sequences(
-    lens: np.ndarray, idx: np.ndarray, budget: int, dp_size: int, cost: str
+    lens: np.ndarray, idx: np.ndarray, budget: int, dp_size: int, packer: Packer
 ) -> tuple[list[list[Indices]], list[list[int]]]:
     """Assign sequences to ranks (boustrophedon over descending lengths), then pack each rank."""
     rank_of = _snake(len(idx), dp_size)
@@ -361,7 +404,7 @@ def _deal_sequences(
     rank_costs: list[list[int]] = []
     for r in range(dp_size):
         mask = rank_of == r
-        groups, costs = _PACKERS[cost](lens[mask].tolist(), idx[mask].tolist(), budget)
+        groups, costs = packer(lens[mask].tolist(), idx[mask].tolist(), budget)
         ranks.append([tuple(g) for g in groups])
         rank_costs.append(costs)
     return ranks, rank_costs
@@ -389,9 +432,10 @@ def plan_micro_batches(
       led by length ``L`` holds ``C // L`` sequences. The count is **optimal**: no plan under
       the cap has fewer micro-batches (per rank: ``⌈M*/dp_size⌉`` with ``M*`` the optimum
       for one rank).
-    - ``cost="packed"`` (cost = sum of lengths): largest-first then fill with the shortest;
-      every micro-batch but the last holds more than ``C −`` (shortest sequence left), so the
-      count is within one or two of ``lower_bound`` when short sequences are plentiful.
+    - ``cost="packed"`` (cost = sum of lengths): best-fit decreasing (at most
+      ``11/9·OPT + 6/9``) up to :data:`BEST_FIT_MAX_SEQUENCES` sequences; above, largest-first
+      then fill with the shortest (every micro-batch but the last holds more than
+      ``C −`` the shortest sequence left), which keeps 100k sequences near 0.1 s.
     - ``dp_size > 1``: two candidate plans, the one with fewer micro-batches per rank wins (then
       the lower maximum rank cost, then the first): (1) sequences dealt to ranks boustrophedon
       over descending lengths (rank costs differ by at most the longest length), then packed
@@ -402,8 +446,8 @@ def plan_micro_batches(
       the ``k``-th micro-batches of all ranks (which run in lockstep under FSDP) match.
     - Ranks short of the maximum count get padding micro-batches (cost 1, no sequence).
 
-    Complexity: O(n log n) for the sort, then O(M log n) Python steps for M micro-batches;
-    100k sequences plan in tens of milliseconds.
+    Complexity: O(n log n) for the sort, then O(M log n) Python steps for M micro-batches
+    (best-fit: one step per sequence); 100k sequences plan in under 0.1 s.
 
     Args:
         lengths: valid tokens per sequence (list, numpy array or 1-D tensor), each >= 1.
@@ -424,8 +468,8 @@ def plan_micro_batches(
 
     Example:
         >>> plan = plan_micro_batches([100, 30, 70, 40], token_budget=140, cost="packed")
-        >>> plan.ranks  # the longest (100) filled with the shortest (30), then 70 + 40
-        (((0, 1), (2, 3)),)
+        >>> plan.ranks  # best fit: 40 fills the 40 tokens left beside 100, then 70 + 30
+        (((0, 3), (2, 1)),)
         >>> plan.num_micro_batches, plan.lower_bound
         (2, 2)
     """
@@ -453,13 +497,14 @@ def plan_micro_batches(
 
     order = np.argsort(-lens, kind="stable")  # longest first, ties by index
     sorted_lens = lens[order]
-    groups, costs = _PACKERS[cost](sorted_lens.tolist(), order.tolist(), budget)
+    packer = _packer(cost, len(lens))
+    groups, costs = packer(sorted_lens.tolist(), order.tolist(), budget)
     if dp_size == 1:
         ranks, rank_costs = [[tuple(g) for g in groups]], [costs]
     else:
         chosen = _deal_micro_batches(groups, costs, dp_size, balance)
         if balance:
-            by_sequence = _deal_sequences(sorted_lens, order, budget, dp_size, cost)
+            by_sequence = _deal_sequences(sorted_lens, order, budget, dp_size, packer)
             if _candidate_key(by_sequence) <= _candidate_key(chosen):
                 chosen = by_sequence
         ranks, rank_costs = chosen
