@@ -1,0 +1,268 @@
+"""batchfit.models: presets load with their real sizes, models build real or fake, step functions."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from batchfit import InvalidArgument
+from batchfit.memory import get_backend
+from batchfit.models import (
+    build_causal_lm,
+    causal_lm_step,
+    list_presets,
+    load_config,
+    parse_dtype,
+    preset_info,
+    token_logprobs,
+)
+
+# --------------------------------------------------------------------------- presets
+
+
+def test_the_required_presets_ship():
+    assert {"tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3.1-8b"} <= set(list_presets())
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        # (hidden, layers, heads, kv heads, intermediate, vocab, rope theta, tied)
+        ("qwen2.5-0.5b", (896, 24, 14, 2, 4864, 151936, 1e6, True)),
+        ("qwen2.5-1.5b", (1536, 28, 12, 2, 8960, 151936, 1e6, True)),
+        ("qwen2.5-7b", (3584, 28, 28, 4, 18944, 152064, 1e6, False)),
+        ("llama-3.1-8b", (4096, 32, 32, 8, 14336, 128256, 5e5, False)),
+    ],
+)
+def test_presets_have_the_real_architecture(name, expected):
+    c = load_config(name)
+    rope_theta = c.rope_parameters["rope_theta"]
+    got = (
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.intermediate_size,
+        c.vocab_size,
+        rope_theta,
+        c.tie_word_embeddings,
+    )
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "parameters"),
+    [
+        ("tiny", 223_552),
+        ("qwen2.5-0.5b", 494_032_768),  # the published counts
+        ("qwen2.5-1.5b", 1_543_714_304),
+        ("qwen2.5-7b", 7_615_616_512),
+        ("llama-3.2-1b", 1_235_814_400),
+        ("qwen3-0.6b", 596_049_920),
+        ("llama-3.1-8b", 8_030_261_248),
+    ],
+)
+def test_presets_build_fake_with_their_published_parameter_counts(name, parameters):
+    model = build_causal_lm(name, backend=get_backend("estimate"), dtype="bf16")
+    assert isinstance(next(model.parameters()), FakeTensor)
+    assert sum(p.numel() for p in model.parameters()) == parameters
+
+
+def test_llama_3_1_uses_llama3_rope_scaling():
+    rope = load_config("llama-3.1-8b").rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == (
+        "llama3",
+        8.0,
+        8192,
+    )
+
+
+def test_preset_info_and_names_are_case_insensitive():
+    assert preset_info("Qwen2.5-0.5B")["hub_id"] == "Qwen/Qwen2.5-0.5B"
+    assert load_config("TINY").hidden_size == 64
+
+
+def test_overrides_do_not_change_the_preset():
+    assert load_config("tiny", num_hidden_layers=1).num_hidden_layers == 1
+    assert load_config("tiny").num_hidden_layers == 2
+
+
+def test_a_local_directory_with_config_json_loads(tmp_path):
+    data = dict(preset_info("tiny")["config"], hidden_size=32, head_dim=8)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert load_config(tmp_path).hidden_size == 32
+    assert load_config(str(tmp_path / "config.json")).hidden_size == 32
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        pytest.param("qwen2.5-05b", r"spec=.qwen2.5-05b.; did you mean 'qwen2.5-0.5b'\?", id="typo"),
+        pytest.param("gpt5", r"spec must be a preset \(.*tiny.*\).*got spec='gpt5'", id="unknown"),
+        pytest.param(42, r"spec must be a preset name, a path or a hub id.*got spec=42", id="not-a-string"),
+        pytest.param("/nonexistent/dir/config.json", r"does not exist", id="missing-file"),
+    ],
+)
+def test_bad_specs_name_the_value_and_the_choices(spec, match):
+    with pytest.raises(InvalidArgument, match=match):
+        load_config(spec)
+
+
+def test_an_unreachable_hub_id_is_a_clear_error(monkeypatch):
+    import transformers
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
+    with pytest.raises(
+        InvalidArgument, match=r"spec='org/model' looks like a hub id but its config could not be fetched"
+    ):
+        load_config("org/model")
+
+
+# --------------------------------------------------------------------------- building
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param({"dtype": "int8"}, r"dtype must be torch.float32.*got dtype='int8'", id="dtype-name"),
+        pytest.param({"dtype": torch.int64}, r"got dtype=torch.int64", id="dtype-int"),
+        pytest.param(
+            {"attn_implementation": "flash"},
+            r"attn_implementation must be one of .*got attn_implementation='flash'",
+            id="attn",
+        ),
+        pytest.param({"backend": "gpu"}, r"backend must be one of", id="backend"),
+    ],
+)
+def test_build_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(InvalidArgument, match=match):
+        build_causal_lm("tiny", **kwargs)
+
+
+def test_parse_dtype_accepts_names():
+    assert parse_dtype("bf16") is parse_dtype("torch.bfloat16") is torch.bfloat16
+
+
+def test_build_options_take_effect():
+    model = build_causal_lm("tiny", dtype="bf16", attn_implementation="eager", gradient_checkpointing=True)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert model.config._attn_implementation == "eager"
+    name = (
+        "is_activation_checkpointing"
+        if hasattr(type(model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
+    assert getattr(model, name) and model.training
+
+
+def test_value_head_outputs_one_value_per_token():
+    critic = build_causal_lm("tiny", value_head=True)
+    out = critic(input_ids=torch.randint(0, 1024, (2, 5))).logits
+    assert out.shape == (2, 5, 1)
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def test_token_logprobs_literal_values():
+    logits = torch.zeros(1, 2, 4)  # uniform over 4 tokens
+    assert torch.allclose(token_logprobs(logits, torch.tensor([[0, 3]])), torch.full((1, 2), -math.log(4)))
+
+
+def test_optimizer_state_exists_before_the_first_step_and_the_peak_is_stable():
+    backend = get_backend("cpu")
+    model = build_causal_lm("tiny", backend=backend)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = causal_lm_step(model, backend=backend)
+    assert len(step.optimizer.state) == len(before)  # every parameter has AdamW state
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # lr 0: unchanged
+    peaks = [backend.measure(lambda: step(2, 16), register=step.persistent).peak_bytes for _ in range(2)]
+    assert peaks[0] == peaks[1]
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_step_trains():
+    backend = get_backend("cpu")
+    model = build_causal_lm("tiny", backend=backend)
+    before = next(model.parameters()).detach().clone()
+    causal_lm_step(model, backend=backend, optimizer="sgd", lr=0.1)(2, 8)
+    assert not torch.equal(before, next(model.parameters()))
+
+
+def test_critic_is_inferred_from_a_value_head_model():
+    backend = get_backend("cpu")
+    assert causal_lm_step(build_causal_lm("tiny", backend=backend, value_head=True), backend=backend).critic
+    assert not causal_lm_step(build_causal_lm("tiny", backend=backend), backend=backend).critic
+
+
+def test_persistent_holds_model_and_optimizer():
+    backend = get_backend("cpu")
+    model = build_causal_lm("tiny", backend=backend)
+    step = causal_lm_step(model, backend=backend)
+    assert step.persistent == (model, step.optimizer) and step.backend is backend
+    assert causal_lm_step(model, backend=backend, optimizer=None).persistent == (model,)
+
+
+@pytest.fixture(scope="module")
+def cpu_model():
+    backend = get_backend("cpu")
+    return build_causal_lm("tiny", backend=backend), backend
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "call", "match"),
+    [
+        pytest.param(
+            {"optimizer": "adam"},
+            None,
+            r"optimizer must be one of 'adamw', 'sgd'.*did you mean 'adamw'\?",
+            id="optimizer",
+        ),
+        pytest.param(
+            {"critic": True},
+            None,
+            r"critic=True needs a value-head model.*value_head=True",
+            id="critic-on-lm",
+        ),
+        pytest.param(
+            {"vocab_size": 0}, None, r"vocab_size must be an integer >= 1, but got vocab_size=0", id="vocab"
+        ),
+        pytest.param(
+            {"backend": None},
+            None,
+            r"backend must be a Backend or a backend name, but got backend=None",
+            id="no-backend",
+        ),
+        pytest.param(
+            {}, (0, 8), r"batch_size must be an integer >= 1, but got batch_size=0", id="batch-zero"
+        ),
+        pytest.param({}, (1, 1), r"seq_len must be an integer >= 2, but got seq_len=1", id="seq-one"),
+        pytest.param(
+            {}, (True, 8), r"batch_size must be an integer, but got batch_size=True", id="batch-bool"
+        ),
+    ],
+)
+def test_step_rejects_bad_arguments(cpu_model, kwargs, call, match):
+    model, backend = cpu_model
+    with pytest.raises(InvalidArgument, match=match):
+        step = causal_lm_step(model, **{"backend": backend, **kwargs})
+        step(*call)
+
+
+def test_a_model_must_belong_to_the_backend(cpu_model):
+    model, _ = cpu_model
+    estimate = get_backend("estimate")
+    with pytest.raises(InvalidArgument, match=r"model must be built inside this backend's context\(\)"):
+        causal_lm_step(model, backend=estimate)
+    fake = build_causal_lm("tiny", backend=estimate)
+    with pytest.raises(InvalidArgument, match=r"model has fake parameters .* but got backend='cpu'"):
+        causal_lm_step(fake, backend="cpu")
+    with pytest.raises(InvalidArgument, match=r"model must be built inside this backend's context\(\)"):
+        causal_lm_step(fake, backend=get_backend("estimate"))  # another estimate backend's fake mode
