@@ -1,0 +1,167 @@
+"""``batchfit bench``: benchmarks; ``batchfit bench logprobs`` times and sizes the log-prob paths.
+
+The numbers come from :func:`batchfit.bench_logprobs.run_logprobs_bench`; this module only parses,
+shows progress on stderr and renders a rich table (or ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from batchfit.bench_logprobs import BACKENDS, DTYPES, METHODS, STARTS, LogprobsBench, run_logprobs_bench
+
+MIB = 1024**2
+# Default grids: what the CPU runs in about a minute, and what the estimate backend is for.
+DEFAULT_GRID = {
+    "cpu": ([32768], [1024, 4096], [None, 1024]),
+    "cuda": ([32768, 131072], [8192, 32768], [None, 1024, 4096]),
+    "estimate": ([32768, 131072], [8192, 32768, 131072], [None, 1024, 4096]),
+}
+
+
+def _chunk(text: str) -> int | None:
+    if text.lower() in ("none", "off"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"chunk size must be a positive integer or 'none', but got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"chunk size must be a positive integer or 'none', but got {text!r}")
+    return value
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``bench`` and its sub-subcommand ``logprobs``."""
+    p = sub.add_parser("bench", help="benchmarks (logprobs: time and peak memory of log-prob paths)")
+    bench_sub = p.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=type(p))
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+    lp = bench_sub.add_parser(
+        "logprobs",
+        help="naive vs chunked-from-logits vs fused-from-hidden log-probs: time, peak MiB, savings",
+        description=(
+            "Forward+backward of logp.sum() + entropy.sum() per method over a grid of vocab sizes, "
+            "sequence lengths and chunk sizes. cpu: real run, live-storage tracker, best-of-N time; "
+            "estimate: FakeTensorMode + the same tracker (any size, no time); cuda: torch.cuda stats."
+        ),
+    )
+    lp.add_argument("--vocab", type=int, nargs="+", help="vocabulary sizes (default depends on --backend)")
+    lp.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default depends on --backend)")
+    lp.add_argument(
+        "--chunk", type=_chunk, nargs="+", metavar="N|none", help="chunk sizes, 'none' = unchunked"
+    )
+    lp.add_argument("--method", nargs="+", choices=METHODS, default=list(METHODS))
+    lp.add_argument("--backend", choices=BACKENDS, default="cpu")
+    lp.add_argument("--batch", type=int, default=1)
+    lp.add_argument("--hidden", type=int, default=256, help="hidden size of the inputs (default 256)")
+    lp.add_argument(
+        "--dtype", choices=tuple(DTYPES), help="input dtype (default float32 on cpu, bfloat16 otherwise)"
+    )
+    lp.add_argument(
+        "--start", choices=STARTS, default="hidden", help="inputs: hidden states + weight, or a logits leaf"
+    )
+    lp.add_argument("--no-entropy", action="store_true", help="log-probs only")
+    lp.add_argument("--temperature", type=float, default=1.0)
+    lp.add_argument("--repeats", type=int, default=3, help="timed runs per case (best is reported)")
+    lp.add_argument("--warmup", type=int, default=1)
+    lp.add_argument("--seed", type=int, default=0)
+    lp.add_argument("--json", action="store_true", help="print the result as JSON")
+    lp.set_defaults(func=run_logprobs)
+
+
+def run_logprobs(args: argparse.Namespace) -> int:
+    """Run the log-prob benchmark from parsed arguments; render a table or JSON on stdout."""
+    vocabs, seqs, chunks = DEFAULT_GRID[args.backend]
+    chunks = args.chunk if args.chunk is not None else chunks
+    dtype = args.dtype or ("float32" if args.backend == "cpu" else "bfloat16")
+    progress = _progress() if not args.json and sys.stderr.isatty() else None
+    try:
+        result = run_logprobs_bench(
+            args.vocab or vocabs,
+            args.seq or seqs,
+            chunks,
+            methods=args.method,
+            backend=args.backend,
+            batch=args.batch,
+            hidden=args.hidden,
+            dtype=dtype,
+            start=args.start,
+            entropy=not args.no_entropy,
+            temperature=args.temperature,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            seed=args.seed,
+            on_row=progress[1] if progress else None,
+        )
+    finally:
+        if progress:
+            progress[0].stop()
+    if args.json:
+        json.dump(result.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render_logprobs(result)
+    return 0
+
+
+def _progress():
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    prog = Progress(SpinnerColumn(), TextColumn("{task.description}"), console=Console(stderr=True))
+    task = prog.add_task("measuring…", total=None)
+    prog.start()
+
+    def on_row(row) -> None:
+        chunk = "none" if row.chunk_size is None else row.chunk_size
+        prog.update(task, description=f"done {row.method} V={row.vocab} S={row.seq} chunk={chunk}")
+
+    return prog, on_row
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def render_logprobs(result: LogprobsBench, console=None) -> None:
+    """Print ``result`` as a rich table (one row per case) with the settings in the title."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
+            console.width = 160
+    title = (
+        f"log-probs forward+backward · backend={result.backend} · dtype={result.dtype} · "
+        f"batch={result.batch} · start={result.start}"
+        + (f" · hidden={result.hidden}" if result.start == "hidden" else "")
+        + (" · with entropy" if result.entropy else "")
+        + (f" · T={result.temperature:g}" if result.temperature != 1.0 else "")
+    )
+    table = Table(title=title)
+    names = ("vocab", "seq", "method", "chunk", "time ms", "speed vs no-chunk", "peak MiB", "extra MiB")
+    for name in (*names, "saved vs naive"):
+        table.add_column(name, justify="left" if name == "method" else "right", no_wrap=True)
+    for r in result.rows:
+        table.add_row(
+            f"{r.vocab:,}",
+            f"{r.seq:,}",
+            r.method,
+            "none" if r.chunk_size is None else f"{r.chunk_size:,}",
+            "OOM" if r.oom else _fmt(r.time_ms, ",.0f"),
+            _fmt(r.speedup_vs_nochunk, ".2f", "×"),
+            "OOM" if r.oom else _fmt(None if r.peak_bytes is None else r.peak_bytes / MIB, ",.0f"),
+            _fmt(None if r.extra_bytes is None else r.extra_bytes / MIB, ",.0f"),
+            _fmt(r.memory_saved_vs_naive, ".1f", "×"),
+        )
+    console.print(table)
+    console.print(
+        "time: best of repeats; extra = peak − inputs − their gradients; speed vs no-chunk = "
+        "time(chunk none) / time (> 1 faster); saved vs naive = naive extra / extra."
+    )

@@ -1,0 +1,234 @@
+"""Argument checks, token chunking and the per-chunk math shared by the log-prob functions.
+
+Both :mod:`~batchfit.logprobs.from_logits` and :mod:`~batchfit.logprobs.from_hidden` reduce a
+chunk of logits ``x`` (``[c, V]``, any float dtype) to per-token fp32 log-probs and entropies,
+and in backward turn the upstream gradients into the fp32 gradient of that chunk. Nothing here
+writes into a tensor it did not create (see NOTE [ No in-place writes to saved tensors ]).
+
+NOTE [ No in-place writes to saved tensors ]
+SkyRL #1648: an entropy backward modified in place a tensor that another autograd function had
+saved, and ``backward()`` failed with "one of the variables needed for gradient computation has
+been modified by an inplace operation". Here every in-place operation targets a temporary the
+function allocated itself in the same call (a chunk's fp32 copy, its softmax, its gradient), and
+the gradient of the input is a fresh tensor. Inputs are saved by reference and only read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from batchfit.errors import InvalidArgument
+from batchfit.validation import check_int, check_number, check_positive_int
+
+IGNORE_INDEX = -100
+
+
+def check_chunk_size(chunk_size: Any) -> int | None:
+    """Return ``chunk_size`` (a positive int) or ``None`` (no chunking); else raise InvalidArgument."""
+    if chunk_size is None:
+        return None
+    return check_positive_int("chunk_size", chunk_size)
+
+
+def check_temperature(temperature: Any) -> float:
+    """Return ``temperature`` as a float > 0; else raise InvalidArgument."""
+    return check_number("temperature", temperature, low=0.0, low_open=True)
+
+
+def check_float_tensor(name: str, value: Any, *, min_dim: int) -> torch.Tensor:
+    """Return ``value`` if it is a floating-point tensor with at least ``min_dim`` dims; else raise."""
+    if not isinstance(value, torch.Tensor):
+        raise InvalidArgument(f"{name} must be a torch.Tensor, but got {name} of type {type(value).__name__}")
+    if not value.is_floating_point():
+        raise InvalidArgument(
+            f"{name} must be a floating-point tensor, but got {name}.dtype={value.dtype}; cast it with .float()"
+        )
+    if value.dim() < min_dim:
+        raise InvalidArgument(
+            f"{name} must have at least {min_dim} dimensions, but got {name}.shape={tuple(value.shape)}"
+        )
+    return value
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype reductions run in: fp32 for fp32 and narrower inputs, fp64 for fp64 (gradcheck)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """True for tensors without data (FakeTensorMode or device ``meta``): values cannot be read."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return t.device.type == "meta" or _is_fake(t)
+
+
+def check_labels(labels: Any, token_shape: tuple[int, ...], vocab: int, ignore_index: Any) -> torch.Tensor:
+    """Validate labels against the token shape and vocabulary; return them flattened to ``[N]`` int64.
+
+    Args:
+        labels: integer tensor of shape ``token_shape``; each entry in ``[0, vocab)`` or ``ignore_index``.
+        token_shape: the leading shape of the logits (or hidden states), e.g. ``(B, S)``.
+        vocab: the vocabulary size ``V``.
+        ignore_index: the label value that marks a token without a log-prob.
+
+    Returns:
+        ``labels`` as a contiguous int64 tensor of shape ``[N]``, ``N = prod(token_shape)``.
+
+    Raises:
+        InvalidArgument: not an integer tensor, wrong shape, or a label out of range (the first one
+            is named with its position). The range check reads the values (one device sync); it is
+            skipped for fake and meta tensors, which have none.
+    """
+    ignore_index = check_int("ignore_index", ignore_index)
+    if not isinstance(labels, torch.Tensor):
+        raise InvalidArgument(
+            f"labels must be a torch.Tensor, but got labels of type {type(labels).__name__}"
+        )
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise InvalidArgument(
+            f"labels must be an integer tensor, but got labels.dtype={labels.dtype}; cast it with .long()"
+        )
+    if tuple(labels.shape) != tuple(token_shape):
+        raise InvalidArgument(
+            f"labels.shape must equal the token shape {tuple(token_shape)} of the logits/hidden states, "
+            f"but got labels.shape={tuple(labels.shape)}"
+        )
+    flat = labels.reshape(-1).long()
+    if flat.numel() and not is_fake(flat):
+        bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
+        if bool(bad.any()):
+            pos = int(bad.nonzero()[0, 0])
+            where = tuple(int(i) for i in torch.unravel_index(torch.tensor(pos), tuple(token_shape)))
+            raise InvalidArgument(
+                f"labels must be in [0, {vocab}) (the vocabulary size) or ignore_index={ignore_index}, "
+                f"but got labels[{', '.join(map(str, where))}]={int(flat[pos])}"
+            )
+    return flat.contiguous()
+
+
+def rows(x: torch.Tensor) -> list[torch.Tensor]:
+    """Cover the tokens of ``x`` (``[..., D]``) in order with 2-D views ``[n_i, D]``, copying nothing.
+
+    A tensor whose leading dims merge into one (contiguous, or a row slice of one) gives one
+    view; otherwise (e.g. ``logits[:, :-1]``) the first dim is walked, recursively.
+    """
+    if x.dim() == 1:
+        return [x.unsqueeze(0)]
+    if x.dim() == 2:
+        return [x]
+    try:
+        return [x.view(-1, x.shape[-1])]
+    except RuntimeError:
+        return [r for i in range(x.shape[0]) for r in rows(x[i])]
+
+
+def chunks(parts: list[torch.Tensor], chunk_size: int | None) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield ``(start, stop, view)``: consecutive token ranges of at most ``chunk_size`` rows.
+
+    ``parts`` come from :func:`rows`; ``start``/``stop`` index the flattened tokens. A chunk never
+    spans two parts; ``chunk_size=None`` yields each part whole. O(N / chunk_size) views.
+    """
+    offset = 0
+    for part in parts:
+        n = part.shape[0]
+        step = n if chunk_size is None else chunk_size
+        for i in range(0, n, max(step, 1)):
+            j = min(i + step, n)
+            yield offset + i, offset + j, part[i:j]
+        offset += n
+
+
+def chunk_forward(
+    x: torch.Tensor,
+    labels: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    temperature: float,
+    want_entropy: bool,
+    *,
+    own: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Reduce one chunk of logits to fp32 ``(lse, logp, entropy)`` of ``softmax(x / T)``.
+
+    Args:
+        x: ``[c, V]`` logits, any float dtype; only read unless ``own``.
+        labels: ``[c]`` int64 labels with ignored entries already replaced by 0, or ``None``.
+        valid: ``[c]`` bool, False where the label was ``ignore_index`` (logp set to 0).
+        temperature: ``T > 0``.
+        want_entropy: compute the entropy too.
+        own: ``x`` is the caller's own temporary and may be overwritten (saves one ``[c, V]``).
+
+    Returns:
+        ``lse`` ``[c]`` = logsumexp(x / T), ``logp`` ``[c]`` (``None`` without labels) and
+        ``entropy`` ``[c]`` (``None`` unless wanted), all in :func:`compute_dtype` (fp32; fp64
+        for fp64 input). Temporaries: at most two fp32
+        ``[c, V]`` tensors.
+    """
+    m = x.amax(dim=1, keepdim=True).to(compute_dtype(x.dtype))
+    # z = (x - max x) / T, so that exp(z) cannot overflow
+    if own and x.dtype == m.dtype:
+        z = x.sub_(m)  # the caller's temporary (the projected chunk): no second [c, V] tensor
+        if temperature != 1.0:
+            z.div_(temperature)
+    else:
+        z = torch.add(-m, x, alpha=1.0).div_(temperature) if temperature != 1.0 else x - m
+    m = m / temperature
+    target = z.gather(1, labels.unsqueeze(1)).squeeze(1) if labels is not None else None
+    if want_entropy:
+        e = torch.exp(z)
+        s = e.sum(dim=1)
+        log_s = torch.log(s)
+        # H = -sum p log p with p = e / s, log p = z - log s  =>  H = log s - sum(e * z) / s
+        entropy = log_s - e.mul_(z).sum(dim=1) / s
+        del e
+    else:
+        entropy = None
+        log_s = torch.log(z.exp_().sum(dim=1))  # z is this function's own temporary
+    logp = None
+    if target is not None:
+        logp = torch.where(valid, target - log_s, torch.zeros_like(log_s))
+    lse = m.squeeze(1) + log_s
+    return lse, logp, entropy
+
+
+def chunk_backward(
+    x: torch.Tensor,
+    labels: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    *,
+    own: bool = False,
+) -> torch.Tensor:
+    """The gradient ``[c, V]`` (in :func:`compute_dtype`) w.r.t. the chunk's logits ``x``, recomputing its softmax.
+
+    With ``u = x / T``, ``p = softmax(u)``:
+    ``d logp_y / d u_j = [j = y] - p_j`` and ``d H / d u_j = -p_j (log p_j + H)``;
+    both are divided by ``T``. ``grad_logp`` must already be 0 at ignored tokens (and ``labels``
+    0 there). ``x`` is only read unless ``own`` (the caller's temporary, then overwritten);
+    temporaries: two ``[c, V]`` tensors in the compute dtype (one if ``own``).
+    """
+    # log p = x / T - lse, in the compute dtype (lse's)
+    if own and x.dtype == lse.dtype:
+        logp_all = x.div_(temperature) if temperature != 1.0 else x  # the caller's temporary
+        logp_all.sub_(lse.unsqueeze(1))
+    else:
+        logp_all = torch.add(-lse.unsqueeze(1), x, alpha=1.0 / temperature)
+    p = torch.exp(logp_all)
+    if grad_entropy is not None:
+        g = logp_all.add_(entropy.unsqueeze(1)).mul_(p).mul_(-grad_entropy.unsqueeze(1))
+        if grad_logp is not None:
+            g.addcmul_(p, grad_logp.unsqueeze(1), value=-1.0)
+        del p
+    else:
+        del logp_all
+        g = p.mul_(-grad_logp.unsqueeze(1))
+    if grad_logp is not None:
+        g.scatter_add_(1, labels.unsqueeze(1), grad_logp.unsqueeze(1))
+    if temperature != 1.0:
+        g.div_(temperature)
+    return g
