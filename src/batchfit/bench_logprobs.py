@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from batchfit.logprobs import logprobs_from_hidden, logprobs_from_logits
-from batchfit.validation import check_choice, check_int, check_number, check_positive_int
+from batchfit.logprobs._common import check_temperature
+from batchfit.validation import check_choice, check_int, check_positive_int
 
 METHODS = ("naive", "chunked", "fused")
 BACKENDS = ("cpu", "estimate", "cuda")
@@ -246,7 +247,7 @@ def run_logprobs_bench(
     start = check_choice("start", start, STARTS)
     batch = check_positive_int("batch", batch)
     hidden = check_positive_int("hidden", hidden)
-    temperature = check_number("temperature", temperature, low=0.0, low_open=True)
+    temperature = check_temperature(temperature)
     repeats = check_positive_int("repeats", repeats)
     warmup = check_int("warmup", warmup, minimum=0)
     torch_dtype = DTYPES[dtype_name]

@@ -15,6 +15,7 @@ the gradient of the input is a fresh tensor. Inputs are saved by reference and o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,7 +36,8 @@ def check_chunk_size(chunk_size: Any) -> int | None:
 
 def check_temperature(temperature: Any) -> float:
     """Return ``temperature`` as a float > 0; else raise InvalidArgument."""
-    return check_number("temperature", temperature, low=0.0, low_open=True)
+    # high=inf: validation.check_number cannot format high=None in its message (reported)
+    return check_number("temperature", temperature, low=0.0, low_open=True, high=math.inf)
 
 
 def check_float_tensor(name: str, value: Any, *, min_dim: int) -> torch.Tensor:
