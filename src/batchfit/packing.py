@@ -318,10 +318,11 @@ def _pack_best_fit(lens: list[int], idx: list[int], budget: int) -> tuple[list[l
     """Best-fit decreasing over lengths sorted in descending order (``packed`` cost).
 
     Each sequence goes to the open micro-batch with the least room that still holds it
-    (ties: the one found first by bisection), else opens a new one. Bound (as for
-    first-fit decreasing): at most ``11/9·OPT + 6/9`` micro-batches. O(n log M) comparisons
-    plus list shifts of O(M) per sequence, with M the micro-batch count: one Python step per
-    sequence, so used only up to :data:`BEST_FIT_MAX_SEQUENCES` sequences.
+    (ties: the one found first by bisection), else opens a new one. Bound: at most
+    ``11/9·OPT + 4`` micro-batches (Johnson, 1973; the ratio of first-fit decreasing).
+    O(n log M) comparisons plus list shifts of O(M) per sequence, with M the micro-batch
+    count: one Python step per sequence, so used only up to :data:`BEST_FIT_MAX_SEQUENCES`
+    sequences.
     """
     rooms: list[int] = []  # open micro-batches' free tokens, ascending
     owners: list[int] = []  # the micro-batch of each entry of rooms
@@ -433,7 +434,7 @@ def plan_micro_batches(
       the cap has fewer micro-batches (per rank: ``⌈M*/dp_size⌉`` with ``M*`` the optimum
       for one rank).
     - ``cost="packed"`` (cost = sum of lengths): best-fit decreasing (at most
-      ``11/9·OPT + 6/9``) up to :data:`BEST_FIT_MAX_SEQUENCES` sequences; above, largest-first
+      ``11/9·OPT + 4``) up to :data:`BEST_FIT_MAX_SEQUENCES` sequences; above, largest-first
       then fill with the shortest (every micro-batch but the last holds more than
       ``C −`` the shortest sequence left), which keeps 100k sequences near 0.1 s.
     - ``dp_size > 1``: two candidate plans, the one with fewer micro-batches per rank wins (then
