@@ -86,7 +86,9 @@ class VisionTask:
         return nn.functional.cross_entropy(model(images), labels)
 
 
-def vision_cnn(*, image_size: int = 32, channels: int = 3, width: int = 16, num_classes: int = 10) -> VisionTask:
+def vision_cnn(
+    *, image_size: int = 32, channels: int = 3, width: int = 16, num_classes: int = 10
+) -> VisionTask:
     """A small conv-net (three 3×3 conv layers, pooling, a linear head) on ``image_size`` images.
 
     Shows that autobatch is not LLM-specific: activations grow with ``batch × width × image_size²``.

@@ -115,7 +115,9 @@ def _modules_in(objects: Any) -> list[torch.nn.Module]:
     return []
 
 
-def _report(progress: bool | ProgressCallback | None, trial: Trial, mode: str, fraction: float, group: Any) -> None:
+def _report(
+    progress: bool | ProgressCallback | None, trial: Trial, mode: str, fraction: float, group: Any
+) -> None:
     if callable(progress):
         progress(trial)
     elif progress and get_rank(group) == 0:
@@ -191,7 +193,9 @@ def find_batch_size(
         512
     """
     mode = check_choice("mode", mode, MODES)
-    fraction = check_number("target_memory_fraction", target_memory_fraction, low=0.0, high=1.0, low_open=True)
+    fraction = check_number(
+        "target_memory_fraction", target_memory_fraction, low=0.0, high=1.0, low_open=True
+    )
     low = check_positive_int("min_batch_size", min_batch_size)
     high = check_int("max_batch_size", max_batch_size)
     if high < low:

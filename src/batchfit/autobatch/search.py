@@ -18,8 +18,9 @@ probe, monotone or not, and leaves room for two guided probes that do not halve 
 Peak memory of one step is close to ``base + per_sample × batch_size`` (parameters,
 gradients and optimizer state in ``base``; activations grow with the batch). With one exact
 measurement ``(b0, p0)`` the guess assumes ``base = 0``: ``floor(target × b0 / p0)``, which
-is a *lower* bound of the answer whenever ``base >= 0`` and ``p0 <= target``. With two or more
-exact measurements it is the secant through the two nearest the boundary. When the model
+is a *lower* bound of the answer whenever ``base >= 0`` and ``p0 <= target``. With more
+measurements it is the secant through the largest fitting size and the smallest failing one
+above it (regula falsi), or the two largest fitting sizes (:func:`model_guess`). When the model
 predicts that ``g`` fits and ``g + 1`` does not, the probe goes first to the one whose expected
 outcome leaves fewer undecided sizes, so an accurate model ends the search in two probes.
 """
@@ -112,29 +113,35 @@ def _as_trial(batch_size: int, outcome: Trial | bool, chosen_by: str) -> Trial:
 def model_guess(trials: list[Trial], target_bytes: int) -> int | None:
     """The largest batch size the memory model predicts to fit under ``target_bytes``.
 
-    Uses only exact measurements (see NOTE [ Memory-model guess ]); ``None`` when there is none,
-    or when the two nearest the boundary do not grow with the batch size (noise, a flat peak).
+    The anchor is the largest size that fit with an exact peak. Its partner is the smallest
+    size above it that did not fit (a lower-bound peak from an aborted run counts: the true
+    curve passes above it, so the guess errs high and the next failure tightens it, as in
+    regula falsi), else the next-largest exact fitting size. One point alone assumes
+    ``base = 0`` (NOTE [ Memory-model guess ]). ``None`` when no size fit with an exact peak,
+    or when the two points do not grow with the batch size (noise, a flat peak).
 
     Example:
         >>> t = [Trial(1, 300, True), Trial(4, 600, True)]  # 100/sample above a base of 200
         >>> model_guess(t, 1000)  # 4 + (1000 - 600) // 100
         8
     """
-    exact = sorted({t.batch_size: t for t in trials if t.exact and t.peak_bytes is not None}.values(),
-                   key=lambda t: t.batch_size)
-    fitting = [t for t in exact if t.fits]
+    measured = {t.batch_size: t for t in trials if t.peak_bytes is not None}
+    fitting = sorted((t for t in measured.values() if t.fits and t.exact), key=lambda t: t.batch_size)
     if not fitting:
         return None
     anchor = fitting[-1]
-    if len(exact) == 1:
+    above = sorted(
+        (t for t in measured.values() if not t.fits and t.batch_size > anchor.batch_size),
+        key=lambda t: t.batch_size,
+    )
+    other = above[0] if above else (fitting[-2] if len(fitting) > 1 else None)
+    if other is None:
         if anchor.peak_bytes <= 0:
             return None
         return target_bytes * anchor.batch_size // anchor.peak_bytes
-    above = [t for t in exact if not t.fits and t.batch_size > anchor.batch_size]
-    other = above[0] if above else (fitting[-2] if len(fitting) > 1 else None)
-    if other is None:
-        return None
-    (b1, p1), (b2, p2) = sorted([(anchor.batch_size, anchor.peak_bytes), (other.batch_size, other.peak_bytes)])
+    (b1, p1), (b2, p2) = sorted(
+        [(anchor.batch_size, anchor.peak_bytes), (other.batch_size, other.peak_bytes)]
+    )
     if p2 <= p1:
         return None
     return anchor.batch_size + (target_bytes - anchor.peak_bytes) * (b2 - b1) // (p2 - p1)

@@ -22,7 +22,9 @@ def check_fractions(fractions: Sequence[Any]) -> tuple[float, ...]:
         InvalidArgument: empty, or a fraction outside ``(0, 1]`` (named with its value).
     """
     if isinstance(fractions, (str, bytes)) or not isinstance(fractions, Sequence) or not fractions:
-        raise InvalidArgument(f"fractions must be a non-empty list of numbers in (0, 1], but got fractions={fractions!r}")
+        raise InvalidArgument(
+            f"fractions must be a non-empty list of numbers in (0, 1], but got fractions={fractions!r}"
+        )
     return tuple(check_number("memory fraction", f, low=0.0, high=1.0, low_open=True) for f in fractions)
 
 
@@ -33,7 +35,9 @@ def check_modes(modes: Sequence[Any]) -> tuple[str, ...]:
         InvalidArgument: empty, or an unknown mode (the choices are listed).
     """
     if isinstance(modes, (str, bytes)) or not isinstance(modes, Sequence) or not modes:
-        raise InvalidArgument(f"modes must be a non-empty list of 'train' and/or 'val', but got modes={modes!r}")
+        raise InvalidArgument(
+            f"modes must be a non-empty list of 'train' and/or 'val', but got modes={modes!r}"
+        )
     return tuple(check_choice("mode", m, MODES) for m in modes)
 
 

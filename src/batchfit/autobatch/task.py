@@ -172,9 +172,9 @@ def _to_device(batch: Any, device: torch.device | None) -> Any:
 class TaskTrial:
     """One step of a task in one mode, as ``find_batch_size`` runs it: ``trial(batch_size)``.
 
-    Train: ``model.train()``, gradients reset to ``None``, forward, ``loss.backward()``,
-    optimizer step (the optimizer is created on first use by the task's ``make_optimizer``, or
-    AdamW). Val: gradients dropped, ``model.eval()`` and ``torch.no_grad()`` around the batch and
+    Train: ``model.train()``, forward, ``loss.backward()``, optimizer step (the optimizer comes
+    from the task's ``make_optimizer``, or AdamW), then gradients set to ``None`` (NOTE
+    [ Gradients do not outlive the step ]). Val: gradients dropped, ``model.eval()`` and ``torch.no_grad()`` around the batch and
     the loss. :attr:`persistent` holds what lives across steps (model, optimizer) for
     ``backend.measure(register=...)``.
     """
@@ -207,10 +207,7 @@ class TaskTrial:
                 self.task.loss(self.model, batch)
             return
         self.model.train()
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.model.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         batch = _to_device(self.task.make_batch(batch_size, "train"), device)
         loss = self.task.loss(self.model, batch)
         del batch
@@ -218,6 +215,9 @@ class TaskTrial:
         del loss
         if self.optimizer is not None:
             self.optimizer.step()
+        # NOTE [ Gradients do not outlive the step ]: a training loop frees them (zero_grad with
+        # set_to_none) before the next forward; freeing them here keeps every trial alike.
+        self.model.zero_grad(set_to_none=True)
 
 
 def _adamw(parameters: Any) -> torch.optim.Optimizer:

@@ -1,0 +1,224 @@
+"""``batchfit autobatch``: the largest batch size at each target memory fraction, for train and val.
+
+Parses flags (and ``--config`` YAML whose keys mirror the flags), calls
+:func:`batchfit.autobatch.sweep`, renders a table (rich) and writes the report rows
+(``--output``: ``.jsonl`` or ``.csv``). Flags given on the command line override the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from batchfit.autobatch import BUILTIN_TASKS, MODES, report_rows, sweep, write_report
+from batchfit.autobatch.report import report_format
+from batchfit.autobatch.search import Trial
+from batchfit.autobatch.sweep import check_fractions, check_modes
+from batchfit.autobatch.task import DEFAULT_TASK
+from batchfit.errors import InvalidArgument
+from batchfit.validation import closest
+
+# config key -> (flag, default); config keys mirror the flags ("min-bs" and "min_bs" both work).
+OPTIONS: dict[str, tuple[str, Any]] = {
+    "task": ("--task", DEFAULT_TASK),
+    "fractions": ("--fractions", "0.8"),
+    "modes": ("--modes", ",".join(MODES)),
+    "steps": ("--steps", 2),
+    "min_bs": ("--min-bs", 1),
+    "max_bs": ("--max-bs", 512),
+    "memory": ("--memory", None),
+    "reserve": ("--reserve", None),
+    "backend": ("--backend", "auto"),
+    "output": ("--output", None),
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``batchfit autobatch`` on the dispatcher's subparsers."""
+    p = sub.add_parser(
+        "autobatch",
+        help="find the largest batch size that fits a target memory fraction (train and val), any model",
+        description=(
+            "For every target memory fraction × mode, find the largest batch size whose peak memory is at "
+            "most fraction × usable memory (memory minus reserve), with a bounded model-guided search. "
+            f"Tasks: built-in {', '.join(BUILTIN_TASKS)} (default {DEFAULT_TASK}), or module:function / "
+            "file.py:function returning an object with model, make_batch(batch_size, mode), loss(model, batch)."
+        ),
+    )
+    p.add_argument(
+        "--config", metavar="FILE", help="YAML file whose keys mirror the flags (task, fractions, ...)"
+    )
+    p.add_argument(
+        "--task", metavar="SPEC", help=f"built-in name or module:function (default {DEFAULT_TASK})"
+    )
+    p.add_argument("--fractions", metavar="F,F", help="target memory fractions in (0, 1] (default 0.8)")
+    p.add_argument("--modes", metavar="M,M", help="train and/or val (default train,val)")
+    p.add_argument(
+        "--steps", type=int, metavar="N", help="steps per trial; the peak is over them (default 2)"
+    )
+    p.add_argument(
+        "--min-bs", "--min_bs", dest="min_bs", type=int, metavar="N", help="smallest batch size (default 1)"
+    )
+    p.add_argument(
+        "--max-bs", "--max_bs", dest="max_bs", type=int, metavar="N", help="largest batch size (default 512)"
+    )
+    p.add_argument(
+        "--memory", metavar="SIZE", help="device memory: bytes, 16GiB, 80GB or a preset (h100-80gb)"
+    )
+    p.add_argument("--reserve", metavar="SIZE", help="bytes of --memory no tracker sees (default: backend's)")
+    p.add_argument("--backend", metavar="NAME", help="auto (default), cpu, estimate or cuda")
+    p.add_argument("--output", metavar="FILE", help="write the rows to FILE.jsonl or FILE.csv")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress display")
+    p.set_defaults(func=run)
+
+
+def load_settings(config: str | None) -> dict[str, Any]:
+    """The settings in a ``--config`` YAML file, keys normalised (``min-bs`` -> ``min_bs``).
+
+    Raises:
+        InvalidArgument: not a mapping, or an unknown key (the closest key is suggested).
+        OSError: the file cannot be read.
+    """
+    if config is None:
+        return {}
+    text = Path(config).read_text(encoding="utf-8")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InvalidArgument(f"config={config!r} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise InvalidArgument(
+            f"config={config!r} must hold a mapping of settings, but got {type(data).__name__}"
+        )
+    settings: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in OPTIONS:
+            near = closest(name, list(OPTIONS))
+            hint = f"; did you mean {near!r}?" if near else f"; known keys: {', '.join(OPTIONS)}"
+            raise InvalidArgument(f"config={config!r} has unknown key {key!r}{hint}")
+        settings[name] = value
+    return settings
+
+
+def _split(name: str, value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    raise InvalidArgument(f"{name} must be a comma-separated list, but got {name}={value!r}")
+
+
+def _fractions(value: Any) -> tuple[float, ...]:
+    items = []
+    for v in _split("fractions", value):
+        try:
+            items.append(float(v) if isinstance(v, str) else v)
+        except ValueError:
+            raise InvalidArgument(f"fractions must be numbers in (0, 1], but got fraction={v!r}") from None
+    return check_fractions(items)
+
+
+def resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Defaults, then the ``--config`` file, then flags given on the command line; checked.
+
+    Raises:
+        InvalidArgument: any bad setting (one line, naming it), before any model is built.
+    """
+    settings = {key: default for key, (_, default) in OPTIONS.items()}
+    settings.update(load_settings(args.config))
+    for key in OPTIONS:
+        value = getattr(args, key)
+        if value is not None:
+            settings[key] = value
+    settings["fractions"] = _fractions(settings["fractions"])
+    settings["modes"] = check_modes(_split("modes", settings["modes"]))
+    if settings["output"] is not None:
+        report_format(settings["output"])
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    """``batchfit autobatch``: search, print the table (or JSON), write ``--output``; exit code."""
+    s = resolve(args)
+    kwargs = dict(
+        fractions=s["fractions"],
+        modes=s["modes"],
+        steps_per_trial=s["steps"],
+        min_batch_size=s["min_bs"],
+        max_batch_size=s["max_bs"],
+        memory_limit=s["memory"],
+        reserve_bytes=s["reserve"],
+        backend=s["backend"],
+    )
+    if args.progress and not args.json:
+        results = _with_progress(s["task"], kwargs)
+    else:
+        results = sweep(s["task"], **kwargs)
+    rows = report_rows(results)
+    if s["output"] is not None:
+        write_report(s["output"], rows)
+    if args.json:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print_table(s, results, rows)
+    return 0
+
+
+def _with_progress(task: str, kwargs: dict[str, Any]) -> list[Any]:
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    console = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True) as bar:
+        line = bar.add_task(f"autobatch {task}: building the model", total=None)
+
+        def update(mode: str, fraction: float, trial: Trial) -> None:
+            verdict = "fits" if trial.fits else "over"
+            bar.update(
+                line,
+                description=f"autobatch {task}: {mode} @ {fraction:g}: batch {trial.batch_size} {verdict}",
+            )
+
+        return sweep(task, progress=update, **kwargs)
+
+
+def _print_table(settings: dict[str, Any], results: list[Any], rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from batchfit.memory import format_bytes
+
+    first = results[0]
+    table = Table(
+        title=f"autobatch {settings['task']} — backend {first.backend}, usable memory {format_bytes(first.limit_bytes)}",
+        title_justify="left",
+    )
+    for name in ("mode", "fraction", "batch size", "peak", "target", "peak / usable", "trials"):
+        table.add_column(name, justify="left" if name == "mode" else "right")
+    for r in rows:
+        share = "?" if r["peak_bytes"] is None else f"{r['peak_bytes'] / r['limit_bytes']:.1%}"
+        table.add_row(
+            r["mode"],
+            f"{r['memory_fraction']:g}",
+            f"{r['batch_size']:,}",
+            format_bytes(r["peak_bytes"]),
+            format_bytes(r["target_bytes"]),
+            share,
+            f"{r['trials']} (≤ {r['max_trials']})",
+        )
+    console = Console()
+    console.print(table)
+    if settings["output"] is not None:
+        console.print(f"wrote {len(rows)} rows to {settings['output']}")
