@@ -17,7 +17,9 @@ for role in ("policy", "critic"):
     step = causal_lm_step(model, backend=backend)  # forward + backward + AdamW step
     budget = find_token_budget(step, max_seq_len=2048, safety_margin=0.9, progress=False, role=role)
     budgets.append(budget)
-    print(f"{role}: C = {budget.tokens:,} tokens in {budget.probes} probes, limit {format_bytes(budget.limit_bytes)}")
+    print(
+        f"{role}: C = {budget.tokens:,} tokens in {budget.probes} probes, limit {format_bytes(budget.limit_bytes)}"
+    )
     for p in budget.points:
         print(f"  seq {p.seq_len:5d}: {p.max_batch_size:5d} sequences fit, peak {format_bytes(p.peak_bytes)}")
 
