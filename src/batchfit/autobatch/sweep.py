@@ -25,7 +25,7 @@ def check_fractions(fractions: Sequence[Any]) -> tuple[float, ...]:
         raise InvalidArgument(
             f"fractions must be a non-empty list of numbers in (0, 1], but got fractions={fractions!r}"
         )
-    return tuple(check_number("memory fraction", f, low=0.0, high=1.0, low_open=True) for f in fractions)
+    return tuple(check_number("fraction", f, low=0.0, high=1.0, low_open=True) for f in fractions)
 
 
 def check_modes(modes: Sequence[Any]) -> tuple[str, ...]:

@@ -1,0 +1,188 @@
+"""``batchfit autobatch``: report schemas (JSONL, CSV), fractions × modes rows, YAML config, one-line errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+
+import pytest
+import torch
+
+from batchfit.autobatch.builtin_tasks import vision_cnn
+from batchfit.autobatch.report import REPORT_FIELDS
+from batchfit.cli import main
+
+TASK = f"{__file__}:small_task"
+BASE = [
+    "autobatch",
+    "--task",
+    TASK,
+    "--backend",
+    "cpu",
+    "--memory",
+    "1MiB",
+    "--max-bs",
+    "64",
+    "--no-progress",
+]
+
+
+def small_task() -> object:
+    """A conv-net small enough for sub-second searches (a ``module:function`` task for the CLI)."""
+    return vision_cnn(width=4, image_size=16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _exit_code(argv: list[str]) -> int:
+    """``main(argv)``, with argparse's usage errors (SystemExit) turned into their exit code."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code)
+
+
+def _errors(capsys) -> list[str]:
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_jsonl_report_has_one_row_per_fraction_and_mode(tmp_path, capsys):
+    out = tmp_path / "report.jsonl"
+    assert main([*BASE, "--fractions", "0.6,0.8", "--modes", "train,val", "--output", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["mode"], r["memory_fraction"]) for r in rows] == [
+        ("train", 0.6),
+        ("train", 0.8),
+        ("val", 0.6),
+        ("val", 0.8),
+    ]
+    for r in rows:
+        assert tuple(r) == REPORT_FIELDS
+        assert r["peak_bytes"] <= r["target_bytes"] == int(r["memory_fraction"] * (1 << 20))
+        assert r["trials"] == len(r["trial_log"]) <= r["max_trials"] == 9  # ceil(log2(64)) + 3
+        assert {"batch_size", "peak_bytes", "fits"} <= set(r["trial_log"][0])
+    assert rows[2]["batch_size"] > rows[0]["batch_size"]  # val fits more than train
+    printed = capsys.readouterr().out
+    assert "batch size" in printed and "wrote 4 rows" in printed
+
+
+def test_csv_report_has_the_same_columns(tmp_path):
+    out = tmp_path / "report.csv"
+    assert main([*BASE, "--fractions", "0.5", "--modes", "val", "--output", str(out)]) == 0
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1
+    assert tuple(rows[0]) == REPORT_FIELDS
+    assert rows[0]["mode"] == "val" and rows[0]["memory_fraction"] == "0.5"
+    assert len(rows[0]["trial_log"].split()) == int(rows[0]["trials"])
+
+
+def test_json_flag_prints_the_rows(capsys):
+    assert main([*BASE, "--modes", "val", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["mode"], r["memory_fraction"]) for r in rows] == [("val", 0.8)]
+
+
+def test_config_file_keys_mirror_the_flags_and_flags_win(tmp_path):
+    out = tmp_path / "from_config.jsonl"
+    config = tmp_path / "autobatch.yaml"
+    config.write_text(
+        f"task: {TASK}\nfractions: [0.5, 0.7]\nmodes: val\nsteps: 1\nmin-bs: 2\nmax_bs: 32\n"
+        f"memory: 1MiB\nbackend: cpu\noutput: {tmp_path / 'ignored.jsonl'}\n"
+    )
+    assert main(["autobatch", "--config", str(config), "--output", str(out), "--no-progress"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["mode"], r["memory_fraction"]) for r in rows] == [("val", 0.5), ("val", 0.7)]
+    assert all(
+        r["trial_log"][0]["batch_size"] == 2 and r["max_trials"] == 8 for r in rows
+    )  # ceil(log2(31)) + 3
+    assert not (tmp_path / "ignored.jsonl").exists()
+
+
+def test_progress_display_does_not_change_the_result(tmp_path, capsys):
+    args = [a for a in BASE if a != "--no-progress"]
+    assert main([*args, "--modes", "val", "--json"]) == 0
+    with_progress = json.loads(capsys.readouterr().out)
+    assert main([*args, "--modes", "val", "--output", str(tmp_path / "p.jsonl")]) == 0
+    assert json.loads((tmp_path / "p.jsonl").read_text())["batch_size"] == with_progress[0]["batch_size"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        pytest.param(
+            ["--fractions", "0"], r"fraction must be in \(0, 1\], but got fraction=0.0", id="fraction-zero"
+        ),
+        pytest.param(["--fractions", "-0.5"], r"fraction must be in \(0, 1\]", id="fraction-negative"),
+        pytest.param(
+            ["--fractions", "0.5,1.2"],
+            r"fraction must be in \(0, 1\], but got fraction=1.2",
+            id="fraction-above-one",
+        ),
+        pytest.param(["--fractions", "half"], "fractions must be numbers", id="fraction-not-a-number"),
+        pytest.param(
+            ["--min-bs", "9", "--max-bs", "3"],
+            "max_batch_size must be >= min_batch_size=9",
+            id="min-above-max",
+        ),
+        pytest.param(["--min-bs", "0"], "min_batch_size must be an integer >= 1", id="min-zero"),
+        pytest.param(["--modes", "train,test"], "mode must be one of 'train', 'val'", id="mode-unknown"),
+        pytest.param(
+            ["--task", "no_such_module_xyz:make"],
+            "cannot import module 'no_such_module_xyz'",
+            id="task-unknown-module",
+        ),
+        pytest.param(["--task", "vision"], "task must be 'module:function'", id="task-unknown-name"),
+        pytest.param(["--output", "report.txt"], r"output must end in .jsonl or .csv", id="output-extension"),
+        pytest.param(["--backend", "tpu"], "backend must be one of", id="backend-unknown"),
+        pytest.param(["--memory", "lots"], "memory", id="memory-unreadable"),
+        pytest.param(["--steps", "x"], "invalid int value", id="steps-not-int"),
+    ],
+)
+def test_bad_settings_exit_2_with_one_line(extra, message, capsys):
+    assert _exit_code([*BASE, *extra]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("batchfit autobatch: error:")
+    assert re.search(message, lines[0]), lines[0]
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        pytest.param(
+            "fractoins: [0.5]\n", "unknown key 'fractoins'; did you mean 'fractions'", id="unknown-key"
+        ),
+        pytest.param("- 0.5\n", "must hold a mapping", id="not-a-mapping"),
+        pytest.param("fractions: [0.5, 2]\n", r"fraction must be in \(0, 1\]", id="bad-fraction"),
+        pytest.param("fractions: [0.5\n", "is not valid YAML", id="bad-yaml"),
+    ],
+)
+def test_bad_config_files_exit_2_with_one_line(tmp_path, config, message, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(config)
+    assert main(["autobatch", "--config", str(path), "--memory", "1MiB", "--backend", "cpu"]) == 2
+    lines = _errors(capsys)
+    assert len(lines) == 1 and re.search(message, lines[0]), lines
+
+
+def test_missing_config_file_exits_2(tmp_path, capsys):
+    assert main(["autobatch", "--config", str(tmp_path / "none.yaml")]) == 2
+    assert len(_errors(capsys)) == 1
+
+
+def test_nothing_fits_exits_1_and_says_by_how_much(capsys):
+    assert main([*BASE, "--memory", "16KiB"]) == 1  # the last --memory wins
+    lines = _errors(capsys)
+    assert (
+        len(lines) == 1
+        and "even min_batch_size=1 does not fit in train mode" in lines[0]
+        and " by " in lines[0]
+    )
