@@ -154,17 +154,23 @@ def _measure_tracker(case, batch, hidden, dtype, start, entropy, temperature, se
     return peak, peak - fixed
 
 
-def _time_cpu(case, batch, hidden, dtype, start, entropy, temperature, seed, repeats, warmup) -> float:
-    leaves, labels = _make_inputs(case, batch, hidden, dtype, "cpu", start, seed)
-    times = []
+def _time_cpu(cases, batch, hidden, dtype, start, entropy, temperature, seed, repeats, warmup) -> list[float]:
+    """Best-of-``repeats`` ms per case; cases of one shape share inputs and run interleaved.
+
+    Interleaving (round r runs every case once) spreads the load of a shared machine evenly over
+    the cases, so their ratios are fairer than back-to-back series.
+    """
+    leaves, labels = _make_inputs(cases[0], batch, hidden, dtype, "cpu", start, seed)
+    times: list[list[float]] = [[] for _ in cases]
     for i in range(warmup + repeats):
-        for t in leaves.values():
-            t.grad = None
-        t0 = time.perf_counter()
-        _loss(case.method, leaves, labels, case, entropy, temperature).backward()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+        for k, case in enumerate(cases):
+            for t in leaves.values():
+                t.grad = None
+            t0 = time.perf_counter()
+            _loss(case.method, leaves, labels, case, entropy, temperature).backward()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    return [min(ts) * 1e3 for ts in times]
 
 
 def _measure_cuda(case, batch, hidden, dtype, start, entropy, temperature, seed, repeats, warmup):
@@ -264,18 +270,20 @@ def run_logprobs_bench(
                     cases.extend(_Case(m, v, s, c) for c in chunk_sizes)
 
     common = (batch, hidden, torch_dtype, start, bool(entropy), temperature, seed)
+    timed: dict[_Case, float] = {}
+    if backend == "cpu":
+        for shape in dict.fromkeys((c.vocab, c.seq) for c in cases):
+            group = [c for c in cases if (c.vocab, c.seq) == shape]
+            timed.update(zip(group, _time_cpu(group, *common, repeats, warmup)))
     raw: list[BenchRow] = []
     for case in cases:
         oom = False
         if backend == "cuda":
             ms, peak, extra = _measure_cuda(case, *common, repeats, warmup)
             oom = peak is None
-        elif backend == "estimate":
-            ms = None
-            peak, extra = _measure_tracker(case, *common, fake=True)
         else:
-            peak, extra = _measure_tracker(case, *common, fake=False)
-            ms = _time_cpu(case, *common, repeats, warmup)
+            ms = timed.get(case)
+            peak, extra = _measure_tracker(case, *common, fake=backend == "estimate")
         row = BenchRow(case.method, case.vocab, case.seq, case.chunk_size, ms, peak, extra, oom=oom)
         raw.append(row)
         if on_row is not None:
