@@ -114,6 +114,30 @@ def test_progress_display_does_not_change_the_result(tmp_path, capsys):
     assert json.loads((tmp_path / "p.jsonl").read_text())["batch_size"] == with_progress[0]["batch_size"]
 
 
+def test_estimate_without_memory_targets_an_h100_and_says_so(capsys):
+    argv = [
+        "autobatch",
+        "--task",
+        TASK,
+        "--backend",
+        "estimate",
+        "--modes",
+        "val",
+        "--max-bs",
+        "4",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "h100-80gb (default target without a GPU; set --memory)" in out
+    assert "4 (max)" in out  # a tiny model at 80 GB reaches --max-bs
+
+
+def test_cpu_without_memory_exits_2(capsys):
+    assert main(["autobatch", "--task", TASK, "--backend", "cpu"]) == 2
+    assert "--memory is required with --backend cpu" in _errors(capsys)[0]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

@@ -23,6 +23,10 @@ from batchfit.autobatch.task import DEFAULT_TASK
 from batchfit.errors import InvalidArgument
 from batchfit.validation import closest
 
+# Without a GPU and without --memory the estimate targets this device (stated in the title),
+# as `batchfit profile` does.
+DEFAULT_ESTIMATE_TARGET = "h100-80gb"
+
 # config key -> (flag, default); config keys mirror the flags ("min-bs" and "min_bs" both work).
 OPTIONS: dict[str, tuple[str, Any]] = {
     "task": ("--task", DEFAULT_TASK),
@@ -141,6 +145,21 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, key)
         if value is not None:
             settings[key] = value
+    for key in ("memory", "reserve"):  # a plain byte count from the command line
+        if isinstance(settings[key], str) and settings[key].strip().isdigit():
+            settings[key] = int(settings[key])
+    backend = settings["backend"]
+    if backend == "auto":
+        import torch
+
+        backend = "cuda" if torch.cuda.is_available() else "estimate"
+    settings["memory_defaulted"] = settings["memory"] is None and backend == "estimate"
+    if settings["memory_defaulted"]:
+        settings["memory"] = DEFAULT_ESTIMATE_TARGET
+    elif settings["memory"] is None and backend == "cpu":
+        raise InvalidArgument(
+            "--memory is required with --backend cpu (the host has no device limit to take a fraction of), but got no --memory; pass e.g. --memory 2GiB, or use --backend estimate to predict a GPU"
+        )
     settings["fractions"] = _fractions(settings["fractions"])
     settings["modes"] = check_modes(_split("modes", settings["modes"]))
     if settings["output"] is not None:
@@ -201,8 +220,13 @@ def _print_table(settings: dict[str, Any], results: list[Any], rows: list[dict[s
     from batchfit.memory import format_bytes
 
     first = results[0]
+    target = (
+        f" → {settings['memory']} (default target without a GPU; set --memory)"
+        if settings["memory_defaulted"]
+        else ""
+    )
     table = Table(
-        title=f"autobatch {settings['task']} — backend {first.backend}, usable memory {format_bytes(first.limit_bytes)}",
+        title=f"autobatch {settings['task']} — backend {first.backend}{target}, usable memory {format_bytes(first.limit_bytes)}",
         title_justify="left",
     )
     for name in ("mode", "fraction", "batch size", "peak", "target", "peak / usable", "trials"):
@@ -212,7 +236,7 @@ def _print_table(settings: dict[str, Any], results: list[Any], rows: list[dict[s
         table.add_row(
             r["mode"],
             f"{r['memory_fraction']:g}",
-            f"{r['batch_size']:,}",
+            f"{r['batch_size']:,}" + (" (max)" if r["batch_size"] == settings["max_bs"] else ""),
             format_bytes(r["peak_bytes"]),
             format_bytes(r["target_bytes"]),
             share,
