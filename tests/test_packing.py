@@ -94,11 +94,11 @@ def test_plan_is_deterministic_and_independent_of_input_type(inputs):
     assert plan_micro_batches(torch.tensor(lengths, dtype=torch.long), budget, **kwargs) == plan
 
 
-def test_large_packed_inputs_use_the_vectorised_packer_with_the_same_guarantees():
-    # above BEST_FIT_MAX_SEQUENCES: largest first, then the shortest that fit
+def test_many_distinct_lengths_use_the_vectorised_packer_with_the_same_guarantees():
+    # above BEST_FIT_MAX_DISTINCT distinct lengths: largest first, then the shortest that fit
     plan = plan_micro_batches([100, 30, 70, 40], token_budget=140, cost="packed")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(packing, "BEST_FIT_MAX_SEQUENCES", 0)
+        patch.setattr(packing, "BEST_FIT_MAX_DISTINCT", 0)
         fast = plan_micro_batches([100, 30, 70, 40], token_budget=140, cost="packed")
     assert fast.ranks == (((0, 1), (2, 3)),)  # 100 + 30 = 130, then 70 + 40 = 110
     assert fast.num_micro_batches == plan.num_micro_batches == 2
@@ -109,11 +109,55 @@ def test_large_packed_inputs_use_the_vectorised_packer_with_the_same_guarantees(
 def test_vectorised_packed_plan_keeps_every_index_once_under_the_cap(inputs):
     lengths, budget, dp_size, _, balance = inputs
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(packing, "BEST_FIT_MAX_SEQUENCES", 0)
+        patch.setattr(packing, "BEST_FIT_MAX_DISTINCT", 0)
         plan = plan_micro_batches(
             lengths, budget, dp_size=dp_size, cost="packed", balance=balance, oversize="alone"
         )
     check_plan_invariants(plan, lengths, budget, dp_size, "packed")
+
+
+def best_fit_decreasing_costs(lengths, budget):
+    """Per-sequence best-fit decreasing, by its definition: sorted micro-batch costs."""
+    loads = []
+    for length in sorted(lengths, reverse=True):
+        fits = [k for k, load in enumerate(loads) if load + length <= budget]
+        if fits:
+            loads[max(fits, key=lambda k: loads[k])] += length  # the least room that holds it
+        else:
+            loads.append(length)  # a new micro-batch (an oversize sequence stays alone)
+    return sorted(loads)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.one_of(
+        st.lists(st.integers(1, 300), max_size=80),
+        st.lists(st.sampled_from([1, 7, 30, 64, 100, 129, 250]), max_size=120),  # many repeats
+    ),
+    st.integers(1, 600),
+)
+def test_best_fit_by_distinct_length_equals_per_sequence_best_fit(lengths, budget):
+    # NOTE [ Best fit by distinct length ]: same count and same multiset of costs
+    plan = plan_micro_batches(lengths, budget, cost="packed", oversize="alone")
+    assert sorted(plan.costs[0]) == best_fit_decreasing_costs(lengths, budget)
+
+
+@pytest.mark.parametrize("budget_over_longest", [2, 4])
+def test_large_long_tailed_packed_plan_is_within_one_percent_of_the_lower_bound(budget_over_longest):
+    # the benchmark's long tail (RL rollouts: prompt + log-normal response, 5% at the max length)
+    rng = np.random.default_rng(0)
+    lengths = 256 + rng.lognormal(np.log(600), 0.9, 50_000).astype(np.int64)
+    lengths[rng.random(50_000) < 0.05] = 4096
+    lengths = np.clip(lengths, 1, 4096)
+    budget = budget_over_longest * 4096
+    for dp_size in (1, 8):
+        plan = plan_micro_batches(lengths, budget, dp_size=dp_size, cost="packed")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(packing, "BEST_FIT_MAX_DISTINCT", 0)
+            vectorised = plan_micro_batches(lengths, budget, dp_size=dp_size, cost="packed")
+        assert plan.num_micro_batches <= 1.01 * plan.lower_bound
+        assert plan.num_micro_batches <= vectorised.num_micro_batches
+        assert max(c for rank in plan.costs for c in rank) <= budget
 
 
 @settings(max_examples=100, deadline=None)
