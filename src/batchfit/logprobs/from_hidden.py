@@ -143,17 +143,19 @@ def logprobs_from_hidden(
         ignore_index: label value whose log-prob is 0 and which gets no gradient from it.
 
     Returns:
-        ``logp`` fp32 of shape ``labels.shape``, or ``(logp, entropy)`` with ``return_entropy``.
+        ``logp`` of shape ``labels.shape`` in fp32 (fp64 for fp64 inputs), or ``(logp, entropy)``
+        with ``return_entropy``.
 
     Raises:
         InvalidArgument (a ValueError): bad ``chunk_size`` or ``temperature``; ``weight`` not
             ``[V, H]`` with ``H = hidden.shape[-1]``; ``bias`` not ``[V]``; dtypes that differ;
             labels of another shape or dtype, or out of range.
 
-    Memory: peak extra O(chunk_size × V) (a few fp32 chunks) plus O(N) floats, independent of
-    sequence length; plus the fp32 ``V × H`` weight-gradient accumulator in backward.
-    Time: the same GEMMs as the unfused path (backward recomputes the projection: 3 GEMMs
-    forward-equivalent + 2 backward, i.e. one extra projection).
+    Memory: peak extra O(chunk_size × V) (two or three ``[chunk, V]`` temporaries) plus O(N)
+    floats, independent of sequence length; plus, for low-precision weights, the fp32
+    ``V × H`` weight-gradient accumulator in backward (for fp32 weights it is the gradient).
+    Time: four ``N × V × H`` GEMMs instead of three (backward recomputes the projection once),
+    plus O(N × V) elementwise work.
 
     Example:
         >>> hidden = torch.randn(2, 6, 8, requires_grad=True)

@@ -125,7 +125,8 @@ def logprobs_from_logits(
             entropy is still computed there; mask it with your loss mask).
 
     Returns:
-        ``logp`` fp32 of shape ``labels.shape``, or ``(logp, entropy)`` with ``return_entropy``.
+        ``logp`` of shape ``labels.shape`` in fp32 (fp64 for fp64 inputs), or ``(logp, entropy)``
+        with ``return_entropy``.
         Both may require grad at once; the gradient of ``logits`` has their dtype and shape.
 
     Raises:
@@ -170,7 +171,7 @@ def entropy_from_logits(
         temperature: ``T > 0``.
 
     Returns:
-        fp32 tensor of shape ``logits.shape[:-1]``; differentiable w.r.t. ``logits``
+        tensor of shape ``logits.shape[:-1]`` in fp32 (fp64 for fp64 logits); differentiable w.r.t. ``logits``
         (``dH/dz_j = -p_j (log p_j + H) / T``), also alongside :func:`logprobs_from_logits` on the
         same logits.
 
