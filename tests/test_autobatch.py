@@ -376,11 +376,18 @@ def test_example_task_file_loads_and_runs(cpu4):
     assert result[0].batch_size >= 1
 
 
-def test_estimate_backend_matches_cpu_without_reserve_or_rounding():
+@pytest.mark.parametrize(
+    "factory, limit",
+    [
+        pytest.param(_small_vision, "1MiB", id="vision-cnn"),
+        pytest.param(lambda: causal_lm(seq_len=32), "8MiB", id="causal-lm"),
+    ],
+)
+def test_estimate_backend_matches_cpu_without_reserve_or_rounding(factory, limit):
     kwargs = dict(fractions=[0.8], modes=["train", "val"], max_batch_size=64)
-    on_cpu = sweep(_small_vision, backend="cpu", memory_limit="1MiB", **kwargs)
-    estimate = get_backend("estimate", memory_limit="1MiB", reserve_bytes=0, round_to=1)
-    estimated = sweep(_small_vision, backend=estimate, **kwargs)
+    on_cpu = sweep(factory, backend="cpu", memory_limit=limit, **kwargs)
+    estimate = get_backend("estimate", memory_limit=limit, reserve_bytes=0, round_to=1)
+    estimated = sweep(factory, backend=estimate, **kwargs)
     assert [r.batch_size for r in estimated] == [r.batch_size for r in on_cpu]
     assert [r.peak_bytes for r in estimated] == [r.peak_bytes for r in on_cpu]
 
