@@ -59,7 +59,9 @@ def check_number(
     if too_low or too_high:
         left = "(" if low_open else "["
         right = ")" if high_open else "]"
-        interval = f"{left}{'-inf' if low is None else low:g}, {'inf' if high is None else high:g}{right}"
+        lo = "-inf" if low is None else f"{low:g}"
+        hi = "inf" if high is None else f"{high:g}"
+        interval = f"{left}{lo}, {hi}{right}"
         raise InvalidArgument(f"{name} must be in {interval}, but got {name}={value!r}")
     return value
 
