@@ -21,7 +21,7 @@ def test_numpy_integers_are_integers():
         (lambda: check_int("n", "3"), r"n must be an integer, but got n='3'"),
         (lambda: check_number("f", 1.5, low=0, high=1), r"f must be in \[0, 1\], but got f=1.5"),
         (lambda: check_number("f", 0, low=0, low_open=True), r"f must be in \(0, inf\], but got f=0"),
-        (lambda: check_number("f", -1, high=0, high_open=True), r"f must be in \[-inf, 0\), but got f=-1"),
+        (lambda: check_number("f", 0.5, high=0, high_open=True), r"f must be in \[-inf, 0\), but got f=0.5"),
         (lambda: check_number("f", float("nan")), r"f must be a finite number"),
         (lambda: check_choice("cost", "paded", ["padded", "packed"]), r"did you mean 'padded'\?"),
     ],
