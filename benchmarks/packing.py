@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from batchfit.packing import plan_micro_batches
+from batchfit.packing import BEST_FIT_MAX_DISTINCT, plan_micro_batches
 
 
 def lengths_for(kind: str, n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
@@ -141,6 +141,24 @@ def timing(dp: int, max_len: int, seed: int) -> None:
             )
 
 
+def timing_distinct(dp: int, seed: int) -> None:
+    print()
+    print(f"Packed, 100k sequences uniform in [1, L], budget 2L, best of 3, seconds; dp_size=1 and {dp}")
+    header = f"{'L':>9} {'distinct':>8} {'packer':<11} {'count/LB':>8} {'dp=1':>7} {f'dp={dp}':>7}"
+    print(header)
+    print("-" * len(header))
+    for longest in (4_096, 32_768, 1_000_000):
+        lens = np.random.default_rng(seed).integers(1, longest + 1, 100_000)
+        distinct = len(np.unique(lens))
+        plan = plan_micro_batches(lens, 2 * longest, cost="packed")
+        packer = "best-fit" if distinct <= BEST_FIT_MAX_DISTINCT else "vectorised"
+        times = [best_of(plan_micro_batches, lens, 2 * longest, dp_size=d, cost="packed") for d in (1, dp)]
+        print(
+            f"{longest:>9} {distinct:>8} {packer:<11} {plan.num_micro_batches / plan.lower_bound:>8.3f} "
+            f"{times[0]:>7.4f} {times[1]:>7.4f}"
+        )
+
+
 def best_of(fn, *args, **kwargs) -> float:
     best = float("inf")
     for _ in range(3):
@@ -160,6 +178,7 @@ def main() -> None:
     quality(args.n, 1, args.max_len, args.seed)
     quality(args.n, args.dp, args.max_len, args.seed)
     timing(args.dp, args.max_len, args.seed)
+    timing_distinct(args.dp, args.seed)
 
 
 if __name__ == "__main__":
