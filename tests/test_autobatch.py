@@ -511,7 +511,13 @@ def _rank_worker(rank: int, port: int, results) -> None:
             failure = "KeyError"
         except BatchfitError as exc:
             failure = str(exc)
-        results.put((rank, agreed, failure))
+        tiny = get_backend("cpu", memory_limit=(1 << 20) if rank == 0 else 4096)  # rank 1: not even 1 sample
+        try:
+            find_batch_size(lambda b: torch.zeros(b, 1024), backend=tiny, progress=False)
+            nothing = "no error"
+        except DoesNotFitError as exc:
+            nothing = str(exc)
+        results.put((rank, agreed, failure, nothing))
     except BaseException as exc:  # report, do not hang the parent
         results.put((rank, "error", repr(exc)))
     finally:
@@ -520,6 +526,7 @@ def _rank_worker(rank: int, port: int, results) -> None:
 
 @pytest.mark.timeout(120)
 def test_two_ranks_with_different_memory_agree_and_never_wait_on_each_other():
+    # one spawn, three scenarios: different limits, an error on one rank, nothing fits on one rank
     ctx = tmp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -544,3 +551,6 @@ def test_two_ranks_with_different_memory_agree_and_never_wait_on_each_other():
     assert got[0][0][0] == 102 and got[0][0][2] == 419_430
     assert got[1][1] == "KeyError"
     assert got[0][1].startswith("rank 1 raised during the trial at batch_size=")
+    # 4 KiB per sample against floor(0.8 * 4096) = 3276 bytes on rank 1: both ranks raise
+    assert all("even min_batch_size=1 does not fit" in got[r][2] for r in (0, 1)), got
+    assert "the smallest 0.8 × usable over 2 ranks = 3,276 bytes" in got[0][2]

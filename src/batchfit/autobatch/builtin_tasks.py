@@ -35,34 +35,29 @@ class CausalLMTask:
 
 def causal_lm(
     *,
+    model: str = "tiny",
     seq_len: int = 128,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    vocab_size: int = 512,
+    dtype: Any = torch.float32,
+    gradient_checkpointing: bool = False,
+    **config_overrides: Any,
 ) -> CausalLMTask:
-    """The default task: a tiny Llama (transformers, built from a config; no download) at ``seq_len``.
+    """The default task: a causal LM from :func:`batchfit.models.build_causal_lm` at ``seq_len`` tokens.
 
-    With the defaults: 2 layers, hidden 64, 4 heads, vocabulary 512, about 0.17M parameters.
+    ``model`` is a preset (default ``"tiny"``: a 2-layer Llama of about 0.2M parameters,
+    vocabulary 1024), a local directory with ``config.json`` or a hub id (config only; the
+    weights are random). Called inside ``backend.context()``, so presets of billions of
+    parameters cost nothing on the ``estimate`` backend.
 
     Raises:
-        InvalidArgument: a size is not a positive integer.
+        InvalidArgument: bad ``seq_len``, spec, dtype or config override.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from batchfit.models import build_causal_lm
 
     seq_len = check_positive_int("seq_len", seq_len)
-    config = LlamaConfig(
-        vocab_size=check_positive_int("vocab_size", vocab_size),
-        hidden_size=check_positive_int("hidden_size", hidden_size),
-        intermediate_size=4 * hidden_size,
-        num_hidden_layers=check_positive_int("num_layers", num_layers),
-        num_attention_heads=check_positive_int("num_heads", num_heads),
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max(seq_len, 128),
-        tie_word_embeddings=False,
+    lm = build_causal_lm(
+        model, dtype=dtype, gradient_checkpointing=gradient_checkpointing, **config_overrides
     )
-    config._attn_implementation = "sdpa"
-    return CausalLMTask(model=LlamaForCausalLM(config), seq_len=seq_len, vocab_size=vocab_size)
+    return CausalLMTask(model=lm, seq_len=seq_len, vocab_size=int(lm.config.vocab_size))
 
 
 @dataclass

@@ -7,7 +7,11 @@ same verdict (any rank over its own target = does not fit), the same peak (the l
 the same error flag; the byte target used by the memory model is the smallest over the
 ranks. The search is a deterministic function of these, so every rank probes the same sizes
 in the same order, runs the same number of collectives and returns the same size: no rank
-waits on another (Linnaeus searches on rank 0 and the other ranks time out). An exception
+waits on another (Linnaeus searches on rank 0 and the other ranks time out). The trial itself
+must not communicate: a rank that runs out of memory mid-step would leave its peers waiting
+in, e.g., DDP's gradient all-reduce. Measure the unwrapped module (``ddp_model.module``); DDP's
+gradient buckets (about one more copy of the gradients) are then not counted, so keep room for
+them in the fraction or the reserve. An exception
 other than running out of memory on one rank is re-raised there, and the other ranks raise
 :class:`~batchfit.errors.BatchfitError` naming that rank instead of waiting for it.
 """
@@ -159,7 +163,8 @@ def find_batch_size(
             forward with the loss), or a callable ``trial(batch_size)`` that builds a batch and
             runs one step. For a callable, pass the objects that live across steps (model,
             optimizer) in ``register`` or as ``trial.persistent``; in val mode the call runs under
-            ``torch.no_grad()`` with the registered modules in ``eval()``.
+            ``torch.no_grad()`` with the registered modules in ``eval()``. The trial must not
+            communicate across ranks (use ``ddp_model.module``; NOTE [ Ranks agree on every trial ]).
         mode: ``"train"`` or ``"val"``.
         target_memory_fraction: in ``(0, 1]``.
         min_batch_size, max_batch_size: the candidate range, ``1 <= min <= max``.
@@ -216,6 +221,7 @@ def find_batch_size(
             f"a memory limit is needed for a target fraction, but backend {be.name!r} has memory_limit=None; pass memory_limit (e.g. '16GiB' or 'a100-40gb')"
         )
 
+    wrap: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
     if isinstance(trial, TaskTrial):
         if trial.mode != mode:
             raise InvalidArgument(
@@ -223,11 +229,9 @@ def find_batch_size(
             )
         step = trial
         persistent = trial.persistent if register is None else register
-        wrap = contextlib.nullcontext
     elif is_task(trial):
         step = task_trial(trial, mode)
         persistent = step.persistent if register is None else register
-        wrap: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
     else:
         step = trial
         persistent = getattr(trial, "persistent", ()) if register is None else register
@@ -278,8 +282,14 @@ def find_batch_size(
     except DoesNotFitError as exc:
         first = probed[0]
         at_least = "" if first.exact else "at least "
+        world = get_world_size(group)
+        of = (
+            f"{fraction:g} × {limit:,}"
+            if world == 1
+            else f"the smallest {fraction:g} × usable over {world} ranks"
+        )
         raise DoesNotFitError(
-            f"even min_batch_size={low} does not fit in {mode} mode: its peak is {at_least}{first.peak_bytes:,} bytes, over the target {fraction:g} × {limit:,} = {target:,} bytes by {at_least}{first.peak_bytes - target:,} bytes; lower min_batch_size, raise target_memory_fraction or memory_limit, or use a smaller model",
+            f"even min_batch_size={low} does not fit in {mode} mode: its peak is {at_least}{first.peak_bytes:,} bytes, over the target {of} = {target:,} bytes by {at_least}{first.peak_bytes - target:,} bytes; lower min_batch_size, raise target_memory_fraction or memory_limit, or use a smaller model",
             needed=exc.needed,
             available=target,
         ) from None
