@@ -11,8 +11,13 @@ so finishing by bisection from ``U`` undecided sizes costs ``U.bit_length()``
 (= ``ceil(log2(U + 1))``) probes. The search first probes ``low`` (to know that something
 fits), then spends at most ``max_trials(low, high) = (high - low).bit_length() + 3`` probes:
 before each *model-guided* probe it checks that, whatever the outcome, bisection could still
-finish within that budget; when it could not, it bisects. The budget therefore holds for any
-probe, monotone or not, and leaves room for two guided probes that do not halve the interval.
+finish within that budget; when it could not, it bisects. Proof: the invariant
+``trials so far + U.bit_length() <= budget`` holds after probing ``low`` (``1 +
+(high - low).bit_length()``), a midpoint probe adds one trial and lowers ``U.bit_length()`` by
+at least one (``ceil(log2(ceil(x / 2))) = ceil(log2 x) - 1`` for ``x >= 2``), and a guided probe
+is made only when the invariant holds after either outcome; the loop ends at ``U = 0``. The
+bound therefore holds for any probe, monotone or not, and leaves room for two guided probes that
+do not halve the interval.
 
 # NOTE [ Memory-model guess ]
 Peak memory of one step is close to ``base + per_sample × batch_size`` (parameters,
