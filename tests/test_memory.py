@@ -396,3 +396,18 @@ def test_cuda_reraises_errors_that_are_not_oom(fake_cuda):
 
 def test_every_backend_is_a_backend():
     assert all(issubclass(cls, Backend) for cls in (CpuBackend, EstimateBackend, CudaBackend))
+
+
+def test_gradients_freed_inside_the_step_are_not_counted_at_the_peak():
+    # Regression: the abort-restorer held the old .grad alive, so a step starting with
+    # zero_grad(set_to_none=True) counted the old and the new gradients together.
+    model = torch.nn.Linear(256, 256)
+    model(torch.randn(4, 256)).sum().backward()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(4, 256)).sum().backward()
+
+    peak = get_backend("cpu").measure(step, register=(model,)).peak_bytes
+    params = (256 * 256 + 256) * 4  # 263,168 bytes; one set of gradients is as large
+    assert peak < 2 * params + 16 * 1024  # parameters + one set of gradients + small temporaries

@@ -71,11 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Bad input (a ValueError subclass) exits 2; "nothing fits" and other verdicts exit 1.
         report_error(f"batchfit {args.command}", exc)
         return 2 if isinstance(exc, ValueError) else 1
+    except BrokenPipeError:  # e.g. `batchfit plan --json | head`
+        return 0
     except OSError as exc:  # a file named on the command line cannot be read or written
         report_error(f"batchfit {args.command}", exc)
         return 2
-    except BrokenPipeError:  # e.g. `batchfit plan --json | head`
-        return 0
     except KeyboardInterrupt:
         sys.stderr.write("batchfit: interrupted\n")
         return 130

@@ -9,6 +9,7 @@ categories: a module's parameters are ``"parameters"``, their existing ``.grad``
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -114,13 +115,15 @@ def restore_grads_after_abort(register: Any) -> Callable[[], None]:
 
     A step aborted mid-backward (simulated limit or real OOM) leaves partial gradients
     behind, which the next measurement would count. The returned function puts back the
-    gradients that existed before the call (usually ``None``).
+    gradients that existed before the call and are still alive (usually ``None``).
     """
     params = trainable_parameters(register)
-    before = [p.grad for p in params]
+    # Weak references: holding the old gradients would keep them alive through a step that
+    # frees them (zero_grad(set_to_none=True)) and inflate its measured peak.
+    before = [None if p.grad is None else weakref.ref(p.grad) for p in params]
 
     def restore() -> None:
-        for p, grad in zip(params, before):
-            p.grad = grad
+        for p, ref in zip(params, before):
+            p.grad = None if ref is None else ref()
 
     return restore
