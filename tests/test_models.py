@@ -266,3 +266,39 @@ def test_a_model_must_belong_to_the_backend(cpu_model):
         causal_lm_step(fake, backend="cpu")
     with pytest.raises(InvalidArgument, match=r"model must be built inside this backend's context\(\)"):
         causal_lm_step(fake, backend=get_backend("estimate"))  # another estimate backend's fake mode
+
+
+@pytest.mark.parametrize("forward_only", [False, True], ids=["train", "forward-only"])
+def test_logprob_modes_estimate_equals_cpu_and_bounded_modes_use_less(forward_only):
+    peaks = {}
+    for mode in ("full", "chunked", "fused"):
+        measured = []
+        for backend in (
+            get_backend("cpu"),
+            get_backend("estimate", memory_limit="80GiB", reserve_bytes=0, round_to=1),
+        ):
+            model = build_causal_lm("tiny", backend=backend)
+            step = causal_lm_step(model, backend=backend, logprobs=mode, forward_only=forward_only)
+            # 4 × 512 = 2,048 tokens: two chunks of the default 1,024
+            measured.append(
+                backend.measure(lambda step=step: step(4, 512), register=step.persistent).peak_bytes
+            )
+        assert measured[0] == measured[1]  # the estimate is exact for every mode
+        peaks[mode] = measured[0]
+    assert peaks["fused"] < peaks["chunked"] < peaks["full"]
+
+
+def test_forward_only_step_has_no_optimizer_and_leaves_no_gradients():
+    backend = get_backend("cpu")
+    model = build_causal_lm("tiny", backend=backend)
+    step = causal_lm_step(model, backend=backend, forward_only=True)
+    step(2, 16)
+    assert step.optimizer is None and step.persistent == (model,)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_unknown_logprobs_mode_names_the_choices():
+    backend = get_backend("cpu")
+    model = build_causal_lm("tiny", backend=backend)
+    with pytest.raises(InvalidArgument, match=r"logprobs must be one of 'full', 'chunked', 'fused'"):
+        causal_lm_step(model, backend=backend, logprobs="fast")

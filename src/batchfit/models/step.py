@@ -24,6 +24,10 @@ from batchfit.models.build import resolve_backend
 from batchfit.validation import check_choice, check_int, check_positive_int
 
 OPTIMIZERS = ("adamw", "sgd")
+LOGPROBS = ("full", "chunked", "fused")
+"""How the policy step computes log-probs: ``full`` materialises fp32 ``[B, S, V]`` log-softmax;
+``chunked`` uses :func:`batchfit.logprobs.logprobs_from_logits`; ``fused`` uses
+:func:`batchfit.logprobs.logprobs_from_hidden` and never builds the logits."""
 
 
 class TrainingStep:
@@ -34,7 +38,9 @@ class TrainingStep:
     Critic (``critic=True``): values ``model(...).logits[..., 0]`` in fp32, loss = masked
     mean squared error against random returns. Then backward, then ``optimizer.step()`` and
     ``zero_grad(set_to_none=True)`` (or only ``zero_grad`` without an optimizer), so the
-    state after a call equals the state before it.
+    state after a call equals the state before it. Forward-only (``forward_only=True``, a
+    reference model or the old-log-prob pass): ``eval()`` and ``no_grad`` log-probs, no
+    backward, no optimizer.
 
     Attributes:
         model: the module trained.
@@ -44,6 +50,8 @@ class TrainingStep:
         vocab_size: token ids are drawn from ``[0, vocab_size)``.
         persistent: ``(model, optimizer)`` (or ``(model,)``), to register with
             ``backend.measure``.
+        logprobs: one of :data:`LOGPROBS`.
+        forward_only: log-probs under ``no_grad`` only.
     """
 
     def __init__(
@@ -54,8 +62,12 @@ class TrainingStep:
         optimizer: torch.optim.Optimizer | None,
         critic: bool,
         vocab_size: int,
+        logprobs: str = "full",
+        forward_only: bool = False,
     ):
         self.model = model
+        self.logprobs = logprobs
+        self.forward_only = forward_only
         self.backend = backend
         self.optimizer = optimizer
         self.critic = critic
@@ -71,6 +83,11 @@ class TrainingStep:
         batch_size = check_positive_int("batch_size", batch_size)
         seq_len = check_int("seq_len", seq_len, minimum=1 if self.critic else 2)
         with self.backend.context():
+            if self.forward_only:
+                self.model.eval()
+                with torch.no_grad():
+                    self._loss(batch_size, seq_len)
+                return
             self.model.train()
             loss = self._loss(batch_size, seq_len)
             loss.backward()
@@ -90,11 +107,26 @@ class TrainingStep:
             returns = torch.randn(batch_size, seq_len, device=device)
             mask = torch.ones(batch_size, seq_len, device=device)
             return ((values - returns).square() * mask).sum() / mask.sum()
-        logits = self.model(input_ids=input_ids, use_cache=False).logits
-        logprobs = token_logprobs(logits[:, :-1], input_ids[:, 1:])
-        del logits
+        logprobs = self._logprobs(input_ids)
         mask = torch.ones(batch_size, seq_len - 1, device=device)
         return -(logprobs * mask).sum() / mask.sum()
+
+    def _logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Log-probs of each next token, ``[B, S - 1]`` fp32, the way ``self.logprobs`` says."""
+        labels = input_ids[:, 1:]
+        if self.logprobs == "fused":
+            from batchfit.logprobs import logprobs_from_hidden
+
+            body = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+            hidden = body(input_ids=input_ids, use_cache=False).last_hidden_state
+            head = self.model.get_output_embeddings()
+            return logprobs_from_hidden(hidden[:, :-1], head.weight, labels, bias=head.bias)
+        logits = self.model(input_ids=input_ids, use_cache=False).logits
+        if self.logprobs == "chunked":
+            from batchfit.logprobs import logprobs_from_logits
+
+            return logprobs_from_logits(logits[:, :-1], labels)
+        return token_logprobs(logits[:, :-1], labels)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -139,6 +171,8 @@ def causal_lm_step(
     critic: bool | None = None,
     vocab_size: int | None = None,
     lr: float = 1e-6,
+    logprobs: str = "full",
+    forward_only: bool = False,
 ) -> TrainingStep:
     """The training step function for ``model`` on ``backend``, optimizer state initialised.
 
@@ -153,6 +187,10 @@ def causal_lm_step(
             one label (``build_causal_lm(value_head=True)``).
         vocab_size: token ids are drawn below this; default ``model.config.vocab_size``.
         lr: learning rate of a created optimizer.
+        logprobs: how the policy loss computes log-probs, one of :data:`LOGPROBS`
+            (``"fused"`` needs a model with ``get_output_embeddings()`` and a decoder body).
+        forward_only: a forward-only step (reference model, old log-probs): ``eval()``,
+            ``no_grad``, no optimizer (``optimizer`` is ignored).
 
     Returns:
         A :class:`TrainingStep`; ``step.persistent`` is what to register with
@@ -191,8 +229,17 @@ def causal_lm_step(
                 f"vocab_size is required when the model has no config.vocab_size, but got vocab_size=None for a {type(model).__name__}"
             )
     vocab_size = check_positive_int("vocab_size", vocab_size)
-    opt = _make_optimizer(model, optimizer, lr, chosen)
-    return TrainingStep(model, backend=chosen, optimizer=opt, critic=bool(critic), vocab_size=vocab_size)
+    logprobs = check_choice("logprobs", logprobs, LOGPROBS)
+    opt = None if forward_only else _make_optimizer(model, optimizer, lr, chosen)
+    return TrainingStep(
+        model,
+        backend=chosen,
+        optimizer=opt,
+        critic=bool(critic),
+        vocab_size=vocab_size,
+        logprobs=logprobs,
+        forward_only=bool(forward_only),
+    )
 
 
 def _make_optimizer(
