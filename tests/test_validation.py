@@ -30,3 +30,10 @@ def test_numpy_integers_are_integers():
 def test_checks_name_argument_value_and_rule(call, pattern):
     with pytest.raises(InvalidArgument, match=pattern):
         call()
+
+
+def test_every_top_level_name_resolves():
+    import batchfit
+
+    for name in batchfit.__all__:
+        assert getattr(batchfit, name) is not None
