@@ -3,13 +3,16 @@ no in-place writes to saved tensors (SkyRL #1648), ignore index, invalid argumen
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfit.errors import InvalidArgument
-from batchfit.logprobs import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
+from batchfit.logprobs import entropy_from_logits, from_hidden, logprobs_from_hidden, logprobs_from_logits
 from batchfit.memory.tracker import MemoryTracker
 
 IGNORE = -100
@@ -41,6 +44,12 @@ def grads(outputs, inputs, w_logp, w_ent):
     logp, ent = outputs
     loss = (logp.double() * w_logp).sum() + (ent.double() * w_ent).sum()
     return torch.autograd.grad(loss, inputs)
+
+
+def weight_grad_by_blocks(min_rows: int = 1):
+    """Force the two-pass weight gradient (NOTE [ Weight gradient by vocabulary blocks ]) for any
+    dtype, with blocks as small as ``min_rows`` so that small vocabularies split into several."""
+    return mock.patch.multiple(from_hidden, weight_grad_by_blocks=lambda dtype: True, MIN_BLOCK_ROWS=min_rows)
 
 
 # ------------------------------------------------------------------ values and gradients, fp32
@@ -80,10 +89,11 @@ def test_from_logits_matches_float64_reference(batch, seq, vocab, chunk, tempera
     chunk=st.one_of(st.none(), st.integers(1, 12)),
     temperature=st.sampled_from([1.0, 0.6, 1.7]),
     with_bias=st.booleans(),
+    by_blocks=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_from_hidden_matches_float64_reference(
-    batch, seq, vocab, hidden, chunk, temperature, with_bias, seed
+    batch, seq, vocab, hidden, chunk, temperature, with_bias, by_blocks, seed
 ):
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(batch, seq, hidden, generator=gen).requires_grad_()
@@ -100,7 +110,9 @@ def test_from_hidden_matches_float64_reference(
     want = reference(logits, labels, temperature)
     close(got[0].double(), want[0], atol=1e-4, rtol=1e-4)
     close(got[1].double(), want[1], atol=1e-4, rtol=1e-4)
-    for g, r in zip(grads(got, inputs, w_logp, w_ent), grads(want, inputs, w_logp, w_ent)):
+    with weight_grad_by_blocks() if by_blocks else contextlib.nullcontext():
+        got_grads = grads(got, inputs, w_logp, w_ent)
+    for g, r in zip(got_grads, grads(want, inputs, w_logp, w_ent)):
         assert g.dtype == torch.float32
         close(g.double(), r.double(), atol=1e-4, rtol=1e-4)
 
@@ -139,8 +151,15 @@ def test_every_chunk_size_gives_the_same_logprobs_entropy_and_gradients(chunk):
 # ------------------------------------------------------------------ bf16
 
 
-@pytest.mark.parametrize("chunk", [4, None], ids=["chunk4", "unchunked"])
-def test_bf16_inputs_give_fp32_outputs_and_bf16_gradients_close_to_reference(chunk):
+@pytest.mark.parametrize(
+    ("chunk", "min_rows"),
+    [(4, 1), (4, from_hidden.MIN_BLOCK_ROWS), (None, from_hidden.MIN_BLOCK_ROWS)],
+    # vocab 64, hidden 16: chunk 4 -> blocks of 4 * 64 // (16 + 2 * 4) = 10 rows (7 blocks), or one
+    # block of min(64, 256) = 64 rows with the default minimum; unchunked (18 tokens) -> one block
+    ids=["chunk4-7-weight-blocks", "chunk4-1-weight-block", "unchunked"],
+)
+def test_bf16_inputs_give_fp32_outputs_and_bf16_gradients_close_to_reference(chunk, min_rows, monkeypatch):
+    monkeypatch.setattr(from_hidden, "MIN_BLOCK_ROWS", min_rows)
     gen = torch.Generator().manual_seed(2)
     h = torch.randn(2, 9, 16, generator=gen).bfloat16().requires_grad_()
     w = (0.5 * torch.randn(64, 16, generator=gen)).bfloat16().requires_grad_()
@@ -173,6 +192,52 @@ def test_bf16_inputs_give_fp32_outputs_and_bf16_gradients_close_to_reference(chu
         close(got.double(), want, atol=0.03 * scale, rtol=0.03)
 
 
+def test_bf16_weight_gradient_by_blocks_equals_the_single_pass_fp32_accumulation():
+    # Same fp32 sums over tokens, grouped by vocabulary block instead of all at once: the bf16
+    # gradients agree to bf16 rounding (2^-8 relative; a tile's bf16 projection may round apart).
+    gen = torch.Generator().manual_seed(12)
+    h = torch.randn(3, 10, 32, generator=gen).bfloat16().requires_grad_()
+    w = (0.3 * torch.randn(100, 32, generator=gen)).bfloat16().requires_grad_()
+    b = torch.randn(100, generator=gen).bfloat16().requires_grad_()
+    labels = make_labels(gen, (3, 10), 100, n_ignored=3)
+    got = {}
+    for by_blocks in (True, False):
+        with mock.patch.multiple(
+            from_hidden, weight_grad_by_blocks=lambda dtype, on=by_blocks: on, MIN_BLOCK_ROWS=1
+        ):
+            logp, ent = logprobs_from_hidden(h, w, labels, bias=b, chunk_size=7, return_entropy=True)
+            got[by_blocks] = torch.autograd.grad(logp.sum() - 0.5 * ent.sum(), (h, w, b))
+            # chunk 7, vocab 100, hidden 32 -> blocks of 7 * 100 // (32 + 2 * 7) = 15 rows: 7 blocks, the last of 10
+            assert from_hidden.vocab_block_rows(7, 100, 32) == 15
+    for blocked, single in zip(got[True], got[False]):
+        assert blocked.dtype == torch.bfloat16
+        close(blocked, single, atol=1e-2 * single.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "needs",
+    [(False, True, True), (False, True, False), (True, False, True), (False, False, True)],
+    ids=["weight-and-bias", "weight-only", "hidden-and-bias", "bias-only"],
+)
+def test_bf16_gradients_by_blocks_for_any_subset_of_inputs_requiring_grad(needs):
+    got = {}
+    for by_blocks in (True, False):
+        gen = torch.Generator().manual_seed(14)
+        h = torch.randn(2, 9, 16, generator=gen).bfloat16().requires_grad_(needs[0])
+        w = (0.3 * torch.randn(300, 16, generator=gen)).bfloat16().requires_grad_(needs[1])
+        b = torch.randn(300, generator=gen).bfloat16().requires_grad_(needs[2])
+        labels = make_labels(gen, (2, 9), 300)
+        # chunk 4, vocab 300 -> blocks of max(256, 4 * 300 // (16 + 8) = 50) = 256 rows: two blocks
+        with mock.patch.object(from_hidden, "weight_grad_by_blocks", lambda dtype, on=by_blocks: on):
+            logp, ent = logprobs_from_hidden(h, w, labels, bias=b, chunk_size=4, return_entropy=True)
+            (logp.sum() + ent.sum()).backward()
+        got[by_blocks] = [t.grad for t in (h, w, b)]
+    for blocked, single, need in zip(got[True], got[False], needs):
+        assert (blocked is not None) == need
+        if need:
+            close(blocked, single, atol=1e-2 * single.abs().max().item(), rtol=1e-2)
+
+
 # ------------------------------------------------------------------ gradcheck (float64)
 
 
@@ -201,6 +266,10 @@ def test_gradcheck_from_hidden_for_hidden_weight_and_bias():
         return logprobs_from_hidden(h, w, labels, bias=b, chunk_size=3, temperature=1.4, return_entropy=True)
 
     assert torch.autograd.gradcheck(fn, (h, w, b))
+    with weight_grad_by_blocks():  # vocab 6 in blocks of 3 * 6 // (3 + 2 * 3) = 2 rows: three blocks
+        assert torch.autograd.gradcheck(fn, (h, w, b))
+    with weight_grad_by_blocks(), mock.patch.object(from_hidden, "vocab_block_rows", lambda c, v, h: 4):
+        assert torch.autograd.gradcheck(fn, (h, w, b))  # blocks of rows [0, 4) and [4, 6)
 
 
 # ------------------------------------------------------------------ SkyRL #1648 regression
@@ -395,6 +464,32 @@ def test_from_hidden_peak_extra_memory_does_not_grow_with_sequence_length():
     assert extras[2048] <= 3 * CHUNK_BYTES
     # seq 256 -> 2048 adds only per-token vectors: 1792 tokens x a few 4-8 B floats << 2 MiB
     assert extras[2048] - extras[256] < 0.1 * CHUNK_BYTES
+
+
+def test_bf16_from_hidden_backward_holds_no_vocab_by_hidden_fp32_buffer():
+    # NOTE [ Weight gradient by vocabulary blocks ]: with bf16 weights a single pass would need a
+    # V x H fp32 accumulator; blocks of vocabulary rows need only [block, H] fp32.
+    vocab, hidden, seq, chunk = 8192, 1024, 512, 32
+    gen = torch.Generator().manual_seed(13)
+    h = torch.randn(1, seq, hidden, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=gen) * hidden**-0.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (1, seq), generator=gen)
+    fused = extra_peak(
+        lambda: logprobs_from_hidden(h, w, labels, chunk_size=chunk, return_entropy=True), (h, w), labels
+    )
+    h.grad = w.grad = None
+
+    def naive():
+        lsm = torch.log_softmax((h @ w.t()).float(), dim=-1)
+        return lsm.gather(-1, labels.unsqueeze(-1)).squeeze(-1), -(lsm.exp() * lsm).sum(-1)
+
+    # blocks: max(256, 32 * 8192 // (1024 + 2 * 32) = 240) = 256 rows -> a 256 x 1024 x 4 B = 1 MiB accumulator;
+    # a [32, 8192] fp32 chunk = 1 MiB: at most the accumulator + 3 such temporaries = 4 MiB, whereas
+    # a V x H fp32 accumulator alone would be 8192 x 1024 x 4 B = 32 MiB
+    assert fused <= 4 * 2**20
+    assert fused < vocab * hidden * 4 / 8
+    # naive: [512, 8192] bf16 logits and their fp32 upcast, log-softmax, exp ... (~63 MiB)
+    assert 10 * fused < extra_peak(naive, (h, w), labels)
 
 
 def test_chunked_from_logits_uses_markedly_less_memory_than_unchunked():

@@ -123,7 +123,7 @@ def rows(x: torch.Tensor) -> list[torch.Tensor]:
         return [x]
     try:
         return [x.view(-1, x.shape[-1])]
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # fake tensors raise ValueError where real ones raise RuntimeError
         return [r for i in range(x.shape[0]) for r in rows(x[i])]
 
 
@@ -205,6 +205,7 @@ def chunk_backward(
     temperature: float,
     *,
     own: bool = False,
+    column_offset: int | None = None,
 ) -> torch.Tensor:
     """The gradient ``[c, V]`` (in :func:`compute_dtype`) w.r.t. the chunk's logits ``x``, recomputing its softmax.
 
@@ -213,6 +214,11 @@ def chunk_backward(
     both are divided by ``T``. ``grad_logp`` must already be 0 at ignored tokens (and ``labels``
     0 there). ``x`` is only read unless ``own`` (the caller's temporary, then overwritten);
     temporaries: two ``[c, V]`` tensors in the compute dtype (one if ``own``).
+
+    Every column depends only on its own logit and the per-token ``lse``/``entropy``, so ``x`` may
+    also be a tile ``[c, w]`` of vocabulary columns ``[column_offset, column_offset + w)``:
+    ``labels`` stay global and only those inside the tile get their ``[j = y]`` term.
+    ``column_offset=None`` means ``x`` holds every column.
     """
     # log p = x / T - lse, in the compute dtype (lse's)
     if own and x.dtype == lse.dtype:
@@ -230,7 +236,14 @@ def chunk_backward(
         del logp_all
         g = p.mul_(-grad_logp.unsqueeze(1))
     if grad_logp is not None:
-        g.scatter_add_(1, labels.unsqueeze(1), grad_logp.unsqueeze(1))
+        if column_offset is None:
+            g.scatter_add_(1, labels.unsqueeze(1), grad_logp.unsqueeze(1))
+        else:
+            local = labels - column_offset
+            hit = (local >= 0) & (local < g.shape[1])
+            g.scatter_add_(
+                1, torch.where(hit, local, 0).unsqueeze(1), torch.where(hit, grad_logp, 0.0).unsqueeze(1)
+            )
     if temperature != 1.0:
         g.div_(temperature)
     return g

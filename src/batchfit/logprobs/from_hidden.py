@@ -3,14 +3,18 @@
 For each chunk of ``chunk_size`` tokens the forward projects ``x = hidden_chunk @ weight.T + bias``
 in the dtype of the inputs (as the model's ``lm_head`` would), upcasts to fp32, and reduces it to
 the chunk's log-probs, entropies and logsumexps. Backward recomputes the chunk's logits, forms
-their fp32 gradient ``g`` and turns it into
-``grad_hidden_chunk = g @ weight`` (in the input dtype), ``grad_weight += g.T @ hidden_chunk`` and
-``grad_bias += g.sum(0)`` (both accumulated in fp32, cast to the parameter dtype at the end).
+their fp32 gradient ``g`` and turns it into ``grad_hidden_chunk = g @ weight`` (in the input
+dtype). The weight and bias gradients are sums over all tokens, kept in fp32:
 
-Extra memory: O(chunk_size × V) fp32 temporaries, O(N) per-token floats, and in backward the fp32
-accumulators of the weight and bias gradients (``V × H`` and ``V`` floats; these *are* the weight
-gradient when the weight is fp32). Nothing grows with sequence length except the per-token vectors
-and the gradient of ``hidden`` itself.
+- fp32 (and fp64) weights: in the same pass, ``grad_weight += g.T @ hidden_chunk`` and
+  ``grad_bias += g.sum(0)`` into fp32 buffers that are the gradients themselves;
+- bf16/fp16 weights: a second pass over blocks of vocabulary rows, so that no ``V × H`` fp32
+  buffer exists (NOTE [ Weight gradient by vocabulary blocks ]).
+
+Extra memory: O(chunk_size × V) fp32 temporaries, O(N) per-token floats, O(V) for the bias
+gradient and, for low-precision weights, a ``[block, H]`` fp32 accumulator no larger than one
+``[chunk, V]`` fp32 chunk. Nothing grows with sequence length except the per-token vectors and
+the gradient of ``hidden`` itself.
 """
 
 from __future__ import annotations
@@ -31,6 +35,45 @@ from batchfit.logprobs._common import (
     compute_dtype,
     rows,
 )
+
+# NOTE [ Weight gradient by vocabulary blocks ]
+# The weight gradient sums over every token, so a single pass over token chunks must accumulate
+# all of it at once: in fp32 (for fp32-accurate sums) that is a V x H x 4 B buffer. For fp32 (and
+# fp64) weights that buffer *is* the gradient, so the single pass costs nothing extra. For bf16 and
+# fp16 weights it is extra memory (512 MiB at V 32k x H 4096, 2 GiB at V 128k) that dominates the
+# O(chunk x V) temporaries. Backward then runs two passes instead: pass 1 over token chunks makes
+# grad_hidden; pass 2 over blocks of `vocab_block_rows` vocabulary rows recomputes each
+# [chunk, block] logits tile, rebuilds its gradient from the saved per-token logsumexp/entropy
+# (chunk_backward with column_offset) and sums grad_weight[block] (and grad_bias[block]) over the
+# token chunks in a [block, H] fp32 buffer, written once in the weight's dtype. Each entry is the
+# same fp32 sum over tokens as in the single pass, so the gradients stay fp32-accurate. Cost: one
+# more N x V x H GEMM (five instead of four) and the softmax recomputed twice, for
+# O(chunk x V + block x H) extra memory. Pass 1 is skipped when hidden needs no gradient.
+
+MIN_BLOCK_ROWS = 256
+
+
+def weight_grad_by_blocks(dtype: torch.dtype) -> bool:
+    """True when backward sums the weight gradient by vocabulary blocks (two passes): low-precision weights.
+
+    See NOTE [ Weight gradient by vocabulary blocks ]. fp32 and fp64 weights keep the single pass,
+    whose fp32 accumulator is the gradient itself.
+    """
+    return compute_dtype(dtype) != dtype
+
+
+def vocab_block_rows(chunk_tokens: int, vocab: int, hidden: int) -> int:
+    """Vocabulary rows per block of the two-pass weight gradient, in ``[1, vocab]``.
+
+    ``chunk_tokens × vocab // (hidden + 2 × chunk_tokens)`` rows: the ``[block, hidden]`` fp32
+    accumulator and a tile's two fp32 ``[chunk, block]`` temporaries together hold no more floats
+    than one fp32 ``[chunk, vocab]`` chunk, so pass 2 stays within pass 1's footprint. At least
+    :data:`MIN_BLOCK_ROWS` (256) rows, so tiles stay large enough for efficient GEMMs.
+
+    Example: chunk 1024, vocab 32768, hidden 4096 -> 1024 * 32768 // (4096 + 2048) = 5461 rows
+    (an 85 MiB accumulator and 2 x 21 MiB tiles; one [1024, 32768] fp32 chunk is 128 MiB).
+    """
+    return max(1, min(vocab, max(MIN_BLOCK_ROWS, chunk_tokens * vocab // max(hidden + 2 * chunk_tokens, 1))))
 
 
 def _project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -81,13 +124,10 @@ class _HiddenLogprobs(torch.autograd.Function):
         if grad_entropy is not None:
             grad_entropy = grad_entropy.to(lse.dtype)
 
-        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        out_h = rows(grad_h)[0] if need_h else None
-        acc_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
-        acc_b = torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device) if need_b else None
-        for i, j, h in chunks(rows(hidden), ctx.chunk_size):
-            x = _project(h, weight, bias)
-            g = chunk_backward(
+        def grad_tile(h, i, j, w, b, column_offset=None):
+            """fp32 gradient of the logits of tokens [i, j) and the vocabulary rows of ``w``."""
+            x = _project(h, w, b)
+            return chunk_backward(
                 x,
                 None if safe is None else safe[i:j],
                 lse[i:j],
@@ -96,19 +136,62 @@ class _HiddenLogprobs(torch.autograd.Function):
                 None if grad_entropy is None else grad_entropy[i:j],
                 ctx.temperature,
                 own=True,
+                column_offset=column_offset,
             )
-            del x
-            if need_h:
-                g_low = g if g.dtype == weight.dtype else g.to(weight.dtype)
-                torch.mm(g_low, weight, out=out_h[i:j])  # hidden and weight share one dtype
-                del g_low
-            if need_w:
-                acc_w.addmm_(g.t(), h.to(g.dtype))
-            if need_b:
-                acc_b.add_(g.sum(dim=0))
-            del g
+
+        # NOTE [ Weight gradient by vocabulary blocks ]
+        blocked = need_w and weight_grad_by_blocks(weight.dtype)
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
+        out_h = rows(grad_h)[0] if need_h else None
+        acc_w = (
+            torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+            if need_w and not blocked
+            else None
+        )
+        acc_b = (
+            torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device)
+            if need_b and not blocked
+            else None
+        )
+        # pass 1, over token chunks: grad_hidden, and the weight/bias gradients unless blocked
+        if need_h or acc_w is not None or acc_b is not None:
+            for i, j, h in chunks(rows(hidden), ctx.chunk_size):
+                g = grad_tile(h, i, j, weight, bias)
+                if need_h:
+                    g_low = g if g.dtype == weight.dtype else g.to(weight.dtype)
+                    torch.mm(g_low, weight, out=out_h[i:j])  # hidden and weight share one dtype
+                    del g_low
+                if acc_w is not None:
+                    acc_w.addmm_(g.t(), h.to(g.dtype))
+                if acc_b is not None:
+                    acc_b.add_(g.sum(dim=0))
+                del g
         grad_w = None if acc_w is None else acc_w.to(weight.dtype)
         grad_b = None if acc_b is None else acc_b.to(bias.dtype)
+        if blocked:
+            # pass 2, over vocabulary blocks: each block's rows of grad_weight (and grad_bias)
+            # accumulated over all token chunks in a block-sized fp32 buffer
+            vocab, width = weight.shape
+            tokens = labels.numel() if ctx.chunk_size is None else min(ctx.chunk_size, labels.numel())
+            block = vocab_block_rows(tokens, vocab, width)
+            grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+            grad_b = torch.empty(vocab, dtype=bias.dtype, device=bias.device) if need_b else None
+            acc_w = torch.empty(block, width, dtype=lse.dtype, device=weight.device)
+            acc_b = torch.empty(block, dtype=lse.dtype, device=weight.device) if need_b else None
+            for v0 in range(0, vocab, block):
+                v1 = min(v0 + block, vocab)
+                a_w = acc_w[: v1 - v0].zero_()
+                a_b = None if acc_b is None else acc_b[: v1 - v0].zero_()
+                b_blk = None if bias is None else bias[v0:v1]
+                for i, j, h in chunks(rows(hidden), ctx.chunk_size):
+                    g = grad_tile(h, i, j, weight[v0:v1], b_blk, column_offset=v0)
+                    a_w.addmm_(g.t(), h.to(g.dtype))
+                    if a_b is not None:
+                        a_b.add_(g.sum(dim=0))
+                    del g
+                grad_w[v0:v1].copy_(a_w)
+                if a_b is not None:
+                    grad_b[v0:v1].copy_(a_b)
         return grad_h, grad_w, grad_b, *none
 
 
@@ -128,7 +211,8 @@ def logprobs_from_hidden(
     Each chunk's logits are projected in the inputs' dtype (exactly what ``lm_head(hidden)``
     gives), then upcast to fp32 for the reduction; backward recomputes them chunk by chunk and
     produces gradients for ``hidden``, ``weight`` and ``bias`` in their own dtypes (weight and
-    bias gradients accumulated in fp32). Works under ``torch.no_grad()``.
+    bias gradients summed in fp32; for bf16/fp16 weights by blocks of vocabulary rows, see
+    NOTE [ Weight gradient by vocabulary blocks ]). Works under ``torch.no_grad()``.
 
     Args:
         hidden: ``[..., H]`` float tensor (typically ``[B, S, H]``, the last hidden states); may be
@@ -152,10 +236,13 @@ def logprobs_from_hidden(
             labels of another shape or dtype, or out of range.
 
     Memory: peak extra O(chunk_size × V) (two or three ``[chunk, V]`` temporaries) plus O(N)
-    floats, independent of sequence length; plus, for low-precision weights, the fp32
-    ``V × H`` weight-gradient accumulator in backward (for fp32 weights it is the gradient).
-    Time: four ``N × V × H`` GEMMs instead of three (backward recomputes the projection once),
-    plus O(N × V) elementwise work.
+    floats, independent of sequence length. For bf16/fp16 weights backward adds a
+    ``[block, H]`` fp32 accumulator with ``block = max(256, chunk × V // (H + 2 × chunk))``
+    rows (above the 256-row floor, fewer floats than one ``[chunk, V]`` fp32 chunk), never a
+    ``V × H`` fp32 one.
+    Time: fp32/fp64 weights, four ``N × V × H`` GEMMs instead of three (backward recomputes the
+    projection once); bf16/fp16 weights, five (backward projects once per pass); plus O(N × V)
+    elementwise work (twice in backward for bf16/fp16).
 
     Example:
         >>> hidden = torch.randn(2, 6, 8, requires_grad=True)
