@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from batchfit.budget import Probe, doubling_search, find_token_budget
+from batchfit.budget import find_token_budget
 from batchfit.memory import format_bytes, get_backend
 from batchfit.models import build_causal_lm, causal_lm_step
+from batchfit.search import largest_fitting
 
 
 def make_step(model: str, backend: str, memory: str, dtype: str):
@@ -32,14 +33,13 @@ def baseline(step, seq_lens: list[int], limit: int) -> tuple[dict[int, int], int
     t0 = time.perf_counter()
     for s in seq_lens:
 
-        def probe(b: int, s: int = s) -> Probe:
+        def probe(b: int, s: int = s) -> bool:
             m = be.measure(lambda: step(b, s), register=step.persistent)
-            fits = m.fits and not m.exceeded and m.peak_bytes <= limit
-            return Probe(b, s, m.peak_bytes, fits=fits, exceeded=m.exceeded)
+            return bool(m.fits and not m.exceeded and m.peak_bytes <= limit)
 
-        result = doubling_search(probe)
-        found[s] = result.max_batch_size
-        probes += len(result.probes)
+        result = largest_fitting(probe)  # no guess: doubling from 1, then bisection
+        found[s] = result.batch_size
+        probes += len(result.trials)
     return found, probes, time.perf_counter() - t0
 
 

@@ -1,4 +1,4 @@
-"""batchfit.budget: the search (pure, on probe functions), the memory model, TokenBudget,
+"""batchfit.budget: the memory model, TokenBudget,
 find_token_budget on a synthetic backend, on the real cpu backend, and across two gloo ranks."""
 
 from __future__ import annotations
@@ -19,16 +19,13 @@ from hypothesis import strategies as st
 from batchfit.budget import (
     BudgetPoint,
     BudgetProgress,
-    Probe,
     TokenBudget,
     default_seq_lens,
-    doubling_search,
     find_token_budget,
     fit_memory_model,
     guess_max_batch,
-    search_max_batch,
 )
-from batchfit.errors import BatchfitError, DoesNotFitError, InvalidArgument
+from batchfit.errors import DoesNotFitError, InvalidArgument
 
 # --------------------------------------------------------------------------- helpers
 
@@ -72,58 +69,6 @@ def synthetic_budget(peak_fn=linear_quadratic, limit=2_000_000_000, **kwargs):
     kwargs.setdefault("max_seq_len", 4096)
     kwargs.setdefault("safety_margin", 1.0)
     return find_token_budget(shape_step, backend=be, progress=False, **kwargs), be
-
-
-# --------------------------------------------------------------------------- search (pure)
-
-
-@settings(max_examples=60, deadline=None)
-@given(answer=st.integers(0, 5_000), start=st.integers(1, 10_000))
-def test_blind_search_returns_a_measured_fit_with_the_next_size_measured_to_fail(answer, start):
-    result = search_max_batch(lambda b: Probe(b, 1, b, fits=b <= answer), start=start)
-    assert result.max_batch_size == answer
-    verdicts = {p.batch_size: p.fits for p in result.probes}
-    assert verdicts[answer + 1] is False
-    assert answer == 0 or verdicts[answer] is True
-    assert len(result.probes) <= 2 * math.log2(max(answer, start) + 2) + 3
-
-
-@settings(max_examples=60, deadline=None)
-@given(answer=st.integers(1, 100_000), error=st.floats(-0.3, 0.3))
-def test_a_wrong_guess_still_finds_the_exact_answer_within_a_log_bound(answer, error):
-    # the guess is off by a constant factor (a wrong slope), the search must still be exact
-    result = search_max_batch(
-        lambda b: Probe(b, 1, b, fits=b <= answer), guess=lambda probes: (answer + 0.5) * (1 + error)
-    )
-    assert result.max_batch_size == answer
-    assert len(result.probes) <= 2 * math.log2(answer + 2) + 4
-
-
-def test_an_exact_guess_costs_two_probes():
-    # guess 95.5 -> probe 95 (fits), then 96 (does not): the answer is bracketed by measurement
-    result = search_max_batch(lambda b: Probe(b, 1, b, fits=b <= 95), guess=lambda probes: 95.5)
-    assert [p.batch_size for p in result.probes] == [95, 96]
-    assert result.max_batch_size == 95
-
-
-def test_doubling_baseline_probes_powers_of_two_then_bisects():
-    # 1,2,4,...,128 (8 probes; 128 fails), then 96 80 88 92 94 95 -> 14 probes
-    result = doubling_search(lambda b: Probe(b, 1, b, fits=b <= 95))
-    assert [p.batch_size for p in result.probes][:8] == [1, 2, 4, 8, 16, 32, 64, 128]
-    assert (result.max_batch_size, len(result.probes)) == (95, 14)
-
-
-def test_search_stops_at_its_cap():
-    result = search_max_batch(
-        lambda b: Probe(b, 1, 0, fits=True), guess=lambda p: math.inf, max_batch_size=64
-    )
-    assert result.max_batch_size == 64
-    assert [p.batch_size for p in result.probes] == [64]
-
-
-def test_a_probe_that_never_fails_raises_instead_of_looping():
-    with pytest.raises(BatchfitError, match="max_probes=5"):
-        search_max_batch(lambda b: Probe(b, 1, 0, fits=True), max_probes=5)
 
 
 # --------------------------------------------------------------------------- memory model (pure)

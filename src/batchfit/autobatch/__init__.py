@@ -2,8 +2,9 @@
 
 - :func:`find_batch_size` (:mod:`~batchfit.autobatch.find`): the search on a memory backend,
   in ``train`` or ``val`` mode, with verdicts agreed across torch.distributed ranks.
-- :func:`search_largest` (:mod:`~batchfit.autobatch.search`): the pure search arithmetic
-  over a probe function (memory-model guesses, then bisection; bounded trials).
+- :func:`search_largest` (:mod:`~batchfit.autobatch.search`): the shared search
+  :func:`batchfit.search.largest_fitting` on ``[low, high]`` with AutoBatch's memory-model
+  guess :func:`model_guess` (bounded trials).
 - :class:`Task` (:mod:`~batchfit.autobatch.task`): model + ``make_batch`` + ``loss`` for the
   CLI, with built-in tasks in :mod:`~batchfit.autobatch.builtin_tasks`.
 - :func:`sweep` and :mod:`~batchfit.autobatch.report`: every fraction × mode, as report rows.

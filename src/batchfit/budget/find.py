@@ -1,6 +1,7 @@
 """``find_token_budget``: tie the search to a memory backend, the ranks of a group and a progress hook.
 
-The arithmetic lives in :mod:`batchfit.budget.search` and :mod:`batchfit.budget.memory_model`;
+The arithmetic lives in :mod:`batchfit.search` (the bracket search) and
+:mod:`batchfit.budget.memory_model` (its guess);
 this module turns ``step(batch_size, seq_len)`` into a probe (measure, compare with the limit,
 agree across ranks) and runs the search at several lengths, longest first.
 """
@@ -15,10 +16,11 @@ from typing import Any
 import numpy as np
 
 from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_max_batch
-from batchfit.budget.search import Probe, SearchResult, search_max_batch
+from batchfit.budget.probe import Probe
 from batchfit.budget.token_budget import BudgetPoint, TokenBudget, check_cost
 from batchfit.distributed import all_reduce_max_list, all_reduce_min, get_rank
 from batchfit.errors import BatchfitError, DoesNotFitError, InvalidArgument
+from batchfit.search import SearchResult, Trial, largest_fitting
 from batchfit.validation import check_choice, check_number, check_positive_int, is_int
 
 logger = logging.getLogger("batchfit.budget")
@@ -95,9 +97,9 @@ def find_token_budget(
 
     Probes ``step(batch_size, seq_len)`` (one forward + backward, optimizer step optional) at
     each length of ``seq_lens``, longest first, and finds the largest batch that fits at each
-    with :func:`~batchfit.budget.search.search_max_batch`, guided by the memory model fitted
-    so far (two or three probes per length once the model has data; at most 8 in practice,
-    O(log b) in the worst case). Every reported batch size ``b`` was measured to fit and
+    with :func:`~batchfit.search.largest_fitting` (unbounded, capped at ``MAX_BATCH_SIZE``),
+    guided by the memory model fitted so far (two or three probes per length once the model
+    has data; at most ``2·ceil(log2(b + 1)) + 3`` for any model). Every reported batch size ``b`` was measured to fit and
     ``b + 1`` measured not to. ``C = min over lengths of b·s``; the fitted model
     ``peak ≈ base + a·b·s + q·b·s²`` then checks ``C`` at every length ``1..max_seq_len``
     and probes a length where it predicts a failure (``model_check`` says what it found).
@@ -166,17 +168,17 @@ def find_token_budget(
     def run_length(seq_len: int, index: int, n_lengths: int) -> BudgetPoint:
         before = len(trials)
 
-        def probe(batch_size: int) -> Probe:
+        def probe(batch_size: int) -> Trial:
             result = probe_at(batch_size, seq_len)
             trials.append(result)
             notify(BudgetProgress(role, seq_len, index, n_lengths, result, None, len(trials), limit))
-            return result
+            return result.as_trial()
 
-        def guess(_: Sequence[Probe]) -> float | None:
+        def guess(_: Sequence[Trial]) -> float | None:
             return guess_max_batch(_completed(trials), seq_len, limit)
 
-        start = _warm_start(points, seq_len)
-        found = search_max_batch(probe, guess=guess, start=start, max_batch_size=MAX_BATCH_SIZE)
+        start = min(_warm_start(points, seq_len), MAX_BATCH_SIZE)
+        found = largest_fitting(probe, guess=guess, start=start, cap=MAX_BATCH_SIZE)
         point = _point(seq_len, found, len(trials) - before)
         notify(
             BudgetProgress(role, seq_len, index, n_lengths, None, point.max_batch_size, len(trials), limit)
@@ -374,15 +376,15 @@ def _warm_start(points: Sequence[BudgetPoint], seq_len: int) -> int:
 
 
 def _point(seq_len: int, found: SearchResult, probes: int) -> BudgetPoint:
-    best = found.fitting_probe
-    above = next((p for p in found.probes if p.batch_size == found.max_batch_size + 1), None)
+    best = found.peak_bytes
+    above = next((t for t in found.trials if t.batch_size == found.batch_size + 1), None)
     return BudgetPoint(
         seq_len=seq_len,
-        max_batch_size=found.max_batch_size,
-        peak_bytes=0 if best is None else best.peak_bytes,
+        max_batch_size=found.batch_size,
+        peak_bytes=0 if best is None else best,
         next_peak_bytes=None if above is None else above.peak_bytes,
         probes=probes,
-        capped=found.max_batch_size >= MAX_BATCH_SIZE,
+        capped=found.batch_size >= MAX_BATCH_SIZE,
     )
 
 

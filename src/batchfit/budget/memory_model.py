@@ -157,7 +157,7 @@ def _secant(at_len: Sequence[tuple[int, int]]) -> tuple[float, float] | None:
 def guess_max_batch(points: Iterable[Point], seq_len: int, limit_bytes: float) -> float | None:
     """Predict the largest batch size at ``seq_len`` whose peak stays within ``limit_bytes``.
 
-    The guess of the budget search (:func:`batchfit.budget.search.search_max_batch`), from
+    The guess of the budget search (:func:`batchfit.search.largest_fitting`), from
     the probes that ran to completion so far, most local evidence first:
 
     1. two or more probes at ``seq_len``: the secant through the two largest batch sizes

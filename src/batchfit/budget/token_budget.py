@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchfit.budget.memory_model import MemoryModel
-from batchfit.budget.search import Probe
+from batchfit.budget.probe import Probe
 from batchfit.errors import InvalidArgument
 from batchfit.validation import check_choice, check_positive_int
 
