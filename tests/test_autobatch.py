@@ -44,7 +44,7 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-# --------------------------------------------------------------------------- pure search
+# --------------------------------------------------------------------------- search_largest (model_guess on the shared search; bounds in test_search.py)
 
 
 def _linear_probe(base: int, per_sample: int, target: int, quadratic: int = 0):
@@ -53,12 +53,6 @@ def _linear_probe(base: int, per_sample: int, target: int, quadratic: int = 0):
         return Trial(b, peak, peak <= target)
 
     return probe
-
-
-def test_max_trials_is_log2_of_the_range_plus_three():
-    assert max_trials(1, 512) == 12  # ceil(log2(512)) + 3 = 9 + 3
-    assert max_trials(1, 513) == 13  # ceil(log2(513)) + 3 = 10 + 3
-    assert max_trials(7, 7) == 3  # ceil(log2(1)) + 3 = 0 + 3
 
 
 def test_bool_probe_bisects_to_the_threshold():
