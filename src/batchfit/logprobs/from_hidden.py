@@ -77,10 +77,14 @@ def vocab_block_rows(chunk_tokens: int, vocab: int, hidden: int) -> int:
 
 
 def _project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The chunk's logits ``h @ weight.T (+ bias)`` in the inputs' dtype, ``[c, V]``."""
-    if bias is None:
-        return h @ weight.t()
-    return torch.addmm(bias, h, weight.t())
+    """The chunk's logits ``h @ weight.T (+ bias)``, ``[c, V]``, projected in the inputs' dtype and
+    returned in the compute dtype (fp32 for bf16/fp16).
+
+    Upcasting here frees the low-precision product at once, so the reductions can work in place on
+    the fp32 copy (``own=True``) instead of holding both it and a new fp32 tensor.
+    """
+    x = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+    return x.to(compute_dtype(x.dtype))
 
 
 class _HiddenLogprobs(torch.autograd.Function):
