@@ -56,6 +56,15 @@ def test_json_schema(capsys):
     assert policy["limit_bytes"] == int(0.9 * (2 * 1024**3 - 1024**3))  # margin × (memory - 1 GiB reserve)
 
 
+def test_reference_role_is_forward_only_and_fits_more_tokens(capsys):
+    assert main(["profile", *FAST, "--roles", "policy,reference", "--logprobs", "fused", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["logprobs"] == "fused"
+    # no gradients, no optimizer state, nothing saved for backward: a larger budget than training
+    assert data["roles"]["reference"]["tokens"] > data["roles"]["policy"]["tokens"]
+    assert data["binding_role"] == "policy" and data["tokens"] == data["roles"]["policy"]["tokens"]
+
+
 def test_policy_and_critic_are_combined_by_the_smaller(capsys, tmp_path):
     plot = tmp_path / "budget.png"
     assert main(["profile", *FAST, "--roles", "policy,critic", "--plot", str(plot)]) == 0
@@ -70,7 +79,8 @@ def test_policy_and_critic_are_combined_by_the_smaller(capsys, tmp_path):
         pytest.param(["--memory", "80Gx"], "--memory is not a memory size or device preset", id="bad-memory"),
         pytest.param(["--model", "nope"], "spec must be a preset", id="bad-model"),
         pytest.param(["--backend", "gpu"], "--backend must be one of", id="bad-backend"),
-        pytest.param(["--roles", "policy,actor"], "roles must be one of", id="bad-role"),
+        pytest.param(["--roles", "policy,actor"], "--roles must be one of", id="bad-role"),
+        pytest.param(["--logprobs", "fast"], "--logprobs must be one of 'full', 'chunked', 'fused'", id="bad-logprobs"),
         pytest.param(
             ["--backend", "cpu"], "--memory is required with --backend cpu", id="cpu-without-memory"
         ),

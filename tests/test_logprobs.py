@@ -537,3 +537,33 @@ def test_fake_tensor_estimate_equals_the_real_cpu_peak():
     with FakeTensorMode():
         fake = peak()
     assert fake == real
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("source", ["hidden", "logits"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_estimate_with_many_chunks_equals_cpu_peak(dtype, source, grad):
+    # NOTE [ Fake chunks skip the steady state ]: the fake run skips most of the 6 × 10 chunks
+    # (6 rows of 299 tokens sliced out of 300, chunk 32: nine 32-token chunks and an 11-token tail
+    # per row; rows 2..4 are skipped whole)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def peak() -> int:
+        h = torch.ones(6, 300, 16, dtype=dtype, requires_grad=grad)
+        w = torch.ones(512, 16, dtype=dtype, requires_grad=grad)
+        labels = torch.zeros(6, 299, dtype=torch.long)
+        with MemoryTracker() as tracker:
+            tracker.register(h, w, labels)
+            if source == "hidden":
+                lp, ent = logprobs_from_hidden(h[:, :-1], w, labels, chunk_size=32, return_entropy=True)
+            else:
+                logits = h[:, :-1] @ w.t()
+                lp, ent = logprobs_from_logits(logits, labels, chunk_size=32, return_entropy=True)
+            if grad:
+                (lp.sum() + ent.sum()).backward()
+        return tracker.peak_bytes
+
+    real = peak()
+    with FakeTensorMode():
+        fake = peak()
+    assert fake == real

@@ -1,6 +1,7 @@
 """``profile_model``: the token budget of a model preset for each RL role, and their combination.
 
-What ``batchfit profile`` calls: builds the policy (causal LM) and/or critic (value head)
+What ``batchfit profile`` calls: builds the policy (causal LM, trained), the critic (value
+head, trained) and/or the reference (causal LM, forward-only log-probs under ``no_grad``)
 from a preset, a directory or a hub id with :mod:`batchfit.models`, runs
 :func:`~batchfit.budget.find.find_token_budget` for each role on one backend and combines
 them with :meth:`TokenBudget.min`.
@@ -18,7 +19,7 @@ from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import InvalidArgument
 from batchfit.validation import check_choice
 
-ROLES = ("policy", "critic")
+ROLES = ("policy", "critic", "reference")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class ModelProfile:
         model: the model spec profiled (preset, directory or hub id).
         dtype: parameter dtype name.
         gradient_checkpointing: activation checkpointing was on.
+        logprobs: how log-probs were computed (``full``, ``chunked``, ``fused``).
         backend: the backend's name (``cpu``, ``estimate``, ``cuda``).
         memory_limit: device bytes (``None`` = the device's own, cuda).
         reserve_bytes: bytes of ``memory_limit`` no tracker sees.
@@ -39,6 +41,7 @@ class ModelProfile:
     model: str
     dtype: str
     gradient_checkpointing: bool
+    logprobs: str
     backend: str
     memory_limit: int | None
     reserve_bytes: int
@@ -51,6 +54,7 @@ class ModelProfile:
             "model": self.model,
             "dtype": self.dtype,
             "gradient_checkpointing": self.gradient_checkpointing,
+            "logprobs": self.logprobs,
             "backend": self.backend,
             "memory_limit": self.memory_limit,
             "reserve_bytes": self.reserve_bytes,
@@ -66,7 +70,7 @@ def check_roles(roles: str | Sequence[str]) -> tuple[str, ...]:
     if not items or any(not r for r in items):
         raise InvalidArgument(f"roles must name at least one of {', '.join(ROLES)}, but got roles={roles!r}")
     for r in items:
-        check_choice("roles", r, ROLES)
+        check_choice("--roles", r, ROLES)
     if len(set(items)) != len(items):
         raise InvalidArgument(f"roles must not repeat a role, but got roles={roles!r}; list each role once")
     return tuple(items)
@@ -81,6 +85,7 @@ def profile_model(
     memory_limit: int | str | None = None,
     dtype: str = "bf16",
     gradient_checkpointing: bool = False,
+    logprobs: str = "full",
     cost: str = "padded",
     safety_margin: float = 0.9,
     seq_lens: Sequence[int] | None = None,
@@ -88,16 +93,20 @@ def profile_model(
 ) -> ModelProfile:
     """Build ``model`` for each role and find its token budget; combine the roles.
 
-    Every role trains with AdamW (state initialised before measuring); the policy's loss is
-    a per-token log-prob mean, the critic's a masked MSE of a value head
-    (:func:`batchfit.models.causal_lm_step`).
+    The policy and the critic train with AdamW (state initialised before measuring); the
+    policy's loss is a per-token log-prob mean, the critic's a masked MSE of a value head; the
+    reference runs forward-only log-probs under ``no_grad`` (its budget bounds forward
+    micro-batches: reference and old log-probs). See :func:`batchfit.models.causal_lm_step`.
 
     Args:
         model: preset name (``tiny``, ``qwen2.5-0.5b``, …), local directory with
             ``config.json``, or hub id (config only).
         max_seq_len, cost, safety_margin, seq_lens, progress: as
             :func:`~batchfit.budget.find.find_token_budget` (``progress`` events carry the role).
-        roles: ``"policy"``, ``"critic"`` or both (``"policy,critic"``).
+        roles: any of ``"policy"``, ``"critic"``, ``"reference"`` (``"policy,critic"``).
+        logprobs: ``full`` (fp32 ``log_softmax`` of the whole logits), ``chunked``
+            (:func:`batchfit.logprobs.logprobs_from_logits`) or ``fused``
+            (:func:`batchfit.logprobs.logprobs_from_hidden`, no ``[B, S, V]`` logits).
         backend: ``auto`` (cuda if available, else estimate), ``cpu``, ``estimate``, ``cuda``.
         memory_limit: bytes, ``"80GiB"`` or a device preset; required for cpu and estimate.
         dtype: ``bf16``, ``fp32`` (or any name :func:`batchfit.models.parse_dtype` accepts).
@@ -116,8 +125,10 @@ def profile_model(
     """
     from batchfit.memory import get_backend
     from batchfit.models import build_causal_lm, causal_lm_step, load_config, parse_dtype
+    from batchfit.models.step import LOGPROBS
 
     chosen_roles = check_roles(roles)
+    logprobs = check_choice("--logprobs", logprobs, LOGPROBS)
     torch_dtype = parse_dtype(dtype)
     load_config(model)  # a bad spec fails here, before any backend work
     be = get_backend(backend, memory_limit=memory_limit)
@@ -130,7 +141,7 @@ def profile_model(
             gradient_checkpointing=gradient_checkpointing,
             value_head=role == "critic",
         )
-        step = causal_lm_step(net, backend=be)
+        step = causal_lm_step(net, backend=be, logprobs=logprobs, forward_only=role == "reference")
         budgets[role] = find_token_budget(
             step,
             max_seq_len=max_seq_len,
@@ -146,6 +157,7 @@ def profile_model(
         model=str(model),
         dtype=str(torch_dtype).removeprefix("torch."),
         gradient_checkpointing=bool(gradient_checkpointing),
+        logprobs=logprobs,
         backend=be.name,
         memory_limit=be.memory_limit,
         reserve_bytes=int(be.reserve_bytes or 0),

@@ -53,6 +53,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--roles", default="policy", metavar="R,R", help=f"{','.join(ROLES)} (default policy)")
     p.add_argument(
+        "--logprobs",
+        default="full",
+        metavar="full|chunked|fused",
+        help="log-prob computation of the policy/reference step (default full: fp32 log_softmax of all logits)",
+    )
+    p.add_argument(
         "--cost", default="padded", metavar="padded|packed", help="micro-batch cost (default padded)"
     )
     p.add_argument(
@@ -77,6 +83,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     from batchfit.budget.token_budget import check_cost
     from batchfit.memory import BACKEND_NAMES, parse_memory
     from batchfit.models import load_config, parse_dtype
+    from batchfit.models.step import LOGPROBS
     from batchfit.validation import check_choice, check_number, check_positive_int
 
     backend = check_choice("--backend", args.backend, BACKEND_NAMES)
@@ -96,6 +103,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     check_positive_int("--max-seq-len", args.max_seq_len)
     check_number("--safety-margin", args.safety_margin, low=0.0, high=1.0, low_open=True)
     check_roles(args.roles)
+    check_choice("--logprobs", args.logprobs, LOGPROBS)
     check_cost(args.cost)
     parse_dtype(args.dtype)
     load_config(args.model)
@@ -120,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             memory_limit=settings["memory"],
             dtype=args.dtype,
             gradient_checkpointing=args.gradient_checkpointing,
+            logprobs=args.logprobs,
             cost=args.cost,
             safety_margin=args.safety_margin,
             progress=callback,
@@ -148,7 +157,8 @@ def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse
     limit = f"{format_bytes(profile.memory_limit)}" if profile.memory_limit else "device total"
     console.print(
         f"batchfit profile: model {profile.model} ({profile.dtype}"
-        f"{', gradient checkpointing' if profile.gradient_checkpointing else ''}, AdamW), "
+        f"{', gradient checkpointing' if profile.gradient_checkpointing else ''}, AdamW, "
+        f"{profile.logprobs} log-probs), "
         f"max_seq_len {args.max_seq_len:,}, cost {args.cost}",
         highlight=False,
     )
