@@ -100,3 +100,15 @@ def test_one_sequence_that_does_not_fit_exits_1_naming_what_to_reduce(capsys):
     argv = ["profile", "--model", "tiny", "--max-seq-len", "512", "--backend", "cpu", "--memory", "100KB"]
     assert main([*argv, "--no-progress"]) == 1
     assert "reduce max_seq_len" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_a_one_line_error_before_profiling(capsys, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a)
+    )
+    assert main(["profile", *FAST, "--plot", "budget.png"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs matplotlib" in err and "batchfit[plot]" in err

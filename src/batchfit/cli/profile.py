@@ -107,6 +107,10 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     check_cost(args.cost)
     parse_dtype(args.dtype)
     load_config(args.model)
+    if args.plot:
+        from batchfit.cli.render_budget import require_matplotlib
+
+        require_matplotlib(args.plot)
     return {"backend": backend, "memory": memory, "memory_defaulted": defaulted}
 
 

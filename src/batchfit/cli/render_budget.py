@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from batchfit.errors import InvalidArgument
 from batchfit.memory import format_bytes
 
 if TYPE_CHECKING:
@@ -61,11 +63,21 @@ def budget_lines(budget: TokenBudget) -> list[str]:
     ]
 
 
+def require_matplotlib(path: str) -> None:
+    """Raise a one-line :class:`InvalidArgument` when ``--plot`` is asked for without matplotlib."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise InvalidArgument(
+            f"--plot {str(path)!r} needs matplotlib, which is not installed; "
+            "install it with pip install 'batchfit[plot]' (or pip install matplotlib)"
+        )
+
+
 def plot_budget(budgets: dict[str, TokenBudget], path: str) -> None:
     """Peak memory vs. tokens per probed length (one line per length and role), with the limit.
 
     matplotlib (Agg) is imported here only, so the CLI needs it only with ``--plot``.
     """
+    require_matplotlib(path)
     import matplotlib
 
     matplotlib.use("Agg")
