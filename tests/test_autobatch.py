@@ -6,12 +6,9 @@ import csv
 import json
 import math
 import os
-import queue
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as tmp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +30,7 @@ from batchfit.autobatch.builtin_tasks import causal_lm, vision_cnn
 from batchfit.autobatch.report import REPORT_FIELDS, trial_log_text
 from batchfit.errors import BatchfitError, DoesNotFitError, InvalidArgument
 from batchfit.memory import get_backend
+from multirank import run_ranks
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -474,72 +472,37 @@ def test_sweep_rejects_bad_arguments_before_building(kwargs, match):
 # --------------------------------------------------------------------------- two gloo ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank_worker(rank: int) -> tuple:
+    # rank 1 has half the memory of rank 0 (injected limit)
+    backend = get_backend("cpu", memory_limit=(1 << 20) if rank == 0 else (1 << 19))
+    result = find_batch_size(lambda b: torch.zeros(b, 1024), backend=backend, progress=False)
+    agreed = (result.batch_size, [t.batch_size for t in result.trials], result.target_bytes)
 
+    def failing(b: int) -> None:  # rank 1 breaks at the third trial; rank 0 must not wait for it
+        if rank == 1 and b > 1:
+            raise KeyError("rank 1 broke")
+        torch.zeros(b, 1024)
 
-def _rank_worker(rank: int, port: int, results) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     try:
-        # rank 1 has half the memory of rank 0 (injected limit)
-        backend = get_backend("cpu", memory_limit=(1 << 20) if rank == 0 else (1 << 19))
-        result = find_batch_size(lambda b: torch.zeros(b, 1024), backend=backend, progress=False)
-        agreed = (result.batch_size, [t.batch_size for t in result.trials], result.target_bytes)
-
-        def failing(b: int) -> None:  # rank 1 breaks at the third trial; rank 0 must not wait for it
-            if rank == 1 and b > 1:
-                raise KeyError("rank 1 broke")
-            torch.zeros(b, 1024)
-
-        try:
-            find_batch_size(failing, backend=backend, progress=False)
-            failure = "no error"
-        except KeyError:
-            failure = "KeyError"
-        except BatchfitError as exc:
-            failure = str(exc)
-        tiny = get_backend("cpu", memory_limit=(1 << 20) if rank == 0 else 4096)  # rank 1: not even 1 sample
-        try:
-            find_batch_size(lambda b: torch.zeros(b, 1024), backend=tiny, progress=False)
-            nothing = "no error"
-        except DoesNotFitError as exc:
-            nothing = str(exc)
-        results.put((rank, agreed, failure, nothing))
-    except BaseException as exc:  # report, do not hang the parent
-        results.put((rank, "error", repr(exc)))
-    finally:
-        dist.destroy_process_group()
+        find_batch_size(failing, backend=backend, progress=False)
+        failure = "no error"
+    except KeyError:
+        failure = "KeyError"
+    except BatchfitError as exc:
+        failure = str(exc)
+    tiny = get_backend("cpu", memory_limit=(1 << 20) if rank == 0 else 4096)  # rank 1: not even 1 sample
+    try:
+        find_batch_size(lambda b: torch.zeros(b, 1024), backend=tiny, progress=False)
+        nothing = "no error"
+    except DoesNotFitError as exc:
+        nothing = str(exc)
+    return agreed, failure, nothing
 
 
 @pytest.mark.timeout(120)
 def test_two_ranks_with_different_memory_agree_and_never_wait_on_each_other():
     # one spawn, three scenarios: different limits, an error on one rank, nothing fits on one rank
-    ctx = tmp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_worker, args=(r, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in procs:
-            rank, *rest = results.get(timeout=90)
-            got[rank] = rest
-    except queue.Empty:
-        pytest.fail(f"a rank hung; got results from {sorted(got)}")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert got[0][0] != "error" and got[1][0] != "error", got
+    got = run_ranks(_rank_worker)
     # rank 1 alone: floor(0.8 * 512 KiB) = 419_430 bytes, 4 KiB per sample -> 102 (rank 0 alone: 204)
     assert got[0][0] == got[1][0]
     assert got[0][0][0] == 102 and got[0][0][2] == 419_430

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
-import os
-import queue
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +22,7 @@ from batchfit.budget import (
     guess_max_batch,
 )
 from batchfit.errors import DoesNotFitError, InvalidArgument
+from multirank import run_ranks
 
 # --------------------------------------------------------------------------- helpers
 
@@ -331,55 +328,16 @@ def test_cpu_budget_max_batch_fits_and_one_more_does_not_by_measurement():
 # --------------------------------------------------------------------------- two gloo ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_worker(rank: int, world: int, port: int, fail: list, results) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60)
-    )
-    try:
-        be = SyntheticBackend(
-            linear_quadratic, 2_000_000_000, fail=[tuple(f) for f in fail] if rank == 1 else ()
-        )
-        budget = find_token_budget(
-            shape_step, max_seq_len=4096, backend=be, safety_margin=1.0, progress=False
-        )
-        results.put((rank, budget.tokens, [p.max_batch_size for p in budget.points], len(be.calls)))
-    except BaseException as exc:  # report, do not hang the parent
-        results.put((rank, "error", repr(exc), 0))
-    finally:
-        dist.destroy_process_group()
+def _rank_worker(rank: int, fail: list) -> tuple:
+    be = SyntheticBackend(linear_quadratic, 2_000_000_000, fail=[tuple(f) for f in fail] if rank == 1 else ())
+    budget = find_token_budget(shape_step, max_seq_len=4096, backend=be, safety_margin=1.0, progress=False)
+    return budget.tokens, [p.max_batch_size for p in budget.points], len(be.calls)
 
 
 @pytest.mark.timeout(120)
 def test_two_ranks_agree_on_a_smaller_budget_when_one_rank_runs_out():
     # alone, 36 sequences of 4096 fit (see above); rank 1 runs out of memory at (36, 4096)
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_worker, args=(r, 2, port, [(36, 4096)], results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in procs:
-            rank, *rest = results.get(timeout=90)
-            got[rank] = rest
-    except queue.Empty:
-        pytest.fail(f"a rank hung; got results from {sorted(got)}")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert got[0][0] != "error" and got[1][0] != "error", got
+    got = run_ranks(_rank_worker, [(36, 4096)])
     assert got[0] == got[1]  # same budget, same points, same number of probes on both ranks
     assert got[0][0] == 35 * 4096  # the verdict at 36 was "does not fit" on every rank
     assert got[0][1][0] == 35
