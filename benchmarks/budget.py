@@ -45,6 +45,7 @@ def baseline(step, seq_lens: list[int], limit: int) -> tuple[dict[int, int], int
 
 def compare(name: str, model: str, backend: str, memory: str, max_seq_len: int, dtype: str) -> None:
     step = make_step(model, backend, memory, dtype)
+    step.backend.measure(lambda: step(1, 16), register=step.persistent)  # warm-up, so neither search pays it
     t0 = time.perf_counter()
     budget = find_token_budget(step, max_seq_len=max_seq_len, progress=False)
     guided_s = time.perf_counter() - t0
