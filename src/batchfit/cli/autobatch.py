@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         reserve_bytes=s["reserve"],
         backend=s["backend"],
     )
-    if args.progress and not args.json:
+    if args.progress and not args.json and sys.stderr.isatty():  # no spinner residue in logs and pipes
         results = _with_progress(s["task"], kwargs)
     else:
         results = sweep(s["task"], **kwargs)
