@@ -18,12 +18,13 @@ whose output takes the live bytes above the limit raises :class:`MemoryLimitExce
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from batchfit.memory.registration import categorized_tensors
 
 OTHER = "activations"
 
@@ -125,7 +126,7 @@ class MemoryTracker(TorchDispatchMode):
         A storage already tracked is not counted twice.
         """
         for obj in objects:
-            for t in _tensors_of(obj):
+            for t, _ in categorized_tensors(obj, category):
                 self._add(t.untyped_storage(), category)
 
     def register_tensor(self, tensor: torch.Tensor, category: str) -> None:
@@ -162,25 +163,3 @@ class MemoryTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._add(t.untyped_storage(), OTHER)
         return out
-
-
-def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
-    if obj is None:
-        return
-    if isinstance(obj, torch.Tensor):
-        yield obj
-        if obj.grad is not None:
-            yield obj.grad
-    elif isinstance(obj, torch.nn.Module):
-        for p in obj.parameters():
-            yield from _tensors_of(p)
-        yield from obj.buffers()
-    elif isinstance(obj, torch.optim.Optimizer):
-        for state in obj.state.values():
-            yield from _tensors_of(state)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors_of(v)
-    elif isinstance(obj, (list, tuple, set)):
-        for v in obj:
-            yield from _tensors_of(v)
