@@ -32,14 +32,7 @@ from batchfit.errors import BatchfitError, DoesNotFitError, InvalidArgument
 from batchfit.memory import get_backend
 from multirank import run_ranks
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny models on a shared 2-core machine: intra-op threads only contend (45x slower measured)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- search_largest (model_guess on the shared search; bounds in test_search.py)

@@ -7,7 +7,6 @@ import json
 import re
 
 import pytest
-import torch
 
 from batchfit.autobatch.builtin_tasks import vision_cnn
 from batchfit.autobatch.report import REPORT_FIELDS
@@ -33,12 +32,7 @@ def small_task() -> object:
     return vision_cnn(width=4, image_size=16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _exit_code(argv: list[str]) -> int:
