@@ -8,17 +8,71 @@ on the CPU, or on the current CUDA device for the NCCL backend.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from batchfit.errors import InvalidArgument
+from batchfit.validation import check_positive_int
 
-def is_distributed(group: Any = None) -> bool:
-    """True when a process group is initialised (and ``group``, if given, has > 1 member)."""
+FAKE_BACKEND = "fake"
+
+
+def is_simulated(group: Any = None) -> bool:
+    """True when ``group`` (default: the default group) is a fake process group (:func:`simulated_world`)."""
     if not (dist.is_available() and dist.is_initialized()):
         return False
-    return dist.get_world_size(group) > 1
+    return str(dist.get_backend(group)) == FAKE_BACKEND
+
+
+def is_distributed(group: Any = None) -> bool:
+    """True when other real processes share ``group``: initialised, > 1 member, not simulated."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return dist.get_world_size(group) > 1 and not is_simulated(group)
+
+
+@contextlib.contextmanager
+def simulated_world(world_size: int) -> Iterator[None]:
+    """Simulate ``world_size`` ranks in this process (it is rank 0) with PyTorch's fake process group.
+
+    Inside, the default process group has ``world_size`` members and every collective
+    returns at once without communicating (``torch.testing._internal.distributed.fake_pg``),
+    so FSDP2 and DTensor run their real code on one process: with the estimate backend's
+    fake tensors this predicts one rank's memory. The all-reduce helpers of this module treat
+    a simulated group as a single process. Re-entrant for the same ``world_size``; the
+    group is destroyed on exit.
+
+    Raises:
+        InvalidArgument: a bad ``world_size``, or a real process group (or a simulated one
+            of another size) is already initialised.
+
+    Example:
+        >>> with simulated_world(8):
+        ...     dist.get_world_size()
+        8
+    """
+    world_size = check_positive_int("world_size", world_size)
+    if dist.is_initialized():
+        if is_simulated() and dist.get_world_size() == world_size:
+            yield
+            return
+        kind = "simulated" if is_simulated() else f"real ({dist.get_backend()})"
+        raise InvalidArgument(
+            f"simulating world_size={world_size} ranks needs no process group, but a {kind} one of "
+            f"{dist.get_world_size()} ranks is initialised; estimate outside torchrun, or profile on the real "
+            "ranks with backend='cpu' or 'cuda' and world_size equal to the group's size"
+        )
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def get_rank(group: Any = None) -> int:

@@ -67,6 +67,7 @@ class Backend(abc.ABC):
         fn: Callable[[], Any],
         register: Any = (),
         categories: Sequence[str | None] | str | None = None,
+        host_categories: Sequence[str] = (),
     ) -> MemoryMeasurement:
         """Run ``fn()`` once and return its peak memory; exceeding the limit is a result, not an error.
 
@@ -78,6 +79,9 @@ class Backend(abc.ABC):
                 and uses it for the breakdown.
             categories: the breakdown category for each registered object (see
                 :func:`batchfit.memory.registration.registered_tensors`).
+            host_categories: categories that live in host memory (CPU offload): the
+                tracked backends report them in ``host_bytes`` and leave them out of the
+                device peak; cuda ignores them (it sees only the device).
 
         Returns:
             A :class:`MemoryMeasurement`; ``fits=False, exceeded=True`` when the call was

@@ -94,6 +94,7 @@ class CudaBackend(Backend):
         fn: Callable[[], Any],
         register: Any = (),
         categories: Sequence[str | None] | str | None = None,
+        host_categories: Sequence[str] = (),
     ) -> MemoryMeasurement:
         """Run ``fn()`` once on the device; see :meth:`Backend.measure` and NOTE [ What counts as OOM ]."""
         registered = storage_bytes(registered_tensors(register, categories))

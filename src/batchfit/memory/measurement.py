@@ -24,6 +24,10 @@ class MemoryMeasurement:
             unavailable.
         exceeded: the call was stopped by the limit (cpu/estimate) or by a real OOM (cuda).
         seconds: wall time of the measurement.
+        host_bytes: bytes held in host memory at the peak (CPU offload), not in ``peak_bytes``.
+        phase_peaks: the peak of each phase of the step (``forward``, ``backward``,
+            ``optimizer``; NOTE [ Phases and regions ]); empty when unavailable.
+        phase_breakdowns: the breakdown at each phase's peak.
     """
 
     peak_bytes: int
@@ -33,6 +37,9 @@ class MemoryMeasurement:
     breakdown: dict[str, int] = field(default_factory=dict)
     exceeded: bool = False
     seconds: float = 0.0
+    host_bytes: int = 0
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def headroom_bytes(self) -> int | None:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from batchfit.errors import InvalidArgument
 
@@ -23,10 +24,39 @@ BUFFERS = "buffers"
 OPTIMIZER_STATE = "optimizer_state"
 INPUTS = "inputs"
 ACTIVATIONS = "activations"
+#: Parameters unsharded by FSDP (all-gather inputs and outputs, unsharded parameter storage).
+GATHERED_PARAMETERS = "gathered_parameters"
+#: Gradient communication buffers: FSDP's reduce-scatter input, DDP's gradient buckets.
+COMMUNICATION = "communication"
+#: What the log-prob (or value) head creates: logits, their fp32 copy, log-softmax, their gradients.
+LOGPROB_HEAD = "logprob_head"
+#: Temporaries of ``optimizer.step()`` (foreach AdamW's intermediate lists).
+OPTIMIZER_STEP = "optimizer_step"
+
+
+def plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors holding ``tensor``'s memory: itself, or a wrapper subclass' inner tensors.
+
+    A ``DTensor`` (FSDP2's sharded parameters, gradients and optimizer state) is a wrapper
+    whose own storage is not memory; what a rank holds is its local shard. Wrapper
+    subclasses are flattened with the subclass protocol (``__tensor_flatten__``), so any
+    traceable wrapper (DTensor and others) is counted by the tensors it wraps.
+    """
+    if is_traceable_wrapper_subclass(tensor):
+        attrs, _ = tensor.__tensor_flatten__()
+        for attr in attrs:
+            inner = getattr(tensor, attr)
+            if isinstance(inner, torch.Tensor):  # the protocol may list opaque objects (a mesh)
+                yield from plain_tensors(inner)
+    else:
+        yield tensor
 
 
 def categorized_tensors(obj: Any, category: str | None = None) -> Iterator[tuple[torch.Tensor, str]]:
-    """Yield ``(tensor, category)`` for every tensor held by ``obj``.
+    """Yield ``(tensor, category)`` for every plain tensor held by ``obj``.
+
+    Wrapper subclasses (``DTensor``) are replaced by the tensors they wrap
+    (:func:`plain_tensors`): a sharded parameter counts as its local shard.
 
     Args:
         obj: a tensor, ``nn.Module``, ``torch.optim.Optimizer``, mapping or iterable of these
@@ -34,6 +64,12 @@ def categorized_tensors(obj: Any, category: str | None = None) -> Iterator[tuple
         category: force this category for everything ``obj`` holds; ``None`` = the defaults
             in the module docstring.
     """
+    for tensor, cat in _categorized(obj, category):
+        for plain in plain_tensors(tensor):
+            yield plain, cat
+
+
+def _categorized(obj: Any, category: str | None) -> Iterator[tuple[torch.Tensor, str]]:
     if obj is None:
         return
     if isinstance(obj, torch.Tensor):
@@ -49,14 +85,14 @@ def categorized_tensors(obj: Any, category: str | None = None) -> Iterator[tuple
             yield b, category or BUFFERS
     elif isinstance(obj, torch.optim.Optimizer):
         for state in obj.state.values():
-            for t, _ in categorized_tensors(state, category):
+            for t, _ in _categorized(state, category):
                 yield t, category or OPTIMIZER_STATE
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from categorized_tensors(v, category)
+            yield from _categorized(v, category)
     elif isinstance(obj, (list, tuple, set)):
         for v in obj:
-            yield from categorized_tensors(v, category)
+            yield from _categorized(v, category)
 
 
 def registered_tensors(

@@ -32,12 +32,15 @@ class TrackedBackend(Backend):
         fn: Callable[[], Any],
         register: Any = (),
         categories: Sequence[str | None] | str | None = None,
+        host_categories: Sequence[str] = (),
     ) -> MemoryMeasurement:
         """Run ``fn()`` once under the tracker; see :meth:`Backend.measure`."""
         pairs = registered_tensors(register, categories)
         restore_grads = restore_grads_after_abort(register)
         start = time.perf_counter()
-        tracker = MemoryTracker(round_to=self.round_to, limit_bytes=self.limit_bytes)
+        tracker = MemoryTracker(
+            round_to=self.round_to, limit_bytes=self.limit_bytes, host_categories=host_categories
+        )
         exceeded = False
         with self.context():
             handles = [
@@ -69,4 +72,7 @@ class TrackedBackend(Backend):
             breakdown=dict(tracker.peak_breakdown),
             exceeded=exceeded,
             seconds=time.perf_counter() - start,
+            host_bytes=tracker.host_bytes,
+            phase_peaks=dict(tracker.phase_peaks),
+            phase_breakdowns={k: dict(v) for k, v in tracker.phase_breakdowns.items()},
         )

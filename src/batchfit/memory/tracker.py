@@ -13,20 +13,44 @@ state) are invisible to it until registered with :meth:`MemoryTracker.register`.
 With ``limit_bytes`` the tracker behaves like a device that runs out of memory: the op
 whose output takes the live bytes above the limit raises :class:`MemoryLimitExceeded`
 (see NOTE [ Abort above the limit ]).
+
+NOTE [ Sharded tensors and storage resizes ]
+FSDP2 holds parameters, gradients and optimizer state as ``DTensor`` wrappers around a
+local shard, and allocates unsharded parameters by resizing an existing storage
+(``UntypedStorage.resize_``), which no dispatch mode sees. The tracker therefore
+(1) lets DTensor ops desugar into local ops before it looks at them (it returns
+``NotImplemented`` for them, as ``torch.distributed._tools.MemTracker`` does) and counts
+a wrapper by the plain tensors it wraps; (2) ignores ops run under another fake mode
+than the one active when it started (DTensor's sharding propagation); (3) wraps
+``UntypedStorage.resize_`` while it is active; (4) names the buffers of FSDP's
+collectives: an all-gather's input and output are ``gathered_parameters``, a
+reduce-scatter's input ``communication`` and its output (the sharded gradient)
+``gradients``.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from batchfit.memory.registration import categorized_tensors
+from batchfit.memory import labels
+from batchfit.memory.registration import (
+    ACTIVATIONS,
+    COMMUNICATION,
+    GATHERED_PARAMETERS,
+    GRADIENTS,
+    categorized_tensors,
+    plain_tensors,
+)
 
-OTHER = "activations"
+OTHER = ACTIVATIONS
 
 
 class MemoryLimitExceeded(Exception):
@@ -48,6 +72,60 @@ def _round_up(nbytes: int, multiple: int) -> int:
     return -(-nbytes // multiple) * multiple if multiple > 1 else nbytes
 
 
+@functools.cache
+def _collective_roles() -> dict[Any, tuple[tuple[int, str], ...]]:
+    """``{op: ((argument index, category), ...)}`` for the collectives whose buffers get a name."""
+    roles: dict[Any, tuple[tuple[int, str], ...]] = {}
+    c10d = getattr(torch.ops, "c10d", None)
+    if c10d is None:  # pragma: no cover - torch without distributed
+        return roles
+    for name, spec in (
+        ("_allgather_base_", ((0, GATHERED_PARAMETERS), (1, GATHERED_PARAMETERS))),
+        ("_reduce_scatter_base_", ((0, GRADIENTS), (1, COMMUNICATION))),
+    ):
+        try:
+            roles[getattr(c10d, name).default] = spec
+        except (AttributeError, RuntimeError):  # pragma: no cover - older torch
+            continue
+    return roles
+
+
+@functools.cache
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DTensor
+
+
+# Trackers active now; the resize_ wrapper notifies each of them (see the NOTE above).
+_active: list[MemoryTracker] = []
+_original_resize: Any = None
+
+
+def _tracked_resize(storage: Any, size: int) -> Any:
+    out = _original_resize(storage, size)
+    for tracker in list(_active):
+        tracker._resized(storage)
+    return out
+
+
+def _activate(tracker: MemoryTracker) -> None:
+    global _original_resize
+    if not _active:
+        _original_resize = torch.UntypedStorage.resize_
+        torch.UntypedStorage.resize_ = _tracked_resize  # type: ignore[method-assign]
+    _active.append(tracker)
+
+
+def _deactivate(tracker: MemoryTracker) -> None:
+    if tracker in _active:
+        _active.remove(tracker)
+    if not _active and _original_resize is not None:
+        torch.UntypedStorage.resize_ = _original_resize  # type: ignore[method-assign]
+
+
 class MemoryTracker(TorchDispatchMode):
     """Track live tensor-storage bytes and their peak inside ``with MemoryTracker() as t:``.
 
@@ -56,13 +134,19 @@ class MemoryTracker(TorchDispatchMode):
             caching allocator's block size; 1 = exact bytes).
         limit_bytes: if given, raise :class:`MemoryLimitExceeded` as soon as the live bytes
             exceed it (``None`` = no limit).
+        host_categories: categories held in host memory (CPU offload): tracked, reported in
+            :attr:`host_bytes`, but not counted in the device bytes, the peak or the limit.
 
     Attributes:
-        current_bytes: bytes held now by tracked storages.
+        current_bytes: device bytes held now by tracked storages.
         peak_bytes: the largest ``current_bytes`` seen since the start or the last
             :meth:`reset_peak`.
-        peak_breakdown: bytes per category at the moment of the peak (registered
-            categories such as ``"parameters"``; op outputs count as ``"activations"``).
+        peak_breakdown: device bytes per category at the moment of the peak (registered
+            categories such as ``"parameters"``; op outputs count as ``"activations"``
+            unless a region is set, see :mod:`batchfit.memory.labels`).
+        host_bytes: bytes in ``host_categories`` at the moment of the peak.
+        phase_peaks: the peak of each phase (:func:`batchfit.memory.labels.phase`).
+        phase_breakdowns: the breakdown at each phase's peak.
 
     Example:
         >>> x = torch.randn(1024)
@@ -73,37 +157,71 @@ class MemoryTracker(TorchDispatchMode):
         8192
     """
 
-    def __init__(self, *, round_to: int = 1, limit_bytes: int | None = None):
+    def __init__(
+        self,
+        *,
+        round_to: int = 1,
+        limit_bytes: int | None = None,
+        host_categories: Iterable[str] = (),
+    ):
         super().__init__()
         self.round_to = int(round_to)
         self.limit_bytes = None if limit_bytes is None else int(limit_bytes)
+        self.host_categories = frozenset(host_categories)
         self._live: dict[int, tuple[int, str]] = {}
+        self._finalizers: dict[int, weakref.finalize] = {}
         self._by_category: dict[str, int] = {}
         self.current_bytes = 0
+        self.host_current = 0
         self.peak_bytes = 0
         self.peak_breakdown: dict[str, int] = {}
+        self.host_bytes = 0
+        self.phase_peaks: dict[str, int] = {}
+        self.phase_breakdowns: dict[str, dict[str, int]] = {}
+        self._entry_fake_mode: Any = None
 
     # ----------------------------------------------------------------- bookkeeping
-    def _add(self, storage: Any, category: str) -> None:
+    def _add(self, storage: Any, category: str, *, resized: bool = False) -> None:
         key = storage._cdata
         nbytes = _round_up(int(storage.nbytes()), self.round_to)
         old = self._live.get(key)
         if old is not None:
             if old[0] == nbytes:
                 return
-            # resized in place (resize_/set_): account the difference only
+            # resized in place (resize_/set_): account the difference only, keep the
+            # category unless the storage grows from nothing by resize_ (FSDP unsharding)
             self._change(-old[0], old[1])
+            if not (resized and old[0] == 0):
+                category = old[1]
         else:
-            weakref.finalize(storage, self._free, key)
+            self._finalizers[key] = weakref.finalize(storage, self._free, key)
         self._live[key] = (nbytes, category)
         self._change(nbytes, category)
 
+    def _resized(self, storage: Any) -> None:
+        """``storage.resize_`` ran: account its new size (a storage grown from nothing is unsharded parameters)."""
+        if storage._cdata in self._live or storage.nbytes() > 0:
+            self._add(storage, GATHERED_PARAMETERS, resized=True)
+
+    def _snapshot(self) -> dict[str, int]:
+        return {k: v for k, v in self._by_category.items() if v and k not in self.host_categories}
+
     def _change(self, delta: int, category: str) -> None:
-        self.current_bytes += delta
         self._by_category[category] = self._by_category.get(category, 0) + delta
+        if category in self.host_categories:
+            self.host_current += delta
+            return
+        self.current_bytes += delta
+        if delta <= 0:
+            return
+        phase = labels.current_phase()
+        if self.current_bytes > self.phase_peaks.get(phase, -1):
+            self.phase_peaks[phase] = self.current_bytes
+            self.phase_breakdowns[phase] = self._snapshot()
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
-            self.peak_breakdown = {k: v for k, v in self._by_category.items() if v}
+            self.peak_breakdown = self.phase_breakdowns[phase]
+            self.host_bytes = self.host_current
             # NOTE [ Abort above the limit ]
             # Raising here, right after the op whose output crossed the limit, stops the
             # block the way a real allocation failure would, so a probe far above the limit
@@ -113,6 +231,7 @@ class MemoryTracker(TorchDispatchMode):
                 raise MemoryLimitExceeded(self.current_bytes, self.limit_bytes)
 
     def _free(self, key: int) -> None:
+        self._finalizers.pop(key, None)
         entry = self._live.pop(key, None)
         if entry is not None:
             self._change(-entry[0], entry[1])
@@ -132,9 +251,11 @@ class MemoryTracker(TorchDispatchMode):
     def register_tensor(self, tensor: torch.Tensor, category: str) -> None:
         """Count the storage of ``tensor`` alone (not its ``.grad``) under ``category``.
 
-        A storage already tracked keeps its first category.
+        A storage already tracked keeps its first category; a wrapper subclass (``DTensor``)
+        counts as the tensors it wraps.
         """
-        self._add(tensor.untyped_storage(), category)
+        for plain in plain_tensors(tensor):
+            self._add(plain.untyped_storage(), category)
 
     def recategorize(self, tensor: torch.Tensor, category: str) -> None:
         """Move a tracked storage's bytes to ``category`` (the total is unchanged).
@@ -143,23 +264,59 @@ class MemoryTracker(TorchDispatchMode):
         gradient produced by a backward op and then accumulated into ``param.grad``.
         Untracked storages are ignored.
         """
-        key = tensor.untyped_storage()._cdata
-        entry = self._live.get(key)
-        if entry is None or entry[1] == category:
-            return
-        nbytes, old = entry
-        self._live[key] = (nbytes, category)
-        self._by_category[old] -= nbytes
-        self._by_category[category] = self._by_category.get(category, 0) + nbytes
+        for plain in plain_tensors(tensor):
+            key = plain.untyped_storage()._cdata
+            entry = self._live.get(key)
+            if entry is None or entry[1] == category:
+                continue
+            nbytes, old = entry
+            self._change(-nbytes, old)
+            self._live[key] = (nbytes, category)
+            self._change(nbytes, category)
 
     def reset_peak(self) -> None:
         """Start a new peak measurement from the bytes held now."""
         self.peak_bytes = self.current_bytes
-        self.peak_breakdown = {k: v for k, v in self._by_category.items() if v}
+        self.peak_breakdown = self._snapshot()
+        self.host_bytes = self.host_current
+        self.phase_peaks = {}
+        self.phase_breakdowns = {}
+
+    def __enter__(self) -> MemoryTracker:
+        self._entry_fake_mode = active_fake_mode()
+        _activate(self)
+        try:
+            return super().__enter__()
+        except BaseException:
+            _deactivate(self)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            _deactivate(self)
+            # Detach the finalizers: a storage outliving the block must not keep this
+            # tracker alive (nor call into it) after the measurement.
+            for fin in self._finalizers.values():
+                fin.detach()
+            self._finalizers.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        dtensor = _dtensor_type()
+        if dtensor is not None and any(issubclass(t, dtensor) for t in types):
+            # let DTensor desugar into local ops, which come back here (NOTE above)
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is not self._entry_fake_mode:
+            return out  # DTensor's sharding propagation, not memory
+        category = labels.current_region() or OTHER
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage(), OTHER)
+                self._add(t.untyped_storage(), category)
+        roles = _collective_roles().get(func)
+        if roles:
+            for index, role in roles:
+                if index < len(args) and isinstance(args[index], torch.Tensor):
+                    self.recategorize(args[index], role)
         return out

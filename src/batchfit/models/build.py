@@ -56,9 +56,10 @@ def build_causal_lm(
     attn_implementation: str = "sdpa",
     gradient_checkpointing: bool = False,
     value_head: bool = False,
+    sharding: Any = None,
     **config_overrides: Any,
 ) -> torch.nn.Module:
-    """A randomly initialised causal LM (or value-head critic) in training mode.
+    """A randomly initialised causal LM (or value-head critic) in training mode, sharded if asked.
 
     Args:
         spec: preset name, local directory with ``config.json``, hub id, or a
@@ -66,20 +67,30 @@ def build_causal_lm(
         backend: a :class:`~batchfit.memory.Backend` or its name; the model is built inside
             ``backend.context()`` on ``backend.device`` (fake tensors for ``"estimate"``,
             which allocate nothing). ``None``: ordinary CPU tensors.
-        dtype: parameter dtype (``torch.bfloat16`` or ``"bf16"``, ...).
+        dtype: dtype the parameters are stored in (``torch.bfloat16`` or ``"bf16"``, ...); with
+            ``fsdp2`` mixed precision ``"bf16"`` the compute dtype is bf16 whatever this is
+            (pass fp32, the default, for fp32 master parameters as SkyRL and verl run).
         attn_implementation: ``"sdpa"`` (default), ``"eager"``, ``"flash_attention_2"``, ...
         gradient_checkpointing: non-reentrant activation checkpointing of every decoder layer
             (``activation_checkpointing_enable`` in transformers 5.x,
             ``gradient_checkpointing_enable`` before).
         value_head: build a critic instead: the backbone plus ``Linear(hidden, 1)``
             (``AutoModelForTokenClassification`` with ``num_labels=1``, no dropout).
-        **config_overrides: config attributes to override, e.g. ``num_hidden_layers=2``.
+        sharding: a :class:`~batchfit.sharding.Sharding` (or a strategy name), applied by
+            :func:`batchfit.models.shard_model` after building: ``fsdp2`` shards every
+            decoder layer and the root, ``ddp`` wraps the model. Needs a process group of
+            ``world_size`` ranks (on the estimate backend:
+            :func:`batchfit.distributed.simulated_world`). ``None``: one device.
+        **config_overrides: config attributes to override, e.g. ``num_hidden_layers=2``
+            (a per-layer list such as ``layer_types`` is cut to the new depth).
 
     Returns:
-        The model, in ``train()`` mode, with ``use_cache=False``.
+        The model, in ``train()`` mode, with ``use_cache=False`` (for ``ddp`` on a real
+        backend, its ``DistributedDataParallel`` wrapper).
 
     Raises:
-        InvalidArgument: bad spec, dtype, attention implementation or backend name.
+        InvalidArgument: bad spec, dtype, attention implementation, backend name or
+            sharding, or no process group of the sharding's size.
 
     Example:
         >>> model = build_causal_lm("tiny")
@@ -88,10 +99,15 @@ def build_causal_lm(
     """
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+    from batchfit.models.shard import shard_model
+    from batchfit.sharding import as_sharding
+
     torch_dtype = parse_dtype(dtype)
     check_choice("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
+    plan = as_sharding(sharding)
     chosen = resolve_backend(backend)
     config = load_config(spec, **config_overrides)
+    _cut_layer_lists(config)
     config.use_cache = False
     if value_head:
         config.num_labels = 1
@@ -103,7 +119,16 @@ def build_causal_lm(
         model = factory.from_config(config, dtype=torch_dtype, attn_implementation=attn_implementation)
         if gradient_checkpointing:
             enable_activation_checkpointing(model)
-    return model.train()
+        model = shard_model(model.train(), plan, fake=getattr(chosen, "fake_mode", None) is not None)
+    return model
+
+
+def _cut_layer_lists(config: Any) -> None:
+    """Cut per-layer lists (``layer_types``) to ``num_hidden_layers`` after a depth override."""
+    depth = getattr(config, "num_hidden_layers", None)
+    types = getattr(config, "layer_types", None)
+    if isinstance(depth, int) and isinstance(types, list) and len(types) > depth:
+        config.layer_types = types[:depth]
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

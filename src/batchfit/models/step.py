@@ -12,6 +12,9 @@ the same step serves the cpu, estimate and cuda backends:
 
 from __future__ import annotations
 
+import contextlib
+import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,8 +22,19 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from batchfit.errors import InvalidArgument
-from batchfit.memory import Backend
+from batchfit.memory import Backend, MemoryMeasurement, labels
+from batchfit.memory.registration import (
+    COMMUNICATION,
+    GRADIENTS,
+    LOGPROB_HEAD,
+    OPTIMIZER_STATE,
+    OPTIMIZER_STEP,
+    PARAMETERS,
+    plain_tensors,
+)
 from batchfit.models.build import resolve_backend
+from batchfit.models.shard import unwrap
+from batchfit.sharding import Sharding
 from batchfit.validation import check_choice, check_int, check_positive_int
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -42,14 +56,23 @@ class TrainingStep:
     reference model or the old-log-prob pass): ``eval()`` and ``no_grad`` log-probs, no
     backward, no optimizer.
 
+    The step labels what it runs for the tracked backends (NOTE [ Phases and regions ]):
+    the phases ``forward``, ``backward`` and ``optimizer``, and the regions
+    ``logprob_head`` (from the head's input to the loss, and back to the head's input
+    gradient) and ``optimizer_step`` (the optimizer's temporaries).
+
     Attributes:
-        model: the module trained.
+        model: the module trained (an ``FSDPModule`` or DDP wrapper when sharded).
         optimizer: the optimizer (state already initialised) or ``None``.
         backend: the :class:`~batchfit.memory.Backend` the step was built for.
         critic: value-head loss instead of the policy loss.
         vocab_size: token ids are drawn from ``[0, vocab_size)``.
-        persistent: ``(model, optimizer)`` (or ``(model,)``), to register with
-            ``backend.measure``.
+        persistent: ``(model, optimizer, *communication buffers)``, to register with
+            ``backend.measure``; ``categories`` gives each one's breakdown category.
+        categories: one entry per ``persistent`` object (``None`` = default categories).
+        host_categories: categories held in host memory (CPU offload), see
+            :meth:`batchfit.memory.Backend.measure`.
+        sharding: the model's :class:`~batchfit.sharding.Sharding`.
         logprobs: one of :data:`LOGPROBS`.
         forward_only: log-probs under ``no_grad`` only.
     """
@@ -72,7 +95,30 @@ class TrainingStep:
         self.optimizer = optimizer
         self.critic = critic
         self.vocab_size = vocab_size
-        self.persistent: tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
+        self.sharding: Sharding = getattr(model, "batchfit_sharding", None) or Sharding()
+        comm = tuple(getattr(model, "batchfit_comm_buffers", ()))
+        state: tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
+        self.persistent: tuple[Any, ...] = (*state, *comm)
+        self.categories: tuple[str | None, ...] = (None,) * len(state) + (COMMUNICATION,) * len(comm)
+        self.host_categories: tuple[str, ...] = HOST_CATEGORIES if self.sharding.offload == "cpu" else ()
+        self._head = _head_module(unwrap(model))
+        self._position_hooks = _install_position_hooks(unwrap(model))
+        if logprobs == "fused" and not critic:
+            _attach_fused_logprobs(unwrap(model))
+
+    def measure(self, batch_size: int, seq_len: int) -> MemoryMeasurement:
+        """Measure one call ``self(batch_size, seq_len)`` on :attr:`backend`, state registered.
+
+        Returns:
+            The backend's :class:`~batchfit.memory.MemoryMeasurement` (``fits=False`` when
+            it ran out of the backend's memory).
+        """
+        return self.backend.measure(
+            lambda: self(batch_size, seq_len),
+            register=self.persistent,
+            categories=self.categories,
+            host_categories=self.host_categories,
+        )
 
     def __call__(self, batch_size: int, seq_len: int) -> None:
         """Run one step on ``batch_size`` random sequences of ``seq_len`` tokens.
@@ -85,48 +131,186 @@ class TrainingStep:
         with self.backend.context():
             if self.forward_only:
                 self.model.eval()
-                with torch.no_grad():
+                with torch.no_grad(), labels.phase(labels.FORWARD):
+                    labels.set_position(labels.EMBED)
                     self._loss(batch_size, seq_len)
                 return
             self.model.train()
-            loss = self._loss(batch_size, seq_len)
-            loss.backward()
+            with labels.phase(labels.FORWARD):
+                labels.set_position(labels.EMBED)
+                loss = self._loss(batch_size, seq_len)
+            with labels.phase(labels.BACKWARD), labels.region(LOGPROB_HEAD):
+                # the head's input-gradient hook ends the region (see _head_region); the
+                # layers' gradient hooks move the position down the stack
+                labels.set_position(labels.HEAD)
+                loss.backward()
             del loss
-            if self.optimizer is not None:
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-            else:
-                self.model.zero_grad(set_to_none=True)
+            with labels.phase(labels.OPTIMIZER), labels.region(OPTIMIZER_STEP):
+                if self.optimizer is not None:
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                else:
+                    self.model.zero_grad(set_to_none=True)
 
     def _loss(self, batch_size: int, seq_len: int) -> torch.Tensor:
         # A function of its own so that every intermediate not saved for backward dies here.
         device = self.backend.device
         input_ids = torch.randint(0, self.vocab_size, (batch_size, seq_len), device=device)
-        if self.critic:
-            values = self.model(input_ids=input_ids, use_cache=False).logits[..., 0].float()
-            returns = torch.randn(batch_size, seq_len, device=device)
-            mask = torch.ones(batch_size, seq_len, device=device)
-            return ((values - returns).square() * mask).sum() / mask.sum()
-        logprobs = self._logprobs(input_ids)
-        mask = torch.ones(batch_size, seq_len - 1, device=device)
-        return -(logprobs * mask).sum() / mask.sum()
+        with _head_region(self._head):
+            if self.critic:
+                values = self.model(input_ids=input_ids, use_cache=False).logits[..., 0].float()
+                returns = torch.randn(batch_size, seq_len, device=device)
+                mask = torch.ones(batch_size, seq_len, device=device)
+                return ((values - returns).square() * mask).sum() / mask.sum()
+            logprobs = self._logprobs(input_ids)
+            mask = torch.ones(batch_size, seq_len - 1, device=device)
+            return -(logprobs * mask).sum() / mask.sum()
 
     def _logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Log-probs of each next token, ``[B, S - 1]`` fp32, the way ``self.logprobs`` says."""
-        labels = input_ids[:, 1:]
+        labels_ = input_ids[:, 1:]
         if self.logprobs == "fused":
-            from batchfit.logprobs import logprobs_from_hidden
-
-            body = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-            hidden = body(input_ids=input_ids, use_cache=False).last_hidden_state
-            head = self.model.get_output_embeddings()
-            return logprobs_from_hidden(hidden[:, :-1], head.weight, labels, bias=head.bias)
+            return unwrap(self.model).batchfit_fused_logprobs(input_ids)
         logits = self.model(input_ids=input_ids, use_cache=False).logits
         if self.logprobs == "chunked":
             from batchfit.logprobs import logprobs_from_logits
 
-            return logprobs_from_logits(logits[:, :-1], labels)
-        return token_logprobs(logits[:, :-1], labels)
+            return logprobs_from_logits(logits[:, :-1], labels_)
+        return token_logprobs(logits[:, :-1], labels_)
+
+
+# Categories that CPU offload keeps in host memory (FSDP2 CPUOffloadPolicy: sharded
+# parameters, sharded gradients, optimizer state and the optimizer step run on the CPU).
+HOST_CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, OPTIMIZER_STEP)
+
+
+def _head_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The output head: the LM head (``get_output_embeddings``) or a value head (``score``)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+def _end_region_on_grad(hidden: torch.Tensor) -> None:
+    """In backward, end the head region once the gradient of the head's input exists."""
+    if hidden.requires_grad:
+
+        def end(grad: torch.Tensor) -> None:
+            labels.set_region(None)
+
+        hidden.register_hook(end)
+
+
+@contextlib.contextmanager
+def _head_region(head: torch.nn.Module | None) -> Iterator[None]:
+    """Label what the head and the loss create as ``logprob_head`` (forward and backward).
+
+    Forward: from the head's input (a forward pre-hook) to the end of the block. Backward:
+    the caller sets the region when ``backward()`` starts; a hook on the head's input ends
+    it when that input's gradient exists.
+    """
+
+    def start(module: torch.nn.Module, args: tuple) -> None:
+        labels.set_region(LOGPROB_HEAD)
+        labels.set_position(labels.HEAD)
+        if args and isinstance(args[0], torch.Tensor):
+            _end_region_on_grad(args[0])
+
+    handle = head.register_forward_pre_hook(start) if head is not None else None
+    try:
+        yield
+    finally:
+        labels.set_region(None)
+        if handle is not None:
+            handle.remove()
+
+
+def _fused_logprobs(self: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Bound to the model as ``batchfit_fused_logprobs``: log-probs from hidden states, no logits."""
+    from batchfit.logprobs import logprobs_from_hidden
+
+    body = self.get_decoder() if hasattr(self, "get_decoder") else self.model
+    hidden = body(input_ids=input_ids, use_cache=False).last_hidden_state
+    head = self.get_output_embeddings()
+    labels.set_region(LOGPROB_HEAD)
+    labels.set_position(labels.HEAD)
+    _end_region_on_grad(hidden)
+    return logprobs_from_hidden(hidden[:, :-1], head.weight, input_ids[:, 1:], bias=head.bias)
+
+
+def _layer_position(index: int, depth: int) -> str:
+    """``layer-first``/``layer-last`` ``+0``/``+1`` for the two layers at each end, ``layers-middle`` between."""
+    if index <= 1 and index < depth - 2:
+        return f"{labels.LAYER_FIRST}+{index}"
+    if index >= depth - 2:
+        return f"{labels.LAYER_LAST}-{depth - 1 - index}"
+    return labels.LAYERS_MIDDLE
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return getattr(value, "last_hidden_state", None)
+
+
+def _install_position_hooks(model: torch.nn.Module) -> list[Any]:
+    """Label each op with its position in the layer stack (NOTE [ Phases and regions ]).
+
+    Forward: a layer's pre-hook sets its position. Backward: a hook on each layer's output
+    gradient sets the layer's position when its backward starts, and one on the first
+    layer's input gradient sets ``embed``. Recomputation under activation checkpointing
+    runs in the backward phase and leaves the labels alone. Models without a layer list
+    get no positions.
+    """
+    from batchfit.models.shard import decoder_layers
+
+    try:
+        layers = decoder_layers(model)
+    except InvalidArgument:
+        return []
+    depth = len(layers)
+    handles = []
+
+    def on_grad(position: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            labels.set_position(position)
+
+        return hook
+
+    for index, layer in enumerate(layers):
+        position = _layer_position(index, depth)
+
+        def pre(module: torch.nn.Module, args: tuple, position: str = position, index: int = index) -> None:
+            if labels.coarse_phase() != labels.FORWARD:
+                return
+            labels.set_position(position)
+            first = _first_tensor(args)
+            if index == 0 and first is not None and first.requires_grad:
+                first.register_hook(on_grad(labels.EMBED))
+
+        def post(module: torch.nn.Module, args: tuple, out: Any, position: str = position) -> None:
+            if labels.coarse_phase() != labels.FORWARD:
+                return
+            first = _first_tensor(out)
+            if first is not None and first.requires_grad:
+                first.register_hook(on_grad(position))
+
+        handles.append(layer.register_forward_pre_hook(pre))
+        handles.append(layer.register_forward_hook(post))
+    return handles
+
+
+def _attach_fused_logprobs(model: torch.nn.Module) -> None:
+    """Give ``model`` the fused log-prob method; under FSDP2 it runs as a forward (parameters gathered)."""
+    if hasattr(model, "batchfit_fused_logprobs"):
+        return
+    model.batchfit_fused_logprobs = types.MethodType(_fused_logprobs, model)
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    register_fsdp_forward_method(model, "batchfit_fused_logprobs")
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -223,7 +407,7 @@ def causal_lm_step(
             f"critic=True needs a value-head model (one output per token), but got a {type(model).__name__}; build it with build_causal_lm(..., value_head=True)"
         )
     if vocab_size is None:
-        vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+        vocab_size = getattr(getattr(unwrap(model), "config", None), "vocab_size", None)
         if vocab_size is None:
             raise InvalidArgument(
                 f"vocab_size is required when the model has no config.vocab_size, but got vocab_size=None for a {type(model).__name__}"
@@ -231,7 +415,7 @@ def causal_lm_step(
     vocab_size = check_positive_int("vocab_size", vocab_size)
     logprobs = check_choice("logprobs", logprobs, LOGPROBS)
     opt = None if forward_only else _make_optimizer(model, optimizer, lr, chosen)
-    return TrainingStep(
+    step = TrainingStep(
         model,
         backend=chosen,
         optimizer=opt,
@@ -240,6 +424,12 @@ def causal_lm_step(
         logprobs=logprobs,
         forward_only=bool(forward_only),
     )
+    if step.sharding.strategy == "ddp" and model is not unwrap(model) and not forward_only:
+        # DDP re-buckets gradients in the forward after its first backward (allocating in
+        # C++); two steps now keep that out of every measured step (NOTE [ DDP gradient buckets ]).
+        for _ in range(2):
+            step(1, 2)
+    return step
 
 
 def _make_optimizer(
@@ -251,7 +441,7 @@ def _make_optimizer(
         opt = optimizer
     else:
         check_choice("optimizer", optimizer, OPTIMIZERS)
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in unwrap(model).parameters() if p.requires_grad]
         if optimizer == "adamw":
             opt = torch.optim.AdamW(params, lr=lr, foreach=True)
         else:
@@ -262,6 +452,7 @@ def _make_optimizer(
 
 
 def _is_value_model(model: torch.nn.Module) -> bool:
+    model = unwrap(model)
     config = getattr(model, "config", None)
     return (
         type(model).__name__.endswith("ForTokenClassification") and getattr(config, "num_labels", None) == 1
@@ -272,6 +463,7 @@ def _check_model_on_backend(model: torch.nn.Module, backend: Backend) -> None:
     param = next(model.parameters(), None)
     if param is None:
         return
+    param = next(plain_tensors(param))  # a sharded parameter's local shard
     fake_mode = getattr(backend, "fake_mode", None)
     if fake_mode is not None:
         if not isinstance(param, FakeTensor) or param.fake_mode is not fake_mode:

@@ -1,0 +1,149 @@
+"""Applying a :class:`~batchfit.sharding.Sharding` to a causal LM with PyTorch's own DDP and FSDP2.
+
+``fsdp2``: ``fully_shard`` on every decoder layer, then on the root, over a 1-D device mesh
+of ``world_size`` ranks (the default process group), with the sharding's
+``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``. On the estimate backend the process group
+is simulated (:func:`batchfit.distributed.simulated_world`) and the model's tensors are
+fake, so this is FSDP2's real code predicting one rank's memory.
+
+``ddp``: ``DistributedDataParallel`` on real tensors. Its C++ reducer cannot run on fake
+tensors, and it allocates its gradient buckets in C++ at construction, where no tracker can
+see them; see NOTE [ DDP gradient buckets ].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from batchfit.errors import InvalidArgument
+from batchfit.sharding import Sharding
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's list of decoder layers (the ``nn.ModuleList`` of ``config.num_hidden_layers`` blocks).
+
+    Raises:
+        InvalidArgument: the model has no such list (FSDP2 needs one unit per layer).
+    """
+    depth = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    candidates = [
+        m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0 and len(m) == depth
+    ]
+    if not candidates:
+        raise InvalidArgument(
+            f"sharding='fsdp2' wraps each decoder layer, but {type(model).__name__} has no ModuleList of config.num_hidden_layers={depth!r} layers; pass a transformers causal LM"
+        )
+    return candidates[0]
+
+
+def _check_world(sharding: Sharding) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise InvalidArgument(
+            f"sharding={sharding.strategy!r} over world_size={sharding.world_size} needs a process group: launch with torchrun --nproc-per-node {sharding.world_size} (backend cpu or cuda), or estimate inside batchfit.distributed.simulated_world({sharding.world_size})"
+        )
+    if dist.get_world_size() != sharding.world_size:
+        raise InvalidArgument(
+            f"world_size must equal the process group's size {dist.get_world_size()}, but got world_size={sharding.world_size}; pass world_size={dist.get_world_size()} (or launch {sharding.world_size} ranks)"
+        )
+
+
+def ddp_bucket_bytes(model: torch.nn.Module) -> int:
+    """Bytes of DDP's gradient buckets for ``model``: one slot per trainable parameter element.
+
+    NOTE [ DDP gradient buckets ]
+    ``DistributedDataParallel`` (``gradient_as_bucket_view=False``, its default) copies
+    every gradient into flat bucket tensors of the gradient's dtype and all-reduces them
+    there; the buckets (``bucket_cap_mb`` each, the first 1 MiB) together hold every
+    trainable parameter once and live as long as the wrapper. They are allocated by the C++
+    reducer when DDP is constructed, before any measurement, so the tracked backends count
+    them as registered state of this size (category ``communication``); the estimate
+    backend cannot build the reducer on fake tensors and counts the same bytes. The cuda
+    backend sees them on the device.
+    """
+    return sum(
+        p.numel() * p.element_size() for p in dict.fromkeys(model.parameters()) if p.requires_grad
+    )
+
+
+def shard_model(model: torch.nn.Module, sharding: Sharding, *, fake: bool = False) -> torch.nn.Module:
+    """Spread ``model`` over the ranks of the default process group as ``sharding`` says.
+
+    Args:
+        model: a transformers causal LM or value-head model, built in the dtype its
+            parameters are stored in (fp32 for ``mixed_precision="bf16"``), on the device
+            to train on (fake tensors for the estimate backend: call inside its context).
+        sharding: the strategy and its options; ``world_size`` must equal the process
+            group's size (a simulated one on the estimate backend).
+        fake: the model's tensors are fake (estimate backend): DDP is then not wrapped,
+            its buckets are counted (NOTE [ DDP gradient buckets ]).
+
+    Returns:
+        ``none``: ``model``. ``fsdp2``: ``model`` itself, now an ``FSDPModule`` whose
+        parameters are ``DTensor`` shards. ``ddp``: a ``DistributedDataParallel`` wrapper
+        (``model`` on fake tensors). The result has ``batchfit_sharding`` and
+        ``batchfit_comm_buffers`` (state to register: DDP's buckets, as a meta tensor).
+
+    Raises:
+        InvalidArgument: no process group or one of another size, a model without decoder
+            layers (``fsdp2``).
+    """
+    comm: tuple[torch.Tensor, ...] = ()
+    if sharding.strategy == "fsdp2":
+        _check_world(sharding)
+        _fully_shard(model, sharding)
+        out = model
+    elif sharding.strategy == "ddp":
+        _check_world(sharding)
+        comm = (torch.empty(ddp_bucket_bytes(model), dtype=torch.uint8, device="meta"),)
+        out = model if fake else _wrap_ddp(model)
+    else:
+        out = model
+    out.batchfit_sharding = sharding
+    out.batchfit_comm_buffers = comm
+    return out
+
+
+def _fully_shard(model: torch.nn.Module, sharding: Sharding) -> None:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    param = next(model.parameters())
+    device_type = "cuda" if param.device.type == "cuda" else "cpu"
+    with unset_fake_temporarily():  # the mesh holds real rank ids, even when estimating
+        mesh = init_device_mesh(device_type, (sharding.world_size,))
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": sharding.reshard_after_forward}
+    if sharding.mixed_precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if sharding.offload == "cpu":
+        # pinned host memory needs a CUDA device
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def _wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    param = next(model.parameters())
+    device_ids = [param.device.index] if param.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a DDP wrapper (``model`` itself otherwise)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def is_fsdp(model: torch.nn.Module) -> bool:
+    """True when ``model`` was wrapped by ``fully_shard``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)

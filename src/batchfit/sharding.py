@@ -1,0 +1,142 @@
+"""How a model is spread over data-parallel ranks: :class:`Sharding` (a strategy and its memory options).
+
+Three strategies, one name each:
+
+- ``none``: one device holds the whole model, its gradients and optimizer state.
+- ``ddp``: every rank holds a full replica plus DDP's gradient buckets (PyTorch
+  ``DistributedDataParallel``, ``gradient_as_bucket_view=False``, its default).
+- ``fsdp2``: PyTorch ``torch.distributed.fsdp.fully_shard`` on every decoder layer and then
+  on the root (embeddings, final norm, head), the way SkyRL, verl and torchtitan wrap: each
+  rank holds ``1/world_size`` of the parameters, gradients and optimizer state, and
+  gathers one layer's parameters at a time.
+
+The options that change memory under ``fsdp2``: ``reshard_after_forward`` (``False`` keeps
+every layer's gathered parameters from forward to backward), ``mixed_precision``
+(``"bf16"``: fp32 sharded parameters, bf16 compute, fp32 gradient reduction, i.e.
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, what SkyRL and verl run;
+``"none"``: parameters, compute and reduction in the model's dtype) and ``offload``
+(``"cpu"``: ``CPUOffloadPolicy``, sharded parameters, gradients and optimizer state in host
+memory, the optimizer step on the CPU).
+
+This module is configuration only (no process groups): :func:`batchfit.models.shard_model`
+applies a :class:`Sharding` to a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from batchfit.errors import InvalidArgument
+from batchfit.validation import check_choice, check_positive_int
+
+STRATEGIES = ("none", "ddp", "fsdp2")
+MIXED_PRECISION = ("bf16", "none")
+OFFLOAD = ("none", "cpu")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """A data-parallel strategy and the options that change its memory, validated on creation.
+
+    Attributes:
+        strategy: ``"none"``, ``"ddp"`` or ``"fsdp2"`` (module docstring).
+        world_size: data-parallel ranks the model is spread over (``>= 1``).
+        reshard_after_forward: ``fsdp2`` only: free each layer's gathered parameters after
+            its forward (default ``True``, FSDP2's default).
+        mixed_precision: ``"bf16"`` or ``"none"``; default (``None``) ``"bf16"`` with
+            ``fsdp2``, ``"none"`` otherwise. ``"bf16"`` is ``fsdp2`` only.
+        offload: ``"none"`` or ``"cpu"`` (``fsdp2`` only).
+
+    Raises:
+        InvalidArgument: an unknown name (the choices and the closest are listed), a bad
+            ``world_size``, or an option the strategy does not have.
+
+    Example:
+        >>> s = Sharding("fsdp2", world_size=8)
+        >>> s.mixed_precision, s.reshard_after_forward, s.shards_state
+        ('bf16', True, True)
+        >>> Sharding("ddp", world_size=8, offload="cpu")
+        Traceback (most recent call last):
+        ...
+        batchfit.errors.InvalidArgument: offload='cpu' needs strategy='fsdp2' (CPUOffloadPolicy shards to the host), but got strategy='ddp'; use --sharding fsdp2 or --offload none
+    """
+
+    strategy: str = "none"
+    world_size: int = 1
+    reshard_after_forward: bool = True
+    mixed_precision: str | None = None
+    offload: str = "none"
+
+    def __post_init__(self) -> None:
+        strategy = check_choice("sharding", self.strategy, STRATEGIES)
+        check_positive_int("world_size", self.world_size)
+        if not isinstance(self.reshard_after_forward, bool):
+            raise InvalidArgument(
+                f"reshard_after_forward must be True or False, but got reshard_after_forward={self.reshard_after_forward!r}"
+            )
+        precision = self.mixed_precision
+        if precision is None:
+            precision = "bf16" if strategy == "fsdp2" else "none"
+        check_choice("mixed_precision", precision, MIXED_PRECISION)
+        check_choice("offload", self.offload, OFFLOAD)
+        if strategy != "fsdp2":
+            if precision != "none":
+                raise InvalidArgument(
+                    f"mixed_precision={precision!r} needs strategy='fsdp2' (it is FSDP2's MixedPrecisionPolicy), but got strategy={strategy!r}; use --sharding fsdp2 or --mixed-precision none (the model then trains in its --dtype)"
+                )
+            if self.offload != "none":
+                raise InvalidArgument(
+                    f"offload={self.offload!r} needs strategy='fsdp2' (CPUOffloadPolicy shards to the host), but got strategy={strategy!r}; use --sharding fsdp2 or --offload none"
+                )
+            if not self.reshard_after_forward:
+                raise InvalidArgument(
+                    f"reshard_after_forward=False needs strategy='fsdp2' (only FSDP gathers parameters), but got strategy={strategy!r}; drop --no-reshard-after-forward or use --sharding fsdp2"
+                )
+        object.__setattr__(self, "mixed_precision", precision)
+
+    @property
+    def shards_state(self) -> bool:
+        """True when parameters, gradients and optimizer state are split over the ranks (``fsdp2``)."""
+        return self.strategy == "fsdp2"
+
+    @property
+    def distributed(self) -> bool:
+        """True when the strategy talks to other ranks (``ddp`` or ``fsdp2``)."""
+        return self.strategy != "none"
+
+    def describe(self) -> str:
+        """One line for reports, e.g. ``"fsdp2 over 8 ranks (fp32 params, bf16 compute, fp32 reduce)"``."""
+        if self.strategy == "none":
+            return "none (one device)"
+        if self.strategy == "ddp":
+            return f"ddp over {self.world_size} ranks (full replica + gradient buckets)"
+        parts = [
+            "fp32 params, bf16 compute, fp32 reduce" if self.mixed_precision == "bf16" else "no mixed precision",
+        ]
+        if not self.reshard_after_forward:
+            parts.append("no reshard after forward")
+        if self.offload == "cpu":
+            parts.append("CPU offload")
+        return f"fsdp2 over {self.world_size} ranks ({', '.join(parts)})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain values (JSON-ready)."""
+        return asdict(self)
+
+
+def as_sharding(value: Any) -> Sharding:
+    """A :class:`Sharding` from ``None`` (no sharding), a strategy name or a ``Sharding``.
+
+    Raises:
+        InvalidArgument: anything else, or an unknown strategy name.
+    """
+    if value is None:
+        return Sharding()
+    if isinstance(value, Sharding):
+        return value
+    if isinstance(value, str):
+        return Sharding(value)
+    raise InvalidArgument(
+        f"sharding must be a Sharding, a strategy name ({', '.join(STRATEGIES)}) or None, but got sharding={value!r}"
+    )
