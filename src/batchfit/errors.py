@@ -62,4 +62,6 @@ class DoesNotFitError(BatchfitError):
     def __init__(self, message: str, *, needed: int | None = None, available: int | None = None):
         self.needed = needed
         self.available = available
+        #: the smallest fsdp2 world size that would fit, when the raiser looked for one
+        self.world_size_hint: int | None = None
         super().__init__(message)

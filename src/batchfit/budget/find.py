@@ -117,7 +117,10 @@ def find_token_budget(
         step: ``step(batch_size, seq_len)`` runs one training step on random tokens. If it has
             ``.backend`` (a :class:`batchfit.memory.Backend`) and ``.persistent`` (objects to
             register: model, optimizer), as :func:`batchfit.models.causal_lm_step` builds,
-            they are used.
+            they are used; if it has ``.measure(batch_size, seq_len)`` returning a
+            :class:`~batchfit.memory.MemoryMeasurement` (a
+            :class:`~batchfit.models.TrainingStep`, a depth-extrapolated step), that is
+            how each probe is measured.
         max_seq_len: the longest sequence the budget must cover.
         memory_limit: bytes or a string for :func:`batchfit.memory.parse_memory`
             (``"80GiB"``, ``"h100-80gb"``); ``None`` = the backend's limit (the device's total
@@ -179,7 +182,10 @@ def find_token_budget(
 
         start = min(_warm_start(points, seq_len), MAX_BATCH_SIZE)
         found = largest_fitting(probe, guess=guess, start=start, cap=MAX_BATCH_SIZE)
-        point = _point(seq_len, found, len(trials) - before)
+        best = next(
+            (p for p in reversed(trials[before:]) if p.batch_size == found.batch_size and p.fits), None
+        )
+        point = _point(seq_len, found, len(trials) - before, best)
         notify(
             BudgetProgress(role, seq_len, index, n_lengths, None, point.max_batch_size, len(trials), limit)
         )
@@ -341,10 +347,16 @@ def _make_probe(
         # on: this rank re-raises its own bare, the others raise BatchfitError.
         error: BaseException | None = None
         peak, fits, exceeded = 0, False, False
+        breakdown: dict[str, int] = {}
+        host = 0
         try:
-            m = backend.measure(lambda: step(batch_size, seq_len), register=register)
+            if callable(own_measure):
+                m = own_measure(batch_size, seq_len)
+            else:
+                m = backend.measure(lambda: step(batch_size, seq_len), register=register)
             peak, exceeded = int(m.peak_bytes), bool(m.exceeded)
             fits = bool(m.fits) and not exceeded and peak <= limit
+            breakdown, host = dict(getattr(m, "breakdown", {})), int(getattr(m, "host_bytes", 0))
         except Exception as exc:
             error = exc
         failed, over, peak, exceeded_any = all_reduce_max_list(
@@ -357,8 +369,17 @@ def _make_probe(
                 f"another rank raised while probing batch_size={batch_size}, seq_len={seq_len} "
                 f"(this is rank {get_rank(group)}); see that rank's traceback"
             )
-        return Probe(batch_size, seq_len, int(peak), fits=not over, exceeded=bool(exceeded_any))
+        return Probe(
+            batch_size,
+            seq_len,
+            int(peak),
+            fits=not over,
+            exceeded=bool(exceeded_any),
+            breakdown=breakdown,
+            host_bytes=host,
+        )
 
+    own_measure = getattr(step, "measure", None)
     return probe
 
 
@@ -375,7 +396,7 @@ def _warm_start(points: Sequence[BudgetPoint], seq_len: int) -> int:
     return max(1, prev.tokens // seq_len)
 
 
-def _point(seq_len: int, found: SearchResult, probes: int) -> BudgetPoint:
+def _point(seq_len: int, found: SearchResult, probes: int, best_probe: Probe | None) -> BudgetPoint:
     best = found.peak_bytes
     above = next((t for t in found.trials if t.batch_size == found.batch_size + 1), None)
     return BudgetPoint(
@@ -385,6 +406,8 @@ def _point(seq_len: int, found: SearchResult, probes: int) -> BudgetPoint:
         next_peak_bytes=None if above is None else above.peak_bytes,
         probes=probes,
         capped=found.batch_size >= MAX_BATCH_SIZE,
+        breakdown={} if best_probe is None else dict(best_probe.breakdown),
+        host_bytes=0 if best_probe is None else best_probe.host_bytes,
     )
 
 

@@ -7,7 +7,7 @@ shows every probe).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from batchfit.search import Trial
 
@@ -23,6 +23,9 @@ class Probe:
         fits: the peak stayed within the search limit (on every rank).
         exceeded: the step was aborted or ran out of memory, so ``peak_bytes`` is only a
             lower bound and the memory model does not use it.
+        breakdown: this rank's bytes per category at the peak (see
+            :class:`batchfit.memory.MemoryMeasurement`); empty when unknown.
+        host_bytes: host bytes at the peak (CPU offload), not in ``peak_bytes``.
     """
 
     batch_size: int
@@ -30,8 +33,10 @@ class Probe:
     peak_bytes: int
     fits: bool
     exceeded: bool = False
+    breakdown: dict[str, int] = field(default_factory=dict, compare=False)
+    host_bytes: int = 0
 
-    def to_dict(self) -> dict[str, int | bool]:
+    def to_dict(self) -> dict[str, object]:
         """The fields as plain values (JSON-ready)."""
         return asdict(self)
 

@@ -9,14 +9,16 @@ them with :meth:`TokenBudget.min`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchfit.budget.find import ProgressCallback, find_token_budget
 from batchfit.budget.token_budget import TokenBudget
-from batchfit.errors import InvalidArgument
+from batchfit.errors import DoesNotFitError, InvalidArgument
+from batchfit.sharding import Sharding, as_sharding
 from batchfit.validation import check_choice
 
 ROLES = ("policy", "critic", "reference")
@@ -26,9 +28,13 @@ ROLES = ("policy", "critic", "reference")
 class ModelProfile:
     """Token budgets of one model for each role, and the budget every role can share.
 
+    Every byte figure is one rank's (the largest shard's when shards are uneven).
+
     Attributes:
         model: the model spec profiled (preset, directory or hub id).
-        dtype: parameter dtype name.
+        dtype: dtype the parameters are stored in (fp32 master weights under ``fsdp2``
+            mixed precision).
+        compute_dtype: dtype the forward and backward compute in.
         gradient_checkpointing: activation checkpointing was on.
         logprobs: how log-probs were computed (``full``, ``chunked``, ``fused``).
         backend: the backend's name (``cpu``, ``estimate``, ``cuda``).
@@ -36,6 +42,10 @@ class ModelProfile:
         reserve_bytes: bytes of ``memory_limit`` no tracker sees.
         budgets: role -> its :class:`TokenBudget`, in the order profiled.
         combined: :meth:`TokenBudget.min` of the budgets (the one to configure).
+        sharding: the :class:`~batchfit.sharding.Sharding` profiled.
+        depth: the model's number of decoder layers.
+        measured_depths: the two depths measured when the peak was extrapolated to
+            ``depth`` (NOTE [ Peak memory is affine in depth ]), else ``None``.
     """
 
     model: str
@@ -47,21 +57,41 @@ class ModelProfile:
     reserve_bytes: int
     budgets: dict[str, TokenBudget]
     combined: TokenBudget
+    sharding: Sharding = field(default_factory=Sharding)
+    compute_dtype: str = ""
+    depth: int | None = None
+    measured_depths: tuple[int, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Settings, each role's budget and the combined budget as plain values (JSON-ready)."""
         return {
             "model": self.model,
             "dtype": self.dtype,
+            "compute_dtype": self.compute_dtype or self.dtype,
             "gradient_checkpointing": self.gradient_checkpointing,
             "logprobs": self.logprobs,
             "backend": self.backend,
             "memory_limit": self.memory_limit,
             "reserve_bytes": self.reserve_bytes,
+            "sharding": self.sharding.to_dict(),
+            "depth": self.depth,
+            "measured_depths": None if self.measured_depths is None else list(self.measured_depths),
             "tokens": self.combined.tokens,
             "binding_role": self.combined.binding_role,
+            "per_rank": {
+                "breakdown": self.combined.breakdown,
+                "reserve_bytes": self.reserve_bytes,
+                "host_bytes": _host_bytes(self.combined),
+            },
             "roles": {role: b.to_dict() for role, b in self.budgets.items()},
         }
+
+
+def _host_bytes(budget: TokenBudget) -> int:
+    point = budget.binding_point
+    if point is None and budget.parts:
+        point = min(budget.parts, key=lambda b: (b.tokens, b.max_seq_len)).binding_point
+    return 0 if point is None else point.host_bytes
 
 
 def check_roles(roles: str | Sequence[str]) -> tuple[str, ...]:
@@ -83,23 +113,30 @@ def profile_model(
     roles: str | Sequence[str] = ("policy",),
     backend: str = "auto",
     memory_limit: int | str | None = None,
-    dtype: str = "bf16",
+    dtype: str | None = None,
     gradient_checkpointing: bool = False,
     logprobs: str = "full",
     cost: str = "padded",
     safety_margin: float = 0.9,
     seq_lens: Sequence[int] | None = None,
     progress: bool | ProgressCallback = False,
+    sharding: Sharding | str | None = None,
+    depth_extrapolation: bool | None = None,
+    suggest_world_size: bool = True,
 ) -> ModelProfile:
-    """Build ``model`` for each role and find its token budget; combine the roles.
+    """Build ``model`` for each role and find its token budget per rank; combine the roles.
 
     The policy and the critic train with AdamW (state initialised before measuring); the
     policy's loss is a per-token log-prob mean, the critic's a masked MSE of a value head; the
     reference runs forward-only log-probs under ``no_grad`` (its budget bounds forward
     micro-batches: reference and old log-probs). See :func:`batchfit.models.causal_lm_step`.
+    Each role is sharded as ``sharding`` says, with PyTorch's own FSDP2 or DDP
+    (:func:`batchfit.models.shard_model`): on the estimate backend over a simulated process
+    group of ``sharding.world_size`` ranks, on cpu and cuda over the real one (every rank
+    calls this function; ``world_size`` must be the group's size).
 
     Args:
-        model: preset name (``tiny``, ``qwen2.5-0.5b``, …), local directory with
+        model: preset name (``tiny``, ``qwen2.5-7b``, …), local directory with
             ``config.json``, or hub id (config only).
         max_seq_len, cost, safety_margin, seq_lens, progress: as
             :func:`~batchfit.budget.find.find_token_budget` (``progress`` events carry the role).
@@ -109,53 +146,76 @@ def profile_model(
             (:func:`batchfit.logprobs.logprobs_from_hidden`, no ``[B, S, V]`` logits).
         backend: ``auto`` (cuda if available, else estimate), ``cpu``, ``estimate``, ``cuda``.
         memory_limit: bytes, ``"80GiB"`` or a device preset; required for cpu and estimate.
-        dtype: ``bf16``, ``fp32`` (or any name :func:`batchfit.models.parse_dtype` accepts).
+        dtype: the dtype parameters are stored in (``bf16``, ``fp32``, …); default fp32
+            under ``fsdp2`` mixed precision (fp32 master weights, bf16 compute), else bf16.
         gradient_checkpointing: non-reentrant activation checkpointing of every layer.
+        sharding: a :class:`~batchfit.sharding.Sharding` or a strategy name; ``None`` =
+            one device.
+        depth_extrapolation: measure two shallow copies of the model and extrapolate to
+            its depth (NOTE [ Peak memory is affine in depth ]); default: on for the estimate
+            backend when the layers are identical and deeper than the copies.
+        suggest_world_size: when one sequence does not fit on the estimate backend, find
+            the smallest ``fsdp2`` world size (with checkpointing) that fits and name it.
 
     Returns:
         :class:`ModelProfile`.
 
     Raises:
-        InvalidArgument: bad model, memory, dtype, roles or search arguments.
-        DoesNotFitError: one sequence of ``max_seq_len`` does not fit for some role.
+        InvalidArgument: bad model, memory, dtype, roles, sharding or search arguments, or a
+            process group that does not match ``sharding.world_size``.
+        DoesNotFitError: one sequence of ``max_seq_len`` does not fit for some role; on the
+            estimate backend its message names the smallest ``fsdp2`` world size that would
+            fit (``world_size_hint``).
 
     Example:
         >>> p = profile_model("tiny", max_seq_len=512, backend="estimate", memory_limit="1GiB")  # doctest: +SKIP
         >>> p.combined.tokens                                                                    # doctest: +SKIP
     """
     from batchfit.memory import get_backend
-    from batchfit.models import build_causal_lm, causal_lm_step, load_config, parse_dtype
+    from batchfit.models import load_config, parse_dtype
+    from batchfit.models.depth import DEFAULT_DEPTHS, uniform_layers
     from batchfit.models.step import LOGPROBS
 
     chosen_roles = check_roles(roles)
     logprobs = check_choice("--logprobs", logprobs, LOGPROBS)
-    torch_dtype = parse_dtype(dtype)
-    load_config(model)  # a bad spec fails here, before any backend work
+    plan = as_sharding(sharding)
+    torch_dtype = parse_dtype(default_dtype(plan) if dtype is None else dtype)
+    config = load_config(model)  # a bad spec fails here, before any backend work
     be = get_backend(backend, memory_limit=memory_limit)
+    depth = int(config.num_hidden_layers)
+    if depth_extrapolation is None:
+        depth_extrapolation = be.name == "estimate"
+    extrapolate = bool(depth_extrapolation) and uniform_layers(config) and depth > max(DEFAULT_DEPTHS)
+    build = _RoleBuilder(model, be, torch_dtype, gradient_checkpointing, logprobs, plan, extrapolate, depth)
     budgets: dict[str, TokenBudget] = {}
-    for role in chosen_roles:
-        net = build_causal_lm(
-            model,
-            backend=be,
-            dtype=torch_dtype,
-            gradient_checkpointing=gradient_checkpointing,
-            value_head=role == "critic",
-        )
-        step = causal_lm_step(net, backend=be, logprobs=logprobs, forward_only=role == "reference")
-        budgets[role] = find_token_budget(
-            step,
-            max_seq_len=max_seq_len,
-            safety_margin=safety_margin,
-            seq_lens=seq_lens,
-            cost=cost,
-            progress=progress,
-            role=role,
-        )
-        del step, net
-        gc.collect()
+    failed: tuple[str, DoesNotFitError] | None = None
+    with _world(be, plan):
+        for role in chosen_roles:
+            step = build.step(role)
+            try:
+                budgets[role] = find_token_budget(
+                    step,
+                    max_seq_len=max_seq_len,
+                    safety_margin=safety_margin,
+                    seq_lens=seq_lens,
+                    cost=cost,
+                    progress=progress,
+                    role=role,
+                )
+            except DoesNotFitError as exc:
+                failed = (role, exc)
+                break
+            finally:
+                del step
+                gc.collect()
+    if failed is not None:
+        role, exc = failed
+        if suggest_world_size and be.name == "estimate":
+            raise _with_world_size_hint(exc, role, build, max_seq_len, safety_margin) from None
+        raise exc
     return ModelProfile(
         model=str(model),
-        dtype=str(torch_dtype).removeprefix("torch."),
+        dtype=_dtype_name(torch_dtype),
         gradient_checkpointing=bool(gradient_checkpointing),
         logprobs=logprobs,
         backend=be.name,
@@ -163,4 +223,152 @@ def profile_model(
         reserve_bytes=int(be.reserve_bytes or 0),
         budgets=budgets,
         combined=TokenBudget.min(*budgets.values()),
+        sharding=plan,
+        compute_dtype=_dtype_name(compute_dtype(plan, torch_dtype)),
+        depth=depth,
+        measured_depths=tuple(DEFAULT_DEPTHS) if extrapolate else None,
     )
+
+
+def default_dtype(sharding: Sharding) -> str:
+    """The parameter dtype when none is given: fp32 master weights under bf16 mixed precision, else bf16."""
+    return "fp32" if sharding.mixed_precision == "bf16" else "bf16"
+
+
+def compute_dtype(sharding: Sharding, dtype: Any) -> Any:
+    """The dtype the model computes in: bf16 under bf16 mixed precision, else the parameter dtype."""
+    import torch
+
+    return torch.bfloat16 if sharding.mixed_precision == "bf16" else dtype
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _world(backend: Any, sharding: Sharding) -> Any:
+    """The process group a sharded estimate needs: simulated ranks (nothing for cpu/cuda)."""
+    if backend.name == "estimate" and sharding.distributed:
+        from batchfit.distributed import simulated_world
+
+        return simulated_world(sharding.world_size)
+    return contextlib.nullcontext()
+
+
+class _RoleBuilder:
+    """Builds the step of one role: full depth, or two shallow copies to extrapolate from."""
+
+    def __init__(
+        self,
+        model: str,
+        backend: Any,
+        dtype: Any,
+        checkpointing: bool,
+        logprobs: str,
+        sharding: Sharding,
+        extrapolate: bool,
+        depth: int,
+    ):
+        self.model, self.backend, self.dtype = model, backend, dtype
+        self.checkpointing, self.logprobs, self.sharding = checkpointing, logprobs, sharding
+        self.extrapolate, self.depth = extrapolate, depth
+
+    def with_sharding(self, sharding: Sharding, checkpointing: bool) -> _RoleBuilder:
+        """The same builder for another sharding (and checkpointing)."""
+        return _RoleBuilder(
+            self.model,
+            self.backend,
+            self.dtype,
+            checkpointing,
+            self.logprobs,
+            sharding,
+            self.extrapolate,
+            self.depth,
+        )
+
+    def step(self, role: str) -> Any:
+        from batchfit.models.depth import build_depth_steps
+
+        def make(n_layers: int) -> Any:
+            from batchfit.models import build_causal_lm, causal_lm_step
+
+            overrides = {} if n_layers == self.depth else {"num_hidden_layers": n_layers}
+            net = build_causal_lm(
+                self.model,
+                backend=self.backend,
+                dtype=self.dtype,
+                gradient_checkpointing=self.checkpointing,
+                value_head=role == "critic",
+                sharding=self.sharding,
+                **overrides,
+            )
+            return causal_lm_step(
+                net, backend=self.backend, logprobs=self.logprobs, forward_only=role == "reference"
+            )
+
+        return build_depth_steps(make, self.depth) if self.extrapolate else make(self.depth)
+
+
+# The largest world size the does-not-fit hint looks at.
+_MAX_HINT_WORLD = 4096
+
+
+def smallest_fitting_world_size(
+    build: _RoleBuilder, role: str, seq_len: int, limit: int, start: int = 1
+) -> int | None:
+    """The smallest ``fsdp2`` world size (checkpointing on) at which one sequence of ``seq_len`` fits under ``limit``.
+
+    Doubles from ``start`` until a world fits, then bisects between the last two sizes
+    (peak memory falls as ranks are added). ``None`` when even :data:`_MAX_HINT_WORLD`
+    ranks do not fit (the activations of one sequence alone are too large). Estimate
+    backend only: each candidate runs in its own simulated world.
+    """
+    from batchfit.distributed import simulated_world
+
+    base = build.sharding
+    precision = base.mixed_precision if base.strategy == "fsdp2" else "bf16"
+    offload = base.offload if base.strategy == "fsdp2" else "none"
+
+    def fits(world: int) -> bool:
+        sharding = Sharding("fsdp2", world_size=world, mixed_precision=precision, offload=offload)
+        with simulated_world(world):
+            step = build.with_sharding(sharding, True).step(role)
+            try:
+                m = step.measure(1, seq_len)
+            finally:
+                del step
+                gc.collect()
+        return not m.exceeded and m.peak_bytes <= limit
+
+    low, high = max(1, start), max(2, start * 2)
+    while not fits(high):
+        if high >= _MAX_HINT_WORLD:
+            return None
+        low, high = high, min(high * 2, _MAX_HINT_WORLD)
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            high = mid
+        else:
+            low = mid
+    return high
+
+
+def _with_world_size_hint(
+    exc: DoesNotFitError, role: str, build: _RoleBuilder, seq_len: int, margin: float
+) -> DoesNotFitError:
+    limit = exc.available if exc.available is not None else 0
+    start = build.sharding.world_size if build.sharding.strategy == "fsdp2" else 1
+    world = smallest_fitting_world_size(build, role, seq_len, limit, start=start)
+    if world is None:
+        hint = (
+            f"no fsdp2 world size up to {_MAX_HINT_WORLD} fits it either (the activations of one sequence "
+            "alone are too large): reduce max_seq_len or use --logprobs fused"
+        )
+    else:
+        hint = f"it fits with --sharding fsdp2 --world-size {world} --gradient-checkpointing"
+    out = DoesNotFitError(
+        f"{role}: {exc}; {hint}", needed=exc.needed, available=exc.available
+    )
+    out.world_size_hint = world
+    return out

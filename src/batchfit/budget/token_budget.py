@@ -26,6 +26,8 @@ class BudgetPoint:
             that probe was aborted), ``None`` when ``capped``.
         probes: probes spent at this length.
         capped: the search stopped at its batch-size cap, not at the memory limit.
+        breakdown: bytes per category at the peak of ``max_batch_size`` (one rank's).
+        host_bytes: host bytes at that peak (CPU offload), not in ``peak_bytes``.
     """
 
     seq_len: int
@@ -34,6 +36,8 @@ class BudgetPoint:
     next_peak_bytes: int | None
     probes: int
     capped: bool = False
+    breakdown: dict[str, int] = field(default_factory=dict, compare=False)
+    host_bytes: int = 0
 
     @property
     def tokens(self) -> int:
@@ -50,6 +54,8 @@ class BudgetPoint:
             "next_peak_bytes": self.next_peak_bytes,
             "probes": self.probes,
             "capped": self.capped,
+            "breakdown": dict(self.breakdown),
+            "host_bytes": self.host_bytes,
         }
 
 
@@ -136,6 +142,7 @@ class TokenBudget:
             "safety_margin": self.safety_margin,
             "probes": self.probes,
             "points": [p.to_dict() for p in self.points],
+            "breakdown": self.breakdown,
             "memory_model": None if self.memory_model is None else self.memory_model.to_dict(),
             "model_check": self.model_check,
             "trials": [t.to_dict() for t in self.trials],
@@ -190,6 +197,17 @@ class TokenBudget:
             model_check=binding.model_check,
             parts=tuple(budgets),
         )
+
+    @property
+    def binding_point(self) -> BudgetPoint | None:
+        """The probed length that sets ``tokens`` (the longest one if several do)."""
+        return next((p for p in self.points if p.tokens == self.tokens), None)
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        """One rank's bytes per category at the peak of the binding point (empty when unknown)."""
+        point = self.binding_point
+        return {} if point is None else dict(point.breakdown)
 
     @property
     def binding_role(self) -> str | None:

@@ -8,8 +8,11 @@ the budget and the memory model (or ``--json``), a rich progress bar while probi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -17,8 +20,11 @@ import torch
 from batchfit.budget.profile import ROLES, check_roles
 from batchfit.errors import InvalidArgument
 
-DEFAULT_MODEL = "tiny"
-DEFAULT_MAX_SEQ_LEN = 4096
+# The main job's default: a 7B policy at 8k on one 8-GPU node, sharded the way SkyRL and verl
+# train it (FSDP2, fp32 master weights with bf16 compute, activation checkpointing).
+DEFAULT_MODEL = "qwen2.5-7b"
+DEFAULT_MAX_SEQ_LEN = 8192
+DEFAULT_ESTIMATE_WORLD_SIZE = 8
 # Without a GPU and without --memory the estimate targets this device (stated in the header).
 DEFAULT_ESTIMATE_TARGET = "h100-80gb"
 
@@ -27,15 +33,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``batchfit profile`` on the dispatcher's subparsers."""
     p = sub.add_parser(
         "profile",
-        help="find the token budget: the largest micro-batch cost that fits in memory",
+        help="find the token budget per rank: the largest micro-batch cost that fits in memory",
         description=(
             "Probe a training step (forward, backward, AdamW step) at several sequence lengths, longest first, "
-            "and report the token budget C: any micro-batch with cost <= C fits. Without a GPU the estimate "
-            f"backend predicts a target device in seconds (default target {DEFAULT_ESTIMATE_TARGET})."
+            "and report the token budget C per rank: any micro-batch with cost <= C fits. Models are sharded "
+            "with PyTorch's own FSDP2 or DDP. Without a GPU the estimate backend predicts a target device in "
+            f"seconds by simulating the ranks (default: {DEFAULT_MODEL} at {DEFAULT_MAX_SEQ_LEN} tokens, fsdp2 "
+            f"over {DEFAULT_ESTIMATE_WORLD_SIZE} × {DEFAULT_ESTIMATE_TARGET}, gradient checkpointing). With "
+            "--backend cpu or cuda under torchrun every rank measures for real and rank 0 prints."
         ),
     )
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="PRESET|DIR|ID", help=f"default {DEFAULT_MODEL}")
-    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N", help="default 4096")
+    p.add_argument(
+        "--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N", help=f"default {DEFAULT_MAX_SEQ_LEN}"
+    )
     p.add_argument(
         "--backend",
         default="auto",
@@ -45,11 +56,43 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--memory",
         metavar="SIZE",
-        help=f"device memory: 80GiB, 80GB or a preset (h100-80gb, a100-40gb, l4); estimate default {DEFAULT_ESTIMATE_TARGET}, cuda default the device's",
+        help=f"device memory per rank: 80GiB, 80GB or a preset (h100-80gb, a100-40gb, l4); estimate default {DEFAULT_ESTIMATE_TARGET}, cuda default the device's",
     )
-    p.add_argument("--dtype", default="bf16", metavar="bf16|fp32", help="parameter dtype (default bf16)")
     p.add_argument(
-        "--gradient-checkpointing", action="store_true", help="activation checkpointing of every layer"
+        "--world-size",
+        type=int,
+        metavar="N",
+        help=f"data-parallel ranks: simulated with --backend estimate (default {DEFAULT_ESTIMATE_WORLD_SIZE}); with cpu/cuda the torchrun group's size (the default)",
+    )
+    p.add_argument(
+        "--sharding",
+        metavar="none|ddp|fsdp2",
+        help="how the model is spread over the ranks (default fsdp2 when estimating or under torchrun, else none)",
+    )
+    p.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard_after_forward",
+        action="store_false",
+        help="fsdp2: keep every layer's gathered parameters from forward to backward",
+    )
+    p.add_argument(
+        "--mixed-precision",
+        metavar="bf16|none",
+        help="fsdp2: bf16 = fp32 sharded parameters, bf16 compute, fp32 gradient reduction (the default with fsdp2)",
+    )
+    p.add_argument(
+        "--offload", default="none", metavar="none|cpu", help="fsdp2: cpu = parameters, gradients, optimizer on the host"
+    )
+    p.add_argument(
+        "--dtype",
+        metavar="bf16|fp32",
+        help="dtype parameters are stored in (default fp32 under --mixed-precision bf16, else bf16)",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="activation checkpointing of every layer (default on)",
     )
     p.add_argument("--roles", default="policy", metavar="R,R", help=f"{','.join(ROLES)} (default policy)")
     p.add_argument(
@@ -68,22 +111,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="F",
         help="fraction of usable memory (default 0.9)",
     )
+    p.add_argument(
+        "--depth-extrapolation",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure two shallow copies and extrapolate to the model's depth (default: on when estimating)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot peak memory vs. tokens per probed length")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=run)
 
 
+def _launched_world() -> int:
+    """Ranks torchrun launched this process among (``WORLD_SIZE``), 1 without torchrun."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+
+
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Backend and memory after defaults; fails fast on bad values (before building models).
+    """Backend, memory, world and sharding after defaults; fails fast on bad values (before building models).
 
     Raises:
-        InvalidArgument: bad backend, memory, roles or dtype (one line each, exit 2).
+        InvalidArgument: bad backend, memory, world size, sharding, roles or dtype (one
+            line each, exit 2), or a world size that is not the torchrun group's.
     """
     from batchfit.budget.token_budget import check_cost
     from batchfit.memory import BACKEND_NAMES, parse_memory
     from batchfit.models import load_config, parse_dtype
     from batchfit.models.step import LOGPROBS
+    from batchfit.sharding import STRATEGIES, Sharding
     from batchfit.validation import check_choice, check_number, check_positive_int
 
     backend = check_choice("--backend", args.backend, BACKEND_NAMES)
@@ -100,18 +157,58 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             "--memory is required with --backend cpu (the host has no device limit to fit), but got no "
             "--memory; pass e.g. --memory 2GiB, or use --backend estimate to predict a GPU"
         )
+    launched = _launched_world()
+    if backend == "estimate":
+        if launched > 1:
+            raise InvalidArgument(
+                f"--backend estimate simulates --world-size ranks in one process, but this process is one of "
+                f"WORLD_SIZE={launched} torchrun ranks; run it without torchrun, or use --backend cpu or cuda"
+            )
+        world = DEFAULT_ESTIMATE_WORLD_SIZE if args.world_size is None else args.world_size
+        check_positive_int("--world-size", world)
+    else:
+        world = launched if args.world_size is None else check_positive_int("--world-size", args.world_size)
+        if world != launched:
+            raise InvalidArgument(
+                f"--world-size must equal the number of launched ranks with --backend {backend} "
+                f"(WORLD_SIZE={launched}), but got --world-size {world}; launch with torchrun --nproc-per-node "
+                f"{world} (or drop --world-size), or use --backend estimate to simulate {world} ranks"
+            )
+    strategy = args.sharding
+    if strategy is None:
+        strategy = "fsdp2" if backend == "estimate" or world > 1 else "none"
+    strategy = check_choice("--sharding", strategy, STRATEGIES)
+    sharding = Sharding(
+        strategy,
+        world_size=world,
+        reshard_after_forward=args.reshard_after_forward,
+        mixed_precision=args.mixed_precision,
+        offload=args.offload,
+    )
+    if strategy != "none" and backend != "estimate" and world == 1 and launched == 1:
+        raise InvalidArgument(
+            f"--sharding {strategy} with --backend {backend} runs on real ranks: launch with torchrun "
+            f"--nproc-per-node N batchfit profile ..., or use --backend estimate --world-size N"
+        )
     check_positive_int("--max-seq-len", args.max_seq_len)
     check_number("--safety-margin", args.safety_margin, low=0.0, high=1.0, low_open=True)
     check_roles(args.roles)
     check_choice("--logprobs", args.logprobs, LOGPROBS)
     check_cost(args.cost)
-    parse_dtype(args.dtype)
+    if args.dtype is not None:
+        parse_dtype(args.dtype)
     load_config(args.model)
     if args.plot:
         from batchfit.cli.render_budget import require_matplotlib
 
         require_matplotlib(args.plot)
-    return {"backend": backend, "memory": memory, "memory_defaulted": defaulted}
+    return {
+        "backend": backend,
+        "memory": memory,
+        "memory_defaulted": defaulted,
+        "sharding": sharding,
+        "launched": launched,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,54 +217,84 @@ def run(args: argparse.Namespace) -> int:
     from batchfit.budget.profile import profile_model
 
     settings = resolve_settings(args)
-    console = Console(soft_wrap=True)
-    err = Console(stderr=True)
-    show_progress = args.progress and not args.json and err.is_terminal
-    with _progress(err, show_progress) as callback:
-        profile = profile_model(
-            args.model,
-            max_seq_len=args.max_seq_len,
-            roles=args.roles,
-            backend=settings["backend"],
-            memory_limit=settings["memory"],
-            dtype=args.dtype,
-            gradient_checkpointing=args.gradient_checkpointing,
-            logprobs=args.logprobs,
-            cost=args.cost,
-            safety_margin=args.safety_margin,
-            progress=callback,
-        )
-    if args.plot:
-        from batchfit.cli.render_budget import plot_budget
+    with _process_group(settings) as rank:
+        console = Console(soft_wrap=True)
+        err = Console(stderr=True)
+        show_progress = args.progress and not args.json and err.is_terminal and rank == 0
+        with _progress(err, show_progress) as callback:
+            profile = profile_model(
+                args.model,
+                max_seq_len=args.max_seq_len,
+                roles=args.roles,
+                backend=settings["backend"],
+                memory_limit=settings["memory"],
+                dtype=args.dtype,
+                gradient_checkpointing=args.gradient_checkpointing,
+                logprobs=args.logprobs,
+                cost=args.cost,
+                safety_margin=args.safety_margin,
+                progress=callback,
+                sharding=settings["sharding"],
+                depth_extrapolation=args.depth_extrapolation,
+            )
+        if rank != 0:
+            return 0
+        if args.plot:
+            from batchfit.cli.render_budget import plot_budget
 
-        plot_budget(profile.budgets, args.plot)
-    if args.json:
-        data = profile.to_dict()
-        data["memory_defaulted"] = settings["memory_defaulted"]
-        json.dump(data, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
-    _render(console, profile, settings, args)
+            plot_budget(profile.budgets, args.plot)
+        if args.json:
+            data = profile.to_dict()
+            data["memory_defaulted"] = settings["memory_defaulted"]
+            json.dump(data, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+            return 0
+        _render(console, profile, settings, args)
     return 0
 
 
+@contextlib.contextmanager
+def _process_group(settings: dict[str, Any]) -> Iterator[int]:
+    """Under torchrun with cpu/cuda: join the ranks (gloo/nccl) for the run; yields this rank."""
+    import torch.distributed as dist
+
+    if settings["launched"] == 1 or settings["backend"] == "estimate" or dist.is_initialized():
+        yield dist.get_rank() if dist.is_initialized() else 0
+        return
+    if settings["backend"] == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if settings["backend"] == "cuda" else "gloo")
+    try:
+        yield dist.get_rank()
+    finally:
+        dist.destroy_process_group()
+
+
 def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse.Namespace) -> None:
-    from batchfit.cli.render_budget import budget_lines, budget_table
+    from batchfit.cli.render_budget import breakdown_table, budget_lines, budget_table
     from batchfit.memory import format_bytes
 
     target = settings["memory"] if settings["memory"] is not None else "the device"
     if settings["memory_defaulted"]:
         target = f"{target} (default target without a GPU; set --memory)"
     limit = f"{format_bytes(profile.memory_limit)}" if profile.memory_limit else "device total"
-    console.print(
-        f"batchfit profile: model {profile.model} ({profile.dtype}"
-        f"{', gradient checkpointing' if profile.gradient_checkpointing else ''}, AdamW, "
-        f"{profile.logprobs} log-probs), "
-        f"max_seq_len {args.max_seq_len:,}, cost {args.cost}",
-        highlight=False,
+    depth = f"{profile.depth} layers"
+    if profile.measured_depths:
+        depth += f", extrapolated from {profile.measured_depths[0]} and {profile.measured_depths[1]}"
+    precision = (
+        f"{profile.dtype} params, {profile.compute_dtype} compute"
+        if profile.compute_dtype != profile.dtype
+        else profile.dtype
     )
     console.print(
-        f"backend {profile.backend} → {target}: {limit}, reserve {format_bytes(profile.reserve_bytes)}, "
+        f"batchfit profile: model {profile.model} ({depth}; {precision}"
+        f"{', gradient checkpointing' if profile.gradient_checkpointing else ''}, AdamW, "
+        f"{profile.logprobs} log-probs), max_seq_len {args.max_seq_len:,}, cost {args.cost}",
+        highlight=False,
+    )
+    console.print(f"sharding: {profile.sharding.describe()}", highlight=False)
+    console.print(
+        f"backend {profile.backend} → {target} per rank: {limit}, reserve {format_bytes(profile.reserve_bytes)}, "
         f"safety margin {args.safety_margin:g}",
         highlight=False,
     )
@@ -176,11 +303,13 @@ def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse
         console.print(budget_table(budget, title=f"{role}"))
         for line in budget_lines(budget):
             console.print(line, highlight=False)
+    console.print()
+    console.print(breakdown_table(profile))
     if len(profile.budgets) > 1:
         combined = profile.combined
         console.print()
         console.print(
-            f"combined budget (every role fits): C = {combined.tokens:,} tokens, set by "
+            f"combined budget (every role fits): C = {combined.tokens:,} tokens per rank, set by "
             f"{combined.binding_role}",
             highlight=False,
         )

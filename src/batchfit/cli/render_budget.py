@@ -12,6 +12,7 @@ from batchfit.memory import format_bytes
 
 if TYPE_CHECKING:
     from batchfit.budget import MemoryModel, TokenBudget
+    from batchfit.budget.profile import ModelProfile
 
 
 def memory_model_text(model: MemoryModel | None) -> str:
@@ -42,6 +43,60 @@ def budget_table(budget: TokenBudget, title: str | None = None) -> Table:
             format_bytes(headroom),
             str(p.probes),
         )
+    return table
+
+
+# Breakdown categories in the order a reader adds them up, with their labels.
+_CATEGORY_LABELS = {
+    "parameters": "parameters",
+    "gathered_parameters": "parameters gathered by FSDP",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "optimizer_step": "optimizer step temporaries",
+    "communication": "gradient communication buffers",
+    "buffers": "buffers",
+    "inputs": "inputs",
+    "activations": "activations and temporaries",
+    "logprob_head": "log-prob head (logits, log-softmax)",
+}
+
+
+def breakdown_rows(profile: ModelProfile) -> list[tuple[str, list[int | None]]]:
+    """``(label, bytes per role)`` rows of one rank's memory at each role's budget peak.
+
+    Categories come from the probe that set each role's budget (its largest fitting
+    batch at the binding length); then the peak, the reserve no tracker sees, the limit
+    and, under CPU offload, the host bytes.
+    """
+    sharded = profile.sharding.shards_state
+    budgets = list(profile.budgets.values())
+    points = [b.binding_point for b in budgets]
+    cats = [c for c in _CATEGORY_LABELS if any(p is not None and p.breakdown.get(c) for p in points)]
+    cats += sorted({c for p in points if p is not None for c in p.breakdown} - set(cats))
+    rows: list[tuple[str, list[int | None]]] = []
+    for cat in cats:
+        label = _CATEGORY_LABELS.get(cat, cat.replace("_", " "))
+        if sharded and cat in ("parameters", "gradients", "optimizer_state"):
+            label += f" (1/{profile.sharding.world_size} shard)"
+        rows.append((label, [None if p is None else p.breakdown.get(cat, 0) for p in points]))
+    rows.append(("peak at C", [None if p is None else p.peak_bytes for p in points]))
+    rows.append(("reserve (CUDA context, NCCL, workspaces)", [profile.reserve_bytes] * len(points)))
+    rows.append(("limit (safety margin × usable)", [b.limit_bytes for b in budgets]))
+    if any(p is not None and p.host_bytes for p in points):
+        rows.append(("in host memory (CPU offload)", [None if p is None else p.host_bytes for p in points]))
+    return rows
+
+
+def breakdown_table(profile: ModelProfile) -> Table:
+    """One rank's memory at each role's budget peak, by category (columns: roles)."""
+    table = Table(title="per-rank memory at the budget's peak", title_justify="left")
+    table.add_column("")
+    for role, budget in profile.budgets.items():
+        point = budget.binding_point
+        at = "" if point is None else f" ({point.max_batch_size}×{point.seq_len:,})"
+        table.add_column(f"{role}{at}", justify="right")
+    for label, values in breakdown_rows(profile):
+        table.add_row(label, *("—" if v is None else format_bytes(v) for v in values))
     return table
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -170,7 +171,10 @@ class TrainingStep:
         """Log-probs of each next token, ``[B, S - 1]`` fp32, the way ``self.logprobs`` says."""
         labels_ = input_ids[:, 1:]
         if self.logprobs == "fused":
-            return unwrap(self.model).batchfit_fused_logprobs(input_ids)
+            with warnings.catch_warnings():
+                # FSDP2 warns that the log-probs are a view; nothing writes to them in place
+                warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+                return unwrap(self.model).batchfit_fused_logprobs(input_ids)
         logits = self.model(input_ids=input_ids, use_cache=False).logits
         if self.logprobs == "chunked":
             from batchfit.logprobs import logprobs_from_logits
