@@ -26,6 +26,14 @@ than the one active when it started (DTensor's sharding propagation); (3) wraps
 collectives: an all-gather's input and output are ``gathered_parameters``, a
 reduce-scatter's input ``communication`` and its output (the sharded gradient)
 ``gradients``.
+
+NOTE [ Inside the communication backend ]
+What a process-group backend allocates while it completes a collective
+(``Work.wait()``) is not counted: NCCL keeps its buffers outside PyTorch's allocator (the
+estimate's reserve covers them), and gloo, which runs a CPU collective inline in
+``wait()``, copies its input into temporaries a GPU run never has. Leaving them out keeps
+the cpu backend on real gloo ranks equal to the estimate of a CUDA run (measured: gloo's
+reduce-scatter adds one input-sized copy, 524,544 bytes for the tiny model's root).
 """
 
 from __future__ import annotations
@@ -99,9 +107,14 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
-# Trackers active now; the resize_ wrapper notifies each of them (see the NOTE above).
+# Storages created inside a communication backend's Work.wait() (NOTE [ Inside the
+# communication backend ]): tracked so that their frees balance, never counted.
+_BACKEND_INTERNAL = "communication_backend_internal"
+
+# Trackers active now; the resize_ wrapper notifies each of them (see the NOTEs above).
 _active: list[MemoryTracker] = []
 _original_resize: Any = None
+_original_wait: Any = None
 
 
 def _tracked_resize(storage: Any, size: int) -> Any:
@@ -111,19 +124,41 @@ def _tracked_resize(storage: Any, size: int) -> Any:
     return out
 
 
+def _untracked_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+    with labels.region(_BACKEND_INTERNAL):
+        return _original_wait(work, *args, **kwargs)
+
+
+def _work_type() -> Any:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return getattr(dist, "Work", None) if dist.is_available() else None
+
+
 def _activate(tracker: MemoryTracker) -> None:
-    global _original_resize
+    global _original_resize, _original_wait
     if not _active:
         _original_resize = torch.UntypedStorage.resize_
         torch.UntypedStorage.resize_ = _tracked_resize  # type: ignore[method-assign]
+        work = _work_type()
+        if work is not None:
+            _original_wait = work.wait
+            work.wait = _untracked_wait
     _active.append(tracker)
 
 
 def _deactivate(tracker: MemoryTracker) -> None:
+    global _original_wait
     if tracker in _active:
         _active.remove(tracker)
     if not _active and _original_resize is not None:
         torch.UntypedStorage.resize_ = _original_resize  # type: ignore[method-assign]
+        work = _work_type()
+        if work is not None and _original_wait is not None:
+            work.wait = _original_wait
+            _original_wait = None
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -204,12 +239,18 @@ class MemoryTracker(TorchDispatchMode):
             self._add(storage, GATHERED_PARAMETERS, resized=True)
 
     def _snapshot(self) -> dict[str, int]:
-        return {k: v for k, v in self._by_category.items() if v and k not in self.host_categories}
+        return {
+            k: v
+            for k, v in self._by_category.items()
+            if v and k not in self.host_categories and k != _BACKEND_INTERNAL
+        }
 
     def _change(self, delta: int, category: str) -> None:
         self._by_category[category] = self._by_category.get(category, 0) + delta
         if category in self.host_categories:
             self.host_current += delta
+            return
+        if category == _BACKEND_INTERNAL:
             return
         self.current_bytes += delta
         if delta <= 0:

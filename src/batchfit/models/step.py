@@ -157,7 +157,10 @@ class TrainingStep:
         # A function of its own so that every intermediate not saved for backward dies here.
         device = self.backend.device
         input_ids = torch.randint(0, self.vocab_size, (batch_size, seq_len), device=device)
-        with _head_region(self._head):
+        with _head_region(self._head), warnings.catch_warnings():
+            # FSDP2 warns when a wrapped module returns a view (log-probs, values); the step
+            # never writes to one in place
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
             if self.critic:
                 values = self.model(input_ids=input_ids, use_cache=False).logits[..., 0].float()
                 returns = torch.randn(batch_size, seq_len, device=device)
@@ -171,10 +174,7 @@ class TrainingStep:
         """Log-probs of each next token, ``[B, S - 1]`` fp32, the way ``self.logprobs`` says."""
         labels_ = input_ids[:, 1:]
         if self.logprobs == "fused":
-            with warnings.catch_warnings():
-                # FSDP2 warns that the log-probs are a view; nothing writes to them in place
-                warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-                return unwrap(self.model).batchfit_fused_logprobs(input_ids)
+            return unwrap(self.model).batchfit_fused_logprobs(input_ids)
         logits = self.model(input_ids=input_ids, use_cache=False).logits
         if self.logprobs == "chunked":
             from batchfit.logprobs import logprobs_from_logits
