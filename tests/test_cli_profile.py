@@ -1,12 +1,15 @@
-"""``batchfit profile``: default run, --json schema, roles, --plot, one-line errors with exit 2."""
+"""``batchfit profile``: default run, --json schema, roles, sharding, torchrun, --plot, one-line errors with exit 2."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from batchfit.cli import main
+from multirank import free_port
 
 # A fast configuration: the tiny preset estimated against 2 GiB (the estimate backend keeps a 1 GiB reserve).
 FAST = [
@@ -22,14 +25,19 @@ FAST = [
 ]
 
 
-def test_default_run_prints_table_budget_and_model(capsys):
-    assert main(["profile"]) == 0
+def test_default_run_answers_a_7b_fsdp2_node(capsys):
+    # the main job: qwen2.5-7b at 8192 on 8 simulated h100-80gb ranks, fsdp2, checkpointing
+    assert main(["profile", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "backend estimate → h100-80gb (default target without a GPU; set --memory)" in out
+    assert "model qwen2.5-7b (28 layers, extrapolated from 5 and 6; float32 params, bfloat16 compute" in out
+    assert "sharding: fsdp2 over 8 ranks (fp32 params, bf16 compute, fp32 reduce)" in out
+    assert "backend estimate → h100-80gb (default target without a GPU; set --memory) per rank" in out
     assert "seq len" in out and "headroom" in out
     assert "token budget C = " in out
-    assert "memory model: peak ≈ " in out
-    assert "model check: the model agrees at every length 1..4096" in out
+    assert "model check: the model agrees at every length 1..8192" in out
+    assert "per-rank memory at the budget's peak" in out
+    assert "parameters (1/8 shard)" in out and "optimizer state (1/8 shard)" in out
+    assert "reserve (CUDA context, NCCL, workspaces)" in out
 
 
 def test_json_schema(capsys):
@@ -54,6 +62,45 @@ def test_json_schema(capsys):
     assert set(policy["memory_model"]) == {"base", "linear", "quadratic", "r2", "max_residual", "n_points"}
     assert policy["probes"] == len(policy["trials"]) <= 8 * 4
     assert policy["limit_bytes"] == int(0.9 * (2 * 1024**3 - 1024**3))  # margin × (memory - 1 GiB reserve)
+    # estimating defaults to fsdp2 over 8 simulated ranks
+    assert data["sharding"]["strategy"] == "fsdp2" and data["sharding"]["world_size"] == 8
+    assert set(data["per_rank"]) == {"breakdown", "reserve_bytes", "host_bytes"}
+    assert data["per_rank"]["breakdown"] == policy["breakdown"]
+
+
+def test_sharding_flags_reach_the_profile(capsys):
+    argv = ["profile", *FAST, "--world-size", "4", "--no-reshard-after-forward", "--mixed-precision", "none"]
+    assert main([*argv, "--offload", "cpu", "--dtype", "bf16", "--no-gradient-checkpointing", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["sharding"] == {
+        "strategy": "fsdp2",
+        "world_size": 4,
+        "reshard_after_forward": False,
+        "mixed_precision": "none",
+        "offload": "cpu",
+    }
+    assert data["dtype"] == data["compute_dtype"] == "bfloat16" and not data["gradient_checkpointing"]
+    assert data["per_rank"]["host_bytes"] > 0
+
+
+def test_ddp_and_one_device_are_strategies_too(capsys):
+    assert main(["profile", *FAST, "--sharding", "none", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main(["profile", *FAST, "--sharding", "ddp", "--json"]) == 0
+    ddp = json.loads(capsys.readouterr().out)
+    assert ddp["per_rank"]["breakdown"]["communication"] > 0  # DDP's gradient buckets
+    assert ddp["tokens"] <= one["tokens"]
+
+
+def test_under_torchrun_every_rank_measures_and_rank_0_prints_one_json_document():
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), "-m", "batchfit", "profile", "--backend", "cpu"]
+    command += ["--model", "tiny", "--memory", "24MiB", "--max-seq-len", "64", "--json", "--no-progress"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)  # exactly one document: rank 1 printed nothing
+    assert data["backend"] == "cpu" and data["sharding"]["world_size"] == 2
+    assert data["sharding"]["strategy"] == "fsdp2" and data["tokens"] > 0
 
 
 def test_reference_role_is_forward_only_and_fits_more_tokens(capsys):
@@ -87,6 +134,20 @@ def test_policy_and_critic_are_combined_by_the_smaller(capsys, tmp_path):
         pytest.param(["--max-seq-len", "0"], "--max-seq-len must be an integer >= 1", id="zero-length"),
         pytest.param(["--cost", "pad"], "did you mean 'padded'", id="bad-cost"),
         pytest.param(["--dtype", "int8"], "dtype must be", id="bad-dtype"),
+        pytest.param(["--world-size", "0"], "--world-size must be an integer >= 1, but got --world-size=0", id="zero-world"),
+        pytest.param(["--sharding", "fsdp"], "--sharding must be one of 'none', 'ddp', 'fsdp2', but got --sharding='fsdp'; did you mean 'fsdp2'?", id="unknown-strategy"),
+        pytest.param(["--sharding", "ddp", "--offload", "cpu"], "offload='cpu' needs strategy='fsdp2'", id="offload-without-fsdp2"),
+        pytest.param(["--mixed-precision", "fp8"], "mixed_precision must be one of 'bf16', 'none'", id="bad-precision"),
+        pytest.param(
+            ["--backend", "cpu", "--memory", "1GiB", "--world-size", "2"],
+            "--world-size must equal the number of launched ranks with --backend cpu (WORLD_SIZE=1), but got --world-size 2",
+            id="world-size-not-torchrun",
+        ),
+        pytest.param(
+            ["--backend", "cpu", "--memory", "1GiB", "--sharding", "fsdp2"],
+            "--sharding fsdp2 with --backend cpu runs on real ranks: launch with torchrun",
+            id="cpu-fsdp2-without-torchrun",
+        ),
     ],
 )
 def test_bad_values_give_one_line_errors_and_exit_2(capsys, argv, message):
@@ -94,6 +155,15 @@ def test_bad_values_give_one_line_errors_and_exit_2(capsys, argv, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert err.startswith("batchfit profile: error: ") and message in err
+
+
+def test_world_size_unlike_torchrun_s_is_a_one_line_error(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["profile", *FAST[:4], "--backend", "cpu", "--memory", "1GiB", "--world-size", "2"]) == 2
+    assert "(WORLD_SIZE=4), but got --world-size 2" in capsys.readouterr().err
+    assert main(["profile", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "one of WORLD_SIZE=4 torchrun ranks; run it without torchrun" in err
 
 
 def test_one_sequence_that_does_not_fit_exits_1_naming_what_to_reduce(capsys):

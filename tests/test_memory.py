@@ -411,3 +411,73 @@ def test_gradients_freed_inside_the_step_are_not_counted_at_the_peak():
     peak = get_backend("cpu").measure(step, register=(model,)).peak_bytes
     params = (256 * 256 + 256) * 4  # 263,168 bytes; one set of gradients is as large
     assert peak < 2 * params + 16 * 1024  # parameters + one set of gradients + small temporaries
+
+
+# --------------------------------------------------------------------------- tracker: FSDP2 support, labels, hygiene
+
+
+def test_a_storage_grown_by_resize_counts_as_gathered_parameters_until_freed():
+    x = torch.empty(0)
+    with MemoryTracker() as t:
+        t.register_tensor(x, "inputs")
+        x.untyped_storage().resize_(4096)  # FSDP2 allocates unsharded parameters this way
+        grown = dict(t._by_category)
+        x.untyped_storage().resize_(0)
+    assert grown["gathered_parameters"] == 4096 and t.peak_bytes == 4096 and t.current_bytes == 0
+    assert torch.UntypedStorage.resize_ is not None and "tracked" not in torch.UntypedStorage.resize_.__name__
+
+
+def test_host_categories_are_reported_apart_from_the_device_peak():
+    state = torch.ones(256)  # 1 KiB, offloaded to the host
+    with MemoryTracker(host_categories=("optimizer_state",)) as t:
+        t.register_tensor(state, "optimizer_state")
+        y = torch.ones(64) * 2  # ones and the product: 2 × 256 B on the device
+    assert (t.peak_bytes, t.host_bytes) == (512, 1024)
+    assert t.peak_breakdown == {"activations": 512}
+    del y
+
+
+def test_regions_and_phases_label_what_a_step_creates():
+    from batchfit.memory import labels
+
+    with MemoryTracker() as t:
+        with labels.phase("forward"):
+            a = torch.ones(256)  # 1 KiB
+            with labels.region("logprob_head"):
+                b = torch.ones(512)  # 2 KiB
+        with labels.phase("optimizer"):
+            del a, b
+            c = torch.ones(128)
+    assert t.phase_peaks == {"forward": 3072, "optimizer": 512}
+    assert t.phase_breakdowns["forward"] == {"activations": 1024, "logprob_head": 2048}
+    assert labels.current_phase() == "step" and labels.current_region() is None
+    del c
+
+
+def test_a_finished_tracker_is_not_kept_alive_by_storages_that_outlive_it():
+    import gc
+    import weakref
+
+    with MemoryTracker() as t:
+        kept = [torch.ones(16) for _ in range(50)]
+    ref = weakref.ref(t)
+    del t
+    gc.collect()
+    assert ref() is None and len(kept) == 50
+
+
+def test_dtensor_shards_are_counted_by_their_local_tensor():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from batchfit.distributed import simulated_world
+    from batchfit.memory.registration import plain_tensors
+
+    with simulated_world(4):
+        mesh = init_device_mesh("cpu", (4,))
+        d = distribute_tensor(torch.ones(8, 16), mesh, [Shard(0)])
+        (local,) = plain_tensors(d)
+        assert local.shape == (2, 16)
+        with MemoryTracker() as t:
+            t.register_tensor(d, "parameters")
+        assert t.peak_bytes == 2 * 16 * 4  # one rank's quarter, not 8 × 16 × 4

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multirank import run_ranks
 
 from batchfit import InvalidArgument
 from batchfit.distributed import simulated_world
@@ -17,6 +16,7 @@ from batchfit.memory import get_backend
 from batchfit.models import build_causal_lm, causal_lm_step
 from batchfit.models.shard import ddp_bucket_bytes, decoder_layers, is_fsdp, shard_model
 from batchfit.sharding import Sharding
+from multirank import run_ranks
 
 # (name, sharding options, build options, step options): every option that changes memory
 CASES = [
@@ -138,5 +138,5 @@ def test_sharding_needs_a_group_of_its_size(sharding, setup, message):
 
 
 def test_a_model_without_a_layer_list_cannot_be_fsdp_sharded():
-    with simulated_world(2), pytest.raises(InvalidArgument, match="no ModuleList of config.num_hidden_layers"):
+    with simulated_world(2), pytest.raises(InvalidArgument, match=r"no ModuleList of config\.num_hidden_layers"):
         shard_model(torch.nn.Linear(2, 2), Sharding("fsdp2", world_size=2))

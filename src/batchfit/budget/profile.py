@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -309,7 +310,7 @@ class _RoleBuilder:
         return build_depth_steps(make, self.depth) if self.extrapolate else make(self.depth)
 
 
-# The largest world size the does-not-fit hint looks at.
+# The largest world size the does-not-fit hint names.
 _MAX_HINT_WORLD = 4096
 
 
@@ -318,40 +319,78 @@ def smallest_fitting_world_size(
 ) -> int | None:
     """The smallest ``fsdp2`` world size (checkpointing on) at which one sequence of ``seq_len`` fits under ``limit``.
 
-    Doubles from ``start`` until a world fits, then bisects between the last two sizes
-    (peak memory falls as ranks are added). ``None`` when even :data:`_MAX_HINT_WORLD`
-    ranks do not fit (the activations of one sequence alone are too large). Estimate
-    backend only: each candidate runs in its own simulated world.
+    World sizes are 1, 2, 4, 8 and then whole 8-GPU nodes (16, 24, …): shard padding makes
+    the peak wiggle between neighbouring sizes, and clusters come in nodes.
+
+    One rank's peak is ``A + B/N`` over ``N`` ranks: ``B`` the state FSDP2 shards
+    (parameters, gradients, optimizer state), ``A`` what it does not (activations, the
+    gathered layers, the head). Two measured world sizes give ``A`` and ``B``; if ``A``
+    alone exceeds the limit no world size fits, else ``N = ceil(B / (limit - A))`` is
+    checked by measuring it (and ``N - 1``), stepping until the answer is verified.
+    Estimate backend only: each size is measured in its own simulated world, without a
+    memory limit (the peaks must be exact). About four measurements.
+
+    Returns:
+        The smallest world size measured to fit (its predecessor measured not to), or
+        ``None`` when none up to :data:`_MAX_HINT_WORLD` fits.
     """
     from batchfit.distributed import simulated_world
+    from batchfit.memory import get_backend
+    from batchfit.models import parse_dtype
 
     base = build.sharding
     precision = base.mixed_precision if base.strategy == "fsdp2" else "bf16"
     offload = base.offload if base.strategy == "fsdp2" else "none"
+    be = build.backend
+    unlimited = get_backend("estimate", reserve_bytes=be.reserve_bytes or 1, round_to=be.round_to)
+    peaks: dict[int, int] = {}
 
-    def fits(world: int) -> bool:
-        sharding = Sharding("fsdp2", world_size=world, mixed_precision=precision, offload=offload)
-        with simulated_world(world):
-            step = build.with_sharding(sharding, True).step(role)
-            try:
-                m = step.measure(1, seq_len)
-            finally:
-                del step
-                gc.collect()
-        return not m.exceeded and m.peak_bytes <= limit
+    def peak(world: int) -> int:
+        if world not in peaks:
+            sharding = Sharding("fsdp2", world_size=world, mixed_precision=precision, offload=offload)
+            builder = build.with_sharding(sharding, True)
+            builder.backend = unlimited
+            if base.strategy != "fsdp2":  # the hint's flags keep fsdp2's default: fp32 master weights
+                builder.dtype = parse_dtype(default_dtype(sharding))
+            with simulated_world(world):
+                step = builder.step(role)
+                try:
+                    peaks[world] = step.measure(1, seq_len).peak_bytes
+                finally:
+                    del step
+                    gc.collect()
+        return peaks[world]
 
-    low, high = max(1, start), max(2, start * 2)
-    while not fits(high):
-        if high >= _MAX_HINT_WORLD:
-            return None
-        low, high = high, min(high * 2, _MAX_HINT_WORLD)
-    while high - low > 1:
-        mid = (low + high) // 2
-        if fits(mid):
-            high = mid
+    n1 = max(2, start)
+    n2 = 2 * n1
+    p1, p2 = peak(n1), peak(n2)
+    sharded = (p1 - p2) / (1 / n1 - 1 / n2)
+    fixed = p1 - sharded / n1
+    if fixed >= limit:
+        return None
+    world = _world_at_least(min(math.ceil(sharded / (limit - fixed)), _MAX_HINT_WORLD))
+    for _ in range(8):  # the model is exact up to shard padding: a step or two at most
+        if peak(world) > limit:
+            if world >= _MAX_HINT_WORLD:
+                return None
+            world = _world_at_least(world + 1)
+        elif world > 1 and peak(_world_below(world)) <= limit:
+            world = _world_below(world)
         else:
-            low = mid
-    return high
+            return world
+    return world if peak(world) <= limit else None
+
+
+def _world_at_least(n: int) -> int:
+    """The smallest world size >= ``n`` that clusters have: 1, 2, 4, 8, then whole 8-GPU nodes."""
+    if n <= 8:
+        return next(w for w in (1, 2, 4, 8) if w >= n)
+    return -(-n // 8) * 8
+
+
+def _world_below(n: int) -> int:
+    """The world size before ``n`` in the sequence of :func:`_world_at_least`."""
+    return n - 8 if n > 8 else max(1, n // 2)
 
 
 def _with_world_size_hint(
@@ -366,7 +405,10 @@ def _with_world_size_hint(
             "alone are too large): reduce max_seq_len or use --logprobs fused"
         )
     else:
-        hint = f"it fits with --sharding fsdp2 --world-size {world} --gradient-checkpointing"
+        hint = (
+            f"it fits with --sharding fsdp2 --world-size {world} --gradient-checkpointing (one sequence per "
+            "rank; sequence parallelism splits longer ones)"
+        )
     out = DoesNotFitError(
         f"{role}: {exc}; {hint}", needed=exc.needed, available=exc.available
     )

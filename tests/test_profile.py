@@ -1,0 +1,95 @@
+"""batchfit.budget.profile: per-rank budgets of sharded roles, and the world size that makes a sequence fit.
+
+The model is the tiny Llama widened to a 16k vocabulary (4.6M parameters), so that its
+training state (sharded by FSDP2) matters next to the activations of short sequences.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchfit.budget.profile import profile_model
+from batchfit.errors import DoesNotFitError
+from batchfit.models import preset_info
+from batchfit.sharding import Sharding
+
+MiB = 1024**2
+GiB = 1024**3
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    config = dict(preset_info("tiny")["config"])
+    config.update(vocab_size=16384, hidden_size=128, intermediate_size=352, head_dim=32)
+    folder = tmp_path_factory.mktemp("wide")
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def _profile(model, world, strategy="fsdp2", memory=GiB + 300 * MiB, **kwargs):
+    return profile_model(
+        model,
+        max_seq_len=kwargs.pop("max_seq_len", 256),
+        backend="estimate",
+        memory_limit=memory,
+        sharding=Sharding(strategy, world_size=world, **kwargs.pop("sharding", {})),
+        **kwargs,
+    )
+
+
+def test_the_budget_grows_with_the_number_of_ranks(wide):
+    two, eight = _profile(wide, 2), _profile(wide, 8)
+    assert eight.combined.tokens > two.combined.tokens
+    # the sharded state per rank: 4,563,584 fp32 parameters / 2 = 9,127,168 B and / 8 = 2,281,792 B,
+    # plus shard padding and the estimate's 512 B allocator rounding per tensor (< 1%)
+    assert two.combined.breakdown["parameters"] == pytest.approx(9_127_168, rel=0.01)
+    assert eight.combined.breakdown["parameters"] == pytest.approx(2_281_792, rel=0.01)
+
+
+def test_profile_reports_sharding_depth_and_the_per_rank_breakdown(wide):
+    p = _profile(wide, 4, roles="policy,reference")
+    data = json.loads(json.dumps(p.to_dict()))
+    assert data["sharding"] == {
+        "strategy": "fsdp2",
+        "world_size": 4,
+        "reshard_after_forward": True,
+        "mixed_precision": "bf16",
+        "offload": "none",
+    }
+    assert (data["dtype"], data["compute_dtype"]) == ("float32", "bfloat16")
+    assert data["depth"] == 2 and data["measured_depths"] is None  # too shallow to extrapolate
+    breakdown = data["per_rank"]["breakdown"]
+    assert {"parameters", "optimizer_state", "activations", "logprob_head"} <= set(breakdown)
+    policy_point = data["roles"]["policy"]["points"][0]
+    assert sum(policy_point["breakdown"].values()) == policy_point["peak_bytes"]
+    # the reference runs forward only: no optimizer state, no gradients
+    assert "optimizer_state" not in data["roles"]["reference"]["breakdown"]
+
+
+def test_cpu_offload_moves_the_state_to_the_host(wide):
+    on_device = _profile(wide, 4)
+    offloaded = _profile(wide, 4, sharding={"offload": "cpu"})
+    point = offloaded.combined.binding_point
+    assert "optimizer_state" not in point.breakdown and "parameters" not in point.breakdown
+    assert point.host_bytes >= on_device.combined.breakdown["optimizer_state"]
+    assert offloaded.combined.tokens >= on_device.combined.tokens
+
+
+def test_a_sequence_too_long_for_one_device_names_the_world_size_that_fits(wide):
+    # 33 MiB usable: one 32-token sequence needs ~36 MB unsharded (bf16 state + AdamW)
+    memory = GiB + 33 * MiB
+    with pytest.raises(DoesNotFitError, match=r"it fits with --sharding fsdp2 --world-size 16 --gradient-checkpointing") as info:
+        _profile(wide, 1, strategy="none", memory=memory, max_seq_len=32)
+    assert info.value.world_size_hint == 16
+    assert _profile(wide, 16, memory=memory, max_seq_len=32, gradient_checkpointing=True).combined.tokens >= 32
+    with pytest.raises(DoesNotFitError):  # the node below does not
+        _profile(wide, 8, memory=memory, max_seq_len=32, gradient_checkpointing=True)
+
+
+def test_activations_that_never_fit_say_no_world_size_helps(wide):
+    # 4,096 tokens of a 16k vocabulary: fp32 logits and log-softmax alone exceed 60 MiB
+    with pytest.raises(DoesNotFitError, match=r"no fsdp2 world size up to 4096 fits it either") as info:
+        _profile(wide, 2, memory=GiB + 60 * MiB, max_seq_len=4096)
+    assert info.value.world_size_hint is None

@@ -1,0 +1,60 @@
+"""batchfit.sharding: one name per strategy, options validated once, defaults as SkyRL and verl run."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchfit import InvalidArgument
+from batchfit.sharding import Sharding, as_sharding
+
+
+def test_fsdp2_defaults_to_bf16_mixed_precision_and_resharding():
+    s = Sharding("fsdp2", world_size=8)
+    assert (s.mixed_precision, s.reshard_after_forward, s.offload) == ("bf16", True, "none")
+    assert s.shards_state and s.distributed
+    assert s.describe() == "fsdp2 over 8 ranks (fp32 params, bf16 compute, fp32 reduce)"
+
+
+def test_other_strategies_default_to_no_mixed_precision():
+    assert Sharding().mixed_precision == "none" and not Sharding().distributed
+    assert Sharding("ddp", world_size=2).describe() == "ddp over 2 ranks (full replica + gradient buckets)"
+
+
+def test_describe_names_every_memory_option():
+    s = Sharding("fsdp2", world_size=4, reshard_after_forward=False, mixed_precision="none", offload="cpu")
+    assert s.describe() == "fsdp2 over 4 ranks (no mixed precision, no reshard after forward, CPU offload)"
+    assert s.to_dict() == {
+        "strategy": "fsdp2",
+        "world_size": 4,
+        "reshard_after_forward": False,
+        "mixed_precision": "none",
+        "offload": "cpu",
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({"strategy": "fsdp"}, r"sharding must be one of 'none', 'ddp', 'fsdp2', but got sharding='fsdp'; did you mean 'fsdp2'\?", id="unknown-strategy"),
+        pytest.param({"world_size": 0}, r"world_size must be an integer >= 1, but got world_size=0", id="zero-world"),
+        pytest.param({"world_size": True}, r"world_size", id="bool-world"),
+        pytest.param({"strategy": "ddp", "world_size": 2, "offload": "cpu"}, r"offload='cpu' needs strategy='fsdp2'", id="offload-without-fsdp2"),
+        pytest.param({"strategy": "none", "mixed_precision": "bf16"}, r"mixed_precision='bf16' needs strategy='fsdp2'", id="mp-without-fsdp2"),
+        pytest.param({"strategy": "ddp", "reshard_after_forward": False}, r"reshard_after_forward=False needs strategy='fsdp2'", id="reshard-without-fsdp2"),
+        pytest.param({"strategy": "fsdp2", "offload": "nvme"}, r"offload must be one of 'none', 'cpu'", id="unknown-offload"),
+        pytest.param({"strategy": "fsdp2", "mixed_precision": "fp16"}, r"mixed_precision must be one of 'bf16', 'none'", id="unknown-precision"),
+        pytest.param({"strategy": "fsdp2", "reshard_after_forward": "no"}, r"reshard_after_forward must be True or False", id="non-bool-reshard"),
+    ],
+)
+def test_bad_sharding_names_the_field_and_the_fix(kwargs, message):
+    with pytest.raises(InvalidArgument, match=message):
+        Sharding(**kwargs)
+
+
+def test_as_sharding_accepts_none_a_name_or_a_sharding():
+    assert as_sharding(None) == Sharding()
+    assert as_sharding("fsdp2") == Sharding("fsdp2")
+    s = Sharding("ddp", world_size=3)
+    assert as_sharding(s) is s
+    with pytest.raises(InvalidArgument, match="sharding must be a Sharding"):
+        as_sharding(8)
