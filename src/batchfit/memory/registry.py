@@ -85,6 +85,9 @@ def measure_peak(
     """
     chosen = get_backend(backend, **backend_kwargs)
     empty = register is None or (isinstance(register, (tuple, list)) and len(register) == 0)
+    host: tuple[str, ...] = ()
     if empty and hasattr(step, "persistent"):
         register = step.persistent
-    return chosen.measure(step, register=register, categories=categories)
+        categories = getattr(step, "categories", None) if categories is None else categories
+        host = tuple(getattr(step, "host_categories", ()))
+    return chosen.measure(step, register=register, categories=categories, host_categories=host)

@@ -6,6 +6,10 @@
   context: fake tensors for the estimate backend.
 - :func:`causal_lm_step`: a :class:`TrainingStep` (policy log-prob loss or critic MSE,
   backward, optimizer step with its state initialised beforehand).
+- :func:`shard_model`: PyTorch's FSDP2 (``fully_shard`` per layer and root) or DDP, as a
+  :class:`~batchfit.sharding.Sharding` says (``build_causal_lm(sharding=...)`` calls it).
+- :func:`build_depth_steps` / :class:`DepthExtrapolatedStep`: a deep model's step measured
+  from two shallow copies (NOTE [ Peak memory is affine in depth ]).
 """
 
 from batchfit.models.build import (
@@ -14,6 +18,8 @@ from batchfit.models.build import (
     enable_activation_checkpointing,
     parse_dtype,
 )
+from batchfit.models.depth import DepthExtrapolatedStep, build_depth_steps
+from batchfit.models.shard import shard_model
 from batchfit.models.specs import DEFAULT_PRESET, list_presets, load_config, preset_info
 from batchfit.models.step import (
     OPTIMIZERS,
@@ -26,9 +32,11 @@ from batchfit.models.step import (
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
     "DEFAULT_PRESET",
+    "DepthExtrapolatedStep",
     "OPTIMIZERS",
     "TrainingStep",
     "build_causal_lm",
+    "build_depth_steps",
     "causal_lm_step",
     "enable_activation_checkpointing",
     "initialize_optimizer_state",
@@ -36,5 +44,6 @@ __all__ = [
     "load_config",
     "parse_dtype",
     "preset_info",
+    "shard_model",
     "token_logprobs",
 ]
