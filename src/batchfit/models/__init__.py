@@ -32,8 +32,8 @@ from batchfit.models.step import (
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
     "DEFAULT_PRESET",
-    "DepthExtrapolatedStep",
     "OPTIMIZERS",
+    "DepthExtrapolatedStep",
     "TrainingStep",
     "build_causal_lm",
     "build_depth_steps",
