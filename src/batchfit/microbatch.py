@@ -8,7 +8,7 @@ number of times when each rank planned its own data.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,8 @@ import torch
 
 from batchfit.batch import Batch, batch_size, take_rows
 from batchfit.distributed import all_reduce_max
-from batchfit.errors import BatchError, InvalidArgument
+from batchfit.errors import BatchError, BudgetError, InvalidArgument
+from batchfit.layout import RowAlignment, align_rows, field_roles, write_back
 from batchfit.minibatch import pad_rows
 from batchfit.packing import MicroBatchPlan
 from batchfit.validation import is_int
@@ -34,17 +35,40 @@ class MicroBatch:
         indices: input indices of its sequences, in row order; ``()`` for a padding micro-batch.
         position: ``k``, its place among the rank's micro-batches.
         cost: its cost in the plan, in tokens.
+        alignment: how its rows were moved and trimmed (:class:`batchfit.layout.RowAlignment`),
+            ``None`` when not trimmed.
     """
 
     batch: dict[str, Any]
     indices: tuple[int, ...]
     position: int
     cost: int
+    alignment: RowAlignment | None = None
 
     @property
     def is_padding(self) -> bool:
         """True for a padding micro-batch: one pad row, no loss (NOTE [ Pad rows cost one token ])."""
         return not self.indices
+
+    def write_back(self, out: Any, values: Any, *, response: bool = False) -> None:
+        """Put this micro-batch's per-token outputs into the mini-batch's full-width tensor ``out``.
+
+        ``values`` has the micro-batch's rows and its sequence columns (or, with
+        ``response=True``, its response columns); each row lands at ``out[index]``, in the
+        columns it came from, whatever the padding side (:func:`batchfit.layout.write_back`).
+        A padding micro-batch writes nothing.
+
+        Raises:
+            BatchError: a micro-batch yielded with ``trim=False`` (write ``out[indices] =
+                values`` yourself), or ``values`` of another shape.
+        """
+        if self.is_padding:
+            return
+        if self.alignment is None:
+            raise BatchError(
+                "write_back needs a trimmed micro-batch (iter_micro_batches(trim=True)); with trim=False write out[list(mb.indices)] = values"
+            )
+        write_back(out, values, self.alignment, self.indices, response=response)
 
 
 def trim_padding(batch: Batch, *, attention_mask_key: str = "attention_mask") -> dict[str, Any]:
@@ -92,15 +116,24 @@ def iter_micro_batches(
     attention_mask_key: str = "attention_mask",
     loss_mask_key: str = "loss_mask",
     pad_values: Mapping[str, Any] | None = None,
+    token_fields: Sequence[str] | None = None,
+    response_fields: Sequence[str] | None = None,
 ) -> Iterator[MicroBatch]:
     """Yield the micro-batches of ``rank`` in plan order, padding micro-batches included.
 
     A real micro-batch holds the rows ``plan.ranks[rank][k]`` of every per-sample field
-    (metadata is dropped), trimmed with :func:`trim_padding` to the columns its members use.
+    (metadata is dropped), aligned and trimmed by :func:`batchfit.layout.align_rows`:
+    sequence-width fields to the longest member's length, response-width fields (the
+    SkyRL/verl prompt | response layout) to the columns that belong to the kept sequence
+    columns, still right-aligned with it (NOTE [ Sequence and response columns ]). For a
+    ``cost="padded"`` plan every yielded tensor is then ``rows × width ≤`` its planned cost
+    ``≤`` the budget, whatever the padding layout; this is checked.
     A padding micro-batch is one pad row from :func:`batchfit.minibatch.pad_rows` (loss mask
-    0, one valid token; NOTE [ Pad rows cost one token ]): run it like any other so every
-    rank steps the same number of times; with :func:`batchfit.loss.loss_weights` its weights
-    are 0, so it adds nothing to the loss or the gradient.
+    0, one valid token; NOTE [ Pad rows cost one token ]), laid out like a real one (the
+    same fields, response fields one column wide): run it like any other so every rank
+    steps the same number of times; with :func:`batchfit.loss.loss_weights` its weights
+    are 0, so it adds nothing to the loss or the gradient. ``MicroBatch.write_back`` puts
+    per-token outputs (old log-probs, values) back into full-width tensors.
 
     Per-sequence outputs of the real micro-batches, concatenated in the order yielded,
     go back to input order with ``plan.restore_order(outputs, rank=rank)`` (or gather all
@@ -110,17 +143,22 @@ def iter_micro_batches(
         batch: the whole mini-batch as per-sample fields, one row per planned sequence.
         plan: from :func:`batchfit.packing.plan_micro_batches` (planned on this batch's lengths).
         rank: this process' data-parallel rank in the plan.
-        trim: trim padded columns (set False to keep full-width tensors).
+        trim: align and trim (set False to keep full-width tensors, unchecked).
         attention_mask_key: the field that marks valid tokens (for trimming and pad rows).
         loss_mask_key: the field set to 0 in pad rows.
-        pad_values: fill values per field for pad rows (see :func:`batchfit.minibatch.pad_rows`).
+        pad_values: fill values per field for pad rows and for columns vacated when rows
+            move (see :func:`batchfit.minibatch.pad_rows`); default 0.
+        token_fields, response_fields: name the sequence-width and response-width fields
+            where guessing by width and name is ambiguous (:func:`batchfit.layout.field_roles`).
 
     Yields:
         :class:`MicroBatch`, ``plan.num_micro_batches`` of them.
 
     Raises:
-        BatchError: the batch's row count differs from the plan's sequence count, or its
-            fields disagree on the row count.
+        BatchError: the batch's row count differs from the plan's sequence count, its
+            fields disagree on the row count, or a named field is missing or misshapen.
+        BudgetError: a padded micro-batch would be larger than planned (the plan's lengths
+            are not the rows' valid-token spans, e.g. a mask with holes).
         InvalidArgument: ``rank`` is not in ``[0, plan.dp_size)``.
     """
     if not is_int(rank) or not 0 <= rank < plan.dp_size:
@@ -131,14 +169,38 @@ def iter_micro_batches(
             f"batch has {n} rows but the plan was made for {plan.num_sequences} sequences; plan with "
             "the lengths of this batch (e.g. attention_mask.sum(-1))"
         )
+    roles = None
+    if trim:
+        roles = field_roles(
+            batch,
+            attention_mask_key=attention_mask_key,
+            token_fields=token_fields,
+            response_fields=response_fields,
+        )
     for k, (indices, cost) in enumerate(zip(plan.ranks[rank], plan.costs[rank])):
         if indices:
             rows = take_rows(batch, indices)
         else:
-            rows = pad_rows(batch, 1, loss_mask_key=loss_mask_key, pad_values=pad_values)
-        if trim:
+            rows = pad_rows(
+                batch,
+                1,
+                loss_mask_key=loss_mask_key,
+                pad_values=pad_values,
+                attention_mask_key=attention_mask_key,
+            )
+        alignment = None
+        if roles is not None:
+            rows, alignment = align_rows(
+                rows, roles, attention_mask_key=attention_mask_key, pad_values=pad_values
+            )
+            tokens = len(indices or (0,)) * alignment.width
+            if plan.cost == "padded" and tokens > cost:
+                raise BudgetError(
+                    f"micro-batch {k} of rank {rank} would run {len(indices or (0,))} rows × {alignment.width} columns = {tokens} tokens, above its planned cost {cost}; plan with the rows' valid-token counts ({attention_mask_key}.sum(-1)) and keep each row's valid tokens contiguous"
+                )
+        elif trim:
             rows = trim_padding(rows, attention_mask_key=attention_mask_key)
-        yield MicroBatch(batch=rows, indices=indices, position=k, cost=cost)
+        yield MicroBatch(batch=rows, indices=indices, position=k, cost=cost, alignment=alignment)
 
 
 def sync_micro_batch_count(plan: MicroBatchPlan, group: Any = None) -> MicroBatchPlan:

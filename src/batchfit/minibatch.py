@@ -149,12 +149,13 @@ def pad_rows(
     *,
     loss_mask_key: str = "loss_mask",
     pad_values: Mapping[str, Any] | None = None,
+    attention_mask_key: str = "attention_mask",
 ) -> dict[str, Any]:
     """``n`` pad rows shaped like the per-sample fields of ``batch`` (see NOTE [ Pad rows cost one token ]).
 
-    Tensor fields get zeros, except ``attention_mask`` which gets a single valid token at the
-    position where the batch's rows have theirs first (left or right padding both kept), and
-    ``loss_mask_key`` which is 0. List fields get :data:`PAD`. ``pad_values`` overrides the
+    Tensor fields get zeros, except ``attention_mask_key`` which gets a single valid token at
+    the position where the batch's rows have theirs first (left or right padding both kept),
+    and ``loss_mask_key`` which is 0. List fields get :data:`PAD`. ``pad_values`` overrides the
     fill value per key (a scalar for tensors, any object for lists).
 
     Raises:
@@ -180,7 +181,7 @@ def pad_rows(
                 )
             else:
                 rows = np.full(shape, fill if fill is not None else 0, dtype=value.dtype)
-            if key == "attention_mask" and fill is None and value.ndim >= 2 and n:
+            if key == attention_mask_key and fill is None and value.ndim >= 2 and n:
                 rows[(slice(None), *([0] * (value.ndim - 1)))] = 1
                 if size and value.ndim == 2 and (value[:, -1] != 0).all() and (value[:, 0] == 0).any():
                     # left-padded batch: keep the valid token on the right, where real rows keep theirs
@@ -199,6 +200,7 @@ def pad_for_data_parallel(
     *,
     loss_mask_key: str = "loss_mask",
     pad_values: Mapping[str, Any] | None = None,
+    attention_mask_key: str = "attention_mask",
 ) -> tuple[dict[str, Any], int]:
     """Append the fewest pad rows that make the sample count a multiple of ``dp_size``.
 
@@ -211,6 +213,7 @@ def pad_for_data_parallel(
         dp_size: data-parallel ranks.
         loss_mask_key: the field set to 0 in pad rows (absent is fine).
         pad_values: fill value per key, overriding the defaults of :func:`pad_rows`.
+        attention_mask_key: the field that gets the pad rows' one valid token.
 
     Returns:
         ``(padded_batch, n_pad)`` with ``n_pad = (-size) mod dp_size``.
@@ -224,7 +227,13 @@ def pad_for_data_parallel(
     n_pad = (-size) % dp_size
     out = dict(batch)
     if n_pad:
-        rows = pad_rows(batch, n_pad, loss_mask_key=loss_mask_key, pad_values=pad_values)
+        rows = pad_rows(
+            batch,
+            n_pad,
+            loss_mask_key=loss_mask_key,
+            pad_values=pad_values,
+            attention_mask_key=attention_mask_key,
+        )
         for key, value in rows.items():
             original = batch[key]
             if isinstance(original, torch.Tensor):

@@ -1,0 +1,170 @@
+"""batchfit.layout through iter_micro_batches: the cap on real tensors, the prompt | response layout, write-back.
+
+Rollouts are built the way SkyRL and verl lay them out (NOTE [ Sequence and response
+columns ]): every token id encodes its row and its place in the sequence, and every
+response-width field holds the id of the sequence token it belongs to, so alignment,
+loss and duplication are all checked by value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchfit import BatchError, BudgetError
+from batchfit.layout import field_roles
+from batchfit.microbatch import iter_micro_batches
+from batchfit.packing import plan_micro_batches
+
+
+def rollouts(prompts: list[int], responses: list[int], P: int, R: int, side: str, mask_key="attention_mask"):
+    """Rows of prompt + response tokens; ``side``: skyrl (P left-padded | R right-padded), left, right."""
+    n = len(prompts)
+    W = P + R
+    ids = torch.zeros(n, W, dtype=torch.long)
+    mask = torch.zeros(n, W, dtype=torch.long)
+    loss = torch.zeros(n, R, dtype=torch.long)
+    adv = torch.zeros(n, R, dtype=torch.float64)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        length = p + r
+        token = [1000 * (i + 1) + t for t in range(length)]
+        start = {"skyrl": P - p, "left": W - length, "right": 0}[side]
+        ids[i, start : start + length] = torch.tensor(token)
+        mask[i, start : start + length] = 1
+        if side != "right":
+            # response column j belongs to sequence column W - R + j
+            for t in range(p, length):
+                j = start + t - (W - R)
+                loss[i, j] = 1
+                adv[i, j] = token[t]
+    batch = {"input_ids": ids, mask_key: mask, "uid": [f"u{i}" for i in range(n)]}
+    if side != "right":
+        batch.update(loss_mask=loss, advantages=adv)
+    return batch
+
+
+layouts = st.sampled_from(["skyrl", "left", "right"])
+
+
+@st.composite
+def cases(draw):
+    side = draw(layouts)
+    n = draw(st.integers(1, 12))
+    P = draw(st.integers(1, 10))
+    R = draw(st.integers(1, 10))
+    prompts = draw(st.lists(st.integers(1, P), min_size=n, max_size=n))
+    responses = draw(st.lists(st.integers(1, R), min_size=n, max_size=n))
+    dp = draw(st.integers(1, 3))
+    longest = max(p + r for p, r in zip(prompts, responses))
+    budget = draw(st.integers(longest, 4 * longest))
+    return side, prompts, responses, P, R, dp, budget
+
+
+@given(cases())
+@settings(max_examples=150, deadline=None)
+def test_padded_micro_batches_hold_the_cap_keep_alignment_and_lose_nothing(case):
+    side, prompts, responses, P, R, dp, budget = case
+    batch = rollouts(prompts, responses, P, R, side)
+    lengths = batch["attention_mask"].sum(-1)
+    plan = plan_micro_batches(lengths, budget, dp_size=dp, cost="padded")
+    seen = []
+    rebuilt = torch.zeros_like(batch["input_ids"])
+    for rank in range(dp):
+        for mb in iter_micro_batches(batch, plan, rank):
+            ids, mask = mb.batch["input_ids"], mb.batch["attention_mask"]
+            rows, width = ids.shape
+            assert rows * width <= mb.cost <= budget  # the cap, on the tensors
+            if "loss_mask" in mb.batch:
+                loss, adv = mb.batch["loss_mask"], mb.batch["advantages"]
+                r = loss.shape[1]
+                assert r <= width and adv.shape == loss.shape
+                # response column j is sequence column width - r + j, in every row
+                tail = ids[:, width - r :]
+                assert torch.equal(adv[loss == 1], tail[loss == 1].double())
+            if mb.is_padding:
+                assert mask.sum() == 1 and mb.batch.get("loss_mask", torch.zeros(1)).sum() == 0
+                continue
+            seen += ids[mask == 1].tolist()
+            mb.write_back(rebuilt, ids)
+    assert sorted(seen) == sorted(batch["input_ids"][batch["attention_mask"] == 1].tolist())
+    valid = batch["attention_mask"] == 1
+    assert torch.equal(rebuilt[valid], batch["input_ids"][valid])
+
+
+def test_a_skyrl_micro_batch_is_longest_wide_not_the_union_of_spans():
+    # short prompt + long response and long prompt + short response: the spans cover all 10
+    # columns, but the longest sequence is 6 tokens, so 2 rows cost 12, not 20
+    batch = rollouts([1, 5], [5, 1], P=5, R=5, side="skyrl")
+    plan = plan_micro_batches(batch["attention_mask"].sum(-1), 12, cost="padded")
+    (mb,) = iter_micro_batches(batch, plan)
+    assert mb.batch["input_ids"].shape == (2, 6) and mb.cost == 12
+    assert mb.batch["loss_mask"].shape == (2, 5)  # response columns that belong to the kept 6
+    assert mb.batch["loss_mask"].tolist() == [[1, 1, 1, 1, 1], [0, 0, 0, 0, 1]]
+
+
+def test_response_fields_are_written_back_to_their_columns():
+    batch = rollouts([2, 4, 1], [3, 1, 4], P=4, R=4, side="skyrl")
+    plan = plan_micro_batches(batch["attention_mask"].sum(-1), 10, cost="padded")
+    out = torch.zeros_like(batch["advantages"])
+    for mb in iter_micro_batches(batch, plan):
+        mb.write_back(out, mb.batch["advantages"], response=True)
+    assert torch.equal(out, batch["advantages"])
+
+
+def test_padding_micro_batches_honour_custom_keys_and_carry_response_fields():
+    batch = rollouts([2], [2], P=3, R=3, side="skyrl", mask_key="attn")
+    batch["mask"] = batch.pop("loss_mask")
+    plan = plan_micro_batches([4], 8, dp_size=2)
+    pads = [
+        mb
+        for rank in range(2)
+        for mb in iter_micro_batches(
+            batch,
+            plan,
+            rank,
+            attention_mask_key="attn",
+            loss_mask_key="mask",
+            pad_values={"input_ids": 7},
+            response_fields=["mask", "advantages"],
+        )
+        if mb.is_padding
+    ]
+    (pad,) = pads
+    assert pad.batch["attn"].tolist() == [[1]] and pad.batch["input_ids"].tolist() == [[7]]
+    assert pad.batch["mask"].tolist() == [[0]] and pad.batch["advantages"].shape == (1, 1)
+    assert pad.cost == 1
+
+
+def test_a_mask_with_holes_breaks_the_plan_loudly():
+    batch = {"attention_mask": torch.tensor([[1, 0, 0, 1], [1, 1, 0, 0]]), "input_ids": torch.ones(2, 4)}
+    plan = plan_micro_batches(batch["attention_mask"].sum(-1), 4, cost="padded")  # lengths 2, 2
+    with pytest.raises(BudgetError, match=r"2 rows × 4 columns = 8 tokens, above its planned cost 4"):
+        list(iter_micro_batches(batch, plan))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param({"response_fields": ["nope"]}, r"response_fields names 'nope'", id="missing"),
+        pytest.param({"token_fields": ["loss_mask"]}, r"token field 'loss_mask' must be 7 columns wide", id="narrow-token"),
+        pytest.param(
+            {"token_fields": ["input_ids"], "response_fields": ["input_ids"]},
+            r"both a token and a response field",
+            id="both",
+        ),
+    ],
+)
+def test_field_roles_name_the_field_and_the_fix(kwargs, match):
+    batch = rollouts([2], [2], P=4, R=3, side="skyrl")
+    with pytest.raises(BatchError, match=match):
+        field_roles(batch, **kwargs)
+
+
+def test_field_roles_guess_by_width_and_name():
+    batch = rollouts([2], [2], P=4, R=3, side="skyrl")
+    batch["features"] = torch.zeros(1, 3)  # narrower, but not a known response name: left alone
+    roles = field_roles(batch)
+    assert set(roles.token) == {"input_ids", "attention_mask"}
+    assert set(roles.response) == {"loss_mask", "advantages"} and roles.response_width == 3
