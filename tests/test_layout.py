@@ -168,3 +168,84 @@ def test_field_roles_guess_by_width_and_name():
     roles = field_roles(batch)
     assert set(roles.token) == {"input_ids", "attention_mask"}
     assert set(roles.response) == {"loss_mask", "advantages"} and roles.response_width == 3
+
+
+# ---------------------------------------------------------------- packed rows
+
+
+def _model(kind: str, attn: str) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
+    config = config_cls(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    config._attn_implementation = attn
+    return model_cls(config).eval()
+
+
+def _small_ids(batch):
+    out = dict(batch)
+    out["input_ids"] = torch.where(batch["attention_mask"] == 1, batch["input_ids"] % 61 + 1, 0)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_packed_forward_gives_each_sequence_s_own_log_probs(kind, attn):
+    model = _model(kind, attn)
+    batch = _small_ids(rollouts([3, 1, 4, 2, 5], [4, 6, 2, 3, 1], P=5, R=6, side="skyrl"))
+    lengths = batch["attention_mask"].sum(-1)
+    plan = plan_micro_batches(lengths, 20, cost="packed")
+    for mb in iter_micro_batches(batch, plan, layout="packed"):
+        ids, positions = mb.batch["input_ids"], mb.batch["position_ids"]
+        assert ids.shape == (1, mb.cost) and mb.cost <= 20 and "attention_mask" not in mb.batch
+        assert mb.batch["cu_seq_lens"].tolist() == [0, *torch.tensor(mb.packed.lengths).cumsum(0).tolist()]
+        with torch.no_grad():
+            logp = model(input_ids=ids, position_ids=positions, use_cache=False).logits.log_softmax(-1)
+        rows = mb.unpack(logp)  # [sequences, longest, vocab]
+        for row, index in enumerate(mb.indices):
+            alone_ids = batch["input_ids"][index][batch["attention_mask"][index] == 1][None]
+            with torch.no_grad():
+                alone = model(input_ids=alone_ids, use_cache=False).logits.log_softmax(-1)[0]
+            assert torch.allclose(rows[row, : alone.shape[0]], alone, atol=1e-5), (kind, attn, index)
+
+
+def test_packed_response_fields_follow_their_tokens_and_write_back():
+    batch = rollouts([3, 1, 4], [2, 5, 3], P=4, R=5, side="skyrl")
+    plan = plan_micro_batches(batch["attention_mask"].sum(-1), 9, cost="packed", dp_size=2)
+    rebuilt = torch.zeros_like(batch["input_ids"])
+    for rank in range(2):
+        for mb in iter_micro_batches(batch, plan, rank, layout="packed"):
+            ids, loss, adv = mb.batch["input_ids"][0], mb.batch["loss_mask"][0], mb.batch["advantages"][0]
+            assert ids.shape == loss.shape == adv.shape
+            assert torch.equal(adv[loss == 1], ids[loss == 1].double())  # each response value on its token
+            assert (loss[mb.batch["position_ids"][0] == 0] == 0).all()  # first tokens are prompt
+            mb.write_back(rebuilt, mb.batch["input_ids"])
+            if mb.is_padding:
+                assert ids.shape == (1,) and loss.sum() == 0 and mb.batch["max_length"] == 1
+    assert torch.equal(rebuilt, batch["input_ids"])
+
+
+def test_a_packed_micro_batch_loop_gives_the_whole_mini_batch_gradient():
+    from microbatch_helpers import grads, make_batch, relative_error, tiny_model, whole_batch_grads
+
+    batch = make_batch(num_sequences=8)
+    expected = whole_batch_grads(batch)
+    plan = plan_micro_batches(batch["attention_mask"].sum(-1), 24, cost="packed")
+    model = tiny_model()
+    for mb in iter_micro_batches(batch, plan, layout="packed"):
+        ids, positions, weights = mb.batch["input_ids"], mb.batch["position_ids"], mb.batch["weights"]
+        logp = model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, :-1].log_softmax(-1)
+        per_token = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        # a sequence's first token is never predicted: its weight is 0 (the prompt), so the
+        # prediction across a boundary adds nothing
+        (per_token * weights[:, 1:]).sum().backward()
+    assert relative_error(grads(model), expected) < 1e-6

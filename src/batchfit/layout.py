@@ -287,3 +287,139 @@ def write_back(
                 out[row, torch.as_tensor(cols, device=out.device)] = values[i, torch.as_tensor(src, device=values.device)].to(out.dtype)
             else:
                 out[row, cols] = np.asarray(values)[i, src]
+
+
+# --------------------------------------------------------------------------- packed rows
+
+#: Keys a packed micro-batch adds: the cumulative sequence lengths and the longest sequence,
+#: what varlen attention kernels (flash-attention's ``cu_seqlens``) take.
+CU_SEQ_LENS = "cu_seq_lens"
+MAX_LENGTH = "max_length"
+POSITION_IDS = "position_ids"
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Where the tokens of a packed row came from (see :func:`pack_rows`).
+
+    Attributes:
+        columns: per sequence, the original sequence columns of its valid tokens, in order.
+    """
+
+    columns: tuple[np.ndarray, ...]
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Tokens per sequence."""
+        return tuple(len(c) for c in self.columns)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """``cu_seq_lens``: where each sequence starts in the packed row, then the total."""
+        return np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+
+
+def pack_rows(
+    rows: Batch,
+    roles: FieldRoles,
+    *,
+    attention_mask_key: str = "attention_mask",
+    pad_values: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Any], PackedRows]:
+    """One padding-free row: the valid tokens of every row, concatenated in row order.
+
+    Token fields become ``[1, T, ...]`` (``T`` = total valid tokens); response fields are
+    packed per token too, each token taking the response column that belongs to it
+    (NOTE [ Sequence and response columns ]) or the field's fill value (prompt tokens);
+    ``position_ids`` is packed if the batch has it, else made, restarting at 0 for each
+    sequence; ``cu_seq_lens`` (int32, ``[rows + 1]``) and ``max_length`` are added for varlen
+    kernels. The attention mask is dropped: a Hugging Face model given packed
+    ``position_ids`` and no mask (and ``use_cache=False``) attends within each sequence.
+    Other per-sample fields (lists, per-sequence scalars) keep one entry per sequence.
+
+    Returns:
+        ``(packed fields, PackedRows)``.
+    """
+    mask = rows[attention_mask_key]
+    valid = np.asarray(mask.detach().cpu() if isinstance(mask, torch.Tensor) else mask) != 0
+    columns = tuple(np.nonzero(row)[0] for row in valid)
+    packed = PackedRows(columns)
+    row_index = np.concatenate([np.full(len(c), i) for i, c in enumerate(columns)]).astype(np.int64)
+    col_index = np.concatenate(columns).astype(np.int64) if columns else np.zeros(0, np.int64)
+    fills = dict(pad_values or {})
+    out: dict[str, Any] = {k: v for k, v in rows.items() if k not in roles.token and k not in roles.response}
+    for key in roles.token:
+        if key == attention_mask_key:
+            continue
+        out[key] = _gather(rows[key], row_index, col_index)[None]
+    if roles.response:
+        offset = roles.width - int(roles.response_width or 0)
+        response_col = col_index - offset
+        inside = response_col >= 0
+        for key in roles.response:
+            value = rows[key]
+            picked = _gather(value, row_index, np.clip(response_col, 0, value.shape[1] - 1))
+            out[key] = _where(inside, picked, fills.get(key, 0))[None]
+    if POSITION_IDS not in out:
+        positions = np.concatenate([np.arange(len(c)) for c in columns]).astype(np.int64)
+        out[POSITION_IDS] = torch.as_tensor(positions, device=_device(mask))[None]
+    out[CU_SEQ_LENS] = torch.as_tensor(packed.offsets, dtype=torch.int32, device=_device(mask))
+    out[MAX_LENGTH] = max(packed.lengths, default=0)
+    return out, packed
+
+
+def _device(value: Array) -> torch.device:
+    return value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
+
+
+def _gather(value: Array, rows: np.ndarray, cols: np.ndarray) -> Array:
+    if isinstance(value, torch.Tensor):
+        return value[torch.as_tensor(rows, device=value.device), torch.as_tensor(cols, device=value.device)]
+    return value[rows, cols]
+
+
+def _where(inside: np.ndarray, value: Array, fill: Any) -> Array:
+    if isinstance(value, torch.Tensor):
+        keep = torch.as_tensor(inside, device=value.device).view(-1, *([1] * (value.ndim - 1)))
+        return torch.where(keep, value, torch.as_tensor(fill, dtype=value.dtype, device=value.device))
+    keep = inside.reshape(-1, *([1] * (value.ndim - 1)))
+    return np.where(keep, value, np.asarray(fill, dtype=value.dtype))
+
+
+def unpack(values: Array, packed: PackedRows, *, fill: Any = 0) -> Array:
+    """Per-token outputs of a packed row (``[1, T, ...]`` or ``[T, ...]``) as right-padded rows ``[n, longest, ...]``.
+
+    Row ``i`` holds sequence ``i``'s outputs in its first ``lengths[i]`` columns, ``fill`` after.
+
+    Raises:
+        BatchError: ``values`` does not hold ``T`` tokens.
+    """
+    total = int(packed.offsets[-1])
+    batched = values.ndim >= 2 and values.shape[0] == 1 and values.shape[1] == total
+    flat = values[0] if batched else values
+    if flat.shape[0] != total:
+        raise BatchError(f"values must hold the packed row's {total} tokens, but got shape {tuple(values.shape)}")
+    lengths = packed.lengths
+    longest = max(lengths, default=0)
+    shape = (len(lengths), longest, *flat.shape[1:])
+    if isinstance(flat, torch.Tensor):
+        out = torch.full(shape, fill, dtype=flat.dtype, device=flat.device)
+    else:
+        out = np.full(shape, fill, dtype=flat.dtype)
+    for i, (start, length) in enumerate(zip(packed.offsets[:-1], lengths)):
+        out[i, :length] = flat[int(start) : int(start) + length]
+    return out
+
+
+def write_back_packed(out: Array, values: Array, packed: PackedRows, indices: Sequence[int]) -> None:
+    """Write per-token outputs of a packed row into the mini-batch's full-width tensor, at each token's column.
+
+    Raises:
+        BatchError: ``values`` does not hold the packed row's tokens.
+    """
+    rows = unpack(values, packed)
+    for i, (row, cols) in enumerate(zip(indices, packed.columns)):
+        if isinstance(out, torch.Tensor):
+            out[row, torch.as_tensor(cols, device=out.device)] = rows[i, : len(cols)].to(out.dtype)
+        else:
+            out[row, cols] = np.asarray(rows)[i, : len(cols)]

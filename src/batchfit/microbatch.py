@@ -18,10 +18,22 @@ import torch
 from batchfit.batch import Batch, batch_size, take_rows
 from batchfit.distributed import all_reduce_max
 from batchfit.errors import BatchError, BudgetError, InvalidArgument
-from batchfit.layout import RowAlignment, align_rows, field_roles, write_back
+from batchfit.layout import (
+    PackedRows,
+    RowAlignment,
+    align_rows,
+    field_roles,
+    pack_rows,
+    unpack,
+    write_back,
+    write_back_packed,
+)
 from batchfit.minibatch import pad_rows
 from batchfit.packing import MicroBatchPlan
-from batchfit.validation import is_int
+from batchfit.validation import check_choice, is_int
+
+#: What :func:`iter_micro_batches` yields: padded rows, or one padding-free packed row.
+LAYOUTS = ("padded", "packed")
 
 __all__ = ["MicroBatch", "iter_micro_batches", "sync_micro_batch_count", "trim_padding"]
 
@@ -36,7 +48,9 @@ class MicroBatch:
         position: ``k``, its place among the rank's micro-batches.
         cost: its cost in the plan, in tokens.
         alignment: how its rows were moved and trimmed (:class:`batchfit.layout.RowAlignment`),
-            ``None`` when not trimmed.
+            ``None`` when not trimmed or packed.
+        packed: for ``layout="packed"``, where each token of the packed row came from
+            (:class:`batchfit.layout.PackedRows`), else ``None``.
     """
 
     batch: dict[str, Any]
@@ -44,6 +58,17 @@ class MicroBatch:
     position: int
     cost: int
     alignment: RowAlignment | None = None
+    packed: PackedRows | None = None
+
+    def unpack(self, values: Any, *, fill: Any = 0) -> Any:
+        """Per-token outputs of the packed row as right-padded per-sequence rows (:func:`batchfit.layout.unpack`).
+
+        Raises:
+            BatchError: not a packed micro-batch, or ``values`` of another length.
+        """
+        if self.packed is None:
+            raise BatchError("unpack needs a packed micro-batch (iter_micro_batches(layout='packed'))")
+        return unpack(values, self.packed, fill=fill)
 
     @property
     def is_padding(self) -> bool:
@@ -63,6 +88,13 @@ class MicroBatch:
                 values`` yourself), or ``values`` of another shape.
         """
         if self.is_padding:
+            return
+        if self.packed is not None:
+            if response:
+                raise BatchError(
+                    "a packed micro-batch has no response columns: its response fields are per token; write them back with response=False"
+                )
+            write_back_packed(out, values, self.packed, self.indices)
             return
         if self.alignment is None:
             raise BatchError(
@@ -118,6 +150,7 @@ def iter_micro_batches(
     pad_values: Mapping[str, Any] | None = None,
     token_fields: Sequence[str] | None = None,
     response_fields: Sequence[str] | None = None,
+    layout: str = "padded",
 ) -> Iterator[MicroBatch]:
     """Yield the micro-batches of ``rank`` in plan order, padding micro-batches included.
 
@@ -150,6 +183,13 @@ def iter_micro_batches(
             move (see :func:`batchfit.minibatch.pad_rows`); default 0.
         token_fields, response_fields: name the sequence-width and response-width fields
             where guessing by width and name is ambiguous (:func:`batchfit.layout.field_roles`).
+        layout: ``"padded"`` (rows, as above) or ``"packed"``: one padding-free row per
+            micro-batch, the valid tokens of its sequences concatenated in ``indices`` order
+            (token and response fields ``[1, T]`` with ``T ≤`` the planned cost,
+            ``position_ids`` restarting at 0 per sequence, ``cu_seq_lens`` and
+            ``max_length``; no attention mask: a Hugging Face model given these
+            ``position_ids`` and ``use_cache=False`` attends within each sequence).
+            ``MicroBatch.unpack`` and ``write_back`` map per-token outputs back.
 
     Yields:
         :class:`MicroBatch`, ``plan.num_micro_batches`` of them.
@@ -169,8 +209,9 @@ def iter_micro_batches(
             f"batch has {n} rows but the plan was made for {plan.num_sequences} sequences; plan with "
             "the lengths of this batch (e.g. attention_mask.sum(-1))"
         )
+    layout = check_choice("layout", layout, LAYOUTS)
     roles = None
-    if trim:
+    if trim or layout == "packed":
         roles = field_roles(
             batch,
             attention_mask_key=attention_mask_key,
@@ -188,8 +229,19 @@ def iter_micro_batches(
                 pad_values=pad_values,
                 attention_mask_key=attention_mask_key,
             )
-        alignment = None
-        if roles is not None:
+        alignment = packed = None
+        if layout == "packed":
+            if roles is None:
+                raise BatchError(
+                    f"layout='packed' needs a 2-D {attention_mask_key!r} field marking valid tokens, but the batch has none; pass attention_mask_key"
+                )
+            rows, packed = pack_rows(rows, roles, attention_mask_key=attention_mask_key, pad_values=pad_values)
+            total = int(packed.offsets[-1])
+            if total > cost:
+                raise BudgetError(
+                    f"micro-batch {k} of rank {rank} would pack {total} tokens, above its planned cost {cost}; plan with the rows' valid-token counts ({attention_mask_key}.sum(-1))"
+                )
+        elif roles is not None:
             rows, alignment = align_rows(
                 rows, roles, attention_mask_key=attention_mask_key, pad_values=pad_values
             )
@@ -200,7 +252,9 @@ def iter_micro_batches(
                 )
         elif trim:
             rows = trim_padding(rows, attention_mask_key=attention_mask_key)
-        yield MicroBatch(batch=rows, indices=indices, position=k, cost=cost, alignment=alignment)
+        yield MicroBatch(
+            batch=rows, indices=indices, position=k, cost=cost, alignment=alignment, packed=packed
+        )
 
 
 def sync_micro_batch_count(plan: MicroBatchPlan, group: Any = None) -> MicroBatchPlan:
