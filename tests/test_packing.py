@@ -137,9 +137,14 @@ def best_fit_decreasing_costs(lengths, budget):
     st.integers(1, 600),
 )
 def test_best_fit_by_distinct_length_equals_per_sequence_best_fit(lengths, budget):
-    # NOTE [ Best fit by distinct length ]: same count and same multiset of costs
-    plan = plan_micro_batches(lengths, budget, cost="packed", oversize="alone")
+    # NOTE [ Best fit by distinct length ]: same count and same multiset of costs (without the
+    # small-plan search, which may improve on best fit)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packing, "SMALL_PLAN_MAX_SEQUENCES", 0)
+        plan = plan_micro_batches(lengths, budget, cost="packed", oversize="alone")
     assert sorted(plan.costs[0]) == best_fit_decreasing_costs(lengths, budget)
+    searched = plan_micro_batches(lengths, budget, cost="packed", oversize="alone")
+    assert searched.num_micro_batches <= plan.num_micro_batches
 
 
 @pytest.mark.parametrize("budget_over_longest", [2, 4])
