@@ -5,7 +5,8 @@
 For three length distributions and budgets of 2×–16× the longest sequence, prints per
 planner: micro-batches per rank ÷ lower bound, utilization (Σ cost / (count × budget)),
 padding fraction (pad tokens / Σ cost, padded cost only), rank imbalance (max / mean rank
-cost) and cap violations; then planning time for 1k, 10k and 100k sequences.
+cost) and cap violations; then planning time for 1k, 10k and 100k sequences; then small plans
+(2..40 sequences, one rank's share) against an exact solver, best fit alone and verl's count.
 
 Baselines, implemented here from their descriptions:
 - fixed: a fixed micro-batch size, the largest that fits the longest sequence
@@ -159,6 +160,81 @@ def timing_distinct(dp: int, seed: int) -> None:
         )
 
 
+def exact_count(lengths: list[int], budget: int, limit: int = 2_000_000) -> int | None:
+    """The fewest micro-batches (exhaustive branch and bound), ``None`` past ``limit`` nodes."""
+    items = sorted(lengths, reverse=True)
+    best = len(items)
+    nodes = 0
+
+    def place(i: int, loads: list[int], left: int) -> None:
+        nonlocal best, nodes
+        nodes += 1
+        if nodes > limit:
+            raise TimeoutError
+        free = sum(budget - load for load in loads)
+        if len(loads) + max(0, -(-(left - free) // budget)) >= best:
+            return
+        if i == len(items):
+            best = len(loads)
+            return
+        tried = set()
+        for b, load in enumerate(loads):
+            if load not in tried and load + items[i] <= budget:
+                tried.add(load)
+                loads[b] += items[i]
+                place(i + 1, loads, left - items[i])
+                loads[b] -= items[i]
+        place(i + 1, [*loads, items[i]], left - items[i])
+
+    try:
+        place(0, [], sum(items))
+    except TimeoutError:
+        return None
+    return best
+
+
+def small_plans(seed: int, cases: int = 1000) -> None:
+    """Counts on random small instances (one rank's share): batchfit vs best fit alone vs verl vs the optimum."""
+    import batchfit.packing as packing
+
+    rng = np.random.default_rng(seed)
+    tally = {"batchfit": [0, 0, 0], "best fit alone": [0, 0, 0]}  # [= optimum, +1, +2 or more]
+    verl_over_cap = 0
+    solved = 0
+    times: list[float] = []
+    for _ in range(cases):
+        n = int(rng.integers(2, 41))
+        budget = 4096
+        lengths = rng.integers(budget // 10, budget // 2, n).tolist() if rng.random() < 0.5 else (
+            rng.integers(1, budget + 1, n).tolist()
+        )
+        optimum = exact_count(lengths, budget)
+        if optimum is None:
+            continue
+        solved += 1
+        start = time.perf_counter()
+        ours = plan_micro_batches(lengths, budget, cost="packed").num_micro_batches
+        times.append(time.perf_counter() - start)
+        saved = packing.SMALL_PLAN_MAX_SEQUENCES
+        packing.SMALL_PLAN_MAX_SEQUENCES = 0
+        try:
+            alone = plan_micro_batches(lengths, budget, cost="packed").num_micro_batches
+        finally:
+            packing.SMALL_PLAN_MAX_SEQUENCES = saved
+        for name, count in (("batchfit", ours), ("best fit alone", alone)):
+            tally[name][min(count - optimum, 2)] += 1
+        verl = min(n, -(-sum(lengths) // budget))  # verl's count: ⌈Σ/C⌉, micro-batches may exceed C
+        verl_over_cap += verl < optimum
+    print(f"\nsmall packed plans: {solved} random instances of 2..40 sequences, budget 4096, exact optimum known")
+    for name, (equal, one, more) in tally.items():
+        print(f"  {name:15s} optimal {equal / solved:6.1%}   +1 {one / solved:5.1%}   +2 or more {more / solved:5.1%}")
+    print(
+        f"  verl ⌈Σ/C⌉      below the optimum (so some micro-batch exceeds the budget) in {verl_over_cap / solved:.1%}"
+    )
+    times.sort()
+    print(f"  batchfit planning time: median {times[len(times) // 2] * 1e3:.2f} ms, max {times[-1] * 1e3:.1f} ms")
+
+
 def best_of(fn, *args, **kwargs) -> float:
     best = float("inf")
     for _ in range(3):
@@ -179,6 +255,7 @@ def main() -> None:
     quality(args.n, args.dp, args.max_len, args.seed)
     timing(args.dp, args.max_len, args.seed)
     timing_distinct(args.dp, args.seed)
+    small_plans(args.seed)
 
 
 if __name__ == "__main__":
