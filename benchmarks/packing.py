@@ -6,7 +6,9 @@ For three length distributions and budgets of 2×–16× the longest sequence, p
 planner: micro-batches per rank ÷ lower bound, utilization (Σ cost / (count × budget)),
 padding fraction (pad tokens / Σ cost, padded cost only), rank imbalance (max / mean rank
 cost) and cap violations; then planning time for 1k, 10k and 100k sequences; then small plans
-(2..40 sequences, one rank's share) against an exact solver, best fit alone and verl's count.
+(2..40 sequences, one rank's share) against an exact solver, best fit alone and verl's count;
+then the time and peak of a padded micro-batch against the same sequences packed in one row,
+through sdpa (a T × T mask) and through batchfit's varlen attention.
 
 Baselines, implemented here from their descriptions:
 - fixed: a fixed micro-batch size, the largest that fits the longest sequence
@@ -235,6 +237,55 @@ def small_plans(seed: int, cases: int = 1000) -> None:
     print(f"  batchfit planning time: median {times[len(times) // 2] * 1e3:.2f} ms, max {times[-1] * 1e3:.1f} ms")
 
 
+def packed_vs_padded(seed: int) -> None:
+    """Time and peak of one forward + backward: padded rows, a packed row through sdpa, through varlen attention."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from batchfit.attention import use_varlen_attention
+    from batchfit.memory import get_backend
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    )
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).train()
+    n, longest = 20, 400
+    lens = torch.randint(longest // 4, longest + 1, (n,))
+    lens[0] = longest
+    ids = torch.randint(1, 1024, (n, longest))
+    mask = (torch.arange(longest)[None] < lens[:, None]).long()
+    packed = ids[mask == 1][None]
+    positions = torch.cat([torch.arange(int(length)) for length in lens])[None]
+    backend = get_backend("cpu")
+
+    def step(padded: bool) -> None:
+        if padded:
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        else:
+            logits = model(input_ids=packed, position_ids=positions, use_cache=False).logits
+        logits.float().mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    print(f"\npadded vs packed, 2-layer Llama (hidden 256), {n} sequences of <= {longest} tokens, forward + backward on CPU")
+    print(f"  {'layout':34s} {'seconds':>8s} {'peak':>10s}")
+    for name, padded in (("padded rows (20 × 400)", True), (f"packed row (1 × {packed.shape[1]}), sdpa", False)):
+        seconds = best_of(step, padded)
+        peak = backend.measure(lambda padded=padded: step(padded), register=model).peak_bytes
+        print(f"  {name:34s} {seconds:8.3f} {peak / 2**20:8.1f} MiB")
+    use_varlen_attention(model)
+    seconds = best_of(step, False)
+    peak = backend.measure(lambda: step(False), register=model).peak_bytes
+    print(f"  {'packed row, batchfit varlen':34s} {seconds:8.3f} {peak / 2**20:8.1f} MiB")
+
+
 def best_of(fn, *args, **kwargs) -> float:
     best = float("inf")
     for _ in range(3):
@@ -256,6 +307,7 @@ def main() -> None:
     timing(args.dp, args.max_len, args.seed)
     timing_distinct(args.dp, args.seed)
     small_plans(args.seed)
+    packed_vs_padded(args.seed)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from batchfit.attention import warn_if_masked
 from batchfit.batch import Batch, batch_size, take_rows
 from batchfit.distributed import all_reduce_max
 from batchfit.errors import BatchError, BudgetError, InvalidArgument
@@ -151,6 +152,7 @@ def iter_micro_batches(
     token_fields: Sequence[str] | None = None,
     response_fields: Sequence[str] | None = None,
     layout: str = "padded",
+    model: Any = None,
 ) -> Iterator[MicroBatch]:
     """Yield the micro-batches of ``rank`` in plan order, padding micro-batches included.
 
@@ -190,6 +192,9 @@ def iter_micro_batches(
             ``max_length``; no attention mask: a Hugging Face model given these
             ``position_ids`` and ``use_cache=False`` attends within each sequence).
             ``MicroBatch.unpack`` and ``write_back`` map per-token outputs back.
+        model: optional, with ``layout="packed"``: warn once if its attention builds a full
+            ``T × T`` mask for packed rows (NOTE [ Packed rows need varlen attention ];
+            :func:`batchfit.attention.use_varlen_attention` fixes it).
 
     Yields:
         :class:`MicroBatch`, ``plan.num_micro_batches`` of them.
@@ -210,6 +215,8 @@ def iter_micro_batches(
             "the lengths of this batch (e.g. attention_mask.sum(-1))"
         )
     layout = check_choice("layout", layout, LAYOUTS)
+    if layout == "packed":
+        warn_if_masked(model)
     roles = None
     if trim or layout == "packed":
         roles = field_roles(
