@@ -249,3 +249,35 @@ def test_a_packed_micro_batch_loop_gives_the_whole_mini_batch_gradient():
         # prediction across a boundary adds nothing
         (per_token * weights[:, 1:]).sum().backward()
     assert relative_error(grads(model), expected) < 1e-6
+
+
+def test_unpack_round_trips_each_sequence_s_tokens():
+    batch = rollouts([2, 5, 1, 3], [4, 1, 6, 2], P=5, R=6, side="skyrl")
+    plan = plan_micro_batches(batch["attention_mask"].sum(-1), 11, cost="packed")
+    for mb in iter_micro_batches(batch, plan, layout="packed"):
+        rows = mb.unpack(mb.batch["input_ids"])
+        for row, index in enumerate(mb.indices):
+            tokens = batch["input_ids"][index][batch["attention_mask"][index] == 1]
+            assert torch.equal(rows[row, : len(tokens)], tokens)
+            assert (rows[row, len(tokens) :] == 0).all()
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_custom_keys_reach_every_calling_form(layout):
+    from batchfit.minibatch import pad_for_data_parallel, pad_rows
+
+    batch = rollouts([2, 3, 1], [2, 1, 3], P=3, R=3, side="skyrl", mask_key="valid")
+    batch["mask"] = batch.pop("loss_mask")
+    keys = {"attention_mask_key": "valid", "loss_mask_key": "mask", "pad_values": {"input_ids": 9}}
+    one = pad_rows(batch, 1, **keys)
+    assert one["valid"].sum() == 1 and one["mask"].sum() == 0 and (one["input_ids"] == 9).all()
+    padded, n_pad = pad_for_data_parallel(batch, 4, **keys)
+    assert n_pad == 1 and padded["valid"][-1].sum() == 1 and padded["mask"][-1].sum() == 0
+    plan = plan_micro_batches(padded["valid"].sum(-1), 6, dp_size=2, cost="packed")
+    for rank in range(2):
+        for mb in iter_micro_batches(padded, plan, rank, layout=layout, response_fields=["mask", "advantages"], **keys):
+            fields = mb.batch
+            if layout == "packed":
+                assert "valid" not in fields and fields["input_ids"].shape == fields["mask"].shape
+            else:
+                assert fields["mask"].shape[1] <= fields["valid"].shape[1]
