@@ -37,6 +37,25 @@ def tiny_model() -> torch.nn.Module:
     return LlamaForCausalLM(config).double()
 
 
+def tiny_lm(kind: str = "llama", attn: str = "sdpa") -> torch.nn.Module:
+    """A 2-layer Llama or Qwen2 in float32 (grouped-query attention), the same weights on every call."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
+    config = config_cls(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    config._attn_implementation = attn
+    return model_cls(config)
+
+
 def make_batch(num_sequences: int = 8, seed: int = 1, reduction: str = "token_mean") -> dict:
     """Right-padded random sequences of 3..SEQ_LEN tokens; loss on all tokens after the prompt.
 

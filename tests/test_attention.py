@@ -13,24 +13,11 @@ from batchfit.attention import VARLEN, use_varlen_attention
 from batchfit.memory import get_backend
 from batchfit.microbatch import iter_micro_batches
 from batchfit.packing import plan_micro_batches
+from microbatch_helpers import tiny_lm
 
 
 def _model(kind: str) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
-    config = config_cls(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    config._attn_implementation = "sdpa"
-    return model_cls(config).train()
+    return tiny_lm(kind, "sdpa").train()
 
 
 def _packed(lengths: list[int]):

@@ -174,21 +174,9 @@ def test_field_roles_guess_by_width_and_name():
 
 
 def _model(kind: str, attn: str) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from microbatch_helpers import tiny_lm
 
-    torch.manual_seed(0)
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
-    config = config_cls(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    config._attn_implementation = attn
-    return model_cls(config).eval()
+    return tiny_lm(kind, attn).eval()
 
 
 def _small_ids(batch):
