@@ -324,7 +324,9 @@ def fake_cuda(monkeypatch):
 
     monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset)
     monkeypatch.setattr(cuda, "max_memory_allocated", lambda d=None: state.peak)
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda d=None: state.reserved or state.peak)
     monkeypatch.setattr(cuda, "empty_cache", empty_cache)
+    state.reserved = 0
     return state
 
 
@@ -333,6 +335,29 @@ def test_cuda_defaults_come_from_the_device(fake_cuda):
     assert isinstance(b, CudaBackend) and b.device == torch.device("cuda", 0)
     # reserve = total - free - torch's reserved = 10,000,000 - 9,000,000 - 500,000
     assert (b.memory_limit, b.reserve_bytes, b.limit_bytes) == (10_000_000, 500_000, 9_500_000)
+
+
+def test_cuda_measures_the_current_device_not_cuda_0(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # torch.cuda.set_device(local_rank=3)
+    assert CudaBackend().device == torch.device("cuda", 3)
+    assert CudaBackend(device="cuda").device == torch.device("cuda", 3)
+    assert CudaBackend(device="cuda:1").device == torch.device("cuda", 1)
+
+
+def test_cuda_judges_a_fit_on_reserved_memory_too(fake_cuda):
+    def step():
+        fake_cuda.peak = 9_000_000  # allocated: within limit_bytes 9,500,000
+        fake_cuda.reserved = 9_700_000  # reserved by the caching allocator: above it
+
+    m = CudaBackend().measure(step)
+    assert (m.peak_bytes, m.reserved_bytes, m.fits, m.footprint_bytes) == (9_000_000, 9_700_000, False, 9_700_000)
+
+
+def test_cuda_empties_the_cache_and_resets_stats_before_every_trial(fake_cuda):
+    backend = CudaBackend()
+    for _ in range(3):
+        backend.measure(lambda: None)
+    assert (fake_cuda.empty_cache_calls, fake_cuda.resets) == (3, 3)
 
 
 def test_cuda_reports_peak_and_breakdown(fake_cuda):
@@ -357,7 +382,7 @@ def test_cuda_out_of_memory_is_does_not_fit_and_releases_memory(fake_cuda):
 
     m = CudaBackend().measure(step, register=lin)
     assert (m.fits, m.exceeded, m.peak_bytes) == (False, True, 9_900_000)
-    assert fake_cuda.empty_cache_calls == 1
+    assert fake_cuda.empty_cache_calls == 2  # before the trial, and after the OOM
     assert lin.weight.grad is None  # restored to the state before the call
 
 
@@ -481,3 +506,24 @@ def test_dtensor_shards_are_counted_by_their_local_tensor():
         with MemoryTracker() as t:
             t.register_tensor(d, "parameters")
         assert t.peak_bytes == 2 * 16 * 4  # one rank's quarter, not 8 × 16 × 4
+
+
+def test_a_hundred_measurements_leave_no_finalizers_behind():
+    import gc
+    import resource
+    import weakref
+
+    backend = get_backend("cpu")
+    model = build_causal_lm("tiny", backend=backend)
+    step = causal_lm_step(model, backend=backend)
+
+    def live_finalizers() -> int:
+        gc.collect()
+        return len(weakref.finalize._registry)  # every finalize object alive
+
+    step.measure(2, 16)
+    before, rss_before = live_finalizers(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(100):
+        step.measure(2, 16)
+    assert live_finalizers() <= before + 5  # not one per storage per measurement
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 100_000  # KiB: no growth per call

@@ -253,7 +253,8 @@ def find_batch_size(
         try:
             m = be.measure(lambda: run(batch_size), register=persistent)
             peak, inexact = int(m.peak_bytes), bool(m.exceeded)
-            over = inexact or peak > local_target
+            # cuda: the allocator's reservation counts too (real OOMs happen there)
+            over = inexact or max(peak, int(m.reserved_bytes or 0)) > local_target
         except Exception as exc:  # not an OOM (measure reports those): agree on it, then re-raise
             error = exc
         # NOTE [ Ranks agree on every trial ]

@@ -355,7 +355,8 @@ def _make_probe(
             else:
                 m = backend.measure(lambda: step(batch_size, seq_len), register=register)
             peak, exceeded = int(m.peak_bytes), bool(m.exceeded)
-            fits = bool(m.fits) and not exceeded and peak <= limit
+            footprint = max(peak, int(getattr(m, "reserved_bytes", None) or 0))
+            fits = bool(m.fits) and not exceeded and footprint <= limit
             breakdown, host = dict(getattr(m, "breakdown", {})), int(getattr(m, "host_bytes", 0))
         except Exception as exc:
             error = exc

@@ -40,10 +40,19 @@ class CudaBackend(Backend):
     """Run the step on a CUDA device and read the allocator's peak; an OOM is "does not fit".
 
     ``peak_bytes`` is ``torch.cuda.max_memory_allocated`` over the call (everything
-    allocated on the device, registered state included, rounded by the allocator). On
-    ``torch.OutOfMemoryError`` the call's frames are dropped, ``gc.collect()`` and
-    ``torch.cuda.empty_cache()`` release its memory, and the result has
-    ``fits=False, exceeded=True``; the peak is then the bytes reached before the failure.
+    allocated on the device, registered state included, rounded by the allocator) and
+    ``reserved_bytes`` is ``torch.cuda.max_memory_reserved``: the caching allocator's
+    segments, which is where a real OOM happens (fragmentation included). A call fits when
+    both stay within ``limit_bytes``. Before every call the previous call's cached blocks
+    are released (``gc.collect()``, ``empty_cache()``) and the peak statistics reset, so one
+    trial's cache cannot change the next verdict. On ``torch.OutOfMemoryError`` the call's
+    frames are dropped, its memory released, and the result has ``fits=False,
+    exceeded=True``; the peak is then the bytes reached before the failure.
+
+    Setting ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before the process starts
+    makes reserved memory follow allocated memory closely (less fragmentation), so more of
+    the device is usable at the same verdict; the estimate backend's safety margin assumes
+    some fragmentation either way.
 
     Args:
         memory_limit: device bytes to plan for; default the device's total memory.
@@ -51,7 +60,8 @@ class CudaBackend(Backend):
             construction as ``total - free - torch.cuda.memory_reserved()`` (the CUDA
             context and other processes).
         round_to: informational (the allocator rounds to 512 B by itself); default 512.
-        device: the CUDA device (default the current one).
+        device: the CUDA device (default, and for ``"cuda"`` without an index, the current
+            one: ``torch.cuda.current_device()``, as set by ``torch.cuda.set_device(local_rank)``).
 
     Raises:
         InvalidArgument: CUDA is not available.
@@ -71,9 +81,8 @@ class CudaBackend(Backend):
             raise InvalidArgument(
                 "backend='cuda' needs a CUDA device, but torch.cuda.is_available() is False; use backend='estimate' (or 'auto') to estimate without a GPU"
             )
-        self._device = torch.device(
-            "cuda", torch.cuda.current_device() if device is None else torch.device(device).index or 0
-        )
+        index = None if device is None else torch.device(device).index
+        self._device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         total = int(torch.cuda.get_device_properties(self._device).total_memory)
         if reserve_bytes is None:
             free, total_now = torch.cuda.mem_get_info(self._device)
@@ -102,6 +111,7 @@ class CudaBackend(Backend):
         start = time.perf_counter()
         gc.collect()
         torch.cuda.synchronize(self._device)
+        torch.cuda.empty_cache()  # the previous trial's cached blocks must not shape this one
         torch.cuda.reset_peak_memory_stats(self._device)
         exceeded = False
         try:
@@ -112,6 +122,7 @@ class CudaBackend(Backend):
                 raise
             exceeded = True  # the traceback (and the tensors its frames hold) dies here
         peak = int(torch.cuda.max_memory_allocated(self._device))
+        reserved = int(torch.cuda.max_memory_reserved(self._device))
         if exceeded:
             restore_grads()
             gc.collect()
@@ -123,10 +134,11 @@ class CudaBackend(Backend):
         limit = self.limit_bytes
         return MemoryMeasurement(
             peak_bytes=peak,
-            fits=not exceeded and (limit is None or peak <= limit),
+            fits=not exceeded and (limit is None or max(peak, reserved) <= limit),
             limit_bytes=limit,
             backend=self.name,
             breakdown=breakdown,
             exceeded=exceeded,
             seconds=time.perf_counter() - start,
+            reserved_bytes=reserved,
         )

@@ -28,6 +28,8 @@ class MemoryMeasurement:
         phase_peaks: the peak of each phase of the step (``forward``, ``backward``,
             ``optimizer``; NOTE [ Phases and regions ]); empty when unavailable.
         phase_breakdowns: the breakdown at each phase's peak.
+        reserved_bytes: cuda only: the caching allocator's peak reservation
+            (``max_memory_reserved``), ``None`` elsewhere.
     """
 
     peak_bytes: int
@@ -40,6 +42,12 @@ class MemoryMeasurement:
     host_bytes: int = 0
     phase_peaks: dict[str, int] = field(default_factory=dict)
     phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict)
+    reserved_bytes: int | None = None
+
+    @property
+    def footprint_bytes(self) -> int:
+        """What a fit is judged on: the peak, or the allocator's reservation when larger (cuda)."""
+        return max(self.peak_bytes, self.reserved_bytes or 0)
 
     @property
     def headroom_bytes(self) -> int | None:
