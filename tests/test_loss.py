@@ -136,3 +136,24 @@ def test_invalid_arguments(kwargs, error, pattern):
 def test_mask_must_be_2d():
     with pytest.raises(InvalidArgument, match=r"loss_mask must be a 2-D tensor .* but got \(3,\)"):
         loss_weights(torch.ones(3), reduction="token_mean")
+
+
+def test_half_precision_masks_give_exact_float32_weights():
+    # float16 counts overflow at 65,536 tokens (inf -> all-zero weights); bf16 rounds counts
+    many = torch.ones(64, 1100, dtype=torch.float16)  # 70,400 loss tokens
+    weights = loss_weights(many, reduction="token_mean")
+    assert weights.dtype == torch.float32 and float(weights.double().sum()) == pytest.approx(1.0, abs=1e-6)
+    bf16 = loss_weights(torch.ones(64, 1100, dtype=torch.bfloat16), reduction="token_mean")
+    assert float(bf16.double().sum()) == pytest.approx(1.0, abs=1e-6)  # was 1.028
+    assert loss_weights(many, reduction="token_mean", dtype=torch.float64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, "float32"])
+def test_a_non_floating_dtype_is_a_clear_error(dtype):
+    with pytest.raises(InvalidArgument, match=r"dtype must be a floating torch.dtype"):
+        loss_weights(torch.ones(2, 3), reduction="token_mean", dtype=dtype)
+
+
+def test_empty_mini_batch_boundaries_are_an_error_not_one_mini_batch():
+    with pytest.raises(BatchError, match=r"mini_batch_boundaries must tile the 2 rows, but got \[\]"):
+        loss_weights(torch.ones(2, 3), reduction="token_mean", mini_batch_boundaries=[])

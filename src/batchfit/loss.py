@@ -89,17 +89,18 @@ def loss_weights(
             mini-batch (from :func:`batchfit.minibatch.prompt_boundaries`).
         max_seq_len: the normaliser of ``seq_mean_token_sum_norm``; default the mask width.
             Pass the generation length limit so the normaliser does not depend on padding.
-        dtype: floating dtype of the result; default the mask's dtype if floating, else
-            ``torch.get_default_dtype()``.
+        dtype: floating dtype of the result; default the mask's dtype if it is float32 or
+            float64, else float32 (counts and scales are always computed in float64: a
+            float16 count overflows at 65,536 tokens and bf16 rounds counts above 256).
 
     Returns:
         A tensor shaped like ``loss_mask``, on its device.
 
     Raises:
-        InvalidArgument: unknown reduction, a mask that is not 2-D, a bad ``max_seq_len``, or
-            ``prompt_mean`` without ``prompt_boundaries``.
-        BatchError: boundaries that do not tile the rows, or a prompt straddling two
-            mini-batches.
+        InvalidArgument: unknown reduction, a mask that is not 2-D, a bad ``max_seq_len`` or
+            ``dtype``, or ``prompt_mean`` without ``prompt_boundaries``.
+        BatchError: boundaries that do not tile the rows (``[]`` for a non-empty mask
+            included), or a prompt straddling two mini-batches.
 
     Example:
         >>> mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -112,11 +113,23 @@ def loss_weights(
         shape = tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else type(loss_mask).__name__
         raise InvalidArgument(f"loss_mask must be a 2-D tensor [num_sequences, seq_len], but got {shape}")
     if dtype is None:
-        dtype = loss_mask.dtype if loss_mask.is_floating_point() else torch.get_default_dtype()
+        dtype = loss_mask.dtype if loss_mask.dtype in (torch.float32, torch.float64) else torch.float32
+    elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InvalidArgument(
+            f"dtype must be a floating torch.dtype such as torch.float32, but got dtype={dtype!r}; pass None for float32"
+        )
+    out_dtype = dtype
+    dtype = torch.float64  # counts and scales (NOTE in the docstring: float16 counts overflow)
     n, width = loss_mask.shape
     device = loss_mask.device
     mask = loss_mask.detach().to(device="cpu", dtype=dtype)
-    mb = _segment_ids(mini_batch_boundaries or ([(0, n)] if n else []), n, "mini_batch_boundaries")
+    if mini_batch_boundaries is not None and len(mini_batch_boundaries) == 0 and n:
+        raise BatchError(
+            f"mini_batch_boundaries must tile the {n} rows, but got []; pass None for one mini-batch of all rows"
+        )
+    if mini_batch_boundaries is None:
+        mini_batch_boundaries = [(0, n)] if n else []
+    mb = _segment_ids(mini_batch_boundaries, n, "mini_batch_boundaries")
     n_mb = int(mb.max()) + 1 if n else 0
     tokens = mask.sum(dim=1)  # loss tokens per sequence
     has_tokens = (tokens != 0).to(dtype)
@@ -148,4 +161,4 @@ def loss_weights(
         prompt_mb = torch.zeros(n_pr, dtype=torch.long).index_copy_(0, pr, mb)
         prompts = _per_segment((prompt_tokens != 0).to(dtype), prompt_mb, n_mb)
         row_scale = _safe_inverse(prompt_tokens)[pr] * _safe_inverse(prompts)[mb]
-    return (mask * row_scale[:, None]).to(device)
+    return (mask * row_scale[:, None]).to(device=device, dtype=out_dtype)
