@@ -195,7 +195,7 @@ def find_token_budget(
         point = run_length(seq_len, index, planned)
         if point.max_batch_size == 0:
             one = next(p for p in reversed(trials) if p.seq_len == seq_len and p.batch_size == 1)
-            raise _does_not_fit(one, limit=limit, usable=usable, margin=safety_margin)
+            raise _does_not_fit(one, limit=limit, usable=usable, margin=safety_margin, step=step)
         points.append(point)
 
     tokens = min(p.tokens for p in points)
@@ -412,17 +412,36 @@ def _point(seq_len: int, found: SearchResult, probes: int, best_probe: Probe | N
     )
 
 
-def _does_not_fit(one: Probe, *, limit: int, usable: int, margin: float) -> DoesNotFitError:
+def _does_not_fit(one: Probe, *, limit: int, usable: int, margin: float, step: Any = None) -> DoesNotFitError:
     """The error for one sequence of ``max_seq_len`` (the probe ``one``) not fitting."""
     at_least = "at least " if one.exceeded else ""
     return DoesNotFitError(
-        f"one sequence of max_seq_len={one.seq_len} does not fit: its training step needs "
-        f"{at_least}{one.peak_bytes:,} bytes but the limit is {limit:,} bytes (safety_margin={margin} × "
-        f"{usable:,} usable); reduce max_seq_len, enable gradient checkpointing, use bf16 or a smaller "
-        f"model, or give more memory (memory_limit / safety_margin)",
+        f"one sequence of max_seq_len={one.seq_len} does not fit: its training step needs {at_least}"
+        f"{_fmt(one.peak_bytes)} but the limit is {_fmt(limit)} (safety_margin={margin} × {_fmt(usable)} "
+        f"usable); {_what_to_change(step)}",
         needed=one.peak_bytes,
         available=limit,
     )
+
+
+def _what_to_change(step: Any) -> str:
+    """The remedies that are not already in use by ``step`` (a TrainingStep, or anything)."""
+    model = getattr(step, "model", None)
+    model = getattr(model, "module", model)  # DDP
+    sharding = getattr(step, "sharding", None)
+    remedies = ["reduce max_seq_len"]
+    # transformers 5.x renamed is_gradient_checkpointing (now deprecated) to is_activation_checkpointing
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    if not getattr(model, name, False):
+        remedies.append("enable gradient checkpointing")
+    if getattr(step, "logprobs", "fused") != "fused" and not getattr(step, "critic", False):
+        remedies.append("compute log-probs fused from the hidden states (logprobs='fused')")
+    if sharding is None or getattr(sharding, "strategy", "none") != "fsdp2":
+        remedies.append("shard the model over more ranks (fsdp2)")
+    elif getattr(sharding, "offload", "none") != "cpu":
+        remedies.append("offload the sharded state to the CPU")
+    remedies.append("or give more memory (memory_limit, safety_margin)")
+    return ", ".join(remedies)
 
 
 # --------------------------------------------------------------------------- model check

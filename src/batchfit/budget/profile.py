@@ -402,7 +402,7 @@ def _with_world_size_hint(
     if world is None:
         hint = (
             f"no fsdp2 world size up to {_MAX_HINT_WORLD} fits it either (the activations of one sequence "
-            "alone are too large): reduce max_seq_len or use --logprobs fused"
+            "alone are too large): reduce max_seq_len or compute log-probs fused (logprobs='fused')"
         )
     else:
         hint = (

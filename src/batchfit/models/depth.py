@@ -93,6 +93,8 @@ class DepthExtrapolatedStep:
         self.backend: Backend = steps[self.k1].backend
         first = steps[self.k1]
         self.sharding = getattr(first, "sharding", None)
+        self.model = getattr(first, "model", None)  # a shallow copy: its settings, not its depth
+        self.logprobs = getattr(first, "logprobs", None)
         self.forward_only = getattr(first, "forward_only", False)
         self.critic = getattr(first, "critic", False)
 
