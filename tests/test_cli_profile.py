@@ -143,6 +143,10 @@ def test_policy_and_critic_are_combined_by_the_smaller(capsys, tmp_path):
             "--world-size must equal the number of launched ranks with --backend cpu (WORLD_SIZE=1), but got --world-size 2",
             id="world-size-not-torchrun",
         ),
+        pytest.param(["--plot", "out.txt"], "--plot must name a .png, .pdf, .svg, .jpg, .jpeg file", id="plot-suffix"),
+        pytest.param(["--plot", "no/such/dir/b.png"], "the folder 'no/such/dir' does not exist", id="plot-folder"),
+        pytest.param(["--memory", "1GiB"], "--memory 1GiB leaves nothing once the reserve of 1.00 GiB is taken off", id="memory-below-reserve"),
+        pytest.param(["--reserve", "lots"], "--reserve is not a memory size", id="bad-reserve"),
         pytest.param(
             ["--backend", "cpu", "--memory", "1GiB", "--sharding", "fsdp2"],
             "--sharding fsdp2 with --backend cpu runs on real ranks: launch with torchrun",
@@ -155,6 +159,20 @@ def test_bad_values_give_one_line_errors_and_exit_2(capsys, argv, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert err.startswith("batchfit profile: error: ") and message in err
+
+
+def test_reserve_zero_gives_the_whole_memory(capsys):
+    argv = ["profile", *FAST[:6], "--memory", "1GiB", "--reserve", "0", "--sharding", "none", "--json"]
+    assert main([*argv, "--no-progress"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["reserve_bytes"] == 0 and data["roles"]["policy"]["usable_bytes"] == 1024**3
+
+
+@pytest.mark.parametrize("argv", [[], ["bench"]], ids=["batchfit", "batchfit-bench"])
+def test_a_missing_command_prints_usage_on_stderr_and_exits_2(capsys, argv):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: batchfit") and "error: name a" in err
 
 
 def test_world_size_unlike_torchrun_s_is_a_one_line_error(capsys, monkeypatch):

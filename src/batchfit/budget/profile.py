@@ -124,6 +124,7 @@ def profile_model(
     sharding: Sharding | str | None = None,
     depth_extrapolation: bool | None = None,
     suggest_world_size: bool = True,
+    reserve_bytes: int | str | None = None,
 ) -> ModelProfile:
     """Build ``model`` for each role and find its token budget per rank; combine the roles.
 
@@ -157,6 +158,8 @@ def profile_model(
             backend when the layers are identical and deeper than the copies.
         suggest_world_size: when one sequence does not fit on the estimate backend, find
             the smallest ``fsdp2`` world size (with checkpointing) that fits and name it.
+        reserve_bytes: bytes of ``memory_limit`` no tracker sees (see
+            :func:`batchfit.memory.get_backend`); ``None`` = the backend's default.
 
     Returns:
         :class:`ModelProfile`.
@@ -182,7 +185,7 @@ def profile_model(
     plan = as_sharding(sharding)
     torch_dtype = parse_dtype(default_dtype(plan) if dtype is None else dtype)
     config = load_config(model)  # a bad spec fails here, before any backend work
-    be = get_backend(backend, memory_limit=memory_limit)
+    be = get_backend(backend, memory_limit=memory_limit, reserve_bytes=reserve_bytes)
     depth = int(config.num_hidden_layers)
     if depth_extrapolation is None:
         depth_extrapolation = be.name == "estimate"

@@ -63,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
+        parser.print_usage(sys.stderr)
+        sys.stderr.write(f"batchfit: error: name a command ({', '.join(COMMANDS)}); see batchfit --help\n")
         return 2
     try:
         return int(args.func(args) or 0)

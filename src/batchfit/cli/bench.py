@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` and its sub-subcommand ``logprobs``."""
     p = sub.add_parser("bench", help="benchmarks (logprobs: time and peak memory of log-prob paths)")
     bench_sub = p.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=type(p))
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    p.set_defaults(func=lambda args: _missing_benchmark(p))
 
     lp = bench_sub.add_parser(
         "logprobs",
@@ -72,6 +72,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lp.add_argument("--seed", type=int, default=0)
     lp.add_argument("--json", action="store_true", help="print the result as JSON")
     lp.set_defaults(func=run_logprobs)
+
+
+def _missing_benchmark(parser: argparse.ArgumentParser) -> int:
+    parser.print_usage(sys.stderr)
+    sys.stderr.write("batchfit bench: error: name a benchmark (logprobs); see batchfit bench --help\n")
+    return 2
 
 
 def run_logprobs(args: argparse.Namespace) -> int:

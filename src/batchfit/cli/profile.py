@@ -59,6 +59,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"device memory per rank: 80GiB, 80GB or a preset (h100-80gb, a100-40gb, l4); estimate default {DEFAULT_ESTIMATE_TARGET}, cuda default the device's",
     )
     p.add_argument(
+        "--reserve",
+        metavar="SIZE",
+        help="memory per rank no tracker sees (CUDA context, NCCL, workspaces), taken off --memory: estimate default 1GiB, cpu 0, cuda measured; 0 for none",
+    )
+    p.add_argument(
         "--world-size",
         type=int,
         metavar="N",
@@ -137,7 +142,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             line each, exit 2), or a world size that is not the torchrun group's.
     """
     from batchfit.budget.token_budget import check_cost
-    from batchfit.memory import BACKEND_NAMES, parse_memory
+    from batchfit.memory import BACKEND_NAMES, DEFAULT_RESERVE_BYTES, format_bytes, parse_memory
     from batchfit.models import load_config, parse_dtype
     from batchfit.models.step import LOGPROBS
     from batchfit.sharding import STRATEGIES, Sharding
@@ -150,8 +155,16 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     defaulted = memory is None and backend == "estimate"
     if defaulted:
         memory = DEFAULT_ESTIMATE_TARGET
+    reserve = _reserve(args.reserve)
     if memory is not None:
-        parse_memory(memory, name="--memory")
+        total = parse_memory(memory, name="--memory")
+        kept = {"estimate": DEFAULT_RESERVE_BYTES, "cpu": 0}.get(backend) if reserve is None else reserve
+        if kept is not None and kept >= total:
+            raise InvalidArgument(
+                f"--memory {memory} leaves nothing once the reserve of {format_bytes(kept)} is taken off "
+                f"(memory no tracker sees: CUDA context, NCCL, workspaces); raise --memory or lower --reserve "
+                f"(e.g. --reserve 0)"
+            )
     elif backend == "cpu":
         raise InvalidArgument(
             "--memory is required with --backend cpu (the host has no device limit to fit), but got no "
@@ -205,6 +218,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "backend": backend,
         "memory": memory,
+        "reserve": reserve,
         "memory_defaulted": defaulted,
         "sharding": sharding,
         "launched": launched,
@@ -236,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
                 progress=callback,
                 sharding=settings["sharding"],
                 depth_extrapolation=args.depth_extrapolation,
+                reserve_bytes=settings["reserve"],
             )
         if rank != 0:
             return 0
@@ -251,6 +266,17 @@ def run(args: argparse.Namespace) -> int:
             return 0
         _render(console, profile, settings, args)
     return 0
+
+
+def _reserve(value: str | None) -> int | None:
+    """``--reserve`` in bytes (``0`` allowed), ``None`` when not given (the backend's default)."""
+    from batchfit.memory import parse_memory
+
+    if value is None:
+        return None
+    if value.strip() in ("0", "0B", "0b"):
+        return 0
+    return parse_memory(value, name="--reserve")
 
 
 @contextlib.contextmanager

@@ -118,8 +118,26 @@ def budget_lines(budget: TokenBudget) -> list[str]:
     ]
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
 def require_matplotlib(path: str) -> None:
-    """Raise a one-line :class:`InvalidArgument` when ``--plot`` is asked for without matplotlib."""
+    """Raise a one-line :class:`InvalidArgument` for a ``--plot`` file that cannot be written, before any work.
+
+    The file must end in one of :data:`PLOT_SUFFIXES`, its folder must exist, and matplotlib
+    must be installed.
+    """
+    from pathlib import Path
+
+    target = Path(path)
+    if target.suffix.lower() not in PLOT_SUFFIXES:
+        raise InvalidArgument(
+            f"--plot must name a {', '.join(PLOT_SUFFIXES)} file, but got --plot {str(path)!r}; e.g. --plot budget.png"
+        )
+    if not target.parent.is_dir():
+        raise InvalidArgument(
+            f"--plot {str(path)!r}: the folder {str(target.parent)!r} does not exist; create it or write elsewhere"
+        )
     if importlib.util.find_spec("matplotlib") is None:
         raise InvalidArgument(
             f"--plot {str(path)!r} needs matplotlib, which is not installed; "
