@@ -245,3 +245,13 @@ def test_plan_returns_consistent_numbers_or_raises_batch_config_error(
                 assert role.gradient_accumulation_steps * micro == role.samples_per_mini_batch_per_gpu
     if not step_wise:
         assert plan.samples_per_step == config.train_batch_size * config.n_samples_per_prompt
+
+
+def test_an_invalid_field_does_not_hide_faults_between_the_valid_ones():
+    with pytest.raises(BatchConfigError) as info:
+        BatchConfig(
+            train_batch_size=100, policy_mini_batch_size=30, micro_train_batch_size_per_gpu=0
+        ).plan()
+    faults = info.value.faults
+    assert any(f.startswith("micro_train_batch_size_per_gpu=0 must be") for f in faults)
+    assert any("train_batch_size=100 is not a multiple of policy_mini_batch_size=30" in f for f in faults)

@@ -238,8 +238,9 @@ def _or_list(values: list[int]) -> str:
     return " or ".join(str(v) for v in values)
 
 
-def _type_faults(cfg: BatchConfig) -> list[str]:
-    faults = []
+def _type_faults(cfg: BatchConfig) -> tuple[list[str], set[str]]:
+    """Faults of single fields, and the names of the invalid fields."""
+    faults, bad = [], set()
     for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
         value = getattr(cfg, name)
         if value is None and name in _OPTIONAL_INT_FIELDS:
@@ -247,9 +248,11 @@ def _type_faults(cfg: BatchConfig) -> list[str]:
         if not is_int(value) or value < 1:
             what = "an integer >= 1" + (" or None" if name in _OPTIONAL_INT_FIELDS else "")
             faults.append(f"{name}={value!r} must be {what}")
+            bad.add(name)
     if not isinstance(cfg.step_wise, bool):
         faults.append(f"step_wise={cfg.step_wise!r} must be true or false")
-    return faults
+        bad.add("step_wise")
+    return faults, bad
 
 
 def _world_size(cfg: BatchConfig, faults: list[str]) -> int | None:
@@ -290,9 +293,17 @@ def _dp_size(cfg: BatchConfig, world: int, faults: list[str]) -> int | None:
     return None
 
 
-def _role_plan(role: str, cfg: BatchConfig, dp: int | None, faults: list[str]) -> RolePlan | None:
-    """The one rule set for a trained model; ``role`` picks the mini-batch field."""
+def _role_plan(
+    role: str, cfg: BatchConfig, dp: int | None, faults: list[str], bad: frozenset[str] = frozenset()
+) -> RolePlan | None:
+    """The one rule set for a trained model; ``role`` picks the mini-batch field.
+
+    Only relationships among valid fields are checked (``bad`` names the invalid ones), so
+    one invalid field does not hide the faults between the others.
+    """
     name = _ROLE_FIELDS[role]
+    if name in bad or "train_batch_size" in bad:
+        return None
     mini, train, n = getattr(cfg, name), cfg.train_batch_size, cfg.n_samples_per_prompt
     start = len(faults)
     if mini > train:
@@ -313,6 +324,8 @@ def _role_plan(role: str, cfg: BatchConfig, dp: int | None, faults: list[str]) -
 
     steps_per_epoch = train // mini
     samples = per_gpu = micro = accumulation = None
+    if bad & {"n_samples_per_prompt", "step_wise"}:
+        return None
     if not cfg.step_wise:
         samples = mini * n
         if dp is not None:
@@ -332,6 +345,8 @@ def _role_plan(role: str, cfg: BatchConfig, dp: int | None, faults: list[str]) -
                 )
                 return None
             per_gpu = samples // dp
+            if bad & {"micro_train_batch_size_per_gpu", "max_tokens_per_micro_batch"}:
+                return None
             if cfg.max_tokens_per_micro_batch is None:
                 micro = cfg.micro_train_batch_size_per_gpu
                 if per_gpu % micro:
@@ -357,13 +372,14 @@ def _role_plan(role: str, cfg: BatchConfig, dp: int | None, faults: list[str]) -
 
 
 def _build_plan(cfg: BatchConfig) -> BatchPlan:
-    faults = _type_faults(cfg)
-    if faults:
-        raise BatchConfigError(faults)
-    world = _world_size(cfg, faults)
-    dp = _dp_size(cfg, world, faults) if world is not None else None
-    policy = _role_plan("policy", cfg, dp, faults)
-    critic = _role_plan("critic", cfg, dp, faults) if cfg.critic_mini_batch_size is not None else None
+    faults, invalid = _type_faults(cfg)
+    bad = frozenset(invalid)
+    # every relationship among valid fields is checked, even when another field is invalid
+    world = None if bad & {"world_size", "num_nodes", "gpus_per_node"} else _world_size(cfg, faults)
+    parallel = {"tensor_parallel", "pipeline_parallel", "context_parallel", "sequence_parallel"}
+    dp = _dp_size(cfg, world, faults) if world is not None and not bad & parallel else None
+    policy = _role_plan("policy", cfg, dp, faults, bad)
+    critic = _role_plan("critic", cfg, dp, faults, bad) if cfg.critic_mini_batch_size is not None else None
     if faults or world is None or dp is None or policy is None:  # without faults all three exist
         raise BatchConfigError(faults)
 
