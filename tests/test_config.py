@@ -255,3 +255,15 @@ def test_an_invalid_field_does_not_hide_faults_between_the_valid_ones():
     faults = info.value.faults
     assert any(f.startswith("micro_train_batch_size_per_gpu=0 must be") for f in faults)
     assert any("train_batch_size=100 is not a multiple of policy_mini_batch_size=30" in f for f in faults)
+
+
+@pytest.mark.timeout(10)
+def test_huge_sizes_are_answered_at_once():
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(BatchConfigError, match=r"train_batch_size=10000000000000061 is not a multiple"):
+        BatchConfig(train_batch_size=10**16 + 61, policy_mini_batch_size=3).plan()
+    with pytest.raises(BatchConfigError):
+        BatchConfig(train_batch_size=2**63, policy_mini_batch_size=3).plan()
+    assert time.perf_counter() - start < 2  # was 11 s and a hang: trial division to √n

@@ -217,15 +217,19 @@ _OPTIONAL_INT_FIELDS = (
 _ROLE_FIELDS = {"policy": "policy_mini_batch_size", "critic": "critic_mini_batch_size"}
 
 
+# Trial division stops here: fixes need some divisors, not all, and time must not grow with n.
+_DIVISOR_SEARCH_LIMIT = 100_000
+
+
 def _divisors(n: int) -> list[int]:
+    """Divisors of ``n``, increasing: all of them up to ``n = _DIVISOR_SEARCH_LIMIT²`` (10¹⁰);
+    above, those up to the limit and their co-divisors (O(limit) time, for a suggested fix)."""
     small, large = [], []
-    i = 1
-    while i * i <= n:
+    for i in range(1, min(math.isqrt(n), _DIVISOR_SEARCH_LIMIT) + 1):
         if n % i == 0:
             small.append(i)
             if i != n // i:
                 large.append(n // i)
-        i += 1
     return small + large[::-1]
 
 
