@@ -302,3 +302,21 @@ def test_unknown_logprobs_mode_names_the_choices():
     model = build_causal_lm("tiny", backend=backend)
     with pytest.raises(InvalidArgument, match=r"logprobs must be one of 'full', 'chunked', 'fused'"):
         causal_lm_step(model, backend=backend, logprobs="fast")
+
+
+def test_initialize_optimizer_state_leaves_a_user_s_optimizer_as_it_was():
+    from batchfit.models import initialize_optimizer_state
+
+    torch.manual_seed(0)
+    trained, fresh = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW([*trained.parameters(), *fresh.parameters()], lr=1e-2)
+    trained(torch.randn(2, 4)).sum().backward()
+    opt.step()  # the trained layer has state; the fresh one none yet (no gradient)
+    opt.zero_grad(set_to_none=True)
+    before = {k: v.clone() for k, v in opt.state[trained.weight].items()}
+    weights = fresh.weight.detach().clone()
+    initialize_optimizer_state(opt)
+    after = opt.state[trained.weight]
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # moments and step untouched
+    assert float(opt.state[fresh.weight]["step"]) == 0  # created, bias correction not advanced
+    assert torch.equal(fresh.weight, weights) and fresh.weight.grad is None

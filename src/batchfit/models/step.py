@@ -327,23 +327,36 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's lazy state now with a zero-learning-rate step on zero gradients.
+    """Create the optimizer's lazy state now, for the parameters that have none, leaving everything else as it was.
 
-    Parameters and their existing gradients are left unchanged (AdamW's decoupled weight
-    decay multiplies by ``1 - lr * wd = 1``); gradients are set to ``None`` afterwards.
-    Without this, the first measured step would also allocate the state and a single
-    profile would miss it on later steps (SkyRL #1060).
+    A zero-learning-rate step on zero gradients runs over the parameters without state
+    only (the others have ``grad=None`` during it, so the optimizer skips them: their
+    moments and step counts are untouched); the new states' step counters are then set
+    back to 0, so bias correction starts as if no step had run. Parameters and their
+    gradients are unchanged (AdamW's decoupled weight decay multiplies by
+    ``1 - lr * wd = 1``). Without this, the first measured step would also allocate the
+    state and a single profile would miss it on later steps (SkyRL #1060).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    fresh = [p for p in params if not optimizer.state.get(p)]
+    if not fresh:
+        return
+    fresh_ids = {id(p) for p in fresh}
     saved_grads = [p.grad for p in params]
     saved_lrs = [group["lr"] for group in optimizer.param_groups]
     try:
         for p in params:
-            p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros_like(p) if id(p) in fresh_ids else None
         for group in optimizer.param_groups:
             group["lr"] = 0.0 if not isinstance(group["lr"], torch.Tensor) else group["lr"] * 0
         with torch.no_grad():
             optimizer.step()
+        for p in fresh:
+            state = optimizer.state.get(p, {})
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"].zero_()
+            elif "step" in state:
+                state["step"] = 0
     finally:
         for group, lr in zip(optimizer.param_groups, saved_lrs):
             group["lr"] = lr
