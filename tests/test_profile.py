@@ -11,7 +11,7 @@ import json
 import pytest
 
 from batchfit.budget.profile import profile_model
-from batchfit.errors import DoesNotFitError
+from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.models import preset_info
 from batchfit.sharding import Sharding
 
@@ -93,3 +93,28 @@ def test_activations_that_never_fit_say_no_world_size_helps(wide):
     with pytest.raises(DoesNotFitError, match=r"no fsdp2 world size up to 4096 fits it either") as info:
         _profile(wide, 2, memory=GiB + 60 * MiB, max_seq_len=4096)
     assert info.value.world_size_hint is None
+
+
+def test_a_cpu_profile_confirms_the_estimate_with_two_real_steps_per_length(one_thread):
+    # the estimate predicts the cpu run to the byte: each length costs the predicted size
+    # (measured to fit) and the size above (measured not to), the answer of an unguided search
+    from batchfit.budget import find_token_budget
+    from batchfit.memory import get_backend
+    from batchfit.models import build_causal_lm, causal_lm_step
+
+    guided = profile_model("tiny", max_seq_len=128, backend="cpu", memory_limit="48MiB", dtype="fp32")
+    budget = guided.budgets["policy"]
+    assert all(p.probes == 2 for p in budget.points)
+    be = get_backend("cpu", memory_limit="48MiB")
+    blind = find_token_budget(
+        causal_lm_step(build_causal_lm("tiny", backend=be), backend=be), max_seq_len=128, progress=False
+    )
+    assert {p.seq_len: p.max_batch_size for p in budget.points} == {
+        p.seq_len: p.max_batch_size for p in blind.points
+    }
+    assert budget.probes < blind.probes
+
+
+def test_the_cpu_backend_refuses_a_model_this_host_cannot_hold():
+    with pytest.raises(InvalidArgument, match=r"backend='cpu' runs 'qwen2.5-72b' for real.*use backend='estimate'"):
+        profile_model("qwen2.5-72b", max_seq_len=128, backend="cpu", memory_limit="80GiB")

@@ -9,7 +9,7 @@ agree across ranks) and runs the search at several lengths, longest first.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +92,7 @@ def find_token_budget(
     group: Any = None,
     progress: bool | ProgressCallback = True,
     role: str | None = None,
+    hints: Mapping[int, int] | None = None,
 ) -> TokenBudget:
     """Find the token budget ``C``: any micro-batch of cost ``<= C`` fits in memory.
 
@@ -136,6 +137,11 @@ def find_token_budget(
         progress: ``True`` logs each probe to the ``batchfit.budget`` logger (library code
             never prints), ``False`` is silent, a callable receives :class:`BudgetProgress`.
         role: a name for the profiled model (``"policy"``, ``"critic"``), kept in the result.
+        hints: ``{seq_len: expected max batch}`` from a cheaper model of the same step (the
+            estimate backend predicts a cpu run to the byte): the search probes the hint,
+            then the hint + 1, and so needs two measured steps per length when the hint is
+            right; a hint contradicted by a probe is dropped. Every reported size is still
+            measured to fit and + 1 measured not to.
 
     Returns:
         :class:`~batchfit.budget.token_budget.TokenBudget`.
@@ -177,10 +183,15 @@ def find_token_budget(
             notify(BudgetProgress(role, seq_len, index, n_lengths, result, None, len(trials), limit))
             return result.as_trial()
 
-        def guess(_: Sequence[Trial]) -> float | None:
+        hint = (hints or {}).get(seq_len)
+
+        def guess(done: Sequence[Trial]) -> float | None:
+            if hint is not None and all((t.batch_size <= hint) == t.fits for t in done):
+                return hint + 0.5  # probe the hint, then the size above it
             return guess_max_batch(_completed(trials), seq_len, limit)
 
-        start = min(_warm_start(points, seq_len), MAX_BATCH_SIZE)
+        start = hint if hint is not None and hint >= 1 else _warm_start(points, seq_len)
+        start = min(start, MAX_BATCH_SIZE)
         found = largest_fitting(probe, guess=guess, start=start, cap=MAX_BATCH_SIZE)
         best = next(
             (p for p in reversed(trials[before:]) if p.batch_size == found.batch_size and p.fits), None

@@ -186,6 +186,8 @@ def profile_model(
     torch_dtype = parse_dtype(default_dtype(plan) if dtype is None else dtype)
     config = load_config(model)  # a bad spec fails here, before any backend work
     be = get_backend(backend, memory_limit=memory_limit, reserve_bytes=reserve_bytes)
+    if be.name == "cpu":
+        _check_host_memory(config, model, len(chosen_roles))
     depth = int(config.num_hidden_layers)
     if depth_extrapolation is None:
         depth_extrapolation = be.name == "estimate"
@@ -195,16 +197,20 @@ def profile_model(
     failed: tuple[str, DoesNotFitError] | None = None
     with _world(be, plan):
         for role in chosen_roles:
+            lengths, hints = seq_lens, None
+            if be.name == "cpu" and not plan.distributed:
+                lengths, hints = _estimated_hints(build, role, max_seq_len, safety_margin, seq_lens, cost)
             step = build.step(role)
             try:
                 budgets[role] = find_token_budget(
                     step,
                     max_seq_len=max_seq_len,
                     safety_margin=safety_margin,
-                    seq_lens=seq_lens,
+                    seq_lens=lengths,
                     cost=cost,
                     progress=progress,
                     role=role,
+                    hints=hints,
                 )
             except DoesNotFitError as exc:
                 failed = (role, exc)
@@ -232,6 +238,59 @@ def profile_model(
         depth=depth,
         measured_depths=tuple(DEFAULT_DEPTHS) if extrapolate else None,
     )
+
+
+def _estimated_hints(
+    build: _RoleBuilder, role: str, max_seq_len: int, margin: float, seq_lens: Any, cost: str
+) -> tuple[Any, dict[int, int] | None]:
+    """The estimate backend's answer for the same step, as hints for a real cpu search.
+
+    The estimate equals the cpu run to the byte (same tracker, fake tensors), so the cpu
+    search then measures about two real steps per length instead of a dozen: the predicted
+    size (fits) and the one above (does not). ``(lengths, hints)``; ``(seq_lens, None)`` when
+    the estimate fails (the cpu search then runs unguided).
+    """
+    from batchfit.memory import get_backend
+
+    be = build.backend
+    twin = get_backend(
+        "estimate", memory_limit=be.memory_limit, reserve_bytes=be.reserve_bytes or 0, round_to=be.round_to
+    )
+    estimate = build.with_sharding(build.sharding, build.checkpointing)
+    estimate.backend = twin
+    try:
+        budget = find_token_budget(
+            estimate.step(role), max_seq_len=max_seq_len, safety_margin=margin, seq_lens=seq_lens, cost=cost, progress=False
+        )
+    except (DoesNotFitError, InvalidArgument):
+        return seq_lens, None
+    finally:
+        gc.collect()
+    return [p.seq_len for p in budget.points], {p.seq_len: p.max_batch_size for p in budget.points}
+
+
+def _check_host_memory(config: Any, model: str, roles: int) -> None:
+    """The cpu backend builds real models: refuse one whose training state alone exceeds half this host's memory."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    needed = params * 16  # fp32 parameters, gradients and AdamW's two moments
+    if needed > host // 2:
+        from batchfit.memory import format_bytes
+
+        raise InvalidArgument(
+            f"backend='cpu' runs {model!r} for real: its {params / 1e9:.2f}B parameters need about {format_bytes(needed)} "
+            f"for training state alone, more than half of this host's {format_bytes(host)}; use backend='estimate' "
+            "(fake tensors, no memory) or a smaller model"
+        )
 
 
 def default_dtype(sharding: Sharding) -> str:

@@ -23,6 +23,8 @@ from batchfit.errors import InvalidArgument
 # The main job's default: a 7B policy at 8k on one 8-GPU node, sharded the way SkyRL and verl
 # train it (FSDP2, fp32 master weights with bf16 compute, activation checkpointing).
 DEFAULT_MODEL = "qwen2.5-7b"
+# The cpu backend really runs the model on this host: its default is the toy preset.
+DEFAULT_CPU_MODEL = "tiny"
 DEFAULT_MAX_SEQ_LEN = 8192
 DEFAULT_ESTIMATE_WORLD_SIZE = 8
 # Without a GPU and without --memory the estimate targets this device (stated in the header).
@@ -43,7 +45,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "--backend cpu or cuda under torchrun every rank measures for real and rank 0 prints."
         ),
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, metavar="PRESET|DIR|ID", help=f"default {DEFAULT_MODEL}")
+    p.add_argument(
+        "--model",
+        metavar="PRESET|DIR|ID",
+        help=f"default {DEFAULT_MODEL} ({DEFAULT_CPU_MODEL} with --backend cpu, which runs it for real)",
+    )
     p.add_argument(
         "--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N", help=f"default {DEFAULT_MAX_SEQ_LEN}"
     )
@@ -170,6 +176,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             "--memory is required with --backend cpu (the host has no device limit to fit), but got no "
             "--memory; pass e.g. --memory 2GiB, or use --backend estimate to predict a GPU"
         )
+    if args.model is None:
+        args.model = DEFAULT_CPU_MODEL if backend == "cpu" else DEFAULT_MODEL
     launched = _launched_world()
     if backend == "estimate":
         if launched > 1:
