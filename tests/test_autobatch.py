@@ -504,3 +504,15 @@ def test_two_ranks_with_different_memory_agree_and_never_wait_on_each_other():
     # 4 KiB per sample against floor(0.8 * 4096) = 3276 bytes on rank 1: both ranks raise
     assert all("even min_batch_size=1 does not fit" in got[r][2] for r in (0, 1)), got
     assert "the smallest 0.8 × usable over 2 ranks = 3,276 bytes" in got[0][2]
+
+
+def test_a_task_trains_with_the_profiler_s_optimizer_and_state():
+    # one step path: AdamW with foreach=True (the CUDA default) and its state created before any trial
+    from batchfit.autobatch.task import TaskTrial
+
+    trial = TaskTrial(vision_cnn(width=4, image_size=16), "train")
+    assert trial.optimizer.defaults["foreach"] is True
+    trial.prepare()
+    params = [p for p in trial.model.parameters() if p.requires_grad]
+    assert all(float(trial.optimizer.state[p]["step"]) == 0 for p in params)
+    assert all(p.grad is None for p in params)

@@ -237,6 +237,9 @@ def find_batch_size(
         persistent = getattr(trial, "persistent", ()) if register is None else register
         modules = _modules_in(persistent)
         wrap = (lambda: _evaluating(modules)) if mode == "val" else contextlib.nullcontext
+    if isinstance(step, TaskTrial):
+        with be.context():
+            step.prepare()
 
     local_target = math.floor(fraction * limit)
     target = all_reduce_min(local_target, group)

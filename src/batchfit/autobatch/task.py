@@ -173,7 +173,9 @@ class TaskTrial:
     """One step of a task in one mode, as ``find_batch_size`` runs it: ``trial(batch_size)``.
 
     Train: ``model.train()``, forward, ``loss.backward()``, optimizer step (the optimizer comes
-    from the task's ``make_optimizer``, or AdamW), then gradients set to ``None`` (NOTE
+    from the task's ``make_optimizer``, or :func:`batchfit.models.step.default_optimizer`, the
+    one ``TrainingStep`` uses; its state is created before the first trial), then gradients set
+    to ``None`` (NOTE
     [ Gradients do not outlive the step ]). Val: gradients dropped, ``model.eval()`` and ``torch.no_grad()`` around the batch and
     the loss. :attr:`persistent` holds what lives across steps (model, optimizer) for
     ``backend.measure(register=...)``.
@@ -191,6 +193,18 @@ class TaskTrial:
         else:
             for p in self.model.parameters():
                 p.grad = None
+
+    def prepare(self) -> None:
+        """Create the optimizer's state before any trial, as ``TrainingStep`` does (call inside the backend's context).
+
+        Without it the first trial would also allocate the state, and a one-step trial would
+        miss it (SkyRL #1060); :func:`batchfit.models.initialize_optimizer_state` leaves the
+        parameters, and any state a user's optimizer already has, unchanged.
+        """
+        if self.optimizer is not None:
+            from batchfit.models.step import initialize_optimizer_state
+
+            initialize_optimizer_state(self.optimizer)
 
     @property
     def persistent(self) -> tuple[Any, ...]:
@@ -221,7 +235,9 @@ class TaskTrial:
 
 
 def _adamw(parameters: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(parameters, lr=1e-4)
+    from batchfit.models.step import default_optimizer
+
+    return default_optimizer(parameters, lr=1e-4)
 
 
 def task_trial(task: Any, mode: str) -> TaskTrial:

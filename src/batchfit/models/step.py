@@ -449,6 +449,16 @@ def causal_lm_step(
     return step
 
 
+def default_optimizer(parameters: Any, lr: float = 1e-6) -> torch.optim.Optimizer:
+    """The optimizer every batchfit step trains with: AdamW with ``foreach=True``.
+
+    ``foreach`` is what PyTorch picks by default on CUDA; on the CPU (and so under the
+    estimate backend's fake CPU tensors) its default is the per-parameter loop, whose
+    temporaries are smaller, so it is set explicitly: an estimate predicts the CUDA step.
+    """
+    return torch.optim.AdamW(parameters, lr=lr, foreach=True)
+
+
 def _make_optimizer(
     model: torch.nn.Module, optimizer: Any, lr: float, backend: Backend
 ) -> torch.optim.Optimizer | None:
@@ -460,7 +470,7 @@ def _make_optimizer(
         check_choice("optimizer", optimizer, OPTIMIZERS)
         params = [p for p in unwrap(model).parameters() if p.requires_grad]
         if optimizer == "adamw":
-            opt = torch.optim.AdamW(params, lr=lr, foreach=True)
+            opt = default_optimizer(params, lr=lr)
         else:
             opt = torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
     with backend.context():
