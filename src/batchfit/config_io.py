@@ -147,7 +147,11 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
     path = Path(path)
     if not path.is_file():
         raise BatchConfigError([f"config file {str(path)!r} does not exist"])
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = "is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else f"cannot be read ({exc.strerror or exc})"
+        raise BatchConfigError([f"config file {str(path)!r} {reason}; pass a YAML or JSON file"]) from exc
     try:
         if path.suffix.lower() == ".json":
             data = json.loads(text)

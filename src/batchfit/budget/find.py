@@ -30,6 +30,9 @@ BACKENDS = ("auto", "cpu", "estimate", "cuda")
 # The largest batch size a search tries; a step whose memory does not grow with the batch stops here.
 MAX_BATCH_SIZE = 2**20
 
+#: The longest sequence a budget is searched for (16M tokens, beyond any model's context).
+MAX_SEQ_LEN = 2**24
+
 # Lengths the model check may add when it predicts the budget fails between probed lengths.
 _MAX_EXTRA_LENGTHS = 2
 
@@ -159,7 +162,7 @@ def find_token_budget(
         >>> step = causal_lm_step(build_causal_lm("qwen2.5-0.5b", backend=be), backend=be)  # doctest: +SKIP
         >>> find_token_budget(step, max_seq_len=8192).tokens                # doctest: +SKIP
     """
-    max_seq_len = check_positive_int("max_seq_len", max_seq_len)
+    max_seq_len = check_max_seq_len(max_seq_len)
     safety_margin = check_number("safety_margin", safety_margin, low=0.0, high=1.0, low_open=True)
     cost = check_cost(cost)
     lengths = _check_seq_lens(seq_lens, max_seq_len)
@@ -241,6 +244,20 @@ def find_token_budget(
 
 
 # --------------------------------------------------------------------------- arguments
+
+
+def check_max_seq_len(max_seq_len: Any, name: str = "max_seq_len") -> int:
+    """``max_seq_len`` as an int in ``[1, MAX_SEQ_LEN]``.
+
+    Raises:
+        InvalidArgument: anything else, naming the value and the bound.
+    """
+    max_seq_len = check_positive_int(name, max_seq_len)
+    if max_seq_len > MAX_SEQ_LEN:
+        raise InvalidArgument(
+            f"{name} must be at most {MAX_SEQ_LEN:,} tokens, but got {name}={max_seq_len}; pass the longest sequence you train on"
+        )
+    return max_seq_len
 
 
 def _check_seq_lens(seq_lens: Sequence[int] | None, max_seq_len: int) -> list[int]:

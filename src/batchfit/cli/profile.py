@@ -211,7 +211,9 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             f"--sharding {strategy} with --backend {backend} runs on real ranks: launch with torchrun "
             f"--nproc-per-node N batchfit profile ..., or use --backend estimate --world-size N"
         )
-    check_positive_int("--max-seq-len", args.max_seq_len)
+    from batchfit.budget.find import check_max_seq_len
+
+    check_max_seq_len(args.max_seq_len, "--max-seq-len")
     check_number("--safety-margin", args.safety_margin, low=0.0, high=1.0, low_open=True)
     check_roles(args.roles)
     check_choice("--logprobs", args.logprobs, LOGPROBS)

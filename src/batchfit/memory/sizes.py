@@ -54,6 +54,9 @@ _UNITS: dict[str, int] = {
     "tib": 1024**4,
 }
 
+#: The largest size accepted: what an int64 byte count (torch's statistics) can hold.
+MAX_BYTES = 2**63 - 1
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -81,6 +84,8 @@ def parse_memory(value: Any, *, name: str = "memory") -> int:
     presets = ", ".join(DEVICE_MEMORY)
     fix = f"pass bytes (an int), a size such as '80GiB' or '80GB', or a device preset ({presets})"
     if is_int(value):
+        if value > MAX_BYTES:
+            raise InvalidArgument(f"{name} is too large: got {name}={value!r}; the largest is {MAX_BYTES} bytes (8 EiB)")
         if value < 1:
             raise InvalidArgument(
                 f"{name} must be a positive number of bytes, but got {name}={value!r}; {fix}"
@@ -96,6 +101,10 @@ def parse_memory(value: Any, *, name: str = "memory") -> int:
     if match is not None and match.group(2).lower() in ({"", *_UNITS}):
         number = float(match.group(1))
         nbytes = int(number * _UNITS.get(match.group(2).lower(), 1))
+        if nbytes > MAX_BYTES:
+            raise InvalidArgument(
+                f"{name} is too large: got {name}={value!r}; the largest is 8 EiB ({MAX_BYTES} bytes)"
+            )
         if nbytes >= 1:
             return nbytes
     near = closest(key, [*DEVICE_MEMORY, *DEVICE_ALIASES])

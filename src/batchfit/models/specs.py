@@ -90,6 +90,44 @@ def load_config(spec: Any = DEFAULT_PRESET, **overrides: Any) -> Any:
         config = _config_from_string(str(spec), AutoConfig)
     for key, value in overrides.items():
         setattr(config, key, value)
+    return check_config(config, spec)
+
+
+def _known_model_types() -> tuple[str, ...]:
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - transformers layout changed
+        return ()
+    return tuple(CONFIG_MAPPING_NAMES)
+
+
+# Integer fields every causal LM config has, which must be positive to build a model.
+_POSITIVE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def check_config(config: Any, spec: Any) -> Any:
+    """Reject configs a model cannot be built from, naming the field (before any tensor is made).
+
+    Raises:
+        InvalidArgument: a size field that is not a positive integer, or attention heads that
+            do not divide the hidden size (without an explicit ``head_dim``).
+    """
+    for name in _POSITIVE_FIELDS:
+        value = getattr(config, name, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InvalidArgument(
+                f"spec={spec!r}: config field {name} must be a positive integer, but got {name}={value!r}"
+            )
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    if heads and hidden and getattr(config, "head_dim", None) is None and hidden % heads:
+        raise InvalidArgument(
+            f"spec={spec!r}: num_attention_heads={heads} must divide hidden_size={hidden} (or set head_dim)"
+        )
+    kv = getattr(config, "num_key_value_heads", None)
+    if heads and kv and (not isinstance(kv, int) or kv < 1 or heads % kv):
+        raise InvalidArgument(
+            f"spec={spec!r}: num_key_value_heads={kv!r} must be a positive divisor of num_attention_heads={heads}"
+        )
     return config
 
 
@@ -107,10 +145,28 @@ def _config_from_string(spec: str, auto_config: Any) -> Any:
             )
         try:
             data = json.loads(file.read_text(encoding="utf-8"))
-            return auto_config.for_model(data.pop("model_type"), **data)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise InvalidArgument(
-                f"spec={spec!r}: cannot read a transformers config from {str(file)!r} ({exc}); it needs a 'model_type' field"
+                f"spec={spec!r}: cannot read a transformers config from {str(file)!r} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); point spec at a config.json"
+            ) from exc
+        if not isinstance(data, dict) or "model_type" not in data:
+            raise InvalidArgument(
+                f"spec={spec!r}: {str(file)!r} must hold a JSON object with a 'model_type' field (a transformers config.json), but got {type(data).__name__}"
+            )
+        model_type = data.pop("model_type")
+        known = _known_model_types()
+        if known and model_type not in known:
+            near = closest(str(model_type), list(known))
+            hint = f"; did you mean {near!r}?" if near else ""
+            raise InvalidArgument(
+                f"spec={spec!r}: model_type={model_type!r} in {str(file)!r} is not a transformers model type{hint}"
+            )
+        try:
+            return auto_config.for_model(model_type, **data)
+        except Exception as exc:  # transformers validates values with several exception types
+            reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+            raise InvalidArgument(
+                f"spec={spec!r}: transformers rejects the values in {str(file)!r}: {reason}"
             ) from exc
     if spec.count("/") == 1 and not spec.startswith(("/", ".")):
         try:
