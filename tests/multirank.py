@@ -38,11 +38,12 @@ def _entry(worker: Callable[..., Any], rank: int, world: int, port: int, results
 
 
 def run_ranks(
-    worker: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 90.0
+    worker: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 90.0, silent: tuple[int, ...] = ()
 ) -> dict[int, Any]:
     """``{rank: worker(rank, *args)}`` from ``world`` spawned gloo ranks; fails the test on a hang or an error.
 
-    ``worker`` must be a module-level function (spawn pickles it by name).
+    ``worker`` must be a module-level function (spawn pickles it by name). Ranks in ``silent``
+    are expected to exit without reporting (a rank killed on purpose); the others must report.
     """
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -52,7 +53,7 @@ def run_ranks(
         p.start()
     got: dict[int, Any] = {}
     try:
-        for _ in procs:
+        for _ in range(world - len(silent)):
             rank, value = results.get(timeout=timeout)
             got[rank] = value
     except queue.Empty:

@@ -51,3 +51,84 @@ def test_simulating_inside_a_real_process_group_names_the_fix():
     for message in got.values():
         assert "a real (gloo) one of 2 ranks is initialised" in message
         assert "estimate outside torchrun" in message
+
+
+# --------------------------------------------------------------------------- ranks agree or say why
+
+
+def _budget_on_ranks(rank: int, case: str) -> str:
+    """Run find_token_budget with a per-rank twist; return the outcome as text (never hang)."""
+    import os
+
+    import torch
+
+    from batchfit.budget import find_token_budget
+    from batchfit.memory import get_backend
+
+    calls = []
+
+    def step(batch_size: int, seq_len: int) -> None:
+        calls.append(batch_size)
+        if case == "probe-raises" and rank == 1:
+            raise RuntimeError("a bug in rank 1's step")
+        if case == "killed" and rank == 1 and len(calls) == 2:
+            os._exit(3)
+        torch.zeros(batch_size * seq_len * 16)
+
+    kwargs = {"max_seq_len": 64, "safety_margin": 0.9}
+    if case == "setup-fails" and rank == 1:
+        kwargs["safety_margin"] = 2.0
+    if case == "different-arguments":
+        kwargs["max_seq_len"] = 64 >> rank
+    try:
+        budget = find_token_budget(step, backend=get_backend("cpu", memory_limit="1MiB"), progress=False, **kwargs)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return f"ok {budget.tokens}"
+
+
+def _batch_size_on_ranks(rank: int, case: str) -> str:
+    import torch
+
+    from batchfit.autobatch import find_batch_size
+    from batchfit.memory import get_backend
+
+    kwargs = {"max_batch_size": 512}
+    if case == "different-arguments":
+        kwargs["max_batch_size"] = 512 >> (3 * rank)
+    if case == "setup-fails" and rank == 1:
+        kwargs["min_batch_size"] = 0
+    try:
+        found = find_batch_size(
+            lambda b: torch.zeros(b, 1024), backend=get_backend("cpu", memory_limit="4MiB"), progress=False, **kwargs
+        )
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return f"ok {found.batch_size}"
+
+
+@pytest.mark.parametrize("search", [_budget_on_ranks, _batch_size_on_ranks], ids=["budget", "autobatch"])
+def test_a_rank_that_fails_in_setup_makes_every_rank_raise_at_once(search):
+    got = run_ranks(search, "setup-fails", timeout=60)
+    assert got[1].startswith("InvalidArgument")  # its own error, unchanged
+    assert got[0].startswith("BatchfitError: rank 1 raised during find_")  # not a 30-minute hang
+
+
+@pytest.mark.parametrize("search", [_budget_on_ranks, _batch_size_on_ranks], ids=["budget", "autobatch"])
+def test_ranks_that_pass_different_arguments_all_raise_naming_them(search):
+    got = run_ranks(search, "different-arguments", world=3, timeout=90)
+    name = "max_seq_len" if search is _budget_on_ranks else "max_batch_size"
+    for message in got.values():
+        assert message.startswith("InvalidArgument: every rank must pass the same arguments"), message
+        assert f"{name}: rank 0 has " in message and "rank 2 has" in message
+
+
+def test_a_probe_that_raises_on_one_rank_raises_on_every_rank():
+    got = run_ranks(_budget_on_ranks, "probe-raises", timeout=60)
+    assert got[1] == "RuntimeError: a bug in rank 1's step"
+    assert got[0].startswith("BatchfitError: rank 1 raised during the probe of batch_size=")
+
+
+def test_a_rank_killed_mid_search_becomes_an_error_naming_it():
+    got = run_ranks(_budget_on_ranks, "killed", timeout=60, silent=(1,))
+    assert got[0].startswith("BatchfitError: rank 0 lost rank 1"), got[0]

@@ -9,14 +9,17 @@ on the CPU, or on the current CUDA device for the NCCL backend.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from batchfit.errors import InvalidArgument
+from batchfit.errors import BatchfitError, InvalidArgument
 from batchfit.validation import check_positive_int
+
+T = TypeVar("T")
 
 FAKE_BACKEND = "fake"
 
@@ -96,8 +99,101 @@ def _reduce(values: list[float], op: Any, group: Any, dtype: torch.dtype) -> lis
     if not is_distributed(group):
         return values
     t = torch.tensor(values, dtype=dtype, device=_device(group))
-    dist.all_reduce(t, op=op, group=group)
+    try:
+        dist.all_reduce(t, op=op, group=group)
+    except (RuntimeError, dist.DistError) as exc:  # DistBackendError / gloo's "Connection closed by peer"
+        raise _lost_peer(group, exc) from exc
     return t.cpu().tolist()
+
+
+def _lost_peer(group: Any, exc: BaseException) -> BatchfitError:
+    me, world = get_rank(group), get_world_size(group)
+    others = [r for r in range(world) if r != me]
+    which = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+    first = " ".join(str(exc).split())[:200]
+    return BatchfitError(
+        f"rank {me} lost {which}: a collective failed ({first}); that rank exited, was killed or timed out"
+    )
+
+
+# NOTE [ Ranks agree or say why ]
+# Ranks that run a search together must take every decision together: a rank that fails
+# alone and stops (or waits) leaves the others blocked in the next collective until the
+# process-group timeout. So every step that can fail on one rank only -- argument checks,
+# backend construction, model building, each probe -- ends in one all-reduce carrying
+# "rank r failed" (agree / agreed_max): the failing rank re-raises its own error, every
+# other rank raises a BatchfitError naming it. Arguments that must match are compared once,
+# by fingerprint (check_same_arguments). A collective that fails because a peer is gone
+# becomes a BatchfitError naming the lost rank (_lost_peer).
+
+
+def agreed_max(values: list[int], error: BaseException | None, *, group: Any = None, what: str) -> list[int]:
+    """One all-reduce (max) of ``values`` that also agrees on errors (NOTE [ Ranks agree or say why ]).
+
+    Args:
+        values: this rank's integers (same length on every rank).
+        error: this rank's exception from the step just run, or ``None``.
+        what: the step, for messages (``"the probe at batch_size=8"``).
+
+    Returns:
+        The element-wise maximum over the ranks.
+
+    Raises:
+        this rank's ``error`` unchanged; else :class:`BatchfitError` when another rank failed
+        (naming the highest-numbered failing rank), or when a peer is lost.
+    """
+    failed, *out = all_reduce_max_list([get_rank(group) + 1 if error is not None else 0, *values], group)
+    if error is not None:
+        raise error
+    if failed:
+        raise BatchfitError(
+            f"rank {failed - 1} raised during {what}; rank {get_rank(group)} stops too (see rank {failed - 1}'s error)"
+        )
+    return out
+
+
+def agree(fn: Callable[[], T], *, group: Any = None, what: str) -> T:
+    """Run ``fn()`` on every rank; if it raises on any rank, raise on every rank instead of hanging.
+
+    Raises:
+        this rank's exception unchanged, or :class:`BatchfitError` naming the rank that failed.
+    """
+    error: BaseException | None = None
+    result: Any = None
+    try:
+        result = fn()
+    except Exception as exc:
+        error = exc
+    agreed_max([], error, group=group, what=what)
+    return result
+
+
+def check_same_arguments(arguments: Mapping[str, Any], *, group: Any = None, what: str) -> None:
+    """Raise on every rank when ranks pass different ``arguments`` (compared by ``repr``).
+
+    One all-reduce of a fingerprint; only when it differs, an ``all_gather_object`` finds the
+    arguments and ranks to name.
+
+    Raises:
+        InvalidArgument: naming each differing argument and every rank's value.
+    """
+    if not is_distributed(group):
+        return
+    text = {k: repr(v) for k, v in arguments.items()}
+    fingerprint = zlib.crc32(repr(sorted(text.items())).encode())
+    high, low = all_reduce_max_list([fingerprint, -fingerprint], group)
+    if high == -low:
+        return
+    gathered: list[Any] = [None] * get_world_size(group)
+    try:
+        dist.all_gather_object(gathered, text, group=group)
+    except (RuntimeError, dist.DistError) as exc:
+        raise _lost_peer(group, exc) from exc
+    differing = [k for k in text if len({g.get(k) for g in gathered}) > 1]
+    detail = "; ".join(
+        f"{k}: " + ", ".join(f"rank {r} has {g.get(k)}" for r, g in enumerate(gathered)) for k in differing
+    )
+    raise InvalidArgument(f"every rank must pass the same arguments to {what}, but they differ: {detail}")
 
 
 def all_reduce_max(value: int, group: Any = None) -> int:

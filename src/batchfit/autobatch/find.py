@@ -29,8 +29,15 @@ import torch
 
 from batchfit.autobatch.search import Trial, search_largest
 from batchfit.autobatch.task import MODES, TaskTrial, is_task, task_trial
-from batchfit.distributed import all_reduce_max_list, all_reduce_min, get_rank, get_world_size
-from batchfit.errors import BatchfitError, DoesNotFitError, InvalidArgument
+from batchfit.distributed import (
+    agree,
+    agreed_max,
+    all_reduce_min,
+    check_same_arguments,
+    get_rank,
+    get_world_size,
+)
+from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.memory import get_backend
 from batchfit.validation import check_choice, check_int, check_number, check_positive_int
 
@@ -197,53 +204,73 @@ def find_batch_size(
         >>> find_batch_size(lambda b: torch.zeros(b, 1024), backend=be, progress=False).batch_size
         512
     """
-    mode = check_choice("mode", mode, MODES)
-    fraction = check_number(
-        "target_memory_fraction", target_memory_fraction, low=0.0, high=1.0, low_open=True
-    )
-    low = check_positive_int("min_batch_size", min_batch_size)
-    high = check_int("max_batch_size", max_batch_size)
-    if high < low:
-        raise InvalidArgument(
-            f"max_batch_size must be >= min_batch_size={low}, but got max_batch_size={high}; raise max_batch_size or lower min_batch_size"
-        )
-    steps = check_positive_int("steps_per_trial", steps_per_trial)
-    if not (callable(trial) or is_task(trial)):
-        raise InvalidArgument(
-            f"trial must be a Task or a callable trial(batch_size), but got trial={trial!r} ({type(trial).__name__})"
-        )
-    if progress is not None and not isinstance(progress, bool) and not callable(progress):
-        raise InvalidArgument(f"progress must be a bool or a callable, but got progress={progress!r}")
-    be = get_backend(backend, memory_limit=memory_limit, reserve_bytes=reserve_bytes)
-    limit = be.limit_bytes
-    if limit is None:
-        raise InvalidArgument(
-            f"a memory limit is needed for a target fraction, but backend {be.name!r} has memory_limit=None; pass memory_limit (e.g. '16GiB' or 'a100-40gb')"
-        )
 
-    wrap: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
-    if isinstance(trial, TaskTrial):
-        if trial.mode != mode:
+    def setup() -> tuple[Any, ...]:
+        # every name the search needs; anything here may fail on one rank only
+        nonlocal mode
+        mode = check_choice("mode", mode, MODES)
+        fraction = check_number(
+            "target_memory_fraction", target_memory_fraction, low=0.0, high=1.0, low_open=True
+        )
+        low = check_positive_int("min_batch_size", min_batch_size)
+        high = check_int("max_batch_size", max_batch_size)
+        if high < low:
             raise InvalidArgument(
-                f"trial was built for mode={trial.mode!r}, but got mode={mode!r}; build a TaskTrial for {mode!r}"
+                f"max_batch_size must be >= min_batch_size={low}, but got max_batch_size={high}; raise max_batch_size or lower min_batch_size"
             )
-        step = trial
-        persistent = trial.persistent if register is None else register
-    elif is_task(trial):
-        step = task_trial(trial, mode)
-        persistent = step.persistent if register is None else register
-    else:
-        step = trial
-        persistent = getattr(trial, "persistent", ()) if register is None else register
-        modules = _modules_in(persistent)
-        wrap = (lambda: _evaluating(modules)) if mode == "val" else contextlib.nullcontext
-    if isinstance(step, TaskTrial):
-        with be.context():
-            step.prepare()
+        steps = check_positive_int("steps_per_trial", steps_per_trial)
+        if not (callable(trial) or is_task(trial)):
+            raise InvalidArgument(
+                f"trial must be a Task or a callable trial(batch_size), but got trial={trial!r} ({type(trial).__name__})"
+            )
+        if progress is not None and not isinstance(progress, bool) and not callable(progress):
+            raise InvalidArgument(f"progress must be a bool or a callable, but got progress={progress!r}")
+        be = get_backend(backend, memory_limit=memory_limit, reserve_bytes=reserve_bytes)
+        limit = be.limit_bytes
+        if limit is None:
+            raise InvalidArgument(
+                f"a memory limit is needed for a target fraction, but backend {be.name!r} has memory_limit=None; pass memory_limit (e.g. '16GiB' or 'a100-40gb')"
+            )
+
+        wrap: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+        if isinstance(trial, TaskTrial):
+            if trial.mode != mode:
+                raise InvalidArgument(
+                    f"trial was built for mode={trial.mode!r}, but got mode={mode!r}; build a TaskTrial for {mode!r}"
+                )
+            step = trial
+            persistent = trial.persistent if register is None else register
+        elif is_task(trial):
+            step = task_trial(trial, mode)
+            persistent = step.persistent if register is None else register
+        else:
+            step = trial
+            persistent = getattr(trial, "persistent", ()) if register is None else register
+            modules = _modules_in(persistent)
+            wrap = (lambda: _evaluating(modules)) if mode == "val" else contextlib.nullcontext
+        if isinstance(step, TaskTrial):
+            with be.context():
+                step.prepare()
+        return mode, fraction, low, high, steps, be, limit, wrap, step, persistent
+
+    # NOTE [ Ranks agree or say why ]: a rank whose arguments, backend or task fail raises everywhere
+    mode, fraction, low, high, steps, be, limit, wrap, step, persistent = agree(
+        setup, group=group, what="find_batch_size's setup"
+    )
+    check_same_arguments(
+        {
+            "mode": mode,
+            "target_memory_fraction": fraction,
+            "min_batch_size": low,
+            "max_batch_size": high,
+            "steps_per_trial": steps,
+        },
+        group=group,
+        what="find_batch_size",
+    )
 
     local_target = math.floor(fraction * limit)
     target = all_reduce_min(local_target, group)
-    rank = get_rank(group)
 
     def run(batch_size: int) -> None:
         with wrap():
@@ -260,16 +287,10 @@ def find_batch_size(
             over = inexact or max(peak, int(m.reserved_bytes or 0)) > local_target
         except Exception as exc:  # not an OOM (measure reports those): agree on it, then re-raise
             error = exc
-        # NOTE [ Ranks agree on every trial ]
-        over_any, failed_rank, peak_max, inexact_any = all_reduce_max_list(
-            [int(over), rank + 1 if error is not None else 0, peak, int(inexact)], group
+        # NOTE [ Ranks agree on every trial ] (NOTE [ Ranks agree or say why ])
+        over_any, peak_max, inexact_any = agreed_max(
+            [int(over), peak, int(inexact)], error, group=group, what=f"the trial at batch_size={batch_size}"
         )
-        if error is not None:
-            raise error
-        if failed_rank:
-            raise BatchfitError(
-                f"rank {failed_rank - 1} raised during the trial at batch_size={batch_size}; rank {rank} stops too (see that rank's error)"
-            )
         measured = Trial(batch_size, peak_max, not over_any, exact=not inexact_any)
         probed.append(measured)
         return measured

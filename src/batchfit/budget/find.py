@@ -18,8 +18,8 @@ import numpy as np
 from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_max_batch
 from batchfit.budget.probe import Probe
 from batchfit.budget.token_budget import BudgetPoint, TokenBudget, check_cost
-from batchfit.distributed import all_reduce_max_list, all_reduce_min, get_rank
-from batchfit.errors import BatchfitError, DoesNotFitError, InvalidArgument
+from batchfit.distributed import agree, agreed_max, all_reduce_min, check_same_arguments
+from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.search import SearchResult, Trial, largest_fitting
 from batchfit.validation import check_choice, check_number, check_positive_int, is_int
 
@@ -162,13 +162,24 @@ def find_token_budget(
         >>> step = causal_lm_step(build_causal_lm("qwen2.5-0.5b", backend=be), backend=be)  # doctest: +SKIP
         >>> find_token_budget(step, max_seq_len=8192).tokens                # doctest: +SKIP
     """
-    max_seq_len = check_max_seq_len(max_seq_len)
-    safety_margin = check_number("safety_margin", safety_margin, low=0.0, high=1.0, low_open=True)
-    cost = check_cost(cost)
-    lengths = _check_seq_lens(seq_lens, max_seq_len)
-    notify = _progress_sink(progress)
-    be = _resolve_backend(step, backend, memory_limit)
-    usable = _usable_bytes(be, memory_limit)
+    def setup() -> tuple[Any, ...]:
+        checked_len = check_max_seq_len(max_seq_len)
+        margin = check_number("safety_margin", safety_margin, low=0.0, high=1.0, low_open=True)
+        chosen_cost = check_cost(cost)
+        lens = _check_seq_lens(seq_lens, checked_len)
+        sink = _progress_sink(progress)
+        chosen = _resolve_backend(step, backend, memory_limit)
+        return checked_len, margin, chosen_cost, lens, sink, chosen, _usable_bytes(chosen, memory_limit)
+
+    # NOTE [ Ranks agree or say why ]: a rank whose arguments or backend fail raises on every rank
+    max_seq_len, safety_margin, cost, lengths, notify, be, usable = agree(
+        setup, group=group, what="find_token_budget's setup"
+    )
+    check_same_arguments(
+        {"max_seq_len": max_seq_len, "seq_lens": lengths, "cost": cost, "safety_margin": safety_margin, "role": role},
+        group=group,
+        what="find_token_budget",
+    )
     limit = all_reduce_min(int(safety_margin * usable), group)
     register = tuple(getattr(step, "persistent", ()) or ())
     probe_at = _make_probe(step, be, register, limit, group)
@@ -388,16 +399,12 @@ def _make_probe(
             breakdown, host = dict(getattr(m, "breakdown", {})), int(getattr(m, "host_bytes", 0))
         except Exception as exc:
             error = exc
-        failed, over, peak, exceeded_any = all_reduce_max_list(
-            [int(error is not None), int(not fits), peak, int(exceeded)], group
+        over, peak, exceeded_any = agreed_max(
+            [int(not fits), peak, int(exceeded)],
+            error,
+            group=group,
+            what=f"the probe of batch_size={batch_size}, seq_len={seq_len}",
         )
-        if error is not None:
-            raise error
-        if failed:
-            raise BatchfitError(
-                f"another rank raised while probing batch_size={batch_size}, seq_len={seq_len} "
-                f"(this is rank {get_rank(group)}); see that rank's traceback"
-            )
         return Probe(
             batch_size,
             seq_len,
