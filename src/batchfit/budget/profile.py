@@ -18,6 +18,7 @@ from typing import Any
 
 from batchfit.budget.find import ProgressCallback, find_token_budget
 from batchfit.budget.token_budget import TokenBudget
+from batchfit.distributed import agree
 from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.sharding import Sharding, as_sharding
 from batchfit.validation import check_choice
@@ -200,7 +201,8 @@ def profile_model(
             lengths, hints = seq_lens, None
             if be.name == "cpu" and not plan.distributed:
                 lengths, hints = _estimated_hints(build, role, max_seq_len, safety_margin, seq_lens, cost)
-            step = build.step(role)
+            # NOTE [ Ranks agree or say why ]: a build that fails on one rank raises on all
+            step = agree(lambda role=role: build.step(role), what=f"building the {role} model")
             try:
                 budgets[role] = find_token_budget(
                     step,
