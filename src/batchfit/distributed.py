@@ -206,21 +206,6 @@ def all_reduce_min(value: int, group: Any = None) -> int:
     return int(_reduce([value], dist.ReduceOp.MIN, group, torch.int64)[0]) if is_distributed(group) else value
 
 
-def all_reduce_sum(value: int, group: Any = None) -> int:
-    """The sum of ``value`` over the ranks of ``group``."""
-    return int(_reduce([value], dist.ReduceOp.SUM, group, torch.int64)[0]) if is_distributed(group) else value
-
-
-def all_reduce_any(flag: bool, group: Any = None) -> bool:
-    """True if ``flag`` is true on any rank of ``group``."""
-    return all_reduce_max(int(bool(flag)), group) > 0
-
-
-def all_reduce_all(flag: bool, group: Any = None) -> bool:
-    """True if ``flag`` is true on every rank of ``group``."""
-    return all_reduce_min(int(bool(flag)), group) > 0
-
-
 def all_reduce_max_list(values: list[int], group: Any = None) -> list[int]:
     """Element-wise maximum of an integer list over the ranks (same length on every rank)."""
     return [int(v) for v in _reduce(list(values), dist.ReduceOp.MAX, group, torch.int64)]
