@@ -152,3 +152,22 @@ def test_split_shards_tile_the_batch():
     batch = make_batch(8)
     shards = split_for_data_parallel(batch, 4)
     assert [s["uid"] for s in shards] == [["p0", "p1"], ["p2", "p3"], ["p4", "p5"], ["p6", "p7"]]
+
+
+@pytest.mark.parametrize(
+    ("uids", "match"),
+    [
+        pytest.param(torch.zeros(2, 3), r"uids must be one-dimensional .* shape \(2, 3\)", id="2-d-tensor"),
+        pytest.param(None, r"uids must be a sequence of prompt ids .* uids=None", id="none"),
+        pytest.param([[1], [2]], r"uids must be hashable prompt ids .* uids\[0\]=\[1\]", id="unhashable"),
+        pytest.param([float("nan")], r"uids must not be NaN", id="nan"),
+    ],
+)
+def test_bad_uids_are_named(uids, match):
+    with pytest.raises(InvalidArgument, match=match):
+        mini_batch_boundaries(uids, prompts_per_mini_batch=1)
+
+
+def test_a_bare_tensor_is_not_a_batch():
+    with pytest.raises(BatchError, match=r"batch must be a mapping of per-sample fields .* got a Tensor"):
+        pad_for_data_parallel(torch.zeros(3, 4), 2)

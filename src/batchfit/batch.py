@@ -34,6 +34,10 @@ def batch_size(batch: Batch) -> int:
         BatchError: the batch has no per-sample field, or its fields disagree on the
             sample count (each field and its count are named).
     """
+    if not isinstance(batch, Mapping):
+        raise BatchError(
+            f"batch must be a mapping of per-sample fields (e.g. {{'input_ids': tensor, 'attention_mask': tensor}}), but got a {type(batch).__name__}"
+        )
     sizes = {key: len(value) for key, value in batch.items() if is_per_sample(value)}
     if not sizes:
         raise BatchError(

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from batchfit.batch import Batch, batch_size, is_per_sample, slice_batch
-from batchfit.errors import BatchError
+from batchfit.errors import BatchError, InvalidArgument
 from batchfit.validation import check_positive_int
 
 __all__ = [
@@ -54,9 +54,28 @@ PAD = _PadMarker()
 
 
 def _as_list(uids: Any) -> list[Any]:
+    """Uids as a list of hashable values; a clear error for anything else."""
     if isinstance(uids, (torch.Tensor, np.ndarray)):
+        if uids.ndim != 1:
+            raise InvalidArgument(
+                f"uids must be one-dimensional (one prompt id per sequence), but got shape {tuple(uids.shape)}"
+            )
         return uids.tolist()
-    return list(uids)
+    if uids is None or isinstance(uids, (str, bytes)) or not hasattr(uids, "__iter__"):
+        raise InvalidArgument(
+            f"uids must be a sequence of prompt ids (list, tuple, 1-D tensor or array), but got uids={uids!r}"
+        )
+    out = list(uids)
+    for i, uid in enumerate(out):
+        try:
+            hash(uid)
+        except TypeError:
+            raise InvalidArgument(
+                f"uids must be hashable prompt ids (str, int), but got uids[{i}]={uid!r} ({type(uid).__name__})"
+            ) from None
+        if isinstance(uid, float) and uid != uid:
+            raise InvalidArgument(f"uids must not be NaN, but got uids[{i}]=nan")
+    return out
 
 
 def prompt_boundaries(uids: Sequence[Any]) -> list[tuple[int, int]]:

@@ -86,12 +86,16 @@ def load_settings(config: str | None) -> dict[str, Any]:
     """The settings in a ``--config`` YAML file, keys normalised (``min-bs`` -> ``min_bs``).
 
     Raises:
-        InvalidArgument: not a mapping, or an unknown key (the closest key is suggested).
-        OSError: the file cannot be read.
+        InvalidArgument: missing, unreadable or not UTF-8, not a mapping, or an unknown key (the
+            closest key is suggested).
     """
     if config is None:
         return {}
-    text = Path(config).read_text(encoding="utf-8")
+    try:
+        text = Path(config).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = "is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else f"cannot be read ({exc.strerror or exc})"
+        raise InvalidArgument(f"--config {config!r} {reason}; pass a YAML file whose keys mirror the flags") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
