@@ -77,14 +77,31 @@ def vocab_block_rows(chunk_tokens: int, vocab: int, hidden: int) -> int:
 
 
 def _project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The chunk's logits ``h @ weight.T (+ bias)``, ``[c, V]``, projected in the inputs' dtype and
-    returned in the compute dtype (fp32 for bf16/fp16).
+    """The chunk's logits ``h @ weight.T (+ bias)``, ``[c, V]``, in the compute dtype (fp32 for bf16/fp16).
 
-    Upcasting here frees the low-precision product at once, so the reductions can work in place on
-    the fp32 copy (``own=True``) instead of holding both it and a new fp32 tensor.
+    NOTE [ Logits accumulate in fp32 ]
+    A bf16 GEMM rounds its output to bf16: logits of magnitude 10 lose about 0.03, which is
+    the error of the log-probs RL needs to compare (old vs new policy). Low-precision inputs
+    are therefore projected block by block of vocabulary rows (:func:`vocab_block_rows`
+    rows): the chunk and one block of the weight are upcast to fp32 and multiplied in fp32
+    into the fp32 result, so no fp32 copy of the whole weight exists and no logit is
+    rounded. fp32 and fp64 inputs take one GEMM.
     """
-    x = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
-    return x.to(compute_dtype(x.dtype))
+    out = compute_dtype(h.dtype)
+    if out == h.dtype and out == weight.dtype:
+        return h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+    rows, vocab = h.shape[0], weight.shape[0]
+    x = torch.empty(rows, vocab, dtype=out, device=h.device)
+    hf = h.to(out)
+    block = vocab_block_rows(rows, vocab, h.shape[1])
+    for v0 in range(0, vocab, block):
+        v1 = min(v0 + block, vocab)
+        tile = hf @ weight[v0:v1].to(out).t()
+        if bias is not None:
+            tile += bias[v0:v1].to(out)
+        x[:, v0:v1] = tile
+        del tile
+    return x
 
 
 class _HiddenLogprobs(torch.autograd.Function):
