@@ -80,7 +80,7 @@ def test_cpu_offload_moves_the_state_to_the_host(wide):
 def test_a_sequence_too_long_for_one_device_names_the_world_size_that_fits(wide):
     # 33 MiB usable: one 32-token sequence needs ~36 MB unsharded (bf16 state + AdamW)
     memory = GiB + 33 * MiB
-    with pytest.raises(DoesNotFitError, match=r"it fits with --sharding fsdp2 --world-size 16 --gradient-checkpointing") as info:
+    with pytest.raises(DoesNotFitError, match=r"it fits with Sharding\('fsdp2', world_size=16\) and gradient checkpointing") as info:
         _profile(wide, 1, strategy="none", memory=memory, max_seq_len=32)
     assert info.value.world_size_hint == 16
     assert _profile(wide, 16, memory=memory, max_seq_len=32, gradient_checkpointing=True).combined.tokens >= 32

@@ -59,7 +59,7 @@ class Sharding:
         >>> Sharding("ddp", world_size=8, offload="cpu")
         Traceback (most recent call last):
         ...
-        batchfit.errors.InvalidArgument: offload='cpu' needs strategy='fsdp2' (CPUOffloadPolicy shards to the host), but got strategy='ddp'; use --sharding fsdp2 or --offload none
+        batchfit.errors.InvalidArgument: offload='cpu' needs strategy='fsdp2' (CPUOffloadPolicy shards to the host), but got strategy='ddp'; use strategy='fsdp2' or offload='none'
     """
 
     strategy: str = "none"
@@ -83,15 +83,15 @@ class Sharding:
         if strategy != "fsdp2":
             if precision != "none":
                 raise InvalidArgument(
-                    f"mixed_precision={precision!r} needs strategy='fsdp2' (it is FSDP2's MixedPrecisionPolicy), but got strategy={strategy!r}; use --sharding fsdp2 or --mixed-precision none (the model then trains in its --dtype)"
+                    f"mixed_precision={precision!r} needs strategy='fsdp2' (it is FSDP2's MixedPrecisionPolicy), but got strategy={strategy!r}; use strategy='fsdp2' or mixed_precision='none' (the model then trains in its dtype)"
                 )
             if self.offload != "none":
                 raise InvalidArgument(
-                    f"offload={self.offload!r} needs strategy='fsdp2' (CPUOffloadPolicy shards to the host), but got strategy={strategy!r}; use --sharding fsdp2 or --offload none"
+                    f"offload={self.offload!r} needs strategy='fsdp2' (CPUOffloadPolicy shards to the host), but got strategy={strategy!r}; use strategy='fsdp2' or offload='none'"
                 )
             if not self.reshard_after_forward:
                 raise InvalidArgument(
-                    f"reshard_after_forward=False needs strategy='fsdp2' (only FSDP gathers parameters), but got strategy={strategy!r}; drop --no-reshard-after-forward or use --sharding fsdp2"
+                    f"reshard_after_forward=False needs strategy='fsdp2' (only FSDP gathers parameters), but got strategy={strategy!r}; keep reshard_after_forward=True or use strategy='fsdp2'"
                 )
         object.__setattr__(self, "mixed_precision", precision)
 

@@ -338,7 +338,7 @@ def _usable_bytes(backend: Any, memory_limit: Any) -> int:
             raise InvalidArgument(
                 f"memory_limit must be given for backend {name!r}, which has no memory limit of its own, "
                 "but got memory_limit=None; pass memory_limit='80GiB' or a device such as 'h100-80gb' "
-                "(CLI: --memory)"
+                ""
             )
     if usable <= 0:
         raise InvalidArgument(

@@ -96,13 +96,13 @@ def _host_bytes(budget: TokenBudget) -> int:
     return 0 if point is None else point.host_bytes
 
 
-def check_roles(roles: str | Sequence[str]) -> tuple[str, ...]:
+def check_roles(roles: str | Sequence[str], name: str = "roles") -> tuple[str, ...]:
     """Roles from ``"policy,critic"`` or a sequence; each must be one of :data:`ROLES`, no repeats."""
     items = [r.strip() for r in roles.split(",")] if isinstance(roles, str) else list(roles)
     if not items or any(not r for r in items):
         raise InvalidArgument(f"roles must name at least one of {', '.join(ROLES)}, but got roles={roles!r}")
     for r in items:
-        check_choice("--roles", r, ROLES)
+        check_choice(name, r, ROLES)
     if len(set(items)) != len(items):
         raise InvalidArgument(f"roles must not repeat a role, but got roles={roles!r}; list each role once")
     return tuple(items)
@@ -182,7 +182,7 @@ def profile_model(
     from batchfit.models.step import LOGPROBS
 
     chosen_roles = check_roles(roles)
-    logprobs = check_choice("--logprobs", logprobs, LOGPROBS)
+    logprobs = check_choice("logprobs", logprobs, LOGPROBS)
     plan = as_sharding(sharding)
     torch_dtype = parse_dtype(default_dtype(plan) if dtype is None else dtype)
     config = load_config(model)  # a bad spec fails here, before any backend work
@@ -470,8 +470,8 @@ def _with_world_size_hint(
         )
     else:
         hint = (
-            f"it fits with --sharding fsdp2 --world-size {world} --gradient-checkpointing (one sequence per "
-            "rank; sequence parallelism splits longer ones)"
+            f"it fits with Sharding('fsdp2', world_size={world}) and gradient checkpointing (one sequence "
+            "per rank; sequence parallelism splits longer ones)"
         )
     out = DoesNotFitError(
         f"{role}: {exc}; {hint}", needed=exc.needed, available=exc.available

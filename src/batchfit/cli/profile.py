@@ -215,7 +215,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
 
     check_max_seq_len(args.max_seq_len, "--max-seq-len")
     check_number("--safety-margin", args.safety_margin, low=0.0, high=1.0, low_open=True)
-    check_roles(args.roles)
+    check_roles(args.roles, "--roles")
     check_choice("--logprobs", args.logprobs, LOGPROBS)
     check_cost(args.cost)
     if args.dtype is not None:
