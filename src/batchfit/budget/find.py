@@ -511,9 +511,15 @@ def _check_against_model(
         )
     j = int(np.argmax(predicted))
     headroom = limit - predicted[j]
+    if headroom >= 0:
+        return None, (
+            f"the model agrees at every length 1..{max_seq_len}: worst predicted peak {_fmt(predicted[j])} "
+            f"at seq_len={int(s[j])} ({_fmt(headroom)} below the limit)"
+        )
     return None, (
-        f"the model agrees at every length 1..{max_seq_len}: worst predicted peak {_fmt(predicted[j])} "
-        f"at seq_len={int(s[j])} ({_fmt(abs(headroom))} {'below' if headroom >= 0 else 'above'} the limit)"
+        f"no length 1..{max_seq_len} is predicted above the limit by more than the fit's error: the worst, "
+        f"seq_len={int(s[j])}, is predicted {_fmt(-headroom)} above it, within the largest residual "
+        f"{_fmt(tolerance)} (the probed lengths were measured to fit)"
     )
 
 
