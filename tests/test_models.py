@@ -118,11 +118,21 @@ def test_an_unreachable_hub_id_is_a_clear_error(monkeypatch):
     def offline(*args, **kwargs):
         raise OSError("no network")
 
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
-    with pytest.raises(
-        InvalidArgument, match=r"spec='org/model' looks like a hub id but its config could not be fetched"
-    ):
+    calls = []
+
+    def offline_recorded(*args, **kwargs):
+        calls.append(kwargs.get("local_files_only", False))
+        return offline()
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline_recorded)
+    with pytest.raises(InvalidArgument, match=r"spec='org/model' looks like a hub id but its config is not cached"):
         load_config("org/model")
+    assert calls == [True, False]  # the local cache first, then the network
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    calls.clear()
+    with pytest.raises(InvalidArgument, match=r"HF_HUB_OFFLINE=1 skips the network"):
+        load_config("org/model")
+    assert calls == [True]  # offline: no network attempt
 
 
 # --------------------------------------------------------------------------- building

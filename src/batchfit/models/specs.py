@@ -169,10 +169,17 @@ def _config_from_string(spec: str, auto_config: Any) -> Any:
                 f"spec={spec!r}: transformers rejects the values in {str(file)!r}: {reason}"
             ) from exc
     if spec.count("/") == 1 and not spec.startswith(("/", ".")):
+        try:  # a config cached by an earlier download needs no network
+            return auto_config.from_pretrained(spec, local_files_only=True)
+        except (OSError, ValueError):
+            pass
+        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes")
         try:
+            if offline:
+                raise OSError("HF_HUB_OFFLINE is set and the config is not cached")
             return auto_config.from_pretrained(spec)
         except (OSError, ValueError) as exc:
             raise InvalidArgument(
-                f"spec={spec!r} looks like a hub id but its config could not be fetched ({type(exc).__name__}); check the id and the network, or use a preset ({', '.join(list_presets())}) or a local directory with config.json"
+                f"spec={spec!r} looks like a hub id but its config is not cached and could not be fetched ({type(exc).__name__}); check the id and the network (HF_HUB_OFFLINE=1 skips the network at once), or use a preset ({', '.join(list_presets())}) or a local directory with config.json"
             ) from exc
     raise InvalidArgument(_unknown_spec_message(spec))
