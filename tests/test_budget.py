@@ -270,7 +270,7 @@ def test_invalid_arguments_are_named(kwargs, match):
 def test_a_backend_without_a_limit_asks_for_memory_limit():
     be = SyntheticBackend(linear_quadratic, None)
     with pytest.raises(
-        InvalidArgument, match=r"memory_limit must be given for backend 'synthetic'.*--memory"
+        InvalidArgument, match=r"memory_limit must be given for backend 'synthetic'.*pass memory_limit='80GiB'"
     ):
         find_token_budget(shape_step, max_seq_len=64, backend=be)
 

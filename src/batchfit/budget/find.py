@@ -337,8 +337,7 @@ def _usable_bytes(backend: Any, memory_limit: Any) -> int:
             name = getattr(backend, "name", backend)
             raise InvalidArgument(
                 f"memory_limit must be given for backend {name!r}, which has no memory limit of its own, "
-                "but got memory_limit=None; pass memory_limit='80GiB' or a device such as 'h100-80gb' "
-                ""
+                "but got memory_limit=None; pass memory_limit='80GiB' or a device such as 'h100-80gb'"
             )
     if usable <= 0:
         raise InvalidArgument(
