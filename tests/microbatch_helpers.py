@@ -22,19 +22,8 @@ PROMPT_LEN = 2
 
 
 def tiny_model() -> torch.nn.Module:
-    """A 2-layer Llama in float64, the same weights on every call."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(config).double()
+    """A 2-layer Llama in float64 with eager attention, the same weights on every call."""
+    return tiny_lm("llama", "eager").double()
 
 
 def tiny_lm(kind: str = "llama", attn: str = "sdpa") -> torch.nn.Module:

@@ -200,3 +200,15 @@ def test_plot_without_matplotlib_is_a_one_line_error_before_profiling(capsys, mo
     assert main(["profile", *FAST, "--plot", "budget.png"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs matplotlib" in err and "batchfit[plot]" in err
+
+
+def test_a_sequence_too_long_for_one_device_names_the_flags_that_fit(capsys, tmp_path):
+    from batchfit.models import preset_info
+
+    config = dict(preset_info("tiny")["config"])
+    config.update(vocab_size=16384, hidden_size=128, intermediate_size=352, head_dim=32)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["profile", "--model", str(tmp_path), "--max-seq-len", "32", "--memory", str(1024**3 + 33 * 1024**2)]
+    assert main([*argv, "--sharding", "none", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "it fits with --sharding fsdp2 --world-size 16 --gradient-checkpointing" in err

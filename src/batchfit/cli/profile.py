@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         console = Console(soft_wrap=True)
         err = Console(stderr=True)
         show_progress = args.progress and not args.json and err.is_terminal and rank == 0
-        with _progress(err, show_progress) as callback:
+        with _progress(err, show_progress) as callback, _flag_hint():
             profile = profile_model(
                 args.model,
                 max_seq_len=args.max_seq_len,
@@ -276,6 +276,24 @@ def run(args: argparse.Namespace) -> int:
             return 0
         _render(console, profile, settings, args)
     return 0
+
+
+@contextlib.contextmanager
+def _flag_hint() -> Iterator[None]:
+    """Say the library's world-size hint in this command's flags."""
+    from batchfit.errors import DoesNotFitError
+
+    try:
+        yield
+    except DoesNotFitError as exc:
+        hint = exc.world_size_hint
+        if hint is None:
+            raise
+        said = f"Sharding('fsdp2', world_size={hint}) and gradient checkpointing"
+        flags = f"--sharding fsdp2 --world-size {hint} --gradient-checkpointing"
+        out = DoesNotFitError(str(exc).replace(said, flags), needed=exc.needed, available=exc.available)
+        out.world_size_hint = hint
+        raise out from None
 
 
 def _reserve(value: str | None) -> int | None:
