@@ -267,3 +267,18 @@ def test_huge_sizes_are_answered_at_once():
     with pytest.raises(BatchConfigError):
         BatchConfig(train_batch_size=2**63, policy_mini_batch_size=3).plan()
     assert time.perf_counter() - start < 2  # was 11 s and a hang: trial division to √n
+
+
+def test_numpy_integers_give_an_exact_json_ready_plan():
+    import json
+
+    import numpy as np
+
+    plan = BatchConfig(
+        train_batch_size=np.int64(8),
+        policy_mini_batch_size=np.int32(4),
+        n_samples_per_prompt=np.int64(2**40),  # 8 × 2**40 trajectories: exact Python ints
+        micro_train_batch_size_per_gpu=2,
+    ).plan()
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["trajectories_per_step"] == 8 * 2**40 and type(plan.config.train_batch_size) is int

@@ -375,7 +375,18 @@ def _role_plan(
     )
 
 
+def _python_ints(cfg: BatchConfig) -> BatchConfig:
+    """``cfg`` with integer-like values (numpy, torch scalars) as Python ints: exact arithmetic, JSON-ready."""
+    changes = {
+        name: int(value)
+        for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS
+        if is_int(value := getattr(cfg, name)) and type(value) is not int
+    }
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
 def _build_plan(cfg: BatchConfig) -> BatchPlan:
+    cfg = _python_ints(cfg)
     faults, invalid = _type_faults(cfg)
     bad = frozenset(invalid)
     # every relationship among valid fields is checked, even when another field is invalid
