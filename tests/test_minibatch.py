@@ -161,6 +161,8 @@ def test_split_shards_tile_the_batch():
         pytest.param(None, r"uids must be a sequence of prompt ids .* uids=None", id="none"),
         pytest.param([[1], [2]], r"uids must be hashable prompt ids .* uids\[0\]=\[1\]", id="unhashable"),
         pytest.param([float("nan")], r"uids must not be NaN", id="nan"),
+        pytest.param([torch.tensor(float("nan"))], r"uids must not be NaN", id="nan-tensor-element"),
+        pytest.param([np.array([1, 2])], r"uids\[0\] is an array of shape \(2,\)", id="array-element"),
     ],
 )
 def test_bad_uids_are_named(uids, match):
@@ -171,3 +173,12 @@ def test_bad_uids_are_named(uids, match):
 def test_a_bare_tensor_is_not_a_batch():
     with pytest.raises(BatchError, match=r"batch must be a mapping of per-sample fields .* got a Tensor"):
         pad_for_data_parallel(torch.zeros(3, 4), 2)
+
+
+def test_tensor_element_uids_are_compared_by_value():
+    # Tensors hash by identity: a reappearing prompt must still be caught, equal ones merged.
+    t = torch.tensor([7, 7, 8, 7])
+    assert prompt_boundaries([t[0], t[1], t[2]]) == [(0, 2), (2, 3)]
+    assert prompt_boundaries([np.int64(7), 7, torch.tensor(7)]) == [(0, 3)]
+    with pytest.raises(BatchError, match=r"uid=7 reappears at index 3"):
+        prompt_boundaries(list(t))

@@ -396,3 +396,20 @@ def test_the_search_finds_the_plan_best_fit_decreasing_misses():
     plan = plan_micro_batches(lengths, budget, cost="packed")
     assert len(groups) == 3
     assert plan.ranks == (((2, 4, 1), (0, 5, 3)),) and plan.costs == ((10, 10),)
+
+
+def test_plan_totals_are_exact_beyond_int64():
+    # numpy's int64 sums wrap around: lower_bound was -1 and padding_tokens 2**64 here.
+    lengths = [2**40, 2**40, 5] * 3
+    plan = plan_micro_batches(lengths, token_budget=2**62, cost="padded")
+    assert plan.lower_bound == 1
+    assert plan.rank_lower_bounds == (1,)
+    assert plan.padding_tokens == 9 * 2**40 - sum(lengths)
+    many = plan_micro_batches(np.full(10_000, 2**40), token_budget=2**62, cost="packed")
+    assert many.lower_bound == 1 and many.padding_tokens == 0
+
+
+def test_a_length_beyond_the_maximum_is_named_not_read_negative():
+    lengths = np.array([2**63 + 5, 3], dtype=np.uint64)
+    with pytest.raises(InvalidArgument, match=r"lengths\[0\]=9,223,372,036,854,775,813"):
+        plan_micro_batches(lengths, token_budget=10)

@@ -67,6 +67,14 @@ def _as_list(uids: Any) -> list[Any]:
         )
     out = list(uids)
     for i, uid in enumerate(out):
+        if isinstance(uid, (torch.Tensor, np.ndarray, np.generic)):
+            # Tensors hash by identity: two equal tensor elements would be two prompts.
+            if uid.ndim != 0:
+                raise InvalidArgument(
+                    f"uids must hold one prompt id per sequence, but uids[{i}] is an array of shape "
+                    f"{tuple(uid.shape)}; pass a 1-D tensor or a list of scalars"
+                )
+            uid = out[i] = uid.item()
         try:
             hash(uid)
         except TypeError:

@@ -40,6 +40,9 @@ OVERSIZE = ("raise", "alone")
 """What to do with a sequence longer than the budget: raise :class:`BudgetError`, or run it alone."""
 
 PADDING_MICRO_BATCH_COST = 1
+# Longest sequence a plan accepts (2**40 tokens, far beyond any context length): bounds every
+# length so sums over millions of sequences stay exact and a uint64 length is never read negative.
+MAX_LENGTH = 2**40
 """Cost of a padding micro-batch: one pad row with one valid token (NOTE [ Pad rows cost one token ])."""
 
 Indices = tuple[int, ...]
@@ -128,7 +131,7 @@ class MicroBatchPlan:
         ``cost="padded"`` the true optimum can be higher (padding is unavoidable when lengths
         differ); the plan's count is that optimum (see :func:`plan_micro_batches`).
         """
-        clipped = int(np.minimum(self.lengths, self.token_budget).sum())
+        clipped = _exact_sum(np.minimum(self.lengths, self.token_budget))
         return -(-clipped // (self.dp_size * self.token_budget)) if clipped else 0
 
     @cached_property
@@ -136,7 +139,7 @@ class MicroBatchPlan:
         """Per rank, ``⌈Σ min(length, C) over its sequences / C⌉``."""
         clipped = np.minimum(self.lengths, self.token_budget)
         return tuple(
-            -(-int(clipped[list(self.order(r))].sum()) // self.token_budget) for r in range(self.dp_size)
+            -(-_exact_sum(clipped[self.order(r)]) // self.token_budget) for r in range(self.dp_size)
         )
 
     @cached_property
@@ -146,7 +149,7 @@ class MicroBatchPlan:
         Padding micro-batches are not counted here (see ``num_padding_micro_batches``).
         """
         real = sum(c for rank, costs in zip(self.ranks, self.costs) for mb, c in zip(rank, costs) if mb)
-        return real - int(self.lengths.sum())
+        return real - _exact_sum(self.lengths)
 
     def order(self, rank: int | None = None) -> np.ndarray:
         """Input indices in plan order: of all ranks (rank-major) or of one ``rank``.
@@ -235,6 +238,15 @@ class MicroBatchPlan:
         )
 
 
+def _exact_sum(values: np.ndarray) -> int:
+    """``values.sum()`` as an exact Python int (numpy's int64 sum wraps around silently)."""
+    if not values.size:
+        return 0
+    if int(values.max()) <= np.iinfo(np.int64).max // values.size:
+        return int(values.sum())
+    return sum(values.tolist())
+
+
 def _as_lengths(lengths: Any) -> np.ndarray:
     if hasattr(lengths, "detach"):  # a tensor, possibly on an accelerator
         lengths = lengths.detach().cpu().numpy()
@@ -247,6 +259,13 @@ def _as_lengths(lengths: Any) -> np.ndarray:
         raise InvalidArgument(
             f"lengths must be integers (valid tokens per sequence), but got dtype {arr.dtype}; "
             "pass attention_mask.sum(-1) or a list of ints"
+        )
+    too_long = np.flatnonzero(arr > MAX_LENGTH)
+    if too_long.size:
+        i = int(too_long[0])
+        raise InvalidArgument(
+            f"lengths must be at most {MAX_LENGTH:,} tokens, but got lengths[{i}]={int(arr[i]):,}; "
+            "pass valid tokens per sequence (attention_mask.sum(-1))"
         )
     arr = arr.astype(np.int64, copy=False)
     bad = np.flatnonzero(arr < 1)
