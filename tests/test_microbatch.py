@@ -126,6 +126,21 @@ def test_iter_micro_batches_rejects_mismatched_batch_or_rank(rows, rank, error, 
         next(iter_micro_batches(batch, plan, rank))
 
 
+@pytest.mark.parametrize(
+    ("lengths", "match"),
+    [
+        pytest.param([3, 3, 9, 3], r"lengths\[2\]=9 but row 2 .* 3 valid tokens .* \(the tensors are 3 wide\)", id="wider"),
+        pytest.param([3, 2, 3, 2], r"lengths\[1\]=2 but row 1 .* 3 valid tokens .* \(2 rows differ\)", id="other-batch"),
+    ],
+)
+def test_a_plan_for_other_lengths_is_refused(lengths, match):
+    plan = plan_micro_batches(lengths, 9)
+    batch = {"attention_mask": torch.ones(4, 3), "input_ids": torch.ones(4, 3, dtype=torch.long)}
+    for layout in ("padded", "packed"):
+        with pytest.raises(BatchError, match=match):
+            next(iter_micro_batches(batch, plan, layout=layout))
+
+
 def test_sync_micro_batch_count_is_a_no_op_without_a_process_group():
     plan = plan_micro_batches([5, 5, 5], 10)
     assert sync_micro_batch_count(plan) is plan

@@ -140,6 +140,27 @@ def trim_padding(batch: Batch, *, attention_mask_key: str = "attention_mask") ->
     return out
 
 
+def _check_planned_lengths(batch: Batch, plan: MicroBatchPlan, attention_mask_key: str) -> None:
+    """The plan's lengths must be this batch's valid-token counts, row for row.
+
+    A plan made for other lengths would be under-filled (longer) or break the cap (shorter);
+    lengths longer than the tensors are wide cannot belong to this batch at all.
+    """
+    mask = batch.get(attention_mask_key) if isinstance(batch, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or not plan.num_sequences:
+        return
+    valid = mask.detach().ne(0).sum(-1).cpu().numpy()
+    differ = np.flatnonzero(valid != plan.lengths)
+    if differ.size:
+        i = int(differ[0])
+        wide = f" (the tensors are {mask.shape[1]} wide)" if plan.lengths[i] > mask.shape[1] else ""
+        raise BatchError(
+            f"the plan was made for lengths[{i}]={int(plan.lengths[i])} but row {i} of the batch has "
+            f"{int(valid[i])} valid tokens in {attention_mask_key!r}{wide} ({differ.size} rows differ); "
+            f"plan with this batch's lengths ({attention_mask_key}.sum(-1))"
+        )
+
+
 def iter_micro_batches(
     batch: Batch,
     plan: MicroBatchPlan,
@@ -215,6 +236,7 @@ def iter_micro_batches(
             "the lengths of this batch (e.g. attention_mask.sum(-1))"
         )
     layout = check_choice("layout", layout, LAYOUTS)
+    _check_planned_lengths(batch, plan, attention_mask_key)
     if layout == "packed":
         warn_if_masked(model)
     roles = None
