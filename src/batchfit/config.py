@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchfit.errors import BatchConfigError
+from batchfit.render import plan_tree_text
 from batchfit.validation import is_int
 
 
@@ -66,20 +67,6 @@ class BatchConfig:
     def fields(cls) -> tuple[str, ...]:
         """Names of the configuration fields, in declaration order."""
         return tuple(f.name for f in dataclasses.fields(cls))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> BatchConfig:
-        """Build a config from flat keys or a SkyRL-style nested mapping.
-
-        See :func:`batchfit.config_io.config_from_mapping` for the accepted keys.
-
-        Raises:
-            BatchConfigError: unknown keys (with the closest known name), missing required
-                keys, or values that cannot be read.
-        """
-        from batchfit.config_io import config_from_mapping
-
-        return config_from_mapping(data)
 
     def replace(self, **changes: Any) -> BatchConfig:
         """A copy with ``changes`` applied (nothing is checked until :meth:`plan`)."""
@@ -188,8 +175,6 @@ class BatchPlan:
         }
 
     def __str__(self) -> str:
-        from batchfit.render import plan_tree_text
-
         return plan_tree_text(self)
 
 
