@@ -66,3 +66,35 @@ def test_unknown_flag_is_one_line_exit_2():
     )
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_step_wise_text_and_json_agree_on_the_micro_size(capsys):
+    argv = ["plan", "--train-batch-size", "8", "--policy-mini-batch-size", "4", "--n-samples-per-prompt", "2"]
+    argv += ["--world-size", "2", "--micro-train-batch-size-per-gpu", "2", "--step-wise", "true"]
+    assert main(argv) == 0
+    assert "micro-batches of 2 samples per GPU (count varies)" in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    policy = json.loads(capsys.readouterr().out)["policy"]
+    assert policy["micro_batch_size_per_gpu"] == 2
+    assert policy["gradient_accumulation_steps"] is None  # the count varies with the turns
+
+
+def test_errors_are_json_too_with_json(capsys):
+    argv = ["plan", "--train-batch-size", "8", "--policy-mini-batch-size", "3", "--world-size", "0", "--json"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    error = json.loads(captured.out)["error"]
+    assert error["type"] == "BatchConfigError"
+    assert len(error["faults"]) == 2 and "world_size=0" in error["faults"][0]
+    assert captured.err.count("batchfit plan: error:") == 2
+
+
+def test_ctrl_c_while_building_the_parser_exits_130(monkeypatch, capsys):
+    import batchfit.cli as cli
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    assert main(["plan"]) == 130
+    assert capsys.readouterr().err == "batchfit: interrupted\n"

@@ -315,7 +315,11 @@ def _role_plan(
     samples = per_gpu = micro = accumulation = None
     if bad & {"n_samples_per_prompt", "step_wise"}:
         return None
-    if not cfg.step_wise:
+    if cfg.step_wise:
+        # The micro size is known; only the count varies with the turns.
+        if cfg.max_tokens_per_micro_batch is None and "micro_train_batch_size_per_gpu" not in bad:
+            micro = cfg.micro_train_batch_size_per_gpu
+    else:
         samples = mini * n
         if dp is not None:
             if samples % dp:

@@ -31,10 +31,8 @@ def _role_lines(role: RolePlan, plan: BatchPlan, last: bool) -> list[str]:
             f"gradient accumulation: {role.gradient_accumulation_steps:,} micro-batches of "
             f"{role.micro_batch_size_per_gpu:,} samples per GPU"
         )
-    else:
-        items.append(
-            f"micro-batches of {cfg.micro_train_batch_size_per_gpu:,} samples per GPU (count varies)"
-        )
+    elif role.micro_batch_size_per_gpu is not None:
+        items.append(f"micro-batches of {role.micro_batch_size_per_gpu:,} samples per GPU (count varies)")
     for i, item in enumerate(items):
         lines.append(f"{pad}{'└─ ' if i == len(items) - 1 else '├─ '}{item}")
     return lines

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from collections.abc import Sequence
 
@@ -47,36 +48,61 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def report_error(prog: str, exc: BaseException) -> None:
-    """Print ``exc`` as one line per fault on stderr."""
+def _faults(exc: BaseException) -> list[str]:
     if isinstance(exc, BatchConfigError):
-        for fault in exc.faults:
-            sys.stderr.write(f"{prog}: error: {fault}\n")
-    else:
-        for line in str(exc).splitlines() or [type(exc).__name__]:
-            if line.strip():
-                sys.stderr.write(f"{prog}: error: {line.strip()}\n")
+        return list(exc.faults)
+    return [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+
+
+def report_error(prog: str, exc: BaseException, *, as_json: bool = False) -> None:
+    """Print ``exc`` as one line per fault on stderr; with ``as_json`` also as a JSON document on stdout.
+
+    The document is ``{"error": {"type": ..., "faults": [...]}}``, so a script reading
+    ``--json`` output gets JSON whatever happened.
+    """
+    faults = _faults(exc)
+    for fault in faults:
+        sys.stderr.write(f"{prog}: error: {fault}\n")
+    if as_json:
+        json.dump(
+            {"error": {"type": type(exc).__name__, "faults": faults}},
+            sys.stdout,
+            indent=2,
+            ensure_ascii=False,
+        )
+        sys.stdout.write("\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``batchfit`` console script; returns the exit code."""
+    """Entry point of the ``batchfit`` console script; returns the exit code.
+
+    Ctrl-C at any point, the imports that building the parser triggers included, exits 130
+    with ``batchfit: interrupted`` and no traceback.
+    """
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        sys.stderr.write("batchfit: interrupted\n")
+        return 130
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_usage(sys.stderr)
         sys.stderr.write(f"batchfit: error: name a command ({', '.join(COMMANDS)}); see batchfit --help\n")
         return 2
+    prog = f"batchfit {args.command}"
+    as_json = bool(getattr(args, "json", False))
     try:
         return int(args.func(args) or 0)
     except BatchfitError as exc:
         # Bad input (a ValueError subclass) exits 2; "nothing fits" and other verdicts exit 1.
-        report_error(f"batchfit {args.command}", exc)
+        report_error(prog, exc, as_json=as_json)
         return 2 if isinstance(exc, ValueError) else 1
     except BrokenPipeError:  # e.g. `batchfit plan --json | head`
         return 0
     except OSError as exc:  # a file named on the command line cannot be read or written
-        report_error(f"batchfit {args.command}", exc)
+        report_error(prog, exc, as_json=as_json)
         return 2
-    except KeyboardInterrupt:
-        sys.stderr.write("batchfit: interrupted\n")
-        return 130
