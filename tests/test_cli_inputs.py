@@ -21,10 +21,13 @@ def files(tmp_path):
         "heads": {"num_attention_heads": 5, "head_dim": None},
         "kv": {"num_key_value_heads": 3},
         "unknown": {"model_type": "no-such-model"},
+        "rope": {"rope_scaling": {"rope_type": "bogus", "factor": 2.0}},
     }.items():
         (tmp_path / name).mkdir()
         bad = {k: v for k, v in {**config, **change}.items() if v is not None}
         (tmp_path / name / "config.json").write_text(json.dumps(bad))
+    (tmp_path / "intkey.yaml").write_text("1: 2\ntrain_batch_size: 4\npolicy_mini_batch_size: 2\n")
+    (tmp_path / "nullkey.yaml").write_text("trainer:\n  train_batch_size: 4\n  policy_mini_batch_size: 2\n  null: 3\n")
     (tmp_path / "notjson").mkdir()
     (tmp_path / "notjson" / "config.json").write_bytes(b"\xff\xfe not json")
     return tmp_path
@@ -38,6 +41,9 @@ CASES = [
     (["profile", "--model", "{d}/kv"], "num_key_value_heads=3 must be a positive divisor of num_attention_heads=4"),
     (["profile", "--model", "{d}/unknown"], "model_type='no-such-model'"),
     (["profile", "--model", "{d}/notjson"], "cannot read a transformers config"),
+    (["profile", "--model", "{d}/rope", "--backend", "estimate"], "transformers cannot build a model from this config (KeyError: 'bogus')"),
+    (["plan", "{d}/intkey.yaml"], "key 1 (int) is not a name"),
+    (["plan", "{d}/nullkey.yaml"], "key None (NoneType) under 'trainer' is not a name"),
     (["profile", "--memory", "99999999999999999999999TB"], "--memory is too large"),
     (["profile", "--max-seq-len", "99999999999999999999999"], "--max-seq-len must be at most 16,777,216 tokens"),
 ]

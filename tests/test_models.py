@@ -18,6 +18,7 @@ from batchfit.models import (
     load_config,
     parse_dtype,
     preset_info,
+    specs,
     token_logprobs,
 )
 
@@ -125,6 +126,7 @@ def test_an_unreachable_hub_id_is_a_clear_error(monkeypatch):
         return offline()
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline_recorded)
+    monkeypatch.setattr(specs, "_hub_unreachable", lambda: None)
     with pytest.raises(InvalidArgument, match=r"spec='org/model' looks like a hub id but its config is not cached"):
         load_config("org/model")
     assert calls == [True, False]  # the local cache first, then the network
@@ -133,6 +135,33 @@ def test_an_unreachable_hub_id_is_a_clear_error(monkeypatch):
     with pytest.raises(InvalidArgument, match=r"HF_HUB_OFFLINE=1 skips the network"):
         load_config("org/model")
     assert calls == [True]  # offline: no network attempt
+
+
+def test_a_hub_id_without_a_network_fails_fast_and_quietly(monkeypatch, caplog):
+    import logging
+    import time
+
+    import transformers
+
+    calls = []
+
+    def retrying(*args, **kwargs):
+        calls.append(kwargs.get("local_files_only", False))
+        logging.getLogger("huggingface_hub").warning("Retrying in 8s [Retry 1/5].")
+        raise OSError("no network")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", retrying)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: refused at once
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    start = time.perf_counter()
+    with pytest.raises(InvalidArgument, match=r"127\.0\.0\.1:9 is unreachable"):
+        load_config("org/model")
+    assert time.perf_counter() - start < specs.HUB_CONNECT_TIMEOUT + 1
+    assert calls == [True]  # the cache only: no network attempt, no retries
+    monkeypatch.setattr(specs, "_hub_unreachable", lambda: None)
+    with caplog.at_level(logging.WARNING), pytest.raises(InvalidArgument):
+        load_config("org/model")
+    assert "Retrying" not in caplog.text  # the hub's retry log stays off the terminal
 
 
 # --------------------------------------------------------------------------- building

@@ -44,6 +44,20 @@ _CRITIC_PATH = "trainer.critic.model.path"
 _REF = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
 
 
+def _key_faults(data: Mapping[Any, Any], where: str = "") -> list[str]:
+    """One fault per key that is not a string (YAML reads ``1:`` as an int, ``null:`` as None)."""
+    faults = []
+    for key, value in data.items():
+        if not isinstance(key, str):
+            place = f" under {where!r}" if where else ""
+            faults.append(
+                f"config key {key!r} ({type(key).__name__}){place} is not a name; keys are field names such as 'train_batch_size'"
+            )
+        elif isinstance(value, Mapping):
+            faults.extend(_key_faults(value, f"{where}.{key}" if where else key))
+    return faults
+
+
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
@@ -101,6 +115,9 @@ def config_from_mapping(data: Mapping[str, Any], overrides: Mapping[str, Any] | 
         raise BatchConfigError(
             [f"a config must be a mapping of keys to values, but got {type(data).__name__}"]
         )
+    key_faults = _key_faults(data)
+    if key_faults:
+        raise BatchConfigError(key_faults)
     fields = BatchConfig.fields()
     values: dict[str, Any] = {}
     faults: list[str] = []
@@ -150,7 +167,11 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        reason = "is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else f"cannot be read ({exc.strerror or exc})"
+        reason = (
+            "is not UTF-8 text"
+            if isinstance(exc, UnicodeDecodeError)
+            else f"cannot be read ({exc.strerror or exc})"
+        )
         raise BatchConfigError([f"config file {str(path)!r} {reason}; pass a YAML or JSON file"]) from exc
     try:
         if path.suffix.lower() == ".json":

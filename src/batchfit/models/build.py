@@ -9,7 +9,7 @@ import torch
 
 from batchfit.errors import InvalidArgument
 from batchfit.memory import Backend, get_backend
-from batchfit.models.specs import DEFAULT_PRESET, load_config
+from batchfit.models.specs import DEFAULT_PRESET, load_config, quiet_transformers_logs
 from batchfit.validation import check_choice
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -116,11 +116,29 @@ def build_causal_lm(
     context = chosen.context() if chosen is not None else contextlib.nullcontext()
     device = chosen.device if chosen is not None else torch.device("cpu")
     with context, torch.device(device) if device.type != "cpu" else contextlib.nullcontext():
-        model = factory.from_config(config, dtype=torch_dtype, attn_implementation=attn_implementation)
+        model = _from_config(factory, config, spec, dtype=torch_dtype, attn_implementation=attn_implementation)
         if gradient_checkpointing:
             enable_activation_checkpointing(model)
         model = shard_model(model.train(), plan, fake=getattr(chosen, "fake_mode", None) is not None)
     return model
+
+
+def _from_config(factory: Any, config: Any, spec: Any, **kwargs: Any) -> torch.nn.Module:
+    """``factory.from_config`` with transformers' logs quiet and a config it rejects named.
+
+    Raises:
+        InvalidArgument: transformers cannot build a model from the config's values (an unknown
+            ``rope_type``, a value of the wrong type, ...).
+    """
+    try:
+        with quiet_transformers_logs():
+            return factory.from_config(config, **kwargs)
+    except (KeyError, ValueError, TypeError, AttributeError, NotImplementedError) as exc:
+        reason = " ".join(str(exc).split())[:300]
+        raise InvalidArgument(
+            f"spec={spec!r}: transformers cannot build a model from this config "
+            f"({type(exc).__name__}: {reason}); check the values in its config.json"
+        ) from exc
 
 
 def _cut_layer_lists(config: Any) -> None:

@@ -7,8 +7,11 @@ models are built from them with random weights (:func:`batchfit.models.build_cau
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+from collections.abc import Iterator
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -87,7 +90,8 @@ def load_config(spec: Any = DEFAULT_PRESET, **overrides: Any) -> Any:
             f"spec must be a preset name, a path or a hub id (a string), but got spec={spec!r} ({type(spec).__name__}); presets: {', '.join(list_presets())}"
         )
     else:
-        config = _config_from_string(str(spec), AutoConfig)
+        with quiet_transformers_logs():
+            config = _config_from_string(str(spec), AutoConfig)
     for key, value in overrides.items():
         setattr(config, key, value)
     return check_config(config, spec)
@@ -177,9 +181,51 @@ def _config_from_string(spec: str, auto_config: Any) -> Any:
         try:
             if offline:
                 raise OSError("HF_HUB_OFFLINE is set and the config is not cached")
+            unreachable = _hub_unreachable()
+            if unreachable:
+                raise OSError(unreachable)
             return auto_config.from_pretrained(spec)
         except (OSError, ValueError) as exc:
+            reason = " ".join(str(exc).split())[:200] or type(exc).__name__
             raise InvalidArgument(
-                f"spec={spec!r} looks like a hub id but its config is not cached and could not be fetched ({type(exc).__name__}); check the id and the network (HF_HUB_OFFLINE=1 skips the network at once), or use a preset ({', '.join(list_presets())}) or a local directory with config.json"
+                f"spec={spec!r} looks like a hub id but its config is not cached and could not be fetched ({reason}); check the id and the network, or use a preset ({', '.join(list_presets())}) or a local directory with config.json (HF_HUB_OFFLINE=1 skips the network at once)"
             ) from exc
     raise InvalidArgument(_unknown_spec_message(spec))
+
+
+# Seconds to wait for the hub's host before calling it unreachable: a machine without a
+# network fails at once instead of after huggingface_hub's retries (about 30 s).
+HUB_CONNECT_TIMEOUT = 3.0
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached (DNS or TCP to ``HF_ENDPOINT``), or ``None`` if it can."""
+    import socket
+    from urllib.parse import urlparse
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlparse(endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=HUB_CONNECT_TIMEOUT):
+            return None
+    except OSError as exc:
+        return f"{host}:{port} is unreachable: {exc.strerror or exc}"
+
+
+@contextlib.contextmanager
+def quiet_transformers_logs() -> Iterator[None]:
+    """Keep transformers' and huggingface_hub's warnings and retry logs off the terminal.
+
+    Inside, only their errors are logged: what goes wrong reaches the user as one
+    :class:`InvalidArgument` naming the spec, not as log lines printed before it.
+    """
+    loggers = [logging.getLogger(name) for name in ("transformers", "huggingface_hub")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
