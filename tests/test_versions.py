@@ -14,6 +14,8 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 NEEDS = {
     "torch": [
         ("torch.OutOfMemoryError", "2.5"),  # memory/cuda.py
+        ("torch.amp.is_autocast_available", "2.4"),  # logprobs/from_hidden.py
+        ("torch.get_autocast_dtype", "2.4"),  # logprobs/from_hidden.py
         ("torch.distributed.tensor.DTensor", "2.5"),  # public DTensor (memory/tracker.py)
         ("torch.distributed.fsdp.fully_shard", "2.6"),  # public FSDP2 (models/shard.py)
         ("torch.distributed.fsdp.register_fsdp_forward_method", "2.6"),  # models/step.py

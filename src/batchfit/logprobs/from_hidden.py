@@ -19,6 +19,8 @@ the gradient of ``hidden`` itself.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -76,7 +78,23 @@ def vocab_block_rows(chunk_tokens: int, vocab: int, hidden: int) -> int:
     return max(1, min(vocab, max(MIN_BLOCK_ROWS, chunk_tokens * vocab // max(hidden + 2 * chunk_tokens, 1))))
 
 
-def _project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast would run a GEMM in on ``device_type``, or ``None`` when it is off."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _without_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off on ``device_type`` (a no-op where autocast does not exist, e.g. ``meta``)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
+def _project(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cast: torch.dtype | None = None
+) -> torch.Tensor:
     """The chunk's logits ``h @ weight.T (+ bias)``, ``[c, V]``, in the compute dtype (fp32 for bf16/fp16).
 
     NOTE [ Logits accumulate in fp32 ]
@@ -86,19 +104,30 @@ def _project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     rows): the chunk and one block of the weight are upcast to fp32 and multiplied in fp32
     into the fp32 result, so no fp32 copy of the whole weight exists and no logit is
     rounded. fp32 and fp64 inputs take one GEMM.
+
+    NOTE [ Autocast is replayed, not inherited ]
+    Under ``torch.autocast`` the inputs of the GEMM are what autocast would feed it:
+    ``cast`` (the autocast dtype) rounds the chunk and each weight block, which are then
+    multiplied in fp32 as above. The forward records ``cast`` and the backward, which
+    autograd runs with autocast off, passes the same one, so the logits it recomputes are
+    the logits the forward ran (recomputing them in fp32 put the gradient 1.8% off).
     """
-    out = compute_dtype(h.dtype)
-    if out == h.dtype and out == weight.dtype:
+
+    def exact(t: torch.Tensor) -> torch.Tensor:
+        return t if cast is None or cast == t.dtype else t.to(cast)
+
+    out = compute_dtype(h.dtype if cast is None else cast)
+    if cast is None and out == h.dtype and out == weight.dtype:
         return h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
     rows, vocab = h.shape[0], weight.shape[0]
     x = torch.empty(rows, vocab, dtype=out, device=h.device)
-    hf = h.to(out)
+    hf = exact(h).to(out)
     block = vocab_block_rows(rows, vocab, h.shape[1])
     for v0 in range(0, vocab, block):
         v1 = min(v0 + block, vocab)
-        tile = hf @ weight[v0:v1].to(out).t()
+        tile = hf @ exact(weight[v0:v1]).to(out).t()
         if bias is not None:
-            tile += bias[v0:v1].to(out)
+            tile += exact(bias[v0:v1]).to(out)
         x[:, v0:v1] = tile
         del tile
     return x
@@ -110,29 +139,38 @@ class _HiddenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk_size, temperature, ignore_index, want_entropy):
         n = labels.numel()
-        kw = {"device": hidden.device, "dtype": compute_dtype(hidden.dtype)}
+        device_type = hidden.device.type
+        cast = _autocast_dtype(device_type)  # NOTE [ Autocast is replayed, not inherited ]
+        kw = {"device": hidden.device, "dtype": compute_dtype(hidden.dtype if cast is None else cast)}
         lse, logp = torch.empty(n, **kw), torch.empty(n, **kw)
         entropy = torch.empty(n, **kw) if want_entropy else None
         valid_all = labels != ignore_index
         safe_all = torch.where(valid_all, labels, 0)
-        for i, j, h in chunks(rows(hidden), chunk_size):
-            x = _project(h, weight, bias)
-            c_lse, c_logp, c_ent = chunk_forward(
-                x, safe_all[i:j], valid_all[i:j], temperature, want_entropy, own=True
-            )
-            del x
-            lse[i:j], logp[i:j] = c_lse, c_logp
-            if entropy is not None:
-                entropy[i:j] = c_ent
+        with _without_autocast(device_type):
+            for i, j, h in chunks(rows(hidden), chunk_size):
+                x = _project(h, weight, bias, cast)
+                c_lse, c_logp, c_ent = chunk_forward(
+                    x, safe_all[i:j], valid_all[i:j], temperature, want_entropy, own=True
+                )
+                del x
+                lse[i:j], logp[i:j] = c_lse, c_logp
+                if entropy is not None:
+                    entropy[i:j] = c_ent
         # Inputs saved by reference and only read (NOTE [ No in-place writes to saved tensors ]).
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
         ctx.chunk_size, ctx.temperature, ctx.ignore_index = chunk_size, temperature, ignore_index
+        ctx.cast = cast
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logp, grad_entropy):
+        with _without_autocast(ctx.saved_tensors[0].device.type):
+            return _HiddenLogprobs._backward(ctx, grad_logp, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         none = (None,) * 5
@@ -147,7 +185,7 @@ class _HiddenLogprobs(torch.autograd.Function):
 
         def grad_tile(h, i, j, w, b, column_offset=None):
             """fp32 gradient of the logits of tokens [i, j) and the vocabulary rows of ``w``."""
-            x = _project(h, w, b)
+            x = _project(h, w, b, ctx.cast)
             return chunk_backward(
                 x,
                 None if safe is None else safe[i:j],
