@@ -19,7 +19,10 @@ from typing import Any
 
 from batchfit.errors import BatchConfigError
 from batchfit.render import plan_tree_text
-from batchfit.validation import is_int
+from batchfit.validation import closest, is_int
+
+FRAMEWORKS = ("batchfit", "skyrl", "verl")
+"""Whose batch rules a plan follows (:attr:`BatchConfig.framework`)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,11 @@ class BatchConfig:
         tensor_parallel, pipeline_parallel, context_parallel, sequence_parallel: model
             parallel sizes; ``dp_size = world_size / (tp · pp · cp · sp)``.
         step_wise: each trajectory yields one sequence per turn, so sample counts vary.
+        critic_world_size: GPUs of the critic when it is placed apart from the policy
+            (SkyRL's ``critic_num_nodes × critic_num_gpus_per_node``); ``None`` = the policy's.
+        framework: whose rules the plan follows, one of :data:`FRAMEWORKS`: ``"batchfit"``
+            (exact splits), ``"skyrl"`` or ``"verl"`` (what that framework runs, even with
+            waste, is a warning; what it refuses or silently changes is a fault).
     """
 
     train_batch_size: int
@@ -62,6 +70,8 @@ class BatchConfig:
     context_parallel: int = 1
     sequence_parallel: int = 1
     step_wise: bool = False
+    critic_world_size: int | None = None
+    framework: str = "batchfit"
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:
@@ -72,8 +82,11 @@ class BatchConfig:
         """A copy with ``changes`` applied (nothing is checked until :meth:`plan`)."""
         return dataclasses.replace(self, **changes)
 
-    def plan(self) -> BatchPlan:
+    def plan(self, *, strict: bool = False) -> BatchPlan:
         """Check every rule and derive the plan.
+
+        ``strict=True`` turns the plan's warnings (a layout the framework runs but wastes,
+        such as padding rows) into faults.
 
         Returns:
             A frozen :class:`BatchPlan`.
@@ -82,7 +95,7 @@ class BatchConfig:
             BatchConfigError: one error listing every fault; each names the fields, their
                 values, the rule broken and the nearest valid values.
         """
-        return _build_plan(self)
+        return _build_plan(self, strict=strict)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a flat ``dict``."""
@@ -131,6 +144,7 @@ class BatchPlan:
     policy: RolePlan
     critic: RolePlan | None
     notes: tuple[str, ...] = field(default=())
+    warnings: tuple[str, ...] = field(default=())
 
     # The policy's numbers are the plan's headline numbers.
     @property
@@ -172,6 +186,7 @@ class BatchPlan:
             "policy": self.policy.to_dict(),
             "critic": None if self.critic is None else self.critic.to_dict(),
             "notes": list(self.notes),
+            "warnings": list(self.warnings),
         }
 
     def __str__(self) -> str:
@@ -194,6 +209,7 @@ _INT_FIELDS = (
 )
 _OPTIONAL_INT_FIELDS = (
     "critic_mini_batch_size",
+    "critic_world_size",
     "max_tokens_per_micro_batch",
     "world_size",
     "num_nodes",
@@ -241,6 +257,13 @@ def _type_faults(cfg: BatchConfig) -> tuple[list[str], set[str]]:
     if not isinstance(cfg.step_wise, bool):
         faults.append(f"step_wise={cfg.step_wise!r} must be true or false")
         bad.add("step_wise")
+    if cfg.framework not in FRAMEWORKS:
+        hint = closest(str(cfg.framework), FRAMEWORKS)
+        faults.append(
+            f"framework={cfg.framework!r} must be one of {', '.join(FRAMEWORKS)}"
+            + (f"; did you mean {hint!r}?" if hint else "")
+        )
+        bad.add("framework")
     return faults, bad
 
 
@@ -283,18 +306,27 @@ def _dp_size(cfg: BatchConfig, world: int, faults: list[str]) -> int | None:
 
 
 def _role_plan(
-    role: str, cfg: BatchConfig, dp: int | None, faults: list[str], bad: frozenset[str] = frozenset()
+    role: str,
+    cfg: BatchConfig,
+    dp: int | None,
+    faults: list[str],
+    bad: frozenset[str] = frozenset(),
+    warnings: list[str] | None = None,
 ) -> RolePlan | None:
     """The one rule set for a trained model; ``role`` picks the mini-batch field.
 
     Only relationships among valid fields are checked (``bad`` names the invalid ones), so
-    one invalid field does not hide the faults between the others.
+    one invalid field does not hide the faults between the others. Where
+    ``cfg.framework`` runs a layout with waste, the waste goes to ``warnings`` instead of
+    ``faults`` (each rule cites the framework code it mirrors).
     """
+    warnings = [] if warnings is None else warnings
     name = _ROLE_FIELDS[role]
-    if name in bad or "train_batch_size" in bad:
+    if name in bad or "train_batch_size" in bad or "framework" in bad:
         return None
     mini, train, n = getattr(cfg, name), cfg.train_batch_size, cfg.n_samples_per_prompt
     start = len(faults)
+    steps_per_epoch = train // mini
     if mini > train:
         faults.append(
             f"{name}={mini} exceeds train_batch_size={train} (both count prompts): a mini-batch cannot "
@@ -302,16 +334,25 @@ def _role_plan(
             f"(a divisor such as {_or_list(_nearest(_divisors(train), mini))}) or train_batch_size to at least {mini}"
         )
     elif train % mini:
-        train_fix = _or_list([t for t in ((train // mini) * mini, (train // mini + 1) * mini) if t > 0])
-        faults.append(
-            f"train_batch_size={train} is not a multiple of {name}={mini} (prompts): the last mini-batch "
-            f"would be partial; set {name} to {_or_list(_nearest(_divisors(train), mini))} "
-            f"or train_batch_size to {train_fix}"
+        fix = (
+            f"set {name} to {_or_list(_nearest(_divisors(train), mini))} or train_batch_size to "
+            f"{_or_list([t for t in ((train // mini) * mini, (train // mini + 1) * mini) if t > 0])}"
         )
+        if cfg.framework == "verl":
+            # verl: DataProto.split keeps a short last chunk (protocol.py), one more step
+            steps_per_epoch = -(-train // mini)
+            warnings.append(
+                f"train_batch_size={train} is not a multiple of {name}={mini} (prompts): verl runs "
+                f"{steps_per_epoch} mini-batches per epoch, the last with {train % mini} prompts; {fix}"
+            )
+        else:  # SkyRL: validate_batch_sizes asserts train_batch_size % policy_mini_batch_size == 0
+            faults.append(
+                f"train_batch_size={train} is not a multiple of {name}={mini} (prompts): the last "
+                f"mini-batch would be partial; {fix}"
+            )
     if len(faults) > start:
         return None
 
-    steps_per_epoch = train // mini
     samples = per_gpu = micro = accumulation = None
     if bad & {"n_samples_per_prompt", "step_wise"}:
         return None
@@ -322,36 +363,26 @@ def _role_plan(
     else:
         samples = mini * n
         if dp is not None:
-            if samples % dp:
-                step = dp // math.gcd(n, dp)  # mini must be a multiple of this
-                valid = [d for d in _divisors(train) if d % step == 0]
-                fix = (
-                    f"set {name} to {_or_list(_nearest(valid, mini))} (divides train_batch_size={train} "
-                    "and gives whole per-GPU counts)"
-                    if valid
-                    else f"no divisor of train_batch_size={train} works; change n_samples_per_prompt or the GPU count"
-                )
-                faults.append(
-                    f"{name} × n_samples_per_prompt = {mini} × {n} = {samples} samples per mini-batch do not "
-                    f"split evenly over dp_size={dp} ({samples}/{dp} = {samples / dp:.4g} per GPU): {fix}; "
-                    "or set step_wise=true to pad mini-batches for data parallelism"
-                )
-                return None
             per_gpu = samples // dp
+            if samples % dp:
+                if not _uneven_split(role, name, cfg, dp, samples, faults, warnings):
+                    return None
+                per_gpu = -(-samples // dp)  # SkyRL pads the mini-batch to a multiple of dp
             if bad & {"micro_train_batch_size_per_gpu", "max_tokens_per_micro_batch"}:
                 return None
             if cfg.max_tokens_per_micro_batch is None:
                 micro = cfg.micro_train_batch_size_per_gpu
-                if per_gpu % micro:
-                    rule = "exceeds" if micro > per_gpu else "does not divide"
+                checked = samples // dp  # SkyRL and verl both check the floored per-GPU count
+                if checked % micro:
+                    rule = "exceeds" if micro > checked else "does not divide"
                     faults.append(
                         f"micro_train_batch_size_per_gpu={micro} {rule} the {role}'s samples per GPU per "
-                        f"mini-batch = {mini} × {n} / {dp} = {per_gpu}: set micro_train_batch_size_per_gpu to "
-                        f"{_or_list(_nearest(_divisors(per_gpu), micro))}, or set max_tokens_per_micro_batch "
+                        f"mini-batch = {mini} × {n} / {dp} = {checked}: set micro_train_batch_size_per_gpu to "
+                        f"{_or_list(_nearest(_divisors(checked), micro))}, or set max_tokens_per_micro_batch "
                         "to bound micro-batches by tokens"
                     )
                     return None
-                accumulation = per_gpu // micro
+                accumulation = -(-per_gpu // micro)
     return RolePlan(
         role=role,
         mini_batch_size=mini,
@@ -364,6 +395,55 @@ def _role_plan(
     )
 
 
+def _uneven_split(
+    role: str, name: str, cfg: BatchConfig, dp: int, samples: int, faults: list[str], warnings: list[str]
+) -> bool:
+    """Samples of a mini-batch that do not split over ``dp``: a warning (padded) or a fault.
+
+    Returns True when the framework pads the mini-batch and runs it.
+    """
+    mini, train, n = getattr(cfg, name), cfg.train_batch_size, cfg.n_samples_per_prompt
+    if cfg.framework == "skyrl":
+        # SkyRL: MeshDispatch.stage_chunks pads each mini-batch by (-size) % dp_size rows
+        # (loss_mask 0) before chunking it over the ranks; validate_batch_sizes floors.
+        padded = -(-samples // dp) * dp
+        if samples // dp < 1:
+            faults.append(
+                f"{name} × n_samples_per_prompt = {mini} × {n} = {samples} samples per mini-batch are "
+                f"fewer than the {role}'s dp_size={dp}: SkyRL asserts at least one sample per GPU "
+                f"(validate_batch_sizes); set {name} to at least {-(-dp // n)}"
+            )
+            return False
+        warnings.append(
+            f"each {role} mini-batch of {samples} samples is padded to {padded} over {dp} GPUs: "
+            f"{100 * (padded - samples) / padded:.0f}% padding rows; set {name} to a multiple of "
+            f"{dp // math.gcd(n, dp)} to avoid them"
+        )
+        return True
+    step = dp // math.gcd(n, dp)  # mini must be a multiple of this
+    valid = [d for d in _divisors(train) if d % step == 0]
+    fix = (
+        f"set {name} to {_or_list(_nearest(valid, mini))} (divides train_batch_size={train} "
+        "and gives whole per-GPU counts)"
+        if valid
+        else f"no divisor of train_batch_size={train} works; change n_samples_per_prompt or the GPU count"
+    )
+    if cfg.framework == "verl":
+        # verl: fsdp_workers normalises ppo_mini_batch_size *= n; //= dp (a floor, unchecked)
+        faults.append(
+            f"{name} × n = {mini} × {n} = {samples} samples per mini-batch do not split over dp_size={dp}: "
+            f"verl floors them to {samples // dp} per GPU, so each optimizer step trains on "
+            f"{samples // dp * dp} of {samples} samples; {fix}"
+        )
+        return False
+    faults.append(
+        f"{name} × n_samples_per_prompt = {mini} × {n} = {samples} samples per mini-batch do not "
+        f"split evenly over dp_size={dp} ({samples}/{dp} = {samples / dp:.4g} per GPU): {fix}; "
+        "or set step_wise=true to pad mini-batches for data parallelism"
+    )
+    return False
+
+
 def _python_ints(cfg: BatchConfig) -> BatchConfig:
     """``cfg`` with integer-like values (numpy, torch scalars) as Python ints: exact arithmetic, JSON-ready."""
     changes = {
@@ -374,16 +454,67 @@ def _python_ints(cfg: BatchConfig) -> BatchConfig:
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
-def _build_plan(cfg: BatchConfig) -> BatchPlan:
+def _critic_dp(cfg: BatchConfig, dp: int | None, bad: frozenset[str], faults: list[str]) -> int | None:
+    """The critic's data-parallel size: the policy's, or from its own ``critic_world_size``."""
+    if cfg.critic_world_size is None or "critic_world_size" in bad or dp is None:
+        return dp
+    mp = math.prod((cfg.tensor_parallel, cfg.pipeline_parallel, cfg.context_parallel, cfg.sequence_parallel))
+    if cfg.critic_world_size % mp:
+        faults.append(
+            f"critic_world_size={cfg.critic_world_size} is not a multiple of the model-parallel size {mp}: "
+            f"set critic_world_size to a multiple of {mp}"
+        )
+        return None
+    return cfg.critic_world_size // mp
+
+
+def _step_faults(cfg: BatchConfig, world: int, dps: list[int], bad: frozenset[str], faults: list[str]) -> None:
+    """Whole-step rules of the frameworks (not of one role)."""
+    if bad & {"train_batch_size", "n_samples_per_prompt", "max_tokens_per_micro_batch"}:
+        return
+    train, n = cfg.train_batch_size, cfg.n_samples_per_prompt
+    if cfg.framework == "skyrl":
+        # SkyRL trainer._remove_tail_data keeps the largest prompt count whose samples split
+        # over the lcm of the models' dp sizes; the synchronous trainer then asserts
+        # num_prompts == train_batch_size (compute_prompt_mini_batch_boundaries).
+        lcm_dp = math.lcm(*dps)
+        stride = lcm_dp // math.gcd(lcm_dp, n)
+        if train % stride:
+            kept = train // stride * stride
+            faults.append(
+                f"train_batch_size × n_samples_per_prompt = {train} × {n} samples do not split over the "
+                f"models' data-parallel sizes (lcm {lcm_dp}): SkyRL keeps {kept} of {train} prompts "
+                f"(trainer._remove_tail_data) and then fails its num_prompts == train_batch_size check; "
+                f"set train_batch_size to a multiple of {stride} ({_or_list(_nearest([max(stride, kept), kept + stride], train))})"
+            )
+    elif cfg.framework == "verl" and cfg.max_tokens_per_micro_batch is None and train * n % world:
+        # verl utils/config.py validate_config (without use_dynamic_bsz): real_train_batch_size
+        # = train_batch_size × n must be divisible by n_gpus
+        faults.append(
+            f"data.train_batch_size × rollout.n = {train} × {n} = {train * n} is not divisible by the "
+            f"{world} GPUs (verl validate_config: real_train_batch_size must be divisible by the minimal "
+            f"batch size); set data.train_batch_size to a multiple of {world // math.gcd(n, world)}"
+        )
+
+
+def _build_plan(cfg: BatchConfig, strict: bool = False) -> BatchPlan:
     cfg = _python_ints(cfg)
     faults, invalid = _type_faults(cfg)
     bad = frozenset(invalid)
+    warnings: list[str] = []
     # every relationship among valid fields is checked, even when another field is invalid
     world = None if bad & {"world_size", "num_nodes", "gpus_per_node"} else _world_size(cfg, faults)
     parallel = {"tensor_parallel", "pipeline_parallel", "context_parallel", "sequence_parallel"}
     dp = _dp_size(cfg, world, faults) if world is not None and not bad & parallel else None
-    policy = _role_plan("policy", cfg, dp, faults, bad)
-    critic = _role_plan("critic", cfg, dp, faults, bad) if cfg.critic_mini_batch_size is not None else None
+    critic_dp = _critic_dp(cfg, dp, bad, faults)
+    policy = _role_plan("policy", cfg, dp, faults, bad, warnings)
+    critic = None
+    if cfg.critic_mini_batch_size is not None:
+        critic = _role_plan("critic", cfg, critic_dp, faults, bad, warnings)
+    if world is not None and dp is not None and critic_dp is not None and "framework" not in bad:
+        _step_faults(cfg, world, [dp] + ([critic_dp] if critic is not None else []), bad, faults)
+    if strict:
+        faults.extend(f"{w} (a warning; --strict makes it a fault)" for w in warnings)
     if faults or world is None or dp is None or policy is None:  # without faults all three exist
         raise BatchConfigError(faults)
 
@@ -401,6 +532,8 @@ def _build_plan(cfg: BatchConfig) -> BatchPlan:
     else:
         samples = trajectories
         per_gpu_step = samples // dp
+        if policy.samples_per_mini_batch % dp:  # padded mini-batches (SkyRL)
+            per_gpu_step = policy.mini_batches_per_epoch * policy.samples_per_mini_batch_per_gpu
         forward = None if tokens else -(-per_gpu_step // cfg.micro_forward_batch_size_per_gpu)
     if tokens:
         notes.append(
@@ -420,4 +553,5 @@ def _build_plan(cfg: BatchConfig) -> BatchPlan:
         policy=policy,
         critic=critic,
         notes=tuple(notes),
+        warnings=tuple(warnings),
     )

@@ -8,6 +8,10 @@ if TYPE_CHECKING:
     from batchfit.config import BatchPlan, RolePlan
 
 
+# How each framework of BatchConfig.framework is written in text.
+FRAMEWORK_NAMES = {"batchfit": "batchfit", "skyrl": "SkyRL", "verl": "verl"}
+
+
 def _varies(value: int | None) -> str:
     return "varies (step-wise)" if value is None else f"{value:,}"
 
@@ -56,9 +60,12 @@ def plan_tree_text(plan: BatchPlan) -> str:
             f"├─ forward passes per GPU: {plan.forward_micro_batches_per_gpu:,} micro-batches of "
             f"≤ {cfg.micro_forward_batch_size_per_gpu:,} samples"
         )
+    if cfg.framework != "batchfit":
+        lines.insert(1, f"├─ rules: {FRAMEWORK_NAMES.get(cfg.framework, cfg.framework)}'s")
     roles = plan.roles
+    tail = [f"warning: {w}" for w in plan.warnings] + [f"note: {n}" for n in plan.notes]
     for i, role in enumerate(roles):
-        lines.extend(_role_lines(role, plan, last=i == len(roles) - 1 and not plan.notes))
-    for i, note in enumerate(plan.notes):
-        lines.append(f"{'└─ ' if i == len(plan.notes) - 1 else '├─ '}note: {note}")
+        lines.extend(_role_lines(role, plan, last=i == len(roles) - 1 and not tail))
+    for i, item in enumerate(tail):
+        lines.append(f"{'└─ ' if i == len(tail) - 1 else '├─ '}{item}")
     return "\n".join(lines)
