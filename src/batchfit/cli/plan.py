@@ -7,7 +7,7 @@ import json
 import sys
 
 from batchfit.config import BatchConfig
-from batchfit.config_io import config_from_mapping, load_config
+from batchfit.frameworks import read_run_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,14 +15,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "plan",
         help="validate and explain train / mini / micro batch sizes and the data-parallel layout",
         description=(
-            "Validate a batch-size configuration (flat keys or a SkyRL config, YAML or JSON) and print "
-            "the plan, or every fault with its fix (exit 2). Flags override the file."
+            "Validate a batch-size configuration (batchfit's flat keys, a SkyRL or a verl config, YAML or "
+            "JSON; the vocabulary is told from the keys) under that framework's rules and print the plan "
+            "with its warnings, or every fault with its fix (exit 2). Flags override the file."
         ),
     )
-    p.add_argument(
-        "config", nargs="?", help="YAML or JSON file (flat keys or SkyRL's trainer/generator sections)"
-    )
+    p.add_argument("config", nargs="?", help="YAML or JSON file (flat keys, SkyRL's or verl's sections)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="treat warnings (layouts the framework runs with waste) as faults",
+    )
     fields = p.add_argument_group("fields (override the file)")
     for name in BatchConfig.fields():
         fields.add_argument(
@@ -37,11 +41,16 @@ def run(args: argparse.Namespace) -> int:
         for name in BatchConfig.fields()
         if getattr(args, f"field_{name}") is not None
     }
-    config = load_config(args.config, overrides) if args.config else config_from_mapping({}, overrides)
-    plan = config.plan()
+    run = read_run_config(args.config if args.config else {}, overrides)
+    plan = run.plan(strict=args.strict)
     if args.json:
-        json.dump(plan.to_dict(), sys.stdout, indent=2)
+        json.dump({"vocabulary": run.vocabulary, **plan.to_dict()}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
+        if args.config:
+            sys.stdout.write(f"{args.config}: {VOCABULARY_NAMES[run.vocabulary]} vocabulary\n")
         sys.stdout.write(str(plan) + "\n")
     return 0
+
+
+VOCABULARY_NAMES = {"flat": "batchfit's flat", "skyrl": "SkyRL", "verl": "verl"}

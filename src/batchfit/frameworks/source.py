@@ -1,0 +1,206 @@
+"""A framework config as a plain mapping: read the file, check its keys, say whose vocabulary it is.
+
+Interpolations (``${a.b}``, ``${oc.select:a.b,default}``, ``${.sibling}``) are resolved by
+OmegaConf, as Hydra resolves them for SkyRL and verl, after the user's file is merged over
+the framework's defaults (``defaults/<framework>.yaml``): a key the file leaves out has the
+value the framework would give it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from batchfit.errors import BatchConfigError
+
+VOCABULARIES = ("flat", "skyrl", "verl")
+"""The key vocabularies a config can be written in: batchfit's flat field names, SkyRL's or verl's."""
+
+# Keys that only one framework's config has (dotted paths; a section name stands for itself).
+_MARKERS = {
+    "skyrl": (
+        "generator",
+        "trainer.policy_mini_batch_size",
+        "trainer.train_batch_size",
+        "trainer.placement",
+        "trainer.micro_train_batch_size_per_gpu",
+        "trainer.policy",
+    ),
+    "verl": (
+        "actor_rollout_ref",
+        "data.train_batch_size",
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "critic.ppo_mini_batch_size",
+        "trainer.n_gpus_per_node",
+        "trainer.nnodes",
+    ),
+}
+
+
+def read_mapping(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML (``.yaml``/``.yml``) or JSON (``.json``) file, keys checked.
+
+    Raises:
+        BatchConfigError: the file is missing, unreadable, not UTF-8, does not parse, is not
+            a mapping, or has a key that is not a string.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise BatchConfigError([f"config file {str(path)!r} does not exist"])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = (
+            "is not UTF-8 text"
+            if isinstance(exc, UnicodeDecodeError)
+            else f"cannot be read ({exc.strerror or exc})"
+        )
+        raise BatchConfigError([f"config file {str(path)!r} {reason}; pass a YAML or JSON file"]) from exc
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # any parse error of the user's file is a bad-input error
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BatchConfigError([f"config file {str(path)!r} could not be parsed: {first}"]) from exc
+    data = {} if data is None else data
+    check_mapping(data)
+    return data
+
+
+def check_mapping(data: Any) -> None:
+    """Raise unless ``data`` is a mapping whose keys (at every depth) are strings.
+
+    Raises:
+        BatchConfigError: one fault per key that is not a string (YAML reads ``1:`` as an
+            int and ``null:`` as None), or ``data`` is not a mapping.
+    """
+    if not isinstance(data, Mapping):
+        raise BatchConfigError(
+            [f"a config must be a mapping of keys to values, but got {type(data).__name__}"]
+        )
+    faults = _key_faults(data)
+    if faults:
+        raise BatchConfigError(faults)
+
+
+def _key_faults(data: Mapping[Any, Any], where: str = "") -> list[str]:
+    faults = []
+    for key, value in data.items():
+        if not isinstance(key, str):
+            place = f" under {where!r}" if where else ""
+            faults.append(
+                f"config key {key!r} ({type(key).__name__}){place} is not a name; keys are field names "
+                "such as 'train_batch_size'"
+            )
+        elif isinstance(value, Mapping):
+            faults.extend(_key_faults(value, f"{where}.{key}" if where else key))
+    return faults
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (lists and scalars are leaves)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def detect_vocabulary(data: Mapping[str, Any]) -> str:
+    """Whose vocabulary ``data`` is written in: ``"flat"``, ``"skyrl"`` or ``"verl"``.
+
+    Flat field names may sit beside a framework's sections (they override them).
+
+    Raises:
+        BatchConfigError: keys of both SkyRL and verl (each named), or nothing that any of
+            the three vocabularies has.
+    """
+    from batchfit.config import BatchConfig
+
+    flat_keys = flatten(data)
+    found = {
+        name: [
+            m for m in markers if m in data or m in flat_keys or any(k.startswith(m + ".") for k in flat_keys)
+        ]
+        for name, markers in _MARKERS.items()
+    }
+    found = {name: hits for name, hits in found.items() if hits}
+    if len(found) > 1:
+        raise BatchConfigError(
+            [
+                "the config mixes vocabularies: SkyRL keys ("
+                + ", ".join(found["skyrl"][:3])
+                + ") and verl keys ("
+                + ", ".join(found["verl"][:3])
+                + "); write it in one framework's vocabulary"
+            ]
+        )
+    if found:
+        return next(iter(found))
+    if any(key in BatchConfig.fields() for key in data) or not data:
+        return "flat"
+    raise BatchConfigError(
+        [
+            f"cannot tell the config's vocabulary from its keys ({', '.join(list(data)[:5])}): expected "
+            "batchfit's field names (train_batch_size, policy_mini_batch_size, ...), SkyRL's sections "
+            "(trainer.train_batch_size, generator.n_samples_per_prompt, ...) or verl's (data.train_batch_size, "
+            "actor_rollout_ref.actor.ppo_mini_batch_size, ...)"
+        ]
+    )
+
+
+def resolve(data: Mapping[str, Any], vocabulary: str) -> dict[str, Any]:
+    """``data`` merged over the framework's defaults, every interpolation resolved.
+
+    The flat vocabulary has no defaults file; its ``${a.b}`` references are resolved too.
+
+    Raises:
+        BatchConfigError: an interpolation that refers to a missing key, is circular, or
+            uses a resolver OmegaConf does not have (names the key and the expression).
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        config = OmegaConf.create(_plain(data))
+        if vocabulary in ("skyrl", "verl"):
+            text = (
+                resources.files("batchfit.frameworks").joinpath("defaults", f"{vocabulary}.yaml").read_text()
+            )
+            config = OmegaConf.merge(OmegaConf.create(text), config)
+        resolved = OmegaConf.to_container(config, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        message = " ".join(str(exc).split("\n")[0].split())
+        where = f" at {key!r}" if key else ""
+        raise BatchConfigError([f"cannot resolve the interpolation{where}: {message}"]) from exc
+    return _missing_as_none(resolved)
+
+
+def _plain(value: Any) -> Any:
+    """Numpy and torch scalars as Python values (OmegaConf holds only primitives)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+def _missing_as_none(value: Any) -> Any:
+    """OmegaConf's ``???`` (a value that must be set) becomes ``None``: not given."""
+    if isinstance(value, dict):
+        return {k: _missing_as_none(v) for k, v in value.items()}
+    return None if value == "???" else value
