@@ -1,0 +1,49 @@
+"""The reusable parts of an RL training loop built on batchfit, so no trainer writes them again.
+
+- :func:`model_logprobs`: token-aligned per-token log-probs of a micro-batch (padded rows or
+  one packed row), fused from hidden states, through the model's own forward, so DDP and
+  FSDP2 wrappers work (NOTE [ Fused log-probs through the wrapper ]).
+- :func:`forward_logprobs`: the old/reference log-probs of a whole batch under ``no_grad``,
+  micro-batched under a forward-only budget, gathered over ranks.
+- :func:`policy_loss`: PPO/GRPO's clipped surrogate, every per-token factor (log-probs,
+  ``old_log_probs``, ``advantages``, ``weights``) on the column of its token, summed with
+  exact loss weights and the data-parallel scale.
+- :func:`accumulate` / :func:`gradient_sync` / :func:`data_parallel_size`: gradient
+  accumulation with DDP's ``no_sync`` or FSDP2's ``set_requires_gradient_sync`` until the
+  last micro-batch, and the ``× dp_size`` that turns the ranks' average into the sum
+  (NOTE [ Accumulate, then sync once ]).
+- :class:`PeakTracker` / :class:`CollectiveBytes`: peak bytes per micro-batch (cpu tracker)
+  and bytes of collectives per optimizer step.
+
+The loop, per optimizer step (``examples/grpo_stepwise.py`` runs it, single process or
+FSDP2 under ``torchrun``)::
+
+    mini, _ = pad_for_data_parallel(slice_batch(batch, start, end), dp)
+    mini["weights"] = loss_weights(mini["loss_mask"], reduction="token_mean")
+    plan = plan_micro_batches(mini["attention_mask"].sum(-1), budget, dp_size=dp, cost="packed")
+    micro = iter_micro_batches(mini, plan, rank, layout="packed", model=model)
+    for mb in accumulate(model, micro, plan.num_micro_batches):
+        logp = model_logprobs(model, mb.batch)
+        policy_loss(logp, mb.batch, scale=dp).backward()
+    optimizer.step()
+"""
+
+from batchfit.train.accumulate import accumulate, data_parallel_size, gradient_sync
+from batchfit.train.forward import forward_logprobs
+from batchfit.train.logprobs import fused_output_head, model_logprobs, next_token_labels
+from batchfit.train.loss import policy_loss, response_columns
+from batchfit.train.measure import CollectiveBytes, PeakTracker
+
+__all__ = [
+    "CollectiveBytes",
+    "PeakTracker",
+    "accumulate",
+    "data_parallel_size",
+    "forward_logprobs",
+    "fused_output_head",
+    "gradient_sync",
+    "model_logprobs",
+    "next_token_labels",
+    "policy_loss",
+    "response_columns",
+]

@@ -1,0 +1,82 @@
+"""Forward-only log-probs of a whole batch (old or reference policy), micro-batched under a forward budget.
+
+The old-policy (and reference) log-probs of every sequence are needed before the
+optimizer steps of a training step. :func:`forward_logprobs` runs them under
+``torch.no_grad()`` along a plan made with the forward-only budget (the ``reference``
+role of :func:`batchfit.budget.profile.profile_model`, several times the training
+budget), each rank its share, and sums the ranks' results so that every rank holds the
+log-probs of every row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from batchfit.distributed import is_distributed
+from batchfit.errors import InvalidArgument
+from batchfit.microbatch import iter_micro_batches
+from batchfit.packing import MicroBatchPlan
+from batchfit.train.logprobs import model_logprobs
+
+__all__ = ["forward_logprobs"]
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    batch: Mapping[str, Any],
+    plan: MicroBatchPlan,
+    rank: int = 0,
+    *,
+    layout: str = "padded",
+    chunk_size: int | None = 1024,
+    temperature: float = 1.0,
+    group: Any = None,
+    **iter_options: Any,
+) -> torch.Tensor:
+    """Token-aligned log-probs of every row of ``batch`` under ``model``, without gradients.
+
+    Every rank of the plan runs its micro-batches (padding ones included, so FSDP2 ranks
+    stay in lockstep) through :func:`batchfit.train.model_logprobs`, writes them back at
+    their rows and columns, and the ranks' results are summed (one all-reduce of
+    ``[N, W]`` floats; each row is written by one rank only, the others add zeros).
+
+    Args:
+        model: the policy (or reference) model, bare, DDP or FSDP2.
+        batch: per-sample fields with ``input_ids`` and ``attention_mask`` ``[N, W]``.
+        plan: from :func:`batchfit.packing.plan_micro_batches` over ``batch``'s lengths,
+            with the forward-only budget and ``dp_size`` = the data-parallel ranks.
+        rank: this process' data-parallel rank.
+        layout: ``"padded"`` or ``"packed"`` (:func:`batchfit.microbatch.iter_micro_batches`).
+        chunk_size, temperature: as :func:`batchfit.logprobs.logprobs_from_hidden`.
+        group: the data-parallel process group (``None`` = the default group).
+        **iter_options: passed to :func:`batchfit.microbatch.iter_micro_batches`.
+
+    Returns:
+        ``[N, W]`` fp32 on ``input_ids``' device; column ``c`` is the log-prob of the token
+        in column ``c`` (0 where it has no previous token). The response-wide field is
+        ``batchfit.train.response_columns(result, R)``.
+
+    Raises:
+        InvalidArgument: ``plan.dp_size > 1`` without a process group of that size (the
+            other ranks' rows would stay 0).
+        BatchError, BudgetError: as :func:`batchfit.microbatch.iter_micro_batches`.
+    """
+    import torch.distributed as dist
+
+    if plan.dp_size > 1 and (not is_distributed(group) or dist.get_world_size(group) != plan.dp_size):
+        size = dist.get_world_size(group) if is_distributed(group) else 1
+        raise InvalidArgument(
+            f"plan.dp_size={plan.dp_size} needs a process group of {plan.dp_size} ranks to gather every row, but got {size}; plan with dp_size={size}"
+        )
+    ids = batch["input_ids"]
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    with torch.no_grad():
+        for mb in iter_micro_batches(batch, plan, rank, layout=layout, model=model, **iter_options):
+            logp = model_logprobs(model, mb.batch, chunk_size=chunk_size, temperature=temperature)
+            mb.write_back(out, logp)
+    if plan.dp_size > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out

@@ -1,0 +1,126 @@
+"""What a training loop costs beyond time: peak memory per micro-batch, bytes of collectives per step.
+
+Both are dispatch modes around a block of the loop (the memory tracker of
+:mod:`batchfit.memory`, and :class:`CollectiveBytes`), read and reset at each boundary the
+loop cares about. They count real execution on the CPU, the way the ``cpu`` backend
+measures a budget's probes, so a micro-batch's peak compares directly with the
+``limit_bytes`` of the :class:`~batchfit.budget.TokenBudget` it was planned with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from batchfit.memory import MemoryTracker
+from batchfit.memory.registration import registered_tensors
+
+__all__ = ["COLLECTIVES", "CollectiveBytes", "PeakTracker"]
+
+
+class PeakTracker:
+    """Live-storage peak of the bytes a block holds, read piece by piece: ``with PeakTracker(model, optimizer) as t``.
+
+    ``state`` (model, optimizer, anything alive before the block) is registered as the
+    cpu backend registers a probe's state; everything created inside is tracked (gradients
+    accumulated over micro-batches included). :meth:`take` returns the peak since the
+    previous call (or the start) and starts a new one from the bytes held now.
+
+    Example:
+        >>> model = torch.nn.Linear(256, 256)
+        >>> with PeakTracker(model) as t:
+        ...     y = model(torch.ones(4, 256))
+        ...     first = t.take()
+        >>> first  # weight, bias, input, output
+        271360
+    """
+
+    def __init__(self, *state: Any, round_to: int = 1):
+        self._state = state
+        self._tracker = MemoryTracker(round_to=round_to)
+
+    def __enter__(self) -> PeakTracker:
+        self._tracker.__enter__()
+        for tensor, category in registered_tensors(self._state, None):
+            self._tracker.register_tensor(tensor, category)
+        self._state = ()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._tracker.__exit__(*exc)
+
+    @property
+    def current_bytes(self) -> int:
+        """Bytes held now."""
+        return self._tracker.current_bytes
+
+    def take(self) -> int:
+        """The peak bytes since the last :meth:`take` (or the start); starts the next peak from now."""
+        peak = self._tracker.peak_bytes
+        self._tracker.reset_peak()
+        return peak
+
+
+def _collective_ops() -> dict[Any, tuple[str, int]]:
+    """``{op: (kind, index of the argument whose bytes are counted)}``: the gathered output, the scattered input."""
+    ops: dict[Any, tuple[str, int]] = {}
+    c10d = getattr(torch.ops, "c10d", None)
+    for name, kind, index in (
+        ("_allgather_base_", "all_gather", 0),
+        ("allgather_into_tensor_coalesced_", "all_gather", 0),
+        ("allgather_", "all_gather", 0),
+        ("_reduce_scatter_base_", "reduce_scatter", 1),
+        ("reduce_scatter_tensor_coalesced_", "reduce_scatter", 1),
+        ("reduce_scatter_", "reduce_scatter", 1),
+        ("allreduce_", "all_reduce", 0),
+    ):
+        op = getattr(c10d, name, None) if c10d is not None else None
+        if op is not None:
+            ops[op.default] = (kind, index)
+    return ops
+
+
+#: The kinds of collectives :class:`CollectiveBytes` counts.
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Bytes of this rank's collectives inside ``with CollectiveBytes() as c:``, by kind.
+
+    Counts the c10d ops that FSDP2 and DDP dispatch: an all-gather by its output (the
+    gathered parameters), a reduce-scatter by its input (the unsharded gradients), an
+    all-reduce by its tensor. ``bytes[kind]`` and ``calls[kind]`` accumulate;
+    :meth:`take` returns them and starts again from 0.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ops = _collective_ops()
+        self.bytes = dict.fromkeys(COLLECTIVES, 0)
+        self.calls = dict.fromkeys(COLLECTIVES, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        counted = self._ops.get(func)
+        if counted is not None:
+            kind, index = counted
+            self.bytes[kind] += _nbytes(args[index]) if index < len(args) else 0
+            self.calls[kind] += 1
+        return func(*args, **(kwargs or {}))
+
+    def take(self) -> tuple[dict[str, int], dict[str, int]]:
+        """``(bytes, calls)`` by kind since the last :meth:`take` (or the start); both restart at 0."""
+        out = (dict(self.bytes), dict(self.calls))
+        self.bytes = dict.fromkeys(COLLECTIVES, 0)
+        self.calls = dict.fromkeys(COLLECTIVES, 0)
+        return out
