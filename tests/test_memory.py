@@ -350,7 +350,12 @@ def test_cuda_judges_a_fit_on_reserved_memory_too(fake_cuda):
         fake_cuda.reserved = 9_700_000  # reserved by the caching allocator: above it
 
     m = CudaBackend().measure(step)
-    assert (m.peak_bytes, m.reserved_bytes, m.fits, m.footprint_bytes) == (9_000_000, 9_700_000, False, 9_700_000)
+    assert (m.peak_bytes, m.reserved_bytes, m.fits, m.footprint_bytes) == (
+        9_000_000,
+        9_700_000,
+        False,
+        9_700_000,
+    )
 
 
 def test_cuda_empties_the_cache_and_resets_stats_before_every_trial(fake_cuda):
@@ -403,6 +408,14 @@ def test_cuda_peak_above_the_limit_without_oom_does_not_fit(fake_cuda):
             True,
             id="cublas",
         ),
+        pytest.param(
+            RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: "
+                "you tried to allocate 40000000000000 bytes. Error code 12"
+            ),
+            True,
+            id="host-allocator",
+        ),
         pytest.param(RuntimeError("shape mismatch"), False, id="other-runtime-error"),
         pytest.param(ValueError("out of memory"), False, id="value-error"),
     ],
@@ -421,6 +434,40 @@ def test_cuda_reraises_errors_that_are_not_oom(fake_cuda):
 
 def test_every_backend_is_a_backend():
     assert all(issubclass(cls, Backend) for cls in (CpuBackend, EstimateBackend, CudaBackend))
+
+
+def test_every_backend_measures_through_one_template():
+    # one measure(): OOM decided, partial gradients dropped and results built in one place
+    assert CpuBackend.measure is EstimateBackend.measure is CudaBackend.measure is Backend.measure
+
+
+def test_a_host_allocation_failure_on_the_cpu_backend_is_does_not_fit():
+    model = torch.nn.Linear(8, 8)
+    grad_before = model.weight.grad
+
+    def step():
+        model(torch.randn(2, 8)).sum().backward()
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory")
+
+    m = CpuBackend().measure(step, register=model)
+    assert (m.fits, m.exceeded) == (False, True)
+    assert model.weight.grad is grad_before  # the partial gradients of the aborted step are dropped
+
+
+def test_the_estimate_context_hides_only_the_fake_data_ptr_warning():
+    import copy
+    import warnings
+
+    backend = EstimateBackend()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with backend.context():
+            layer = torch.nn.Linear(4, 4)
+            copy.deepcopy(layer)  # reads data_ptr() of fake parameters (nn.TransformerEncoder does)
+            warnings.warn("a warning of the user's own", UserWarning, stacklevel=1)
+    messages = [str(w.message) for w in seen]
+    assert not any("data pointer of FakeTensor" in m for m in messages), messages
+    assert "a warning of the user's own" in messages
 
 
 def test_gradients_freed_inside_the_step_are_not_counted_at_the_peak():
@@ -526,4 +573,6 @@ def test_a_hundred_measurements_leave_no_finalizers_behind():
     for _ in range(100):
         step.measure(2, 16)
     assert live_finalizers() <= before + 5  # not one per storage per measurement
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 100_000  # KiB: no growth per call
+    assert (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 100_000
+    )  # KiB: no growth per call

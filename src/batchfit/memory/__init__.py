@@ -7,6 +7,8 @@ Three backends behind one interface (:class:`Backend`, chosen by :func:`get_back
   predicts a CUDA device (``memory_limit``, ``reserve_bytes``, 512 B rounding).
 - ``cuda``: ``torch.cuda`` peak statistics; ``torch.OutOfMemoryError`` becomes ``fits=False``.
 
+All three share :meth:`Backend.measure` (NOTE [ What counts as OOM ]).
+
 Example:
     >>> import torch
     >>> backend = get_backend("cpu", memory_limit="1MiB")
@@ -16,17 +18,24 @@ Example:
     (False, True)
 """
 
-from batchfit.memory.base import Backend
+from batchfit.memory.base import Backend, is_out_of_memory
 from batchfit.memory.cpu import CpuBackend
-from batchfit.memory.cuda import CudaBackend, is_out_of_memory
-from batchfit.memory.estimate import DEFAULT_RESERVE_BYTES, DEFAULT_ROUND_TO, EstimateBackend
+from batchfit.memory.cuda import CudaBackend
+from batchfit.memory.estimate import (
+    DEFAULT_ESTIMATE_TARGET,
+    DEFAULT_RESERVE_BYTES,
+    DEFAULT_ROUND_TO,
+    EstimateBackend,
+)
 from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.memory.registry import BACKEND_NAMES, get_backend, measure_peak
+from batchfit.memory.registry import BACKEND_NAMES, BACKENDS, backend_name, get_backend, measure_peak
 from batchfit.memory.sizes import DEVICE_MEMORY, format_bytes, parse_memory
 from batchfit.memory.tracker import MemoryLimitExceeded, MemoryTracker
 
 __all__ = [
+    "BACKENDS",
     "BACKEND_NAMES",
+    "DEFAULT_ESTIMATE_TARGET",
     "DEFAULT_RESERVE_BYTES",
     "DEFAULT_ROUND_TO",
     "DEVICE_MEMORY",
@@ -37,6 +46,7 @@ __all__ = [
     "MemoryLimitExceeded",
     "MemoryMeasurement",
     "MemoryTracker",
+    "backend_name",
     "format_bytes",
     "get_backend",
     "is_out_of_memory",

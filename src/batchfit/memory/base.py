@@ -1,9 +1,11 @@
-"""The interface every memory backend implements: :class:`Backend`."""
+"""The interface every memory backend implements: :class:`Backend`, and what counts as running out of memory."""
 
 from __future__ import annotations
 
 import abc
 import contextlib
+import gc
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -11,8 +13,33 @@ import torch
 
 from batchfit.errors import InvalidArgument
 from batchfit.memory.measurement import MemoryMeasurement
+from batchfit.memory.registration import registered_tensors, restore_grads_after_abort, trainable_parameters
 from batchfit.memory.sizes import parse_memory
 from batchfit.validation import check_positive_int, is_int
+
+# Messages of allocation failures that surface as a plain RuntimeError: library workspaces on
+# a GPU, and the host's allocator when a real run on the CPU asks for more than the host has.
+_OOM_MESSAGES = (
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "DefaultCPUAllocator: can't allocate memory",
+)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True when ``exc`` is the device (or the host) running out of memory, and nothing else.
+
+    NOTE [ What counts as OOM ]
+    ``torch.OutOfMemoryError`` (the caching allocator failed), the ``RuntimeError`` that
+    cuBLAS or a raw CUDA call raises when its own allocation fails, and the CPU allocator's
+    failure (``DefaultCPUAllocator: can't allocate memory``). :meth:`Backend.measure` is the
+    one place that decides it; every other exception is a bug in the step and is re-raised
+    unchanged.
+    """
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
 
 
 class Backend(abc.ABC):
@@ -61,7 +88,6 @@ class Backend(abc.ABC):
         """Create models, optimizers and inputs inside this (re-entrant; a no-op by default)."""
         yield
 
-    @abc.abstractmethod
     def measure(
         self,
         fn: Callable[[], Any],
@@ -70,6 +96,12 @@ class Backend(abc.ABC):
         host_categories: Sequence[str] = (),
     ) -> MemoryMeasurement:
         """Run ``fn()`` once and return its peak memory; exceeding the limit is a result, not an error.
+
+        The template every backend shares: the backend prepares the call (:meth:`_prepare`)
+        and runs it inside :meth:`_running`; running out of memory is decided here (NOTE
+        [ What counts as OOM ]); an aborted call's partial gradients are dropped and what it
+        left cached is released (:meth:`_release`); the backend reads its numbers
+        (:meth:`_result`).
 
         Args:
             fn: the step, called with no arguments; its return value is dropped.
@@ -84,12 +116,65 @@ class Backend(abc.ABC):
                 device peak; cuda ignores them (it sees only the device).
 
         Returns:
-            A :class:`MemoryMeasurement`; ``fits=False, exceeded=True`` when the call was
-            aborted at the limit or ran out of device memory.
+                A :class:`MemoryMeasurement`; ``fits=False, exceeded=True`` when the call was
+            aborted at the limit or ran out of memory.
 
         Raises:
             Whatever ``fn`` raises other than running out of memory, unchanged.
         """
+        restore_grads = restore_grads_after_abort(register)
+        start = time.perf_counter()
+        # The registered pairs go to the trial state and nowhere else: a reference held here
+        # would keep tensors the step frees (old gradients) alive and inflate the peak.
+        state = self._prepare(
+            registered_tensors(register, categories), trainable_parameters(register), host_categories
+        )
+        exceeded = False
+        try:
+            with self._running(state):
+                fn()
+        except Exception as exc:
+            if not (self._aborted(exc) or is_out_of_memory(exc)):
+                raise
+            exceeded = True  # the traceback (and the tensors its frames hold) dies here
+        if exceeded:
+            restore_grads()
+            gc.collect()
+            self._release()
+        return self._result(state, exceeded, time.perf_counter() - start)
+
+    # ----------------------------------------------------------------- hooks of measure()
+    @abc.abstractmethod
+    def _prepare(
+        self,
+        registered: list[tuple[torch.Tensor, str]],
+        parameters: list[torch.nn.Parameter],
+        host_categories: Sequence[str],
+    ) -> Any:
+        """The state of one call, made before it runs.
+
+        Args:
+            registered: ``(tensor, category)`` of the registered state; the state must let go
+                of them once they are counted (:meth:`_running`).
+            parameters: the registered modules' trainable parameters.
+            host_categories: see :meth:`measure`.
+        """
+
+    @abc.abstractmethod
+    def _running(self, state: Any) -> contextlib.AbstractContextManager[Any]:
+        """Around the call: start recording on entry, stop on exit (also when the call raises)."""
+
+    def _aborted(self, exc: Exception) -> bool:
+        """True when ``exc`` is this backend's own "over the limit" signal (none by default)."""
+        return False
+
+    def _release(self) -> None:
+        """Free what an aborted call left cached (nothing by default)."""
+        return None
+
+    @abc.abstractmethod
+    def _result(self, state: Any, exceeded: bool, seconds: float) -> MemoryMeasurement:
+        """The measurement of the call that ran with ``state``."""
 
     def describe(self) -> dict[str, Any]:
         """The settings that qualify a measurement, for reports: name, device, bytes."""

@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from batchfit.memory.tracked import TrackedBackend
+
+
+def host_available_bytes() -> int | None:
+    """Bytes of this host's memory available to a new allocation now, ``None`` when unknown.
+
+    ``MemAvailable`` of ``/proc/meminfo`` (free memory plus what the kernel can reclaim) on
+    Linux, else the free physical pages. A real cpu run larger than this would push the host
+    into swap or the OOM killer rather than fail cleanly, so callers refuse it beforehand.
+    """
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return None
 
 
 class CpuBackend(TrackedBackend):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -12,28 +12,7 @@ import torch
 from batchfit.errors import InvalidArgument
 from batchfit.memory.base import Backend
 from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.memory.registration import (
-    ACTIVATIONS,
-    registered_tensors,
-    restore_grads_after_abort,
-    storage_bytes,
-)
-
-# Messages of allocation failures that surface as a plain RuntimeError (library workspaces).
-_OOM_MESSAGES = ("CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """True when ``exc`` is the device running out of memory (and nothing else).
-
-    NOTE [ What counts as OOM ]
-    ``torch.OutOfMemoryError`` (the caching allocator failed), and the ``RuntimeError`` that
-    cuBLAS or a raw CUDA call raises when its own allocation fails. Every other exception is
-    a bug in the step and is re-raised unchanged by :meth:`CudaBackend.measure`.
-    """
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
+from batchfit.memory.registration import ACTIVATIONS, storage_bytes
 
 
 class CudaBackend(Backend):
@@ -47,7 +26,8 @@ class CudaBackend(Backend):
     are released (``gc.collect()``, ``empty_cache()``) and the peak statistics reset, so one
     trial's cache cannot change the next verdict. On ``torch.OutOfMemoryError`` the call's
     frames are dropped, its memory released, and the result has ``fits=False,
-    exceeded=True``; the peak is then the bytes reached before the failure.
+    exceeded=True``; the peak is then the bytes reached before the failure (NOTE [ What
+    counts as OOM ] in :mod:`batchfit.memory.base`).
 
     Setting ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before the process starts
     makes reserved memory follow allocated memory closely (less fragmentation), so more of
@@ -98,36 +78,30 @@ class CudaBackend(Backend):
         """The CUDA device measured."""
         return self._device
 
-    def measure(
+    def _prepare(
         self,
-        fn: Callable[[], Any],
-        register: Any = (),
-        categories: Sequence[str | None] | str | None = None,
-        host_categories: Sequence[str] = (),
-    ) -> MemoryMeasurement:
-        """Run ``fn()`` once on the device; see :meth:`Backend.measure` and NOTE [ What counts as OOM ]."""
-        registered = storage_bytes(registered_tensors(register, categories))
-        restore_grads = restore_grads_after_abort(register)
-        start = time.perf_counter()
+        registered: list[tuple[torch.Tensor, str]],
+        parameters: list[torch.nn.Parameter],
+        host_categories: Sequence[str],
+    ) -> dict[str, int]:
+        return storage_bytes(registered)  # bytes per category; the tensors themselves are let go
+
+    @contextlib.contextmanager
+    def _running(self, state: dict[str, int]) -> Iterator[None]:
         gc.collect()
         torch.cuda.synchronize(self._device)
         torch.cuda.empty_cache()  # the previous trial's cached blocks must not shape this one
         torch.cuda.reset_peak_memory_stats(self._device)
-        exceeded = False
-        try:
-            fn()
-            torch.cuda.synchronize(self._device)
-        except Exception as exc:
-            if not is_out_of_memory(exc):
-                raise
-            exceeded = True  # the traceback (and the tensors its frames hold) dies here
+        yield
+        torch.cuda.synchronize(self._device)
+
+    def _release(self) -> None:
+        torch.cuda.empty_cache()
+
+    def _result(self, state: dict[str, int], exceeded: bool, seconds: float) -> MemoryMeasurement:
         peak = int(torch.cuda.max_memory_allocated(self._device))
         reserved = int(torch.cuda.max_memory_reserved(self._device))
-        if exceeded:
-            restore_grads()
-            gc.collect()
-            torch.cuda.empty_cache()
-        breakdown = {k: v for k, v in registered.items() if v}
+        breakdown = {k: v for k, v in state.items() if v}
         rest = peak - sum(breakdown.values())
         if rest > 0:
             breakdown[ACTIVATIONS] = rest
@@ -139,6 +113,6 @@ class CudaBackend(Backend):
             backend=self.name,
             breakdown=breakdown,
             exceeded=exceeded,
-            seconds=time.perf_counter() - start,
+            seconds=seconds,
             reserved_bytes=reserved,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,18 @@ DEFAULT_RESERVE_BYTES = 1 * GiB
 
 #: Default storage rounding: the CUDA caching allocator hands out multiples of 512 bytes.
 DEFAULT_ROUND_TO = 512
+
+#: The device an estimate targets when the user names none (``batchfit profile`` and
+#: ``batchfit autobatch`` without a GPU and without ``--memory``; stated in their output).
+DEFAULT_ESTIMATE_TARGET = "h100-80gb"
+
+# NOTE [ The FakeTensor data_ptr warning ]
+# Copying a module built under the fake mode (``copy.deepcopy``, as ``nn.TransformerEncoder``
+# does to clone its layers) reads ``tensor.data_ptr()``, on which torch warns "Accessing the
+# data pointer of FakeTensor is deprecated". Estimation does not depend on the pointer (the
+# copy gets its own fake storage), so this one warning is ignored inside the estimate
+# context; every other warning is shown as usual.
+_DATA_PTR_WARNING = r"Accessing the data pointer of FakeTensor"
 
 
 class EstimateBackend(TrackedBackend):
@@ -56,7 +69,8 @@ class EstimateBackend(TrackedBackend):
     def context(self) -> Iterator[None]:
         """Enter this backend's ``FakeTensorMode`` and the transformers patches (re-entrant).
 
-        See NOTE [ Fake tensors are not tracing ] in :mod:`batchfit.memory.fake_patches`.
+        See NOTE [ Fake tensors are not tracing ] in :mod:`batchfit.memory.fake_patches` and
+        NOTE [ The FakeTensor data_ptr warning ].
         """
         if self._depth:
             self._depth += 1
@@ -65,7 +79,8 @@ class EstimateBackend(TrackedBackend):
             finally:
                 self._depth -= 1
             return
-        with self.fake_mode, transformers_fake_patches():
+        with self.fake_mode, transformers_fake_patches(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_DATA_PTR_WARNING, category=UserWarning)
             self._depth = 1
             try:
                 yield

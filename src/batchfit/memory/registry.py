@@ -16,7 +16,20 @@ from batchfit.memory.measurement import MemoryMeasurement
 from batchfit.validation import check_choice
 
 BACKENDS: dict[str, type[Backend]] = {"cpu": CpuBackend, "estimate": EstimateBackend, "cuda": CudaBackend}
+#: The names :func:`get_backend` accepts: ``"auto"`` and one per backend.
 BACKEND_NAMES = ("auto", *BACKENDS)
+
+
+def backend_name(name: str) -> str:
+    """The backend ``name`` stands for: ``"auto"`` is ``"cuda"`` with a CUDA device, else ``"estimate"``.
+
+    Raises:
+        InvalidArgument: ``name`` is not one of :data:`BACKEND_NAMES` (the choices are listed).
+    """
+    name = check_choice("backend", name, BACKEND_NAMES)
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "estimate"
+    return name
 
 
 def get_backend(
@@ -56,10 +69,9 @@ def get_backend(
                 f"memory_limit, reserve_bytes and round_to must be None when backend is a Backend instance, but got memory_limit={memory_limit!r}, reserve_bytes={reserve_bytes!r}, round_to={round_to!r}; configure the instance instead"
             )
         return name
-    check_choice("backend", name, BACKEND_NAMES)
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "estimate"
-    return BACKENDS[name](memory_limit=memory_limit, reserve_bytes=reserve_bytes, round_to=round_to)
+    return BACKENDS[backend_name(name)](
+        memory_limit=memory_limit, reserve_bytes=reserve_bytes, round_to=round_to
+    )
 
 
 def measure_peak(

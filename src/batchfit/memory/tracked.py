@@ -2,76 +2,79 @@
 
 from __future__ import annotations
 
-import gc
-import time
-from collections.abc import Callable, Sequence
-from typing import Any
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
 
 from batchfit.memory.base import Backend
 from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.memory.registration import (
-    GRADIENTS,
-    registered_tensors,
-    restore_grads_after_abort,
-    trainable_parameters,
-)
+from batchfit.memory.registration import GRADIENTS
 from batchfit.memory.tracker import MemoryLimitExceeded, MemoryTracker
+
+
+@dataclass
+class _Trial:
+    tracker: MemoryTracker
+    registered: list[tuple[torch.Tensor, str]]
+    parameters: list[torch.nn.Parameter]
 
 
 class TrackedBackend(Backend):
     """A backend whose peak comes from :class:`~batchfit.memory.tracker.MemoryTracker`.
 
-    The tracker aborts the call as soon as live bytes exceed :attr:`limit_bytes` (NOTE
-    [ Abort above the limit ] in the tracker), so a probe far above the limit costs little.
-    Gradients are counted as ``"gradients"`` from the moment autograd accumulates them
-    into ``param.grad`` (post-accumulate-grad hooks on the registered modules' parameters).
+    The call runs inside :meth:`context`. The tracker aborts it as soon as live bytes exceed
+    :attr:`limit_bytes` (NOTE [ Abort above the limit ] in the tracker), so a probe far above
+    the limit costs little. Gradients are counted as ``"gradients"`` from the moment autograd
+    accumulates them into ``param.grad`` (post-accumulate-grad hooks on the registered
+    modules' parameters).
     """
 
-    def measure(
+    def _prepare(
         self,
-        fn: Callable[[], Any],
-        register: Any = (),
-        categories: Sequence[str | None] | str | None = None,
-        host_categories: Sequence[str] = (),
-    ) -> MemoryMeasurement:
-        """Run ``fn()`` once under the tracker; see :meth:`Backend.measure`."""
-        pairs = registered_tensors(register, categories)
-        restore_grads = restore_grads_after_abort(register)
-        start = time.perf_counter()
+        registered: list[tuple[torch.Tensor, str]],
+        parameters: list[torch.nn.Parameter],
+        host_categories: Sequence[str],
+    ) -> _Trial:
         tracker = MemoryTracker(
             round_to=self.round_to, limit_bytes=self.limit_bytes, host_categories=host_categories
         )
-        exceeded = False
+        return _Trial(tracker, registered, parameters)
+
+    @contextlib.contextmanager
+    def _running(self, state: _Trial) -> Iterator[None]:
+        tracker = state.tracker
         with self.context():
             handles = [
                 p.register_post_accumulate_grad_hook(lambda p: tracker.recategorize(p.grad, GRADIENTS))
-                for p in trainable_parameters(register)
+                for p in state.parameters
             ]
+            state.parameters = []
             try:
                 with tracker:
-                    for tensor, category in pairs:
+                    for tensor, category in state.registered:
                         tracker.register_tensor(tensor, category)
-                    del pairs
-                    fn()
-            except MemoryLimitExceeded:
-                # The simulated OOM; the frames of the aborted call die with the exception.
-                exceeded = True
+                    state.registered = []  # counted; the step may now free them
+                    yield
             finally:
                 for handle in handles:
                     handle.remove()
-        if exceeded:
-            restore_grads()
-            gc.collect()
-        peak = tracker.peak_bytes
+
+    def _aborted(self, exc: Exception) -> bool:
+        return isinstance(exc, MemoryLimitExceeded)  # the simulated OOM
+
+    def _result(self, state: _Trial, exceeded: bool, seconds: float) -> MemoryMeasurement:
+        tracker = state.tracker
         limit = self.limit_bytes
         return MemoryMeasurement(
-            peak_bytes=peak,
-            fits=not exceeded and (limit is None or peak <= limit),
+            peak_bytes=tracker.peak_bytes,
+            fits=not exceeded and (limit is None or tracker.peak_bytes <= limit),
             limit_bytes=limit,
             backend=self.name,
             breakdown=dict(tracker.peak_breakdown),
             exceeded=exceeded,
-            seconds=time.perf_counter() - start,
+            seconds=seconds,
             host_bytes=tracker.host_bytes,
             phase_peaks=dict(tracker.phase_peaks),
             phase_breakdowns={k: dict(v) for k, v in tracker.phase_breakdowns.items()},

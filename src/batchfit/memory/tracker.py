@@ -5,7 +5,7 @@ output's untyped storage once (keyed by its ``_cdata``) and forgets it when the 
 (``weakref.finalize``). The running sum of live storage bytes and its maximum are the
 "live-byte peak" of the block, which on the CPU matched the CPU profiler within 256 bytes
 and is deterministic run to run; under ``FakeTensorMode`` it predicts the same peak with no
-allocation (``../shared/DESIGN.md``, memory measurement facts).
+allocation (``tests/test_memory.py`` holds the estimate to the cpu run byte for byte).
 
 Storages that exist before the tracker starts (parameters, buffers, inputs, optimizer
 state) are invisible to it until registered with :meth:`MemoryTracker.register`.

@@ -7,39 +7,13 @@ from typing import Any
 
 import torch
 
+from batchfit.dtypes import parse_dtype
 from batchfit.errors import InvalidArgument
 from batchfit.memory import Backend, get_backend
 from batchfit.models.specs import DEFAULT_PRESET, load_config, quiet_transformers_logs
 from batchfit.validation import check_choice
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
-
-def parse_dtype(dtype: Any) -> torch.dtype:
-    """A floating ``torch.dtype`` from a dtype or a name (``"bf16"``, ``"bfloat16"``, ``"fp32"``, ...).
-
-    Raises:
-        InvalidArgument: anything else, listing the names.
-    """
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.strip().lower().removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.strip().lower().removeprefix("torch.")]
-    raise InvalidArgument(
-        f"dtype must be torch.float32, torch.bfloat16 or torch.float16 (or a name: {', '.join(_DTYPES)}), but got dtype={dtype!r}"
-    )
-
 
 def resolve_backend(backend: Any) -> Backend | None:
     """``None`` stays ``None`` (plain CPU tensors); a name goes through :func:`get_backend`."""
