@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import sys
 
-from batchfit.bench_logprobs import run_logprobs_bench
 from batchfit.cli import main as cli_main
 from batchfit.cli.bench import render_logprobs
+from batchfit.logprobs.bench import run_logprobs_bench
 
 
 def targets() -> int:

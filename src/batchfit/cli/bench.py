@@ -1,7 +1,8 @@
 """``batchfit bench``: benchmarks; ``batchfit bench logprobs`` times and sizes the log-prob paths.
 
-The numbers come from :func:`batchfit.bench_logprobs.run_logprobs_bench`; this module only parses,
-shows progress on stderr and renders a rich table (or ``--json``).
+The numbers come from :func:`batchfit.logprobs.bench.run_logprobs_bench`; this module only parses,
+shows progress on stderr (a spinner on a terminal, one line per step otherwise) and renders a
+rich table (or ``--json``).
 """
 
 from __future__ import annotations
@@ -9,8 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
-from batchfit.bench_logprobs import BACKENDS, DTYPES, METHODS, STARTS, LogprobsBench, run_logprobs_bench
+from batchfit.dtypes import DTYPES
+from batchfit.logprobs.bench import METHODS, STARTS, LogprobsBench, run_logprobs_bench
+from batchfit.memory import BACKEND_NAMES, backend_name
 
 MIB = 1024**2
 # Default grids: what the CPU runs in about a minute, and what the estimate backend is for.
@@ -56,7 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--chunk", type=_chunk, nargs="+", metavar="N|none", help="chunk sizes, 'none' = unchunked"
     )
     lp.add_argument("--method", nargs="+", choices=METHODS, default=list(METHODS))
-    lp.add_argument("--backend", choices=BACKENDS, default="cpu")
+    lp.add_argument(
+        "--backend", choices=BACKEND_NAMES, default="cpu", help="cpu (default), estimate, cuda, or auto"
+    )
     lp.add_argument("--batch", type=int, default=1)
     lp.add_argument("--hidden", type=int, default=256, help="hidden size of the inputs (default 256)")
     lp.add_argument(
@@ -71,6 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lp.add_argument("--warmup", type=int, default=1)
     lp.add_argument("--seed", type=int, default=0)
     lp.add_argument("--json", action="store_true", help="print the result as JSON")
+    lp.add_argument("--no-progress", dest="progress", action="store_false", help="no progress on stderr")
     lp.set_defaults(func=run_logprobs)
 
 
@@ -81,18 +89,23 @@ def _missing_benchmark(parser: argparse.ArgumentParser) -> int:
 
 
 def run_logprobs(args: argparse.Namespace) -> int:
-    """Run the log-prob benchmark from parsed arguments; render a table or JSON on stdout."""
-    vocabs, seqs, chunks = DEFAULT_GRID[args.backend]
+    """Run the log-prob benchmark from parsed arguments; render a table or JSON on stdout.
+
+    Progress goes to stderr unless ``--no-progress``: a spinner on a terminal, else one line per
+    step, so a piped or logged run shows what it is doing during minutes of measuring.
+    """
+    backend = backend_name(args.backend)
+    vocabs, seqs, chunks = DEFAULT_GRID[backend]
     chunks = args.chunk if args.chunk is not None else chunks
-    dtype = args.dtype or ("float32" if args.backend == "cpu" else "bfloat16")
-    progress = _progress() if not args.json and sys.stderr.isatty() else None
+    dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
+    stop, say = _progress() if args.progress else (None, None)
     try:
         result = run_logprobs_bench(
             args.vocab or vocabs,
             args.seq or seqs,
             chunks,
             methods=args.method,
-            backend=args.backend,
+            backend=backend,
             batch=args.batch,
             hidden=args.hidden,
             dtype=dtype,
@@ -102,11 +115,11 @@ def run_logprobs(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             warmup=args.warmup,
             seed=args.seed,
-            on_row=progress[1] if progress else None,
+            on_progress=say,
         )
     finally:
-        if progress:
-            progress[0].stop()
+        if stop is not None:
+            stop()
     if args.json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -115,34 +128,42 @@ def run_logprobs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress():
+def _progress() -> tuple[Callable[[], None], Callable[[str], None]]:
+    """``(stop, say)``: a transient spinner on a terminal's stderr, else a line on stderr per call."""
+    if not sys.stderr.isatty():
+
+        def line(text: str) -> None:
+            sys.stderr.write(f"bench logprobs: {text}\n")
+            sys.stderr.flush()
+
+        return (lambda: None), line
+
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
-    prog = Progress(SpinnerColumn(), TextColumn("{task.description}"), console=Console(stderr=True))
-    task = prog.add_task("measuring…", total=None)
+    prog = Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), console=Console(stderr=True), transient=True
+    )
+    task = prog.add_task("bench logprobs: starting", total=None)
     prog.start()
-
-    def on_row(row) -> None:
-        chunk = "none" if row.chunk_size is None else row.chunk_size
-        prog.update(task, description=f"done {row.method} V={row.vocab} S={row.seq} chunk={chunk}")
-
-    return prog, on_row
+    return prog.stop, lambda text: prog.update(task, description=f"bench logprobs: {text}")
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
-def render_logprobs(result: LogprobsBench, console=None) -> None:
-    """Print ``result`` as a rich table (one row per case) with the settings in the title."""
+def render_logprobs(result: LogprobsBench, console: Any = None) -> None:
+    """Print ``result`` as a rich table (one row per case) with the settings in the title.
+
+    Without ``console``, stdout; when stdout is not a terminal (piped, redirected) the console is
+    as wide as the table, so no column is cut to fit 80 columns.
+    """
     from rich.console import Console
     from rich.table import Table
 
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
-            console.width = 160
+    from batchfit.memory import format_bytes
+
     title = (
         f"log-probs forward+backward · backend={result.backend} · dtype={result.dtype} · "
         f"batch={result.batch} · start={result.start}"
@@ -166,8 +187,21 @@ def render_logprobs(result: LogprobsBench, console=None) -> None:
             _fmt(None if r.extra_bytes is None else r.extra_bytes / MIB, ",.0f"),
             _fmt(r.memory_saved_vs_naive, ".1f", "×"),
         )
-    console.print(table)
-    console.print(
+    notes = [
         "time: best of repeats; extra = peak − inputs − their gradients; speed vs no-chunk = "
         "time(chunk none) / time (> 1 faster); saved vs naive = naive extra / extra."
-    )
+    ]
+    if any(r.oom for r in result.rows):
+        where = "the host's available memory" if result.backend == "cpu" else "the device"
+        notes.append(
+            f"OOM: the case needs more than {where} ({format_bytes(result.limit_bytes)}); "
+            "--backend estimate sizes it without allocating."
+        )
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped: as wide as the table needs (measured without a cap)
+            console.width = 1_000_000
+            console.width = max(80, console.measure(table).maximum)
+    console.print(table)
+    for note in notes:
+        console.print(note, soft_wrap=True)
