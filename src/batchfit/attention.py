@@ -76,14 +76,18 @@ def varlen_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    # grouped-query attention without copies of key and value (transformers' sdpa path does the same)
+    gqa = query.shape[1] != key.shape[1]
     p = dropout if module.training else 0.0
     outputs = [
         F.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=p, is_causal=True, scale=scaling
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            dropout_p=p,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=gqa,
         )
         for s, e in bounds
     ]
