@@ -87,6 +87,30 @@ def test_packed_micro_batches_give_the_padded_logprobs_at_the_same_tokens():
     torch.testing.assert_close(packed, reference_logprobs(model, batch).detach(), atol=1e-5, rtol=0)
 
 
+def test_padded_rows_run_without_a_mask_and_head_chunks_stop_at_the_longest_sequence(monkeypatch):
+    import batchfit.train.logprobs as module
+
+    chunks, calls = [], []
+    fused = module.logprobs_from_hidden
+    monkeypatch.setattr(
+        module, "logprobs_from_hidden", lambda *a, **k: chunks.append(k["chunk_size"]) or fused(*a, **k)
+    )
+    model = tiny_lm()
+    model.register_forward_pre_hook(lambda m, args, kwargs: calls.append(sorted(kwargs)), with_kwargs=True)
+    batch = rollouts(4)
+    model_logprobs(model, batch)  # left-padded prompts: rows move to column 0, causal attention needs no mask
+    holes = dict(batch, attention_mask=batch["attention_mask"].clone())
+    holes["attention_mask"][0, P] = 0  # a hole inside row 0: the mask must stay
+    model_logprobs(model, holes)
+    assert calls == [["input_ids", "use_cache"], ["attention_mask", "input_ids", "position_ids", "use_cache"]]
+    plan = plan_micro_batches(batch["attention_mask"].sum(-1), 100, cost="packed")
+    packed = next(iter_micro_batches(batch, plan, layout="packed"))
+    model_logprobs(model, packed.batch)
+    # padded: the row width P + R = 14; packed: the longest packed sequence, not the row's length
+    assert chunks == [P + R, P + R, packed.batch["max_length"]]
+    assert packed.batch["max_length"] < packed.batch["input_ids"].shape[1]
+
+
 def test_policy_loss_is_the_clipped_surrogate_on_the_response_columns():
     logp = torch.tensor([[9.0, 0.0, math.log(2.0), math.log(0.5)]])  # column 0 is prompt: never read
     batch = {

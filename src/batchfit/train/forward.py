@@ -31,7 +31,7 @@ def forward_logprobs(
     rank: int = 0,
     *,
     layout: str = "padded",
-    chunk_size: int | None = 1024,
+    chunk_size: int | str | None = "auto",
     temperature: float = 1.0,
     group: Any = None,
     **iter_options: Any,
@@ -50,7 +50,7 @@ def forward_logprobs(
             with the forward-only budget and ``dp_size`` = the data-parallel ranks.
         rank: this process' data-parallel rank.
         layout: ``"padded"`` or ``"packed"`` (:func:`batchfit.microbatch.iter_micro_batches`).
-        chunk_size, temperature: as :func:`batchfit.logprobs.logprobs_from_hidden`.
+        chunk_size, temperature: as :func:`batchfit.train.model_logprobs`.
         group: the data-parallel process group (``None`` = the default group).
         **iter_options: passed to :func:`batchfit.microbatch.iter_micro_batches`.
 
