@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from batchfit.errors import BatchConfigError, BatchfitError
 
 # Subcommand modules, in the order `batchfit --help` lists them.
-COMMANDS = ("profile", "plan", "autobatch", "bench")
+COMMANDS = ("profile", "plan", "autobatch", "bench", "demo")
 
 
 class ArgumentParser(argparse.ArgumentParser):

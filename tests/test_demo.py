@@ -1,0 +1,114 @@
+"""examples/grpo_stepwise.py and ``batchfit demo``: the library's pieces composed into a step-wise GRPO loop."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from batchfit.cli import main
+from batchfit.cli.demo import DEMO_DEFAULTS, OPTIONS, load_example
+from multirank import run_ranks
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+example = load_example()
+# small enough for seconds; budgets given, so no profiling (one test profiles)
+SMALL = {
+    "prompts": 4,
+    "mini_batch": 2,
+    "samples": 3,
+    "max_prompt_len": 48,
+    "max_response_len": 32,
+    "token_budget": 256,
+    "forward_token_budget": 1024,
+    "quiet": True,
+}
+
+
+def small(**changes) -> object:
+    return example.Settings(**{**SMALL, **changes})
+
+
+def test_optimizer_steps_are_the_plans_count_whatever_the_turns():
+    one_turn = example.train(small(steps=2, max_turns=1))
+    five_turns = example.train(small(steps=2, max_turns=5))
+    sequences = [sum(s.sequences for s in r.steps) for r in (one_turn, five_turns)]
+    assert sequences[0] < sequences[1]  # 24 trajectories of one turn each, then of 1-5 turns
+    for result in (one_turn, five_turns):
+        # 4 prompts / 2 per mini-batch × 1 epoch = 2 optimizer steps per training step, × 2 steps
+        assert result.plan.optimizer_steps_per_step == 2
+        assert [s.step for s in result.steps] == [1, 2, 3, 4]
+
+
+def test_loss_decreases_over_optimizer_steps_on_the_learnable_reward():
+    # one rollout set, four epochs over one mini-batch: the clipped surrogate falls step by step
+    result = example.train(small(steps=1, mini_batch=4, samples=4, epochs=4))
+    losses = [s.loss for s in result.steps]
+    assert len(losses) == 4
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+
+
+def test_rollouts_are_step_wise_prompt_response_rows_with_group_relative_advantages():
+    s = small(prompts=3, samples=4)
+    batch = example.synthetic_rollouts(s, step=0, vocab_size=1024)
+    uids, mask = batch["uid"], batch["attention_mask"]
+    assert uids == sorted(uids) and set(uids) == {0, 1, 2}  # contiguous per prompt
+    assert mask.shape[1] == 48 + 32 and batch["loss_mask"].shape[1] == 32
+    # response-wide fields are right-aligned: the loss mask is the response part of the attention mask
+    assert torch.equal(batch["loss_mask"], mask[:, 48:].float())
+    lengths = batch["loss_mask"].sum(1)
+    assert lengths.min() >= 4 and lengths.max() <= 32
+    assert (batch["advantages"] * (1 - batch["loss_mask"])).abs().sum() == 0
+
+
+def test_every_micro_batch_peak_is_under_the_budget_profiled_on_this_machine():
+    result = example.train(small(steps=1, token_budget=None, forward_token_budget=None, memory="8MiB"))
+    assert result.config.max_tokens_per_micro_batch == result.token_budget
+    for log in [*result.steps, *result.forward]:
+        assert log.limit_bytes is not None
+        assert log.peak_bytes <= log.limit_bytes, (log, log.peak_bytes / log.limit_bytes)
+
+
+def test_batchfit_demo_runs_the_example_and_reports_bad_values_in_one_line(capsys):
+    args = ["--steps", "1", "--max-prompt-len", "48", "--max-response-len", "32", "--token-budget", "256"]
+    assert main(["demo", *args, "--forward-token-budget", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "token budget per rank: 256 tokens" in out
+    assert out.count("step ") >= 2 and "micro-batches" in out and "tok/s" in out
+    assert main(["demo", "--max-turns", "9"]) == 2
+    assert capsys.readouterr().err == "batchfit demo: error: max_turns must be at most 5, but got max_turns=9\n"
+
+
+def test_demo_options_are_the_examples_settings():
+    fields = [f.name for f in dataclasses.fields(example.Settings)]
+    assert [name for name, _, _ in OPTIONS] == fields
+    assert set(DEMO_DEFAULTS) <= set(fields)
+
+
+def _params(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: a collective
+        out[name] = full.detach().numpy().copy()
+    return out
+
+
+def _fsdp2_rank(rank: int) -> dict:
+    torch.set_num_threads(1)
+    result = example.train(small(steps=1, sharding="fsdp2"))
+    return {"params": _params(result.model), "steps": [(s.micro_batches, s.loss) for s in result.steps]}
+
+
+def test_two_fsdp2_ranks_end_with_identical_parameters_equal_to_one_process():
+    single = example.train(small(steps=1))
+    expected = _params(single.model)
+    ranks = run_ranks(_fsdp2_rank, timeout=120)
+    for name, value in expected.items():
+        assert np.array_equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
+        np.testing.assert_allclose(ranks[0]["params"][name], value, atol=1e-5, rtol=0, err_msg=name)
+    assert ranks[0]["steps"] == ranks[1]["steps"]  # the same micro-batch count and mini-batch loss
+    for (_, loss), step in zip(ranks[0]["steps"], single.steps):
+        assert loss == pytest.approx(step.loss, abs=1e-5)
