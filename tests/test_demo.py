@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -48,7 +49,7 @@ def test_loss_decreases_over_optimizer_steps_on_the_learnable_reward():
     result = example.train(small(steps=1, mini_batch=4, samples=4, epochs=4))
     losses = [s.loss for s in result.steps]
     assert len(losses) == 4
-    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses)), losses
 
 
 def test_rollouts_are_step_wise_prompt_response_rows_with_group_relative_advantages():
@@ -79,7 +80,9 @@ def test_batchfit_demo_runs_the_example_and_reports_bad_values_in_one_line(capsy
     assert "token budget per rank: 256 tokens" in out
     assert out.count("step ") >= 2 and "micro-batches" in out and "tok/s" in out
     assert main(["demo", "--max-turns", "9"]) == 2
-    assert capsys.readouterr().err == "batchfit demo: error: max_turns must be at most 5, but got max_turns=9\n"
+    assert (
+        capsys.readouterr().err == "batchfit demo: error: max_turns must be at most 5, but got max_turns=9\n"
+    )
 
 
 def test_demo_options_are_the_examples_settings():
