@@ -370,7 +370,8 @@ def _role_plan(
                 per_gpu = -(-samples // dp)  # SkyRL pads the mini-batch to a multiple of dp
             if bad & {"micro_train_batch_size_per_gpu", "max_tokens_per_micro_batch"}:
                 return None
-            if cfg.max_tokens_per_micro_batch is None:
+            # SkyRL's validate_batch_sizes checks the micro size even with the token key
+            if cfg.max_tokens_per_micro_batch is None or cfg.framework == "skyrl":
                 micro = cfg.micro_train_batch_size_per_gpu
                 checked = samples // dp  # SkyRL and verl both check the floored per-GPU count
                 if checked % micro:
@@ -382,7 +383,10 @@ def _role_plan(
                         "to bound micro-batches by tokens"
                     )
                     return None
-                accumulation = -(-per_gpu // micro)
+                if cfg.max_tokens_per_micro_batch is None:
+                    accumulation = -(-per_gpu // micro)
+                else:
+                    micro = None
     return RolePlan(
         role=role,
         mini_batch_size=mini,

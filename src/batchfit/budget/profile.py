@@ -21,9 +21,20 @@ from batchfit.budget.token_budget import TokenBudget
 from batchfit.distributed import agree
 from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.sharding import Sharding, as_sharding
-from batchfit.validation import check_choice
+from batchfit.validation import check_choice, check_int
 
-ROLES = ("policy", "critic", "reference")
+ROLES = ("policy", "critic", "reference", "policy_forward", "critic_forward")
+"""Trained steps (``policy``, ``critic``) and forward-only passes under ``no_grad``:
+``reference`` (a frozen model, no optimizer), ``policy_forward`` (old log-probs) and
+``critic_forward`` (values), whose models' training state (sharded parameters and AdamW
+state) stays resident, as it does between a framework's training steps."""
+TRAINED_ROLES = ("policy", "critic")
+VALUE_ROLES = ("critic", "critic_forward")
+
+
+def forward_role(role: str) -> bool:
+    """The role runs forward-only under ``no_grad`` (no backward, no optimizer step)."""
+    return role not in TRAINED_ROLES
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,8 @@ class ModelProfile:
         backend: the backend's name (``cpu``, ``estimate``, ``cuda``).
         memory_limit: device bytes (``None`` = the device's own, cuda).
         reserve_bytes: bytes of ``memory_limit`` no tracker sees.
+        resident_bytes: bytes other models sharing the device keep on it (colocated
+            roles), taken off the usable memory like the reserve.
         budgets: role -> its :class:`TokenBudget`, in the order profiled.
         combined: :meth:`TokenBudget.min` of the budgets (the one to configure).
         sharding: the :class:`~batchfit.sharding.Sharding` profiled.
@@ -63,6 +76,7 @@ class ModelProfile:
     compute_dtype: str = ""
     depth: int | None = None
     measured_depths: tuple[int, int] | None = None
+    resident_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Settings, each role's budget and the combined budget as plain values (JSON-ready)."""
@@ -75,6 +89,7 @@ class ModelProfile:
             "backend": self.backend,
             "memory_limit": self.memory_limit,
             "reserve_bytes": self.reserve_bytes,
+            "resident_bytes": self.resident_bytes,
             "sharding": self.sharding.to_dict(),
             "depth": self.depth,
             "measured_depths": None if self.measured_depths is None else list(self.measured_depths),
@@ -126,13 +141,16 @@ def profile_model(
     depth_extrapolation: bool | None = None,
     suggest_world_size: bool = True,
     reserve_bytes: int | str | None = None,
+    resident_bytes: int = 0,
 ) -> ModelProfile:
     """Build ``model`` for each role and find its token budget per rank; combine the roles.
 
     The policy and the critic train with AdamW (state initialised before measuring); the
     policy's loss is a per-token log-prob mean, the critic's a masked MSE of a value head; the
-    reference runs forward-only log-probs under ``no_grad`` (its budget bounds forward
-    micro-batches: reference and old log-probs). See :func:`batchfit.models.causal_lm_step`.
+    reference runs forward-only log-probs under ``no_grad``; ``policy_forward`` (old
+    log-probs) and ``critic_forward`` (values) run forward-only with their model's training
+    state resident (:data:`ROLES`). Forward passes fit far more tokens than a training step:
+    their budgets bound the forward micro-batches. See :func:`batchfit.models.causal_lm_step`.
     Each role is sharded as ``sharding`` says, with PyTorch's own FSDP2 or DDP
     (:func:`batchfit.models.shard_model`): on the estimate backend over a simulated process
     group of ``sharding.world_size`` ranks, on cpu and cuda over the real one (every rank
@@ -143,7 +161,7 @@ def profile_model(
             ``config.json``, or hub id (config only).
         max_seq_len, cost, safety_margin, seq_lens, progress: as
             :func:`~batchfit.budget.find.find_token_budget` (``progress`` events carry the role).
-        roles: any of ``"policy"``, ``"critic"``, ``"reference"`` (``"policy,critic"``).
+        roles: any of :data:`ROLES` (``"policy,critic"``).
         logprobs: ``full`` (fp32 ``log_softmax`` of the whole logits), ``chunked``
             (:func:`batchfit.logprobs.logprobs_from_logits`) or ``fused``
             (:func:`batchfit.logprobs.logprobs_from_hidden`, no ``[B, S, V]`` logits).
@@ -187,6 +205,9 @@ def profile_model(
     torch_dtype = parse_dtype(default_dtype(plan) if dtype is None else dtype)
     config = load_config(model)  # a bad spec fails here, before any backend work
     be = get_backend(backend, memory_limit=memory_limit, reserve_bytes=reserve_bytes)
+    resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
+    if resident_bytes:
+        _take_resident(be, resident_bytes)
     if be.name == "cpu":
         _check_host_memory(config, model, len(chosen_roles))
     depth = int(config.num_hidden_layers)
@@ -232,7 +253,8 @@ def profile_model(
         logprobs=logprobs,
         backend=be.name,
         memory_limit=be.memory_limit,
-        reserve_bytes=int(be.reserve_bytes or 0),
+        reserve_bytes=int(be.reserve_bytes or 0) - resident_bytes,
+        resident_bytes=resident_bytes,
         budgets=budgets,
         combined=TokenBudget.min(*budgets.values()),
         sharding=plan,
@@ -240,6 +262,67 @@ def profile_model(
         depth=depth,
         measured_depths=tuple(DEFAULT_DEPTHS) if extrapolate else None,
     )
+
+
+def _take_resident(backend: Any, resident: int) -> None:
+    """Count ``resident`` bytes (other models' state on the device) like the reserve."""
+    from batchfit.memory import format_bytes
+
+    if backend.memory_limit is not None and backend.reserve_bytes + resident >= backend.memory_limit:
+        raise DoesNotFitError(
+            f"the models sharing this device keep {format_bytes(resident)} on it, which with the reserve "
+            f"of {format_bytes(backend.reserve_bytes)} leaves nothing of {format_bytes(backend.memory_limit)}; "
+            "offload their state between phases, place the models on separate GPUs, or shard over more ranks",
+            needed=backend.reserve_bytes + resident,
+            available=backend.memory_limit,
+        )
+    backend.reserve_bytes += resident
+
+
+def resident_state_bytes(
+    model: str,
+    role: str,
+    *,
+    backend: str = "estimate",
+    memory_limit: int | str | None = None,
+    dtype: str | None = None,
+    sharding: Sharding | str | None = None,
+    kinds: Sequence[str] = ("parameters", "optimizer_state"),
+    depth_extrapolation: bool | None = None,
+) -> int:
+    """Bytes per rank that ``role``'s model keeps on the device between its steps.
+
+    Measured, not computed: the role's model (and optimizer, for a trained role) is built
+    and sharded as :func:`profile_model` builds it and one tiny step is measured; the
+    breakdown's ``kinds`` categories at its peak are summed (parameters and AdamW state do
+    not depend on the batch). State offloaded to the host (``offload="cpu"``) is not on the
+    device and counts 0.
+
+    Raises:
+        InvalidArgument: bad model, role, backend, dtype or sharding.
+    """
+    from batchfit.memory import get_backend
+    from batchfit.models import load_config, parse_dtype
+    from batchfit.models.depth import DEFAULT_DEPTHS, uniform_layers
+
+    check_choice("role", role, ROLES)
+    plan = as_sharding(sharding)
+    torch_dtype = parse_dtype(default_dtype(plan) if dtype is None else dtype)
+    config = load_config(model)
+    be = get_backend(backend, memory_limit=memory_limit, reserve_bytes=0)
+    depth = int(config.num_hidden_layers)
+    extrapolate = (be.name == "estimate" if depth_extrapolation is None else bool(depth_extrapolation)) and (
+        uniform_layers(config) and depth > max(DEFAULT_DEPTHS)
+    )
+    build = _RoleBuilder(model, be, torch_dtype, False, "full", plan, extrapolate, depth)
+    with _world(be, plan):
+        step = agree(lambda: build.step(role), what=f"building the {role} model")
+        try:
+            measured = step.measure(1, 2)
+        finally:
+            del step
+            gc.collect()
+    return int(sum(measured.breakdown.get(kind, 0) for kind in kinds))
 
 
 def _estimated_hints(
@@ -363,12 +446,16 @@ class _RoleBuilder:
                 backend=self.backend,
                 dtype=self.dtype,
                 gradient_checkpointing=self.checkpointing,
-                value_head=role == "critic",
+                value_head=role in VALUE_ROLES,
                 sharding=self.sharding,
                 **overrides,
             )
             return causal_lm_step(
-                net, backend=self.backend, logprobs=self.logprobs, forward_only=role == "reference"
+                net,
+                backend=self.backend,
+                logprobs=self.logprobs,
+                forward_only=forward_role(role),
+                optimizer="auto" if role == "reference" else "adamw",
             )
 
         return build_depth_steps(make, self.depth) if self.extrapolate else make(self.depth)

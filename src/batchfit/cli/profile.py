@@ -51,7 +51,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"default {DEFAULT_MODEL} ({DEFAULT_CPU_MODEL} with --backend cpu, which runs it for real)",
     )
     p.add_argument(
-        "--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN, metavar="N", help=f"default {DEFAULT_MAX_SEQ_LEN}"
+        "--config",
+        metavar="FILE",
+        help="a SkyRL or verl config (YAML/JSON): the model, max sequence length, GPUs, sharding, offload, "
+        "checkpointing and the roles it runs come from it; flags override",
+    )
+    p.add_argument(
+        "--emit",
+        metavar="verl|skyrl",
+        help="with --config: print the keys to set in that framework's config (YAML, a comment per key)",
+    )
+    p.add_argument(
+        "--emit-format", default="yaml", metavar="yaml|overrides", help="yaml (default) or Hydra overrides"
+    )
+    p.add_argument(
+        "--max-seq-len", type=int, metavar="N", help=f"default {DEFAULT_MAX_SEQ_LEN} (or the config's)"
     )
     p.add_argument(
         "--backend",
@@ -92,7 +106,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="fsdp2: bf16 = fp32 sharded parameters, bf16 compute, fp32 gradient reduction (the default with fsdp2)",
     )
     p.add_argument(
-        "--offload", default="none", metavar="none|cpu", help="fsdp2: cpu = parameters, gradients, optimizer on the host"
+        "--offload", metavar="none|cpu", help="fsdp2: cpu = parameters, gradients, optimizer on the host (default none)"
     )
     p.add_argument(
         "--dtype",
@@ -102,10 +116,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gradient-checkpointing",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="activation checkpointing of every layer (default on)",
+        default=None,
+        help="activation checkpointing of every layer (default on, or the config's)",
     )
-    p.add_argument("--roles", default="policy", metavar="R,R", help=f"{','.join(ROLES)} (default policy)")
+    p.add_argument(
+        "--roles", metavar="R,R", help=f"{','.join(ROLES)} (default policy; with --config every pass the run makes)"
+    )
     p.add_argument(
         "--logprobs",
         default="full",
@@ -157,6 +173,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     backend = check_choice("--backend", args.backend, BACKEND_NAMES)
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "estimate"
+    run = _apply_config(args, backend)
     memory = args.memory
     defaulted = memory is None and backend == "estimate"
     if defaulted:
@@ -220,7 +237,11 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     check_cost(args.cost)
     if args.dtype is not None:
         parse_dtype(args.dtype)
-    load_config(args.model)
+    if run is None:
+        load_config(args.model)
+    else:
+        for role, model in run.models.items():
+            _check_config_model(role, model, run)
     if args.plot:
         from batchfit.cli.render_budget import require_matplotlib
 
@@ -232,7 +253,84 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "memory_defaulted": defaulted,
         "sharding": sharding,
         "launched": launched,
+        "run": run,
     }
+
+
+def _apply_config(args: argparse.Namespace, backend: str) -> Any:
+    """Fill the flags the user left out from ``--config`` (a :class:`RunConfig`), then the defaults.
+
+    Returns:
+        The :class:`~batchfit.frameworks.RunConfig`, or ``None`` without ``--config``.
+
+    Raises:
+        InvalidArgument: ``--emit`` without ``--config``, ``--roles`` with it, a bad
+            ``--emit``/``--emit-format``, a training strategy batchfit does not model.
+        BatchConfigError: the config cannot be read (one line per fault).
+    """
+    from batchfit.frameworks.emit import FORMATS, TARGETS
+    from batchfit.validation import check_choice
+
+    check_choice("--emit-format", args.emit_format, FORMATS)
+    run = None
+    if args.config is None:
+        if args.emit is not None:
+            raise InvalidArgument("--emit needs --config (the framework config whose keys to write); pass --config FILE")
+    else:
+        from batchfit.frameworks import read_run_config
+
+        if args.emit is not None:
+            check_choice("--emit", args.emit, TARGETS)
+        if args.roles is not None:
+            raise InvalidArgument(
+                "--roles cannot be combined with --config: the config says which models run (drop --roles)"
+            )
+        run = read_run_config(args.config)
+        if args.model is not None:
+            run = run.replace(model=args.model)
+        if args.max_seq_len is None:
+            args.max_seq_len = run.max_seq_len
+        if args.world_size is None and backend == "estimate":
+            args.world_size = run.world_size
+        if args.sharding is None:
+            args.sharding = _strategy(run)
+        if args.offload is None:
+            args.offload = run.offload
+        if args.gradient_checkpointing is None and run.gradient_checkpointing is not None:
+            args.gradient_checkpointing = bool(run.gradient_checkpointing)
+    if args.max_seq_len is None:
+        args.max_seq_len = DEFAULT_MAX_SEQ_LEN
+    if args.offload is None:
+        args.offload = "none"
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = True
+    if args.roles is None:
+        args.roles = "policy"
+    return run
+
+
+def _strategy(run: Any) -> str | None:
+    """The sharding that models the config's training strategy (SkyRL and verl train with FSDP2)."""
+    strategy = (run.strategy or "fsdp").lower()
+    if strategy in ("fsdp", "fsdp2"):
+        return "fsdp2" if run.world_size > 1 else "none"
+    raise InvalidArgument(
+        f"the config trains with strategy={run.strategy!r}, which batchfit does not model; pass "
+        "--sharding fsdp2 to profile it as FSDP2 (an upper bound for tensor/pipeline parallelism)"
+    )
+
+
+def _check_config_model(role: str, model: Any, run: Any) -> None:
+    """The config's model must load: name the key it came from and the override."""
+    from batchfit.models import load_config
+
+    if not model:
+        raise InvalidArgument(f"the config names no {role} model; pass --model PRESET|DIR")
+    try:
+        load_config(model)
+    except InvalidArgument as exc:
+        key = run.source.get("model", "the config") if role != "critic" else "the critic's model path"
+        raise InvalidArgument(f"{exc} (read from {key}; --model overrides it)") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -245,6 +343,8 @@ def run(args: argparse.Namespace) -> int:
         console = Console(soft_wrap=True)
         err = Console(stderr=True)
         show_progress = args.progress and not args.json and err.is_terminal and rank == 0
+        if settings["run"] is not None:
+            return _run_config(args, settings, console, err, show_progress, rank)
         with _progress(err, show_progress) as callback, _flag_hint():
             profile = profile_model(
                 args.model,
@@ -275,6 +375,80 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
             return 0
         _render(console, profile, settings, args)
+    return 0
+
+
+def _run_config(
+    args: argparse.Namespace, settings: dict[str, Any], console: Any, err: Any, show_progress: bool, rank: int
+) -> int:
+    """``--config``: profile every pass of the run; render it, or emit the framework's keys."""
+    from batchfit.frameworks.emit import emit_keys, render_overrides, render_yaml
+    from batchfit.frameworks.profile import profile_run
+    from batchfit.memory import format_bytes
+
+    run = settings["run"]
+    with _progress(err, show_progress) as callback, _flag_hint():
+        result = profile_run(
+            run,
+            max_seq_len=args.max_seq_len,
+            sharding=settings["sharding"],
+            backend=settings["backend"],
+            memory_limit=settings["memory"],
+            reserve_bytes=settings["reserve"],
+            dtype=args.dtype,
+            gradient_checkpointing=args.gradient_checkpointing,
+            logprobs=args.logprobs,
+            cost=args.cost,
+            safety_margin=args.safety_margin,
+            depth_extrapolation=args.depth_extrapolation,
+            progress=callback,
+        )
+    if rank != 0:
+        return 0
+    keys = None
+    if args.emit is not None:
+        keys = emit_keys(result, args.emit, max_seq_len=args.max_seq_len, margin=args.safety_margin)
+    if args.plot:
+        from batchfit.cli.render_budget import plot_budget
+
+        plot_budget(result.budgets, args.plot)
+    if args.json:
+        data = result.to_dict()
+        data["memory_defaulted"] = settings["memory_defaulted"]
+        if keys is not None:
+            data["emit"] = {k.path: k.value for k in keys}
+        json.dump(data, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    if keys is not None:
+        target = settings["memory"] if settings["memory"] is not None else "the device"
+        header = [
+            f"batchfit profile --config {args.config} --emit {args.emit}",
+            f"{', '.join(sorted(set(filter(None, run.models.values()))))}, max_seq_len {args.max_seq_len:,}, "
+            f"{settings['sharding'].describe()}, {target} per GPU, safety margin {args.safety_margin:g}",
+        ]
+        if result.resident:
+            shared = ", ".join(f"{role} {format_bytes(b)}" for role, b in result.resident.items())
+            header.append(f"colocated models' state taken off each budget: {shared}")
+        text = render_yaml(keys, header) if args.emit_format == "yaml" else render_overrides(keys)
+        sys.stdout.write(text)
+        return 0
+    console.print(
+        f"config {args.config}: {run.vocabulary} vocabulary; models "
+        + ", ".join(f"{role} {model}" for role, model in run.models.items())
+        + (f"; colocated {', '.join(run.colocated)}" if run.colocated else ""),
+        highlight=False,
+    )
+    for role, profile in result.profiles.items():
+        console.print()
+        console.rule(f"{role} model", style="dim")
+        _render(console, profile, settings, args)
+        if profile.resident_bytes:
+            console.print(
+                f"colocated models keep {format_bytes(profile.resident_bytes)} per GPU on the device; "
+                "taken off the usable memory above",
+                highlight=False,
+            )
     return 0
 
 

@@ -28,6 +28,11 @@ class RunConfig:
         offload: the sharded parameters live on the CPU (``none`` or ``cpu``).
         gradient_checkpointing: activation checkpointing, or ``None`` when not given.
         logprobs_chunk_size: SkyRL's ``trainer.logprobs_chunk_size``.
+        colocated: the models (``policy``, ``critic``, ``reference``) that share the GPUs,
+            so that one runs while the others' state stays on the device.
+        resident: per colocated model, the state it keeps on the device while another
+            model runs (``parameters``, ``optimizer_state``); what the framework offloads
+            between phases is left out.
         faults: the framework's own rules that the config breaks (beyond the batch plan's).
         source: a mapping of batchfit's terms to the config keys they came from.
     """
@@ -42,8 +47,20 @@ class RunConfig:
     offload: str = "none"
     gradient_checkpointing: bool | None = None
     logprobs_chunk_size: int | None = None
+    colocated: tuple[str, ...] = ()
+    resident: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
     faults: tuple[str, ...] = ()
     source: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def models(self) -> dict[str, str | None]:
+        """Each model role the run has → its model (the reference is the policy's model)."""
+        out: dict[str, str | None] = {"policy": self.model}
+        if self.critic_model:
+            out["critic"] = self.critic_model
+        if self.reference:
+            out["reference"] = self.model
+        return out
 
     @property
     def world_size(self) -> int:

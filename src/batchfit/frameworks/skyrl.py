@@ -75,6 +75,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     prompt, response = as_int(prompt), as_int(response)
     max_seq_len = prompt + response if isinstance(prompt, int) and isinstance(response, int) else None
     offload = "cpu" if as_bool(flat.get("trainer.policy.fsdp_config.cpu_offload")) is True else "none"
+    colocated, resident = _placement(flat, bool(critic_model), reference, offload)
     return RunConfig(
         vocabulary="skyrl",
         batch=BatchConfig(**values, framework="skyrl"),
@@ -86,6 +87,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         offload=offload,
         gradient_checkpointing=as_bool(flat.get("trainer.gradient_checkpointing")),
         logprobs_chunk_size=as_int(flat.get("trainer.logprobs_chunk_size")),
+        colocated=colocated,
+        resident=resident,
         faults=tuple(faults),
         source={
             "max_seq_len": "generator.max_input_length + generator.sampling_params.max_generate_length",
@@ -105,6 +108,25 @@ def _step_wise(given: dict[str, Any], faults: list[str]) -> Any:
             + f"; set only {STEP_WISE_KEYS[0]}"
         )
     return next(iter(set_keys.values()), False)
+
+
+def _placement(
+    flat: dict[str, Any], critic: bool, reference: bool, offload: str
+) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """Which models share GPUs, and what each keeps there while another runs.
+
+    ``colocate_all``: every model shares the GPUs with the inference engines, and SkyRL
+    offloads each model to the host when it is not running (nothing stays resident).
+    ``colocate_policy_ref`` (without it): the reference shares the policy's GPUs, both kept.
+    """
+    roles = ["policy", *(["critic"] if critic else []), *(["reference"] if reference else [])]
+    placement = "trainer.placement."
+    if as_bool(flat.get(placement + "colocate_all")) is True:
+        return tuple(roles), {}
+    if reference and as_bool(flat.get(placement + "colocate_policy_ref", True)) is True:
+        kept = () if offload == "cpu" else ("parameters", "optimizer_state")
+        return ("policy", "reference"), {"policy": kept, "reference": ("parameters",)}
+    return (), {}
 
 
 def _critic_world_size(flat: dict[str, Any], values: dict[str, Any], faults: list[str]) -> Any:

@@ -92,7 +92,10 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     forward = get(ROLLOUT + "log_prob_micro_batch_size_per_gpu")
     if forward is not None:
         values["micro_forward_batch_size_per_gpu"] = forward
-    offload = "cpu" if as_bool(flat.get(ACTOR + "fsdp_config.param_offload")) is True else "none"
+    # fsdp_workers: offload_policy is FSDP2's CPUOffloadPolicy (the sharded state lives on the
+    # host); param_offload / optimizer_offload move state to the host between phases only.
+    offload = "cpu" if as_bool(flat.get(ACTOR + "fsdp_config.offload_policy")) is True else "none"
+    roles = ["policy", *(["reference"] if reference else []), *(["critic"] if critic else [])]
     return RunConfig(
         vocabulary="verl",
         batch=BatchConfig(**values, framework="verl"),
@@ -103,6 +106,13 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         strategy=flat.get(ACTOR + "strategy"),
         offload=offload,
         gradient_checkpointing=as_bool(flat.get("actor_rollout_ref.model.enable_gradient_checkpointing")),
+        # actor, rollout and reference share one worker; the critic shares the global pool
+        colocated=tuple(roles) if len(roles) > 1 else (),
+        resident={
+            "policy": _kept(flat, ACTOR + "fsdp_config.", optimizer=True),
+            "reference": _kept(flat, REF + "fsdp_config.", optimizer=False),
+            "critic": _kept(flat, "critic.model.fsdp_config.", optimizer=True),
+        },
         faults=tuple(faults),
         source={
             "max_seq_len": "data.max_prompt_length + data.max_response_length",
@@ -110,6 +120,14 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
             "model": "actor_rollout_ref.model.path",
         },
     )
+
+
+def _kept(flat: dict[str, Any], prefix: str, *, optimizer: bool) -> tuple[str, ...]:
+    """The state a model keeps on its GPUs while a colocated one runs (not offloaded)."""
+    kept = [] if as_bool(flat.get(prefix + "param_offload")) is True else ["parameters"]
+    if optimizer and as_bool(flat.get(prefix + "optimizer_offload")) is not True:
+        kept.append("optimizer_state")
+    return tuple(kept)
 
 
 def _uses_critic(flat: dict[str, Any]) -> bool:

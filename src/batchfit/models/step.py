@@ -368,7 +368,7 @@ def causal_lm_step(
     model: torch.nn.Module,
     *,
     backend: Any,
-    optimizer: str | torch.optim.Optimizer | None = "adamw",
+    optimizer: str | torch.optim.Optimizer | None = "auto",
     critic: bool | None = None,
     vocab_size: int | None = None,
     lr: float = 1e-6,
@@ -383,15 +383,18 @@ def causal_lm_step(
         backend: the :class:`~batchfit.memory.Backend` (or its name) to measure with.
         optimizer: ``"adamw"`` (``foreach=True``, the CUDA default, on every backend),
             ``"sgd"`` (momentum 0.9), an optimizer over ``model``'s parameters, or ``None``
-            (forward + backward only).
+            (forward + backward only); ``"auto"`` (default) is ``"adamw"`` for a training
+            step and ``None`` for a forward-only one.
         critic: value-head loss; default: ``True`` iff ``model`` is a token classifier with
             one label (``build_causal_lm(value_head=True)``).
         vocab_size: token ids are drawn below this; default ``model.config.vocab_size``.
         lr: learning rate of a created optimizer.
         logprobs: how the policy loss computes log-probs, one of :data:`LOGPROBS`
             (``"fused"`` needs a model with ``get_output_embeddings()`` and a decoder body).
-        forward_only: a forward-only step (reference model, old log-probs): ``eval()``,
-            ``no_grad``, no optimizer (``optimizer`` is ignored).
+        forward_only: a forward-only step: ``eval()``, ``no_grad`` log-probs (or values),
+            no backward and no optimizer step. With an ``optimizer`` its state is created and
+            registered all the same: the old-log-prob or value pass of a model being trained
+            runs with that state resident; pass ``optimizer=None`` for a frozen reference.
 
     Returns:
         A :class:`TrainingStep`; ``step.persistent`` is what to register with
@@ -431,7 +434,9 @@ def causal_lm_step(
             )
     vocab_size = check_positive_int("vocab_size", vocab_size)
     logprobs = check_choice("logprobs", logprobs, LOGPROBS)
-    opt = None if forward_only else _make_optimizer(model, optimizer, lr, chosen)
+    if isinstance(optimizer, str) and optimizer == "auto":
+        optimizer = None if forward_only else "adamw"
+    opt = _make_optimizer(model, optimizer, lr, chosen)
     step = TrainingStep(
         model,
         backend=chosen,
