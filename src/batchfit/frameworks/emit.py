@@ -41,7 +41,11 @@ def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: flo
     if target == "verl":
         keys = [
             Key("actor_rollout_ref.actor.use_dynamic_bsz", True, "micro-batches by the token lengths below"),
-            Key("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", budgets["policy"], why("policy", "actor update")),
+            Key(
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                budgets["policy"],
+                why("policy", "actor update"),
+            ),
             Key("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", True),
             Key(
                 "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
@@ -139,6 +143,7 @@ def render_yaml(keys: list[Key], header: list[str]) -> str:
 
 def render_overrides(keys: list[Key]) -> str:
     """The keys as Hydra command-line overrides, one ``path=value`` per line."""
-    return "\n".join(
-        f"{k.path}={str(k.value).lower() if isinstance(k.value, bool) else k.value}" for k in keys
-    ) + "\n"
+    return (
+        "\n".join(f"{k.path}={str(k.value).lower() if isinstance(k.value, bool) else k.value}" for k in keys)
+        + "\n"
+    )

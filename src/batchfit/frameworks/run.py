@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,9 @@ class RunConfig:
             model runs (``parameters``, ``optimizer_state``); what the framework offloads
             between phases is left out.
         faults: the framework's own rules that the config breaks (beyond the batch plan's).
+        source: batchfit's terms → the config keys they were read from (for messages).
+        key_names: :class:`BatchConfig` field → the framework's key, so that the plan's
+            faults and warnings name the keys the user wrote.
         source: a mapping of batchfit's terms to the config keys they came from.
     """
 
@@ -51,6 +55,7 @@ class RunConfig:
     resident: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
     faults: tuple[str, ...] = ()
     source: dict[str, str] = field(default_factory=dict, compare=False)
+    key_names: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def models(self) -> dict[str, str | None]:
@@ -81,11 +86,19 @@ class RunConfig:
         try:
             plan = self.batch.plan(strict=strict)
         except BatchConfigError as exc:
-            faults.extend(exc.faults)
+            faults.extend(self.in_own_words(f) for f in exc.faults)
             plan = None
         if faults or plan is None:
             raise BatchConfigError(faults)
-        return plan
+        return dataclasses.replace(plan, warnings=tuple(self.in_own_words(w) for w in plan.warnings))
+
+    def in_own_words(self, message: str) -> str:
+        """``message`` with batchfit's field names replaced by the framework's keys."""
+        if not self.key_names:
+            return message
+        names = sorted(self.key_names, key=len, reverse=True)
+        pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, names)) + r")(?![\w])")
+        return pattern.sub(lambda m: self.key_names[m.group(1)], message)
 
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with ``changes`` applied."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchfit.config import BatchConfig
+from batchfit.errors import BatchConfigError
 from batchfit.frameworks.run import RunConfig, as_bool, as_int, misspelt_keys
 from batchfit.frameworks.source import flatten
 
@@ -49,7 +50,10 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     """A resolved SkyRL config (defaults merged) as a :class:`RunConfig`; ``given`` is the
     user's own resolved keys (flat), to tell what the file says from what SkyRL defaults."""
     flat = flatten(data)
-    faults = misspelt_keys(flat, set(flatten(_defaults())) | set(KEYS) | set(OTHER_KEYS))
+    misspelt = misspelt_keys(flat, set(flatten(_defaults())) | set(KEYS) | set(OTHER_KEYS))
+    if misspelt:
+        raise BatchConfigError(misspelt)
+    faults: list[str] = []
     values: dict[str, Any] = {field: as_int(flat[key]) for key, field in KEYS.items() if key in flat}
     tokens = as_int(flat.get(TOKEN_KEY, flat.get("trainer.max_tokens_per_micro_batch")))
     values["max_tokens_per_micro_batch"] = (
@@ -90,6 +94,10 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         colocated=colocated,
         resident=resident,
         faults=tuple(faults),
+        key_names={
+            **{field: key for key, field in KEYS.items() if field not in ("num_nodes", "gpus_per_node")},
+            "max_tokens_per_micro_batch": TOKEN_KEY,
+        },
         source={
             "max_seq_len": "generator.max_input_length + generator.sampling_params.max_generate_length",
             "world_size": "trainer.placement.policy_num_nodes × policy_num_gpus_per_node",

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchfit.config import BatchConfig
+from batchfit.errors import BatchConfigError
 from batchfit.frameworks.run import RunConfig, as_bool, as_int, misspelt_keys
 from batchfit.frameworks.source import flatten
 
@@ -35,11 +36,28 @@ EXTRA_KEYS = (
 )
 
 
+# BatchConfig field -> the verl key it is read from (for messages in verl's words).
+KEY_NAMES = {
+    "train_batch_size": "data.train_batch_size",
+    "policy_mini_batch_size": ACTOR + "ppo_mini_batch_size",
+    "n_samples_per_prompt": ROLLOUT + "n",
+    "micro_train_batch_size_per_gpu": ACTOR + "ppo_micro_batch_size_per_gpu",
+    "micro_forward_batch_size_per_gpu": ROLLOUT + "log_prob_micro_batch_size_per_gpu",
+    "max_tokens_per_micro_batch": ACTOR + "ppo_max_token_len_per_gpu",
+    "update_epochs_per_batch": ACTOR + "ppo_epochs",
+    "critic_mini_batch_size": "critic.ppo_mini_batch_size",
+    "sequence_parallel": ACTOR + "ulysses_sequence_parallel_size",
+}
+
+
 def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     """A resolved verl config (defaults merged) as a :class:`RunConfig`."""
     del given  # every verl rule reads the merged config
     flat = flatten(data)
-    faults = misspelt_keys(flat, set(flatten(_defaults())) | set(EXTRA_KEYS))
+    misspelt = misspelt_keys(flat, set(flatten(_defaults())) | set(EXTRA_KEYS))
+    if misspelt:
+        raise BatchConfigError(misspelt)
+    faults: list[str] = []
 
     def get(key: str) -> Any:
         return as_int(flat.get(key))
@@ -114,6 +132,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
             "critic": _kept(flat, "critic.model.fsdp_config.", optimizer=True),
         },
         faults=tuple(faults),
+        key_names=KEY_NAMES,
         source={
             "max_seq_len": "data.max_prompt_length + data.max_response_length",
             "world_size": "trainer.nnodes × trainer.n_gpus_per_node",
