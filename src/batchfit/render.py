@@ -22,7 +22,11 @@ def _role_lines(role: RolePlan, plan: BatchPlan, last: bool) -> list[str]:
     lines = [f"{lead}{role.role}: mini-batch of {role.mini_batch_size:,} prompts"]
     items = [
         f"mini-batches per epoch: {role.mini_batches_per_epoch:,} "
-        f"(= {cfg.train_batch_size:,} / {role.mini_batch_size:,})",
+        + (
+            f"(= {cfg.train_batch_size:,} / {role.mini_batch_size:,})"
+            if cfg.train_batch_size % role.mini_batch_size == 0
+            else f"(= ⌈{cfg.train_batch_size:,} / {role.mini_batch_size:,}⌉, the last partial)"
+        ),
         f"optimizer steps per training step: {role.optimizer_steps_per_step:,} "
         f"(= {role.mini_batches_per_epoch:,} × {cfg.update_epochs_per_batch} epochs)",
         f"samples per mini-batch: {_varies(role.samples_per_mini_batch)}",
