@@ -336,3 +336,10 @@ def test_colocation_and_what_stays_resident():
     everything["trainer"]["placement"]["colocate_all"] = True
     everything["trainer"]["placement"]["critic_num_gpus_per_node"] = 8
     assert _run(yaml.safe_dump(everything)).resident == {}  # SkyRL offloads idle models
+
+
+def test_skyrl_step_wise_with_gae_is_a_fault():
+    config = _skyrl(8, 4, 2, 4, algorithm={"advantage_estimator": "gae"}, critic={"model": {"path": "x"}})
+    config["generator"]["step_wise_trajectories"] = True
+    with pytest.raises(BatchConfigError, match=r"step_wise_trajectories=true does not work with .*=gae"):
+        read_run_config(config).plan()

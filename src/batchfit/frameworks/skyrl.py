@@ -69,7 +69,14 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     reference = bool(as_bool(flat.get(algorithm + "use_kl_loss"))) or bool(
         as_bool(flat.get(algorithm + "use_kl_in_reward"))
     )
-    if flat.get(algorithm + "advantage_estimator") == "gae" and not critic_model:
+    estimator = flat.get(algorithm + "advantage_estimator")
+    if values["step_wise"] is True and estimator in ("gae", "reinforce++"):
+        # validate_cfg: step-wise trajectories need an outcome-level estimator
+        faults.append(
+            f"generator.step_wise_trajectories=true does not work with trainer.algorithm.advantage_estimator="
+            f"{estimator} (SkyRL validate_cfg); use grpo or rloo, or turn step-wise off"
+        )
+    if estimator == "gae" and not critic_model:
         # validate_cfg: PPO (gae) needs trainer.critic.model.path
         faults.append(
             "trainer.algorithm.advantage_estimator=gae needs a critic: set trainer.critic.model.path"
