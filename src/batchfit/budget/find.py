@@ -20,12 +20,11 @@ from batchfit.budget.probe import Probe
 from batchfit.budget.token_budget import BudgetPoint, TokenBudget, check_cost
 from batchfit.distributed import agree, agreed_max, all_reduce_min, check_same_arguments
 from batchfit.errors import DoesNotFitError, InvalidArgument
+from batchfit.memory import BACKEND_NAMES
 from batchfit.search import SearchResult, Trial, largest_fitting
 from batchfit.validation import check_choice, check_number, check_positive_int, is_int
 
 logger = logging.getLogger("batchfit.budget")
-
-BACKENDS = ("auto", "cpu", "estimate", "cuda")
 
 # The largest batch size a search tries; a step whose memory does not grow with the batch stops here.
 MAX_BATCH_SIZE = 2**20
@@ -293,7 +292,7 @@ def _check_seq_lens(seq_lens: Sequence[int] | None, max_seq_len: int) -> list[in
 def _resolve_backend(step: Any, backend: Any, memory_limit: Any) -> Any:
     own = getattr(step, "backend", None)
     if isinstance(backend, str):
-        backend = check_choice("backend", backend, BACKENDS)
+        backend = check_choice("backend", backend, BACKEND_NAMES)
     if own is not None:
         name = getattr(own, "name", None)
         if isinstance(backend, str) and backend not in ("auto", name):

@@ -8,9 +8,8 @@ from typing import Any
 from batchfit.budget.memory_model import MemoryModel
 from batchfit.budget.probe import Probe
 from batchfit.errors import InvalidArgument
+from batchfit.packing import COSTS
 from batchfit.validation import check_choice, check_positive_int
-
-COSTS = ("padded", "packed")
 
 
 @dataclass(frozen=True)

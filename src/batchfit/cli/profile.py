@@ -19,6 +19,7 @@ import torch
 
 from batchfit.budget.profile import ROLES, check_roles
 from batchfit.errors import InvalidArgument
+from batchfit.memory import DEFAULT_ESTIMATE_TARGET
 
 # The main job's default: a 7B policy at 8k on one 8-GPU node, sharded the way SkyRL and verl
 # train it (FSDP2, fp32 master weights with bf16 compute, activation checkpointing).
@@ -27,8 +28,6 @@ DEFAULT_MODEL = "qwen2.5-7b"
 DEFAULT_CPU_MODEL = "tiny"
 DEFAULT_MAX_SEQ_LEN = 8192
 DEFAULT_ESTIMATE_WORLD_SIZE = 8
-# Without a GPU and without --memory the estimate targets this device (stated in the header).
-DEFAULT_ESTIMATE_TARGET = "h100-80gb"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -164,15 +163,13 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             line each, exit 2), or a world size that is not the torchrun group's.
     """
     from batchfit.budget.token_budget import check_cost
-    from batchfit.memory import BACKEND_NAMES, DEFAULT_RESERVE_BYTES, format_bytes, parse_memory
+    from batchfit.memory import BACKEND_NAMES, DEFAULT_RESERVE_BYTES, backend_name, format_bytes, parse_memory
     from batchfit.models import load_config, parse_dtype
     from batchfit.models.step import LOGPROBS
     from batchfit.sharding import STRATEGIES, Sharding
     from batchfit.validation import check_choice, check_number, check_positive_int
 
-    backend = check_choice("--backend", args.backend, BACKEND_NAMES)
-    if backend == "auto":
-        backend = "cuda" if torch.cuda.is_available() else "estimate"
+    backend = backend_name(check_choice("--backend", args.backend, BACKEND_NAMES))
     run = _apply_config(args, backend)
     memory = args.memory
     defaulted = memory is None and backend == "estimate"
