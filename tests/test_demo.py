@@ -67,7 +67,7 @@ def test_rollouts_are_step_wise_prompt_response_rows_with_group_relative_advanta
 
 def test_every_micro_batch_peak_is_under_the_budget_profiled_on_this_machine():
     result = example.train(small(steps=1, token_budget=None, forward_token_budget=None, memory="8MiB"))
-    assert result.config.max_tokens_per_micro_batch == result.token_budget
+    assert result.config.max_tokens_per_micro_batch == result.budgets.training
     for log in [*result.steps, *result.forward]:
         assert log.limit_bytes is not None
         assert log.peak_bytes <= log.limit_bytes, (log, log.peak_bytes / log.limit_bytes)

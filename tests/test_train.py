@@ -15,6 +15,7 @@ from batchfit.packing import plan_micro_batches
 from batchfit.train import (
     CollectiveBytes,
     accumulate,
+    accumulated_gradient_bytes,
     data_parallel_size,
     forward_logprobs,
     model_logprobs,
@@ -138,6 +139,15 @@ def test_policy_loss_ignores_tokens_outside_the_loss_mask_whatever_they_hold():
     assert torch.isfinite(logp.grad).all()
 
 
+def test_accumulated_gradients_are_every_trainable_parameter_in_its_dtype():
+    model = tiny_lm()
+    # embeddings and head 2 · 64 · 32 = 4096; per layer q, o 2 · 32 · 32 + k, v 2 · 32 · 16 + MLP 3 · 32 · 64
+    # + two norms 2 · 32 = 9280, two layers 18560; final norm 32: 22688 fp32 values
+    assert accumulated_gradient_bytes(model) == 22688 * 4
+    model.lm_head.weight.requires_grad_(False)  # a frozen head keeps no gradient
+    assert accumulated_gradient_bytes(model) == (22688 - 2048) * 4
+
+
 def test_response_columns_are_the_sequences_last_columns():
     assert response_columns(torch.arange(5).view(1, 5), 3).tolist() == [[2, 3, 4]]
 
@@ -257,6 +267,7 @@ def _rank(rank: int, strategy: str) -> dict:
         "comm": comm,
         "dp": data_parallel_size(model),
         "forward": logp.numpy(),
+        "gradient_bytes": accumulated_gradient_bytes(model),  # FSDP2: unsharded, as kept without sync
     }
 
 
@@ -270,6 +281,7 @@ def test_two_ranks_accumulate_syncing_once_and_give_the_single_process_gradient(
         results = run_ranks(_rank, strategy, timeout=120)
         for got in results.values():
             assert got["dp"] == 2
+            assert got["gradient_bytes"] == accumulated_gradient_bytes(model)
             *accumulating, last = got["comm"]
             assert accumulating, "the plan must have more than one micro-batch per rank"
             assert all(calls[sync] == 0 for calls in accumulating), (strategy, got["comm"])

@@ -44,10 +44,12 @@ OPTIONS: tuple[tuple[str, Any, str], ...] = (
     ("token_budget", int, "training tokens per micro-batch per rank (skips profiling)"),
     ("forward_token_budget", int, "forward-only tokens per micro-batch per rank (skips profiling)"),
     ("micro_batch_size", int, "fixed sequences per micro-batch instead of a token budget"),
+    ("forward_micro_batch_size", int, "the same for the forward pass (default --micro-batch-size)"),
     ("lr", float, "AdamW learning rate"),
     ("clip_ratio", float, "PPO clip ratio"),
     ("seed", int, "seed of the rollouts and the initial weights"),
     ("quiet", bool, "no output"),
+    ("timing_only", bool, "no memory tracker or collective counter (they halve tokens/s)"),
 )
 
 

@@ -10,8 +10,8 @@
   exact loss weights and the data-parallel scale.
 - :func:`accumulate` / :func:`gradient_sync` / :func:`data_parallel_size`: gradient
   accumulation with DDP's ``no_sync`` or FSDP2's ``set_requires_gradient_sync`` until the
-  last micro-batch, and the ``× dp_size`` that turns the ranks' average into the sum
-  (NOTE [ Accumulate, then sync once ]).
+  last micro-batch, the ``× dp_size`` that turns the ranks' average into the sum, and the
+  bytes of the gradients kept between micro-batches (NOTE [ Accumulate, then sync once ]).
 - :class:`PeakTracker` / :class:`CollectiveBytes`: peak bytes per micro-batch (cpu tracker)
   and bytes of collectives per optimizer step.
 
@@ -28,7 +28,12 @@ FSDP2 under ``torchrun``)::
     optimizer.step()
 """
 
-from batchfit.train.accumulate import accumulate, data_parallel_size, gradient_sync
+from batchfit.train.accumulate import (
+    accumulate,
+    accumulated_gradient_bytes,
+    data_parallel_size,
+    gradient_sync,
+)
 from batchfit.train.forward import forward_logprobs
 from batchfit.train.logprobs import fused_output_head, model_logprobs, next_token_labels
 from batchfit.train.loss import policy_loss, response_columns
@@ -38,6 +43,7 @@ __all__ = [
     "CollectiveBytes",
     "PeakTracker",
     "accumulate",
+    "accumulated_gradient_bytes",
     "data_parallel_size",
     "forward_logprobs",
     "fused_output_head",

@@ -8,6 +8,11 @@ step needs it. :func:`accumulate` runs every other micro-batch inside ``model.no
 unsharded gradients until the last backward: one full copy of the gradients per rank that
 a single-micro-batch profile does not hold) and the last one with sync on.
 
+A token budget is probed with one step that starts without gradients (they appear during
+its backward), so it does not hold the gradients accumulated by earlier micro-batches;
+:func:`accumulated_gradient_bytes` says how many bytes they take, to leave room for them
+(e.g. as ``reserve_bytes`` of the budget search).
+
 Both wrappers **average** the gradients over the data-parallel ranks. The loss weights of
 :func:`batchfit.loss.loss_weights` make the weighted per-token losses of all ranks *sum*
 to the mini-batch loss, so each rank multiplies its loss by :func:`data_parallel_size`
@@ -27,7 +32,7 @@ from batchfit.validation import check_int
 
 T = TypeVar("T")
 
-__all__ = ["accumulate", "data_parallel_size", "gradient_sync"]
+__all__ = ["accumulate", "accumulated_gradient_bytes", "data_parallel_size", "gradient_sync"]
 
 
 def _is_ddp(model: torch.nn.Module) -> bool:
@@ -63,6 +68,20 @@ def data_parallel_size(model: torch.nn.Module) -> int:
             if isinstance(param, DTensor):
                 return int(param.device_mesh.size())
     return 1
+
+
+def accumulated_gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of gradients a rank keeps between the micro-batches of an optimizer step (NOTE [ Accumulate, then sync once ]).
+
+    Every trainable parameter's whole gradient in the parameter's dtype: on one device, under
+    DDP, and under FSDP2 too, which keeps unsharded gradients until the synchronising backward
+    (a sharded parameter counts its global size).
+
+    Example:
+        >>> accumulated_gradient_bytes(torch.nn.Linear(4, 2))  # (8 + 2) fp32 values
+        40
+    """
+    return sum(p.numel() * p.element_size() for p in dict.fromkeys(model.parameters()) if p.requires_grad)
 
 
 @contextlib.contextmanager

@@ -45,14 +45,16 @@ def forward_logprobs(
 
     Args:
         model: the policy (or reference) model, bare, DDP or FSDP2.
-        batch: per-sample fields with ``input_ids`` and ``attention_mask`` ``[N, W]``.
+        batch: per-sample fields with ``input_ids`` and ``attention_mask`` ``[N, W]`` (and
+            ``position_ids`` if any); only these are cut into micro-batches.
         plan: from :func:`batchfit.packing.plan_micro_batches` over ``batch``'s lengths,
             with the forward-only budget and ``dp_size`` = the data-parallel ranks.
         rank: this process' data-parallel rank.
         layout: ``"padded"`` or ``"packed"`` (:func:`batchfit.microbatch.iter_micro_batches`).
         chunk_size, temperature: as :func:`batchfit.train.model_logprobs`.
         group: the data-parallel process group (``None`` = the default group).
-        **iter_options: passed to :func:`batchfit.microbatch.iter_micro_batches`.
+        **iter_options: passed to :func:`batchfit.microbatch.iter_micro_batches` (``trim=False``
+            runs full-width rows).
 
     Returns:
         ``[N, W]`` fp32 on ``input_ids``' device; column ``c`` is the log-prob of the token
@@ -72,11 +74,17 @@ def forward_logprobs(
             f"plan.dp_size={plan.dp_size} needs a process group of {plan.dp_size} ranks to gather every row, but got {size}; plan with dp_size={size}"
         )
     ids = batch["input_ids"]
+    # the forward needs the tokens and where they are; the other fields' rows are not copied
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
     out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
     with torch.no_grad():
-        for mb in iter_micro_batches(batch, plan, rank, layout=layout, model=model, **iter_options):
+        for mb in iter_micro_batches(inputs, plan, rank, layout=layout, model=model, **iter_options):
             logp = model_logprobs(model, mb.batch, chunk_size=chunk_size, temperature=temperature)
-            mb.write_back(out, logp)
+            if mb.alignment is None and mb.packed is None:  # trim=False: full-width rows
+                if mb.indices:
+                    out[list(mb.indices)] = logp
+            else:
+                mb.write_back(out, logp)
     if plan.dp_size > 1:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
