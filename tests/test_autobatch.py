@@ -218,6 +218,21 @@ def test_a_name_and_memory_limit_build_the_backend():
     assert (result.batch_size, result.backend, result.limit_bytes) == (512, "cpu", 1 << 20)
 
 
+def test_an_answer_at_max_batch_size_says_it_is_capped():
+    backend = get_backend("cpu", memory_limit="1MiB")
+    # 1 KiB per sample: 819 would fit under the target 838_860, the bound 100 stops the search
+    capped = find_batch_size(
+        lambda b: torch.zeros(b, 256), backend=backend, max_batch_size=100, progress=False
+    )
+    assert (capped.batch_size, capped.max_batch_size, capped.capped_by_max_batch_size) == (100, 100, True)
+    row = capped.to_row()
+    assert (row["max_batch_size"], row["capped_by_max_batch_size"]) == (100, True)
+    # 4 KiB per sample: 838_860 // 4096 = 204 fits, 205 does not; the bound 512 is not reached
+    found = find_batch_size(lambda b: torch.zeros(b, 1024), backend=backend, progress=False)
+    assert (found.batch_size, found.capped_by_max_batch_size) == (204, False)
+    assert found.to_row()["capped_by_max_batch_size"] is False
+
+
 def test_synthetic_step_size_is_exact():
     # 4 KiB per sample (1024 fp32), target floor(0.8 * 1 MiB) = 838_860 -> 838_860 // 4096 = 204
     backend = get_backend("cpu", memory_limit="1MiB")
@@ -386,7 +401,7 @@ def _result(mode: str, fraction: float) -> BatchSizeResult:
         Trial(9, 950, False, exact=False, chosen_by="model"),
         Trial(8, 800, True, chosen_by="model"),
     )
-    return BatchSizeResult(8, mode, fraction, 900, 1000, 800, trials, 12, "cpu")
+    return BatchSizeResult(8, mode, fraction, 900, 1000, 800, trials, 12, "cpu", max_batch_size=16)
 
 
 def test_report_rows_have_the_schema_in_order():

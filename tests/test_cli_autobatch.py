@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import re
+import warnings
+from dataclasses import dataclass
 
 import pytest
+import torch
+from torch import nn
 
 from batchfit.autobatch.builtin_tasks import vision_cnn
 from batchfit.autobatch.report import REPORT_FIELDS
@@ -124,7 +129,65 @@ def test_estimate_without_memory_targets_an_h100_and_says_so(capsys):
     assert main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "h100-80gb (default target without a GPU; set --memory)" in out
-    assert "4 (max)" in out  # a tiny model at 80 GB reaches --max-bs
+    assert "4 (capped)" in out  # a tiny model at 80 GB reaches --max-bs
+    assert "(capped): --max-bs 4 itself fits, so the search stopped there" in out
+
+
+def test_json_rows_say_when_max_bs_capped_the_answer(capsys):
+    # the small task at 1 MiB: val fits more than 2 samples, train at 0.5 fits fewer
+    argv = [*BASE, "--max-bs", "2", "--fractions", "0.05", "--modes", "train,val", "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["batch_size"], r["max_batch_size"], r["capped_by_max_batch_size"]) for r in rows] == [
+        (1, 2, False),
+        (2, 2, True),
+    ]
+
+
+def test_output_that_cannot_be_written_exits_2_before_any_search(tmp_path, capsys, monkeypatch):
+    import batchfit.cli.autobatch as cli_autobatch
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("the search ran before --output was checked")
+
+    monkeypatch.setattr(cli_autobatch, "sweep", no_search)
+    for output, message in [
+        (
+            tmp_path / "missing" / "r.jsonl",
+            r"output must be in an existing folder, but got output='.*r\.jsonl'",
+        ),
+        (tmp_path / "folder.csv", r"output must be a file, but got output='.*folder\.csv', a directory"),
+    ]:
+        (tmp_path / "folder.csv").mkdir(exist_ok=True)
+        assert main([*BASE, "--output", str(output)]) == 2
+        lines = _errors(capsys)
+        assert len(lines) == 1 and re.search(message, lines[0]), lines
+
+
+@dataclass
+class ClonedLayersTask:
+    """A model whose layers are copies (``copy.deepcopy``), as ``nn.TransformerEncoder`` builds them."""
+
+    model: nn.Module
+
+    def make_batch(self, batch_size: int, mode: str) -> torch.Tensor:
+        return torch.randn(batch_size, 8)
+
+    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return model(batch).sum()
+
+
+def cloned_layers_task() -> ClonedLayersTask:
+    layer = nn.Linear(8, 8)
+    return ClonedLayersTask(nn.Sequential(layer, copy.deepcopy(layer)))
+
+
+def test_estimate_prints_no_fake_tensor_data_ptr_warning(capsys):
+    argv = ["autobatch", "--task", f"{__file__}:cloned_layers_task", "--backend", "estimate"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main([*argv, "--memory", "64MiB", "--reserve", "0", "--max-bs", "4", "--no-progress"]) == 0
+    assert not [w for w in seen if "data pointer of FakeTensor" in str(w.message)]
 
 
 def test_cpu_without_memory_exits_2(capsys):

@@ -454,7 +454,7 @@ def test_a_host_allocation_failure_on_the_cpu_backend_is_does_not_fit():
     assert model.weight.grad is grad_before  # the partial gradients of the aborted step are dropped
 
 
-def test_the_estimate_context_hides_only_the_fake_data_ptr_warning():
+def test_a_deep_copy_in_the_estimate_context_stays_in_the_backends_fake_mode():
     import copy
     import warnings
 
@@ -463,8 +463,11 @@ def test_the_estimate_context_hides_only_the_fake_data_ptr_warning():
         warnings.simplefilter("always")
         with backend.context():
             layer = torch.nn.Linear(4, 4)
-            copy.deepcopy(layer)  # reads data_ptr() of fake parameters (nn.TransformerEncoder does)
+            clone = copy.deepcopy(layer)  # as nn.TransformerEncoder clones its layers
             warnings.warn("a warning of the user's own", UserWarning, stacklevel=1)
+    # NOTE [ Deep copies of fake tensors ]: no duplicate FakeTensorMode behind the copy
+    assert clone.weight.fake_mode is backend.fake_mode is layer.weight.fake_mode
+    assert clone.weight is not layer.weight and clone.weight.shape == (4, 4)
     messages = [str(w.message) for w in seen]
     assert not any("data pointer of FakeTensor" in m for m in messages), messages
     assert "a warning of the user's own" in messages
@@ -576,3 +579,32 @@ def test_a_hundred_measurements_leave_no_finalizers_behind():
     assert (
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 100_000
     )  # KiB: no growth per call
+
+
+# --------------------------------------------------------------------------- one definition each
+
+# pattern -> the one file (below src/batchfit) that may define it
+ONE_DEFINITION = {
+    r"""["']cpu["'],\s*["']estimate["']|["']estimate["'],\s*["']cuda["']""": "memory/registry.py",
+    r"""^[A-Z_]+\s*=\s*["']h100-80gb["']""": "memory/estimate.py",
+    r"""^COSTS\s*=""": "packing.py",
+    r"""["'](?:bfloat16|bf16|float16|fp16)["']:\s*torch\.""": "dtypes.py",
+}
+
+
+@pytest.mark.parametrize(
+    "pattern", list(ONE_DEFINITION), ids=["backends", "estimate-target", "costs", "dtypes"]
+)
+def test_shared_constants_are_defined_once(pattern):
+    import re
+    from pathlib import Path
+
+    import batchfit
+
+    root = Path(batchfit.__file__).parent
+    found = {
+        path.relative_to(root).as_posix()
+        for path in root.rglob("*.py")
+        if re.search(pattern, path.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    }
+    assert found <= {ONE_DEFINITION[pattern]}, f"defined again in {sorted(found - {ONE_DEFINITION[pattern]})}"

@@ -11,7 +11,7 @@
 """
 
 from batchfit.autobatch.find import BatchSizeResult, find_batch_size
-from batchfit.autobatch.report import REPORT_FIELDS, report_rows, write_report
+from batchfit.autobatch.report import REPORT_FIELDS, check_report_path, report_rows, write_report
 from batchfit.autobatch.search import SearchResult, Trial, max_trials, model_guess, search_largest
 from batchfit.autobatch.sweep import sweep
 from batchfit.autobatch.task import BUILTIN_TASKS, MODES, Task, TaskTrial, build_task, is_task, load_task
@@ -26,6 +26,7 @@ __all__ = [
     "TaskTrial",
     "Trial",
     "build_task",
+    "check_report_path",
     "find_batch_size",
     "is_task",
     "load_task",

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from batchfit.distributed import (
     get_world_size,
 )
 from batchfit.errors import DoesNotFitError, InvalidArgument
-from batchfit.memory import get_backend
+from batchfit.memory import Backend, get_backend
 from batchfit.validation import check_choice, check_int, check_number, check_positive_int
 
 logger = logging.getLogger("batchfit.autobatch")
@@ -63,6 +63,7 @@ class BatchSizeResult:
         max_trials: the bound on ``len(trials)`` the search guarantees.
         backend: the backend's name.
         world_size: ranks that took part.
+        max_batch_size: the largest candidate the search was allowed (keyword-only).
     """
 
     batch_size: int
@@ -75,6 +76,16 @@ class BatchSizeResult:
     max_trials: int
     backend: str
     world_size: int = 1
+    max_batch_size: int = field(kw_only=True)
+
+    @property
+    def capped_by_max_batch_size(self) -> bool:
+        """True when the answer is ``max_batch_size`` itself: it fits, and larger sizes were not tried.
+
+        The search stopped at the bound, not at the memory; a larger batch may fit too (raise
+        ``max_batch_size`` to find out).
+        """
+        return self.batch_size == self.max_batch_size
 
     @property
     def next_peak_bytes(self) -> int | None:
@@ -87,12 +98,16 @@ class BatchSizeResult:
     def to_row(self) -> dict[str, Any]:
         """The report row: ``mode, memory_fraction, batch_size, peak_bytes, trials`` and context.
 
-        ``trials`` is the number of trials; ``trial_log`` lists them.
+        ``capped_by_max_batch_size`` says the answer is the search's upper bound
+        (:attr:`capped_by_max_batch_size`); ``trials`` is the number of trials; ``trial_log``
+        lists them.
         """
         return {
             "mode": self.mode,
             "memory_fraction": self.memory_fraction,
             "batch_size": self.batch_size,
+            "max_batch_size": self.max_batch_size,
+            "capped_by_max_batch_size": self.capped_by_max_batch_size,
             "peak_bytes": self.peak_bytes,
             "target_bytes": self.target_bytes,
             "limit_bytes": self.limit_bytes,
@@ -102,6 +117,36 @@ class BatchSizeResult:
             "world_size": self.world_size,
             "trial_log": [t.to_dict() for t in self.trials],
         }
+
+
+def check_batch_bounds(min_batch_size: Any, max_batch_size: Any) -> tuple[int, int]:
+    """``(min_batch_size, max_batch_size)`` as ints with ``1 <= min <= max``.
+
+    Raises:
+        InvalidArgument: either is not an integer, ``min < 1`` or ``max < min`` (named, with a fix).
+    """
+    low = check_positive_int("min_batch_size", min_batch_size)
+    high = check_int("max_batch_size", max_batch_size)
+    if high < low:
+        raise InvalidArgument(
+            f"max_batch_size must be >= min_batch_size={low}, but got max_batch_size={high}; raise max_batch_size or lower min_batch_size"
+        )
+    return low, high
+
+
+def limited_backend(backend: Any, memory_limit: Any, reserve_bytes: Any) -> Backend:
+    """The backend for a search at a memory fraction: :func:`~batchfit.memory.get_backend`, with a limit.
+
+    Raises:
+        InvalidArgument: a bad backend or size, or a backend without a memory limit (a fraction
+            of "unlimited").
+    """
+    be = get_backend(backend, memory_limit=memory_limit, reserve_bytes=reserve_bytes)
+    if be.limit_bytes is None:
+        raise InvalidArgument(
+            f"a memory limit is needed for a target fraction, but backend {be.name!r} has memory_limit=None; pass memory_limit (e.g. '16GiB' or 'a100-40gb')"
+        )
+    return be
 
 
 @contextlib.contextmanager
@@ -199,7 +244,7 @@ def find_batch_size(
         Exception: whatever the trial raises on this rank other than running out of memory.
 
     Example:
-        >>> from batchfit.memory import get_backend
+        >>> from batchfit.memory import Backend, get_backend
         >>> be = get_backend("cpu", memory_limit="64MiB")
         >>> find_batch_size(lambda b: torch.zeros(b, 1024), backend=be, progress=False).batch_size
         512
@@ -212,12 +257,7 @@ def find_batch_size(
         fraction = check_number(
             "target_memory_fraction", target_memory_fraction, low=0.0, high=1.0, low_open=True
         )
-        low = check_positive_int("min_batch_size", min_batch_size)
-        high = check_int("max_batch_size", max_batch_size)
-        if high < low:
-            raise InvalidArgument(
-                f"max_batch_size must be >= min_batch_size={low}, but got max_batch_size={high}; raise max_batch_size or lower min_batch_size"
-            )
+        low, high = check_batch_bounds(min_batch_size, max_batch_size)
         steps = check_positive_int("steps_per_trial", steps_per_trial)
         if not (callable(trial) or is_task(trial)):
             raise InvalidArgument(
@@ -225,12 +265,8 @@ def find_batch_size(
             )
         if progress is not None and not isinstance(progress, bool) and not callable(progress):
             raise InvalidArgument(f"progress must be a bool or a callable, but got progress={progress!r}")
-        be = get_backend(backend, memory_limit=memory_limit, reserve_bytes=reserve_bytes)
+        be = limited_backend(backend, memory_limit, reserve_bytes)
         limit = be.limit_bytes
-        if limit is None:
-            raise InvalidArgument(
-                f"a memory limit is needed for a target fraction, but backend {be.name!r} has memory_limit=None; pass memory_limit (e.g. '16GiB' or 'a100-40gb')"
-            )
 
         wrap: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
         if isinstance(trial, TaskTrial):
@@ -329,4 +365,5 @@ def find_batch_size(
         max_trials=found.max_trials,
         backend=be.name,
         world_size=get_world_size(group),
+        max_batch_size=high,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ REPORT_FIELDS = (
     "mode",
     "memory_fraction",
     "batch_size",
+    "max_batch_size",
+    "capped_by_max_batch_size",
     "peak_bytes",
     "target_bytes",
     "limit_bytes",
@@ -46,6 +49,30 @@ def report_format(path: str | Path) -> str:
     return FORMATS[suffix]
 
 
+def check_report_path(path: str | Path) -> str:
+    """Check, before any search, that a report can be written to ``path``; returns its format.
+
+    Raises:
+        InvalidArgument: an extension other than ``.jsonl``/``.csv``, a directory, a folder that
+            does not exist, or a file or folder this process may not write (each names ``output``).
+    """
+    fmt = report_format(path)
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise InvalidArgument(f"output must be a file, but got output={str(path)!r}, a directory; name a .jsonl or .csv file")
+    if not folder.is_dir():
+        raise InvalidArgument(
+            f"output must be in an existing folder, but got output={str(path)!r} and {str(folder)!r} does not exist; create it or name another path"
+        )
+    writable = os.access(target, os.W_OK) if target.exists() else os.access(folder, os.W_OK | os.X_OK)
+    if not writable:
+        raise InvalidArgument(
+            f"output cannot be written: output={str(path)!r} is not writable by this process; name another path"
+        )
+    return fmt
+
+
 def trial_log_text(trial_log: Sequence[dict[str, Any]]) -> str:
     """The CSV form of a trial log: ``batch_size:peak_bytes:fit|over`` per trial, space-separated.
 
@@ -70,11 +97,17 @@ def write_report(path: str | Path, rows: Sequence[dict[str, Any]]) -> str:
     Both have the columns of :data:`REPORT_FIELDS`.
 
     Raises:
-        InvalidArgument: unknown extension.
-        OSError: the file cannot be written.
+        InvalidArgument: unknown extension, or the file cannot be written (names ``output`` and
+            the reason; :func:`check_report_path` finds most of these before a search).
     """
     fmt = report_format(path)
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    try:
+        f = open(path, "w", newline="", encoding="utf-8")  # noqa: SIM115 - closed by the with below
+    except OSError as exc:
+        raise InvalidArgument(
+            f"output cannot be written: output={str(path)!r} ({exc.strerror or exc}); name another path"
+        ) from None
+    with f:
         if fmt == "jsonl":
             for row in rows:
                 f.write(json.dumps(row) + "\n")

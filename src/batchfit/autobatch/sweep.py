@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from batchfit.autobatch.find import BatchSizeResult, find_batch_size
+from batchfit.autobatch.find import BatchSizeResult, check_batch_bounds, find_batch_size, limited_backend
 from batchfit.autobatch.search import Trial
-from batchfit.autobatch.task import MODES, TaskTrial, build_task, load_task
+from batchfit.autobatch.task import DEFAULT_TASK, MODES, TaskTrial, build_task, load_task
 from batchfit.errors import InvalidArgument
-from batchfit.memory import get_backend
-from batchfit.validation import check_choice, check_int, check_number, check_positive_int
+from batchfit.validation import check_choice, check_number, check_positive_int
 
 SweepProgress = Callable[[str, float, Trial], None]
 
@@ -42,7 +41,7 @@ def check_modes(modes: Sequence[Any]) -> tuple[str, ...]:
 
 
 def sweep(
-    task: str | Callable[[], Any] = "causal-lm",
+    task: str | Callable[[], Any] = DEFAULT_TASK,
     *,
     fractions: Sequence[float] = (0.8,),
     modes: Sequence[str] = MODES,
@@ -78,21 +77,12 @@ def sweep(
     """
     fracs = check_fractions(fractions)
     mode_list = check_modes(modes)
-    low = check_positive_int("min_batch_size", min_batch_size)
-    high = check_int("max_batch_size", max_batch_size)
-    if high < low:
-        raise InvalidArgument(
-            f"max_batch_size must be >= min_batch_size={low}, but got max_batch_size={high}; raise max_batch_size or lower min_batch_size"
-        )
+    low, high = check_batch_bounds(min_batch_size, max_batch_size)
     check_positive_int("steps_per_trial", steps_per_trial)
     factory = load_task(task) if isinstance(task, str) else task
     if not callable(factory):
         raise InvalidArgument(f"task must be a spec 'module:function' or a factory, but got task={task!r}")
-    be = get_backend(backend, memory_limit=memory_limit, reserve_bytes=reserve_bytes)
-    if be.limit_bytes is None:
-        raise InvalidArgument(
-            f"a memory limit is needed for a target fraction, but backend {be.name!r} has memory_limit=None; pass memory_limit (e.g. '16GiB' or 'a100-40gb')"
-        )
+    be = limited_backend(backend, memory_limit, reserve_bytes)
     results: list[BatchSizeResult] = []
     for mode in mode_list:
         trial = TaskTrial(build_task(factory, be), mode)

@@ -15,17 +15,13 @@ from typing import Any
 
 import yaml
 
-from batchfit.autobatch import BUILTIN_TASKS, MODES, report_rows, sweep, write_report
-from batchfit.autobatch.report import report_format
+from batchfit.autobatch import BUILTIN_TASKS, MODES, check_report_path, report_rows, sweep, write_report
 from batchfit.autobatch.search import Trial
 from batchfit.autobatch.sweep import check_fractions, check_modes
 from batchfit.autobatch.task import DEFAULT_TASK
 from batchfit.errors import InvalidArgument
+from batchfit.memory import BACKEND_NAMES, DEFAULT_ESTIMATE_TARGET, backend_name
 from batchfit.validation import closest
-
-# Without a GPU and without --memory the estimate targets this device (stated in the title),
-# as `batchfit profile` does.
-DEFAULT_ESTIMATE_TARGET = "h100-80gb"
 
 # config key -> (flag, default); config keys mirror the flags ("min-bs" and "min_bs" both work).
 OPTIONS: dict[str, tuple[str, Any]] = {
@@ -75,7 +71,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--memory", metavar="SIZE", help="device memory: bytes, 16GiB, 80GB or a preset (h100-80gb)"
     )
     p.add_argument("--reserve", metavar="SIZE", help="bytes of --memory no tracker sees (default: backend's)")
-    p.add_argument("--backend", metavar="NAME", help="auto (default), cpu, estimate or cuda")
+    p.add_argument("--backend", metavar="NAME", help=f"{', '.join(BACKEND_NAMES)} (default auto)")
     p.add_argument("--output", metavar="FILE", help="write the rows to FILE.jsonl or FILE.csv")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress display")
@@ -141,7 +137,8 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     """Defaults, then the ``--config`` file, then flags given on the command line; checked.
 
     Raises:
-        InvalidArgument: any bad setting (one line, naming it), before any model is built.
+        InvalidArgument: any bad setting (one line, naming it), an unknown backend or an
+            ``--output`` that cannot be written, before any model is built.
     """
     settings = {key: default for key, (_, default) in OPTIONS.items()}
     settings.update(load_settings(args.config))
@@ -152,11 +149,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("memory", "reserve"):  # a plain byte count from the command line
         if isinstance(settings[key], str) and settings[key].strip().isdigit():
             settings[key] = int(settings[key])
-    backend = settings["backend"]
-    if backend == "auto":
-        import torch
-
-        backend = "cuda" if torch.cuda.is_available() else "estimate"
+    backend = backend_name(settings["backend"])
     settings["memory_defaulted"] = settings["memory"] is None and backend == "estimate"
     if settings["memory_defaulted"]:
         settings["memory"] = DEFAULT_ESTIMATE_TARGET
@@ -166,8 +159,8 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         )
     settings["fractions"] = _fractions(settings["fractions"])
     settings["modes"] = check_modes(_split("modes", settings["modes"]))
-    if settings["output"] is not None:
-        report_format(settings["output"])
+    if settings["output"] is not None:  # before the search, which may take minutes
+        check_report_path(settings["output"])
     return settings
 
 
@@ -218,9 +211,9 @@ def _with_progress(task: str, kwargs: dict[str, Any]) -> list[Any]:
 
 
 def _print_table(settings: dict[str, Any], results: list[Any], rows: list[dict[str, Any]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from batchfit.cli.console import stdout_console
     from batchfit.memory import format_bytes
 
     first = results[0]
@@ -240,13 +233,19 @@ def _print_table(settings: dict[str, Any], results: list[Any], rows: list[dict[s
         table.add_row(
             r["mode"],
             f"{r['memory_fraction']:g}",
-            f"{r['batch_size']:,}" + (" (max)" if r["batch_size"] == settings["max_bs"] else ""),
+            f"{r['batch_size']:,}" + (" (capped)" if r["capped_by_max_batch_size"] else ""),
             format_bytes(r["peak_bytes"]),
             format_bytes(r["target_bytes"]),
             share,
             f"{r['trials']} (≤ {r['max_trials']})",
         )
-    console = Console()
+    console = stdout_console(table)
     console.print(table)
+    if any(r["capped_by_max_batch_size"] for r in rows):
+        console.print(
+            f"(capped): --max-bs {first.max_batch_size:,} itself fits, so the search stopped there; "
+            "a larger batch may fit too: raise --max-bs to find the largest.",
+            soft_wrap=True,
+        )
     if settings["output"] is not None:
         console.print(f"wrote {len(rows)} rows to {settings['output']}")

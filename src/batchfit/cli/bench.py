@@ -159,9 +159,9 @@ def render_logprobs(result: LogprobsBench, console: Any = None) -> None:
     Without ``console``, stdout; when stdout is not a terminal (piped, redirected) the console is
     as wide as the table, so no column is cut to fit 80 columns.
     """
-    from rich.console import Console
     from rich.table import Table
 
+    from batchfit.cli.console import stdout_console
     from batchfit.memory import format_bytes
 
     title = (
@@ -198,10 +198,7 @@ def render_logprobs(result: LogprobsBench, console: Any = None) -> None:
             "--backend estimate sizes it without allocating."
         )
     if console is None:
-        console = Console()
-        if not console.is_terminal:  # piped: as wide as the table needs (measured without a cap)
-            console.width = 1_000_000
-            console.width = max(80, console.measure(table).maximum)
+        console = stdout_console(table)
     console.print(table)
     for note in notes:
         console.print(note, soft_wrap=True)

@@ -24,12 +24,17 @@ DEFAULT_ROUND_TO = 512
 #: ``batchfit autobatch`` without a GPU and without ``--memory``; stated in their output).
 DEFAULT_ESTIMATE_TARGET = "h100-80gb"
 
-# NOTE [ The FakeTensor data_ptr warning ]
-# Copying a module built under the fake mode (``copy.deepcopy``, as ``nn.TransformerEncoder``
-# does to clone its layers) reads ``tensor.data_ptr()``, on which torch warns "Accessing the
-# data pointer of FakeTensor is deprecated". Estimation does not depend on the pointer (the
-# copy gets its own fake storage), so this one warning is ignored inside the estimate
-# context; every other warning is shown as usual.
+# NOTE [ Deep copies of fake tensors ]
+# ``copy.deepcopy`` of a module built under the fake mode (``nn.TransformerEncoder`` clones its
+# layers that way) copies each fake tensor's ``__dict__``, whose ``fake_mode`` is the mode
+# itself: without help the copy gets a duplicate of the whole ``FakeTensorMode`` (converters,
+# caches and all), its tensors belong to a mode that is never entered, and the process was seen
+# to abort in the garbage collector ("corrupted double-linked list") after two such models were
+# built and trained in one estimate. The backend's mode therefore deep-copies to itself. On the
+# way, torch reads ``data_ptr()`` of each fake tensor and warns "Accessing the data pointer of
+# FakeTensor is deprecated"; the pointer only selects ``clone()`` as the way to copy, which is
+# right for fake tensors, so that one warning is ignored inside the estimate context (every
+# other warning is shown as usual).
 _DATA_PTR_WARNING = r"Accessing the data pointer of FakeTensor"
 
 
@@ -63,6 +68,8 @@ class EstimateBackend(TrackedBackend):
             round_to=DEFAULT_ROUND_TO if round_to is None else round_to,
         )
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake_mode = self.fake_mode
+        fake_mode.__deepcopy__ = lambda memo: fake_mode  # NOTE [ Deep copies of fake tensors ]
         self._depth = 0
 
     @contextlib.contextmanager
@@ -70,7 +77,7 @@ class EstimateBackend(TrackedBackend):
         """Enter this backend's ``FakeTensorMode`` and the transformers patches (re-entrant).
 
         See NOTE [ Fake tensors are not tracing ] in :mod:`batchfit.memory.fake_patches` and
-        NOTE [ The FakeTensor data_ptr warning ].
+        NOTE [ Deep copies of fake tensors ].
         """
         if self._depth:
             self._depth += 1
