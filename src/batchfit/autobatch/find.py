@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from batchfit.autobatch.search import Trial, search_largest
-from batchfit.autobatch.task import MODES, TaskTrial, is_task, task_trial
+from batchfit.autobatch.task import MODES, TaskTrial, is_task
 from batchfit.distributed import (
     agree,
     agreed_max,
@@ -277,7 +277,7 @@ def find_batch_size(
             step = trial
             persistent = trial.persistent if register is None else register
         elif is_task(trial):
-            step = task_trial(trial, mode)
+            step = TaskTrial(trial, mode)
             persistent = step.persistent if register is None else register
         else:
             step = trial
@@ -320,7 +320,7 @@ def find_batch_size(
             m = be.measure(lambda: run(batch_size), register=persistent)
             peak, inexact = int(m.peak_bytes), bool(m.exceeded)
             # cuda: the allocator's reservation counts too (real OOMs happen there)
-            over = inexact or max(peak, int(m.reserved_bytes or 0)) > local_target
+            over = inexact or m.footprint_bytes > local_target
         except Exception as exc:  # not an OOM (measure reports those): agree on it, then re-raise
             error = exc
         # NOTE [ Ranks agree on every trial ] (NOTE [ Ranks agree or say why ])

@@ -238,8 +238,3 @@ def _adamw(parameters: Any) -> torch.optim.Optimizer:
     from batchfit.models.step import default_optimizer
 
     return default_optimizer(parameters, lr=1e-4)
-
-
-def task_trial(task: Any, mode: str) -> TaskTrial:
-    """The step of ``task`` in ``mode`` (see :class:`TaskTrial`)."""
-    return TaskTrial(task, mode)

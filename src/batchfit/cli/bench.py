@@ -16,8 +16,8 @@ from typing import Any
 from batchfit.dtypes import DTYPES
 from batchfit.logprobs.bench import METHODS, STARTS, LogprobsBench, run_logprobs_bench
 from batchfit.memory import BACKEND_NAMES, backend_name
+from batchfit.memory.sizes import MiB
 
-MIB = 1024**2
 # Default grids: what the CPU runs in about a minute, and what the estimate backend is for.
 DEFAULT_GRID = {
     "cpu": ([32768], [1024, 4096], [None, 1024]),
@@ -183,8 +183,8 @@ def render_logprobs(result: LogprobsBench, console: Any = None) -> None:
             "none" if r.chunk_size is None else f"{r.chunk_size:,}",
             "OOM" if r.oom else _fmt(r.time_ms, ",.0f"),
             _fmt(r.speedup_vs_nochunk, ".2f", "×"),
-            "OOM" if r.oom else _fmt(None if r.peak_bytes is None else r.peak_bytes / MIB, ",.0f"),
-            _fmt(None if r.extra_bytes is None else r.extra_bytes / MIB, ",.0f"),
+            "OOM" if r.oom else _fmt(None if r.peak_bytes is None else r.peak_bytes / MiB, ",.0f"),
+            _fmt(None if r.extra_bytes is None else r.extra_bytes / MiB, ",.0f"),
             _fmt(r.memory_saved_vs_naive, ".1f", "×"),
         )
     notes = [

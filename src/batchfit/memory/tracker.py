@@ -58,8 +58,6 @@ from batchfit.memory.registration import (
     plain_tensors,
 )
 
-OTHER = ACTIVATIONS
-
 
 class MemoryLimitExceeded(Exception):
     """Live bytes went above the tracker's ``limit_bytes``: the tracked block is aborted.
@@ -351,7 +349,7 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if active_fake_mode() is not self._entry_fake_mode:
             return out  # DTensor's sharding propagation, not memory
-        category = labels.current_region() or OTHER
+        category = labels.current_region() or ACTIVATIONS
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t.untyped_storage(), category)
