@@ -608,3 +608,25 @@ def test_shared_constants_are_defined_once(pattern):
         if re.search(pattern, path.read_text(encoding="utf-8"), flags=re.MULTILINE)
     }
     assert found <= {ONE_DEFINITION[pattern]}, f"defined again in {sorted(found - {ONE_DEFINITION[pattern]})}"
+
+
+def test_cpu_probes_reuse_host_pages_inside_retain_freed_memory():
+    # NOTE [ Probing reuses host pages ]: a freed 256 MiB block is faulted in again outside,
+    # reused inside (glibc only)
+    import resource
+
+    from batchfit.memory.heap import _glibc, retain_freed_memory
+
+    if _glibc() is None:
+        pytest.skip("glibc's mallopt is not available here")
+
+    def faults_of_second_allocation() -> int:
+        torch.ones(64 * 2**20).sum()  # 256 MiB, allocated and freed
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.ones(64 * 2**20).sum()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    assert faults_of_second_allocation() > 30_000  # 65,536 pages of 4 KiB
+    with retain_freed_memory():
+        assert faults_of_second_allocation() < 2_000
+    assert faults_of_second_allocation() > 30_000  # the defaults are back

@@ -217,7 +217,11 @@ def profile_model(
     build = _RoleBuilder(model, be, torch_dtype, gradient_checkpointing, logprobs, plan, extrapolate, depth)
     budgets: dict[str, TokenBudget] = {}
     failed: tuple[str, DoesNotFitError] | None = None
-    with _world(be, plan):
+    from batchfit.memory.heap import retain_freed_memory
+
+    # NOTE [ Probing reuses host pages ]: real cpu probes refault gigabytes each time otherwise
+    host_heap = retain_freed_memory() if be.name == "cpu" else contextlib.nullcontext()
+    with _world(be, plan), host_heap:
         for role in chosen_roles:
             lengths, hints = seq_lens, None
             if be.name == "cpu" and not plan.distributed:
