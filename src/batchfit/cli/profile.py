@@ -343,22 +343,7 @@ def run(args: argparse.Namespace) -> int:
         if settings["run"] is not None:
             return _run_config(args, settings, console, err, show_progress, rank)
         with _progress(err, show_progress) as callback, _flag_hint():
-            profile = profile_model(
-                args.model,
-                max_seq_len=args.max_seq_len,
-                roles=args.roles,
-                backend=settings["backend"],
-                memory_limit=settings["memory"],
-                dtype=args.dtype,
-                gradient_checkpointing=args.gradient_checkpointing,
-                logprobs=args.logprobs,
-                cost=args.cost,
-                safety_margin=args.safety_margin,
-                progress=callback,
-                sharding=settings["sharding"],
-                depth_extrapolation=args.depth_extrapolation,
-                reserve_bytes=settings["reserve"],
-            )
+            profile = profile_model(args.model, roles=args.roles, **_profile_options(args, settings, callback))
         if rank != 0:
             return 0
         if args.plot:
@@ -375,6 +360,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_options(args: argparse.Namespace, settings: dict[str, Any], progress: Any) -> dict[str, Any]:
+    """The profiling keywords every profile run takes from the flags and resolved settings."""
+    return {
+        "max_seq_len": args.max_seq_len,
+        "sharding": settings["sharding"],
+        "backend": settings["backend"],
+        "memory_limit": settings["memory"],
+        "reserve_bytes": settings["reserve"],
+        "dtype": args.dtype,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "logprobs": args.logprobs,
+        "cost": args.cost,
+        "safety_margin": args.safety_margin,
+        "depth_extrapolation": args.depth_extrapolation,
+        "progress": progress,
+    }
+
+
 def _run_config(
     args: argparse.Namespace, settings: dict[str, Any], console: Any, err: Any, show_progress: bool, rank: int
 ) -> int:
@@ -385,21 +388,7 @@ def _run_config(
 
     run = settings["run"]
     with _progress(err, show_progress) as callback, _flag_hint():
-        result = profile_run(
-            run,
-            max_seq_len=args.max_seq_len,
-            sharding=settings["sharding"],
-            backend=settings["backend"],
-            memory_limit=settings["memory"],
-            reserve_bytes=settings["reserve"],
-            dtype=args.dtype,
-            gradient_checkpointing=args.gradient_checkpointing,
-            logprobs=args.logprobs,
-            cost=args.cost,
-            safety_margin=args.safety_margin,
-            depth_extrapolation=args.depth_extrapolation,
-            progress=callback,
-        )
+        result = profile_run(run, **_profile_options(args, settings, callback))
     if rank != 0:
         return 0
     keys = None

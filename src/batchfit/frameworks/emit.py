@@ -12,6 +12,29 @@ from batchfit.errors import InvalidArgument
 from batchfit.frameworks.profile import RunProfile
 
 TARGETS = ("verl", "skyrl")
+# verl: each pass → the key that turns token-length micro-batching on, its length key, and what runs.
+VERL_KEYS = (
+    (
+        "policy",
+        "actor_rollout_ref.actor.use_dynamic_bsz",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "actor update",
+    ),
+    (
+        "policy_forward",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        "old log-probs (no_grad)",
+    ),
+    (
+        "reference",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        "reference log-probs (no_grad)",
+    ),
+    ("critic", "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", "critic update"),
+    ("critic_forward", "critic.use_dynamic_bsz", "critic.forward_max_token_len_per_gpu", "values (no_grad)"),
+)
 FORMATS = ("yaml", "overrides")
 
 
@@ -40,38 +63,13 @@ def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: flo
 
     if target == "verl":
         keys = [
-            Key("actor_rollout_ref.actor.use_dynamic_bsz", True, "micro-batches by the token lengths below"),
-            Key(
-                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-                budgets["policy"],
-                why("policy", "actor update"),
-            ),
-            Key("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", True),
-            Key(
-                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-                budgets["policy_forward"],
-                why("policy_forward", "old log-probs (no_grad)"),
-            ),
+            Key("actor_rollout_ref.actor.use_dynamic_bsz", True, "micro-batches by the token lengths below")
         ]
-        if "reference" in budgets:
-            keys += [
-                Key("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", True),
-                Key(
-                    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-                    budgets["reference"],
-                    why("reference", "reference log-probs (no_grad)"),
-                ),
-            ]
-        if "critic" in budgets:
-            keys += [
-                Key("critic.use_dynamic_bsz", True),
-                Key("critic.ppo_max_token_len_per_gpu", budgets["critic"], why("critic", "critic update")),
-                Key(
-                    "critic.forward_max_token_len_per_gpu",
-                    budgets["critic_forward"],
-                    why("critic_forward", "values (no_grad)"),
-                ),
-            ]
+        for role, switch, length, what in VERL_KEYS:
+            if role in budgets:
+                if all(k.path != switch for k in keys):
+                    keys.append(Key(switch, True))
+                keys.append(Key(length, budgets[role], why(role, what)))
         return keys
     return _skyrl_keys(profile, budgets, max_seq_len)
 
