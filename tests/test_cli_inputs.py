@@ -55,3 +55,68 @@ def test_bad_input_is_one_line_and_exit_2(files, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert message in err and len(err) < 600
+
+
+TASK_OK = """
+import torch
+
+
+class Task:
+    def __init__(self, fail_in=None):
+        self.model = torch.nn.Linear(4, 4)
+        self.fail_in = fail_in
+
+    def make_batch(self, batch_size, mode):
+        if self.fail_in == "make_batch":
+            raise ValueError("no data for mode " + mode)
+        return torch.randn(batch_size, 4)
+
+    def loss(self, model, batch):
+        return model(batch).square().mean()
+
+
+def make():
+    return Task()
+
+
+def broken_factory():
+    return {}["missing"]
+
+
+def broken_batch():
+    return Task(fail_in="make_batch")
+"""
+
+
+@pytest.fixture
+def task_files(tmp_path):
+    (tmp_path / "syntax.py").write_text("def make(:\n    pass\n")
+    (tmp_path / "raises.py").write_text("import torch\n\nraise RuntimeError('boom at import')\n")
+    (tmp_path / "tasks.py").write_text(TASK_OK)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("{d}/syntax.py:make", "your task file '{d}/syntax.py' raised SyntaxError: invalid syntax"),
+        ("{d}/raises.py:make", "your task file '{d}/raises.py' raised RuntimeError: boom at import at {d}/raises.py:3"),
+        ("{d}/tasks.py:broken_factory", "your task factory 'broken_factory' raised KeyError: 'missing' at {d}/tasks.py:"),
+        ("{d}/tasks.py:broken_batch", "your task's make_batch / loss raised ValueError: no data for mode train at {d}/tasks.py:12"),
+        ("{d}/tasks.py", "name the function that makes the task: {d}/tasks.py:FUNCTION"),
+        ("{d}/tasks.py:nope", "file '{d}/tasks.py' has no callable 'nope'"),
+    ],
+    ids=["syntax", "import", "factory", "make-batch", "no-function", "missing-function"],
+)
+def test_a_task_that_raises_is_named_with_its_location(task_files, capsys, spec, message):
+    argv = ["autobatch", "--task", spec.format(d=task_files), "--backend", "cpu", "--memory", "1GiB"]
+    argv += ["--max-bs", "8", "--fractions", "0.5", "--modes", "train", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert message.format(d=task_files) in err
+    if "raised" in message:
+        assert err.rstrip().endswith("add --debug for the traceback")
+        assert main([*argv, "--debug"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback (most recent call last)" in err and err.count("batchfit autobatch: error:") == 1

@@ -20,6 +20,19 @@ class InvalidArgument(BatchfitError, ValueError):
     """
 
 
+class TaskError(InvalidArgument):
+    """The user's own code (an AutoBatch task file or factory) raised or does not parse.
+
+    The message names the file and line and the exception; the original exception is the
+    ``__cause__`` (the CLI prints its traceback with ``--debug``). ``location`` is
+    ``"file:line"`` or ``""``.
+    """
+
+    def __init__(self, message: str, location: str = ""):
+        self.location = location
+        super().__init__(message)
+
+
 class BatchConfigError(InvalidArgument):
     """A batch-size configuration breaks one or more rules.
 

@@ -21,16 +21,21 @@ to ``backend.device`` only when that differs (cuda). ``make_batch`` and the step
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import os
 import sys
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from batchfit.errors import InvalidArgument
+from batchfit.errors import BatchfitError, InvalidArgument, TaskError
+from batchfit.memory.base import is_out_of_memory
+from batchfit.memory.tracker import MemoryLimitExceeded
 from batchfit.validation import check_choice, closest
 
 MODES = ("train", "val")
@@ -88,14 +93,17 @@ def load_task(spec: str) -> Callable[[], Any]:
     if not sep or not module_name or not func_name:
         near = closest(spec, list(BUILTIN_TASKS))
         hint = f"; did you mean {near!r}?" if near else ""
+        if spec.endswith(".py"):
+            hint = f"; name the function that makes the task: {spec}:FUNCTION"
         raise InvalidArgument(
             f"task must be 'module:function', 'path/to/file.py:function' or one of {', '.join(map(repr, BUILTIN_TASKS))}, but got task={spec!r}{hint}"
         )
     module = _import(module_name, spec)
     factory = getattr(module, func_name, None)
     if not callable(factory):
+        kind = "file" if module_name.endswith(".py") else "module"
         raise InvalidArgument(
-            f"task={spec!r}: module {module_name!r} has no callable {func_name!r}; name a function that returns a task"
+            f"task={spec!r}: {kind} {module_name!r} has no callable {func_name!r}; name a function that returns a task"
         )
     return factory
 
@@ -111,14 +119,48 @@ def _import(module_name: str, spec: str) -> Any:
             raise InvalidArgument(f"task={spec!r}: cannot load {module_name!r} as Python")
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[name] = module
-        loader_spec.loader.exec_module(module)
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as exc:  # the user's file: SyntaxError, ImportError, anything it raises
+            sys.modules.pop(name, None)
+            raise task_error(exc, f"your task file {module_name!r} raised") from exc
         return module
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        raise InvalidArgument(
-            f"task={spec!r}: cannot import module {module_name!r} ({exc}); check the name and that it is on PYTHONPATH"
-        ) from None
+        if exc.name is not None and module_name.startswith(exc.name):
+            raise InvalidArgument(
+                f"task={spec!r}: cannot import module {module_name!r} ({exc}); check the name and that it is on PYTHONPATH"
+            ) from None
+        raise task_error(exc, f"your task module {module_name!r} raised") from exc
+    except Exception as exc:
+        raise task_error(exc, f"your task module {module_name!r} raised") from exc
+
+
+def task_error(exc: BaseException, what: str) -> TaskError:
+    """``what`` plus the exception and where in the user's code it was raised, as one line.
+
+    The location is the innermost frame outside batchfit and torch (the user's code), or
+    for a ``SyntaxError`` the file and line that do not parse.
+    """
+    location = ""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        location = f"{exc.filename}:{exc.lineno}"
+    else:
+        for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+            if not _library_frame(frame.filename):
+                location = f"{frame.filename}:{frame.lineno}"
+                break
+    detail = " ".join(str(exc).split()) or "(no message)"
+    where = f" at {location}" if location else ""
+    return TaskError(f"{what} {type(exc).__name__}: {detail}{where}", location=location)
+
+
+def _library_frame(filename: str) -> bool:
+    """A frame of batchfit, torch, the standard library's import machinery or Python itself."""
+    return filename.startswith("<frozen") or any(
+        part in filename for part in (f"{os.sep}batchfit{os.sep}", f"{os.sep}torch{os.sep}")
+    )
 
 
 def build_task(factory: Callable[[], Any], backend: Any) -> Any:
@@ -131,7 +173,13 @@ def build_task(factory: Callable[[], Any], backend: Any) -> Any:
         InvalidArgument: the returned object lacks ``model``, ``make_batch`` or ``loss``.
     """
     with backend.context():
-        task = factory()
+        try:
+            task = factory()
+        except Exception as exc:
+            if is_out_of_memory(exc) or isinstance(exc, BatchfitError):
+                raise
+            name = getattr(factory, "__qualname__", repr(factory))
+            raise task_error(exc, f"your task factory {name!r} raised") from exc
     if not is_task(task):
         missing = [
             name
@@ -216,14 +264,15 @@ class TaskTrial:
         device = _device_of(self.model)
         if self.mode == "val":
             self.model.eval()
-            with torch.no_grad():
+            with torch.no_grad(), _user_code("make_batch / loss"):
                 batch = _to_device(self.task.make_batch(batch_size, "val"), device)
                 self.task.loss(self.model, batch)
             return
         self.model.train()
         self.model.zero_grad(set_to_none=True)
-        batch = _to_device(self.task.make_batch(batch_size, "train"), device)
-        loss = self.task.loss(self.model, batch)
+        with _user_code("make_batch / loss"):
+            batch = _to_device(self.task.make_batch(batch_size, "train"), device)
+            loss = self.task.loss(self.model, batch)
         del batch
         loss.backward()
         del loss
@@ -232,6 +281,21 @@ class TaskTrial:
         # NOTE [ Gradients do not outlive the step ]: a training loop frees them (zero_grad with
         # set_to_none) before the next forward; freeing them here keeps every trial alike.
         self.model.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _user_code(what: str) -> Iterator[None]:
+    """Name an exception of the task's own methods as the task's, not batchfit's.
+
+    Running out of memory, and the tracker's abort at the limit, pass through unchanged: the
+    search decides on them (NOTE [ What counts as OOM ]).
+    """
+    try:
+        yield
+    except Exception as exc:
+        if is_out_of_memory(exc) or isinstance(exc, (BatchfitError, MemoryLimitExceeded)):
+            raise
+        raise task_error(exc, f"your task's {what} raised") from exc
 
 
 def _adamw(parameters: Any) -> torch.optim.Optimizer:

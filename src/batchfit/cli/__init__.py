@@ -12,9 +12,10 @@ import argparse
 import importlib
 import json
 import sys
+import traceback
 from collections.abc import Sequence
 
-from batchfit.errors import BatchConfigError, BatchfitError
+from batchfit.errors import BatchConfigError, BatchfitError, TaskError
 
 # Subcommand modules, in the order `batchfit --help` lists them.
 COMMANDS = ("profile", "plan", "autobatch", "bench", "demo")
@@ -36,6 +37,9 @@ def build_parser() -> ArgumentParser:
         description="Fit LLM training to accelerator memory: batch plans, token budgets, micro-batching.",
     )
     parser.add_argument("--version", action="version", version=f"batchfit {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the full traceback when your own code (a task file) raises"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     for name in COMMANDS:
         try:
@@ -88,7 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug may stand anywhere: the full traceback of what the user's own code raised
+    debug = "--debug" in argv
+    args = parser.parse_args([a for a in argv if a != "--debug"])
     if args.command is None:
         parser.print_usage(sys.stderr)
         sys.stderr.write(f"batchfit: error: name a command ({', '.join(COMMANDS)}); see batchfit --help\n")
@@ -99,6 +106,11 @@ def _run(argv: Sequence[str] | None) -> int:
         return int(args.func(args) or 0)
     except BatchfitError as exc:
         # Bad input (a ValueError subclass) exits 2; "nothing fits" and other verdicts exit 1.
+        if isinstance(exc, TaskError):
+            if debug and exc.__cause__ is not None:
+                traceback.print_exception(exc.__cause__, file=sys.stderr)
+            elif not debug:
+                exc = TaskError(f"{exc}; add --debug for the traceback", exc.location)
         report_error(prog, exc, as_json=as_json)
         return 2 if isinstance(exc, ValueError) else 1
     except BrokenPipeError:  # e.g. `batchfit plan --json | head`
