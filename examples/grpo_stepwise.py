@@ -224,7 +224,7 @@ def train(
     if s.layout == "packed":
         use_varlen_attention(unwrap(model))  # packed rows attend per sequence, no T × T mask
     if budgets is None:
-        budgets = token_budgets(s, sharding, accumulated_gradient_bytes(model))
+        budgets = token_budgets(s, sharding)
     micro = {"micro_train_batch_size_per_gpu": s.micro_batch_size} if s.micro_batch_size else {}
     config = BatchConfig(
         train_batch_size=s.prompts,
@@ -260,8 +260,9 @@ def train(
         forward_plan = plan(
             batch["attention_mask"].sum(-1), budgets.forward, s.forward_micro_batch_size or s.micro_batch_size
         )
-        with meters(s, model, optimizer) as (comm, peaks):
-            logp = forward_logprobs(model, batch, forward_plan, rank, layout=s.layout, trim=trim)
+        logp = torch.zeros(batch["input_ids"].shape)  # in host memory, like the rollouts
+        with meters(s, model, optimizer, host=(batch, logp)) as (comm, peaks):
+            forward_logprobs(model, batch, forward_plan, rank, layout=s.layout, trim=trim, out=logp)
             peak = peaks.take()
         batch["old_log_probs"] = response_columns(logp, s.max_response_len)
         result.forward.append(
@@ -288,7 +289,7 @@ def train(
                     mini, mb_plan, rank, layout=s.layout, model=model, trim=trim
                 )
                 loss_sum, computed, real, peak = 0.0, 0, 0, 0
-                with meters(s, model, optimizer) as (comm, peaks):
+                with meters(s, model, optimizer, host=mini) as (comm, peaks):
                     for mb in accumulate(model, micro_batches, mb_plan.num_micro_batches):  # syncs once
                         logp = model_logprobs(model, mb.batch)  # fused, through the FSDP2 forward
                         loss = policy_loss(logp, mb.batch, clip_ratio=s.clip_ratio, scale=dp)
@@ -335,16 +336,18 @@ class Budgets:
     forward_limit: int | None = None
 
 
-def token_budgets(s: Settings, sharding: Sharding, accumulated: int = 0) -> Budgets:
+def token_budgets(s: Settings, sharding: Sharding) -> Budgets:
     """The training and forward-only token budgets per rank for ``sharding``, measured on this machine.
 
-    The training budget leaves room for the ``accumulated`` bytes of gradients kept between
-    micro-batches, which its probe (one step, starting without gradients) does not hold: a
-    training micro-batch may hold the budget's limit plus those. Every rank calls this (the
-    probes run in lockstep); budgets given in ``s`` are used as they are.
+    The training budget leaves room for the gradients kept between micro-batches, which its
+    probe (one step, starting without gradients) does not hold: a training micro-batch may
+    hold the budget's limit plus those. Every rank calls this (the probes run in lockstep);
+    budgets given in ``s`` are used as they are.
     """
     if s.token_budget is not None and s.forward_token_budget is not None:
         return Budgets(s.token_budget, s.forward_token_budget)
+    with torch.device("meta"):  # the parameters' sizes, no memory
+        accumulated = accumulated_gradient_bytes(build_causal_lm(s.model, dtype="fp32"))
     common: dict[str, Any] = {
         "max_seq_len": s.max_prompt_len + s.max_response_len,
         "backend": "cpu",
@@ -397,13 +400,17 @@ def fixed_size_plan(lengths: torch.Tensor, size: int, dp_size: int, width: int) 
 
 @contextlib.contextmanager
 def meters(
-    s: Settings, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    s: Settings, model: torch.nn.Module, optimizer: torch.optim.Optimizer, host: Any
 ) -> Iterator[tuple[Any, Any]]:
-    """``(collective bytes, peak tracker)`` around a block of the loop; inert with ``timing_only``."""
+    """``(collective bytes, peak tracker)`` around a block of the loop; inert with ``timing_only``.
+
+    The rollouts (``host``) stay in host memory, as a trainer keeps them; micro-batches are
+    what the accelerator holds.
+    """
     if s.timing_only:
         yield _Off(({"all_gather": 0}, {})), _Off(0)
         return
-    with CollectiveBytes() as comm, PeakTracker(model, optimizer) as peaks:
+    with CollectiveBytes() as comm, PeakTracker(model, optimizer, host=host) as peaks:
         yield comm, peaks
 
 

@@ -19,7 +19,7 @@ from batchfit.distributed import is_distributed
 from batchfit.errors import InvalidArgument
 from batchfit.microbatch import iter_micro_batches
 from batchfit.packing import MicroBatchPlan
-from batchfit.train.logprobs import model_logprobs
+from batchfit.train.logprobs import model_logprobs, span_starts
 
 __all__ = ["forward_logprobs"]
 
@@ -34,6 +34,7 @@ def forward_logprobs(
     chunk_size: int | str | None = "auto",
     temperature: float = 1.0,
     group: Any = None,
+    out: torch.Tensor | None = None,
     **iter_options: Any,
 ) -> torch.Tensor:
     """Token-aligned log-probs of every row of ``batch`` under ``model``, without gradients.
@@ -53,11 +54,17 @@ def forward_logprobs(
         layout: ``"padded"`` or ``"packed"`` (:func:`batchfit.microbatch.iter_micro_batches`).
         chunk_size, temperature: as :func:`batchfit.train.model_logprobs`.
         group: the data-parallel process group (``None`` = the default group).
+        out: a float ``[N, W]`` tensor to write into (zeroed first), e.g. one kept in host
+            memory; default a new fp32 one on ``input_ids``' device.
         **iter_options: passed to :func:`batchfit.microbatch.iter_micro_batches` (``trim=False``
             runs full-width rows).
 
+    Only ``input_ids``, ``attention_mask`` and ``position_ids`` are cut into micro-batches;
+    ``position_ids`` are left out when every row's valid tokens are one span (each sequence
+    then has positions ``0 .. length − 1``, which the model makes itself).
+
     Returns:
-        ``[N, W]`` fp32 on ``input_ids``' device; column ``c`` is the log-prob of the token
+        ``out``, or a new ``[N, W]`` fp32 tensor on ``input_ids``' device; column ``c`` is the log-prob of the token
         in column ``c`` (0 where it has no previous token). The response-wide field is
         ``batchfit.train.response_columns(result, R)``.
 
@@ -75,8 +82,18 @@ def forward_logprobs(
         )
     ids = batch["input_ids"]
     # the forward needs the tokens and where they are; the other fields' rows are not copied
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    keys = ["input_ids", "attention_mask"]
+    if "position_ids" in batch and span_starts(batch.get("attention_mask")) is None:
+        keys.append("position_ids")  # rows with holes: the positions matter
+    inputs = {k: batch[k] for k in keys if k in batch}
+    if out is None:
+        out = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    elif tuple(out.shape) != tuple(ids.shape) or not out.is_floating_point():
+        raise InvalidArgument(
+            f"out must be a float tensor of input_ids' shape {tuple(ids.shape)}, but got {out.dtype} of shape {tuple(out.shape)}"
+        )
+    else:
+        out.zero_()
     with torch.no_grad():
         for mb in iter_micro_batches(inputs, plan, rank, layout=layout, model=model, **iter_options):
             logp = model_logprobs(model, mb.batch, chunk_size=chunk_size, temperature=temperature)

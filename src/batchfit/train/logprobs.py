@@ -52,7 +52,7 @@ therefore caps the chunk at the micro-batch's longest sequence by default
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -156,7 +156,7 @@ def _output_head(model: torch.nn.Module) -> torch.nn.Module:
 @contextlib.contextmanager
 def fused_output_head(
     model: torch.nn.Module,
-    labels: torch.Tensor,
+    labels: torch.Tensor | Callable[[], torch.Tensor],
     *,
     chunk_size: int | None = 1024,
     temperature: float = 1.0,
@@ -168,7 +168,9 @@ def fused_output_head(
     hidden states) and its own ``weight``/``bias`` at the moment it runs, which under FSDP2
     is the gathered weight (NOTE [ Fused log-probs through the wrapper ]). Its output is
     ``[*labels.shape]`` fp32, or ``[*labels.shape, 2]`` (log-prob, entropy) with
-    ``return_entropy``. Not thread-safe: the head is patched on the module.
+    ``return_entropy``. ``labels`` may be a function that makes them, called when the head
+    runs (they then do not exist during the layers' forward). Not thread-safe: the head is
+    patched on the module.
 
     Raises:
         InvalidArgument: ``model`` has no linear output head, or transforms its logits.
@@ -179,7 +181,7 @@ def fused_output_head(
         out = logprobs_from_hidden(
             hidden,
             head.weight,
-            labels,
+            labels() if callable(labels) else labels,
             bias=getattr(head, "bias", None),
             chunk_size=chunk_size,
             temperature=temperature,
@@ -285,27 +287,29 @@ def model_logprobs(
             >>> model_logprobs(model, batch).shape
             torch.Size([1, 3])
     """
-    shifts = _left_shifts(batch.get(attention_mask_key))
-    if shifts is not None:
-        # NOTE [ Padded rows run without a mask ]
-        ids = _roll_left(batch[input_ids_key], shifts)
-        valid = _roll_left(batch[attention_mask_key] != 0, shifts)
-        run: dict[str, Any] = {input_ids_key: ids, attention_mask_key: valid}
-    else:
-        run = dict(batch)
-    labels = next_token_labels(
-        run,
-        input_ids_key=input_ids_key,
-        attention_mask_key=attention_mask_key,
-        position_ids_key=position_ids_key,
-    )
+    shifts = span_starts(batch.get(attention_mask_key))
+    ids = batch[input_ids_key] if shifts is None else _roll_left(batch[input_ids_key], shifts)
+
+    def labels() -> torch.Tensor:  # made when the head runs, not held through the layers
+        if shifts is None:
+            return next_token_labels(
+                batch,
+                input_ids_key=input_ids_key,
+                attention_mask_key=attention_mask_key,
+                position_ids_key=position_ids_key,
+            )
+        # NOTE [ Padded rows run without a mask ]: the rows moved to column 0
+        return next_token_labels(
+            {"input_ids": ids, "attention_mask": _roll_left(batch[attention_mask_key] != 0, shifts)}
+        )
+
     if isinstance(chunk_size, str):
         if chunk_size != "auto":
             raise InvalidArgument(
                 f"chunk_size must be 'auto', a positive integer or None, but got chunk_size={chunk_size!r}"
             )
         chunk_size = auto_chunk_size(batch, input_ids_key)
-    inputs: dict[str, Any] = {"input_ids": run[input_ids_key], "use_cache": False}
+    inputs: dict[str, Any] = {"input_ids": ids, "use_cache": False}
     if shifts is None:
         if batch.get(attention_mask_key) is not None:
             inputs["attention_mask"] = batch[attention_mask_key]
@@ -324,10 +328,15 @@ def model_logprobs(
     return shifted
 
 
-def _left_shifts(mask: Any) -> torch.Tensor | None:
-    """Per row, the first valid column, when every row's valid tokens are one span and the mask can go.
+def span_starts(mask: Any) -> torch.Tensor | None:
+    """Per row, its first valid column, when every row's valid tokens are one contiguous span.
 
-    ``None``: no 2-D mask, or a row with holes (the mask must stay).
+    ``None``: no 2-D mask, or a row with holes (NOTE [ Padded rows run without a mask ]: such
+    rows keep their mask).
+
+    Example:
+        >>> span_starts(torch.tensor([[0, 1, 1], [1, 1, 0]])).tolist()
+        [1, 0]
     """
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[0] == 0:
         return None

@@ -18,7 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from batchfit.memory import MemoryTracker
 from batchfit.memory.registration import registered_tensors
 
-__all__ = ["COLLECTIVES", "CollectiveBytes", "PeakTracker"]
+__all__ = ["COLLECTIVES", "HOST", "CollectiveBytes", "PeakTracker"]
+
+#: The category of tensors :class:`PeakTracker` registers as host memory (not counted).
+HOST = "host"
 
 
 class PeakTracker:
@@ -26,8 +29,11 @@ class PeakTracker:
 
     ``state`` (model, optimizer, anything alive before the block) is registered as the
     cpu backend registers a probe's state; everything created inside is tracked (gradients
-    accumulated over micro-batches included). :meth:`take` returns the peak since the
-    previous call (or the start) and starts a new one from the bytes held now.
+    accumulated over micro-batches included). ``host`` (tensors, or mappings of them such as
+    the rollout batch) is registered as host memory: never counted, and an op that returns a
+    view of it (``batch["attention_mask"].detach()``) does not count it as new device bytes.
+    :meth:`take` returns the peak since the previous call (or the start) and starts a new
+    one from the bytes held now.
 
     Example:
         >>> model = torch.nn.Linear(256, 256)
@@ -38,15 +44,15 @@ class PeakTracker:
         271360
     """
 
-    def __init__(self, *state: Any, round_to: int = 1):
-        self._state = state
-        self._tracker = MemoryTracker(round_to=round_to)
+    def __init__(self, *state: Any, host: Any = (), round_to: int = 1):
+        self._state, self._host = state, host
+        self._tracker = MemoryTracker(round_to=round_to, host_categories=(HOST,))
 
     def __enter__(self) -> PeakTracker:
         self._tracker.__enter__()
-        for tensor, category in registered_tensors(self._state, None):
+        for tensor, category in registered_tensors(self._host, HOST) + registered_tensors(self._state, None):
             self._tracker.register_tensor(tensor, category)
-        self._state = ()
+        self._state = self._host = ()
         return self
 
     def __exit__(self, *exc: Any) -> None:
