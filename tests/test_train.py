@@ -14,6 +14,7 @@ from batchfit.microbatch import iter_micro_batches
 from batchfit.packing import plan_micro_batches
 from batchfit.train import (
     CollectiveBytes,
+    PeakTracker,
     accumulate,
     accumulated_gradient_bytes,
     data_parallel_size,
@@ -213,6 +214,14 @@ def test_response_columns_are_the_sequences_last_columns():
             "plan.dp_size=2 needs a process group of 2 ranks",
             id="dp-plan-without-ranks",
         ),
+        pytest.param(
+            lambda: forward_logprobs(
+                tiny_lm(), rollouts(2), plan_micro_batches([P + R] * 2, 2 * (P + R)), out=torch.zeros(2, 3)
+            ),
+            InvalidArgument,
+            r"out must be a float tensor of input_ids' shape \(2, 14\)",
+            id="misshapen-out",
+        ),
     ],
 )
 def test_invalid_arguments_are_named(call, error, match):
@@ -234,6 +243,26 @@ def test_forward_logprobs_of_one_process_cover_every_row():
     got = forward_logprobs(model, batch, plan)
     torch.testing.assert_close(got, reference_logprobs(model, batch).detach(), atol=1e-5, rtol=0)
     assert not got.requires_grad
+
+
+def test_forward_logprobs_write_into_a_given_tensor():
+    batch = rollouts(4)
+    out = torch.full(batch["input_ids"].shape, 7.0, dtype=torch.float64)
+    got = forward_logprobs(
+        tiny_lm(), batch, plan_micro_batches(batch["attention_mask"].sum(-1), 4 * (P + R)), out=out
+    )
+    assert got is out
+    assert (out[batch["attention_mask"] == 0] == 0).all()  # zeroed first
+
+
+def test_peak_tracker_never_counts_host_tensors_or_views_of_them():
+    x = torch.ones(1024)  # 4 KiB, alive before the block
+    for host, expected in (((), 8192), (x, 4096)):
+        with PeakTracker(host=host) as t:
+            view = x.detach()  # shares x's storage: new device bytes only if x is not known
+            y = x * 2  # 4 KiB
+            assert t.take() == expected
+        del view, y
 
 
 def _rank(rank: int, strategy: str) -> dict:
