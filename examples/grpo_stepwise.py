@@ -4,6 +4,8 @@
     torchrun --nproc_per_node=2 examples/grpo_stepwise.py --sharding fsdp2    # FSDP2 over 2 gloo ranks
     batchfit demo                                                             # this script, small sizes
 
+(On a busy machine run the tiny model with ``OMP_NUM_THREADS=1``; torchrun sets it per rank.)
+
 Every training step:
 
 1. synthetic multi-turn rollouts: ``prompts × samples`` trajectories of 1–5 turns, one sequence

@@ -99,6 +99,11 @@ def load_example(path: Path | None = None) -> ModuleType:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    # a tiny model's ops only contend for cores: one thread (torchrun sets it per rank too);
+    # two threads on a busy 2-core machine ran the demo 6x slower
+    torch.set_num_threads(1)
     example = load_example()
     values = {name: getattr(args, name) for name, _, _ in OPTIONS if getattr(args, name) is not None}
     settings = example.Settings(**{**DEMO_DEFAULTS, **values})
