@@ -262,11 +262,11 @@ def train(
         forward_plan = plan(
             batch["attention_mask"].sum(-1), budgets.forward, s.forward_micro_batch_size or s.micro_batch_size
         )
-        logp = torch.zeros(batch["input_ids"].shape)  # in host memory, like the rollouts
-        with meters(s, model, optimizer, host=(batch, logp)) as (comm, peaks):
-            forward_logprobs(model, batch, forward_plan, rank, layout=s.layout, trim=trim, out=logp)
+        old = torch.zeros(batch["input_ids"].shape)  # in host memory, like the rollouts
+        with meters(s, model, optimizer, host=(batch, old)) as (comm, peaks):
+            forward_logprobs(model, batch, forward_plan, rank, layout=s.layout, trim=trim, out=old)
             peak = peaks.take()
-        batch["old_log_probs"] = response_columns(logp, s.max_response_len)
+        batch["old_log_probs"] = response_columns(old, s.max_response_len)  # the response columns
         result.forward.append(
             ForwardLog(
                 training_step=t,
@@ -282,9 +282,8 @@ def train(
             for lo, hi in mini_batch_boundaries(batch["uid"], s.mini_batch):  # whole prompts
                 start = time.perf_counter()
                 mini, _ = pad_for_data_parallel(slice_batch(batch, lo, hi), dp)  # cheap pad rows
-                mini["weights"] = loss_weights(
-                    mini["loss_mask"], reduction="token_mean"
-                )  # over the mini-batch
+                # one weight per token over the whole mini-batch: any split gives its gradient
+                mini["weights"] = loss_weights(mini["loss_mask"], reduction="token_mean")
                 lengths = mini["attention_mask"].sum(-1)
                 mb_plan = plan(lengths, budgets.training, s.micro_batch_size)  # the same on every rank
                 micro_batches = iter_micro_batches(
