@@ -340,15 +340,19 @@ class Budgets:
 def token_budgets(s: Settings, sharding: Sharding) -> Budgets:
     """The training and forward-only token budgets per rank for ``sharding``, measured on this machine.
 
-    The training budget leaves room for the gradients kept between micro-batches, which its
-    probe (one step, starting without gradients) does not hold: a training micro-batch may
-    hold the budget's limit plus those. Every rank calls this (the probes run in lockstep);
-    budgets given in ``s`` are used as they are.
+    The probe holds the rank's own gradient between micro-batches (its shard under FSDP2);
+    FSDP2 accumulating without sync holds the unsharded gradient instead, so the training
+    budget leaves room for the rest of it: a training micro-batch may hold the budget's limit
+    plus that. Every rank calls this (the probes run in lockstep); budgets given in ``s`` are
+    used as they are.
     """
     if s.token_budget is not None and s.forward_token_budget is not None:
         return Budgets(s.token_budget, s.forward_token_budget)
-    with torch.device("meta"):  # the parameters' sizes, no memory
-        accumulated = accumulated_gradient_bytes(build_causal_lm(s.model, dtype="fp32"))
+    accumulated = 0
+    if sharding.strategy == "fsdp2":  # unsharded gradients without sync, beyond the probed shard
+        with torch.device("meta"):  # the parameters' sizes, no memory
+            total = accumulated_gradient_bytes(build_causal_lm(s.model, dtype="fp32"))
+        accumulated = total - total // sharding.world_size
     common: dict[str, Any] = {
         "max_seq_len": s.max_prompt_len + s.max_response_len,
         "backend": "cpu",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -224,7 +225,8 @@ def test_optimizer_state_exists_before_the_first_step_and_the_peak_is_stable():
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # lr 0: unchanged
     peaks = [backend.measure(lambda: step(2, 16), register=step.persistent).peak_bytes for _ in range(2)]
     assert peaks[0] == peaks[1]
-    assert all(p.grad is None for p in model.parameters())
+    # NOTE [ Gradients are resident between micro-batches ]: allocated, zeroed, kept
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
 def test_the_step_trains():
@@ -359,3 +361,29 @@ def test_initialize_optimizer_state_leaves_a_user_s_optimizer_as_it_was():
     assert all(torch.equal(after[k], v) for k, v in before.items())  # moments and step untouched
     assert float(opt.state[fresh.weight]["step"]) == 0  # created, bias correction not advanced
     assert torch.equal(fresh.weight, weights) and fresh.weight.grad is None
+
+
+@pytest.mark.parametrize("sharding", [None, "fsdp2"])
+def test_every_micro_batch_of_an_accumulation_fits_under_the_probed_peak(sharding):
+    # NOTE [ Gradients are resident between micro-batches ]: from the second micro-batch on
+    # the whole gradient is on the device during the forward and backward
+    from batchfit.distributed import simulated_world
+    from batchfit.sharding import Sharding
+
+    backend = get_backend("estimate")
+    plan = Sharding("fsdp2", world_size=4) if sharding else None
+    with simulated_world(4) if sharding else contextlib.nullcontext():
+        model = build_causal_lm("tiny", backend=backend, sharding=plan)
+        step = causal_lm_step(model, backend=backend)
+        probe = step.measure(4, 64).peak_bytes
+
+        def second_micro_batch():
+            step._loss(4, 64).backward()  # gradients of the first are already there
+
+        with backend.context():
+            step._loss(4, 64).backward()  # the first micro-batch
+        accumulated = backend.measure(second_micro_batch, register=step.persistent).peak_bytes
+        assert accumulated <= probe
+        for p in model.parameters():  # the probe as it was: gradients created by the step
+            p.grad = None
+        assert step.measure(4, 64).peak_bytes < accumulated

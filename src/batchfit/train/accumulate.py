@@ -8,10 +8,11 @@ step needs it. :func:`accumulate` runs every other micro-batch inside ``model.no
 unsharded gradients until the last backward: one full copy of the gradients per rank that
 a single-micro-batch profile does not hold) and the last one with sync on.
 
-A token budget is probed with one step that starts without gradients (they appear during
-its backward), so it does not hold the gradients accumulated by earlier micro-batches;
-:func:`accumulated_gradient_bytes` says how many bytes they take, to leave room for them
-(e.g. as ``reserve_bytes`` of the budget search).
+A token budget is probed with the rank's own gradient resident (NOTE [ Gradients are
+resident between micro-batches ] in :mod:`batchfit.models.step`): all of it on one device
+and under DDP, its shard under FSDP2. FSDP2 without sync holds the unsharded gradient
+instead, ``(N - 1) / N`` of :func:`accumulated_gradient_bytes` more than the probe: leave
+room for that (e.g. as ``reserve_bytes`` of the budget search); DDP and one device need none.
 
 Both wrappers **average** the gradients over the data-parallel ranks. The loss weights of
 :func:`batchfit.loss.loss_weights` make the weighted per-token losses of all ranks *sum*
@@ -75,7 +76,9 @@ def accumulated_gradient_bytes(model: torch.nn.Module) -> int:
 
     Every trainable parameter's whole gradient in the parameter's dtype: on one device, under
     DDP, and under FSDP2 too, which keeps unsharded gradients until the synchronising backward
-    (a sharded parameter counts its global size).
+    (a sharded parameter counts its global size). The token-budget probe already holds the
+    rank's own share (all of it, or ``1/N`` under FSDP2), so only FSDP2 without sync needs
+    ``(N - 1) / N`` of this as extra room.
 
     Example:
         >>> accumulated_gradient_bytes(torch.nn.Linear(4, 2))  # (8 + 2) fp32 values
