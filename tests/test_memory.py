@@ -631,3 +631,14 @@ def test_cpu_probes_reuse_host_pages_inside_retain_freed_memory():
     with retain_freed_memory():
         assert faults_of_second_allocation() < 2_000
     assert faults_of_second_allocation() > 30_000  # the defaults are back
+
+
+def test_views_of_tensors_made_before_the_block_are_not_allocations():
+    # NOTE [ Views of what existed before are not allocations ]: a trainer measuring a
+    # micro-batch was charged the whole batch's mask for a detach()
+    mask = torch.ones(1000, 1000)
+    m = CpuBackend().measure(lambda: mask.detach()[:, 1:].sum(-1))
+    assert m.peak_bytes == 1000 * 4  # only the sum is new
+    grown = torch.empty(0)
+    m = CpuBackend().measure(lambda: torch.empty(0).resize_(256))  # a storage made inside still counts
+    assert m.peak_bytes == 256 * 4 and grown.numel() == 0

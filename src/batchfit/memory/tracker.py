@@ -115,6 +115,11 @@ _original_resize: Any = None
 _original_wait: Any = None
 
 
+def _storage_keys(tree: Any) -> set[int]:
+    """The storages of the tensors in ``tree`` (an op's arguments)."""
+    return {t.untyped_storage()._cdata for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
+
+
 def _tracked_resize(storage: Any, size: int) -> Any:
     out = _original_resize(storage, size)
     for tracker in list(_active):
@@ -350,9 +355,19 @@ class MemoryTracker(TorchDispatchMode):
         if active_fake_mode() is not self._entry_fake_mode:
             return out  # DTensor's sharding propagation, not memory
         category = labels.current_region() or ACTIVATIONS
+        inputs = None
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage(), category)
+                storage = t.untyped_storage()
+                if storage._cdata not in self._live:
+                    # NOTE [ Views of what existed before are not allocations ]: a view (detach,
+                    # slice, in-place op) of a tensor made before the block shares its storage;
+                    # counting it would charge the whole pre-existing tensor to the block
+                    if inputs is None:
+                        inputs = _storage_keys((args, kwargs))
+                    if storage._cdata in inputs:
+                        continue
+                self._add(storage, category)
         roles = _collective_roles().get(func)
         if roles:
             for index, role in roles:
