@@ -73,7 +73,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def example_path() -> Path:
-    """``examples/grpo_stepwise.py`` of the source tree this package runs from."""
+    """The example: the copy a wheel ships in ``batchfit/examples/``, else the source tree's."""
+    packaged = Path(__file__).resolve().parents[1] / "examples" / "grpo_stepwise.py"
+    if packaged.is_file():
+        return packaged
     return Path(__file__).resolve().parents[3] / "examples" / "grpo_stepwise.py"
 
 
@@ -86,7 +89,7 @@ def load_example(path: Path | None = None) -> ModuleType:
     path = example_path() if path is None else path
     if not path.is_file():
         raise BatchfitError(
-            f"batchfit demo runs examples/grpo_stepwise.py of a source checkout, but {path} does not exist; clone the repository and install it with pip install -e ."
+            f"batchfit demo runs examples/grpo_stepwise.py, but {path} does not exist; reinstall batchfit (its wheel ships the example) or run it from a source checkout"
         )
     loaded = sys.modules.get("grpo_stepwise")
     if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path.resolve():
