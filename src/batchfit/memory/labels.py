@@ -54,8 +54,13 @@ def coarse_phase() -> str:
 
 
 def set_position(name: str | None) -> None:
-    """Set the position within the current phase (reset by every :func:`phase` entry and exit)."""
-    _labels.position = name
+    """Set the position within the current phase (reset by every :func:`phase` entry and exit).
+
+    Outside any phase it does nothing: a step's position hooks that fire when its model runs
+    elsewhere (a trainer's own forward and backward) leave no label behind.
+    """
+    if _labels.phase != UNLABELLED:
+        _labels.position = name
 
 
 def current_region() -> str | None:

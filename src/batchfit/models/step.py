@@ -49,7 +49,9 @@ class TrainingStep:
     """One training step of ``model`` on random tokens: ``step(batch_size, seq_len)``.
 
     Policy (``critic=False``): per-token log-probs of the next token from ``log_softmax``
-    of the fp32 logits, loss = minus their masked mean (the shape of an RL policy loss).
+    of the fp32 logits, loss = minus the masked mean of ``exp(logp - old_logp) × advantage``
+    (the shape of a PPO/GRPO policy loss), over a micro-batch holding what a trainer's does
+    (NOTE [ The probe holds an RL micro-batch ]).
     Critic (``critic=True``): values ``model(...).logits[..., 0]`` in fp32, loss = masked
     mean squared error against random returns. Then backward, then ``optimizer.step()`` and
     ``zero_grad(set_to_none=False)``, so the state after a call equals the state before it:
@@ -156,19 +158,27 @@ class TrainingStep:
     def _loss(self, batch_size: int, seq_len: int) -> torch.Tensor:
         # A function of its own so that every intermediate not saved for backward dies here.
         device = self.backend.device
+        # NOTE [ The probe holds an RL micro-batch ]: the fields a trainer's micro-batch
+        # carries besides the token ids (attention mask, loss mask, advantages and old
+        # log-probs, or returns) are created too: a micro-batch at the budget filled a
+        # forward pass 0.2% past the limit when the probe held the ids alone.
         input_ids = torch.randint(0, self.vocab_size, (batch_size, seq_len), device=device)
+        attention_mask = torch.ones(batch_size, seq_len, dtype=torch.long, device=device)  # noqa: F841 - held
         with _head_region(self._head), warnings.catch_warnings():
             # FSDP2 warns when a wrapped module returns a view (log-probs, values); the step
             # never writes to one in place
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
             if self.critic:
-                values = self.model(input_ids=input_ids, use_cache=False).logits[..., 0].float()
                 returns = torch.randn(batch_size, seq_len, device=device)
                 mask = torch.ones(batch_size, seq_len, device=device)
+                values = self.model(input_ids=input_ids, use_cache=False).logits[..., 0].float()
                 return ((values - returns).square() * mask).sum() / mask.sum()
-            logprobs = self._logprobs(input_ids)
             mask = torch.ones(batch_size, seq_len - 1, device=device)
-            return -(logprobs * mask).sum() / mask.sum()
+            advantages = torch.randn(batch_size, seq_len - 1, device=device)
+            old_logprobs = torch.zeros(batch_size, seq_len - 1, device=device)
+            logprobs = self._logprobs(input_ids)
+            ratio = (logprobs - old_logprobs).exp()  # the PPO/GRPO importance ratio
+            return -(ratio * advantages * mask).sum() / mask.sum()
 
     def _logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Log-probs of each next token, ``[B, S - 1]`` fp32, the way ``self.logprobs`` says."""
