@@ -644,3 +644,21 @@ def test_views_of_tensors_made_before_the_block_are_not_allocations():
     grown = torch.empty(0)
     m = CpuBackend().measure(lambda: torch.empty(0).resize_(256))  # a storage made inside still counts
     assert m.peak_bytes == 256 * 4 and grown.numel() == 0
+
+
+def test_a_search_can_stop_a_tracked_step_at_its_own_limit():
+    # NOTE [ Stop at the search's limit ]: a candidate above the safety margin's limit is
+    # stopped there, not run to the device's limit
+    backend = CpuBackend(memory_limit="1GiB")
+
+    def step():
+        kept = [torch.ones(2**18) for _ in range(8)]  # 8 MiB in 1 MiB steps
+        return kept
+
+    full = backend.measure(step)
+    assert full.fits and full.peak_bytes == 8 * 2**20
+    with backend.stopping_above(3 * 2**20):
+        stopped = backend.measure(step)
+    assert (stopped.fits, stopped.exceeded) == (False, True)
+    assert 3 * 2**20 < stopped.peak_bytes <= 4 * 2**20 and stopped.limit_bytes == 2**30
+    assert backend.measure(step).fits  # only inside the block

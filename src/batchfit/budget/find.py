@@ -8,6 +8,7 @@ agree across ranks) and runs the search at several lengths, longest first.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -387,10 +388,15 @@ def _make_probe(
         breakdown: dict[str, int] = {}
         host = 0
         try:
-            if callable(own_measure):
-                m = own_measure(batch_size, seq_len)
-            else:
-                m = backend.measure(lambda: step(batch_size, seq_len), register=register)
+            # NOTE [ Stop at the search's limit ]: a candidate above it is stopped there; the
+            # one-sequence check runs to the end, its peak says how much is missing
+            stopping = getattr(backend, "stopping_above", None)  # a duck-typed backend may lack it
+            stop = stopping(limit) if stopping is not None and batch_size > 1 else contextlib.nullcontext()
+            with stop:
+                if callable(own_measure):
+                    m = own_measure(batch_size, seq_len)
+                else:
+                    m = backend.measure(lambda: step(batch_size, seq_len), register=register)
             peak, exceeded = int(m.peak_bytes), bool(m.exceeded)
             footprint = max(peak, int(getattr(m, "reserved_bytes", None) or 0))
             fits = bool(m.fits) and not exceeded and footprint <= limit

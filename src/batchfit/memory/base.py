@@ -88,6 +88,31 @@ class Backend(abc.ABC):
         """Create models, optimizers and inputs inside this (re-entrant; a no-op by default)."""
         yield
 
+    @contextlib.contextmanager
+    def stopping_above(self, stop_bytes: int | None) -> Iterator[None]:
+        """Inside, a tracked call is aborted as soon as it holds more than ``stop_bytes``.
+
+        NOTE [ Stop at the search's limit ]
+        A search that only needs to know that a candidate does not fit under its own limit
+        (the safety margin's, below the device's) lets the tracked backends stop the step
+        there, as they stop it at the device's limit: the measurement is then
+        ``exceeded`` and ``fits=False``, its peak a lower bound. cuda runs the step to the end
+        (a device cannot be told to fail early). ``None`` changes nothing.
+        """
+        before = getattr(self, "_stop_bytes", None)
+        self._stop_bytes = stop_bytes
+        try:
+            yield
+        finally:
+            self._stop_bytes = before
+
+    def _abort_bytes(self) -> int | None:
+        """Where a tracked call is aborted: the device's limit, or a lower search limit."""
+        stop, limit = getattr(self, "_stop_bytes", None), self.limit_bytes
+        if stop is None:
+            return limit
+        return stop if limit is None else min(stop, limit)
+
     def measure(
         self,
         fn: Callable[[], Any],

@@ -38,7 +38,7 @@ class TrackedBackend(Backend):
         host_categories: Sequence[str],
     ) -> _Trial:
         tracker = MemoryTracker(
-            round_to=self.round_to, limit_bytes=self.limit_bytes, host_categories=host_categories
+            round_to=self.round_to, limit_bytes=self._abort_bytes(), host_categories=host_categories
         )
         return _Trial(tracker, registered, parameters)
 
