@@ -201,26 +201,14 @@ MAX_CHUNK = 1024
 
 
 def auto_chunk_size(batch: Mapping[str, Any], input_ids_key: str = "input_ids") -> int:
-    """The micro-batch's longest sequence, at most :data:`MAX_CHUNK` tokens (NOTE [ Padded rows run without a mask ]
-    Causal attention needs no mask for rows whose valid tokens start in column 0: a token only
-    attends to earlier columns, all valid, and the padding after it is never attended. Rows of
-    the prompt | response layout are left-padded, and given a mask Hugging Face models build a
-    ``[rows, 1, S, S]`` mask that sdpa cannot run with its causal kernel (on the CPU: the math
-    path, memory quadratic in ``S``, which the token budget's unmasked probe never held;
-    measured 3.7% above a budget's limit at 80 tokens, growing with the length).
-    :func:`model_logprobs` therefore moves each padded row's tokens to start in column 0, runs
-    the model without mask or positions (positions ``0 .. length − 1``, those of each
-    sequence), and moves the log-probs back to the columns they came from. Rows whose valid
-    tokens are not one contiguous span keep the mask.
+    """The micro-batch's longest sequence, at most :data:`MAX_CHUNK` tokens (NOTE [ Head chunks no longer than a sequence ]).
 
-    NOTE [ Head chunks no longer than a sequence ]).
+    A packed micro-batch says it in ``max_length``; padded rows are trimmed to their longest
+    member, so their width is that length.
 
-        A packed micro-batch says it in ``max_length``; padded rows are trimmed to their longest
-        member, so their width is that length.
-
-        Example:
-            >>> auto_chunk_size({"input_ids": torch.zeros(1, 900), "max_length": 300})
-            300
+    Example:
+        >>> auto_chunk_size({"input_ids": torch.zeros(1, 900), "max_length": 300})
+        300
     """
     longest = batch.get("max_length")
     if not isinstance(longest, int) or isinstance(longest, bool):
