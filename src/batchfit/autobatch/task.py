@@ -127,13 +127,12 @@ def _import(module_name: str, spec: str) -> Any:
         return module
     try:
         return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module_name.startswith(exc.name):
+    except Exception as exc:
+        missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        if missing is not None and module_name.startswith(missing):  # the module itself, not an import inside it
             raise InvalidArgument(
                 f"task={spec!r}: cannot import module {module_name!r} ({exc}); check the name and that it is on PYTHONPATH"
             ) from None
-        raise task_error(exc, f"your task module {module_name!r} raised") from exc
-    except Exception as exc:
         raise task_error(exc, f"your task module {module_name!r} raised") from exc
 
 

@@ -196,7 +196,7 @@ def profile_model(
     """
     from batchfit.memory import get_backend
     from batchfit.models import load_config, parse_dtype
-    from batchfit.models.depth import DEFAULT_DEPTHS, uniform_layers
+    from batchfit.models.depth import DEFAULT_DEPTHS
     from batchfit.models.step import LOGPROBS
 
     chosen_roles = check_roles(roles)
@@ -210,10 +210,7 @@ def profile_model(
         _take_resident(be, resident_bytes)
     if be.name == "cpu":
         _check_host_memory(config, model, len(chosen_roles))
-    depth = int(config.num_hidden_layers)
-    if depth_extrapolation is None:
-        depth_extrapolation = be.name == "estimate"
-    extrapolate = bool(depth_extrapolation) and uniform_layers(config) and depth > max(DEFAULT_DEPTHS)
+    depth, extrapolate = _depth_plan(config, be, depth_extrapolation)
     build = _RoleBuilder(model, be, torch_dtype, gradient_checkpointing, logprobs, plan, extrapolate, depth)
     budgets: dict[str, TokenBudget] = {}
     failed: tuple[str, DoesNotFitError] | None = None
@@ -268,6 +265,15 @@ def profile_model(
     )
 
 
+def _depth_plan(config: Any, backend: Any, depth_extrapolation: bool | None) -> tuple[int, bool]:
+    """The model's depth, and whether it is extrapolated from two shallow copies (default: when estimating)."""
+    from batchfit.models.depth import DEFAULT_DEPTHS, uniform_layers
+
+    depth = int(config.num_hidden_layers)
+    wanted = backend.name == "estimate" if depth_extrapolation is None else bool(depth_extrapolation)
+    return depth, wanted and uniform_layers(config) and depth > max(DEFAULT_DEPTHS)
+
+
 def _take_resident(backend: Any, resident: int) -> None:
     """Count ``resident`` bytes (other models' state on the device) like the reserve."""
     from batchfit.memory import format_bytes
@@ -307,17 +313,13 @@ def resident_state_bytes(
     """
     from batchfit.memory import get_backend
     from batchfit.models import load_config, parse_dtype
-    from batchfit.models.depth import DEFAULT_DEPTHS, uniform_layers
 
     check_choice("role", role, ROLES)
     plan = as_sharding(sharding)
     torch_dtype = parse_dtype(default_dtype(plan) if dtype is None else dtype)
     config = load_config(model)
     be = get_backend(backend, memory_limit=memory_limit, reserve_bytes=0)
-    depth = int(config.num_hidden_layers)
-    extrapolate = (be.name == "estimate" if depth_extrapolation is None else bool(depth_extrapolation)) and (
-        uniform_layers(config) and depth > max(DEFAULT_DEPTHS)
-    )
+    depth, extrapolate = _depth_plan(config, be, depth_extrapolation)
     build = _RoleBuilder(model, be, torch_dtype, False, "full", plan, extrapolate, depth)
     with _world(be, plan):
         step = agree(lambda: build.step(role), what=f"building the {role} model")

@@ -241,19 +241,7 @@ def model_logprobs(
             batch: one micro-batch (``MicroBatch.batch``), padded or packed.
             chunk_size: tokens per chunk of the fused head; ``"auto"`` (default) is the
                 micro-batch's longest sequence, at most 1024, which keeps the head within what a
-                token budget measured (NOTE [ Padded rows run without a mask ]
-    Causal attention needs no mask for rows whose valid tokens start in column 0: a token only
-    attends to earlier columns, all valid, and the padding after it is never attended. Rows of
-    the prompt | response layout are left-padded, and given a mask Hugging Face models build a
-    ``[rows, 1, S, S]`` mask that sdpa cannot run with its causal kernel (on the CPU: the math
-    path, memory quadratic in ``S``, which the token budget's unmasked probe never held;
-    measured 3.7% above a budget's limit at 80 tokens, growing with the length).
-    :func:`model_logprobs` therefore moves each padded row's tokens to start in column 0, runs
-    the model without mask or positions (positions ``0 .. length − 1``, those of each
-    sequence), and moves the log-probs back to the columns they came from. Rows whose valid
-    tokens are not one contiguous span keep the mask.
-
-    NOTE [ Head chunks no longer than a sequence ]); an int or
+                token budget measured (NOTE [ Head chunks no longer than a sequence ]); an int or
                 ``None`` as :func:`batchfit.logprobs.logprobs_from_hidden`.
             temperature: as :func:`batchfit.logprobs.logprobs_from_hidden`.
             return_entropy: also return the entropy of the distribution each token was drawn from.
