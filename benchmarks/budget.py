@@ -15,9 +15,10 @@ import argparse
 import time
 
 from batchfit.budget import find_token_budget
+from batchfit.budget.step import causal_lm_step
 from batchfit.memory import format_bytes, get_backend
-from batchfit.models import build_causal_lm, causal_lm_step
-from batchfit.search import largest_fitting
+from batchfit.models import build_causal_lm
+from batchfit.plan.search import largest_fitting
 
 
 def make_step(model: str, backend: str, memory: str, dtype: str):
@@ -34,7 +35,7 @@ def baseline(step, seq_lens: list[int], limit: int) -> tuple[dict[int, int], int
     for s in seq_lens:
 
         def probe(b: int, s: int = s) -> bool:
-            m = be.measure(lambda: step(b, s), register=step.persistent)
+            m = step.measure([s] * b)
             return bool(m.fits and not m.exceeded and m.peak_bytes <= limit)
 
         result = largest_fitting(probe)  # no guess: doubling from 1, then bisection
@@ -45,7 +46,7 @@ def baseline(step, seq_lens: list[int], limit: int) -> tuple[dict[int, int], int
 
 def compare(name: str, model: str, backend: str, memory: str, max_seq_len: int, dtype: str) -> None:
     step = make_step(model, backend, memory, dtype)
-    step.backend.measure(lambda: step(1, 16), register=step.persistent)  # warm-up, so neither search pays it
+    step.measure([16])  # warm-up, so neither search pays it
     t0 = time.perf_counter()
     budget = find_token_budget(step, max_seq_len=max_seq_len, progress=False)
     guided_s = time.perf_counter() - t0
@@ -70,7 +71,7 @@ def estimate_time(model: str, seq_len: int) -> None:
     step = make_step(model, "estimate", "h100-80gb", "bf16")
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    m = step.backend.measure(lambda: step(1, seq_len), register=step.persistent)
+    m = step.measure([seq_len])
     probe_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     budget = find_token_budget(step, max_seq_len=seq_len, progress=False)

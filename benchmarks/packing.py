@@ -1,4 +1,4 @@
-"""Quality and speed of batchfit.packing against two baselines.
+"""Quality and speed of batchfit.plan.packing against two baselines.
 
     python benchmarks/packing.py [--n 10000] [--dp 8] [--max-len 4096] [--seed 0]
 
@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from batchfit.packing import BEST_FIT_MAX_DISTINCT, plan_micro_batches
+from batchfit.plan.packing import BEST_FIT_MAX_DISTINCT, plan_micro_batches
 
 
 def lengths_for(kind: str, n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
@@ -197,7 +197,7 @@ def exact_count(lengths: list[int], budget: int, limit: int = 2_000_000) -> int 
 
 def small_plans(seed: int, cases: int = 1000) -> None:
     """Counts on random small instances (one rank's share): batchfit vs best fit alone vs verl vs the optimum."""
-    import batchfit.packing as packing
+    import batchfit.plan.packing as packing
 
     rng = np.random.default_rng(seed)
     tally = {"batchfit": [0, 0, 0], "best fit alone": [0, 0, 0]}  # [= optimum, +1, +2 or more]
@@ -242,8 +242,8 @@ def packed_vs_padded(seed: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from batchfit.attention import use_varlen_attention
     from batchfit.memory import get_backend
+    from batchfit.models.attention import use_varlen_attention
 
     torch.manual_seed(seed)
     config = LlamaConfig(

@@ -24,11 +24,12 @@ import subprocess
 import sys
 import time
 
-from batchfit.distributed import simulated_world
+from batchfit.budget.depth import DEFAULT_DEPTHS, DepthExtrapolatedStep
+from batchfit.budget.step import causal_lm_step
 from batchfit.memory import format_bytes, get_backend
-from batchfit.models import build_causal_lm, causal_lm_step
-from batchfit.models.depth import DEFAULT_DEPTHS, DepthExtrapolatedStep
-from batchfit.sharding import Sharding
+from batchfit.models import build_causal_lm
+from batchfit.parallel.distributed import simulated_world
+from batchfit.parallel.sharding import Sharding
 
 
 def timed_cli(args: list[str]) -> tuple[float, str, str]:
@@ -70,11 +71,11 @@ def extrapolation(spec: str, world: int, batch: int, seq_len: int) -> None:
         depth = int(full.model.config.num_hidden_layers)
         extrapolated = DepthExtrapolatedStep({k: make(k) for k in DEFAULT_DEPTHS}, depth)
         for step in (full, extrapolated):
-            step.measure(1, 64)  # FSDP2's lazy initialisation, paid once per model in any profile
+            step.measure([64] * 1)  # FSDP2's lazy initialisation, paid once per model in any profile
         t0 = time.perf_counter()
-        predicted = extrapolated.measure(batch, seq_len)
+        predicted = extrapolated.measure([seq_len] * batch)
         t1 = time.perf_counter()
-        measured = full.measure(batch, seq_len)
+        measured = full.measure([seq_len] * batch)
         t2 = time.perf_counter()
     error = (predicted.peak_bytes - measured.peak_bytes) / measured.peak_bytes
     print(

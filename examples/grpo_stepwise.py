@@ -38,27 +38,26 @@ import torch
 import torch.distributed as dist
 
 from batchfit import BatchConfig, BatchfitError, BatchPlan, InvalidArgument
-from batchfit.attention import use_varlen_attention
-from batchfit.batch import slice_batch
-from batchfit.budget.profile import profile_model
-from batchfit.loss import loss_weights
-from batchfit.microbatch import iter_micro_batches
-from batchfit.minibatch import mini_batch_boundaries, pad_for_data_parallel
-from batchfit.models import build_causal_lm, initialize_optimizer_state, load_config
-from batchfit.models.shard import unwrap
-from batchfit.packing import MicroBatchPlan, plan_micro_batches
-from batchfit.sharding import Sharding
+from batchfit.batches.batch import slice_batch
+from batchfit.batches.microbatch import iter_micro_batches
+from batchfit.batches.minibatch import mini_batch_boundaries, pad_for_data_parallel
+from batchfit.batches.weights import loss_weights
+from batchfit.budget import ProfileOptions, profile_model
+from batchfit.models import build_causal_lm, load_config
+from batchfit.models.attention import use_varlen_attention
+from batchfit.parallel.shard import unwrap
+from batchfit.parallel.sharding import Sharding
+from batchfit.plan.packing import MicroBatchPlan, plan_micro_batches
 from batchfit.train import (
     CollectiveBytes,
     PeakTracker,
     accumulate,
-    accumulated_gradient_bytes,
     data_parallel_size,
     forward_logprobs,
-    model_logprobs,
-    policy_loss,
+    micro_batch_loss,
     response_columns,
 )
+from batchfit.train.optim import initialize_optimizer_state
 from batchfit.validation import check_choice, check_int, check_positive_int
 
 GOOD_TOKENS = 0.125  # the lowest eighth of the vocabulary (after 3 special ids) is "good"
@@ -286,14 +285,13 @@ def train(
                 mini["weights"] = loss_weights(mini["loss_mask"], reduction="token_mean")
                 lengths = mini["attention_mask"].sum(-1)
                 mb_plan = plan(lengths, budgets.training, s.micro_batch_size)  # the same on every rank
-                micro_batches = iter_micro_batches(
-                    mini, mb_plan, rank, layout=s.layout, model=model, trim=trim
-                )
+                micro_batches = iter_micro_batches(mini, mb_plan, rank, layout=s.layout, trim=trim)
                 loss_sum, computed, real, peak = 0.0, 0, 0, 0
                 with meters(s, model, optimizer, host=mini) as (comm, peaks):
                     for mb in accumulate(model, micro_batches, mb_plan.num_micro_batches):  # syncs once
-                        logp = model_logprobs(model, mb.batch)  # fused, through the FSDP2 forward
-                        loss = policy_loss(logp, mb.batch, clip_ratio=s.clip_ratio, scale=dp)
+                        # fused log-probs through the (FSDP2) forward, then the clipped surrogate:
+                        # the step the token budget's probe ran
+                        loss = micro_batch_loss(model, mb, clip_ratio=s.clip_ratio, scale=dp)
                         loss.backward()
                         loss_sum += loss.item() / dp
                         computed += mb.batch["input_ids"].numel()
@@ -340,34 +338,28 @@ class Budgets:
 def token_budgets(s: Settings, sharding: Sharding) -> Budgets:
     """The training and forward-only token budgets per rank for ``sharding``, measured on this machine.
 
-    The probe holds the rank's own gradient between micro-batches (its shard under FSDP2);
-    FSDP2 accumulating without sync holds the unsharded gradient instead, so the training
-    budget leaves room for the rest of it: a training micro-batch may hold the budget's limit
-    plus that. Every rank calls this (the probes run in lockstep); budgets given in ``s`` are
-    used as they are.
+    Each budget's probe runs this loop's own micro-batch step (fused log-probs, the clipped
+    surrogate, backward, AdamW with the gradients resident) on micro-batches laid out as
+    this loop lays them out. Every rank calls this (the probes run in lockstep); budgets
+    given in ``s`` are used as they are.
     """
     if s.token_budget is not None and s.forward_token_budget is not None:
         return Budgets(s.token_budget, s.forward_token_budget)
-    accumulated = 0
-    if sharding.strategy == "fsdp2":  # unsharded gradients without sync, beyond the probed shard
-        with torch.device("meta"):  # the parameters' sizes, no memory
-            total = accumulated_gradient_bytes(build_causal_lm(s.model, dtype="fp32"))
-        accumulated = total - total // sharding.world_size
-    common: dict[str, Any] = {
-        "max_seq_len": s.max_prompt_len + s.max_response_len,
-        "backend": "cpu",
-        "memory_limit": s.memory,
-        "dtype": "fp32",
-        "logprobs": "fused",
-        "cost": "packed" if s.layout == "packed" else "padded",
-        "sharding": sharding,
-    }
-    policy = profile_model(s.model, roles=("policy",), reserve_bytes=accumulated, **common).budgets["policy"]
-    forward = profile_model(s.model, roles=(FORWARD_ROLE,), **common).budgets[FORWARD_ROLE]
+    options = ProfileOptions(
+        max_seq_len=s.max_prompt_len + s.max_response_len,
+        backend="cpu",
+        memory_limit=s.memory,
+        dtype="fp32",
+        logprobs="fused",
+        cost="packed" if s.layout == "packed" else "padded",
+        sharding=sharding,
+    )
+    policy = profile_model(s.model, options, roles=("policy",)).budgets["policy"]
+    forward = profile_model(s.model, options, roles=(FORWARD_ROLE,)).budgets[FORWARD_ROLE]
     return Budgets(
         s.token_budget or policy.tokens,
         s.forward_token_budget or forward.tokens,
-        policy.limit_bytes + accumulated,
+        policy.limit_bytes,
         forward.limit_bytes,
     )
 

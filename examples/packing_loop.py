@@ -4,7 +4,7 @@
 
 Each mini-batch is planned under a token budget, run micro-batch by micro-batch, and the
 gradient equals the one of the whole mini-batch because the loss weights are computed once
-over the mini-batch (batchfit.loss). Under DDP/FSDP, pass ``dp_size`` and this process'
+over the mini-batch (batchfit.batches.weights). Under DDP/FSDP, pass ``dp_size`` and this process'
 ``rank``, scale the loss by ``dp_size`` (DDP averages over ranks) and wrap all but the last
 backward in ``model.no_sync()``: every rank runs the same number of micro-batches.
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from batchfit.loss import loss_weights
-from batchfit.microbatch import iter_micro_batches
-from batchfit.packing import plan_micro_batches
+from batchfit.batches.microbatch import iter_micro_batches
+from batchfit.batches.weights import loss_weights
+from batchfit.plan.packing import plan_micro_batches
 
 TOKEN_BUDGET = 256  # e.g. from batchfit's budget search; cost = rows × longest row ("padded")
 DP_SIZE, RANK = 1, 0  # torch.distributed.get_world_size() / get_rank() under DDP

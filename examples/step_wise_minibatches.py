@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from batchfit.loss import loss_weights
-from batchfit.minibatch import (
+from batchfit.batches.minibatch import (
     mini_batch_boundaries,
     pad_for_data_parallel,
     slice_batch,
     split_for_data_parallel,
 )
+from batchfit.batches.weights import loss_weights
 
 torch.manual_seed(0)
 prompts, dp_size, prompts_per_mini_batch, width = 8, 4, 4, 12

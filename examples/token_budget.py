@@ -7,8 +7,9 @@ each role's budget and the one both can share, and uses it to size micro-batches
 """
 
 from batchfit.budget import TokenBudget, find_token_budget
+from batchfit.budget.step import causal_lm_step
 from batchfit.memory import format_bytes, get_backend
-from batchfit.models import build_causal_lm, causal_lm_step
+from batchfit.models import build_causal_lm
 
 backend = get_backend("estimate", memory_limit="8GiB")  # 1 GiB reserve -> 7 GiB usable
 budgets = []

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from batchfit.loss import loss_weights
-from batchfit.microbatch import iter_micro_batches, sync_micro_batch_count
-from batchfit.packing import plan_micro_batches
+from batchfit.batches.microbatch import iter_micro_batches
+from batchfit.batches.weights import loss_weights
+from batchfit.parallel.distributed import sync_micro_batch_count
+from batchfit.plan.packing import plan_micro_batches
 
 SEQ_LEN = 16
 PROMPT_LEN = 2

@@ -1,4 +1,4 @@
-"""batchfit.attention: per-sequence attention on packed rows, equal to the masked path, without a T × T mask."""
+"""batchfit.models.attention: per-sequence attention on packed rows, equal to the masked path, without a T × T mask."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from batchfit import InvalidArgument
-from batchfit import attention as attention_module
-from batchfit.attention import VARLEN, use_varlen_attention
+from batchfit.batches.microbatch import iter_micro_batches
 from batchfit.memory import get_backend
-from batchfit.microbatch import iter_micro_batches
-from batchfit.packing import plan_micro_batches
+from batchfit.models import attention as attention_module
+from batchfit.models.attention import VARLEN, use_varlen_attention
+from batchfit.plan.packing import plan_micro_batches
+from batchfit.train import model_logprobs
 from microbatch_helpers import tiny_lm
 
 
@@ -92,14 +93,19 @@ def test_packed_micro_batches_warn_once_about_a_masked_attention(monkeypatch):
     batch = {"input_ids": torch.ones(3, 4, dtype=torch.long), "attention_mask": torch.ones(3, 4, dtype=torch.long)}
     plan = plan_micro_batches([4, 4, 4], 8, cost="packed")
     model = _model("llama")
+
+    def run() -> None:
+        for mb in iter_micro_batches(batch, plan, layout="packed"):
+            model_logprobs(model, mb.batch)
+
     with pytest.warns(UserWarning, match=r"attn_implementation='sdpa' build a T × T mask.*use_varlen_attention"):
-        list(iter_micro_batches(batch, plan, layout="packed", model=model))
+        run()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        list(iter_micro_batches(batch, plan, layout="packed", model=model))  # once only
+        run()  # once only
         use_varlen_attention(model)
         monkeypatch.setattr(attention_module, "_warned", False)
-        list(iter_micro_batches(batch, plan, layout="packed", model=model))  # varlen: no warning
+        run()  # varlen: no warning
 
 
 def test_use_varlen_attention_needs_a_transformers_model():

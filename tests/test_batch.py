@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from batchfit import BatchError
-from batchfit.batch import batch_size, concat_batches, slice_batch, take_rows
+from batchfit.batches.batch import batch_size, concat_batches, slice_batch, take_rows
 
 
 def batch():

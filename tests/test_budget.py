@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,38 +21,56 @@ from batchfit.budget import (
     guess_max_batch,
 )
 from batchfit.errors import DoesNotFitError, InvalidArgument
+from batchfit.memory import Backend, MemoryMeasurement
+from batchfit.budget.probe import candidate_lengths
 from multirank import run_ranks
 
 # --------------------------------------------------------------------------- helpers
 
 
-class SyntheticBackend:
-    """A backend whose step returns ``(b, s)`` and whose peak is ``peak_fn(b, s)``.
+class SyntheticBackend(Backend):
+    """A backend whose step returns the micro-batch's lengths and whose peak is ``peak_fn(b, s)``.
 
-    Like the cpu/estimate backends, a run above ``limit_bytes`` is aborted: it reports the
-    bytes at the abort (``limit + 1``, a lower bound) with ``exceeded=True``.
-    ``fail`` injects "does not fit" for chosen candidates (an OOM on this rank only).
+    ``b`` sequences of ``s`` tokens: a padded candidate; with ``peak_fn`` taking one
+    argument, it gets the lengths themselves (packed candidates). Like the cpu/estimate
+    backends, a run above ``limit_bytes`` is aborted: it reports the bytes at the abort
+    (``limit + 1``, a lower bound) with ``exceeded=True``. ``fail`` injects "does not fit"
+    for chosen candidates (an OOM on this rank only).
     """
 
     name = "synthetic"
-    reserve_bytes = 0
-    memory_limit = None
 
     def __init__(self, peak_fn, limit_bytes, fail=()):
-        self.peak_fn, self.limit_bytes, self.fail = peak_fn, limit_bytes, set(fail)
+        super().__init__()
+        self.peak_fn, self._limit, self.fail = peak_fn, limit_bytes, set(fail)
         self.calls = []
 
-    def measure(self, fn, register=(), categories=None):
-        b, s = fn()
+    @property
+    def limit_bytes(self):
+        return self._limit
+
+    def measure(self, fn, register=(), categories=None, host_categories=()):
+        lengths = fn()
+        b, s = len(lengths), max(lengths)
         self.calls.append((b, s))
-        peak = self.peak_fn(b, s)
-        if (b, s) in self.fail or peak > self.limit_bytes:
-            return SimpleNamespace(peak_bytes=min(peak, self.limit_bytes + 1), fits=False, exceeded=True)
-        return SimpleNamespace(peak_bytes=peak, fits=True, exceeded=False)
+        by_lengths = self.peak_fn.__code__.co_argcount == 1
+        peak = self.peak_fn(lengths) if by_lengths else self.peak_fn(b, s)
+        if (b, s) in self.fail or peak > self._limit:
+            return MemoryMeasurement(min(peak, self._limit + 1), False, self._limit, self.name, exceeded=True)
+        return MemoryMeasurement(peak, True, self._limit, self.name)
+
+    def _prepare(self, registered, parameters, host_categories):  # measure is overridden
+        raise NotImplementedError
+
+    def _running(self, state):
+        raise NotImplementedError
+
+    def _result(self, state, exceeded, seconds):
+        raise NotImplementedError
 
 
-def shape_step(batch_size, seq_len):
-    return batch_size, seq_len
+def shape_step(lengths):
+    return lengths
 
 
 def linear_quadratic(b, s):
@@ -170,6 +187,31 @@ def test_every_reported_max_batch_fits_and_the_next_does_not():
     assert budget.tokens == 36 * 4096
 
 
+def packed_peak(lengths):
+    # the linear-quadratic model over the sequences themselves: Σ (1000·l + 3·l²)
+    return 10_000_000 + sum(1_000 * n + 3 * n * n for n in lengths)
+
+
+def test_a_packed_budget_counts_tokens_and_one_more_token_does_not_fit():
+    budget, backend = synthetic_budget(packed_peak, cost="packed")
+    for p in budget.points:
+        fits = candidate_lengths(p.tokens, p.seq_len, "packed")
+        assert packed_peak(fits) <= budget.limit_bytes
+        assert packed_peak(candidate_lengths(p.tokens + 1, p.seq_len, "packed")) > budget.limit_bytes
+    # at 4096: 36 sequences take 10e6 + 36·54,427,648 = 1,969,395,328 B; the remaining 30,604,672 B
+    # hold r tokens with 1000·r + 3·r² <= 30,604,672 -> r = 3,031 (30,591,883 B; 3,032 need 30,611,072)
+    assert budget.points[0].tokens == 36 * 4096 + 3_031
+    assert budget.tokens == 36 * 4096 + 3_031 > 36 * 4096  # the padded budget of the same memory
+    assert max(p.probes for p in budget.points) <= 8
+
+
+def test_a_packed_budget_holds_every_split_into_shorter_sequences():
+    budget, _ = synthetic_budget(packed_peak, cost="packed")
+    C = budget.tokens
+    for s in (1, 17, 1000, 4095, 4096):
+        assert packed_peak(candidate_lengths(C, s, "packed")) <= budget.limit_bytes
+
+
 def test_probe_count_is_bounded_and_warm_starts_need_fewer():
     budget, backend = synthetic_budget()
     per_length = [p.probes for p in budget.points]
@@ -256,6 +298,7 @@ BAD_ARGUMENTS = [
     pytest.param({"seq_lens": [0]}, r"seq_lens\[0\] must be an integer >= 1", id="seq-len-zero"),
     pytest.param({"progress": "yes"}, "progress must be True, False or a callable", id="progress-string"),
     pytest.param({"backend": "gpu"}, "backend must be one of", id="backend-unknown"),
+    pytest.param({"backend": object()}, "backend must be a backend name or a batchfit.memory.Backend", id="backend-object"),
 ]
 
 
@@ -297,29 +340,29 @@ def make_tiny_step(vocab=64):
     torch.manual_seed(0)
     model = TinyLM(vocab)
 
-    def step(batch_size, seq_len):
-        ids = torch.randint(0, vocab, (batch_size, seq_len))
+    def step(lengths):
+        ids = torch.randint(0, vocab, (len(lengths), max(lengths)))
         logits = model(ids)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
         model.zero_grad(set_to_none=True)
 
-    step.persistent = (model,)
-    return step
+    return step, model
 
 
 def test_cpu_budget_max_batch_fits_and_one_more_does_not_by_measurement():
     from batchfit.memory import get_backend
 
     backend = get_backend("cpu", memory_limit=4_000_000)
-    step = make_tiny_step()
-    step.backend = backend
-    budget = find_token_budget(step, max_seq_len=256, seq_lens=[256, 64], safety_margin=1.0, progress=False)
+    step, model = make_tiny_step()
+    budget = find_token_budget(
+        step, backend=backend, register=model, max_seq_len=256, seq_lens=[256, 64], safety_margin=1.0, progress=False
+    )
     assert budget.backend == "cpu"
     for point in budget.points:
         s, b = point.seq_len, budget.max_batch_size(point.seq_len)
         assert b >= 1
-        at_b = backend.measure(lambda b=b, s=s: step(b, s), register=step.persistent)
-        above = backend.measure(lambda b=point.max_batch_size + 1, s=s: step(b, s), register=step.persistent)
+        at_b = backend.measure(lambda b=b, s=s: step([s] * b), register=model)
+        above = backend.measure(lambda b=point.max_batch_size + 1, s=s: step([s] * b), register=model)
         assert at_b.fits and at_b.peak_bytes <= budget.limit_bytes
         assert not above.fits or above.peak_bytes > budget.limit_bytes
     assert max(p.probes for p in budget.points) <= 8

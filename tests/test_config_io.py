@@ -7,7 +7,7 @@ import json
 import pytest
 
 from batchfit import BatchConfigError
-from batchfit.config_io import config_from_mapping, load_config
+from batchfit.frameworks.config_io import config_from_mapping, load_config
 
 
 def test_flat_keys_build_the_config():

@@ -1,4 +1,4 @@
-"""batchfit.models.depth: two shallow copies predict the full depth's peak, to the byte."""
+"""batchfit.budget.depth: two shallow copies predict the full depth's peak, to the byte."""
 
 from __future__ import annotations
 
@@ -7,17 +7,18 @@ import types
 import pytest
 
 from batchfit import InvalidArgument
-from batchfit.distributed import simulated_world
-from batchfit.memory import MemoryMeasurement, get_backend
-from batchfit.models import build_causal_lm, causal_lm_step, load_config
-from batchfit.models.depth import (
+from batchfit.budget.depth import (
     DEFAULT_DEPTHS,
     DepthExtrapolatedStep,
     build_depth_steps,
     extrapolate,
     uniform_layers,
 )
-from batchfit.sharding import Sharding
+from batchfit.budget.step import causal_lm_step
+from batchfit.memory import MemoryMeasurement, get_backend
+from batchfit.models import build_causal_lm, load_config
+from batchfit.parallel.distributed import simulated_world
+from batchfit.parallel.sharding import Sharding
 
 
 def _steps(spec: str, sharding: Sharding, depths, **opts):
@@ -49,8 +50,8 @@ def test_extrapolation_equals_the_full_depth_estimate_for_the_tiny_model(strateg
         steps = _steps("tiny", sharding, (*DEFAULT_DEPTHS, 9, 14), **opts)
         shallow = {k: steps[k] for k in DEFAULT_DEPTHS}
         for depth in (9, 14):
-            predicted = DepthExtrapolatedStep(shallow, depth).measure(2, 40)
-            full = steps[depth].measure(2, 40)
+            predicted = DepthExtrapolatedStep(shallow, depth).measure([40] * 2)
+            full = steps[depth].measure([40] * 2)
             assert predicted.peak_bytes == full.peak_bytes, depth
             assert predicted.breakdown == full.breakdown, depth
 
@@ -60,8 +61,8 @@ def test_extrapolation_equals_the_full_depth_estimate_for_qwen_0_5b(one_thread):
     with simulated_world(8):
         sharding = Sharding("fsdp2", world_size=8)
         steps = _steps("qwen2.5-0.5b", sharding, (*DEFAULT_DEPTHS, 24), gradient_checkpointing=True)
-        predicted = DepthExtrapolatedStep({k: steps[k] for k in DEFAULT_DEPTHS}, 24).measure(1, 1024)
-        full = steps[24].measure(1, 1024)
+        predicted = DepthExtrapolatedStep({k: steps[k] for k in DEFAULT_DEPTHS}, 24).measure([1024])
+        full = steps[24].measure([1024])
     assert abs(predicted.peak_bytes - full.peak_bytes) <= 0.005 * full.peak_bytes
     assert predicted.peak_bytes == full.peak_bytes  # in fact to the byte
 
@@ -99,14 +100,14 @@ def test_a_position_seen_at_one_depth_only_is_not_extrapolated():
 def test_a_shallow_run_over_the_limit_decides_without_the_second():
     calls = []
 
-    def measure_over(b, s):
+    def measure_over(lengths):
         calls.append("k1")
         return MemoryMeasurement(peak_bytes=10, fits=False, limit_bytes=5, backend="estimate", exceeded=True)
 
     backend = types.SimpleNamespace(limit_bytes=5)
     one = types.SimpleNamespace(backend=backend, measure=measure_over)
-    two = types.SimpleNamespace(backend=backend, measure=lambda b, s: calls.append("k2"))
-    result = DepthExtrapolatedStep({5: one, 6: two}, 20).measure(1, 8)
+    two = types.SimpleNamespace(backend=backend, measure=lambda lengths: calls.append("k2"))
+    result = DepthExtrapolatedStep({5: one, 6: two}, 20).measure([8])
     assert result.exceeded and not result.fits and calls == ["k1"]
 
 

@@ -1,4 +1,4 @@
-"""batchfit.distributed: simulated ranks for estimates, and helpers that treat them as one process."""
+"""batchfit.parallel.distributed: simulated ranks for estimates, and helpers that treat them as one process."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import pytest
 import torch.distributed as dist
 
 from batchfit import InvalidArgument
-from batchfit.distributed import all_reduce_max, get_world_size, is_distributed, is_simulated, simulated_world
+from batchfit.parallel.distributed import (
+    all_reduce_max,
+    get_world_size,
+    is_distributed,
+    is_simulated,
+    simulated_world,
+)
 from multirank import run_ranks
 
 
@@ -67,13 +73,13 @@ def _budget_on_ranks(rank: int, case: str) -> str:
 
     calls = []
 
-    def step(batch_size: int, seq_len: int) -> None:
-        calls.append(batch_size)
+    def step(lengths: list[int]) -> None:
+        calls.append(len(lengths))
         if case == "probe-raises" and rank == 1:
             raise RuntimeError("a bug in rank 1's step")
         if case == "killed" and rank == 1 and len(calls) == 2:
             os._exit(3)
-        torch.zeros(batch_size * seq_len * 16)
+        torch.zeros(sum(lengths) * 16)
 
     kwargs = {"max_seq_len": 64, "safety_margin": 0.9}
     if case == "setup-fails" and rank == 1:
@@ -126,7 +132,7 @@ def test_ranks_that_pass_different_arguments_all_raise_naming_them(search):
 def test_a_probe_that_raises_on_one_rank_raises_on_every_rank():
     got = run_ranks(_budget_on_ranks, "probe-raises", timeout=60)
     assert got[1] == "RuntimeError: a bug in rank 1's step"
-    assert got[0].startswith("BatchfitError: rank 1 raised during the probe of batch_size=")
+    assert got[0].startswith("BatchfitError: rank 1 raised during the probe of 1 sequence (64 tokens, the longest 64)")
 
 
 def test_a_rank_killed_mid_search_becomes_an_error_naming_it():

@@ -89,3 +89,72 @@ def test_the_package_has_no_import_cycles():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The layers of the package, lowest first (DESIGN.md "Layers"): a module may import its own
+# package and the layers below it, never one above (nor one beside it on the same layer).
+LAYERS = (
+    ("errors",),
+    ("validation", "dtypes"),
+    ("plan",),
+    ("batches",),
+    ("parallel",),
+    ("memory",),
+    ("logprobs",),
+    ("models",),
+    ("train",),
+    ("budget", "autobatch"),
+    ("frameworks",),
+    ("cli",),
+)
+# Plain modules, not one of the layers' packages.
+_ENTRY_POINTS = ("batchfit", "batchfit.__main__")
+
+
+def _layer(module: str) -> tuple[int, str]:
+    top = module.split(".")[1]
+    for level, names in enumerate(LAYERS):
+        if top in names:
+            return level, top
+    raise AssertionError(f"{module} is in no layer of LAYERS; add its package there")
+
+
+def test_every_import_goes_down_the_layers():
+    modules = _module_names()
+    upward = []
+    for name, path in modules.items():
+        if name in _ENTRY_POINTS:
+            continue
+        level, package = _layer(name)
+        for target in _imports(path, modules) - {name}:
+            if target in _ENTRY_POINTS:
+                if package != "cli":  # the root re-exports every layer: only the top may import it
+                    upward.append(f"{name} -> {target} (the package root re-exports every layer)")
+                continue
+            target_level, target_package = _layer(target)
+            if target_package != package and target_level >= level:
+                upward.append(f"{name} -> {target}")
+    assert upward == []
+
+
+CORE = ("errors", "validation", "dtypes", "plan", "batches", "logprobs")
+
+
+def _imported_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            names.add(node.module or "")
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_the_core_does_not_import_torch_distributed():
+    core = {n: p for n, p in _module_names().items() if n not in _ENTRY_POINTS and n.split(".")[1] in CORE}
+    offenders = sorted(
+        name
+        for name, path in core.items()
+        if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in _imported_names(path))
+    )
+    assert offenders == []

@@ -1,4 +1,4 @@
-"""batchfit.layout through iter_micro_batches: the cap on real tensors, the prompt | response layout, write-back.
+"""batchfit.batches.layout through iter_micro_batches: the cap on real tensors, the prompt | response layout, write-back.
 
 Rollouts are built the way SkyRL and verl lay them out (NOTE [ Sequence and response
 columns ]): every token id encodes its row and its place in the sequence, and every
@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfit import BatchError, BudgetError
-from batchfit.layout import field_roles
-from batchfit.microbatch import iter_micro_batches
-from batchfit.packing import plan_micro_batches
+from batchfit.batches.layout import field_roles
+from batchfit.batches.microbatch import iter_micro_batches
+from batchfit.plan.packing import plan_micro_batches
 
 
 def rollouts(prompts: list[int], responses: list[int], P: int, R: int, side: str, mask_key="attention_mask"):
@@ -252,7 +252,7 @@ def test_unpack_round_trips_each_sequence_s_tokens():
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_custom_keys_reach_every_calling_form(layout):
-    from batchfit.minibatch import pad_for_data_parallel, pad_rows
+    from batchfit.batches.minibatch import pad_for_data_parallel, pad_rows
 
     batch = rollouts([2, 3, 1], [2, 1, 3], P=3, R=3, side="skyrl", mask_key="valid")
     batch["mask"] = batch.pop("loss_mask")

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfit import InvalidArgument
+from batchfit.budget.step import causal_lm_step
 from batchfit.memory import (
     Backend,
     CpuBackend,
@@ -23,7 +24,7 @@ from batchfit.memory import (
     measure_peak,
     parse_memory,
 )
-from batchfit.models import build_causal_lm, causal_lm_step
+from batchfit.models import build_causal_lm
 
 # --------------------------------------------------------------------------- sizes
 
@@ -196,7 +197,7 @@ def test_an_aborted_step_leaves_no_partial_gradients():
     backend = CpuBackend(memory_limit=4_600_000)
     step = causal_lm_step(build_causal_lm("tiny", backend=backend), backend=backend)
     before = [p.grad for p in step.model.parameters()]  # resident between micro-batches
-    m = backend.measure(lambda: step(8, 64), register=step.persistent)
+    m = step.measure([64] * 8)
     assert (m.fits, m.exceeded) == (False, True)
     assert all(p.grad is g for p, g in zip(step.model.parameters(), before))
 
@@ -207,8 +208,9 @@ def test_measure_peak_registers_a_training_steps_persistent_state():
     m = measure_peak(_StepAt(step, 1, 8), backend=backend)
     assert m.breakdown["parameters"] == 894208  # 223552 parameters * 4 B
     # a lambda has no `persistent`: nothing is registered unless passed explicitly
-    assert "parameters" not in measure_peak(lambda: step(1, 8), backend=backend).breakdown
-    explicit = measure_peak(lambda: step(1, 8), backend=backend, register=step.persistent)
+    mb = step.micro_batch([8])
+    assert "parameters" not in measure_peak(lambda: step.run(mb), backend=backend).breakdown
+    explicit = measure_peak(lambda: step.run(mb), backend=backend, register=step.persistent)
     assert explicit.peak_bytes == m.peak_bytes
 
 
@@ -216,10 +218,10 @@ class _StepAt:
     """A step bound to a shape that still exposes ``persistent`` (what measure_peak looks for)."""
 
     def __init__(self, step, b, s):
-        self.step, self.b, self.s, self.persistent = step, b, s, step.persistent
+        self.step, self.mb, self.persistent = step, step.micro_batch([s] * b), step.persistent
 
     def __call__(self):
-        self.step(self.b, self.s)
+        self.step.run(self.mb)
 
 
 # --------------------------------------------------------------------------- estimate == cpu
@@ -231,7 +233,7 @@ def _peak(backend_name, spec="tiny", **kwargs):
     backend = get_backend(backend_name, round_to=1, reserve_bytes=0)
     model = build_causal_lm(spec, backend=backend, attn_implementation=attn, **kwargs)
     step = causal_lm_step(model, backend=backend)
-    return backend.measure(lambda: step(*shape), register=step.persistent)
+    return step.measure([shape[1]] * shape[0])
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -284,7 +286,7 @@ def test_estimate_keeps_sdpa_causal_and_restores_transformers():
 def test_estimate_allocates_nothing_for_a_large_model():
     backend = EstimateBackend(memory_limit="h100-80gb", round_to=1)
     step = causal_lm_step(build_causal_lm("qwen2.5-0.5b", backend=backend, dtype="bf16"), backend=backend)
-    m = backend.measure(lambda: step(1, 256), register=step.persistent)
+    m = step.measure([256])
     # 494,032,768 parameters (embeddings tied, counted once) * 2 B
     assert m.breakdown["parameters"] == 988_065_536
     # AdamW: exp_avg + exp_avg_sq in bf16 (2 * 988,065,536) + one 4-byte step per tensor (290 tensors)
@@ -295,7 +297,7 @@ def test_estimate_allocates_nothing_for_a_large_model():
 def test_estimate_reports_does_not_fit_cheaply():
     backend = EstimateBackend(memory_limit="l4")
     step = causal_lm_step(build_causal_lm("qwen2.5-0.5b", backend=backend, dtype="bf16"), backend=backend)
-    m = backend.measure(lambda: step(64, 8192), register=step.persistent)
+    m = step.measure([8192] * 64)
     assert (m.fits, m.exceeded) == (False, True)
     assert m.peak_bytes > m.limit_bytes == parse_memory("l4") - 1024**3
 
@@ -546,8 +548,8 @@ def test_dtensor_shards_are_counted_by_their_local_tensor():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from batchfit.distributed import simulated_world
     from batchfit.memory.registration import plain_tensors
+    from batchfit.parallel.distributed import simulated_world
 
     with simulated_world(4):
         mesh = init_device_mesh("cpu", (4,))
@@ -572,10 +574,10 @@ def test_a_hundred_measurements_leave_no_finalizers_behind():
         gc.collect()
         return len(weakref.finalize._registry)  # every finalize object alive
 
-    step.measure(2, 16)
+    step.measure([16] * 2)
     before, rss_before = live_finalizers(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     for _ in range(100):
-        step.measure(2, 16)
+        step.measure([16] * 2)
     assert live_finalizers() <= before + 5  # not one per storage per measurement
     assert (
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 100_000
@@ -588,7 +590,7 @@ def test_a_hundred_measurements_leave_no_finalizers_behind():
 ONE_DEFINITION = {
     r"""["']cpu["'],\s*["']estimate["']|["']estimate["'],\s*["']cuda["']""": "memory/registry.py",
     r"""^[A-Z_]+\s*=\s*["']h100-80gb["']""": "memory/estimate.py",
-    r"""^COSTS\s*=""": "packing.py",
+    r"""^COSTS\s*=""": "plan/packing.py",
     r"""["'](?:bfloat16|bf16|float16|fp16)["']:\s*torch\.""": "dtypes.py",
 }
 

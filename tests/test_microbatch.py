@@ -10,9 +10,10 @@ import torch
 import torch.multiprocessing as mp
 
 from batchfit import BatchError, InvalidArgument
-from batchfit.microbatch import iter_micro_batches, sync_micro_batch_count, trim_padding
-from batchfit.minibatch import PAD
-from batchfit.packing import plan_micro_batches
+from batchfit.batches.microbatch import iter_micro_batches, trim_padding
+from batchfit.batches.minibatch import PAD
+from batchfit.parallel.distributed import sync_micro_batch_count
+from batchfit.plan.packing import plan_micro_batches
 from microbatch_helpers import (
     ddp_worker,
     grads,

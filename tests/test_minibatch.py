@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfit import BatchError, InvalidArgument
-from batchfit.minibatch import (
+from batchfit.batches.minibatch import (
     PAD,
     mini_batch_boundaries,
     pad_for_data_parallel,

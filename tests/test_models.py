@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 
 import pytest
 import torch
@@ -14,13 +12,11 @@ from batchfit import InvalidArgument
 from batchfit.memory import get_backend
 from batchfit.models import (
     build_causal_lm,
-    causal_lm_step,
     list_presets,
     load_config,
     parse_dtype,
     preset_info,
     specs,
-    token_logprobs,
 )
 
 # --------------------------------------------------------------------------- presets
@@ -206,184 +202,3 @@ def test_value_head_outputs_one_value_per_token():
     critic = build_causal_lm("tiny", value_head=True)
     out = critic(input_ids=torch.randint(0, 1024, (2, 5))).logits
     assert out.shape == (2, 5, 1)
-
-
-# --------------------------------------------------------------------------- steps
-
-
-def test_token_logprobs_literal_values():
-    logits = torch.zeros(1, 2, 4)  # uniform over 4 tokens
-    assert torch.allclose(token_logprobs(logits, torch.tensor([[0, 3]])), torch.full((1, 2), -math.log(4)))
-
-
-def test_optimizer_state_exists_before_the_first_step_and_the_peak_is_stable():
-    backend = get_backend("cpu")
-    model = build_causal_lm("tiny", backend=backend)
-    before = [p.detach().clone() for p in model.parameters()]
-    step = causal_lm_step(model, backend=backend)
-    assert len(step.optimizer.state) == len(before)  # every parameter has AdamW state
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # lr 0: unchanged
-    peaks = [backend.measure(lambda: step(2, 16), register=step.persistent).peak_bytes for _ in range(2)]
-    assert peaks[0] == peaks[1]
-    # NOTE [ Gradients are resident between micro-batches ]: allocated, zeroed, kept
-    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
-
-
-def test_the_step_trains():
-    backend = get_backend("cpu")
-    model = build_causal_lm("tiny", backend=backend)
-    before = next(model.parameters()).detach().clone()
-    causal_lm_step(model, backend=backend, optimizer="sgd", lr=0.1)(2, 8)
-    assert not torch.equal(before, next(model.parameters()))
-
-
-def test_critic_is_inferred_from_a_value_head_model():
-    backend = get_backend("cpu")
-    assert causal_lm_step(build_causal_lm("tiny", backend=backend, value_head=True), backend=backend).critic
-    assert not causal_lm_step(build_causal_lm("tiny", backend=backend), backend=backend).critic
-
-
-def test_persistent_holds_model_and_optimizer():
-    backend = get_backend("cpu")
-    model = build_causal_lm("tiny", backend=backend)
-    step = causal_lm_step(model, backend=backend)
-    assert step.persistent == (model, step.optimizer) and step.backend is backend
-    assert causal_lm_step(model, backend=backend, optimizer=None).persistent == (model,)
-
-
-@pytest.fixture(scope="module")
-def cpu_model():
-    backend = get_backend("cpu")
-    return build_causal_lm("tiny", backend=backend), backend
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "call", "match"),
-    [
-        pytest.param(
-            {"optimizer": "adam"},
-            None,
-            r"optimizer must be one of 'adamw', 'sgd'.*did you mean 'adamw'\?",
-            id="optimizer",
-        ),
-        pytest.param(
-            {"critic": True},
-            None,
-            r"critic=True needs a value-head model.*value_head=True",
-            id="critic-on-lm",
-        ),
-        pytest.param(
-            {"vocab_size": 0}, None, r"vocab_size must be an integer >= 1, but got vocab_size=0", id="vocab"
-        ),
-        pytest.param(
-            {"backend": None},
-            None,
-            r"backend must be a Backend or a backend name, but got backend=None",
-            id="no-backend",
-        ),
-        pytest.param(
-            {}, (0, 8), r"batch_size must be an integer >= 1, but got batch_size=0", id="batch-zero"
-        ),
-        pytest.param({}, (1, 1), r"seq_len must be an integer >= 2, but got seq_len=1", id="seq-one"),
-        pytest.param(
-            {}, (True, 8), r"batch_size must be an integer, but got batch_size=True", id="batch-bool"
-        ),
-    ],
-)
-def test_step_rejects_bad_arguments(cpu_model, kwargs, call, match):
-    model, backend = cpu_model
-    with pytest.raises(InvalidArgument, match=match):
-        step = causal_lm_step(model, **{"backend": backend, **kwargs})
-        step(*call)
-
-
-def test_a_model_must_belong_to_the_backend(cpu_model):
-    model, _ = cpu_model
-    estimate = get_backend("estimate")
-    with pytest.raises(InvalidArgument, match=r"model must be built inside this backend's context\(\)"):
-        causal_lm_step(model, backend=estimate)
-    fake = build_causal_lm("tiny", backend=estimate)
-    with pytest.raises(InvalidArgument, match=r"model has fake parameters .* but got backend='cpu'"):
-        causal_lm_step(fake, backend="cpu")
-    with pytest.raises(InvalidArgument, match=r"model must be built inside this backend's context\(\)"):
-        causal_lm_step(fake, backend=get_backend("estimate"))  # another estimate backend's fake mode
-
-
-@pytest.mark.parametrize("forward_only", [False, True], ids=["train", "forward-only"])
-def test_logprob_modes_estimate_equals_cpu_and_bounded_modes_use_less(forward_only):
-    peaks = {}
-    for mode in ("full", "chunked", "fused"):
-        measured = []
-        for backend in (
-            get_backend("cpu"),
-            get_backend("estimate", memory_limit="80GiB", reserve_bytes=0, round_to=1),
-        ):
-            model = build_causal_lm("tiny", backend=backend)
-            step = causal_lm_step(model, backend=backend, logprobs=mode, forward_only=forward_only)
-            # 4 × 512 = 2,048 tokens: two chunks of the default 1,024
-            measured.append(
-                backend.measure(lambda step=step: step(4, 512), register=step.persistent).peak_bytes
-            )
-        assert measured[0] == measured[1]  # the estimate is exact for every mode
-        peaks[mode] = measured[0]
-    assert peaks["fused"] < peaks["chunked"] < peaks["full"]
-
-
-def test_forward_only_step_has_no_optimizer_and_leaves_no_gradients():
-    backend = get_backend("cpu")
-    model = build_causal_lm("tiny", backend=backend)
-    step = causal_lm_step(model, backend=backend, forward_only=True)
-    step(2, 16)
-    assert step.optimizer is None and step.persistent == (model,)
-    assert all(p.grad is None for p in model.parameters())
-
-
-def test_unknown_logprobs_mode_names_the_choices():
-    backend = get_backend("cpu")
-    model = build_causal_lm("tiny", backend=backend)
-    with pytest.raises(InvalidArgument, match=r"logprobs must be one of 'full', 'chunked', 'fused'"):
-        causal_lm_step(model, backend=backend, logprobs="fast")
-
-
-def test_initialize_optimizer_state_leaves_a_user_s_optimizer_as_it_was():
-    from batchfit.models import initialize_optimizer_state
-
-    torch.manual_seed(0)
-    trained, fresh = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
-    opt = torch.optim.AdamW([*trained.parameters(), *fresh.parameters()], lr=1e-2)
-    trained(torch.randn(2, 4)).sum().backward()
-    opt.step()  # the trained layer has state; the fresh one none yet (no gradient)
-    opt.zero_grad(set_to_none=True)
-    before = {k: v.clone() for k, v in opt.state[trained.weight].items()}
-    weights = fresh.weight.detach().clone()
-    initialize_optimizer_state(opt)
-    after = opt.state[trained.weight]
-    assert all(torch.equal(after[k], v) for k, v in before.items())  # moments and step untouched
-    assert float(opt.state[fresh.weight]["step"]) == 0  # created, bias correction not advanced
-    assert torch.equal(fresh.weight, weights) and fresh.weight.grad is None
-
-
-@pytest.mark.parametrize("sharding", [None, "fsdp2"])
-def test_every_micro_batch_of_an_accumulation_fits_under_the_probed_peak(sharding):
-    # NOTE [ Gradients are resident between micro-batches ]: from the second micro-batch on
-    # the whole gradient is on the device during the forward and backward
-    from batchfit.distributed import simulated_world
-    from batchfit.sharding import Sharding
-
-    backend = get_backend("estimate")
-    plan = Sharding("fsdp2", world_size=4) if sharding else None
-    with simulated_world(4) if sharding else contextlib.nullcontext():
-        model = build_causal_lm("tiny", backend=backend, sharding=plan)
-        step = causal_lm_step(model, backend=backend)
-        probe = step.measure(4, 64).peak_bytes
-
-        def second_micro_batch():
-            step._loss(4, 64).backward()  # gradients of the first are already there
-
-        with backend.context():
-            step._loss(4, 64).backward()  # the first micro-batch
-        accumulated = backend.measure(second_micro_batch, register=step.persistent).peak_bytes
-        assert accumulated <= probe
-        for p in model.parameters():  # the probe as it was: gradients created by the step
-            p.grad = None
-        assert step.measure(4, 64).peak_bytes < accumulated

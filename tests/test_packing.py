@@ -1,4 +1,4 @@
-"""Token-budget micro-batch plans (the pure algorithm of batchfit.packing)."""
+"""Token-budget micro-batch plans (the pure algorithm of batchfit.plan.packing)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchfit import BudgetError, InvalidArgument, packing
-from batchfit.packing import MicroBatchPlan, plan_micro_batches
+from batchfit import BudgetError, InvalidArgument
+from batchfit.plan import packing
+from batchfit.plan.packing import MicroBatchPlan, plan_micro_batches
 
 
 def micro_batch_cost(lengths, indices, cost):

@@ -13,7 +13,7 @@ import pytest
 from batchfit.budget.profile import profile_model
 from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.models import preset_info
-from batchfit.sharding import Sharding
+from batchfit.parallel.sharding import Sharding
 
 MiB = 1024**2
 GiB = 1024**3
@@ -99,8 +99,9 @@ def test_a_cpu_profile_confirms_the_estimate_with_two_real_steps_per_length(one_
     # the estimate predicts the cpu run to the byte: each length costs the predicted size
     # (measured to fit) and the size above (measured not to), the answer of an unguided search
     from batchfit.budget import find_token_budget
+    from batchfit.budget.step import causal_lm_step
     from batchfit.memory import get_backend
-    from batchfit.models import build_causal_lm, causal_lm_step
+    from batchfit.models import build_causal_lm
 
     guided = profile_model("tiny", max_seq_len=128, backend="cpu", memory_limit="48MiB", dtype="fp32")
     budget = guided.budgets["policy"]

@@ -1,4 +1,4 @@
-"""batchfit.models.shard: PyTorch's FSDP2 and DDP applied for real, and the estimate equal to real ranks.
+"""batchfit.parallel.shard: PyTorch's FSDP2 and DDP applied for real, and the estimate equal to real ranks.
 
 The central check: the per-rank peak the estimate backend predicts on a simulated process
 group equals, to the byte, what each of 2 (and 4) real gloo ranks running FSDP2 (or DDP)
@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from batchfit import InvalidArgument
-from batchfit.distributed import simulated_world
+from batchfit.budget.step import causal_lm_step
 from batchfit.memory import get_backend
-from batchfit.models import build_causal_lm, causal_lm_step
-from batchfit.models.shard import ddp_bucket_bytes, decoder_layers, is_fsdp, shard_model
-from batchfit.sharding import Sharding
+from batchfit.models import build_causal_lm
+from batchfit.parallel.distributed import simulated_world
+from batchfit.parallel.shard import ddp_bucket_bytes, decoder_layers, is_fsdp, shard_model
+from batchfit.parallel.sharding import Sharding
 from multirank import run_ranks
 
 # (name, sharding options, build options, step options): every option that changes memory
@@ -43,8 +44,8 @@ def _measure_cases(backend, world: int, names: list[str]) -> dict[str, tuple[int
         sharding = Sharding(opts.pop("strategy"), world_size=world, **opts)
         model = build_causal_lm("tiny", backend=backend, sharding=sharding, **build_opts)
         step = causal_lm_step(model, backend=backend, **step_opts)
-        step.measure(BATCH, SEQ)  # FSDP2 allocates its all-gather buffers lazily in the first step
-        m = step.measure(BATCH, SEQ)
+        step.measure([SEQ] * BATCH)  # FSDP2 allocates its all-gather buffers lazily in the first step
+        m = step.measure([SEQ] * BATCH)
         out[name] = (m.peak_bytes, dict(m.breakdown), m.host_bytes)
     return out
 
@@ -97,8 +98,8 @@ def test_sharded_state_is_one_nth_and_ddp_adds_buckets_to_a_replica():
 
 def _measure_one(backend, sharding: Sharding, **build_opts):
     step = causal_lm_step(build_causal_lm("tiny", backend=backend, sharding=sharding, **build_opts), backend=backend)
-    step.measure(BATCH, SEQ)
-    return step.measure(BATCH, SEQ)
+    step.measure([SEQ] * BATCH)
+    return step.measure([SEQ] * BATCH)
 
 
 def test_fsdp2_wraps_every_layer_and_the_root_with_its_policies():

@@ -1,11 +1,11 @@
-"""batchfit.sharding: one name per strategy, options validated once, defaults as SkyRL and verl run."""
+"""batchfit.parallel.sharding: one name per strategy, options validated once, defaults as SkyRL and verl run."""
 
 from __future__ import annotations
 
 import pytest
 
 from batchfit import InvalidArgument
-from batchfit.sharding import Sharding, as_sharding
+from batchfit.parallel.sharding import Sharding, as_sharding
 
 
 def test_fsdp2_defaults_to_bf16_mixed_precision_and_resharding():

@@ -1,8 +1,8 @@
 """batchfit: make LLM training use accelerator memory fully without running out of it.
 
-The pure core (no device code, no collectives): :mod:`batchfit.config` (batch plans),
-:mod:`batchfit.minibatch` (prompt-aligned mini-batches, data-parallel padding),
-:mod:`batchfit.loss` (exact loss weights), :mod:`batchfit.packing` (token-budget
+The pure core (no device code, no collectives): :mod:`batchfit.plan.config` (batch plans),
+:mod:`batchfit.batches.minibatch` (prompt-aligned mini-batches, data-parallel padding),
+:mod:`batchfit.batches.weights` (exact loss weights), :mod:`batchfit.plan.packing` (token-budget
 micro-batch plans). Above it: :mod:`batchfit.memory` (measure or estimate peak memory),
 :mod:`batchfit.budget` (automatic token budgets), :mod:`batchfit.autobatch` (batch-size
 search for any model) and :mod:`batchfit.logprobs` (memory-bounded log-probs).
@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from batchfit.config import BatchConfig, BatchPlan, RolePlan
 from batchfit.errors import (
     BatchConfigError,
     BatchError,
@@ -24,26 +23,27 @@ from batchfit.errors import (
     DoesNotFitError,
     InvalidArgument,
 )
+from batchfit.plan.config import BatchConfig, BatchPlan, RolePlan
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load_config": "batchfit.config_io",
-    "mini_batch_boundaries": "batchfit.minibatch",
-    "prompt_boundaries": "batchfit.minibatch",
-    "pad_for_data_parallel": "batchfit.minibatch",
-    "split_for_data_parallel": "batchfit.minibatch",
-    "slice_batch": "batchfit.minibatch",
-    "loss_weights": "batchfit.loss",
-    "plan_micro_batches": "batchfit.packing",
-    "MicroBatchPlan": "batchfit.packing",
-    "iter_micro_batches": "batchfit.microbatch",
-    "sync_micro_batch_count": "batchfit.microbatch",
+    "load_config": "batchfit.frameworks.config_io",
+    "mini_batch_boundaries": "batchfit.batches.minibatch",
+    "prompt_boundaries": "batchfit.batches.minibatch",
+    "pad_for_data_parallel": "batchfit.batches.minibatch",
+    "split_for_data_parallel": "batchfit.batches.minibatch",
+    "slice_batch": "batchfit.batches.minibatch",
+    "loss_weights": "batchfit.batches.weights",
+    "plan_micro_batches": "batchfit.plan.packing",
+    "MicroBatchPlan": "batchfit.plan.packing",
+    "iter_micro_batches": "batchfit.batches.microbatch",
+    "sync_micro_batch_count": "batchfit.parallel.distributed",
     "find_token_budget": "batchfit.budget",
     "TokenBudget": "batchfit.budget",
     "profile_model": "batchfit.budget.profile",
-    "Sharding": "batchfit.sharding",
-    "simulated_world": "batchfit.distributed",
+    "Sharding": "batchfit.parallel.sharding",
+    "simulated_world": "batchfit.parallel.distributed",
     "find_batch_size": "batchfit.autobatch",
     "get_backend": "batchfit.memory",
     "measure_peak": "batchfit.memory",

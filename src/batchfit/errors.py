@@ -51,7 +51,7 @@ class BatchConfigError(InvalidArgument):
 class BatchError(InvalidArgument):
     """A per-sample batch (a mapping of fields) or its uids are malformed.
 
-    Raised by :mod:`batchfit.minibatch` and :mod:`batchfit.batch`: fields with different
+    Raised by :mod:`batchfit.batches.minibatch` and :mod:`batchfit.batches.batch`: fields with different
     sample counts, a uid that reappears after another uid, a prompt count that does not
     split into whole mini-batches.
     """
@@ -60,7 +60,7 @@ class BatchError(InvalidArgument):
 class BudgetError(InvalidArgument):
     """A token budget cannot hold what was asked of it.
 
-    Raised by :mod:`batchfit.packing` when one sequence alone costs more than the budget
+    Raised by :mod:`batchfit.plan.packing` when one sequence alone costs more than the budget
     (and ``oversize="raise"``), or when a budget is not a positive number of tokens.
     """
 

@@ -3,7 +3,7 @@
 - :func:`find_batch_size` (:mod:`~batchfit.autobatch.find`): the search on a memory backend,
   in ``train`` or ``val`` mode, with verdicts agreed across torch.distributed ranks.
 - :func:`search_largest` (:mod:`~batchfit.autobatch.search`): the shared search
-  :func:`batchfit.search.largest_fitting` on ``[low, high]`` with AutoBatch's memory-model
+  :func:`batchfit.plan.search.largest_fitting` on ``[low, high]`` with AutoBatch's memory-model
   guess :func:`model_guess` (bounded trials).
 - :class:`Task` (:mod:`~batchfit.autobatch.task`): model + ``make_batch`` + ``loss`` for the
   CLI, with built-in tasks in :mod:`~batchfit.autobatch.builtin_tasks`.

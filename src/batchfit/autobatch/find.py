@@ -29,7 +29,9 @@ import torch
 
 from batchfit.autobatch.search import Trial, search_largest
 from batchfit.autobatch.task import MODES, TaskTrial, is_task
-from batchfit.distributed import (
+from batchfit.errors import DoesNotFitError, InvalidArgument
+from batchfit.memory import Backend, get_backend
+from batchfit.parallel.distributed import (
     agree,
     agreed_max,
     all_reduce_min,
@@ -37,8 +39,6 @@ from batchfit.distributed import (
     get_rank,
     get_world_size,
 )
-from batchfit.errors import DoesNotFitError, InvalidArgument
-from batchfit.memory import Backend, get_backend
 from batchfit.validation import check_choice, check_int, check_number, check_positive_int
 
 logger = logging.getLogger("batchfit.autobatch")

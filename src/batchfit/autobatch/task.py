@@ -220,7 +220,7 @@ class TaskTrial:
     """One step of a task in one mode, as ``find_batch_size`` runs it: ``trial(batch_size)``.
 
     Train: ``model.train()``, forward, ``loss.backward()``, optimizer step (the optimizer comes
-    from the task's ``make_optimizer``, or :func:`batchfit.models.step.default_optimizer`, the
+    from the task's ``make_optimizer``, or :func:`batchfit.train.optim.default_optimizer`, the
     one ``TrainingStep`` uses; its state is created before the first trial), then gradients set
     to ``None`` (NOTE
     [ Gradients do not outlive the step ]). Val: gradients dropped, ``model.eval()`` and ``torch.no_grad()`` around the batch and
@@ -249,7 +249,7 @@ class TaskTrial:
         parameters, and any state a user's optimizer already has, unchanged.
         """
         if self.optimizer is not None:
-            from batchfit.models.step import initialize_optimizer_state
+            from batchfit.train.optim import initialize_optimizer_state
 
             initialize_optimizer_state(self.optimizer)
 
@@ -298,6 +298,6 @@ def _user_code(what: str) -> Iterator[None]:
 
 
 def _adamw(parameters: Any) -> torch.optim.Optimizer:
-    from batchfit.models.step import default_optimizer
+    from batchfit.train.optim import default_optimizer
 
     return default_optimizer(parameters, lr=1e-4)

@@ -1,26 +1,41 @@
-"""Token budgets: the largest micro-batch cost that fits in memory, found by measuring.
+"""Token budgets: the largest micro-batch cost that fits in memory, found by measuring the trainer's own step.
 
-:func:`find_token_budget` probes a training step at several sequence lengths and returns a
-:class:`TokenBudget` ``C`` such that any micro-batch with cost ``<= C`` fits. The pieces are
-usable alone: :func:`batchfit.search.largest_fitting` (the search, a pure function of a probe,
-shared with :mod:`batchfit.autobatch`), :func:`fit_memory_model` / :class:`MemoryModel`
-(``peak ≈ base + a·b·s + q·b·s²``) and :func:`guess_max_batch` (the search's guess).
+:func:`profile_model` builds a model for each RL role and finds each role's budget with
+:func:`find_token_budget`, which measures one micro-batch of a :class:`BudgetStep` at several
+shapes and returns a :class:`TokenBudget` ``C`` such that any micro-batch with cost ``<= C``
+fits. The probe is :class:`~batchfit.budget.step.TrainingStep`: a trainer's micro-batch step
+(:mod:`batchfit.train`) on a synthetic RL micro-batch (NOTE [ One micro-batch step ]). The
+pieces are usable alone: :func:`batchfit.plan.largest_fitting` (the search, a pure function
+of a probe, shared with :mod:`batchfit.autobatch`), :func:`fit_memory_model` /
+:class:`MemoryModel` (``peak ≈ base + a·b·s + q·b·s²``) and :func:`guess_max_batch` (the
+search's guess).
 """
 
 from batchfit.budget.find import BudgetProgress, default_seq_lens, find_token_budget
 from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_max_batch
-from batchfit.budget.probe import Probe
+from batchfit.budget.options import ProfileOptions
+from batchfit.budget.probe import BudgetStep, CallableStep, Probe
+from batchfit.budget.profile import ROLES, ModelProfile, profile_model
+from batchfit.budget.step import TrainingStep, causal_lm_step
 from batchfit.budget.token_budget import COSTS, BudgetPoint, TokenBudget
 
 __all__ = [
     "COSTS",
+    "ROLES",
     "BudgetPoint",
     "BudgetProgress",
+    "BudgetStep",
+    "CallableStep",
     "MemoryModel",
+    "ModelProfile",
     "Probe",
+    "ProfileOptions",
     "TokenBudget",
+    "TrainingStep",
+    "causal_lm_step",
     "default_seq_lens",
     "find_token_budget",
     "fit_memory_model",
     "guess_max_batch",
+    "profile_model",
 ]

@@ -1,15 +1,17 @@
 """``find_token_budget``: tie the search to a memory backend, the ranks of a group and a progress hook.
 
-The arithmetic lives in :mod:`batchfit.search` (the bracket search) and
+The arithmetic lives in :mod:`batchfit.plan.search` (the bracket search) and
 :mod:`batchfit.budget.memory_model` (its guess);
-this module turns ``step(batch_size, seq_len)`` into a probe (measure, compare with the limit,
-agree across ranks) and runs the search at several lengths, longest first.
+this module turns a :class:`~batchfit.budget.probe.BudgetStep` (one micro-batch measured at any
+shape) into a probe (measure, compare with the limit, agree across ranks) and runs the search
+at several lengths, longest first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_max_batch
-from batchfit.budget.probe import Probe
+from batchfit.budget.probe import BudgetStep, CallableStep, Probe
 from batchfit.budget.token_budget import BudgetPoint, TokenBudget, check_cost
-from batchfit.distributed import agree, agreed_max, all_reduce_min, check_same_arguments
 from batchfit.errors import DoesNotFitError, InvalidArgument
-from batchfit.memory import BACKEND_NAMES
-from batchfit.search import SearchResult, Trial, largest_fitting
+from batchfit.memory import BACKEND_NAMES, Backend
+from batchfit.parallel.distributed import agree, agreed_max, all_reduce_min, check_same_arguments
+from batchfit.plan.search import SearchResult, Trial, largest_fitting
 from batchfit.validation import check_choice, check_number, check_positive_int, is_int
 
 logger = logging.getLogger("batchfit.budget")
@@ -84,12 +86,13 @@ def default_seq_lens(max_seq_len: int, count: int = 4) -> list[int]:
 
 
 def find_token_budget(
-    step: Callable[[int, int], Any],
+    step: BudgetStep | Callable[[list[int]], Any],
     *,
     max_seq_len: int,
     memory_limit: int | str | None = None,
     safety_margin: float = 0.9,
-    backend: str | Any = "auto",
+    backend: str | Backend = "auto",
+    register: Any = (),
     seq_lens: Sequence[int] | None = None,
     cost: str = "padded",
     group: Any = None,
@@ -99,14 +102,16 @@ def find_token_budget(
 ) -> TokenBudget:
     """Find the token budget ``C``: any micro-batch of cost ``<= C`` fits in memory.
 
-    Probes ``step(batch_size, seq_len)`` (one forward + backward, optimizer step optional) at
-    each length of ``seq_lens``, longest first, and finds the largest batch that fits at each
-    with :func:`~batchfit.search.largest_fitting` (unbounded, capped at ``MAX_BATCH_SIZE``),
-    guided by the memory model fitted so far (two or three probes per length once the model
-    has data; at most ``2·ceil(log2(b + 1)) + 3`` for any model). Every reported batch size ``b`` was measured to fit and
-    ``b + 1`` measured not to. ``C = min over lengths of b·s``; the fitted model
-    ``peak ≈ base + a·b·s + q·b·s²`` then checks ``C`` at every length ``1..max_seq_len``
-    and probes a length where it predicts a failure (``model_check`` says what it found).
+    Measures one micro-batch of the step at each length of ``seq_lens``, longest first, and
+    finds the largest that fits at each with :func:`~batchfit.plan.largest_fitting`
+    (unbounded), guided by the memory model fitted so far (two or three probes per length
+    once the model has data). ``cost="padded"`` counts rows: ``b`` sequences of ``s`` fit and
+    ``b + 1`` do not. ``cost="packed"`` counts tokens (NOTE [ Packed budgets count tokens ]):
+    ``T`` tokens — sequences of ``s`` and one shorter remainder, the most memory any split of
+    ``T`` tokens into sequences no longer than ``s`` needs — fit and ``T + 1`` do not.
+    ``C = min over lengths``; the fitted model ``peak ≈ base + a·b·s + q·b·s²`` then checks
+    ``C`` at every length ``1..max_seq_len`` and probes a length where it predicts a failure
+    (``model_check`` says what it found).
 
     A peak fits when it is ``<= safety_margin × usable bytes``, where usable = the backend's
     ``limit_bytes`` (memory limit minus reserve), or ``memory_limit`` minus the backend's
@@ -118,20 +123,19 @@ def find_token_budget(
     See ``# NOTE [ Lockstep probes ]``.
 
     Args:
-        step: ``step(batch_size, seq_len)`` runs one training step on random tokens. If it has
-            ``.backend`` (a :class:`batchfit.memory.Backend`) and ``.persistent`` (objects to
-            register: model, optimizer), as :func:`batchfit.models.causal_lm_step` builds,
-            they are used; if it has ``.measure(batch_size, seq_len)`` returning a
-            :class:`~batchfit.memory.MemoryMeasurement` (a
-            :class:`~batchfit.models.TrainingStep`, a depth-extrapolated step), that is
-            how each probe is measured.
+        step: a :class:`~batchfit.budget.probe.BudgetStep` (its own backend and
+            ``measure(lengths)``: :func:`batchfit.budget.step.causal_lm_step`, the trainer's
+            own micro-batch step), or a plain function ``fn(lengths)`` that runs one
+            micro-batch of sequences of those lengths, measured on ``backend`` with
+            ``register``.
         max_seq_len: the longest sequence the budget must cover.
         memory_limit: bytes or a string for :func:`batchfit.memory.parse_memory`
             (``"80GiB"``, ``"h100-80gb"``); ``None`` = the backend's limit (the device's total
             memory on cuda). Required for cpu/estimate backends without a limit.
         safety_margin: fraction of the usable bytes a peak may reach, in ``(0, 1]``.
         backend: ``"auto" | "cpu" | "estimate" | "cuda"`` or a backend object; must agree with
-            ``step.backend`` when the step has one.
+            the step's backend when it has one.
+        register: a plain function's state (model, optimizer) counted in every peak.
         seq_lens: lengths to probe (``None`` = :func:`default_seq_lens`); ``max_seq_len`` is
             always added, lengths above it are rejected.
         cost: ``"padded"`` (``b × longest``) or ``"packed"`` (sum of lengths, padding removed).
@@ -140,11 +144,11 @@ def find_token_budget(
         progress: ``True`` logs each probe to the ``batchfit.budget`` logger (library code
             never prints), ``False`` is silent, a callable receives :class:`BudgetProgress`.
         role: a name for the profiled model (``"policy"``, ``"critic"``), kept in the result.
-        hints: ``{seq_len: expected max batch}`` from a cheaper model of the same step (the
-            estimate backend predicts a cpu run to the byte): the search probes the hint,
-            then the hint + 1, and so needs two measured steps per length when the hint is
-            right; a hint contradicted by a probe is dropped. Every reported size is still
-            measured to fit and + 1 measured not to.
+        hints: ``{seq_len: expected answer}`` (sequences for padded, tokens for packed) from a
+            cheaper model of the same step (the estimate backend predicts a cpu run to the
+            byte): the search probes the hint, then the one above, and so needs two measured
+            steps per length when the hint is right; a hint contradicted by a probe is
+            dropped. Every reported answer is still measured to fit and + 1 measured not to.
 
     Returns:
         :class:`~batchfit.budget.token_budget.TokenBudget`.
@@ -153,11 +157,12 @@ def find_token_budget(
         InvalidArgument: a bad argument (each message names it, its value and the fix), or no
             memory limit on a backend that has none.
         DoesNotFitError: one sequence of ``max_seq_len`` does not fit; the message says what
-            to reduce.
+            to change.
 
     Example:
-        >>> from batchfit.models import build_causal_lm, causal_lm_step   # doctest: +SKIP
+        >>> from batchfit.budget.step import causal_lm_step                # doctest: +SKIP
         >>> from batchfit.memory import get_backend                        # doctest: +SKIP
+        >>> from batchfit.models import build_causal_lm                    # doctest: +SKIP
         >>> be = get_backend("estimate", memory_limit="h100-80gb")          # doctest: +SKIP
         >>> step = causal_lm_step(build_causal_lm("qwen2.5-0.5b", backend=be), backend=be)  # doctest: +SKIP
         >>> find_token_budget(step, max_seq_len=8192).tokens                # doctest: +SKIP
@@ -168,11 +173,12 @@ def find_token_budget(
         chosen_cost = check_cost(cost)
         lens = _check_seq_lens(seq_lens, checked_len)
         sink = _progress_sink(progress)
-        chosen = _resolve_backend(step, backend, memory_limit)
-        return checked_len, margin, chosen_cost, lens, sink, chosen, _usable_bytes(chosen, memory_limit)
+        measured = _budget_step(step, backend, memory_limit, register)
+        usable_bytes = _usable_bytes(measured.backend, memory_limit)
+        return checked_len, margin, chosen_cost, lens, sink, measured, usable_bytes
 
     # NOTE [ Ranks agree or say why ]: a rank whose arguments or backend fail raises on every rank
-    max_seq_len, safety_margin, cost, lengths, notify, be, usable = agree(
+    max_seq_len, safety_margin, cost, lengths, notify, measured, usable = agree(
         setup, group=group, what="find_token_budget's setup"
     )
     check_same_arguments(
@@ -181,8 +187,7 @@ def find_token_budget(
         what="find_token_budget",
     )
     limit = all_reduce_min(int(safety_margin * usable), group)
-    register = tuple(getattr(step, "persistent", ()) or ())
-    probe_at = _make_probe(step, be, register, limit, group)
+    probe_at = _make_probe(measured, limit, group)
 
     trials: list[Probe] = []
     points: list[BudgetPoint] = []
@@ -191,26 +196,20 @@ def find_token_budget(
     def run_length(seq_len: int, index: int, n_lengths: int) -> BudgetPoint:
         before = len(trials)
 
-        def probe(batch_size: int) -> Trial:
-            result = probe_at(batch_size, seq_len)
+        def probe(lengths: list[int], to_the_end: bool = False) -> Probe:
+            result = probe_at(lengths, seq_len, to_the_end)
             trials.append(result)
             notify(BudgetProgress(role, seq_len, index, n_lengths, result, None, len(trials), limit))
-            return result.as_trial()
+            return result
 
         hint = (hints or {}).get(seq_len)
-
-        def guess(done: Sequence[Trial]) -> float | None:
-            if hint is not None and all((t.batch_size <= hint) == t.fits for t in done):
-                return hint + 0.5  # probe the hint, then the size above it
-            return guess_max_batch(_completed(trials), seq_len, limit)
-
-        start = hint if hint is not None and hint >= 1 else _warm_start(points, seq_len)
-        start = min(start, MAX_BATCH_SIZE)
-        found = largest_fitting(probe, guess=guess, start=start, cap=MAX_BATCH_SIZE)
-        best = next(
-            (p for p in reversed(trials[before:]) if p.batch_size == found.batch_size and p.fits), None
-        )
-        point = _point(seq_len, found, len(trials) - before, best)
+        rows_hint, rest_hint = (hint, None) if hint is None or cost == "padded" else divmod(hint, seq_len)
+        rows = _search_rows(probe, trials, seq_len, limit, rows_hint, _warm_start(points, seq_len))
+        rest = None
+        if cost == "packed" and rows.batch_size >= 1:
+            # NOTE [ Packed budgets count tokens ]: then the tokens of one more, shorter sequence
+            rest = _search_rest(probe, trials[before:], rows.batch_size, seq_len, limit, rest_hint)
+        point = _point(seq_len, rows, rest, trials[before:], cost)
         notify(
             BudgetProgress(role, seq_len, index, n_lengths, None, point.max_batch_size, len(trials), limit)
         )
@@ -219,8 +218,8 @@ def find_token_budget(
     for index, seq_len in enumerate(lengths):
         point = run_length(seq_len, index, planned)
         if point.max_batch_size == 0:
-            one = next(p for p in reversed(trials) if p.seq_len == seq_len and p.batch_size == 1)
-            raise _does_not_fit(one, limit=limit, usable=usable, margin=safety_margin, step=step)
+            one = next(p for p in reversed(trials) if p.seq_len == seq_len and p.total_tokens == seq_len)
+            raise _does_not_fit(one, limit=limit, usable=usable, margin=safety_margin, step=measured)
         points.append(point)
 
     tokens = min(p.tokens for p in points)
@@ -247,11 +246,135 @@ def find_token_budget(
         limit_bytes=limit,
         usable_bytes=usable,
         safety_margin=safety_margin,
-        backend=str(getattr(be, "name", type(be).__name__)),
+        backend=measured.backend.name,
         role=role,
         trials=tuple(trials),
         model_check=check,
     )
+
+
+# NOTE [ Packed budgets count tokens ]
+# A packed micro-batch costs the sum of its lengths, so its budget is a token count, not a
+# multiple of max_seq_len: rounding it down to whole sequences left 17% of the memory unused
+# for qwen2.5-7b at 8192 over 8 ranks (24,576 tokens where about 29,600 fit). At each length
+# s the packed search therefore finds, after the most whole sequences of s that fit (k, as
+# a padded search does), the most tokens r < s of one more sequence that still fit: the
+# budget at s is T = k·s + r, measured to fit, and T + 1 measured not to (k·s + r + 1
+# tokens, or k + 1 whole sequences when r = s − 1). A candidate of T tokens is always
+# k whole sequences and one remainder (candidate_lengths): the worst split of T tokens
+# into sequences no longer than s, since a sequence's attention and head terms grow with
+# its length. The memory model sees it as T / s sequences of s (a fractional batch), which
+# it is up to the remainder's quadratic term.
+
+
+def _search_rows(
+    probe: Callable[[list[int]], Probe],
+    trials: Sequence[Probe],
+    seq_len: int,
+    limit: int,
+    hint: int | None,
+    warm: int,
+) -> SearchResult:
+    """The most sequences of ``seq_len`` that fit (``0`` if one does not), guided by the memory model."""
+
+    def guess(done: Sequence[Trial]) -> float | None:
+        if hint is not None and all((t.batch_size <= hint) == t.fits for t in done):
+            return hint + 0.5  # probe the hint, then the size above it
+        return guess_max_batch(_completed(trials), seq_len, limit)
+
+    def rows(size: int) -> Trial:
+        return _trial(size, probe([seq_len] * size))
+
+    start = hint if hint is not None and hint >= 1 else warm
+    return largest_fitting(rows, guess=guess, start=min(start, MAX_BATCH_SIZE), cap=MAX_BATCH_SIZE)
+
+
+def _search_rest(
+    probe: Callable[..., Probe],
+    at_length: Sequence[Probe],
+    whole: int,
+    seq_len: int,
+    limit: int,
+    hint: int | None,
+) -> SearchResult | None:
+    """The most tokens ``r < seq_len`` of one more sequence beside ``whole`` sequences of ``seq_len`` that fit.
+
+    ``None`` when ``seq_len`` is 1 (no shorter sequence). These candidates run to the end
+    unless the device's own limit stops them (they are within one sequence of the search's
+    limit), so their peaks guide the next guess (:func:`_rest_guess`); a guess at or above a
+    size that did not fit gives way to bisection.
+    """
+    if seq_len < 2:
+        return None
+    base = next(p for p in at_length if p.batch_size == whole and p.tokens == whole * seq_len and p.fits)
+    measured: dict[int, int] = {}
+
+    def guess(done: Sequence[Trial]) -> float | None:
+        if hint is not None and all((t.batch_size <= hint) == t.fits for t in done):
+            return hint + 0.5
+        predicted = _rest_guess(measured, base.peak_bytes, _per_sequence(at_length, seq_len, base), seq_len, limit)
+        failing = [t.batch_size for t in done if not t.fits]
+        if predicted is not None and failing and predicted >= min(failing):
+            return None  # the model is wrong above: bisect
+        return predicted
+
+    def rest(size: int) -> Trial:
+        result = probe([seq_len] * whole + [size], to_the_end=True)
+        if not result.exceeded:
+            measured[size] = result.peak_bytes
+        return _trial(size, result)
+
+    return largest_fitting(rest, high=seq_len - 1, guess=guess)
+
+
+def _rest_guess(
+    measured: Mapping[int, int], base: int, whole_cost: float, seq_len: int, limit: int
+) -> float | None:
+    """The remainder ``r`` whose peak reaches ``limit``, from the remainders measured so far.
+
+    Two or more: the line through the two nearest the limit (one on each side when there
+    are both). One, ``r₁``: the cost ``a·r + q·r²`` through it and through one whole
+    sequence's cost at ``r = seq_len``. None: one whole sequence's cost per token, which
+    over-states a shorter sequence's (``q >= 0``), so the guess errs small.
+    """
+    if whole_cost <= 0:
+        return None
+    room = limit - base
+    if len(measured) >= 2:
+        below = sorted((r, p) for r, p in measured.items() if p <= limit)
+        above = sorted((r, p) for r, p in measured.items() if p > limit)
+        (r1, p1), (r2, p2) = below[-1:] + above[:1] if below and above else (below or above)[-2:]
+        slope = (p2 - p1) / (r2 - r1)
+        return math.inf if slope <= 0 else r1 + (limit - p1) / slope
+    if measured:
+        (r1, p1), s = next(iter(measured.items())), seq_len
+        # a·r1 + q·r1² = p1 − base and a·s + q·s² = whole_cost
+        q = ((p1 - base) / r1 - whole_cost / s) / (r1 - s) if r1 != s else 0.0
+        a = whole_cost / s - q * s
+        if q <= 0 or a < 0:
+            slope = (p1 - base) / r1
+            return math.inf if slope <= 0 else room / slope
+        return (-a + math.sqrt(a * a + 4 * q * room)) / (2 * q)
+    return room / (whole_cost / seq_len)
+
+
+def _per_sequence(at_length: Sequence[Probe], seq_len: int, base: Probe) -> float:
+    """Bytes one more sequence of ``seq_len`` adds here: the secant of the whole-sequence probes, or the base's share."""
+    rows = sorted(
+        (p.batch_size, p.peak_bytes) for p in at_length if p.tokens == p.batch_size * seq_len and not p.exceeded
+    )
+    if len(rows) >= 2:
+        (b1, p1), (b2, p2) = rows[-2:]
+        return (p2 - p1) / (b2 - b1)
+    return base.peak_bytes / max(base.batch_size, 1)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
+def _trial(size: int, result: Probe) -> Trial:
+    return Trial(size, result.peak_bytes, result.fits, exact=not result.exceeded)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -290,15 +413,15 @@ def _check_seq_lens(seq_lens: Sequence[int] | None, max_seq_len: int) -> list[in
     return sorted(out, reverse=True)
 
 
-def _resolve_backend(step: Any, backend: Any, memory_limit: Any) -> Any:
-    own = getattr(step, "backend", None)
+def _budget_step(step: Any, backend: Any, memory_limit: Any, register: Any) -> BudgetStep:
+    """``step`` as a :class:`BudgetStep` on the backend it agrees with; a plain function is wrapped."""
     if isinstance(backend, str):
         backend = check_choice("backend", backend, BACKEND_NAMES)
-    if own is not None:
-        name = getattr(own, "name", None)
-        if isinstance(backend, str) and backend not in ("auto", name):
+    if isinstance(step, BudgetStep):
+        own = step.backend
+        if isinstance(backend, str) and backend not in ("auto", own.name):
             raise InvalidArgument(
-                f"backend must match the step's backend {name!r}, but got backend={backend!r}; "
+                f"backend must match the step's backend {own.name!r}, but got backend={backend!r}; "
                 "build the step for that backend or pass backend='auto'"
             )
         if not isinstance(backend, str) and backend is not own:
@@ -306,18 +429,28 @@ def _resolve_backend(step: Any, backend: Any, memory_limit: Any) -> Any:
                 f"backend must be the step's own backend, but got backend={backend!r} while "
                 f"step.backend={own!r}; pass backend='auto'"
             )
-        backend = own
-    elif isinstance(backend, str):
-        from batchfit.memory import get_backend
+        chosen = own
+    elif callable(step):
+        if isinstance(backend, str):
+            from batchfit.memory import get_backend
 
-        return get_backend(backend, memory_limit=memory_limit)
-    own_limit = getattr(backend, "memory_limit", None)
+            backend = get_backend(backend, memory_limit=memory_limit)
+        elif not isinstance(backend, Backend):
+            raise InvalidArgument(
+                f"backend must be a backend name or a batchfit.memory.Backend, but got backend={backend!r}"
+            )
+        step, chosen = CallableStep(step, backend, register), backend
+    else:
+        raise InvalidArgument(
+            f"step must be a BudgetStep (measure(lengths), backend) or a function of the lengths, but got a {type(step).__name__}"
+        )
+    own_limit = chosen.memory_limit
     if memory_limit is not None and own_limit is not None and _as_bytes(memory_limit) != own_limit:
         raise InvalidArgument(
             f"memory_limit must match the backend's memory_limit={own_limit} bytes, but got "
             f"memory_limit={memory_limit!r}; build the backend with that limit or pass memory_limit=None"
         )
-    return backend
+    return step
 
 
 def _as_bytes(memory: Any) -> int:
@@ -328,15 +461,14 @@ def _as_bytes(memory: Any) -> int:
     return int(parse_memory(memory))
 
 
-def _usable_bytes(backend: Any, memory_limit: Any) -> int:
+def _usable_bytes(backend: Backend, memory_limit: Any) -> int:
     if memory_limit is not None:
-        usable = _as_bytes(memory_limit) - int(getattr(backend, "reserve_bytes", 0) or 0)
+        usable = _as_bytes(memory_limit) - int(backend.reserve_bytes or 0)
     else:
-        usable = getattr(backend, "limit_bytes", None)
+        usable = backend.limit_bytes
         if usable is None:
-            name = getattr(backend, "name", backend)
             raise InvalidArgument(
-                f"memory_limit must be given for backend {name!r}, which has no memory limit of its own, "
+                f"memory_limit must be given for backend {backend.name!r}, which has no memory limit of its own, "
                 "but got memory_limit=None; pass memory_limit='80GiB' or a device such as 'h100-80gb'"
             )
     if usable <= 0:
@@ -371,10 +503,8 @@ def _log_progress(event: BudgetProgress) -> None:
 # --------------------------------------------------------------------------- probing
 
 
-def _make_probe(
-    step: Callable[[int, int], Any], backend: Any, register: tuple, limit: int, group: Any
-) -> Callable[[int, int], Probe]:
-    def probe(batch_size: int, seq_len: int) -> Probe:
+def _make_probe(step: BudgetStep, limit: int, group: Any) -> Callable[..., Probe]:
+    def probe(lengths: list[int], seq_len: int, to_the_end: bool = False) -> Probe:
         # NOTE [ Lockstep probes ]
         # Every rank runs the same candidate, then ONE all-reduce (max) of
         # [step raised, does not fit, peak, aborted] gives every rank the same verdict and
@@ -389,98 +519,88 @@ def _make_probe(
         host = 0
         try:
             # NOTE [ Stop at the search's limit ]: a candidate above it is stopped there; the
-            # one-sequence check runs to the end, its peak says how much is missing
-            stopping = getattr(backend, "stopping_above", None)  # a duck-typed backend may lack it
-            stop = stopping(limit) if stopping is not None and batch_size > 1 else contextlib.nullcontext()
-            with stop:
-                if callable(own_measure):
-                    m = own_measure(batch_size, seq_len)
-                else:
-                    m = backend.measure(lambda: step(batch_size, seq_len), register=register)
+            # one-sequence check runs to the end (its peak says how much is missing), and so
+            # does a remainder candidate (within one sequence of the limit, its exact peak
+            # guides the next guess)
+            to_the_end = to_the_end or len(lengths) == 1
+            with contextlib.nullcontext() if to_the_end else step.backend.stopping_above(limit):
+                m = step.measure(lengths)
             peak, exceeded = int(m.peak_bytes), bool(m.exceeded)
-            footprint = max(peak, int(getattr(m, "reserved_bytes", None) or 0))
-            fits = bool(m.fits) and not exceeded and footprint <= limit
-            breakdown, host = dict(getattr(m, "breakdown", {})), int(getattr(m, "host_bytes", 0))
+            fits = m.fits and not exceeded and m.footprint_bytes <= limit
+            breakdown, host = dict(m.breakdown), int(m.host_bytes)
         except Exception as exc:
             error = exc
         over, peak, exceeded_any = agreed_max(
             [int(not fits), peak, int(exceeded)],
             error,
             group=group,
-            what=f"the probe of batch_size={batch_size}, seq_len={seq_len}",
+            what=f"the probe of {_count(len(lengths), 'sequence')} ({sum(lengths):,} tokens, the longest {seq_len:,})",
         )
         return Probe(
-            batch_size,
+            len(lengths),
             seq_len,
             int(peak),
             fits=not over,
             exceeded=bool(exceeded_any),
             breakdown=breakdown,
             host_bytes=host,
+            tokens=sum(lengths),
         )
 
-    own_measure = getattr(step, "measure", None)
     return probe
 
 
-def _completed(trials: Sequence[Probe]) -> list[tuple[int, int, int]]:
-    """Probes whose peak is a measurement, not an abort's lower bound."""
-    return [(p.batch_size, p.seq_len, p.peak_bytes) for p in trials if not p.exceeded]
+def _completed(trials: Sequence[Probe]) -> list[tuple[float, int, int]]:
+    """Probes whose peak is a measurement, not an abort's lower bound, as ``(sequences, seq_len, peak)``.
+
+    A packed probe of ``T`` tokens counts ``T / seq_len`` sequences (NOTE [ Packed budgets count tokens ]).
+    """
+    return [(p.total_tokens / p.seq_len, p.seq_len, p.peak_bytes) for p in trials if not p.exceeded]
 
 
 def _warm_start(points: Sequence[BudgetPoint], seq_len: int) -> int:
-    """Without a model guess: the token count of the previous length (fits if ``q >= 0``)."""
+    """Without a model guess: the token count of the previous length in sequences of ``seq_len`` (fits if ``q >= 0``)."""
     if not points:
         return 1
-    prev = points[-1]
-    return max(1, prev.tokens // seq_len)
+    return max(1, points[-1].tokens // seq_len)
 
 
-def _point(seq_len: int, found: SearchResult, probes: int, best_probe: Probe | None) -> BudgetPoint:
-    best = found.peak_bytes
-    above = next((t for t in found.trials if t.batch_size == found.batch_size + 1), None)
+def _point(
+    seq_len: int, rows: SearchResult, rest: SearchResult | None, at_length: Sequence[Probe], cost: str
+) -> BudgetPoint:
+    """The verified answer at ``seq_len``: the rows search, and for a packed search the remainder's."""
+    whole = rows.batch_size
+    extra = rest.batch_size if rest is not None else 0
+    tokens = whole * seq_len + extra
+
+    def measured(total: int) -> Probe | None:
+        return next((p for p in reversed(at_length) if p.total_tokens == total and p.batch_size >= 1), None)
+
+    best = measured(tokens) if whole else None
+    above = measured(tokens + (1 if cost == "packed" else seq_len))
     return BudgetPoint(
         seq_len=seq_len,
-        max_batch_size=found.batch_size,
-        peak_bytes=0 if best is None else best,
+        max_batch_size=whole,
+        peak_bytes=0 if best is None else best.peak_bytes,
         next_peak_bytes=None if above is None else above.peak_bytes,
-        probes=probes,
-        capped=found.batch_size >= MAX_BATCH_SIZE,
-        breakdown={} if best_probe is None else dict(best_probe.breakdown),
-        host_bytes=0 if best_probe is None else best_probe.host_bytes,
+        probes=len(at_length),
+        capped=whole >= MAX_BATCH_SIZE,
+        breakdown={} if best is None else dict(best.breakdown),
+        host_bytes=0 if best is None else best.host_bytes,
+        max_tokens=tokens if cost == "packed" else None,
     )
 
 
-def _does_not_fit(one: Probe, *, limit: int, usable: int, margin: float, step: Any = None) -> DoesNotFitError:
+def _does_not_fit(one: Probe, *, limit: int, usable: int, margin: float, step: BudgetStep) -> DoesNotFitError:
     """The error for one sequence of ``max_seq_len`` (the probe ``one``) not fitting."""
     at_least = "at least " if one.exceeded else ""
     return DoesNotFitError(
         f"one sequence of max_seq_len={one.seq_len} does not fit: its training step needs {at_least}"
         f"{_fmt(one.peak_bytes)} but the limit is {_fmt(limit)} (safety_margin={margin} × {_fmt(usable)} "
-        f"usable); {_what_to_change(step)}",
+        f"usable); {', '.join(step.remedies())}",
         needed=one.peak_bytes,
         available=limit,
     )
-
-
-def _what_to_change(step: Any) -> str:
-    """The remedies that are not already in use by ``step`` (a TrainingStep, or anything)."""
-    model = getattr(step, "model", None)
-    model = getattr(model, "module", model)  # DDP
-    sharding = getattr(step, "sharding", None)
-    remedies = ["reduce max_seq_len"]
-    # transformers 5.x renamed is_gradient_checkpointing (now deprecated) to is_activation_checkpointing
-    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
-    if not getattr(model, name, False):
-        remedies.append("enable gradient checkpointing")
-    if getattr(step, "logprobs", "fused") != "fused" and not getattr(step, "critic", False):
-        remedies.append("compute log-probs fused from the hidden states (logprobs='fused')")
-    if sharding is None or getattr(sharding, "strategy", "none") != "fsdp2":
-        remedies.append("shard the model over more ranks (fsdp2)")
-    elif getattr(sharding, "offload", "none") != "cpu":
-        remedies.append("offload the sharded state to the CPU")
-    remedies.append("or give more memory (memory_limit, safety_margin)")
-    return ", ".join(remedies)
 
 
 # --------------------------------------------------------------------------- model check

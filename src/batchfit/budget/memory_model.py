@@ -18,8 +18,9 @@ import numpy as np
 
 from batchfit.errors import InvalidArgument
 
-# (batch_size, seq_len, peak_bytes) of a probe that ran to completion.
-Point = tuple[int, int, int]
+# (batch_size, seq_len, peak_bytes) of a probe that ran to completion; a packed probe of ``T``
+# tokens at length ``s`` counts ``T / s`` sequences (fractional).
+Point = tuple[float, int, int]
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def fit_memory_model(points: Iterable[Point]) -> MemoryModel:
         >>> round(m.base), round(m.linear, 3), round(m.quadratic, 3)
         (100, 2.0, 0.1)
     """
-    pts = [(int(b), int(s), int(p)) for b, s, p in points]
+    pts = [(float(b), float(s), float(p)) for b, s, p in points]
     if not pts:
         raise InvalidArgument("points must hold at least one (batch_size, seq_len, peak_bytes), but got []")
     data = np.asarray(pts, dtype=np.float64)
@@ -143,7 +144,7 @@ def _evaluate(values: dict[str, float], columns: dict[str, np.ndarray]) -> np.nd
     return out
 
 
-def _secant(at_len: Sequence[tuple[int, int]]) -> tuple[float, float] | None:
+def _secant(at_len: Sequence[tuple[float, int]]) -> tuple[float, float] | None:
     """``(intercept, slope)`` of the line through the two largest batch sizes, if it rises."""
     if len(at_len) < 2:
         return None
@@ -157,7 +158,7 @@ def _secant(at_len: Sequence[tuple[int, int]]) -> tuple[float, float] | None:
 def guess_max_batch(points: Iterable[Point], seq_len: int, limit_bytes: float) -> float | None:
     """Predict the largest batch size at ``seq_len`` whose peak stays within ``limit_bytes``.
 
-    The guess of the budget search (:func:`batchfit.search.largest_fitting`), from
+    The guess of the budget search (:func:`batchfit.plan.search.largest_fitting`), from
     the probes that ran to completion so far, most local evidence first:
 
     1. two or more probes at ``seq_len``: the secant through the two largest batch sizes
@@ -178,9 +179,9 @@ def guess_max_batch(points: Iterable[Point], seq_len: int, limit_bytes: float) -
         >>> guess_max_batch([(1, 100, 1_100), (2, 100, 1_200)], 100, 2_000)  # 1000 + 100·b
         10.0
     """
-    by_len: dict[int, dict[int, int]] = {}
+    by_len: dict[int, dict[float, int]] = {}
     for b, s, p in points:
-        by_len.setdefault(int(s), {})[int(b)] = int(p)
+        by_len.setdefault(int(s), {})[float(b)] = int(p)
     lines = {s: _secant(sorted(bp.items())) for s, bp in by_len.items()}
     here = sorted(by_len.get(seq_len, {}).items())
     line = lines.get(seq_len)
@@ -209,7 +210,7 @@ def guess_max_batch(points: Iterable[Point], seq_len: int, limit_bytes: float) -
 
 
 def _bounds_from_other_lengths(
-    by_len: dict[int, dict[int, int]], seq_len: int, limit_bytes: float
+    by_len: dict[int, dict[float, int]], seq_len: int, limit_bytes: float
 ) -> tuple[float, float]:
     """Bounds on the largest batch at ``seq_len`` implied by the model's shape (``a, q >= 0``).
 

@@ -1,23 +1,91 @@
-"""One measured candidate of the budget search: :class:`Probe` (a batch size at a sequence length).
+"""What a budget search measures (:class:`BudgetStep`) and what it keeps of each measurement (:class:`Probe`).
 
-The search itself is :func:`batchfit.search.largest_fitting`; a :class:`Probe` is what the
-budget keeps of each step it measured (the 2-D memory model needs the length, the report
-shows every probe).
+The search itself is :func:`batchfit.plan.largest_fitting`; a :class:`BudgetStep` measures one
+micro-batch of given sequence lengths (:class:`batchfit.budget.step.TrainingStep`, the
+trainer's own step, or :class:`batchfit.budget.depth.DepthExtrapolatedStep`); a :class:`Probe`
+is what the budget keeps of each measured candidate (the memory model needs the length and
+the tokens, the report shows every probe).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
-from batchfit.search import Trial
+from batchfit.memory import Backend, MemoryMeasurement
+
+#: What any step's failure to fit one sequence can be helped by (a step names more of its own).
+GENERIC_REMEDIES = ("reduce max_seq_len", "or give more memory (memory_limit, safety_margin)")
+
+
+@runtime_checkable
+class BudgetStep(Protocol):
+    """One micro-batch of a training (or forward-only) step, measured at any shape.
+
+    Attributes:
+        backend: the :class:`~batchfit.memory.Backend` it measures on.
+    """
+
+    backend: Backend
+
+    def measure(self, lengths: Sequence[int]) -> MemoryMeasurement:
+        """The peak memory of one micro-batch of sequences of ``lengths`` tokens (``fits=False`` when it ran out)."""
+        ...
+
+    def remedies(self) -> list[str]:
+        """What would make one longer sequence fit, the remedies already in use left out (for error messages)."""
+        ...
+
+
+class CallableStep:
+    """A :class:`BudgetStep` around a plain function ``fn(lengths)`` that runs one micro-batch.
+
+    Args:
+        fn: runs one step on sequences of the given lengths (e.g. random tokens).
+        backend: measures it.
+        register: state that exists before each call (model, optimizer), counted in the peak
+            (:meth:`batchfit.memory.Backend.measure`).
+    """
+
+    def __init__(self, fn: Callable[[list[int]], Any], backend: Backend, register: Any = ()):
+        self.fn, self.backend, self.register = fn, backend, register
+
+    def measure(self, lengths: Sequence[int]) -> MemoryMeasurement:
+        """``backend.measure(lambda: fn(lengths), register=register)``."""
+        lengths = list(lengths)
+        return self.backend.measure(lambda: self.fn(lengths), register=self.register)
+
+    def remedies(self) -> list[str]:
+        """Only :data:`GENERIC_REMEDIES`: nothing is known of the function."""
+        return list(GENERIC_REMEDIES)
+
+
+def candidate_lengths(size: int, seq_len: int, cost: str) -> list[int]:
+    """The sequences a candidate stands for: ``size`` rows of ``seq_len`` (padded), or ``size`` tokens (packed).
+
+    A packed candidate is as many sequences of ``seq_len`` as fit in ``size`` tokens and one
+    shorter remainder: the most memory any split of ``size`` tokens into sequences no longer
+    than ``seq_len`` can need (the attention and head terms grow with each sequence's length).
+
+    Example:
+        >>> candidate_lengths(3, 4, "padded"), candidate_lengths(10, 4, "packed")
+        ([4, 4, 4], [4, 4, 2])
+    """
+    if cost == "padded":
+        return [seq_len] * size
+    whole, rest = divmod(size, seq_len)
+    return [seq_len] * whole + ([rest] if rest else [])
 
 
 @dataclass(frozen=True)
 class Probe:
-    """One measured candidate: did ``batch_size`` sequences of ``seq_len`` tokens fit?
+    """One measured candidate: did ``batch_size`` sequences of at most ``seq_len`` tokens (``tokens`` in all) fit?
 
     Attributes:
-        batch_size, seq_len: the candidate.
+        batch_size: sequences in the micro-batch.
+        seq_len: the longest sequence (all of them for a padded candidate; all but a shorter
+            remainder for a packed one).
         peak_bytes: the peak measured; when ``exceeded``, the bytes reached when the step
             was aborted (a lower bound).
         fits: the peak stayed within the search limit (on every rank).
@@ -26,6 +94,7 @@ class Probe:
         breakdown: this rank's bytes per category at the peak (see
             :class:`batchfit.memory.MemoryMeasurement`); empty when unknown.
         host_bytes: host bytes at the peak (CPU offload), not in ``peak_bytes``.
+        tokens: the tokens of every sequence (``batch_size × seq_len`` when ``None``).
     """
 
     batch_size: int
@@ -35,14 +104,16 @@ class Probe:
     exceeded: bool = False
     breakdown: dict[str, int] = field(default_factory=dict, compare=False)
     host_bytes: int = 0
+    tokens: int | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        """``tokens``, or ``batch_size × seq_len``."""
+        return self.batch_size * self.seq_len if self.tokens is None else self.tokens
 
     def to_dict(self) -> dict[str, object]:
-        """The fields as plain values (JSON-ready)."""
-        return asdict(self)
-
-    def as_trial(self) -> Trial:
-        """The verdict and peak as the search's :class:`~batchfit.search.Trial` (``exact`` = not ``exceeded``)."""
-        return Trial(self.batch_size, self.peak_bytes, self.fits, exact=not self.exceeded)
+        """The fields as plain values (JSON-ready), ``tokens`` filled in."""
+        return {**asdict(self), "tokens": self.total_tokens}
 
 
-__all__ = ["Probe"]
+__all__ = ["GENERIC_REMEDIES", "BudgetStep", "CallableStep", "Probe", "candidate_lengths"]

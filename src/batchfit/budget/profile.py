@@ -1,26 +1,31 @@
-"""``profile_model``: the token budget of a model preset for each RL role, and their combination.
+"""``profile_model``: the token budget of a model for each RL role, and their combination.
 
 What ``batchfit profile`` calls: builds the policy (causal LM, trained), the critic (value
 head, trained) and/or the reference (causal LM, forward-only log-probs under ``no_grad``)
-from a preset, a directory or a hub id with :mod:`batchfit.models`, runs
-:func:`~batchfit.budget.find.find_token_budget` for each role on one backend and combines
-them with :meth:`TokenBudget.min`.
+from a preset, a directory, a hub id, a config or a model with :mod:`batchfit.models`, runs
+:func:`~batchfit.budget.find.find_token_budget` on each role's probe (the trainer's own
+micro-batch step, :mod:`batchfit.budget.step`) as one :class:`ProfileOptions` says, and
+combines them with :meth:`TokenBudget.min`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchfit.budget.find import ProgressCallback, find_token_budget
+from batchfit.budget.depth import DEFAULT_DEPTHS, uniform_layers
+from batchfit.budget.find import find_token_budget
+from batchfit.budget.options import ProfileOptions
 from batchfit.budget.token_budget import TokenBudget
-from batchfit.distributed import agree
 from batchfit.errors import DoesNotFitError, InvalidArgument
-from batchfit.sharding import Sharding, as_sharding
+from batchfit.parallel.distributed import agree
+from batchfit.parallel.sharding import Sharding
 from batchfit.validation import check_choice, check_int
 
 ROLES = ("policy", "critic", "reference", "policy_forward", "critic_forward")
@@ -57,7 +62,7 @@ class ModelProfile:
             roles), taken off the usable memory like the reserve.
         budgets: role -> its :class:`TokenBudget`, in the order profiled.
         combined: :meth:`TokenBudget.min` of the budgets (the one to configure).
-        sharding: the :class:`~batchfit.sharding.Sharding` profiled.
+        sharding: the :class:`~batchfit.parallel.sharding.Sharding` profiled.
         depth: the model's number of decoder layers.
         measured_depths: the two depths measured when the peak was extrapolated to
             ``depth`` (NOTE [ Peak memory is affine in depth ]), else ``None``.
@@ -124,115 +129,90 @@ def check_roles(roles: str | Sequence[str], name: str = "roles") -> tuple[str, .
 
 
 def profile_model(
-    model: str = "tiny",
+    model: Any = "tiny",
+    options: ProfileOptions | None = None,
     *,
-    max_seq_len: int,
     roles: str | Sequence[str] = ("policy",),
-    backend: str = "auto",
-    memory_limit: int | str | None = None,
-    dtype: str | None = None,
-    gradient_checkpointing: bool = False,
-    logprobs: str = "full",
-    cost: str = "padded",
-    safety_margin: float = 0.9,
-    seq_lens: Sequence[int] | None = None,
-    progress: bool | ProgressCallback = False,
-    sharding: Sharding | str | None = None,
-    depth_extrapolation: bool | None = None,
-    suggest_world_size: bool = True,
-    reserve_bytes: int | str | None = None,
     resident_bytes: int = 0,
+    **settings: Any,
 ) -> ModelProfile:
     """Build ``model`` for each role and find its token budget per rank; combine the roles.
 
-    The policy and the critic train with AdamW (state initialised before measuring); the
-    policy's loss is a per-token log-prob mean, the critic's a masked MSE of a value head; the
-    reference runs forward-only log-probs under ``no_grad``; ``policy_forward`` (old
-    log-probs) and ``critic_forward`` (values) run forward-only with their model's training
-    state resident (:data:`ROLES`). Forward passes fit far more tokens than a training step:
-    their budgets bound the forward micro-batches. See :func:`batchfit.models.causal_lm_step`.
-    Each role is sharded as ``sharding`` says, with PyTorch's own FSDP2 or DDP
-    (:func:`batchfit.models.shard_model`): on the estimate backend over a simulated process
-    group of ``sharding.world_size`` ranks, on cpu and cuda over the real one (every rank
-    calls this function; ``world_size`` must be the group's size).
+    Each role's probe is the trainer's own micro-batch step (NOTE [ One micro-batch step ] in
+    :mod:`batchfit.budget.step`): the policy and the critic train with AdamW (state
+    initialised, gradients resident), the policy's loss is PPO's clipped surrogate over
+    log-probs from the ``logprobs`` head, the critic's the clipped value loss; the reference
+    runs forward-only log-probs under ``no_grad``; ``policy_forward`` (old log-probs) and
+    ``critic_forward`` (values) run forward-only with their model's training state resident
+    (:data:`ROLES`). Forward passes fit far more tokens than a training step: their budgets
+    bound the forward micro-batches. Each role is sharded as ``options.sharding`` says, with
+    PyTorch's own FSDP2 or DDP (:func:`batchfit.parallel.shard_model`): on the estimate
+    backend over a simulated process group of ``sharding.world_size`` ranks, on cpu and cuda
+    over the real one (every rank calls this function; ``world_size`` must be the group's size).
 
     Args:
-        model: preset name (``tiny``, ``qwen2.5-7b``, …), local directory with
-            ``config.json``, or hub id (config only).
-        max_seq_len, cost, safety_margin, seq_lens, progress: as
-            :func:`~batchfit.budget.find.find_token_budget` (``progress`` events carry the role).
+        model: a preset name (``tiny``, ``qwen2.5-7b``, …), a local directory with
+            ``config.json``, a hub id (config only), a ``PretrainedConfig``, or a transformers
+            model (``nn.Module``, bare or wrapped), whose config is built for each role.
+        options: the :class:`~batchfit.budget.options.ProfileOptions`; keyword ``settings``
+            (its field names: ``max_seq_len=8192, backend="estimate", …``) build one, or
+            override the fields of the one given.
         roles: any of :data:`ROLES` (``"policy,critic"``).
-        logprobs: ``full`` (fp32 ``log_softmax`` of the whole logits), ``chunked``
-            (:func:`batchfit.logprobs.logprobs_from_logits`) or ``fused``
-            (:func:`batchfit.logprobs.logprobs_from_hidden`, no ``[B, S, V]`` logits).
-        backend: ``auto`` (cuda if available, else estimate), ``cpu``, ``estimate``, ``cuda``.
-        memory_limit: bytes, ``"80GiB"`` or a device preset; required for cpu and estimate.
-        dtype: the dtype parameters are stored in (``bf16``, ``fp32``, …); default fp32
-            under ``fsdp2`` mixed precision (fp32 master weights, bf16 compute), else bf16.
-        gradient_checkpointing: non-reentrant activation checkpointing of every layer.
-        sharding: a :class:`~batchfit.sharding.Sharding` or a strategy name; ``None`` =
-            one device.
-        depth_extrapolation: measure two shallow copies of the model and extrapolate to
-            its depth (NOTE [ Peak memory is affine in depth ]); default: on for the estimate
-            backend when the layers are identical and deeper than the copies.
-        suggest_world_size: when one sequence does not fit on the estimate backend, find
-            the smallest ``fsdp2`` world size (with checkpointing) that fits and name it.
-        reserve_bytes: bytes of ``memory_limit`` no tracker sees (see
-            :func:`batchfit.memory.get_backend`); ``None`` = the backend's default.
+        resident_bytes: bytes other models sharing the device keep on it (colocated roles),
+            taken off the usable memory like the reserve.
 
     Returns:
         :class:`ModelProfile`.
 
     Raises:
-        InvalidArgument: bad model, memory, dtype, roles, sharding or search arguments, or a
-            process group that does not match ``sharding.world_size``.
+        InvalidArgument: bad model, options or roles, a setting that is not a field of
+            :class:`ProfileOptions`, or a process group that does not match
+            ``sharding.world_size``.
         DoesNotFitError: one sequence of ``max_seq_len`` does not fit for some role; on the
             estimate backend its message names the smallest ``fsdp2`` world size that would
             fit (``world_size_hint``).
 
     Example:
-        >>> p = profile_model("tiny", max_seq_len=512, backend="estimate", memory_limit="1GiB")  # doctest: +SKIP
-        >>> p.combined.tokens                                                                    # doctest: +SKIP
+        >>> p = profile_model("tiny", max_seq_len=512, backend="estimate", memory_limit="1GiB")
+        >>> p.combined.tokens > 0
+        True
     """
     from batchfit.memory import get_backend
+    from batchfit.memory.heap import retain_freed_memory
     from batchfit.models import load_config, parse_dtype
-    from batchfit.models.depth import DEFAULT_DEPTHS
-    from batchfit.models.step import LOGPROBS
 
+    opts = _options(options, settings)
     chosen_roles = check_roles(roles)
-    logprobs = check_choice("logprobs", logprobs, LOGPROBS)
-    plan = as_sharding(sharding)
-    torch_dtype = parse_dtype(default_dtype(plan) if dtype is None else dtype)
+    plan = opts.sharding
+    torch_dtype = parse_dtype(default_dtype(plan) if opts.dtype is None else opts.dtype)
     config = load_config(model)  # a bad spec fails here, before any backend work
-    be = get_backend(backend, memory_limit=memory_limit, reserve_bytes=reserve_bytes)
+    be = get_backend(opts.backend, memory_limit=opts.memory_limit, reserve_bytes=opts.reserve_bytes)
     resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
     if resident_bytes:
         _take_resident(be, resident_bytes)
     if be.name == "cpu":
-        _check_host_memory(config, model, len(chosen_roles))
-    depth, extrapolate = _depth_plan(config, be, depth_extrapolation)
-    build = _RoleBuilder(model, be, torch_dtype, gradient_checkpointing, logprobs, plan, extrapolate, depth)
+        _check_host_memory(config, model_name(model), len(chosen_roles))
+    depth, extrapolate = _depth_plan(config, be, opts.depth_extrapolation)
+    build = _RoleBuilder(config, be, torch_dtype, opts, extrapolate, depth)
     budgets: dict[str, TokenBudget] = {}
     failed: tuple[str, DoesNotFitError] | None = None
-    from batchfit.memory.heap import retain_freed_memory
-
     # NOTE [ Probing reuses host pages ]: real cpu probes refault gigabytes each time otherwise
     host_heap = retain_freed_memory() if be.name == "cpu" else contextlib.nullcontext()
     with _world(be, plan), host_heap:
         for role in chosen_roles:
-            lengths, hints = seq_lens, None
+            lengths, hints = opts.seq_lens, None
             if be.name == "cpu" and not plan.distributed:
-                lengths, hints = _estimated_hints(build, role, max_seq_len, safety_margin, seq_lens, cost)
+                lengths, hints = _estimated_hints(build, role, opts)
             # NOTE [ Ranks agree or say why ]: a build that fails on one rank raises on all
             step = agree(lambda role=role: build.step(role), what=f"building the {role} model")
             try:
                 budgets[role] = find_token_budget(
                     step,
-                    max_seq_len=max_seq_len,
-                    safety_margin=safety_margin,
+                    max_seq_len=opts.max_seq_len,
+                    safety_margin=opts.safety_margin,
                     seq_lens=lengths,
-                    cost=cost,
-                    progress=progress,
+                    cost=opts.cost,
+                    progress=opts.progress,
                     role=role,
                     hints=hints,
                 )
@@ -244,14 +224,14 @@ def profile_model(
                 gc.collect()
     if failed is not None:
         role, exc = failed
-        if suggest_world_size and be.name == "estimate":
-            raise _with_world_size_hint(exc, role, build, max_seq_len, safety_margin) from None
+        if opts.suggest_world_size and be.name == "estimate":
+            raise _with_world_size_hint(exc, role, build, opts.max_seq_len) from None
         raise exc
     return ModelProfile(
-        model=str(model),
+        model=model_name(model),
         dtype=_dtype_name(torch_dtype),
-        gradient_checkpointing=bool(gradient_checkpointing),
-        logprobs=logprobs,
+        gradient_checkpointing=opts.gradient_checkpointing,
+        logprobs=opts.logprobs,
         backend=be.name,
         memory_limit=be.memory_limit,
         reserve_bytes=int(be.reserve_bytes or 0) - resident_bytes,
@@ -265,10 +245,36 @@ def profile_model(
     )
 
 
+def _options(options: ProfileOptions | None, settings: dict[str, Any]) -> ProfileOptions:
+    """``options`` with ``settings`` applied, or new options from ``settings``."""
+    if options is not None:
+        if not isinstance(options, ProfileOptions):
+            raise InvalidArgument(
+                f"options must be a ProfileOptions, but got a {type(options).__name__}; pass settings as keywords (max_seq_len=8192, …)"
+            )
+        return options.replace(**settings) if settings else options
+    if "max_seq_len" not in settings:
+        raise InvalidArgument(
+            "max_seq_len is required, but got no max_seq_len; pass max_seq_len=8192 (the longest sequence you train on) or options=ProfileOptions(...)"
+        )
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(ProfileOptions)})
+    if unknown:
+        names = ", ".join(f.name for f in dataclasses.fields(ProfileOptions))
+        raise InvalidArgument(f"profile_model got an unknown setting {unknown[0]!r}; the settings are {names}")
+    return ProfileOptions(**settings)
+
+
+def model_name(model: Any) -> str:
+    """How a profile names ``model``: the string itself, a config's ``name_or_path`` or model type, a module's class."""
+    if isinstance(model, (str, os.PathLike)):
+        return str(model)
+    config = getattr(getattr(model, "module", model), "config", model)
+    name = getattr(config, "name_or_path", "") or getattr(config, "model_type", "")
+    return str(name) if name else type(model).__name__
+
+
 def _depth_plan(config: Any, backend: Any, depth_extrapolation: bool | None) -> tuple[int, bool]:
     """The model's depth, and whether it is extrapolated from two shallow copies (default: when estimating)."""
-    from batchfit.models.depth import DEFAULT_DEPTHS, uniform_layers
-
     depth = int(config.num_hidden_layers)
     wanted = backend.name == "estimate" if depth_extrapolation is None else bool(depth_extrapolation)
     return depth, wanted and uniform_layers(config) and depth > max(DEFAULT_DEPTHS)
@@ -290,56 +296,51 @@ def _take_resident(backend: Any, resident: int) -> None:
 
 
 def resident_state_bytes(
-    model: str,
+    model: Any,
     role: str,
+    options: ProfileOptions,
     *,
-    backend: str = "estimate",
-    memory_limit: int | str | None = None,
-    dtype: str | None = None,
-    sharding: Sharding | str | None = None,
     kinds: Sequence[str] = ("parameters", "optimizer_state"),
-    depth_extrapolation: bool | None = None,
 ) -> int:
     """Bytes per rank that ``role``'s model keeps on the device between its steps.
 
     Measured, not computed: the role's model (and optimizer, for a trained role) is built
-    and sharded as :func:`profile_model` builds it and one tiny step is measured; the
+    and sharded as :func:`profile_model` builds it with ``options`` (its backend, memory,
+    dtype, sharding and depth extrapolation; no reserve) and one tiny step is measured; the
     breakdown's ``kinds`` categories at its peak are summed (parameters and AdamW state do
     not depend on the batch). State offloaded to the host (``offload="cpu"``) is not on the
     device and counts 0.
 
     Raises:
-        InvalidArgument: bad model, role, backend, dtype or sharding.
+        InvalidArgument: bad model or role.
     """
     from batchfit.memory import get_backend
     from batchfit.models import load_config, parse_dtype
 
     check_choice("role", role, ROLES)
-    plan = as_sharding(sharding)
-    torch_dtype = parse_dtype(default_dtype(plan) if dtype is None else dtype)
+    plan = options.sharding
+    torch_dtype = parse_dtype(default_dtype(plan) if options.dtype is None else options.dtype)
     config = load_config(model)
-    be = get_backend(backend, memory_limit=memory_limit, reserve_bytes=0)
-    depth, extrapolate = _depth_plan(config, be, depth_extrapolation)
-    build = _RoleBuilder(model, be, torch_dtype, False, "full", plan, extrapolate, depth)
+    be = get_backend(options.backend, memory_limit=options.memory_limit, reserve_bytes=0)
+    depth, extrapolate = _depth_plan(config, be, options.depth_extrapolation)
+    build = _RoleBuilder(config, be, torch_dtype, options.replace(gradient_checkpointing=False), extrapolate, depth)
     with _world(be, plan):
         step = agree(lambda: build.step(role), what=f"building the {role} model")
         try:
-            measured = step.measure(1, 2)
+            measured = step.measure([2])
         finally:
             del step
             gc.collect()
     return int(sum(measured.breakdown.get(kind, 0) for kind in kinds))
 
 
-def _estimated_hints(
-    build: _RoleBuilder, role: str, max_seq_len: int, margin: float, seq_lens: Any, cost: str
-) -> tuple[Any, dict[int, int] | None]:
+def _estimated_hints(build: _RoleBuilder, role: str, options: ProfileOptions) -> tuple[Any, dict[int, int] | None]:
     """The estimate backend's answer for the same step, as hints for a real cpu search.
 
     The estimate equals the cpu run to the byte (same tracker, fake tensors), so the cpu
     search then measures about two real steps per length instead of a dozen: the predicted
-    size (fits) and the one above (does not). ``(lengths, hints)``; ``(seq_lens, None)`` when
-    the estimate fails (the cpu search then runs unguided).
+    answer (fits) and the one above (does not). ``(lengths, hints)``; ``(seq_lens, None)``
+    when the estimate fails (the cpu search then runs unguided).
     """
     from batchfit.memory import get_backend
 
@@ -347,17 +348,23 @@ def _estimated_hints(
     twin = get_backend(
         "estimate", memory_limit=be.memory_limit, reserve_bytes=be.reserve_bytes or 0, round_to=be.round_to
     )
-    estimate = build.with_sharding(build.sharding, build.checkpointing)
-    estimate.backend = twin
+    estimate = build.with_backend(twin)
     try:
         budget = find_token_budget(
-            estimate.step(role), max_seq_len=max_seq_len, safety_margin=margin, seq_lens=seq_lens, cost=cost, progress=False
+            estimate.step(role),
+            max_seq_len=options.max_seq_len,
+            safety_margin=options.safety_margin,
+            seq_lens=options.seq_lens,
+            cost=options.cost,
+            progress=False,
         )
     except (DoesNotFitError, InvalidArgument):
-        return seq_lens, None
+        return options.seq_lens, None
     finally:
         gc.collect()
-    return [p.seq_len for p in budget.points], {p.seq_len: p.max_batch_size for p in budget.points}
+    # the search's unit: rows (padded) or tokens (packed)
+    answers = {p.seq_len: p.max_batch_size if options.cost == "padded" else p.tokens for p in budget.points}
+    return [p.seq_len for p in budget.points], answers
 
 
 def _check_host_memory(config: Any, model: str, roles: int) -> None:
@@ -403,63 +410,56 @@ def _dtype_name(dtype: Any) -> str:
 def _world(backend: Any, sharding: Sharding) -> Any:
     """The process group a sharded estimate needs: simulated ranks (nothing for cpu/cuda)."""
     if backend.name == "estimate" and sharding.distributed:
-        from batchfit.distributed import simulated_world
+        from batchfit.parallel.distributed import simulated_world
 
         return simulated_world(sharding.world_size)
     return contextlib.nullcontext()
 
 
 class _RoleBuilder:
-    """Builds the step of one role: full depth, or two shallow copies to extrapolate from."""
+    """Builds the probe of one role: full depth, or two shallow copies to extrapolate from."""
 
-    def __init__(
-        self,
-        model: str,
-        backend: Any,
-        dtype: Any,
-        checkpointing: bool,
-        logprobs: str,
-        sharding: Sharding,
-        extrapolate: bool,
-        depth: int,
-    ):
-        self.model, self.backend, self.dtype = model, backend, dtype
-        self.checkpointing, self.logprobs, self.sharding = checkpointing, logprobs, sharding
+    def __init__(self, config: Any, backend: Any, dtype: Any, options: ProfileOptions, extrapolate: bool, depth: int):
+        self.config, self.backend, self.dtype, self.options = config, backend, dtype, options
         self.extrapolate, self.depth = extrapolate, depth
 
-    def with_sharding(self, sharding: Sharding, checkpointing: bool) -> _RoleBuilder:
-        """The same builder for another sharding (and checkpointing)."""
+    @property
+    def sharding(self) -> Sharding:
+        return self.options.sharding
+
+    def with_options(self, **changes: Any) -> _RoleBuilder:
+        """The same builder with some options changed (another sharding, checkpointing)."""
         return _RoleBuilder(
-            self.model,
-            self.backend,
-            self.dtype,
-            checkpointing,
-            self.logprobs,
-            sharding,
-            self.extrapolate,
-            self.depth,
+            self.config, self.backend, self.dtype, self.options.replace(**changes), self.extrapolate, self.depth
         )
 
+    def with_backend(self, backend: Any) -> _RoleBuilder:
+        """The same builder on another backend."""
+        return _RoleBuilder(self.config, backend, self.dtype, self.options, self.extrapolate, self.depth)
+
     def step(self, role: str) -> Any:
-        from batchfit.models.depth import build_depth_steps
+        from batchfit.budget.depth import build_depth_steps
+        from batchfit.budget.step import causal_lm_step
+        from batchfit.models import build_causal_lm
+
+        options = self.options
 
         def make(n_layers: int) -> Any:
-            from batchfit.models import build_causal_lm, causal_lm_step
-
             overrides = {} if n_layers == self.depth else {"num_hidden_layers": n_layers}
             net = build_causal_lm(
-                self.model,
+                self.config,
                 backend=self.backend,
                 dtype=self.dtype,
-                gradient_checkpointing=self.checkpointing,
+                gradient_checkpointing=options.gradient_checkpointing,
                 value_head=role in VALUE_ROLES,
-                sharding=self.sharding,
+                sharding=options.sharding,
                 **overrides,
             )
             return causal_lm_step(
                 net,
                 backend=self.backend,
-                logprobs=self.logprobs,
+                logprobs=options.logprobs,
+                cost=options.cost,
                 forward_only=forward_role(role),
                 optimizer="auto" if role == "reference" else "adamw",
             )
@@ -491,9 +491,9 @@ def smallest_fitting_world_size(
         The smallest world size measured to fit (its predecessor measured not to), or
         ``None`` when none up to :data:`_MAX_HINT_WORLD` fits.
     """
-    from batchfit.distributed import simulated_world
     from batchfit.memory import get_backend
     from batchfit.models import parse_dtype
+    from batchfit.parallel.distributed import simulated_world
 
     base = build.sharding
     precision = base.mixed_precision if base.strategy == "fsdp2" else "bf16"
@@ -505,14 +505,16 @@ def smallest_fitting_world_size(
     def peak(world: int) -> int:
         if world not in peaks:
             sharding = Sharding("fsdp2", world_size=world, mixed_precision=precision, offload=offload)
-            builder = build.with_sharding(sharding, True)
-            builder.backend = unlimited
+            builder = build.with_options(sharding=sharding, gradient_checkpointing=True).with_backend(unlimited)
             if base.strategy != "fsdp2":  # the hint's flags keep fsdp2's default: fp32 master weights
-                builder.dtype = parse_dtype(default_dtype(sharding))
+                builder = _RoleBuilder(
+                    builder.config, unlimited, parse_dtype(default_dtype(sharding)), builder.options,
+                    builder.extrapolate, builder.depth,
+                )
             with simulated_world(world):
                 step = builder.step(role)
                 try:
-                    peaks[world] = step.measure(1, seq_len).peak_bytes
+                    peaks[world] = step.measure([seq_len]).peak_bytes
                 finally:
                     del step
                     gc.collect()
@@ -550,9 +552,7 @@ def _world_below(n: int) -> int:
     return n - 8 if n > 8 else max(1, n // 2)
 
 
-def _with_world_size_hint(
-    exc: DoesNotFitError, role: str, build: _RoleBuilder, seq_len: int, margin: float
-) -> DoesNotFitError:
+def _with_world_size_hint(exc: DoesNotFitError, role: str, build: _RoleBuilder, seq_len: int) -> DoesNotFitError:
     limit = exc.available if exc.available is not None else 0
     start = build.sharding.world_size if build.sharding.strategy == "fsdp2" else 1
     world = smallest_fitting_world_size(build, role, seq_len, limit, start=start)

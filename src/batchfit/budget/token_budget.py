@@ -8,25 +8,30 @@ from typing import Any
 from batchfit.budget.memory_model import MemoryModel
 from batchfit.budget.probe import Probe
 from batchfit.errors import InvalidArgument
-from batchfit.packing import COSTS
+from batchfit.plan.packing import COSTS
 from batchfit.validation import check_choice, check_positive_int
 
 
 @dataclass(frozen=True)
 class BudgetPoint:
-    """The verified largest batch at one probed sequence length.
+    """The verified largest micro-batch at one probed sequence length.
+
+    A padded search counts sequences: ``max_batch_size`` rows of ``seq_len`` fit and one row
+    more does not. A packed search counts tokens (NOTE [ Packed budgets count tokens ] in
+    :mod:`batchfit.budget.find`): ``max_tokens`` tokens fit (sequences of ``seq_len`` and one
+    shorter remainder) and one token more does not.
 
     Attributes:
         seq_len: the probed length.
-        max_batch_size: the largest batch measured to fit (``max_batch_size + 1`` measured
-            not to, unless ``capped``).
-        peak_bytes: the peak measured for ``max_batch_size``.
-        next_peak_bytes: the peak measured for ``max_batch_size + 1`` (a lower bound when
+        max_batch_size: the most whole sequences of ``seq_len`` measured to fit.
+        peak_bytes: the peak measured for the largest fitting candidate.
+        next_peak_bytes: the peak measured for the candidate one above it (a lower bound when
             that probe was aborted), ``None`` when ``capped``.
         probes: probes spent at this length.
         capped: the search stopped at its batch-size cap, not at the memory limit.
         breakdown: bytes per category at the peak of ``max_batch_size`` (one rank's).
         host_bytes: host bytes at that peak (CPU offload), not in ``peak_bytes``.
+        max_tokens: a packed search's largest fitting token count, ``None`` for a padded one.
     """
 
     seq_len: int
@@ -37,11 +42,12 @@ class BudgetPoint:
     capped: bool = False
     breakdown: dict[str, int] = field(default_factory=dict, compare=False)
     host_bytes: int = 0
+    max_tokens: int | None = None
 
     @property
     def tokens(self) -> int:
-        """``max_batch_size × seq_len``."""
-        return self.max_batch_size * self.seq_len
+        """The tokens one micro-batch may hold at this length: ``max_tokens``, or ``max_batch_size × seq_len``."""
+        return self.max_batch_size * self.seq_len if self.max_tokens is None else self.max_tokens
 
     def to_dict(self) -> dict[str, Any]:
         """The fields and ``tokens`` as plain values."""
@@ -67,7 +73,7 @@ class TokenBudget:
     each guarantees and how it is checked).
 
     Attributes:
-        tokens: the budget ``C`` = min over probed lengths of ``max_batch_size × seq_len``.
+        tokens: the budget ``C`` = min over probed lengths of their :attr:`BudgetPoint.tokens`.
         max_seq_len: the longest sequence the budget covers.
         cost: ``"padded"`` or ``"packed"``.
         points: one :class:`BudgetPoint` per probed length, longest first.

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from batchfit.config import BatchConfig
 from batchfit.frameworks import read_run_config
+from batchfit.plan.config import BatchConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

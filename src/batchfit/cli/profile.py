@@ -162,11 +162,11 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         InvalidArgument: bad backend, memory, world size, sharding, roles or dtype (one
             line each, exit 2), or a world size that is not the torchrun group's.
     """
+    from batchfit.budget.step import LOGPROBS
     from batchfit.budget.token_budget import check_cost
     from batchfit.memory import BACKEND_NAMES, DEFAULT_RESERVE_BYTES, backend_name, format_bytes, parse_memory
     from batchfit.models import load_config, parse_dtype
-    from batchfit.models.step import LOGPROBS
-    from batchfit.sharding import STRATEGIES, Sharding
+    from batchfit.parallel.sharding import STRATEGIES, Sharding
     from batchfit.validation import check_choice, check_number, check_positive_int
 
     backend = backend_name(check_choice("--backend", args.backend, BACKEND_NAMES))
@@ -343,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
         if settings["run"] is not None:
             return _run_config(args, settings, console, err, show_progress, rank)
         with _progress(err, show_progress) as callback, _flag_hint():
-            profile = profile_model(args.model, roles=args.roles, **_profile_options(args, settings, callback))
+            profile = profile_model(args.model, _profile_options(args, settings, callback), roles=args.roles)
         if rank != 0:
             return 0
         if args.plot:
@@ -360,22 +360,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _profile_options(args: argparse.Namespace, settings: dict[str, Any], progress: Any) -> dict[str, Any]:
-    """The profiling keywords every profile run takes from the flags and resolved settings."""
-    return {
-        "max_seq_len": args.max_seq_len,
-        "sharding": settings["sharding"],
-        "backend": settings["backend"],
-        "memory_limit": settings["memory"],
-        "reserve_bytes": settings["reserve"],
-        "dtype": args.dtype,
-        "gradient_checkpointing": args.gradient_checkpointing,
-        "logprobs": args.logprobs,
-        "cost": args.cost,
-        "safety_margin": args.safety_margin,
-        "depth_extrapolation": args.depth_extrapolation,
-        "progress": progress,
-    }
+def _profile_options(args: argparse.Namespace, settings: dict[str, Any], progress: Any) -> Any:
+    """The :class:`~batchfit.budget.ProfileOptions` of this run, from the flags and resolved settings."""
+    from batchfit.budget.options import ProfileOptions
+
+    return ProfileOptions(
+        max_seq_len=args.max_seq_len,
+        sharding=settings["sharding"],
+        backend=settings["backend"],
+        memory_limit=settings["memory"],
+        reserve_bytes=settings["reserve"],
+        dtype=args.dtype,
+        gradient_checkpointing=args.gradient_checkpointing,
+        logprobs=args.logprobs,
+        cost=args.cost,
+        safety_margin=args.safety_margin,
+        depth_extrapolation=args.depth_extrapolation,
+        progress=progress,
+    )
 
 
 def _run_config(
@@ -388,7 +390,7 @@ def _run_config(
 
     run = settings["run"]
     with _progress(err, show_progress) as callback, _flag_hint():
-        result = profile_run(run, **_profile_options(args, settings, callback))
+        result = profile_run(run, _profile_options(args, settings, callback))
     if rank != 0:
         return 0
     keys = None

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from batchfit.config import BatchConfig
 from batchfit.errors import BatchConfigError
 from batchfit.frameworks import skyrl, verl
 from batchfit.frameworks.run import RunConfig, as_bool, as_int
@@ -25,6 +24,7 @@ from batchfit.frameworks.source import (
     read_mapping,
     resolve,
 )
+from batchfit.plan.config import BatchConfig
 from batchfit.validation import closest
 
 __all__ = ["VOCABULARIES", "RunConfig", "coerce", "read_run_config"]
@@ -37,7 +37,7 @@ def read_run_config(
 
     Args:
         source: a YAML (``.yaml``/``.yml``) or JSON file, or the mapping itself.
-        overrides: :class:`~batchfit.config.BatchConfig` field names (e.g. from ``--field
+        overrides: :class:`~batchfit.plan.config.BatchConfig` field names (e.g. from ``--field
             value`` flags), applied last; strings are read as numbers or booleans.
 
     Returns:

@@ -9,15 +9,14 @@ state the others keep on the device (``resident``) taken off the usable memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchfit.budget.options import ProfileOptions
 from batchfit.budget.profile import ModelProfile, profile_model, resident_state_bytes
 from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import InvalidArgument
 from batchfit.frameworks.run import RunConfig
-from batchfit.sharding import Sharding
 
 # Model role -> the profile roles its model runs (trained step first, then its forward pass).
 PASSES = {
@@ -63,38 +62,21 @@ class RunProfile:
         }
 
 
-def profile_run(
-    run: RunConfig,
-    *,
-    max_seq_len: int,
-    sharding: Sharding,
-    backend: str = "estimate",
-    memory_limit: int | str | None = None,
-    reserve_bytes: int | str | None = None,
-    dtype: str | None = None,
-    gradient_checkpointing: bool = True,
-    logprobs: str = "full",
-    cost: str = "padded",
-    safety_margin: float = 0.9,
-    depth_extrapolation: bool | None = None,
-    progress: bool | Callable[..., Any] = False,
-) -> RunProfile:
-    """Profile every pass of ``run`` (its models from ``run.models``).
+def profile_run(run: RunConfig, options: ProfileOptions) -> RunProfile:
+    """Profile every pass of ``run`` (its models from ``run.models``) with ``options``.
 
     Args:
         run: from :func:`batchfit.frameworks.read_run_config`; ``run.models`` must name
             each model (override with ``run.replace(model=...)``).
-        max_seq_len, sharding, backend, memory_limit, reserve_bytes, dtype,
-        gradient_checkpointing, logprobs, cost, safety_margin, depth_extrapolation,
-        progress: as for :func:`batchfit.budget.profile.profile_model` (``dtype`` is the
-            trained models'; the reference is profiled in bf16 unless it is given).
+        options: as for :func:`batchfit.budget.profile_model` (``dtype`` is the trained
+            models'; the reference is profiled in bf16 unless it is given).
 
     Returns:
         A :class:`RunProfile`.
 
     Raises:
-        InvalidArgument: a model role without a model, or bad profiling arguments.
-        DoesNotFitError: a pass does not fit one sequence of ``max_seq_len``.
+        InvalidArgument: a model role without a model.
+        DoesNotFitError: a pass does not fit one sequence of ``options.max_seq_len``.
     """
     models = run.models
     for role, model in models.items():
@@ -102,15 +84,9 @@ def profile_run(
             raise InvalidArgument(
                 f"the config names no {role} model; pass --model PRESET|DIR (a preset, or a directory with config.json)"
             )
-    common = {"backend": backend, "memory_limit": memory_limit, "sharding": sharding}
     resident = {
         role: resident_state_bytes(
-            models[role],
-            PASSES[role][0],
-            dtype=_dtype(role, dtype),
-            kinds=run.resident.get(role, ()),
-            depth_extrapolation=depth_extrapolation,
-            **common,
+            models[role], PASSES[role][0], _for_role(role, options), kinds=run.resident.get(role, ())
         )
         for role in models
         if role in run.colocated and run.resident.get(role)
@@ -118,23 +94,10 @@ def profile_run(
     profiles = {}
     for role, model in models.items():
         others = sum(b for other, b in resident.items() if other != role)
-        profiles[role] = profile_model(
-            model,
-            max_seq_len=max_seq_len,
-            roles=PASSES[role],
-            dtype=_dtype(role, dtype),
-            gradient_checkpointing=gradient_checkpointing,
-            logprobs=logprobs,
-            cost=cost,
-            safety_margin=safety_margin,
-            depth_extrapolation=depth_extrapolation,
-            progress=progress,
-            reserve_bytes=reserve_bytes,
-            resident_bytes=others,
-            **common,
-        )
+        profiles[role] = profile_model(model, _for_role(role, options), roles=PASSES[role], resident_bytes=others)
     return RunProfile(run=run, profiles=profiles, resident=resident)
 
 
-def _dtype(role: str, dtype: str | None) -> str | None:
-    return REFERENCE_DTYPE if role == "reference" and dtype is None else dtype
+def _for_role(role: str, options: ProfileOptions) -> ProfileOptions:
+    """A frozen reference is loaded in bf16 unless a dtype is given (verl fsdp_workers: fp32 only for the actor)."""
+    return options.replace(dtype=REFERENCE_DTYPE) if role == "reference" and options.dtype is None else options

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchfit.config import BatchConfig, BatchPlan
 from batchfit.errors import BatchConfigError
+from batchfit.plan.config import BatchConfig, BatchPlan
 
 
 @dataclass(frozen=True)

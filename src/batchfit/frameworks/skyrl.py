@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchfit.config import BatchConfig
 from batchfit.errors import BatchConfigError
 from batchfit.frameworks.run import RunConfig, as_bool, as_int, misspelt_keys
 from batchfit.frameworks.source import flatten
+from batchfit.plan.config import BatchConfig
 
 # SkyRL key -> BatchConfig field.
 KEYS: dict[str, str] = {

@@ -126,7 +126,7 @@ def detect_vocabulary(data: Mapping[str, Any]) -> str:
         BatchConfigError: keys of both SkyRL and verl (each named), or nothing that any of
             the three vocabularies has.
     """
-    from batchfit.config import BatchConfig
+    from batchfit.plan.config import BatchConfig
 
     flat_keys = flatten(data)
     found = {

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchfit.config import BatchConfig
 from batchfit.errors import BatchConfigError
 from batchfit.frameworks.run import RunConfig, as_bool, as_int, misspelt_keys
 from batchfit.frameworks.source import flatten
+from batchfit.plan.config import BatchConfig
 
 ACTOR = "actor_rollout_ref.actor."
 REF = "actor_rollout_ref.ref."

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from batchfit.errors import InvalidArgument
+from batchfit.memory.isolation import isolate
 from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.memory.registration import registered_tensors, restore_grads_after_abort, trainable_parameters
+from batchfit.memory.registration import registered_tensors, trainable_parameters
 from batchfit.memory.sizes import parse_memory
 from batchfit.validation import check_positive_int, is_int
 
@@ -124,16 +125,23 @@ class Backend(abc.ABC):
 
         The template every backend shares: the backend prepares the call (:meth:`_prepare`)
         and runs it inside :meth:`_running`; running out of memory is decided here (NOTE
-        [ What counts as OOM ]); an aborted call's partial gradients are dropped and what it
-        left cached is released (:meth:`_release`); the backend reads its numbers
-        (:meth:`_result`).
+        [ What counts as OOM ]); the backend reads its numbers (:meth:`_result`). The probe
+        is isolated (NOTE [ Probes are isolated ] in :mod:`batchfit.memory.isolation`):
+        whatever happened, the registered state is put back afterwards (FSDP2 modules
+        resharded and their iteration state reset, gradients and optimizer state as before,
+        train/eval flags), outside the measurement and inside :meth:`context`; after an
+        aborted call the reference cycles of its frames are collected, and after an aborted
+        call or one that left something to free the backend's caches are released
+        (:meth:`_release`).
 
         Args:
             fn: the step, called with no arguments; its return value is dropped.
             register: state that exists before the call and stays alive during it (model,
-                optimizer, input tensors, or a tuple of these), counted in the peak. Only
-                needed by the tracked backends (cpu, estimate); cuda sees the device itself
-                and uses it for the breakdown.
+                optimizer, input tensors, or a tuple of these), counted in the peak, and
+                restored after the call. The tracked backends (cpu, estimate) need it to
+                count that state; cuda sees the device itself and uses it for the breakdown.
+                Optimizer state must be created before the call: state a probe creates is
+                dropped after it.
             categories: the breakdown category for each registered object (see
                 :func:`batchfit.memory.registration.registered_tensors`).
             host_categories: categories that live in host memory (CPU offload): the
@@ -141,32 +149,41 @@ class Backend(abc.ABC):
                 device peak; cuda ignores them (it sees only the device).
 
         Returns:
-                A :class:`MemoryMeasurement`; ``fits=False, exceeded=True`` when the call was
+            A :class:`MemoryMeasurement`; ``fits=False, exceeded=True`` when the call was
             aborted at the limit or ran out of memory.
 
         Raises:
-            Whatever ``fn`` raises other than running out of memory, unchanged.
+            Whatever ``fn`` raises other than running out of memory, unchanged (the state
+            is restored all the same).
         """
-        restore_grads = restore_grads_after_abort(register)
-        start = time.perf_counter()
-        # The registered pairs go to the trial state and nowhere else: a reference held here
-        # would keep tensors the step frees (old gradients) alive and inflate the peak.
-        state = self._prepare(
-            registered_tensors(register, categories), trainable_parameters(register), host_categories
-        )
-        exceeded = False
+        with self.context():
+            snapshot = isolate(register)  # NOTE [ Probes are isolated ]
+        finished = False
         try:
-            with self._running(state):
-                fn()
-        except Exception as exc:
-            if not (self._aborted(exc) or is_out_of_memory(exc)):
-                raise
-            exceeded = True  # the traceback (and the tensors its frames hold) dies here
-        if exceeded:
-            restore_grads()
-            gc.collect()
-            self._release()
-        return self._result(state, exceeded, time.perf_counter() - start)
+            start = time.perf_counter()
+            # The registered pairs go to the trial state and nowhere else: a reference held
+            # here would keep tensors the step frees (old gradients) alive and inflate the peak.
+            state = self._prepare(
+                registered_tensors(register, categories), trainable_parameters(register), host_categories
+            )
+            exceeded = False
+            try:
+                with self._running(state):
+                    fn()
+                finished = True
+            except Exception as exc:
+                if not (self._aborted(exc) or is_out_of_memory(exc)):
+                    raise
+                exceeded = True  # the traceback (and the tensors its frames hold) dies here
+            return self._result(state, exceeded, time.perf_counter() - start)
+        finally:
+            # after the numbers are read: nothing below is measured
+            with self.context():
+                freed = snapshot.restore(finished=finished)
+            if not finished:
+                gc.collect()  # reference cycles through the aborted call's frames and graph
+            if freed or not finished:
+                self._release()
 
     # ----------------------------------------------------------------- hooks of measure()
     @abc.abstractmethod
@@ -194,7 +211,7 @@ class Backend(abc.ABC):
         return False
 
     def _release(self) -> None:
-        """Free what an aborted call left cached (nothing by default)."""
+        """Free what a call left cached once its state is restored (nothing by default)."""
         return None
 
     @abc.abstractmethod

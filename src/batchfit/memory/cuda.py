@@ -27,7 +27,12 @@ class CudaBackend(Backend):
     trial's cache cannot change the next verdict. On ``torch.OutOfMemoryError`` the call's
     frames are dropped, its memory released, and the result has ``fits=False,
     exceeded=True``; the peak is then the bytes reached before the failure (NOTE [ What
-    counts as OOM ] in :mod:`batchfit.memory.base`).
+    counts as OOM ] in :mod:`batchfit.memory.base`). After every call, once the statistics
+    are read, the registered state is restored (FSDP2 modules resharded, gradients and
+    optimizer state as before; NOTE [ Probes are isolated ] in
+    :mod:`batchfit.memory.isolation`) and the cache is emptied again when the call was
+    aborted or its restoration freed memory (layers an aborted or forward-only step left
+    gathered), so they do not stay reserved until the next trial.
 
     Setting ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before the process starts
     makes reserved memory follow allocated memory closely (less fragmentation), so more of
@@ -96,7 +101,7 @@ class CudaBackend(Backend):
         torch.cuda.synchronize(self._device)
 
     def _release(self) -> None:
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # after the state is restored (Backend.measure)
 
     def _result(self, state: dict[str, int], exceeded: bool, seconds: float) -> MemoryMeasurement:
         peak = int(torch.cuda.max_memory_allocated(self._device))

@@ -9,8 +9,7 @@ categories: a module's parameters are ``"parameters"``, their existing ``.grad``
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -144,22 +143,3 @@ def storage_bytes(pairs: list[tuple[torch.Tensor, str]]) -> dict[str, int]:
         seen.add(key)
         out[cat] = out.get(cat, 0) + int(storage.nbytes())
     return out
-
-
-def restore_grads_after_abort(register: Any) -> Callable[[], None]:
-    """Remember the ``.grad`` of the registered modules' trainable parameters; return a restorer.
-
-    A step aborted mid-backward (simulated limit or real OOM) leaves partial gradients
-    behind, which the next measurement would count. The returned function puts back the
-    gradients that existed before the call and are still alive (usually ``None``).
-    """
-    params = trainable_parameters(register)
-    # Weak references: holding the old gradients would keep them alive through a step that
-    # frees them (zero_grad(set_to_none=True)) and inflate its measured peak.
-    before = [None if p.grad is None else weakref.ref(p.grad) for p in params]
-
-    def restore() -> None:
-        for p, ref in zip(params, before):
-            p.grad = None if ref is None else ref()
-
-    return restore

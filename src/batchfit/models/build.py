@@ -10,7 +10,7 @@ import torch
 from batchfit.dtypes import parse_dtype
 from batchfit.errors import InvalidArgument
 from batchfit.memory import Backend, get_backend
-from batchfit.models.specs import DEFAULT_PRESET, load_config, quiet_transformers_logs
+from batchfit.models.specs import DEFAULT_PRESET, load_config, quiet_transformers_logs, spec_name
 from batchfit.validation import check_choice
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -50,11 +50,11 @@ def build_causal_lm(
             ``gradient_checkpointing_enable`` before).
         value_head: build a critic instead: the backbone plus ``Linear(hidden, 1)``
             (``AutoModelForTokenClassification`` with ``num_labels=1``, no dropout).
-        sharding: a :class:`~batchfit.sharding.Sharding` (or a strategy name), applied by
+        sharding: a :class:`~batchfit.parallel.sharding.Sharding` (or a strategy name), applied by
             :func:`batchfit.models.shard_model` after building: ``fsdp2`` shards every
             decoder layer and the root, ``ddp`` wraps the model. Needs a process group of
             ``world_size`` ranks (on the estimate backend:
-            :func:`batchfit.distributed.simulated_world`). ``None``: one device.
+            :func:`batchfit.parallel.distributed.simulated_world`). ``None``: one device.
         **config_overrides: config attributes to override, e.g. ``num_hidden_layers=2``
             (a per-layer list such as ``layer_types`` is cut to the new depth).
 
@@ -73,8 +73,8 @@ def build_causal_lm(
     """
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    from batchfit.models.shard import shard_model
-    from batchfit.sharding import as_sharding
+    from batchfit.parallel.shard import shard_model
+    from batchfit.parallel.sharding import as_sharding
 
     torch_dtype = parse_dtype(dtype)
     check_choice("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
@@ -110,7 +110,7 @@ def _from_config(factory: Any, config: Any, spec: Any, **kwargs: Any) -> torch.n
     except (KeyError, ValueError, TypeError, AttributeError, NotImplementedError) as exc:
         reason = " ".join(str(exc).split())[:300]
         raise InvalidArgument(
-            f"spec={spec!r}: transformers cannot build a model from this config "
+            f"spec={spec_name(spec)}: transformers cannot build a model from this config "
             f"({type(exc).__name__}: {reason}); check the values in its config.json"
         ) from exc
 

@@ -17,6 +17,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from batchfit.errors import InvalidArgument
 from batchfit.validation import closest
 
@@ -61,9 +63,11 @@ def _unknown_spec_message(spec: str) -> str:
 def load_config(spec: Any = DEFAULT_PRESET, **overrides: Any) -> Any:
     """A transformers ``PretrainedConfig`` for ``spec``.
 
-    Resolution order: a ``PretrainedConfig`` (copied); a preset name (case-insensitive);
-    a local directory containing ``config.json`` or a path to a ``.json`` file; a hub id
-    ``"org/name"`` (downloads ``config.json`` only, when the network allows).
+    Resolution order: a ``PretrainedConfig`` (copied); a transformers model (an
+    ``nn.Module`` with a ``config``, bare or wrapped: its config, copied); a preset name
+    (case-insensitive); a local directory containing ``config.json`` or a path to a
+    ``.json`` file; a hub id ``"org/name"`` (downloads ``config.json`` only, when the network
+    allows).
 
     Args:
         spec: see above; default ``"tiny"``.
@@ -73,8 +77,8 @@ def load_config(spec: Any = DEFAULT_PRESET, **overrides: Any) -> Any:
         The config (a new object; the presets are never modified).
 
     Raises:
-        InvalidArgument: unknown spec (lists the presets and the closest), an unreadable
-            config file, or a hub id that cannot be fetched.
+        InvalidArgument: unknown spec (lists the presets and the closest), a module without a
+            transformers config, an unreadable config file, or a hub id that cannot be fetched.
 
     Example:
         >>> cfg = load_config("qwen2.5-0.5b")
@@ -83,11 +87,14 @@ def load_config(spec: Any = DEFAULT_PRESET, **overrides: Any) -> Any:
     """
     from transformers import AutoConfig, PretrainedConfig
 
+    if isinstance(spec, torch.nn.Module):
+        spec = _module_config(spec)
     if isinstance(spec, PretrainedConfig):
-        config = spec.__class__.from_dict(spec.to_dict())
+        with quiet_transformers_logs():
+            config = spec.__class__.from_dict(spec.to_dict())
     elif not isinstance(spec, (str, os.PathLike)):
         raise InvalidArgument(
-            f"spec must be a preset name, a path or a hub id (a string), but got spec={spec!r} ({type(spec).__name__}); presets: {', '.join(list_presets())}"
+            f"spec must be a preset name, a path, a hub id, a PretrainedConfig or a transformers model, but got {_short(spec)}; presets: {', '.join(list_presets())}"
         )
     else:
         with quiet_transformers_logs():
@@ -95,6 +102,39 @@ def load_config(spec: Any = DEFAULT_PRESET, **overrides: Any) -> Any:
     for key, value in overrides.items():
         setattr(config, key, value)
     return check_config(config, spec)
+
+
+def _short(value: Any) -> str:
+    """``spec=<repr> (<type>)`` when the repr is short, else ``a <type>`` (never a model's whole repr)."""
+    text = repr(value)
+    return f"spec={text} ({type(value).__name__})" if len(text) <= 60 and "\n" not in text else f"a {type(value).__name__}"
+
+
+def spec_name(spec: Any) -> str:
+    """How messages name a spec: a string as given, a config by its ``name_or_path`` or model type, else its type."""
+    if isinstance(spec, (str, os.PathLike)):
+        return repr(str(spec))
+    config = getattr(getattr(spec, "module", spec), "config", spec)
+    name = getattr(config, "name_or_path", "") or getattr(config, "model_type", "")
+    return repr(str(name)) if name else f"a {type(spec).__name__}"
+
+
+def _module_config(module: torch.nn.Module) -> Any:
+    """The transformers config of a model, through DDP's ``.module`` wrapper.
+
+    Raises:
+        InvalidArgument: the module has no transformers config (named by its type, never its repr).
+    """
+    from transformers import PretrainedConfig
+
+    inner = getattr(module, "module", module)  # DDP
+    config = getattr(inner, "config", None)
+    if not isinstance(config, PretrainedConfig):
+        raise InvalidArgument(
+            f"spec must be a transformers model (with a config) to be built for each role, but got a {type(module).__name__} without one; "
+            "pass its config or a preset, or measure your own step with batchfit.budget.find_token_budget(fn, backend=..., register=model)"
+        )
+    return config
 
 
 def _known_model_types() -> tuple[str, ...]:
@@ -120,17 +160,17 @@ def check_config(config: Any, spec: Any) -> Any:
         value = getattr(config, name, None)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise InvalidArgument(
-                f"spec={spec!r}: config field {name} must be a positive integer, but got {name}={value!r}"
+                f"spec={spec_name(spec)}: config field {name} must be a positive integer, but got {name}={value!r}"
             )
     heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
     if heads and hidden and getattr(config, "head_dim", None) is None and hidden % heads:
         raise InvalidArgument(
-            f"spec={spec!r}: num_attention_heads={heads} must divide hidden_size={hidden} (or set head_dim)"
+            f"spec={spec_name(spec)}: num_attention_heads={heads} must divide hidden_size={hidden} (or set head_dim)"
         )
     kv = getattr(config, "num_key_value_heads", None)
     if heads and kv and (not isinstance(kv, int) or kv < 1 or heads % kv):
         raise InvalidArgument(
-            f"spec={spec!r}: num_key_value_heads={kv!r} must be a positive divisor of num_attention_heads={heads}"
+            f"spec={spec_name(spec)}: num_key_value_heads={kv!r} must be a positive divisor of num_attention_heads={heads}"
         )
     return config
 

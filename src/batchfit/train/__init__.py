@@ -21,7 +21,7 @@ FSDP2 under ``torchrun``)::
     mini, _ = pad_for_data_parallel(slice_batch(batch, start, end), dp)
     mini["weights"] = loss_weights(mini["loss_mask"], reduction="token_mean")
     plan = plan_micro_batches(mini["attention_mask"].sum(-1), budget, dp_size=dp, cost="packed")
-    micro = iter_micro_batches(mini, plan, rank, layout="packed", model=model)
+    micro = iter_micro_batches(mini, plan, rank, layout="packed")
     for mb in accumulate(model, micro, plan.num_micro_batches):
         logp = model_logprobs(model, mb.batch)
         policy_loss(logp, mb.batch, scale=dp).backward()
@@ -34,22 +34,33 @@ from batchfit.train.accumulate import (
     data_parallel_size,
     gradient_sync,
 )
-from batchfit.train.forward import forward_logprobs
-from batchfit.train.logprobs import fused_output_head, model_logprobs, next_token_labels
-from batchfit.train.loss import policy_loss, response_columns
+from batchfit.train.forward import forward_logprobs, forward_values
+from batchfit.train.logprobs import HEADS, fused_output_head, model_logprobs, model_values, next_token_labels
+from batchfit.train.loss import policy_loss, response_columns, value_loss
 from batchfit.train.measure import CollectiveBytes, PeakTracker
+from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state
+from batchfit.train.step import micro_batch_loss, micro_batch_outputs
 
 __all__ = [
+    "HEADS",
     "CollectiveBytes",
     "PeakTracker",
     "accumulate",
     "accumulated_gradient_bytes",
+    "allocate_gradients",
     "data_parallel_size",
+    "default_optimizer",
     "forward_logprobs",
+    "forward_values",
     "fused_output_head",
     "gradient_sync",
+    "initialize_optimizer_state",
+    "micro_batch_loss",
+    "micro_batch_outputs",
     "model_logprobs",
+    "model_values",
     "next_token_labels",
     "policy_loss",
     "response_columns",
+    "value_loss",
 ]

@@ -1,21 +1,20 @@
 """Gradient accumulation over micro-batches under DDP or FSDP2: sync only on the last one, sum over ranks.
 
 NOTE [ Accumulate, then sync once ]
-An optimizer step runs ``k`` micro-batches per rank. DDP all-reduces gradients and FSDP2
-reduce-scatters them in every backward unless told not to; only the last backward of the
-step needs it. :func:`accumulate` runs every other micro-batch inside ``model.no_sync()``
-(DDP) or with ``model.set_requires_gradient_sync(False)`` (FSDP2, which then keeps the
-unsharded gradients until the last backward: one full copy of the gradients per rank that
-a single-micro-batch profile does not hold) and the last one with sync on.
-
-A token budget is probed with the rank's own gradient resident (NOTE [ Gradients are
-resident between micro-batches ] in :mod:`batchfit.models.step`): all of it on one device
-and under DDP, its shard under FSDP2. FSDP2 without sync holds the unsharded gradient
-instead, ``(N - 1) / N`` of :func:`accumulated_gradient_bytes` more than the probe: leave
-room for that (e.g. as ``reserve_bytes`` of the budget search); DDP and one device need none.
+An optimizer step runs ``k`` micro-batches per rank. DDP all-reduces gradients in every
+backward unless told not to; :func:`accumulate` runs every micro-batch but the last inside
+``model.no_sync()``: a DDP rank holds the whole gradient anyway, so deferring costs no
+memory and saves ``k − 1`` all-reduces. FSDP2 reduce-scatters in every backward and adds
+into the rank's sharded gradient; deferring that (``set_requires_gradient_sync(False)``)
+would keep every layer's *unsharded* gradient until the last backward — a full fp32 copy of
+the model's gradients on every rank, about 30 GB for a 7B model, which no token budget can
+afford. :func:`accumulate` therefore leaves FSDP2's sync on, as verl and SkyRL run it. In
+both cases every micro-batch runs with the rank's own gradient resident, which is what the
+token budget's probe holds (NOTE [ Gradients are resident between micro-batches ] in
+:mod:`batchfit.train.optim`): every micro-batch of the step fits, not only the first.
 
 Both wrappers **average** the gradients over the data-parallel ranks. The loss weights of
-:func:`batchfit.loss.loss_weights` make the weighted per-token losses of all ranks *sum*
+:func:`batchfit.batches.weights.loss_weights` make the weighted per-token losses of all ranks *sum*
 to the mini-batch loss, so each rank multiplies its loss by :func:`data_parallel_size`
 (:func:`batchfit.train.policy_loss` takes it as ``scale``).
 """
@@ -72,13 +71,11 @@ def data_parallel_size(model: torch.nn.Module) -> int:
 
 
 def accumulated_gradient_bytes(model: torch.nn.Module) -> int:
-    """Bytes of gradients a rank keeps between the micro-batches of an optimizer step (NOTE [ Accumulate, then sync once ]).
+    """Bytes of the whole gradient of ``model``'s trainable parameters, in their dtypes (a sharded parameter counts its global size).
 
-    Every trainable parameter's whole gradient in the parameter's dtype: on one device, under
-    DDP, and under FSDP2 too, which keeps unsharded gradients until the synchronising backward
-    (a sharded parameter counts its global size). The token-budget probe already holds the
-    rank's own share (all of it, or ``1/N`` under FSDP2), so only FSDP2 without sync needs
-    ``(N - 1) / N`` of this as extra room.
+    What a rank would keep between micro-batches if FSDP2's gradient sync were deferred
+    (``gradient_sync(model, False)``, which :func:`accumulate` does not do under FSDP2:
+    NOTE [ Accumulate, then sync once ]).
 
     Example:
         >>> accumulated_gradient_bytes(torch.nn.Linear(4, 2))  # (8 + 2) fp32 values
@@ -92,8 +89,8 @@ def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
     """Run the forward and backward inside the block with gradient synchronisation on or off.
 
     ``enabled=False``: DDP's ``no_sync()``; FSDP2's ``set_requires_gradient_sync(False)``
-    (switched back on when the block exits). A model that is not wrapped is left alone.
-    See NOTE [ Accumulate, then sync once ].
+    (switched back on when the block exits; it keeps unsharded gradients until a synced
+    backward, see NOTE [ Accumulate, then sync once ]). A model that is not wrapped is left alone.
     """
     if enabled:
         yield
@@ -114,9 +111,10 @@ def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
 def accumulate(model: torch.nn.Module, micro_batches: Iterable[T], count: int) -> Iterator[T]:
     """Yield the ``count`` micro-batches of one optimizer step, each inside the right :func:`gradient_sync`.
 
-    Run the forward and the backward of each yielded micro-batch in the loop body: all but
-    the last run without gradient synchronisation, the last with it (NOTE [ Accumulate,
-    then sync once ]). Every rank must iterate the same ``count`` (``plan.num_micro_batches``).
+    Run the forward and the backward of each yielded micro-batch in the loop body. Under DDP
+    all but the last run without gradient synchronisation, the last with it; FSDP2 keeps
+    reduce-scattering into the sharded gradient (NOTE [ Accumulate, then sync once ]).
+    Every rank must iterate the same ``count`` (``plan.num_micro_batches``).
 
     Args:
         model: the trained model (bare, DDP or FSDP2).
@@ -145,7 +143,7 @@ def accumulate(model: torch.nn.Module, micro_batches: Iterable[T], count: int) -
             raise BatchError(
                 f"accumulate got more micro-batches than count={count}; pass plan.num_micro_batches of the plan being iterated"
             )
-        with gradient_sync(model, seen == count - 1):
+        with gradient_sync(model, seen == count - 1 or not _is_ddp(model)):
             yield item
         seen += 1
     if seen != count:

@@ -10,18 +10,19 @@ log-probs of every row.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from batchfit.distributed import is_distributed
+from batchfit.batches.microbatch import MicroBatch, iter_micro_batches
 from batchfit.errors import InvalidArgument
-from batchfit.microbatch import iter_micro_batches
-from batchfit.packing import MicroBatchPlan
-from batchfit.train.logprobs import model_logprobs, span_starts
+from batchfit.parallel.distributed import is_distributed
+from batchfit.plan.packing import MicroBatchPlan
+from batchfit.train.logprobs import span_starts
+from batchfit.train.step import micro_batch_outputs
 
-__all__ = ["forward_logprobs"]
+__all__ = ["forward_logprobs", "forward_values"]
 
 
 def forward_logprobs(
@@ -31,6 +32,7 @@ def forward_logprobs(
     rank: int = 0,
     *,
     layout: str = "padded",
+    head: str = "fused",
     chunk_size: int | str | None = "auto",
     temperature: float = 1.0,
     group: Any = None,
@@ -38,6 +40,9 @@ def forward_logprobs(
     **iter_options: Any,
 ) -> torch.Tensor:
     """Token-aligned log-probs of every row of ``batch`` under ``model``, without gradients.
+
+    Each micro-batch runs :func:`batchfit.train.micro_batch_outputs` (what the budget of the
+    forward-only roles measures, NOTE [ One micro-batch step ]).
 
     Every rank of the plan runs its micro-batches (padding ones included, so FSDP2 ranks
     stay in lockstep) through :func:`batchfit.train.model_logprobs`, writes them back at
@@ -48,15 +53,15 @@ def forward_logprobs(
         model: the policy (or reference) model, bare, DDP or FSDP2.
         batch: per-sample fields with ``input_ids`` and ``attention_mask`` ``[N, W]`` (and
             ``position_ids`` if any); only these are cut into micro-batches.
-        plan: from :func:`batchfit.packing.plan_micro_batches` over ``batch``'s lengths,
+        plan: from :func:`batchfit.plan.packing.plan_micro_batches` over ``batch``'s lengths,
             with the forward-only budget and ``dp_size`` = the data-parallel ranks.
         rank: this process' data-parallel rank.
-        layout: ``"padded"`` or ``"packed"`` (:func:`batchfit.microbatch.iter_micro_batches`).
-        chunk_size, temperature: as :func:`batchfit.train.model_logprobs`.
+        layout: ``"padded"`` or ``"packed"`` (:func:`batchfit.batches.microbatch.iter_micro_batches`).
+        head, chunk_size, temperature: as :func:`batchfit.train.model_logprobs`.
         group: the data-parallel process group (``None`` = the default group).
         out: a float ``[N, W]`` tensor to write into (zeroed first), e.g. one kept in host
             memory; default a new fp32 one on ``input_ids``' device.
-        **iter_options: passed to :func:`batchfit.microbatch.iter_micro_batches` (``trim=False``
+        **iter_options: passed to :func:`batchfit.batches.microbatch.iter_micro_batches` (``trim=False``
             runs full-width rows).
 
     Only ``input_ids``, ``attention_mask`` and ``position_ids`` are cut into micro-batches;
@@ -71,8 +76,62 @@ def forward_logprobs(
     Raises:
         InvalidArgument: ``plan.dp_size > 1`` without a process group of that size (the
             other ranks' rows would stay 0).
-        BatchError, BudgetError: as :func:`batchfit.microbatch.iter_micro_batches`.
+        BatchError, BudgetError: as :func:`batchfit.batches.microbatch.iter_micro_batches`.
     """
+    return _forward(
+        model,
+        batch,
+        plan,
+        rank,
+        layout=layout,
+        group=group,
+        out=out,
+        iter_options=iter_options,
+        run=lambda mb: micro_batch_outputs(model, mb, head=head, chunk_size=chunk_size, temperature=temperature),
+    )
+
+
+def forward_values(
+    model: torch.nn.Module,
+    batch: Mapping[str, Any],
+    plan: MicroBatchPlan,
+    rank: int = 0,
+    *,
+    layout: str = "padded",
+    group: Any = None,
+    out: torch.Tensor | None = None,
+    **iter_options: Any,
+) -> torch.Tensor:
+    """Token-aligned values of every row of ``batch`` under a critic ``model``, without gradients.
+
+    As :func:`forward_logprobs`, with :func:`batchfit.train.model_values` for each
+    micro-batch (``micro_batch_outputs(..., critic=True)``).
+    """
+    return _forward(
+        model,
+        batch,
+        plan,
+        rank,
+        layout=layout,
+        group=group,
+        out=out,
+        iter_options=iter_options,
+        run=lambda mb: micro_batch_outputs(model, mb, critic=True),
+    )
+
+
+def _forward(
+    model: torch.nn.Module,
+    batch: Mapping[str, Any],
+    plan: MicroBatchPlan,
+    rank: int,
+    *,
+    layout: str,
+    group: Any,
+    out: torch.Tensor | None,
+    iter_options: Mapping[str, Any],
+    run: Callable[[MicroBatch], torch.Tensor],
+) -> torch.Tensor:
     import torch.distributed as dist
 
     if plan.dp_size > 1 and (not is_distributed(group) or dist.get_world_size(group) != plan.dp_size):
@@ -95,13 +154,13 @@ def forward_logprobs(
     else:
         out.zero_()
     with torch.no_grad():
-        for mb in iter_micro_batches(inputs, plan, rank, layout=layout, model=model, **iter_options):
-            logp = model_logprobs(model, mb.batch, chunk_size=chunk_size, temperature=temperature)
+        for mb in iter_micro_batches(inputs, plan, rank, layout=layout, **iter_options):
+            values = run(mb)
             if mb.alignment is None and mb.packed is None:  # trim=False: full-width rows
                 if mb.indices:
-                    out[list(mb.indices)] = logp
+                    out[list(mb.indices)] = values.to(out.device, out.dtype)
             else:
-                mb.write_back(out, logp)
+                mb.write_back(out, values)
     if plan.dp_size > 1:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out

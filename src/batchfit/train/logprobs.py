@@ -1,4 +1,4 @@
-"""Per-token log-probs of a micro-batch, fused, through the model's own forward (bare, DDP or FSDP2).
+"""Per-token log-probs (and values) of a micro-batch through the model's own forward (bare, DDP or FSDP2).
 
 NOTE [ Fused log-probs through the wrapper ]
 :func:`batchfit.logprobs.logprobs_from_hidden` needs the last hidden states and the output
@@ -23,30 +23,26 @@ on. It is computed from the hidden state of column ``c - 1`` with the label of c
 (:func:`next_token_labels`) and is 0 where the token has no previous token in its own
 sequence (a sequence's first token, padding, a packed row's sequence boundaries).
 Response-width fields of the prompt | response layout are the last columns of it
-(NOTE [ Sequence and response columns ] in :mod:`batchfit.layout`).
+(NOTE [ Sequence and response columns ] in :mod:`batchfit.batches.layout`).
 
 NOTE [ Padded rows run without a mask ]
 Causal attention needs no mask for rows whose valid tokens start in column 0: a token only
 attends to earlier columns, all valid, and the padding after it is never attended. Rows of
 the prompt | response layout are left-padded, and given a mask Hugging Face models build a
 ``[rows, 1, S, S]`` mask that sdpa cannot run with its causal kernel (on the CPU: the math
-path, memory quadratic in ``S``, which the token budget's unmasked probe never held;
-measured 3.7% above a budget's limit at 80 tokens, growing with the length).
-:func:`model_logprobs` therefore moves each padded row's tokens to start in column 0, runs
+path, memory quadratic in ``S``; measured 3.7% more memory than the causal kernel at 80
+tokens, growing with the length). :func:`model_logprobs` therefore moves each padded row's tokens to start in column 0, runs
 the model without mask or positions (positions ``0 .. length − 1``, those of each
 sequence), and moves the log-probs back to the columns they came from. Rows whose valid
 tokens are not one contiguous span keep the mask.
 
 NOTE [ Head chunks no longer than a sequence ]
-The fused head holds two or three fp32 ``[chunk, V]`` temporaries, so its memory grows with
-the chunk's length up to ``chunk_size``. A token budget is found by probing ``b`` rows of
-``s`` tokens, whose fused head runs one row at a time: chunks of at most ``s`` tokens. A
-packed row of many short sequences (or ``b`` padded rows, whose hidden states are one
-block) chunked by ``chunk_size`` tokens would hold ``[chunk_size, V]`` temporaries where
-the budget's probe at that length held ``[s, V]`` ones: measured on the tiny preset,
-9.6 MB for a 320-token micro-batch whose budget limit was 7.5 MB. :func:`model_logprobs`
-therefore caps the chunk at the micro-batch's longest sequence by default
-(``chunk_size="auto"``), which keeps every micro-batch within what the budget measured.
+The fused and chunked heads hold two or three fp32 ``[chunk, V]`` temporaries, so the head's
+memory grows with the chunk up to ``chunk_size``. With ``chunk_size="auto"`` a micro-batch's
+chunk is its longest sequence, at most :data:`MAX_CHUNK` tokens: a micro-batch of short
+sequences never holds more head memory than the budget's probe at the longest length held
+(the probe runs this function, NOTE [ One micro-batch step ] in :mod:`batchfit.budget.step`),
+and short micro-batches hold less.
 """
 
 from __future__ import annotations
@@ -55,21 +51,32 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
+from batchfit.batches.layout import CU_SEQ_LENS, MAX_LENGTH
+from batchfit.batches.microbatch import MicroBatch
 from batchfit.errors import BatchError, InvalidArgument
-from batchfit.logprobs import IGNORE_INDEX, logprobs_from_hidden
-from batchfit.models.shard import unwrap
+from batchfit.logprobs import IGNORE_INDEX, logprobs_from_hidden, logprobs_from_logits
+from batchfit.logprobs._common import check_temperature
+from batchfit.models.attention import warn_if_masked
+from batchfit.parallel.shard import unwrap
+from batchfit.validation import check_choice
 
 #: Config attributes of models that change the logits after the output head.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
+#: How :func:`model_logprobs` turns the last hidden states into log-probs.
+HEADS = ("full", "chunked", "fused")
+
 __all__ = [
+    "HEADS",
     "LOGIT_TRANSFORMS",
     "MAX_CHUNK",
     "auto_chunk_size",
     "fused_output_head",
     "model_logprobs",
+    "model_values",
     "next_token_labels",
 ]
 
@@ -102,7 +109,7 @@ def next_token_labels(
     column and every other column get ``ignore_index``.
 
     Args:
-        batch: a micro-batch, padded rows or one packed row (:func:`batchfit.microbatch.iter_micro_batches`).
+        batch: a micro-batch, padded rows or one packed row (:func:`batchfit.batches.microbatch.iter_micro_batches`).
         input_ids_key, attention_mask_key, position_ids_key: the field names.
         ignore_index: the label of columns without a next token.
 
@@ -189,11 +196,15 @@ def fused_output_head(
         )
         return torch.stack(out, dim=-1) if return_entropy else out.clone()
 
+    own = head.__dict__.get("forward")  # another library's instance-level forward (accelerate's hooks)
     head.forward = forward  # an instance attribute shadows the class' forward
     try:
         yield
     finally:
-        del head.forward
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
 
 
 #: The largest chunk ``chunk_size="auto"`` uses (:func:`batchfit.logprobs.logprobs_from_hidden`'s default).
@@ -216,10 +227,104 @@ def auto_chunk_size(batch: Mapping[str, Any], input_ids_key: str = "input_ids") 
     return max(1, min(MAX_CHUNK, longest))
 
 
+def _fields(batch: Any) -> Mapping[str, Any]:
+    """The per-sample fields of a :class:`~batchfit.batches.MicroBatch` or of a mapping."""
+    if isinstance(batch, MicroBatch):
+        return batch.batch
+    if not isinstance(batch, Mapping):
+        raise BatchError(
+            f"batch must be a MicroBatch or a mapping of per-sample fields, but got a {type(batch).__name__}"
+        )
+    return batch
+
+
+def _row_starts(batch: Any, fields: Mapping[str, Any], attention_mask_key: str) -> np.ndarray | None:
+    """Each padded row's first valid column when every row's valid tokens are one span, else ``None``.
+
+    A :class:`~batchfit.batches.MicroBatch` knows it on the host (its rows were laid out
+    there: no device sync, and it works on the estimate backend's fake tensors); a mapping is
+    read from its attention mask (:func:`span_starts`).
+    """
+    if isinstance(batch, MicroBatch) and batch.alignment is not None and batch.alignment.starts is not None:
+        return np.asarray(batch.alignment.starts, dtype=np.int64)
+    return span_starts(fields.get(attention_mask_key))
+
+
+class _TokenAligned:
+    """How a micro-batch runs through the model so that outputs come back token-aligned.
+
+    NOTE [ Padded rows run without a mask ] and NOTE [ Token-aligned log-probs ]: padded
+    rows whose valid tokens are one span move to start in column 0 and run without a mask;
+    packed rows run with their ``position_ids`` (and the ``cu_seq_lens`` varlen kernels
+    read); rows with holes keep their mask. :attr:`inputs` is what the model is called with,
+    :meth:`labels` the next-token labels in the columns the model sees, :meth:`restore` puts
+    per-column outputs of the model back at the micro-batch's columns, shifted so that
+    column ``c`` holds what the hidden state of ``c - 1`` predicts about token ``c``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch: Any,
+        *,
+        input_ids_key: str,
+        attention_mask_key: str,
+        position_ids_key: str,
+    ):
+        fields = _fields(batch)
+        self.fields, self.keys = fields, (input_ids_key, attention_mask_key, position_ids_key)
+        ids = fields.get(input_ids_key)
+        _tensor_field(fields, input_ids_key, required=True)
+        starts = _row_starts(batch, fields, attention_mask_key)
+        self.shifts: torch.Tensor | None = None
+        if starts is not None and starts.any():
+            # the values on the device, from the mask (shape-only ops: also on fake tensors)
+            self.shifts = (fields[attention_mask_key] != 0).int().argmax(1)
+            ids = _roll_left(ids, self.shifts)
+        self.ids = ids
+        self.inputs: dict[str, Any] = {"input_ids": ids, "use_cache": False}
+        mask, positions = fields.get(attention_mask_key), fields.get(position_ids_key)
+        if starts is None:  # rows with holes keep their mask; packed rows their positions
+            if mask is not None:
+                self.inputs["attention_mask"] = mask
+            if positions is not None:
+                self.inputs["position_ids"] = positions
+        if mask is None and positions is not None:
+            warn_if_masked(unwrap(model))  # NOTE [ Packed rows need varlen attention ]
+            cu = fields.get(CU_SEQ_LENS)
+            if isinstance(cu, torch.Tensor):  # what flash-attention's and batchfit's varlen kernels read
+                longest = fields.get(MAX_LENGTH)
+                self.inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+                if isinstance(longest, int):
+                    self.inputs.update(max_length_q=longest, max_length_k=longest)
+        self.starts = starts
+
+    def labels(self) -> torch.Tensor:
+        """Next-token labels of the columns the model runs (``IGNORE_INDEX`` where none)."""
+        input_ids_key, attention_mask_key, position_ids_key = self.keys
+        if self.shifts is None:
+            return next_token_labels(
+                self.fields,
+                input_ids_key=input_ids_key,
+                attention_mask_key=attention_mask_key,
+                position_ids_key=position_ids_key,
+            )
+        valid = _roll_left(self.fields[attention_mask_key] != 0, self.shifts)
+        return next_token_labels({"input_ids": self.ids, "attention_mask": valid})
+
+    def restore(self, out: torch.Tensor) -> torch.Tensor:
+        """``out[:, c]`` (about the token after column ``c``) moved to column ``c + 1``, back at the batch's columns."""
+        shifted = torch.nn.functional.pad(out[:, :-1], (0, 0, 1, 0) if out.ndim == 3 else (1, 0))
+        if self.shifts is not None:
+            shifted = _roll_back(shifted, self.shifts, self.fields[self.keys[1]] != 0)
+        return shifted
+
+
 def model_logprobs(
     model: torch.nn.Module,
-    batch: Mapping[str, Any],
+    batch: Any,
     *,
+    head: str = "fused",
     chunk_size: int | str | None = "auto",
     temperature: float = 1.0,
     return_entropy: bool = False,
@@ -227,88 +332,156 @@ def model_logprobs(
     attention_mask_key: str = "attention_mask",
     position_ids_key: str = "position_ids",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Token-aligned log-probs of a micro-batch under ``model``, fused, through the model's own forward.
+    """Token-aligned log-probs of a micro-batch under ``model``, through the model's own forward.
 
-        Runs ``model(input_ids=..., attention_mask=..., position_ids=..., use_cache=False)``
-        (the mask and positions when the batch has them: padded rows, or one packed row with
-        ``position_ids`` restarting at 0 per sequence) with the output head replaced by
-        :func:`fused_output_head`, so DDP and FSDP2 wrappers run as in any forward
-        (NOTE [ Fused log-probs through the wrapper ]). Works under ``torch.no_grad()`` (old
-        and reference log-probs) and with autograd (the policy loss).
+    Runs ``model(input_ids=..., use_cache=False, ...)`` — with the attention mask or the
+    packed ``position_ids`` (and ``cu_seq_lens``) when the rows need them (NOTE [ Padded rows
+    run without a mask ]) — so DDP and FSDP2 wrappers run as in any forward (NOTE [ Fused
+    log-probs through the wrapper ]). Works under ``torch.no_grad()`` (old and reference
+    log-probs) and with autograd (the policy loss). A token budget's probe runs this very
+    function on a micro-batch of its shape (:mod:`batchfit.budget.step`).
 
-        Args:
-            model: a transformers causal LM, bare, ``DistributedDataParallel`` or ``fully_shard``-ed.
-            batch: one micro-batch (``MicroBatch.batch``), padded or packed.
-            chunk_size: tokens per chunk of the fused head; ``"auto"`` (default) is the
-                micro-batch's longest sequence, at most 1024, which keeps the head within what a
-                token budget measured (NOTE [ Head chunks no longer than a sequence ]); an int or
-                ``None`` as :func:`batchfit.logprobs.logprobs_from_hidden`.
-            temperature: as :func:`batchfit.logprobs.logprobs_from_hidden`.
-            return_entropy: also return the entropy of the distribution each token was drawn from.
-            input_ids_key, attention_mask_key, position_ids_key: the field names.
+    Args:
+        model: a transformers causal LM, bare, ``DistributedDataParallel`` or ``fully_shard``-ed.
+        batch: one micro-batch: a :class:`~batchfit.batches.MicroBatch` from
+            :func:`~batchfit.batches.iter_micro_batches` (its row layout is known on the host:
+            no device sync) or its ``.batch`` mapping (read from the attention mask), padded
+            rows or one packed row.
+        head: how the output head makes log-probs, one of :data:`HEADS`: ``"fused"``
+            (default; :func:`batchfit.logprobs.logprobs_from_hidden` inside the head, never
+            ``[rows, T, V]`` logits), ``"chunked"`` (the model's logits, then
+            :func:`batchfit.logprobs.logprobs_from_logits` chunk by chunk) or ``"full"``
+            (``log_softmax`` of the fp32 logits, as plain PyTorch code does).
+        chunk_size: tokens per chunk of the fused or chunked head; ``"auto"`` (default) is the
+            micro-batch's longest sequence, at most 1024 (NOTE [ Head chunks no longer than a
+            sequence ]); an int or ``None`` as :func:`batchfit.logprobs.logprobs_from_hidden`.
+        temperature: as :func:`batchfit.logprobs.logprobs_from_hidden`.
+        return_entropy: also return the entropy of the distribution each token was drawn from.
+        input_ids_key, attention_mask_key, position_ids_key: the field names.
 
-        Returns:
-            ``[rows, T]`` fp32 log-probs, column ``c`` the log-prob of the token in column ``c``
-            (NOTE [ Token-aligned log-probs ]), 0 where it has no previous token; or
-            ``(logprobs, entropy)``, aligned the same way.
+    Returns:
+        ``[rows, T]`` fp32 log-probs, column ``c`` the log-prob of the token in column ``c``
+        (NOTE [ Token-aligned log-probs ]), 0 where it has no previous token; or
+        ``(logprobs, entropy)``, aligned the same way.
 
-        Raises:
-            BatchError: a missing or misshapen field.
-            InvalidArgument: ``model`` has no linear output head, or transforms its logits.
+    Raises:
+        BatchError: a missing or misshapen field.
+        InvalidArgument: an unknown ``head`` or ``chunk_size``; ``model`` has no linear output
+            head, or transforms its logits.
 
-        Example:
-            >>> from batchfit.models import build_causal_lm
-            >>> model = build_causal_lm("tiny")
-            >>> batch = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.tensor([[1, 1, 1]])}
-            >>> model_logprobs(model, batch).shape
-            torch.Size([1, 3])
+    Example:
+        >>> from batchfit.models import build_causal_lm
+        >>> model = build_causal_lm("tiny")
+        >>> batch = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.tensor([[1, 1, 1]])}
+        >>> model_logprobs(model, batch).shape
+        torch.Size([1, 3])
     """
-    shifts = span_starts(batch.get(attention_mask_key))
-    ids = batch[input_ids_key] if shifts is None else _roll_left(batch[input_ids_key], shifts)
+    head = check_choice("head", head, HEADS)
+    run = _TokenAligned(
+        model,
+        batch,
+        input_ids_key=input_ids_key,
+        attention_mask_key=attention_mask_key,
+        position_ids_key=position_ids_key,
+    )
+    chunk = _chunk_size(chunk_size, run.fields, input_ids_key)
+    if head == "fused":
+        with fused_output_head(
+            model, run.labels, chunk_size=chunk, temperature=temperature, return_entropy=return_entropy
+        ):
+            out = run.restore(model(**run.inputs).logits)
+    else:
+        _output_head(model)  # the same refusals as the fused head: logits straight from a linear head
+        logits = model(**run.inputs).logits
+        out = run.restore(_from_logits(logits, run.labels(), head, chunk, temperature, return_entropy))
+    if return_entropy:
+        return out[..., 0], out[..., 1]
+    return out
 
-    def labels() -> torch.Tensor:  # made when the head runs, not held through the layers
-        if shifts is None:
-            return next_token_labels(
-                batch,
-                input_ids_key=input_ids_key,
-                attention_mask_key=attention_mask_key,
-                position_ids_key=position_ids_key,
-            )
-        # NOTE [ Padded rows run without a mask ]: the rows moved to column 0
-        return next_token_labels(
-            {"input_ids": ids, "attention_mask": _roll_left(batch[attention_mask_key] != 0, shifts)}
-        )
 
+def _chunk_size(chunk_size: int | str | None, fields: Mapping[str, Any], input_ids_key: str) -> int | None:
     if isinstance(chunk_size, str):
         if chunk_size != "auto":
             raise InvalidArgument(
                 f"chunk_size must be 'auto', a positive integer or None, but got chunk_size={chunk_size!r}"
             )
-        chunk_size = auto_chunk_size(batch, input_ids_key)
-    inputs: dict[str, Any] = {"input_ids": ids, "use_cache": False}
-    if shifts is None:
-        if batch.get(attention_mask_key) is not None:
-            inputs["attention_mask"] = batch[attention_mask_key]
-        if batch.get(position_ids_key) is not None:
-            inputs["position_ids"] = batch[position_ids_key]
-    with fused_output_head(
-        model, labels, chunk_size=chunk_size, temperature=temperature, return_entropy=return_entropy
-    ):
-        out = model(**inputs).logits
-    # the hidden state of column c - 1 predicts the token of column c: shift right by one
-    shifted = torch.nn.functional.pad(out[:, :-1], (0, 0, 1, 0) if return_entropy else (1, 0))
-    if shifts is not None:
-        shifted = _roll_back(shifted, shifts, batch[attention_mask_key] != 0)
-    if return_entropy:
-        return shifted[..., 0], shifted[..., 1]
-    return shifted
+        return auto_chunk_size(fields, input_ids_key)
+    return chunk_size
 
 
-def span_starts(mask: Any) -> torch.Tensor | None:
+def _from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    head: str,
+    chunk_size: int | None,
+    temperature: float,
+    return_entropy: bool,
+) -> torch.Tensor:
+    """``[rows, T]`` (or ``[rows, T, 2]`` with entropy) fp32 from the model's logits, chunked or in full."""
+    if head == "chunked":
+        out = logprobs_from_logits(
+            logits, labels, chunk_size=chunk_size, temperature=temperature, return_entropy=return_entropy
+        )
+        return torch.stack(out, dim=-1) if return_entropy else out
+    check_temperature(temperature)
+    logp_all = torch.nn.functional.log_softmax(logits.float() / temperature, dim=-1)
+    ignored = labels == IGNORE_INDEX
+    logp = logp_all.gather(-1, labels.masked_fill(ignored, 0)[..., None])[..., 0].masked_fill(ignored, 0.0)
+    if not return_entropy:
+        return logp
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return torch.stack((logp, entropy), dim=-1)
+
+
+def model_values(
+    model: torch.nn.Module,
+    batch: Any,
+    *,
+    input_ids_key: str = "input_ids",
+    attention_mask_key: str = "attention_mask",
+    position_ids_key: str = "position_ids",
+) -> torch.Tensor:
+    """Token-aligned values of a micro-batch under a value-head ``model`` (a critic), through its own forward.
+
+    The value model's output of column ``c - 1`` (the state before token ``c`` is drawn)
+    goes to column ``c``, like :func:`model_logprobs`; 0 where a token has no previous token
+    in its sequence. The rows run as :func:`model_logprobs` runs them.
+
+    Args:
+        model: a value-head model (one output per token, e.g. ``build_causal_lm(value_head=True)``
+            or any transformers token classifier with ``num_labels=1``), bare, DDP or FSDP2.
+        batch: as :func:`model_logprobs`.
+        input_ids_key, attention_mask_key, position_ids_key: the field names.
+
+    Returns:
+        ``[rows, T]`` fp32 values.
+
+    Raises:
+        BatchError: a missing or misshapen field.
+        InvalidArgument: ``model`` does not output one value per token.
+    """
+    run = _TokenAligned(
+        model,
+        batch,
+        input_ids_key=input_ids_key,
+        attention_mask_key=attention_mask_key,
+        position_ids_key=position_ids_key,
+    )
+    out = model(**run.inputs).logits
+    if out.ndim != 3 or out.shape[-1] != 1:
+        raise InvalidArgument(
+            f"model_values needs a value-head model with one output per token, but {type(unwrap(model)).__name__} returned shape {tuple(out.shape)}; build it with build_causal_lm(..., value_head=True)"
+        )
+    continues = run.labels() != IGNORE_INDEX  # column c + 1 continues c's sequence
+    values = torch.where(continues, out[..., 0].float(), 0.0)
+    return run.restore(values)
+
+
+def span_starts(mask: Any) -> np.ndarray | None:
     """Per row, its first valid column, when every row's valid tokens are one contiguous span.
 
     ``None``: no 2-D mask, or a row with holes (NOTE [ Padded rows run without a mask ]: such
-    rows keep their mask).
+    rows keep their mask). Reads the mask (one device sync).
 
     Example:
         >>> span_starts(torch.tensor([[0, 1, 1], [1, 1, 0]])).tolist()
@@ -316,12 +489,12 @@ def span_starts(mask: Any) -> torch.Tensor | None:
     """
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[0] == 0:
         return None
-    valid = mask != 0
+    valid = mask.detach().cpu().numpy() != 0
     count = valid.sum(1)
-    first = torch.where(count > 0, valid.int().argmax(1), 0)
-    cols = torch.arange(mask.shape[1], device=mask.device)
+    first = np.where(count > 0, valid.argmax(1), 0)
+    cols = np.arange(valid.shape[1])
     span = (cols >= first[:, None]) & (cols < (first + count)[:, None])
-    return first if bool((span == valid).all()) else None
+    return first.astype(np.int64) if bool((span == valid).all()) else None
 
 
 def _roll_left(values: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:

@@ -151,6 +151,6 @@ def warn_if_masked(model: torch.nn.Module | None) -> None:
         _warned = True
         warnings.warn(
             f"packed micro-batches through attn_implementation={name!r} build a T × T mask (memory grows with T², "
-            "and it runs slower than padded rows); call batchfit.attention.use_varlen_attention(model) first",
-            stacklevel=3,
+            "and it runs slower than padded rows); call batchfit.models.attention.use_varlen_attention(model) first",
+            stacklevel=4,
         )

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfit import BatchError, InvalidArgument
-from batchfit.loss import REDUCTIONS, loss_weights
-from batchfit.minibatch import mini_batch_boundaries, prompt_boundaries
+from batchfit.batches.minibatch import mini_batch_boundaries, prompt_boundaries
+from batchfit.batches.weights import REDUCTIONS, loss_weights
 
 
 def reference(loss, mask, reduction, prompts, max_seq_len):

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from batchfit.errors import BatchfitError, InvalidArgument
+from batchfit.plan.packing import MicroBatchPlan
 from batchfit.validation import check_positive_int
 
 T = TypeVar("T")
@@ -209,3 +210,24 @@ def all_reduce_min(value: int, group: Any = None) -> int:
 def all_reduce_max_list(values: list[int], group: Any = None) -> list[int]:
     """Element-wise maximum of an integer list over the ranks (same length on every rank)."""
     return [int(v) for v in _reduce(list(values), dist.ReduceOp.MAX, group, torch.int64)]
+
+
+
+def sync_micro_batch_count(plan: MicroBatchPlan, group: Any = None) -> MicroBatchPlan:
+    """Pad ``plan`` to the largest micro-batch count over the ranks of ``group``.
+
+    For callers that plan per rank (each rank its own data): FSDP and DDP ranks must run
+    the same number of forward/backward passes or they deadlock (SkyRL #1060). One MAX
+    all-reduce of the count; the ranks short of it get padding micro-batches. A plan made
+    with ``dp_size > 1`` over the whole mini-batch is already equal on every rank and needs
+    no call. Every rank of ``group`` must call this (it is a collective).
+
+    Args:
+        plan: this rank's plan.
+        group: a ``torch.distributed`` process group; ``None`` = the default group.
+
+    Returns:
+        ``plan`` itself without an initialised process group (or when nothing is missing),
+        else ``plan.pad_to(max count)``.
+    """
+    return plan.pad_to(all_reduce_max(plan.num_micro_batches, group))

@@ -1,9 +1,9 @@
-"""Running a :class:`~batchfit.packing.MicroBatchPlan`: sub-batches per rank, equal counts over ranks.
+"""Running a :class:`~batchfit.plan.packing.MicroBatchPlan`: sub-batches per rank, equal counts over ranks.
 
-The tensor side of :mod:`batchfit.packing`: :func:`iter_micro_batches` cuts a per-sample
-batch (the mapping of :mod:`batchfit.batch`) along a plan and trims each micro-batch to the
-columns its members use; :func:`sync_micro_batch_count` makes every rank step the same
-number of times when each rank planned its own data.
+The tensor side of :mod:`batchfit.plan.packing`: :func:`iter_micro_batches` cuts a per-sample
+batch (the mapping of :mod:`batchfit.batches.batch`) along a plan and trims each micro-batch to the
+columns its members use. When each rank plans its own data,
+:func:`batchfit.parallel.sync_micro_batch_count` makes every rank step the same number of times.
 """
 
 from __future__ import annotations
@@ -15,11 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchfit.attention import warn_if_masked
-from batchfit.batch import Batch, batch_size, take_rows
-from batchfit.distributed import all_reduce_max
-from batchfit.errors import BatchError, BudgetError, InvalidArgument
-from batchfit.layout import (
+from batchfit.batches.batch import Batch, batch_size, take_rows
+from batchfit.batches.layout import (
     PackedRows,
     RowAlignment,
     align_rows,
@@ -29,14 +26,15 @@ from batchfit.layout import (
     write_back,
     write_back_packed,
 )
-from batchfit.minibatch import pad_rows
-from batchfit.packing import MicroBatchPlan
+from batchfit.batches.minibatch import pad_rows
+from batchfit.errors import BatchError, BudgetError, InvalidArgument
+from batchfit.plan.packing import MicroBatchPlan
 from batchfit.validation import check_choice, is_int
 
 #: What :func:`iter_micro_batches` yields: padded rows, or one padding-free packed row.
 LAYOUTS = ("padded", "packed")
 
-__all__ = ["MicroBatch", "iter_micro_batches", "sync_micro_batch_count", "trim_padding"]
+__all__ = ["MicroBatch", "iter_micro_batches", "trim_padding"]
 
 
 @dataclass(frozen=True)
@@ -48,10 +46,10 @@ class MicroBatch:
         indices: input indices of its sequences, in row order; ``()`` for a padding micro-batch.
         position: ``k``, its place among the rank's micro-batches.
         cost: its cost in the plan, in tokens.
-        alignment: how its rows were moved and trimmed (:class:`batchfit.layout.RowAlignment`),
+        alignment: how its rows were moved and trimmed (:class:`batchfit.batches.layout.RowAlignment`),
             ``None`` when not trimmed or packed.
         packed: for ``layout="packed"``, where each token of the packed row came from
-            (:class:`batchfit.layout.PackedRows`), else ``None``.
+            (:class:`batchfit.batches.layout.PackedRows`), else ``None``.
     """
 
     batch: dict[str, Any]
@@ -62,7 +60,7 @@ class MicroBatch:
     packed: PackedRows | None = None
 
     def unpack(self, values: Any, *, fill: Any = 0) -> Any:
-        """Per-token outputs of the packed row as right-padded per-sequence rows (:func:`batchfit.layout.unpack`).
+        """Per-token outputs of the packed row as right-padded per-sequence rows (:func:`batchfit.batches.layout.unpack`).
 
         Raises:
             BatchError: not a packed micro-batch, or ``values`` of another length.
@@ -81,7 +79,7 @@ class MicroBatch:
 
         ``values`` has the micro-batch's rows and its sequence columns (or, with
         ``response=True``, its response columns); each row lands at ``out[index]``, in the
-        columns it came from, whatever the padding side (:func:`batchfit.layout.write_back`).
+        columns it came from, whatever the padding side (:func:`batchfit.batches.layout.write_back`).
         A padding micro-batch writes nothing.
 
         Raises:
@@ -173,21 +171,20 @@ def iter_micro_batches(
     token_fields: Sequence[str] | None = None,
     response_fields: Sequence[str] | None = None,
     layout: str = "padded",
-    model: Any = None,
 ) -> Iterator[MicroBatch]:
     """Yield the micro-batches of ``rank`` in plan order, padding micro-batches included.
 
     A real micro-batch holds the rows ``plan.ranks[rank][k]`` of every per-sample field
-    (metadata is dropped), aligned and trimmed by :func:`batchfit.layout.align_rows`:
+    (metadata is dropped), aligned and trimmed by :func:`batchfit.batches.layout.align_rows`:
     sequence-width fields to the longest member's length, response-width fields (the
     SkyRL/verl prompt | response layout) to the columns that belong to the kept sequence
     columns, still right-aligned with it (NOTE [ Sequence and response columns ]). For a
     ``cost="padded"`` plan every yielded tensor is then ``rows × width ≤`` its planned cost
     ``≤`` the budget, whatever the padding layout; this is checked.
-    A padding micro-batch is one pad row from :func:`batchfit.minibatch.pad_rows` (loss mask
+    A padding micro-batch is one pad row from :func:`batchfit.batches.minibatch.pad_rows` (loss mask
     0, one valid token; NOTE [ Pad rows cost one token ]), laid out like a real one (the
     same fields, response fields one column wide): run it like any other so every rank
-    steps the same number of times; with :func:`batchfit.loss.loss_weights` its weights
+    steps the same number of times; with :func:`batchfit.batches.weights.loss_weights` its weights
     are 0, so it adds nothing to the loss or the gradient. ``MicroBatch.write_back`` puts
     per-token outputs (old log-probs, values) back into full-width tensors.
 
@@ -197,15 +194,15 @@ def iter_micro_batches(
 
     Args:
         batch: the whole mini-batch as per-sample fields, one row per planned sequence.
-        plan: from :func:`batchfit.packing.plan_micro_batches` (planned on this batch's lengths).
+        plan: from :func:`batchfit.plan.packing.plan_micro_batches` (planned on this batch's lengths).
         rank: this process' data-parallel rank in the plan.
         trim: align and trim (set False to keep full-width tensors, unchecked).
         attention_mask_key: the field that marks valid tokens (for trimming and pad rows).
         loss_mask_key: the field set to 0 in pad rows.
         pad_values: fill values per field for pad rows and for columns vacated when rows
-            move (see :func:`batchfit.minibatch.pad_rows`); default 0.
+            move (see :func:`batchfit.batches.minibatch.pad_rows`); default 0.
         token_fields, response_fields: name the sequence-width and response-width fields
-            where guessing by width and name is ambiguous (:func:`batchfit.layout.field_roles`).
+            where guessing by width and name is ambiguous (:func:`batchfit.batches.layout.field_roles`).
         layout: ``"padded"`` (rows, as above) or ``"packed"``: one padding-free row per
             micro-batch, the valid tokens of its sequences concatenated in ``indices`` order
             (token and response fields ``[1, T]`` with ``T ≤`` the planned cost,
@@ -213,9 +210,6 @@ def iter_micro_batches(
             ``max_length``; no attention mask: a Hugging Face model given these
             ``position_ids`` and ``use_cache=False`` attends within each sequence).
             ``MicroBatch.unpack`` and ``write_back`` map per-token outputs back.
-        model: optional, with ``layout="packed"``: warn once if its attention builds a full
-            ``T × T`` mask for packed rows (NOTE [ Packed rows need varlen attention ];
-            :func:`batchfit.attention.use_varlen_attention` fixes it).
 
     Yields:
         :class:`MicroBatch`, ``plan.num_micro_batches`` of them.
@@ -237,8 +231,6 @@ def iter_micro_batches(
         )
     layout = check_choice("layout", layout, LAYOUTS)
     _check_planned_lengths(batch, plan, attention_mask_key)
-    if layout == "packed":
-        warn_if_masked(model)
     roles = None
     if trim or layout == "packed":
         roles = field_roles(
@@ -284,23 +276,3 @@ def iter_micro_batches(
         yield MicroBatch(
             batch=rows, indices=indices, position=k, cost=cost, alignment=alignment, packed=packed
         )
-
-
-def sync_micro_batch_count(plan: MicroBatchPlan, group: Any = None) -> MicroBatchPlan:
-    """Pad ``plan`` to the largest micro-batch count over the ranks of ``group``.
-
-    For callers that plan per rank (each rank its own data): FSDP and DDP ranks must run
-    the same number of forward/backward passes or they deadlock (SkyRL #1060). One MAX
-    all-reduce of the count; the ranks short of it get padding micro-batches. A plan made
-    with ``dp_size > 1`` over the whole mini-batch is already equal on every rank and needs
-    no call. Every rank of ``group`` must call this (it is a collective).
-
-    Args:
-        plan: this rank's plan.
-        group: a ``torch.distributed`` process group; ``None`` = the default group.
-
-    Returns:
-        ``plan`` itself without an initialised process group (or when nothing is missing),
-        else ``plan.pad_to(max count)``.
-    """
-    return plan.pad_to(all_reduce_max(plan.num_micro_batches, group))

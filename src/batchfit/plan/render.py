@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from batchfit.config import BatchPlan, RolePlan
+    from batchfit.plan.config import BatchPlan, RolePlan
 
 
 # How each framework of BatchConfig.framework is written in text.
@@ -47,7 +47,7 @@ def _role_lines(role: RolePlan, plan: BatchPlan, last: bool) -> list[str]:
 
 
 def plan_tree_text(plan: BatchPlan) -> str:
-    """A readable tree of a :class:`~batchfit.config.BatchPlan` (what ``str(plan)`` returns)."""
+    """A readable tree of a :class:`~batchfit.plan.config.BatchPlan` (what ``str(plan)`` returns)."""
     cfg = plan.config
     mp = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.context_parallel, cfg.sequence_parallel)
     lines = [

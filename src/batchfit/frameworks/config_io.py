@@ -1,4 +1,4 @@
-"""Reading a :class:`~batchfit.config.BatchConfig` from YAML, JSON, flat keys, SkyRL's or verl's vocabulary.
+"""Reading a :class:`~batchfit.plan.config.BatchConfig` from YAML, JSON, flat keys, SkyRL's or verl's vocabulary.
 
 The batch layout of :func:`batchfit.frameworks.read_run_config`, for callers that need only
 that. Flat mappings use the field names of :class:`BatchConfig`; a SkyRL or verl config is
@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from batchfit.config import BatchConfig
 from batchfit.frameworks import coerce, read_run_config
+from batchfit.plan.config import BatchConfig
 
 __all__ = ["coerce", "config_from_mapping", "load_config"]
 

@@ -6,7 +6,7 @@ the optimizer-step count then depends only on the number of prompts. A mini-batc
 count is rarely a multiple of ``dp_size``; :func:`pad_for_data_parallel` appends the fewest
 cheap pad rows that make it one.
 
-Batches are the per-sample mappings of :mod:`batchfit.batch`.
+Batches are the per-sample mappings of :mod:`batchfit.batches.batch`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchfit.batch import Batch, batch_size, is_per_sample, slice_batch
+from batchfit.batches.batch import Batch, batch_size, is_per_sample, slice_batch
 from batchfit.errors import BatchError, InvalidArgument
 from batchfit.validation import check_positive_int
 
@@ -33,7 +33,7 @@ __all__ = [
 
 
 class _PadMarker:
-    """The value list fields hold in pad rows (``batchfit.minibatch.PAD``)."""
+    """The value list fields hold in pad rows (``batchfit.batches.minibatch.PAD``)."""
 
     _instance: _PadMarker | None = None
 
@@ -166,7 +166,7 @@ def mini_batch_boundaries(
 # real row (SkyRL's stage_chunks copied row 0) costs a full-length forward/backward per pad
 # row. A batchfit pad row is all zeros except one valid token in the attention mask, so a
 # padded micro-batch trimmed to its longest member stays short, and the loss mask is 0 so
-# the row adds nothing to any loss or gradient. Padding micro-batches in batchfit.packing
+# the row adds nothing to any loss or gradient. Padding micro-batches in batchfit.plan.packing
 # are made of such rows.
 
 

@@ -83,10 +83,10 @@ def loss_weights(
             token weights).
         reduction: one of :data:`REDUCTIONS`.
         mini_batch_boundaries: ``(start, end)`` row ranges tiling the rows, one per mini-batch
-            (e.g. from :func:`batchfit.minibatch.mini_batch_boundaries`); ``None`` = one
+            (e.g. from :func:`batchfit.batches.minibatch.mini_batch_boundaries`); ``None`` = one
             mini-batch of all rows.
         prompt_boundaries: ``(start, end)`` row ranges, one per prompt, each inside one
-            mini-batch (from :func:`batchfit.minibatch.prompt_boundaries`).
+            mini-batch (from :func:`batchfit.batches.minibatch.prompt_boundaries`).
         max_seq_len: the normaliser of ``seq_mean_token_sum_norm``; default the mask width.
             Pass the generation length limit so the normaliser does not depend on padding.
         dtype: floating dtype of the result; default the mask's dtype if it is float32 or
@@ -147,7 +147,7 @@ def loss_weights(
         if prompt_boundaries is None:
             raise InvalidArgument(
                 "reduction='prompt_mean' needs prompt_boundaries; pass "
-                "batchfit.minibatch.prompt_boundaries(uids)"
+                "batchfit.batches.minibatch.prompt_boundaries(uids)"
             )
         pr = _segment_ids(prompt_boundaries, n, "prompt_boundaries")
         n_pr = int(pr.max()) + 1 if n else 0
@@ -155,7 +155,7 @@ def loss_weights(
             if mb[start] != mb[end - 1]:
                 raise BatchError(
                     f"prompt {k} (rows {start}..{end - 1}) straddles two mini-batches; cut mini-batches "
-                    "at prompt boundaries (batchfit.minibatch.mini_batch_boundaries)"
+                    "at prompt boundaries (batchfit.batches.minibatch.mini_batch_boundaries)"
                 )
         prompt_tokens = _per_segment(tokens, pr, n_pr)
         prompt_mb = torch.zeros(n_pr, dtype=torch.long).index_copy_(0, pr, mb)

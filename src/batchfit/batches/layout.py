@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchfit.batch import Batch
+from batchfit.batches.batch import Batch
 from batchfit.errors import BatchError
 
 #: Fields treated as response-width (right-aligned with the sequence) when narrower than the
@@ -44,6 +44,7 @@ RESPONSE_FIELD_NAMES = frozenset(
         "advantages",
         "returns",
         "values",
+        "old_values",
         "rewards",
         "token_level_rewards",
         "token_level_scores",
@@ -160,6 +161,9 @@ class RowAlignment:
         start, end: the sequence columns kept, ``[start, end)``, counted after the shift.
         response_start, response_end: the response columns kept (after the shift), or
             ``None`` without response fields.
+        starts: per row, its first valid column in the aligned fields when every row's
+            valid tokens are one contiguous span, else ``None`` (known on the host, so a
+            model can run the rows without reading the mask back from the device).
     """
 
     shifts: tuple[int, ...]
@@ -167,6 +171,7 @@ class RowAlignment:
     end: int
     response_start: int | None = None
     response_end: int | None = None
+    starts: tuple[int, ...] | None = None
 
     @property
     def width(self) -> int:
@@ -174,14 +179,15 @@ class RowAlignment:
         return self.end - self.start
 
 
-def _spans(mask: Array) -> tuple[np.ndarray, np.ndarray]:
-    """First valid column and one past the last, per row (0, 0 for a row without a valid token)."""
+def _spans(mask: Array) -> tuple[np.ndarray, np.ndarray, bool]:
+    """First valid column and one past the last, per row (0, 0 for a row without a valid token), and whether every row is one span."""
     valid = np.asarray(mask.detach().cpu() if isinstance(mask, torch.Tensor) else mask) != 0
     any_valid = valid.any(1)
     width = valid.shape[1]
     first = np.where(any_valid, valid.argmax(1), 0)
     last = np.where(any_valid, width - valid[:, ::-1].argmax(1), 0)
-    return first.astype(np.int64), last.astype(np.int64)
+    contiguous = bool(((last - first) == valid.sum(1)).all())
+    return first.astype(np.int64), last.astype(np.int64), contiguous
 
 
 def _shift(value: Array, shifts: np.ndarray, fill: Any) -> Array:
@@ -224,7 +230,7 @@ def align_rows(
         ``(rows, alignment)``: the new fields and how they were placed.
     """
     mask = rows[attention_mask_key]
-    first, last = _spans(mask)
+    first, last, contiguous = _spans(mask)
     longest = int((last - first).max()) if len(first) else 0
     fills = dict(pad_values or {})
     width = roles.width
@@ -246,7 +252,8 @@ def align_rows(
         r_start, r_end = max(0, start - offset), max(0, end - offset)
         for key in roles.response:
             out[key] = _shift(rows[key], shifts, fills.get(key, 0))[:, r_start:r_end]
-    return out, RowAlignment(tuple(int(s) for s in shifts), start, end, r_start, r_end)
+    starts = tuple(int(f) for f in np.maximum(first + shifts - start, 0)) if contiguous else None
+    return out, RowAlignment(tuple(int(s) for s in shifts), start, end, r_start, r_end, starts)
 
 
 def write_back(
@@ -284,7 +291,7 @@ def write_back(
             cols = columns[keep]
             src = np.nonzero(keep)[0]
             if isinstance(out, torch.Tensor):
-                out[row, torch.as_tensor(cols, device=out.device)] = values[i, torch.as_tensor(src, device=values.device)].to(out.dtype)
+                out[row, torch.as_tensor(cols, device=out.device)] = values[i, torch.as_tensor(src, device=values.device)].to(device=out.device, dtype=out.dtype)
             else:
                 out[row, cols] = np.asarray(values)[i, src]
 
@@ -420,6 +427,6 @@ def write_back_packed(out: Array, values: Array, packed: PackedRows, indices: Se
     rows = unpack(values, packed)
     for i, (row, cols) in enumerate(zip(indices, packed.columns)):
         if isinstance(out, torch.Tensor):
-            out[row, torch.as_tensor(cols, device=out.device)] = rows[i, : len(cols)].to(out.dtype)
+            out[row, torch.as_tensor(cols, device=out.device)] = rows[i, : len(cols)].to(device=out.device, dtype=out.dtype)
         else:
             out[row, cols] = np.asarray(rows)[i, : len(cols)]

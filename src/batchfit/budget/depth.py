@@ -24,7 +24,7 @@ caller then measures the full depth.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -61,13 +61,12 @@ def _extrapolate(p1: float, p2: float, k1: int, k2: int, depth: int) -> int:
 class DepthExtrapolatedStep:
     """A step of a ``depth``-layer model measured from the same step at two shallow depths.
 
-    Calling it runs both shallow steps; :meth:`measure` measures both and extrapolates
-    each phase's peak (NOTE [ Peak memory is affine in depth ]). It has the attributes
-    :func:`batchfit.budget.find_token_budget` reads (``backend``, ``measure``).
+    :meth:`measure` measures both and extrapolates each phase's peak (NOTE [ Peak memory is
+    affine in depth ]); it is a :class:`~batchfit.budget.probe.BudgetStep`.
 
     Args:
-        steps: ``{depth: step}`` for exactly two depths below ``depth``; each step has
-            ``measure(batch_size, seq_len)`` (a :class:`~batchfit.models.TrainingStep`).
+        steps: ``{depth: step}`` for exactly two depths below ``depth``, each a
+            :class:`~batchfit.budget.probe.BudgetStep` (a :class:`~batchfit.budget.step.TrainingStep`).
         depth: the number of layers of the model predicted.
 
     Raises:
@@ -91,20 +90,13 @@ class DepthExtrapolatedStep:
         if len(backends) != 1:
             raise InvalidArgument("the two shallow steps must share one backend, but got two backends")
         self.backend: Backend = steps[self.k1].backend
-        first = steps[self.k1]
-        self.sharding = getattr(first, "sharding", None)
-        self.model = getattr(first, "model", None)  # a shallow copy: its settings, not its depth
-        self.logprobs = getattr(first, "logprobs", None)
-        self.forward_only = getattr(first, "forward_only", False)
-        self.critic = getattr(first, "critic", False)
 
-    def __call__(self, batch_size: int, seq_len: int) -> None:
-        """Run the step at both shallow depths."""
-        for step in self.steps.values():
-            step(batch_size, seq_len)
+    def remedies(self) -> list[str]:
+        """The shallow steps' remedies (they share the deep model's settings)."""
+        return self.steps[self.k1].remedies()
 
-    def measure(self, batch_size: int, seq_len: int) -> MemoryMeasurement:
-        """The extrapolated measurement of one step of ``batch_size × seq_len`` at full depth.
+    def measure(self, lengths: Sequence[int]) -> MemoryMeasurement:
+        """The extrapolated measurement of one micro-batch of sequences of ``lengths`` tokens at full depth.
 
         A shallow run that exceeds the backend's limit decides at once: the full model, at
         least as large, does not fit either (its peak is then a lower bound, ``exceeded``).
@@ -114,10 +106,10 @@ class DepthExtrapolatedStep:
             and host bytes are extrapolated to :attr:`depth`.
         """
         start = time.perf_counter()
-        shallow = self.steps[self.k1].measure(batch_size, seq_len)
+        shallow = self.steps[self.k1].measure(lengths)
         if shallow.exceeded:
             return replace(shallow, seconds=time.perf_counter() - start)
-        deeper = self.steps[self.k2].measure(batch_size, seq_len)
+        deeper = self.steps[self.k2].measure(lengths)
         if deeper.exceeded:
             return replace(deeper, seconds=time.perf_counter() - start)
         result = extrapolate(shallow, deeper, self.k1, self.k2, self.depth, self.backend.limit_bytes)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchfit.errors import BatchConfigError
-from batchfit.render import plan_tree_text
+from batchfit.plan.render import plan_tree_text
 from batchfit.validation import closest, is_int
 
 FRAMEWORKS = ("batchfit", "skyrl", "verl")
@@ -529,7 +529,7 @@ def _build_plan(cfg: BatchConfig, strict: bool = False) -> BatchPlan:
         notes.append(
             "step-wise: each trajectory yields one sequence per turn, so sample counts per step, "
             "mini-batch and GPU vary; sample-level divisibility is not checked. Cut mini-batches "
-            "at prompt boundaries (batchfit.minibatch.mini_batch_boundaries) and pad each for data "
+            "at prompt boundaries (batchfit.batches.minibatch.mini_batch_boundaries) and pad each for data "
             "parallelism (pad_for_data_parallel); the optimizer-step count does not depend on turns."
         )
         samples = per_gpu_step = forward = None
@@ -542,7 +542,7 @@ def _build_plan(cfg: BatchConfig, strict: bool = False) -> BatchPlan:
     if tokens:
         notes.append(
             f"micro-batches are bounded by max_tokens_per_micro_batch={cfg.max_tokens_per_micro_batch} "
-            "tokens (batchfit.packing.plan_micro_batches); micro_*_batch_size_per_gpu are not used."
+            "tokens (batchfit.plan.packing.plan_micro_batches); micro_*_batch_size_per_gpu are not used."
         )
     return BatchPlan(
         config=cfg,

@@ -1,9 +1,9 @@
-"""Applying a :class:`~batchfit.sharding.Sharding` to a causal LM with PyTorch's own DDP and FSDP2.
+"""Applying a :class:`~batchfit.parallel.sharding.Sharding` to a causal LM with PyTorch's own DDP and FSDP2.
 
 ``fsdp2``: ``fully_shard`` on every decoder layer, then on the root, over a 1-D device mesh
 of ``world_size`` ranks (the default process group), with the sharding's
 ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``. On the estimate backend the process group
-is simulated (:func:`batchfit.distributed.simulated_world`) and the model's tensors are
+is simulated (:func:`batchfit.parallel.distributed.simulated_world`) and the model's tensors are
 fake, so this is FSDP2's real code predicting one rank's memory.
 
 ``ddp``: ``DistributedDataParallel`` on real tensors. Its C++ reducer cannot run on fake
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from batchfit.errors import InvalidArgument
-from batchfit.sharding import Sharding
+from batchfit.parallel.sharding import Sharding
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -43,7 +43,7 @@ def _check_world(sharding: Sharding) -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         raise InvalidArgument(
-            f"sharding={sharding.strategy!r} over world_size={sharding.world_size} needs a process group: launch with torchrun --nproc-per-node {sharding.world_size} (backend cpu or cuda), or estimate inside batchfit.distributed.simulated_world({sharding.world_size})"
+            f"sharding={sharding.strategy!r} over world_size={sharding.world_size} needs a process group: launch with torchrun --nproc-per-node {sharding.world_size} (backend cpu or cuda), or estimate inside batchfit.parallel.distributed.simulated_world({sharding.world_size})"
         )
     if dist.get_world_size() != sharding.world_size:
         raise InvalidArgument(

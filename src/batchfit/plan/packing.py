@@ -3,7 +3,7 @@
 A pure function of the sequence lengths (numpy only, no tensors, no collectives): every
 data-parallel rank computes the same :class:`MicroBatchPlan` locally. The tensor side
 (iterating a batch along a plan, agreeing on counts across ranks) is
-:mod:`batchfit.microbatch`.
+:mod:`batchfit.batches.microbatch`.
 
 Guarantees of :func:`plan_micro_batches`:
 
@@ -11,7 +11,7 @@ Guarantees of :func:`plan_micro_batches`:
   ``rearrange_micro_batches``, which fixes the count first and overshoots the budget);
 - **every index exactly once**, over all ranks;
 - **equal counts**: every rank has ``num_micro_batches`` micro-batches; ranks short of it get
-  padding micro-batches (see NOTE [ Pad rows cost one token ] in :mod:`batchfit.minibatch`),
+  padding micro-batches (see NOTE [ Pad rows cost one token ] in :mod:`batchfit.batches.minibatch`),
   without which FSDP/DDP ranks deadlock (SkyRL #1060);
 - **deterministic**: ties are broken by index, so the plan is the same on every rank.
 """
@@ -568,7 +568,7 @@ def _snake(n: int, dp_size: int) -> np.ndarray:
 def _pad_ranks(
     ranks: list[list[Indices]], costs: list[list[int]], count: int
 ) -> tuple[tuple[tuple[Indices, ...], ...], tuple[tuple[int, ...], ...]]:
-    # NOTE [ Pad rows cost one token ] (batchfit.minibatch): a padding micro-batch is one pad row.
+    # NOTE [ Pad rows cost one token ] (batchfit.batches.minibatch): a padding micro-batch is one pad row.
     out_r = tuple(tuple(r) + ((),) * (count - len(r)) for r in ranks)
     out_c = tuple(tuple(c) + (PADDING_MICRO_BATCH_COST,) * (count - len(c)) for c in costs)
     return out_r, out_c

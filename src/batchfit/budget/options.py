@@ -1,0 +1,104 @@
+"""How a model is profiled: :class:`ProfileOptions`, one object from the command line to the search.
+
+The CLI builds one from its flags, :func:`batchfit.budget.profile_model` and
+:func:`batchfit.frameworks.profile.profile_run` take it (or its fields as keywords), and every
+role's search reads it: the same settings reach every pass of a run, and a setting cannot be
+dropped on the way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchfit.budget.find import check_max_seq_len
+from batchfit.budget.token_budget import check_cost
+from batchfit.errors import InvalidArgument
+from batchfit.memory import BACKEND_NAMES
+from batchfit.parallel.sharding import Sharding, as_sharding
+from batchfit.train.logprobs import HEADS
+from batchfit.validation import check_choice, check_number
+
+__all__ = ["ProfileOptions"]
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """The settings of a profile: what is measured, on what, and how the budget is searched.
+
+    Attributes:
+        max_seq_len: the longest sequence the budgets must cover.
+        backend: ``auto`` (cuda if available, else estimate), ``cpu``, ``estimate``, ``cuda``.
+        memory_limit: bytes, ``"80GiB"`` or a device preset; required for cpu and estimate.
+        reserve_bytes: bytes of ``memory_limit`` no tracker sees (see
+            :func:`batchfit.memory.get_backend`); ``None`` = the backend's default.
+        dtype: the dtype parameters are stored in (``bf16``, ``fp32``, …); ``None``: fp32
+            under ``fsdp2`` mixed precision (fp32 master weights, bf16 compute), else bf16.
+        gradient_checkpointing: non-reentrant activation checkpointing of every layer.
+        logprobs: the policy's log-prob head, one of :data:`batchfit.train.HEADS` (``full``
+            fp32 ``log_softmax`` of the whole logits, ``chunked``, ``fused``).
+        cost: ``padded`` (rows × longest) or ``packed`` (sum of lengths, counted to the token).
+        safety_margin: the fraction of the usable bytes a peak may reach, in ``(0, 1]``.
+        seq_lens: lengths to probe (``None`` = :func:`batchfit.budget.default_seq_lens`).
+        sharding: a :class:`~batchfit.parallel.Sharding` (a strategy name is accepted and
+            converted); ``None`` = one device.
+        depth_extrapolation: measure two shallow copies of the model and extrapolate to its
+            depth (NOTE [ Peak memory is affine in depth ]); ``None``: on for the estimate
+            backend when the layers are identical and deeper than the copies.
+        suggest_world_size: when one sequence does not fit on the estimate backend, name the
+            smallest ``fsdp2`` world size (with checkpointing) that fits.
+        progress: ``True`` logs each probe, ``False`` is silent, a callable receives each
+            :class:`~batchfit.budget.BudgetProgress` (events carry the role).
+
+    Raises:
+        InvalidArgument: a bad value, naming the field, the value and the fix.
+
+    Example:
+        >>> ProfileOptions(max_seq_len=8192, sharding="fsdp2").sharding.strategy
+        'fsdp2'
+    """
+
+    max_seq_len: int
+    backend: str = "auto"
+    memory_limit: int | str | None = None
+    reserve_bytes: int | str | None = None
+    dtype: str | None = None
+    gradient_checkpointing: bool = False
+    logprobs: str = "full"
+    cost: str = "padded"
+    safety_margin: float = 0.9
+    seq_lens: Sequence[int] | None = None
+    sharding: Sharding = field(default_factory=Sharding)
+    depth_extrapolation: bool | None = None
+    suggest_world_size: bool = True
+    progress: bool | Callable[..., Any] = field(default=False, compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise once, here
+        set_(self, "max_seq_len", check_max_seq_len(self.max_seq_len))
+        set_(self, "backend", check_choice("backend", self.backend, BACKEND_NAMES))
+        set_(self, "logprobs", check_choice("logprobs", self.logprobs, HEADS))
+        set_(self, "cost", check_cost(self.cost))
+        set_(self, "safety_margin", check_number("safety_margin", self.safety_margin, low=0.0, high=1.0, low_open=True))
+        set_(self, "sharding", as_sharding(self.sharding))
+        for name in ("gradient_checkpointing", "suggest_world_size"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")
+        if self.depth_extrapolation is not None and not isinstance(self.depth_extrapolation, bool):
+            raise InvalidArgument(
+                f"depth_extrapolation must be True, False or None (automatic), but got depth_extrapolation={self.depth_extrapolation!r}"
+            )
+
+    def replace(self, **changes: Any) -> ProfileOptions:
+        """A copy with ``changes`` applied (and validated).
+
+        Raises:
+            InvalidArgument: an unknown field (the message lists the fields) or a bad value.
+        """
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            names = ", ".join(f.name for f in dataclasses.fields(self))
+            raise InvalidArgument(f"ProfileOptions has no field {unknown[0]!r}; its fields are {names}")
+        return dataclasses.replace(self, **changes)

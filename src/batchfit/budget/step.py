@@ -1,0 +1,521 @@
+"""The token budget's probe: one micro-batch of the trainer's own step, on a synthetic RL micro-batch.
+
+NOTE [ One micro-batch step ]
+A token budget is only worth what its probe is worth, so the probe does not imitate a
+trainer's micro-batch: it is one. :meth:`TrainingStep.micro_batch` lays out a synthetic
+rollout of the sequence lengths asked for (the prompt | response layout of SkyRL and verl,
+with the response-width fields a trainer's micro-batch carries: ``loss_mask``, ``weights``
+from :func:`batchfit.batches.loss_weights`, ``advantages`` and ``old_log_probs`` for a
+policy, ``returns`` and ``old_values`` for a critic), plans it into one micro-batch with
+:func:`batchfit.plan.plan_micro_batches` and cuts it with
+:func:`batchfit.batches.iter_micro_batches` (padded rows for ``cost="padded"``, one packed
+row for ``cost="packed"``), on the host. A measured call then copies the micro-batch's
+fields to the device and runs what a trainer runs for it, through the wrapped model:
+:func:`batchfit.train.micro_batch_loss` (the log-prob head the run uses, the clipped
+policy loss or the value loss), ``backward()`` and ``optimizer.step()``, with the rank's
+gradients resident before and after (NOTE [ Gradients are resident between micro-batches ]
+in :mod:`batchfit.train.optim`): the state of every micro-batch of an accumulation after
+the first. A forward-only pass (old log-probs, values, a reference) runs
+:func:`batchfit.train.micro_batch_outputs` under ``no_grad``, as
+:func:`batchfit.train.forward_logprobs` does for each of its micro-batches.
+
+Every response token is trained on (one prompt token per sequence), the upper bound of
+the response-width fields. A packed row's ``cu_seq_lens`` stays a host tensor off CUDA:
+varlen attention reads its values, which the estimate backend's fake tensors do not have.
+
+Example:
+    >>> from batchfit.memory import get_backend
+    >>> from batchfit.models import build_causal_lm
+    >>> backend = get_backend("cpu")
+    >>> step = causal_lm_step(build_causal_lm("tiny", backend=backend), backend=backend)
+    >>> step.measure([16, 16]).fits
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from batchfit.batches.layout import CU_SEQ_LENS
+from batchfit.batches.microbatch import MicroBatch, iter_micro_batches
+from batchfit.batches.weights import loss_weights
+from batchfit.errors import InvalidArgument
+from batchfit.memory import Backend, MemoryMeasurement, labels
+from batchfit.memory.registration import (
+    COMMUNICATION,
+    GRADIENTS,
+    LOGPROB_HEAD,
+    OPTIMIZER_STATE,
+    OPTIMIZER_STEP,
+    PARAMETERS,
+    plain_tensors,
+)
+from batchfit.models.attention import use_varlen_attention
+from batchfit.models.build import resolve_backend
+from batchfit.parallel.shard import decoder_layers, unwrap
+from batchfit.parallel.sharding import Sharding
+from batchfit.plan.packing import COSTS, plan_micro_batches
+from batchfit.train.logprobs import HEADS
+from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state
+from batchfit.train.step import micro_batch_loss, micro_batch_outputs
+from batchfit.validation import check_choice, check_positive_int
+
+OPTIMIZERS = ("adamw", "sgd")
+#: How the policy's log-probs are computed (:data:`batchfit.train.HEADS`): ``full`` materialises
+#: fp32 ``[rows, T, V]`` log-softmax, ``chunked`` uses :func:`batchfit.logprobs.logprobs_from_logits`,
+#: ``fused`` :func:`batchfit.logprobs.logprobs_from_hidden` and never builds the logits.
+LOGPROBS = HEADS
+#: PPO's clip of the policy ratio and of the value, as the probe's losses run them.
+CLIP_RATIO = 0.2
+VALUE_CLIP = 0.2
+
+# Categories that CPU offload keeps in host memory (FSDP2 CPUOffloadPolicy: sharded
+# parameters, sharded gradients, optimizer state and the optimizer step run on the CPU).
+HOST_CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, OPTIMIZER_STEP)
+
+
+class TrainingStep:
+    """One micro-batch of a trainer's step on a synthetic RL micro-batch: ``step.measure(lengths)``.
+
+    See NOTE [ One micro-batch step ]. ``lengths`` are the micro-batch's sequence lengths
+    (``[s] * b`` for ``b`` rows of ``s`` tokens); every call plans them into one micro-batch
+    of cost ``len × longest`` (padded) or ``sum`` (packed).
+
+    The step labels what it runs for the tracked backends (NOTE [ Phases and regions ]):
+    the phases ``forward``, ``backward`` and ``optimizer``, positions in the layer stack,
+    and the regions ``logprob_head`` (from the head's input to the loss, and back to the
+    head's input gradient) and ``optimizer_step`` (the optimizer's temporaries).
+
+    Attributes:
+        model: the module trained (an ``FSDPModule`` or DDP wrapper when sharded).
+        optimizer: the optimizer (state already initialised) or ``None``.
+        backend: the :class:`~batchfit.memory.Backend` the step was built for.
+        critic: a value model (value loss) instead of a policy (log-prob loss).
+        logprobs: the policy's log-prob head, one of :data:`LOGPROBS`.
+        cost: ``"padded"`` (rows) or ``"packed"`` (one padding-free row), as the trainer's plans.
+        forward_only: the forward-only pass under ``no_grad``.
+        vocab_size: token ids are drawn from ``[0, vocab_size)``.
+        persistent: ``(model, optimizer, *communication buffers)``, to register with
+            ``backend.measure``; ``categories`` gives each one's breakdown category.
+        categories: one entry per ``persistent`` object (``None`` = default categories).
+        host_categories: categories held in host memory (CPU offload), see
+            :meth:`batchfit.memory.Backend.measure`.
+        sharding: the model's :class:`~batchfit.parallel.Sharding`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        backend: Backend,
+        optimizer: torch.optim.Optimizer | None,
+        critic: bool,
+        vocab_size: int,
+        logprobs: str = "full",
+        cost: str = "padded",
+        forward_only: bool = False,
+    ):
+        self.model = model
+        self.backend = backend
+        self.optimizer = optimizer
+        self.critic = critic
+        self.vocab_size = vocab_size
+        self.logprobs = logprobs
+        self.cost = cost
+        self.forward_only = forward_only
+        self.sharding: Sharding = getattr(model, "batchfit_sharding", None) or Sharding()
+        comm = tuple(getattr(model, "batchfit_comm_buffers", ()))
+        state: tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
+        self.persistent: tuple[Any, ...] = (*state, *comm)
+        self.categories: tuple[str | None, ...] = (None,) * len(state) + (COMMUNICATION,) * len(comm)
+        self.host_categories: tuple[str, ...] = HOST_CATEGORIES if self.sharding.offload == "cpu" else ()
+        self._head = _head_module(unwrap(model))
+        self._position_hooks = _install_position_hooks(unwrap(model))
+
+    def remedies(self) -> list[str]:
+        """What would make a longer sequence fit, leaving out what this step already does."""
+        model = unwrap(self.model)
+        # transformers 5.x renamed is_gradient_checkpointing (now deprecated) to is_activation_checkpointing
+        name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+        out = ["reduce max_seq_len"]
+        if not getattr(model, name, False):
+            out.append("enable gradient checkpointing")
+        if self.logprobs != "fused" and not self.critic:
+            out.append("compute log-probs fused from the hidden states (logprobs='fused')")
+        if self.sharding.strategy != "fsdp2":
+            out.append("shard the model over more ranks (fsdp2)")
+        elif self.sharding.offload != "cpu":
+            out.append("offload the sharded state to the CPU")
+        out.append("or give more memory (memory_limit, safety_margin)")
+        return out
+
+    def micro_batch(self, lengths: Sequence[int]) -> MicroBatch:
+        """The micro-batch of sequences of ``lengths`` tokens, laid out on the host as a trainer's plan cuts it.
+
+        Raises:
+            InvalidArgument: no lengths, or a length that is not a positive integer.
+        """
+        lengths = _check_lengths(lengths)
+        rollout = synthetic_rollout(lengths, vocab_size=self.vocab_size, critic=self.critic)
+        cost = len(lengths) * max(lengths) if self.cost == "padded" else sum(lengths)
+        plan = plan_micro_batches(lengths, token_budget=cost, cost=self.cost)
+        (mb,) = iter_micro_batches(rollout, plan, 0, layout="packed" if self.cost == "packed" else "padded")
+        return mb
+
+    def measure(self, lengths: Sequence[int]) -> MemoryMeasurement:
+        """Measure one call ``self(lengths)`` on :attr:`backend`, state registered.
+
+        Returns:
+            The backend's :class:`~batchfit.memory.MemoryMeasurement` (``fits=False`` when
+            it ran out of the backend's memory).
+        """
+        mb = self.micro_batch(lengths)
+        return self.backend.measure(
+            lambda: self.run(mb),
+            register=self.persistent,
+            categories=self.categories,
+            host_categories=self.host_categories,
+        )
+
+    def __call__(self, lengths: Sequence[int]) -> None:
+        """Run the step once on a micro-batch of sequences of ``lengths`` tokens (unmeasured)."""
+        self.run(self.micro_batch(lengths))
+
+    def run(self, mb: MicroBatch) -> None:
+        """Copy ``mb``'s fields to the device and run the trainer's step on it (NOTE [ One micro-batch step ])."""
+        options = {"critic": self.critic, "head": self.logprobs}
+        with self.backend.context(), _quiet_fsdp_views():
+            mb = _on_device(mb, self.backend)
+            if self.forward_only:
+                with torch.no_grad(), labels.phase(labels.FORWARD), _head_region(self._head):
+                    labels.set_position(labels.EMBED)
+                    micro_batch_outputs(self.model, mb, **options)
+                return
+            with labels.phase(labels.FORWARD), _head_region(self._head):
+                labels.set_position(labels.EMBED)
+                loss = micro_batch_loss(self.model, mb, clip_ratio=CLIP_RATIO, value_clip=VALUE_CLIP, **options)
+            with labels.phase(labels.BACKWARD), labels.region(LOGPROB_HEAD):
+                # the head's input-gradient hook ends the region (see _head_region); the
+                # layers' gradient hooks move the position down the stack
+                labels.set_position(labels.HEAD)
+                loss.backward()
+            del loss
+            with labels.phase(labels.OPTIMIZER), labels.region(OPTIMIZER_STEP):
+                if self.optimizer is not None:
+                    self.optimizer.step()
+                # NOTE [ Gradients are resident between micro-batches ]
+                self.model.zero_grad(set_to_none=False)
+
+
+def synthetic_rollout(lengths: Sequence[int], *, vocab_size: int, critic: bool = False, seed: int = 0) -> dict[str, Any]:
+    """A rollout batch of one sequence per length in the prompt | response layout, on the host.
+
+    Each sequence is one prompt token and ``length − 1`` response tokens, right-padded to the
+    longest (``[n, W]`` ``input_ids`` and ``attention_mask``, ``W = max(lengths)``); the
+    response-width fields are ``[n, W − 1]`` (at least one column): ``loss_mask`` (1 on every
+    response token), ``weights`` (token mean), and ``advantages`` and ``old_log_probs`` for a
+    policy, ``returns`` and ``old_values`` for a critic. Random tokens from a seeded generator.
+    """
+    width = max(lengths)
+    n, response = len(lengths), max(width - 1, 1)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (n, width), generator=generator)
+    columns = torch.arange(width)
+    lens = torch.as_tensor(list(lengths))
+    attention_mask = (columns[None, :] < lens[:, None]).long()
+    loss_mask = (torch.arange(response)[None, :] < (lens - 1)[:, None]).float()
+    batch: dict[str, Any] = {
+        "input_ids": ids * attention_mask,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "weights": loss_weights(loss_mask, reduction="token_mean"),
+    }
+    noise = torch.randn((2, n, response), generator=generator) * loss_mask
+    if critic:
+        batch.update(returns=noise[0], old_values=noise[1])
+    else:
+        batch.update(advantages=noise[0], old_log_probs=-noise[1].abs())
+    return batch
+
+
+def _check_lengths(lengths: Sequence[int]) -> list[int]:
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or not lengths:
+        raise InvalidArgument(
+            f"lengths must be a non-empty sequence of sequence lengths, but got lengths={lengths!r}; pass e.g. [4096, 4096]"
+        )
+    return [check_positive_int(f"lengths[{i}]", n) for i, n in enumerate(lengths)]
+
+
+def _on_device(mb: MicroBatch, backend: Backend) -> MicroBatch:
+    """``mb`` with its tensors copied to ``backend.device`` (inside the measured call: the trainer's micro-batch bytes).
+
+    ``cu_seq_lens`` (a few bytes) stays the host tensor except on a CUDA device: varlen
+    attention reads its values, which the estimate backend's fake tensors do not have.
+    """
+    fields = {
+        key: value.to(backend.device, copy=True)
+        if isinstance(value, torch.Tensor) and (key != CU_SEQ_LENS or backend.device.type == "cuda")
+        else value
+        for key, value in mb.batch.items()
+    }
+    return dataclasses.replace(mb, batch=fields)
+
+
+@contextlib.contextmanager
+def _quiet_fsdp_views() -> Iterator[None]:
+    """FSDP2 warns when a wrapped module returns a view (log-probs, values); the step never writes to one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        yield
+
+
+def _head_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The output head: the LM head (``get_output_embeddings``) or a value head (``score``)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+def _end_region_on_grad(hidden: torch.Tensor) -> None:
+    """In backward, end the head region once the gradient of the head's input exists."""
+    if hidden.requires_grad:
+
+        def end(grad: torch.Tensor) -> None:
+            labels.set_region(None)
+
+        hidden.register_hook(end)
+
+
+@contextlib.contextmanager
+def _head_region(head: torch.nn.Module | None) -> Iterator[None]:
+    """Label what the head and the loss create as ``logprob_head`` (forward and backward).
+
+    Forward: from the head's input (a forward pre-hook) to the end of the block. Backward:
+    the caller sets the region when ``backward()`` starts; a hook on the head's input ends
+    it when that input's gradient exists.
+    """
+
+    def start(module: torch.nn.Module, args: tuple) -> None:
+        labels.set_region(LOGPROB_HEAD)
+        labels.set_position(labels.HEAD)
+        if args and isinstance(args[0], torch.Tensor):
+            _end_region_on_grad(args[0])
+
+    handle = head.register_forward_pre_hook(start) if head is not None else None
+    try:
+        yield
+    finally:
+        labels.set_region(None)
+        if handle is not None:
+            handle.remove()
+
+
+def _layer_position(index: int, depth: int) -> str:
+    """``layer-first``/``layer-last`` ``+0``/``+1`` for the two layers at each end, ``layers-middle`` between."""
+    if index <= 1 and index < depth - 2:
+        return f"{labels.LAYER_FIRST}+{index}"
+    if index >= depth - 2:
+        return f"{labels.LAYER_LAST}-{depth - 1 - index}"
+    return labels.LAYERS_MIDDLE
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return getattr(value, "last_hidden_state", None)
+
+
+def _install_position_hooks(model: torch.nn.Module) -> list[Any]:
+    """Label each op with its position in the layer stack (NOTE [ Phases and regions ]).
+
+    Forward: a layer's pre-hook sets its position. Backward: a hook on each layer's output
+    gradient sets the layer's position when its backward starts, and one on the first
+    layer's input gradient sets ``embed``. Recomputation under activation checkpointing
+    runs in the backward phase and leaves the labels alone. Models without a layer list
+    get no positions.
+    """
+    try:
+        layers = decoder_layers(model)
+    except InvalidArgument:
+        return []
+    depth = len(layers)
+    handles = []
+
+    def on_grad(position: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            labels.set_position(position)
+
+        return hook
+
+    for index, layer in enumerate(layers):
+        position = _layer_position(index, depth)
+
+        def pre(module: torch.nn.Module, args: tuple, position: str = position, index: int = index) -> None:
+            if labels.coarse_phase() != labels.FORWARD:
+                return
+            labels.set_position(position)
+            first = _first_tensor(args)
+            if index == 0 and first is not None and first.requires_grad:
+                first.register_hook(on_grad(labels.EMBED))
+
+        def post(module: torch.nn.Module, args: tuple, out: Any, position: str = position) -> None:
+            if labels.coarse_phase() != labels.FORWARD:
+                return
+            first = _first_tensor(out)
+            if first is not None and first.requires_grad:
+                first.register_hook(on_grad(position))
+
+        handles.append(layer.register_forward_pre_hook(pre))
+        handles.append(layer.register_forward_hook(post))
+    return handles
+
+
+def _make_optimizer(
+    model: torch.nn.Module, optimizer: Any, lr: float, backend: Backend
+) -> torch.optim.Optimizer | None:
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        opt = optimizer
+    else:
+        check_choice("optimizer", optimizer, OPTIMIZERS)
+        params = [p for p in unwrap(model).parameters() if p.requires_grad]
+        if optimizer == "adamw":
+            opt = default_optimizer(params, lr=lr)
+        else:
+            opt = torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
+    with backend.context():
+        initialize_optimizer_state(opt)
+    return opt
+
+
+def _is_value_model(model: torch.nn.Module) -> bool:
+    model = unwrap(model)
+    config = getattr(model, "config", None)
+    return (
+        type(model).__name__.endswith("ForTokenClassification") and getattr(config, "num_labels", None) == 1
+    )
+
+
+def _check_model_on_backend(model: torch.nn.Module, backend: Backend) -> None:
+    param = next(model.parameters(), None)
+    if param is None:
+        return
+    param = next(plain_tensors(param))  # a sharded parameter's local shard
+    fake_mode = getattr(backend, "fake_mode", None)
+    if fake_mode is not None:
+        if not isinstance(param, FakeTensor) or param.fake_mode is not fake_mode:
+            raise InvalidArgument(
+                f"model must be built inside this backend's context() for backend={backend.name!r} (fake tensors), but got a model with {type(param).__name__} parameters from elsewhere; build it with build_causal_lm(..., backend=backend)"
+            )
+    elif isinstance(param, FakeTensor):
+        raise InvalidArgument(
+            f"model has fake parameters (built for the estimate backend) but got backend={backend.name!r}; build the model with build_causal_lm(..., backend=backend)"
+        )
+    elif param.device.type != backend.device.type:
+        raise InvalidArgument(
+            f"model parameters are on {param.device} but backend={backend.name!r} creates inputs on {backend.device}; build the model with build_causal_lm(..., backend=backend)"
+        )
+
+
+def causal_lm_step(
+    model: torch.nn.Module,
+    *,
+    backend: Any,
+    optimizer: str | torch.optim.Optimizer | None = "auto",
+    critic: bool | None = None,
+    vocab_size: int | None = None,
+    lr: float = 1e-6,
+    logprobs: str = "full",
+    cost: str = "padded",
+    forward_only: bool = False,
+) -> TrainingStep:
+    """The budget's probe for ``model`` on ``backend``: a :class:`TrainingStep`, optimizer state initialised.
+
+    Args:
+        model: built by :func:`batchfit.models.build_causal_lm` with the same ``backend``
+            (or any transformers causal LM / token classifier on ``backend.device``).
+        backend: the :class:`~batchfit.memory.Backend` (or its name) to measure with.
+        optimizer: ``"adamw"`` (``foreach=True``, the CUDA default, on every backend),
+            ``"sgd"`` (momentum 0.9), an optimizer over ``model``'s parameters, or ``None``
+            (forward + backward only); ``"auto"`` (default) is ``"adamw"`` for a training
+            step and ``None`` for a forward-only one.
+        critic: value loss; default: ``True`` iff ``model`` is a token classifier with
+            one label (``build_causal_lm(value_head=True)``).
+        vocab_size: token ids are drawn below this; default ``model.config.vocab_size``.
+        lr: learning rate of a created optimizer.
+        logprobs: the policy's log-prob head, one of :data:`LOGPROBS` (default ``"full"``, as
+            :class:`~batchfit.budget.ProfileOptions`: what SkyRL and verl run by default).
+        cost: ``"padded"`` or ``"packed"``: the micro-batch layout the trainer's plans use; a
+            packed one runs with varlen attention (:func:`batchfit.models.use_varlen_attention`,
+            what a trainer of packed rows sets).
+        forward_only: a forward-only step: ``no_grad`` log-probs (or values), no backward and
+            no optimizer step. With an ``optimizer`` its state is created and registered all
+            the same: the old-log-prob or value pass of a model being trained runs with that
+            state resident; pass ``optimizer=None`` for a frozen reference.
+
+    Returns:
+        A :class:`TrainingStep`; ``step.persistent`` is what to register with
+        ``backend.measure``.
+
+    Raises:
+        InvalidArgument: the model's tensors do not belong to ``backend`` (fake vs real,
+            or another estimate backend's fake mode), an unknown optimizer, head or cost,
+            ``critic`` inconsistent with the model, a bad ``vocab_size``.
+    """
+    chosen = resolve_backend(backend)
+    if chosen is None:
+        raise InvalidArgument(
+            "backend must be a Backend or a backend name, but got backend=None; pass the backend the model was built with"
+        )
+    _check_model_on_backend(model, chosen)
+    is_value_model = _is_value_model(model)
+    if critic is None:
+        critic = is_value_model
+    elif critic and not is_value_model:
+        raise InvalidArgument(
+            f"critic=True needs a value-head model (one output per token), but got a {type(model).__name__}; build it with build_causal_lm(..., value_head=True)"
+        )
+    if vocab_size is None:
+        vocab_size = getattr(getattr(unwrap(model), "config", None), "vocab_size", None)
+        if vocab_size is None:
+            raise InvalidArgument(
+                f"vocab_size is required when the model has no config.vocab_size, but got vocab_size=None for a {type(model).__name__}"
+            )
+    vocab_size = check_positive_int("vocab_size", vocab_size)
+    logprobs = check_choice("logprobs", logprobs, LOGPROBS)
+    cost = check_choice("cost", cost, COSTS)
+    if isinstance(optimizer, str) and optimizer == "auto":
+        optimizer = None if forward_only else "adamw"
+    opt = _make_optimizer(model, optimizer, lr, chosen)
+    if cost == "packed":
+        use_varlen_attention(unwrap(model))  # packed rows attend per sequence, no T × T mask
+    step = TrainingStep(
+        model,
+        backend=chosen,
+        optimizer=opt,
+        critic=bool(critic),
+        vocab_size=vocab_size,
+        logprobs=logprobs,
+        cost=cost,
+        forward_only=bool(forward_only),
+    )
+    if not forward_only:
+        with chosen.context():
+            allocate_gradients(model)
+    if step.sharding.strategy == "ddp" and model is not unwrap(model) and not forward_only:
+        # DDP re-buckets gradients in the forward after its first backward (allocating in
+        # C++); two steps now keep that out of every measured step (NOTE [ DDP gradient buckets ]).
+        for _ in range(2):
+            step([2])
+    return step

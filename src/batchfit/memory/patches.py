@@ -1,0 +1,187 @@
+"""Class attributes the live-storage tracker replaces while it is active, installed once and restored exactly.
+
+The tracker must see two calls that no dispatch mode sees: ``torch.UntypedStorage.resize_``
+(FSDP2 allocates and frees unsharded parameters with it) and ``torch.distributed.Work.wait``
+(what a backend allocates while completing a collective is not counted). Both are class
+attributes, so replacing them is process-wide; :class:`ClassPatch` does it so that it
+composes with the other code that patches the same attribute, above all PyTorch's
+``torch.distributed._tools.mem_tracker.MemTracker`` and ``FSDPMemTracker``.
+
+NOTE [ Patched once, restored exactly ]
+- **Once.** The first tracker entered installs the wrapper, the last one to exit removes it;
+  nested trackers and trackers on other threads share it (a count under a lock). The
+  wrapper is one module-level function per attribute, recognised by identity: it is never
+  installed over itself, nor over a wrapper that already calls it (followed through
+  ``__wrapped__``, which ``functools.wraps`` sets, as ``MemTracker`` does). A chain that calls
+  it again without saying so (a wrapper without ``__wrapped__``) is cut by a per-thread
+  guard: re-entered on the same thread, it calls the bottom of the chain (the C method).
+- **Exactly.** Installing remembers the attribute's own entry in the class ``__dict__``;
+  removing puts that entry back, or deletes ours when there was none (``resize_`` is
+  inherited from ``torch._C.StorageBase``: assigning the C method instead would leave a copy
+  in ``torch.UntypedStorage.__dict__``). It is removed only if it is still on top: if
+  something replaced it since, that code restores what it saved, and the wrapper it may put
+  back is harmless (below).
+- **Only the caller's trackers.** The wrapper acts only for the trackers of the calling
+  context (:func:`batchfit.memory.labels._in_context`), so a resize or a ``wait()`` on another
+  thread neither adds to nor hides the measured thread's bytes; with no tracker in the
+  context it only calls what it wraps. A reference to it that outlives our installation
+  therefore stays correct: what it wraps (``below``) is kept after removal.
+- **Composition with MemTracker.** ``MemTracker`` saves ``resize_`` when it is *constructed*,
+  installs its wrapper on ``__enter__`` and assigns what it saved on ``__exit__``.
+  Constructed and entered inside our block, its wrapper calls ours: both see every resize,
+  and at its exit ours is on top again. Entered outside our block (before it), ours calls
+  its wrapper. Constructed inside our block and entered after it, its wrapper calls ours,
+  which only passes the call on; at its exit it puts our wrapper back for good: the next
+  tracker then finds it on top, takes it over and, at exit, restores what it wraps (the C
+  method: the attribute is deleted), so the leftover is cleaned at the next measurement.
+- **The limit.** A ``MemTracker`` constructed *before* our block and entered inside it
+  installs a wrapper over the C method that bypasses ours, and its exit removes ours. The
+  tracker then calls :meth:`ClassPatch.ensure` before every op it sees, which finds the
+  attribute changed (one ``__dict__`` lookup) and installs ours on top again. Resizes
+  between that change and the next op are missed by our tracker; FSDP2's resize is followed
+  by the all-gather that writes into the storage, whose output the tracker sees and
+  accounts at its new size (NOTE [ Sharded tensors and storage resizes ]), so the peak is
+  kept, only a category may differ. After all exit, the attribute then holds the C method in
+  the class ``__dict__`` (where ``MemTracker`` put it): the same object as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_ABSENT = object()  # no entry of that name in the class __dict__
+_NOTHING = object()  # we have not installed the wrapper: nothing to restore
+
+_MAX_CHAIN = 64  # __wrapped__ links followed before giving up
+
+
+def _reaches(fn: Any, target: Any) -> bool:
+    """True when ``fn`` is ``target`` or wraps it, following ``__wrapped__`` links."""
+    for _ in range(_MAX_CHAIN):
+        if fn is target:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return False
+    return False
+
+
+def _bottom(fn: Any) -> Any:
+    """The end of ``fn``'s ``__wrapped__`` chain (the C method under every wrapper that says what it wraps)."""
+    for _ in range(_MAX_CHAIN):
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None:
+            return fn
+        fn = inner
+    return fn
+
+
+class ClassPatch:
+    """``owner.name`` replaced by ``wrapper`` while at least one tracker uses it (NOTE [ Patched once, restored exactly ]).
+
+    ``wrapper`` calls :meth:`call_below` to run what it replaced. ``owner`` is a function
+    returning the class (``None`` when it does not exist, e.g. torch without distributed).
+
+    Attributes:
+        name: the attribute.
+        users: trackers using the patch now (any thread).
+    """
+
+    def __init__(self, owner: Callable[[], type | None], name: str) -> None:
+        self._owner = functools.cache(owner)
+        self.name = name
+        self.wrapper: Callable[..., Any] | None = None
+        self.users = 0
+        self._lock = threading.RLock()
+        self._below: Any = None  # what the wrapper calls; kept after removal (NOTE)
+        self._base: Any = None  # the bottom of the chain, for the recursion guard
+        self._restore: Any = _NOTHING  # the __dict__ entry to put back, _ABSENT to delete ours
+        self._seen: Any = _NOTHING  # the __dict__ entry after our last look
+        self._guard = threading.local()
+
+    def bind(self, wrapper: Callable[..., Any]) -> Callable[..., Any]:
+        """Set the wrapper (used as a decorator on the module-level wrapper function)."""
+        self.wrapper = wrapper
+        return wrapper
+
+    # ----------------------------------------------------------------- calls through the wrapper
+    def call_below(self, *args: Any, **kwargs: Any) -> Any:
+        """Call what the wrapper replaced; re-entered on the same thread, call the C method (NOTE)."""
+        guard = self._guard
+        if getattr(guard, "inside", False):
+            return self._base(*args, **kwargs)
+        guard.inside = True
+        try:
+            return self._below(*args, **kwargs)
+        finally:
+            guard.inside = False
+
+    # ----------------------------------------------------------------- install / remove
+    def acquire(self) -> None:
+        """One more user; the first installs the wrapper."""
+        with self._lock:
+            self.users += 1
+            if self.users == 1:
+                self._establish()
+
+    def release(self) -> None:
+        """One user less; the last removes the wrapper if it is still on top."""
+        with self._lock:
+            if self.users == 0:
+                return
+            self.users -= 1
+            if self.users == 0:
+                self._withdraw()
+
+    def ensure(self) -> None:
+        """Re-establish the wrapper if something replaced the attribute since our last look (cheap when not)."""
+        owner = self._owner()
+        if owner is None or self.users == 0 or owner.__dict__.get(self.name, _ABSENT) is self._seen:
+            return
+        with self._lock:
+            if self.users:
+                self._establish()
+
+    def _establish(self) -> None:
+        owner = self._owner()
+        if owner is None:
+            return
+        entry = owner.__dict__.get(self.name, _ABSENT)
+        current = getattr(owner, self.name)
+        self._seen = entry
+        if current is self.wrapper:
+            if self._restore is _NOTHING:
+                # put back by code that saved it (a MemTracker constructed inside our block):
+                # take it over, and restore what it wraps at the end
+                self._restore = self._entry_for(self._below)
+            return
+        if _reaches(current, self.wrapper):
+            return  # a wrapper above ours already calls ours
+        self._restore = entry
+        self._below = current
+        self._base = _bottom(current)
+        setattr(owner, self.name, self.wrapper)
+        self._seen = self.wrapper
+
+    def _withdraw(self) -> None:
+        owner = self._owner()
+        restore, self._restore, self._seen = self._restore, _NOTHING, _NOTHING
+        if owner is None or restore is _NOTHING:
+            return
+        if owner.__dict__.get(self.name, _ABSENT) is not self.wrapper:
+            return  # replaced since: whoever did restores what it saved
+        if restore is _ABSENT:
+            delattr(owner, self.name)
+        else:
+            setattr(owner, self.name, restore)
+
+    def _entry_for(self, value: Any) -> Any:
+        """The ``__dict__`` entry that makes ``owner.name`` be ``value``: none if the base classes give it."""
+        owner = self._owner()
+        for klass in owner.__mro__[1:]:
+            if self.name in klass.__dict__:
+                return _ABSENT if getattr(klass, self.name) is value else value
+        return value

@@ -1,0 +1,15 @@
+"""Data parallelism: collectives that agree across ranks, sharding specs, PyTorch's FSDP2 and DDP applied.
+
+- :mod:`~batchfit.parallel.distributed`: min/max/any all-reduce helpers and agreement on
+  errors (no-ops without a process group), :func:`simulated_world` (PyTorch's fake process
+  group), :func:`sync_micro_batch_count`.
+- :mod:`~batchfit.parallel.sharding`: :class:`Sharding`, the data-parallel layout as data.
+- :mod:`~batchfit.parallel.shard`: :func:`shard_model` (``fully_shard`` per layer and root,
+  or DDP), :func:`unwrap`.
+"""
+
+from batchfit.parallel.distributed import simulated_world, sync_micro_batch_count
+from batchfit.parallel.shard import shard_model, unwrap
+from batchfit.parallel.sharding import Sharding, as_sharding
+
+__all__ = ["Sharding", "as_sharding", "shard_model", "simulated_world", "sync_micro_batch_count", "unwrap"]
