@@ -202,7 +202,9 @@ def test_a_packed_budget_counts_tokens_and_one_more_token_does_not_fit():
     # hold r tokens with 1000·r + 3·r² <= 30,604,672 -> r = 3,031 (30,591,883 B; 3,032 need 30,611,072)
     assert budget.points[0].tokens == 36 * 4096 + 3_031
     assert budget.tokens == 36 * 4096 + 3_031 > 36 * 4096  # the padded budget of the same memory
-    assert max(p.probes for p in budget.points) <= 8
+    # rows as a padded search counts them, then the remainder; a shorter length first tries the
+    # tokens of the longer one (two probes when they fit there too, as with varlen attention)
+    assert budget.points[0].probes <= 8 and max(p.probes for p in budget.points) <= 10
 
 
 def test_a_packed_budget_holds_every_split_into_shorter_sequences():

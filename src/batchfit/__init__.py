@@ -1,13 +1,22 @@
 """batchfit: make LLM training use accelerator memory fully without running out of it.
 
-The pure core (no device code, no collectives): :mod:`batchfit.plan.config` (batch plans),
-:mod:`batchfit.batches.minibatch` (prompt-aligned mini-batches, data-parallel padding),
-:mod:`batchfit.batches.weights` (exact loss weights), :mod:`batchfit.plan.packing` (token-budget
-micro-batch plans). Above it: :mod:`batchfit.memory` (measure or estimate peak memory),
-:mod:`batchfit.budget` (automatic token budgets), :mod:`batchfit.autobatch` (batch-size
-search for any model) and :mod:`batchfit.logprobs` (memory-bounded log-probs).
+The package in layers (each imports only the ones below it):
 
-The names below are importable from ``batchfit`` directly; the heavier ones load on first use.
+- :mod:`batchfit.plan`: pure planning — batch plans (:class:`BatchConfig`), token-budget
+  micro-batch plans (:func:`plan_micro_batches`), the bracket search.
+- :mod:`batchfit.batches`: tensor-level batching — prompt-aligned mini-batches, data-parallel
+  padding, exact loss weights, row layouts, :func:`iter_micro_batches`.
+- :mod:`batchfit.parallel`: collectives that agree across ranks, :class:`Sharding`, FSDP2/DDP.
+- :mod:`batchfit.memory`: measuring (cuda, cpu) or estimating (fake tensors) peak memory.
+- :mod:`batchfit.logprobs`: memory-bounded log-probs and entropy.
+- :mod:`batchfit.models`: presets, building causal LMs with real or fake tensors, varlen attention.
+- :mod:`batchfit.train`: the parts of an RL trainer's micro-batch step.
+- :mod:`batchfit.budget` / :mod:`batchfit.autobatch`: token budgets (whose probe is the
+  trainer's own step) and batch-size search.
+- :mod:`batchfit.frameworks`, :mod:`batchfit.cli`: SkyRL and verl configs, the command line.
+
+The names below are importable from ``batchfit`` directly; all but the batch plans load on
+first use (``import batchfit`` stays light).
 """
 
 from __future__ import annotations
@@ -28,28 +37,54 @@ from batchfit.plan.config import BatchConfig, BatchPlan, RolePlan
 __version__ = "0.1.0"
 
 _LAZY = {
+    # batch plans and micro-batch plans
     "load_config": "batchfit.frameworks.config_io",
-    "mini_batch_boundaries": "batchfit.batches.minibatch",
-    "prompt_boundaries": "batchfit.batches.minibatch",
-    "pad_for_data_parallel": "batchfit.batches.minibatch",
-    "split_for_data_parallel": "batchfit.batches.minibatch",
-    "slice_batch": "batchfit.batches.minibatch",
-    "loss_weights": "batchfit.batches.weights",
-    "plan_micro_batches": "batchfit.plan.packing",
-    "MicroBatchPlan": "batchfit.plan.packing",
-    "iter_micro_batches": "batchfit.batches.microbatch",
-    "sync_micro_batch_count": "batchfit.parallel.distributed",
-    "find_token_budget": "batchfit.budget",
-    "TokenBudget": "batchfit.budget",
-    "profile_model": "batchfit.budget.profile",
-    "Sharding": "batchfit.parallel.sharding",
-    "simulated_world": "batchfit.parallel.distributed",
-    "find_batch_size": "batchfit.autobatch",
+    "plan_micro_batches": "batchfit.plan",
+    "MicroBatchPlan": "batchfit.plan",
+    # tensor-level batching
+    "mini_batch_boundaries": "batchfit.batches",
+    "prompt_boundaries": "batchfit.batches",
+    "pad_for_data_parallel": "batchfit.batches",
+    "split_for_data_parallel": "batchfit.batches",
+    "slice_batch": "batchfit.batches",
+    "loss_weights": "batchfit.batches",
+    "iter_micro_batches": "batchfit.batches",
+    "MicroBatch": "batchfit.batches",
+    # data parallelism
+    "Sharding": "batchfit.parallel",
+    "simulated_world": "batchfit.parallel",
+    "sync_micro_batch_count": "batchfit.parallel",
+    # memory
     "get_backend": "batchfit.memory",
     "measure_peak": "batchfit.memory",
+    "MemoryMeasurement": "batchfit.memory",
+    # log-probs
     "logprobs_from_logits": "batchfit.logprobs",
     "logprobs_from_hidden": "batchfit.logprobs",
     "entropy_from_logits": "batchfit.logprobs",
+    # models
+    "build_causal_lm": "batchfit.models",
+    "use_varlen_attention": "batchfit.models",
+    # a trainer's micro-batch step
+    "accumulate": "batchfit.train",
+    "data_parallel_size": "batchfit.train",
+    "forward_logprobs": "batchfit.train",
+    "forward_values": "batchfit.train",
+    "initialize_optimizer_state": "batchfit.train",
+    "micro_batch_loss": "batchfit.train",
+    "model_logprobs": "batchfit.train",
+    "model_values": "batchfit.train",
+    "policy_loss": "batchfit.train",
+    "response_columns": "batchfit.train",
+    "value_loss": "batchfit.train",
+    "PeakTracker": "batchfit.train",
+    # token budgets and batch sizes
+    "find_token_budget": "batchfit.budget",
+    "profile_model": "batchfit.budget",
+    "ProfileOptions": "batchfit.budget",
+    "ModelProfile": "batchfit.budget",
+    "TokenBudget": "batchfit.budget",
+    "find_batch_size": "batchfit.autobatch",
 }
 
 

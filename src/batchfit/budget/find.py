@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_max_batch
-from batchfit.budget.probe import BudgetStep, CallableStep, Probe
+from batchfit.budget.probe import BudgetStep, CallableStep, Probe, candidate_lengths
 from batchfit.budget.token_budget import BudgetPoint, TokenBudget, check_cost
 from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.memory import BACKEND_NAMES, Backend
@@ -202,18 +202,24 @@ def find_token_budget(
             notify(BudgetProgress(role, seq_len, index, n_lengths, result, None, len(trials), limit))
             return result
 
+        def finish(point: BudgetPoint) -> BudgetPoint:
+            notify(BudgetProgress(role, seq_len, index, n_lengths, None, point.max_batch_size, len(trials), limit))
+            return point
+
         hint = (hints or {}).get(seq_len)
         rows_hint, rest_hint = (hint, None) if hint is None or cost == "padded" else divmod(hint, seq_len)
+        if cost == "packed" and hint is None and points:
+            # shorter sequences usually fit as many tokens (varlen attention): try that first
+            previous = points[-1].tokens
+            if _confirmed(probe, previous, seq_len):
+                return finish(_point(seq_len, previous // seq_len, previous, trials[before:], cost))
         rows = _search_rows(probe, trials, seq_len, limit, rows_hint, _warm_start(points, seq_len))
-        rest = None
+        tokens = rows.batch_size * seq_len
         if cost == "packed" and rows.batch_size >= 1:
             # NOTE [ Packed budgets count tokens ]: then the tokens of one more, shorter sequence
             rest = _search_rest(probe, trials[before:], rows.batch_size, seq_len, limit, rest_hint)
-        point = _point(seq_len, rows, rest, trials[before:], cost)
-        notify(
-            BudgetProgress(role, seq_len, index, n_lengths, None, point.max_batch_size, len(trials), limit)
-        )
-        return point
+            tokens += 0 if rest is None else rest.batch_size
+        return finish(_point(seq_len, rows.batch_size, tokens, trials[before:], cost))
 
     for index, seq_len in enumerate(lengths):
         point = run_length(seq_len, index, planned)
@@ -280,7 +286,9 @@ def _search_rows(
     def guess(done: Sequence[Trial]) -> float | None:
         if hint is not None and all((t.batch_size <= hint) == t.fits for t in done):
             return hint + 0.5  # probe the hint, then the size above it
-        return guess_max_batch(_completed(trials), seq_len, limit)
+        # a remainder probe here is not a row count: the rows' secant takes whole rows only
+        whole = [p for p in trials if p.seq_len != seq_len or p.total_tokens % seq_len == 0]
+        return guess_max_batch(_completed(whole), seq_len, limit)
 
     def rows(size: int) -> Trial:
         return _trial(size, probe([seq_len] * size))
@@ -565,13 +573,15 @@ def _warm_start(points: Sequence[BudgetPoint], seq_len: int) -> int:
     return max(1, points[-1].tokens // seq_len)
 
 
-def _point(
-    seq_len: int, rows: SearchResult, rest: SearchResult | None, at_length: Sequence[Probe], cost: str
-) -> BudgetPoint:
-    """The verified answer at ``seq_len``: the rows search, and for a packed search the remainder's."""
-    whole = rows.batch_size
-    extra = rest.batch_size if rest is not None else 0
-    tokens = whole * seq_len + extra
+def _confirmed(probe: Callable[..., Probe], tokens: int, seq_len: int) -> bool:
+    """``tokens`` measured to fit at ``seq_len`` and ``tokens + 1`` measured not to (two probes at most)."""
+    if tokens < seq_len or not probe(candidate_lengths(tokens, seq_len, "packed")).fits:
+        return False
+    return not probe(candidate_lengths(tokens + 1, seq_len, "packed")).fits
+
+
+def _point(seq_len: int, whole: int, tokens: int, at_length: Sequence[Probe], cost: str) -> BudgetPoint:
+    """The verified answer at ``seq_len``: ``whole`` sequences of it, ``tokens`` in all (packed: plus a remainder)."""
 
     def measured(total: int) -> Probe | None:
         return next((p for p in reversed(at_length) if p.total_tokens == total and p.batch_size >= 1), None)

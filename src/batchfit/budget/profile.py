@@ -35,6 +35,9 @@ ROLES = ("policy", "critic", "reference", "policy_forward", "critic_forward")
 state) stays resident, as it does between a framework's training steps."""
 TRAINED_ROLES = ("policy", "critic")
 VALUE_ROLES = ("critic", "critic_forward")
+#: A real cpu search of a model this large is guided by the estimate of the same step (NOTE
+#: [ Estimates guide real cpu searches ]); a smaller one runs its cheap real probes unguided.
+ESTIMATE_HINTS_FROM_PARAMETERS = 20_000_000
 
 
 def forward_role(role: str) -> bool:
@@ -190,8 +193,7 @@ def profile_model(
     resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
     if resident_bytes:
         _take_resident(be, resident_bytes)
-    if be.name == "cpu":
-        _check_host_memory(config, model_name(model), len(chosen_roles))
+    parameters = _check_host_memory(config, model_name(model)) if be.name == "cpu" else 0
     depth, extrapolate = _depth_plan(config, be, opts.depth_extrapolation)
     build = _RoleBuilder(config, be, torch_dtype, opts, extrapolate, depth)
     budgets: dict[str, TokenBudget] = {}
@@ -201,7 +203,7 @@ def profile_model(
     with _world(be, plan), host_heap:
         for role in chosen_roles:
             lengths, hints = opts.seq_lens, None
-            if be.name == "cpu" and not plan.distributed:
+            if be.name == "cpu" and not plan.distributed and parameters >= ESTIMATE_HINTS_FROM_PARAMETERS:
                 lengths, hints = _estimated_hints(build, role, opts)
             # NOTE [ Ranks agree or say why ]: a build that fails on one rank raises on all
             step = agree(lambda role=role: build.step(role), what=f"building the {role} model")
@@ -337,10 +339,14 @@ def resident_state_bytes(
 def _estimated_hints(build: _RoleBuilder, role: str, options: ProfileOptions) -> tuple[Any, dict[int, int] | None]:
     """The estimate backend's answer for the same step, as hints for a real cpu search.
 
+    NOTE [ Estimates guide real cpu searches ]
     The estimate equals the cpu run to the byte (same tracker, fake tensors), so the cpu
     search then measures about two real steps per length instead of a dozen: the predicted
-    answer (fits) and the one above (does not). ``(lengths, hints)``; ``(seq_lens, None)``
-    when the estimate fails (the cpu search then runs unguided).
+    answer (fits) and the one above (does not). A fake probe costs a fixed ~0.3 s of
+    dispatch on this project's machines whatever the model's size, a real one grows with it:
+    below :data:`ESTIMATE_HINTS_FROM_PARAMETERS` parameters the real probes are the cheaper
+    ones (the tiny preset: 0.12 s each) and run unguided. ``(lengths, hints)``;
+    ``(seq_lens, None)`` when the estimate fails (the cpu search then runs unguided).
     """
     from batchfit.memory import get_backend
 
@@ -367,19 +373,19 @@ def _estimated_hints(build: _RoleBuilder, role: str, options: ProfileOptions) ->
     return [p.seq_len for p in budget.points], answers
 
 
-def _check_host_memory(config: Any, model: str, roles: int) -> None:
-    """The cpu backend builds real models: refuse one whose training state alone exceeds half this host's memory."""
-    import os
-
+def _check_host_memory(config: Any, model: str) -> int:
+    """The model's parameters; the cpu backend builds real models: refuse one whose training state alone exceeds half this host's memory."""
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return
+        host = None
     with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if host is None:  # pragma: no cover - not POSIX
+        return params
     needed = params * 16  # fp32 parameters, gradients and AdamW's two moments
     if needed > host // 2:
         from batchfit.memory import format_bytes
@@ -389,6 +395,7 @@ def _check_host_memory(config: Any, model: str, roles: int) -> None:
             f"for training state alone, more than half of this host's {format_bytes(host)}; use backend='estimate' "
             "(fake tensors, no memory) or a smaller model"
         )
+    return params
 
 
 def default_dtype(sharding: Sharding) -> str:

@@ -93,7 +93,12 @@ def breakdown_table(profile: ModelProfile) -> Table:
     table.add_column("")
     for role, budget in profile.budgets.items():
         point = budget.binding_point
-        at = "" if point is None else f" ({point.max_batch_size}×{point.seq_len:,})"
+        if point is None:
+            at = ""
+        elif point.max_tokens is not None:  # packed: whole sequences and a remainder
+            at = f" ({point.tokens:,} tokens ≤ {point.seq_len:,} each)"
+        else:
+            at = f" ({point.max_batch_size}×{point.seq_len:,})"
         table.add_column(f"{role}{at}", justify="right")
     for label, values in breakdown_rows(profile):
         table.add_row(label, *("—" if v is None else format_bytes(v) for v in values))
