@@ -18,7 +18,8 @@ Every training step:
 3. per optimizer step (mini-batches of prompts × epochs: the batch plan's count, whatever the
    turns): mini-batch → data-parallel padding → exact loss weights → a token-budget plan →
    padding-free packed micro-batches → fused log-probs through the (FSDP2) model → clipped
-   surrogate → gradient accumulation that syncs once → ``optimizer.step()``.
+   surrogate (``micro_batch_loss``, the step the token budget's probe ran) → gradient
+   accumulation → ``optimizer.step()``.
 
 The token budgets are profiled on this machine, per rank for the sharding used; every
 micro-batch's peak memory is measured (cpu tracker) and printed beside the budget's limit.
@@ -288,7 +289,7 @@ def train(
                 micro_batches = iter_micro_batches(mini, mb_plan, rank, layout=s.layout, trim=trim)
                 loss_sum, computed, real, peak = 0.0, 0, 0, 0
                 with meters(s, model, optimizer, host=mini) as (comm, peaks):
-                    for mb in accumulate(model, micro_batches, mb_plan.num_micro_batches):  # syncs once
+                    for mb in accumulate(model, micro_batches, mb_plan.num_micro_batches):
                         # fused log-probs through the (FSDP2) forward, then the clipped surrogate:
                         # the step the token budget's probe ran
                         loss = micro_batch_loss(model, mb, clip_ratio=s.clip_ratio, scale=dp)

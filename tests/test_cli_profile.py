@@ -33,11 +33,21 @@ def test_default_run_answers_a_7b_fsdp2_node(capsys):
     assert "sharding: fsdp2 over 8 ranks (fp32 params, bf16 compute, fp32 reduce)" in out
     assert "backend estimate → h100-80gb (default target without a GPU; set --memory) per rank" in out
     assert "seq len" in out and "headroom" in out
-    assert "token budget C = " in out
+    assert "token budget C = 24,576 tokens (padded)" in out  # 3 sequences of 8192
     assert "model check: the model agrees at every length 1..8192" in out
     assert "per-rank memory at the budget's peak" in out
     assert "parameters (1/8 shard)" in out and "optimizer state (1/8 shard)" in out
     assert "reserve (CUDA context, NCCL, workspaces)" in out
+
+
+def test_the_default_jobs_packed_budget_counts_tokens_and_exceeds_the_padded_one(capsys):
+    # NOTE [ Packed budgets count tokens ]: 3 whole sequences of 8192 and 5,000 tokens more fit,
+    # where rounding down to whole sequences gave the padded 24,576
+    assert main(["profile", "--no-progress", "--cost", "packed", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    longest = data["roles"]["policy"]["points"][0]
+    assert (longest["seq_len"], longest["max_batch_size"], longest["tokens"]) == (8192, 3, 29_576)
+    assert data["tokens"] == 29_576 > 24_576
 
 
 def test_json_schema(capsys):

@@ -108,7 +108,10 @@ def breakdown_table(profile: ModelProfile) -> Table:
 def budget_lines(budget: TokenBudget) -> list[str]:
     """The budget, its guarantee, the limit, the memory model and the model check, as lines."""
     if budget.cost == "padded":
-        meaning = f"b sequences padded to s ≤ {budget.max_seq_len:,} fit when b·s ≤ {budget.tokens:,}"
+        meaning = (
+            f"b sequences padded to s ≤ {budget.max_seq_len:,} fit when b·s ≤ {budget.tokens:,} "
+            "(packed micro-batches: --cost packed, counted to the token)"
+        )
     else:
         meaning = (
             f"packed micro-batches of sequences ≤ {budget.max_seq_len:,} tokens fit when the sum of "
