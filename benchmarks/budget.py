@@ -28,7 +28,6 @@ def make_step(model: str, backend: str, memory: str, dtype: str):
 
 def baseline(step, seq_lens: list[int], limit: int) -> tuple[dict[int, int], int, float]:
     """Doubling + bisection at each length with the same probe; (max batch per length, probes, seconds)."""
-    be = step.backend
     probes = 0
     found: dict[int, int] = {}
     t0 = time.perf_counter()

@@ -20,9 +20,9 @@ from batchfit.budget import (
     fit_memory_model,
     guess_max_batch,
 )
+from batchfit.budget.probe import candidate_lengths
 from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.memory import Backend, MemoryMeasurement
-from batchfit.budget.probe import candidate_lengths
 from multirank import run_ranks
 
 # --------------------------------------------------------------------------- helpers
@@ -193,7 +193,7 @@ def packed_peak(lengths):
 
 
 def test_a_packed_budget_counts_tokens_and_one_more_token_does_not_fit():
-    budget, backend = synthetic_budget(packed_peak, cost="packed")
+    budget, _ = synthetic_budget(packed_peak, cost="packed")
     for p in budget.points:
         fits = candidate_lengths(p.tokens, p.seq_len, "packed")
         assert packed_peak(fits) <= budget.limit_bytes

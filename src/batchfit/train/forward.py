@@ -78,17 +78,10 @@ def forward_logprobs(
             other ranks' rows would stay 0).
         BatchError, BudgetError: as :func:`batchfit.batches.microbatch.iter_micro_batches`.
     """
-    return _forward(
-        model,
-        batch,
-        plan,
-        rank,
-        layout=layout,
-        group=group,
-        out=out,
-        iter_options=iter_options,
-        run=lambda mb: micro_batch_outputs(model, mb, head=head, chunk_size=chunk_size, temperature=temperature),
-    )
+    def run(mb: MicroBatch) -> torch.Tensor:
+        return micro_batch_outputs(model, mb, head=head, chunk_size=chunk_size, temperature=temperature)
+
+    return _forward(batch, plan, rank, run, layout, group, out, iter_options)
 
 
 def forward_values(
@@ -108,29 +101,19 @@ def forward_values(
     micro-batch (``micro_batch_outputs(..., critic=True)``).
     """
     return _forward(
-        model,
-        batch,
-        plan,
-        rank,
-        layout=layout,
-        group=group,
-        out=out,
-        iter_options=iter_options,
-        run=lambda mb: micro_batch_outputs(model, mb, critic=True),
+        batch, plan, rank, lambda mb: micro_batch_outputs(model, mb, critic=True), layout, group, out, iter_options
     )
 
 
 def _forward(
-    model: torch.nn.Module,
     batch: Mapping[str, Any],
     plan: MicroBatchPlan,
     rank: int,
-    *,
+    run: Callable[[MicroBatch], torch.Tensor],
     layout: str,
     group: Any,
     out: torch.Tensor | None,
     iter_options: Mapping[str, Any],
-    run: Callable[[MicroBatch], torch.Tensor],
 ) -> torch.Tensor:
     import torch.distributed as dist
 

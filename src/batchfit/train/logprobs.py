@@ -262,17 +262,10 @@ class _TokenAligned:
     column ``c`` holds what the hidden state of ``c - 1`` predicts about token ``c``.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        batch: Any,
-        *,
-        input_ids_key: str,
-        attention_mask_key: str,
-        position_ids_key: str,
-    ):
+    def __init__(self, model: torch.nn.Module, batch: Any, keys: tuple[str, str, str]):
+        input_ids_key, attention_mask_key, position_ids_key = keys
         fields = _fields(batch)
-        self.fields, self.keys = fields, (input_ids_key, attention_mask_key, position_ids_key)
+        self.fields, self.keys = fields, keys
         ids = fields.get(input_ids_key)
         _tensor_field(fields, input_ids_key, required=True)
         starts = _row_starts(batch, fields, attention_mask_key)
@@ -377,13 +370,7 @@ def model_logprobs(
         torch.Size([1, 3])
     """
     head = check_choice("head", head, HEADS)
-    run = _TokenAligned(
-        model,
-        batch,
-        input_ids_key=input_ids_key,
-        attention_mask_key=attention_mask_key,
-        position_ids_key=position_ids_key,
-    )
+    run = _TokenAligned(model, batch, (input_ids_key, attention_mask_key, position_ids_key))
     chunk = _chunk_size(chunk_size, run.fields, input_ids_key)
     if head == "fused":
         with fused_output_head(
@@ -460,13 +447,7 @@ def model_values(
         BatchError: a missing or misshapen field.
         InvalidArgument: ``model`` does not output one value per token.
     """
-    run = _TokenAligned(
-        model,
-        batch,
-        input_ids_key=input_ids_key,
-        attention_mask_key=attention_mask_key,
-        position_ids_key=position_ids_key,
-    )
+    run = _TokenAligned(model, batch, (input_ids_key, attention_mask_key, position_ids_key))
     out = model(**run.inputs).logits
     if out.ndim != 3 or out.shape[-1] != 1:
         raise InvalidArgument(
