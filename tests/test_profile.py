@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from batchfit.budget import ProfileOptions
 from batchfit.budget.profile import profile_model
 from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.models import preset_info
@@ -121,3 +122,59 @@ def test_a_cpu_profile_confirms_the_estimate_with_two_real_steps_per_length(one_
 def test_the_cpu_backend_refuses_a_model_this_host_cannot_hold():
     with pytest.raises(InvalidArgument, match=r"backend='cpu' runs 'qwen2.5-72b' for real.*use backend='estimate'"):
         profile_model("qwen2.5-72b", max_seq_len=128, backend="cpu", memory_limit="80GiB")
+
+
+# --------------------------------------------------------------------------- what a model can be; the options
+
+
+def test_a_model_a_config_and_a_preset_give_the_same_budget():
+
+    from batchfit.models import build_causal_lm, load_config
+
+    options = ProfileOptions(max_seq_len=128, backend="estimate", memory_limit=64 * MiB, reserve_bytes=0)
+    by_name = profile_model("tiny", options)
+    by_config = profile_model(load_config("tiny"), options)
+    module = build_causal_lm("tiny")
+    by_module = profile_model(module, options)
+    assert by_name.combined.tokens == by_config.combined.tokens == by_module.combined.tokens > 0
+    assert by_name.model == "tiny" and by_module.model == by_config.model == "llama"  # named, never a repr
+
+
+def test_a_module_without_a_transformers_config_is_one_line_naming_its_type():
+    import torch
+
+    with pytest.raises(InvalidArgument) as info:
+        profile_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), max_seq_len=64, backend="estimate", memory_limit=GiB)
+    message = str(info.value)
+    assert "but got a Sequential without one" in message and "\n" not in message and "Linear(" not in message
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        pytest.param({}, r"max_seq_len is required", id="no-max-seq-len"),
+        pytest.param({"max_seq_len": 64, "seq_len": 8}, r"unknown setting 'seq_len'; the settings are max_seq_len, ", id="typo"),
+        pytest.param({"max_seq_len": 64, "cost": "pack"}, r"cost must be one of 'padded', 'packed'", id="cost"),
+        pytest.param({"max_seq_len": 64, "logprobs": "fast"}, r"logprobs must be one of 'full', 'chunked', 'fused'", id="head"),
+        pytest.param(
+            {"max_seq_len": 64, "gradient_checkpointing": "yes"},
+            r"gradient_checkpointing must be True or False, but got gradient_checkpointing='yes'",
+            id="checkpointing",
+        ),
+        pytest.param({"max_seq_len": 64, "safety_margin": 2}, r"safety_margin must be in \(0, 1\]", id="margin"),
+    ],
+)
+def test_bad_settings_are_named(settings, match):
+    with pytest.raises(InvalidArgument, match=match):
+        profile_model("tiny", backend="estimate", memory_limit=GiB, **settings)
+
+
+def test_options_are_one_object_and_keywords_override_its_fields():
+    options = ProfileOptions(max_seq_len=128, backend="estimate", memory_limit=64 * MiB, reserve_bytes=0)
+    assert options.replace(cost="packed").cost == "packed" and options.cost == "padded"
+    with pytest.raises(InvalidArgument, match=r"ProfileOptions has no field 'costs'; its fields are max_seq_len"):
+        options.replace(costs="packed")
+    with pytest.raises(InvalidArgument, match=r"options must be a ProfileOptions, but got a dict"):
+        profile_model("tiny", {"max_seq_len": 128})
+    packed = profile_model("tiny", options, cost="packed")
+    assert packed.budgets["policy"].cost == "packed"
