@@ -97,7 +97,10 @@ class ClassPatch:
         self.users = 0
         self._lock = threading.RLock()
         self._below: Any = None  # what the wrapper calls; kept after removal (NOTE)
-        self._base: Any = None  # the bottom of the chain, for the recursion guard
+        # the C method at the bottom of every chain, for the recursion guard: taken before any
+        # tracker runs (at import), so that a wrapper installed later is never mistaken for it
+        cls = self._owner()
+        self._base: Any = None if cls is None else _bottom(getattr(cls, name))
         self._restore: Any = _NOTHING  # the __dict__ entry to put back, _ABSENT to delete ours
         self._seen: Any = _NOTHING  # the __dict__ entry after our last look
         self._guard = threading.local()
@@ -156,13 +159,16 @@ class ClassPatch:
             if self._restore is _NOTHING:
                 # put back by code that saved it (a MemTracker constructed inside our block):
                 # take it over, and restore what it wraps at the end
+                if self._below is None:  # pragma: no cover - only we install it, which sets _below
+                    self._below = self._base
                 self._restore = self._entry_for(self._below)
             return
         if _reaches(current, self.wrapper):
             return  # a wrapper above ours already calls ours
         self._restore = entry
         self._below = current
-        self._base = _bottom(current)
+        if self._base is None:
+            self._base = _bottom(current)
         setattr(owner, self.name, self.wrapper)
         self._seen = self.wrapper
 

@@ -22,7 +22,9 @@ local shard, and allocates unsharded parameters by resizing an existing storage
 ``NotImplemented`` for them, as ``torch.distributed._tools.MemTracker`` does) and counts
 a wrapper by the plain tensors it wraps; (2) ignores ops run under another fake mode
 than the one active when it started (DTensor's sharding propagation); (3) wraps
-``UntypedStorage.resize_`` while it is active; (4) names the buffers of FSDP's
+``UntypedStorage.resize_`` while it is active, and accounts a resize for the trackers of
+the calling context only (NOTE [ Patched once, restored exactly ] in
+:mod:`batchfit.memory.patches`); (4) names the buffers of FSDP's
 collectives: an all-gather's input and output are ``gathered_parameters``, a
 reduce-scatter's input ``communication`` and its output (the sharded gradient)
 ``gradients``.
@@ -34,6 +36,9 @@ estimate's reserve covers them), and gloo, which runs a CPU collective inline in
 ``wait()``, copies its input into temporaries a GPU run never has. Leaving them out keeps
 the cpu backend on real gloo ranks equal to the estimate of a CUDA run (measured: gloo's
 reduce-scatter adds one input-sized copy, 524,544 bytes for the tiny model's root).
+``Work.wait`` is wrapped like ``resize_`` and marks only the trackers of the calling
+context: a ``wait()`` on another thread (async checkpointing) leaves the measured thread's
+allocations counted.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from batchfit.memory import labels
+from batchfit.memory.patches import ClassPatch
 from batchfit.memory.registration import (
     ACTIVATIONS,
     COMMUNICATION,
@@ -109,27 +115,10 @@ def _dtensor_type() -> type | None:
 # communication backend ]): tracked so that their frees balance, never counted.
 _BACKEND_INTERNAL = "communication_backend_internal"
 
-# Trackers active now; the resize_ wrapper notifies each of them (see the NOTEs above).
-_active: list[MemoryTracker] = []
-_original_resize: Any = None
-_original_wait: Any = None
-
 
 def _storage_keys(tree: Any) -> set[int]:
     """The storages of the tensors in ``tree`` (an op's arguments)."""
     return {t.untyped_storage()._cdata for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
-
-
-def _tracked_resize(storage: Any, size: int) -> Any:
-    out = _original_resize(storage, size)
-    for tracker in list(_active):
-        tracker._resized(storage)
-    return out
-
-
-def _untracked_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-    with labels.region(_BACKEND_INTERNAL):
-        return _original_wait(work, *args, **kwargs)
 
 
 def _work_type() -> Any:
@@ -140,28 +129,35 @@ def _work_type() -> Any:
     return getattr(dist, "Work", None) if dist.is_available() else None
 
 
-def _activate(tracker: MemoryTracker) -> None:
-    global _original_resize, _original_wait
-    if not _active:
-        _original_resize = torch.UntypedStorage.resize_
-        torch.UntypedStorage.resize_ = _tracked_resize  # type: ignore[method-assign]
-        work = _work_type()
-        if work is not None:
-            _original_wait = work.wait
-            work.wait = _untracked_wait
-    _active.append(tracker)
+# NOTE [ Patched once, restored exactly ] in batchfit.memory.patches: installed while any
+# tracker is active, acting for the trackers of the calling context only.
+_RESIZE = ClassPatch(lambda: torch.UntypedStorage, "resize_")
+_WAIT = ClassPatch(_work_type, "wait")
+_PATCHES = (_RESIZE, _WAIT)
 
 
-def _deactivate(tracker: MemoryTracker) -> None:
-    global _original_wait
-    if tracker in _active:
-        _active.remove(tracker)
-    if not _active and _original_resize is not None:
-        torch.UntypedStorage.resize_ = _original_resize  # type: ignore[method-assign]
-        work = _work_type()
-        if work is not None and _original_wait is not None:
-            work.wait = _original_wait
-            _original_wait = None
+@_RESIZE.bind
+def _tracked_resize(storage: Any, size: int) -> Any:
+    out = _RESIZE.call_below(storage, size)
+    for mine in labels._in_context():
+        if mine.owner is not None:
+            mine.owner._resized(storage)
+    return out
+
+
+@_WAIT.bind
+def _untracked_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+    context = labels._in_context()
+    if not context:
+        return _WAIT.call_below(work, *args, **kwargs)
+    before = [mine.region for mine in context]
+    for mine in context:
+        mine.region = _BACKEND_INTERNAL
+    try:
+        return _WAIT.call_below(work, *args, **kwargs)
+    finally:
+        for mine, region in zip(context, before):
+            mine.region = region
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -217,6 +213,9 @@ class MemoryTracker(TorchDispatchMode):
         self.phase_peaks: dict[str, int] = {}
         self.phase_breakdowns: dict[str, dict[str, int]] = {}
         self._entry_fake_mode: Any = None
+        # NOTE [ Phases and regions ] in batchfit.memory.labels
+        self._labels = labels._Labels()
+        self._depth = 0
 
     # ----------------------------------------------------------------- bookkeeping
     def _add(self, storage: Any, category: str, *, resized: bool = False) -> None:
@@ -258,7 +257,7 @@ class MemoryTracker(TorchDispatchMode):
         self.current_bytes += delta
         if delta <= 0:
             return
-        phase = labels.current_phase()
+        phase = self._labels.key()
         if self.current_bytes > self.phase_peaks.get(phase, -1):
             self.phase_peaks[phase] = self.current_bytes
             self.phase_breakdowns[phase] = self._snapshot()
@@ -327,34 +326,55 @@ class MemoryTracker(TorchDispatchMode):
         self.phase_breakdowns = {}
 
     def __enter__(self) -> MemoryTracker:
-        self._entry_fake_mode = active_fake_mode()
-        _activate(self)
+        if self._depth == 0:
+            self._entry_fake_mode = active_fake_mode()
+            self._labels.owner = self
+        labels._push(self._labels)
+        acquired = []
         try:
-            return super().__enter__()
+            for patch in _PATCHES:
+                patch.acquire()
+                acquired.append(patch)
+            super().__enter__()
         except BaseException:
-            _deactivate(self)
+            self._leave(acquired)
             raise
+        self._depth += 1
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)
         finally:
-            _deactivate(self)
-            # Detach the finalizers: a storage outliving the block must not keep this
-            # tracker alive (nor call into it) after the measurement.
-            for fin in self._finalizers.values():
-                fin.detach()
-            self._finalizers.clear()
+            self._depth -= 1
+            self._leave(_PATCHES)
+
+    def _leave(self, patches: Iterable[ClassPatch]) -> None:
+        """Undo one entry: release ``patches``, drop the labels from the context; the last exit detaches."""
+        try:
+            for patch in patches:
+                patch.release()
+        finally:
+            labels._pop(self._labels)
+            if self._depth == 0:
+                self._labels.owner = None
+                # Detach the finalizers: a storage outliving the block must not keep this
+                # tracker alive (nor call into it) after the measurement.
+                for fin in self._finalizers.values():
+                    fin.detach()
+                self._finalizers.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         dtensor = _dtensor_type()
         if dtensor is not None and any(issubclass(t, dtensor) for t in types):
             # let DTensor desugar into local ops, which come back here (NOTE above)
             return NotImplemented
+        _RESIZE.ensure()  # NOTE [ Patched once, restored exactly ]: the limit
+        _WAIT.ensure()
         out = func(*args, **(kwargs or {}))
         if active_fake_mode() is not self._entry_fake_mode:
             return out  # DTensor's sharding propagation, not memory
-        category = labels.current_region() or ACTIVATIONS
+        category = self._labels.region or ACTIVATIONS
         inputs = None
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
