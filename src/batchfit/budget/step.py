@@ -20,8 +20,9 @@ the first. A forward-only pass (old log-probs, values, a reference) runs
 :func:`batchfit.train.forward_logprobs` does for each of its micro-batches.
 
 Every response token is trained on (one prompt token per sequence), the upper bound of
-the response-width fields. A packed row's ``cu_seq_lens`` stays a host tensor off CUDA:
-varlen attention reads its values, which the estimate backend's fake tensors do not have.
+the response-width fields. On the estimate backend a packed row's ``cu_seq_lens`` is read
+from the host tensor (varlen attention reads its values, which fake tensors do not have)
+while a fake copy holds its bytes.
 
 Example:
     >>> from batchfit.memory import get_backend
@@ -192,7 +193,7 @@ class TrainingStep:
         """Copy ``mb``'s fields to the device and run the trainer's step on it (NOTE [ One micro-batch step ])."""
         options = {"critic": self.critic, "head": self.logprobs}
         with self.backend.context(), _quiet_fsdp_views():
-            mb = _on_device(mb, self.backend)
+            mb, _held = _on_device(mb, self.backend)
             if self.forward_only:
                 with torch.no_grad(), labels.phase(labels.FORWARD), _head_region(self._head):
                     labels.set_position(labels.EMBED)
@@ -253,19 +254,27 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
     return [check_positive_int(f"lengths[{i}]", n) for i, n in enumerate(lengths)]
 
 
-def _on_device(mb: MicroBatch, backend: Backend) -> MicroBatch:
+def _on_device(mb: MicroBatch, backend: Backend) -> tuple[MicroBatch, list[torch.Tensor]]:
     """``mb`` with its tensors copied to ``backend.device`` (inside the measured call: the trainer's micro-batch bytes).
 
-    ``cu_seq_lens`` (a few bytes) stays the host tensor except on a CUDA device: varlen
-    attention reads its values, which the estimate backend's fake tensors do not have.
+    Returns the micro-batch and the copies to hold alive beside it: on the estimate backend a
+    packed row's ``cu_seq_lens`` stays the host tensor in the micro-batch (varlen attention
+    reads its values, which fake tensors do not have) while its fake copy holds its bytes.
     """
-    fields = {
-        key: value.to(backend.device, copy=True)
-        if isinstance(value, torch.Tensor) and (key != CU_SEQ_LENS or backend.device.type == "cuda")
-        else value
-        for key, value in mb.batch.items()
-    }
-    return dataclasses.replace(mb, batch=fields)
+    fake = getattr(backend, "fake_mode", None) is not None
+    fields: dict[str, Any] = {}
+    held: list[torch.Tensor] = []
+    for key, value in mb.batch.items():
+        if not isinstance(value, torch.Tensor):
+            fields[key] = value
+            continue
+        copy = value.to(backend.device, copy=True)
+        if fake and key == CU_SEQ_LENS:
+            fields[key] = value
+            held.append(copy)
+        else:
+            fields[key] = copy
+    return dataclasses.replace(mb, batch=fields), held
 
 
 @contextlib.contextmanager

@@ -116,6 +116,20 @@ def _dtensor_type() -> type | None:
 _BACKEND_INTERNAL = "communication_backend_internal"
 
 
+# NOTE [ Tensors made from host data are allocations ]
+# ``torch.tensor(data)``, ``torch.as_tensor(array)`` and ``torch.from_numpy`` reach a dispatch
+# mode as ``lift_fresh`` of a tensor the mode never saw made, which shares its storage: the
+# rule above would take it for a view of something that existed before. It is new memory
+# (on a GPU the copy to the device allocates it; the estimate backend's fake conversion
+# counts it too), so the cpu backend counts it: a packed micro-batch's ``position_ids``,
+# made from host lengths, are part of its bytes (measured: 4,584 B of a 573-token row).
+_FROM_HOST_DATA = frozenset(
+    op.default
+    for op in (getattr(torch.ops.aten, name, None) for name in ("lift_fresh", "lift_fresh_copy"))
+    if op is not None
+)
+
+
 def _storage_keys(tree: Any) -> set[int]:
     """The storages of the tensors in ``tree`` (an op's arguments)."""
     return {t.untyped_storage()._cdata for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
@@ -379,7 +393,7 @@ class MemoryTracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                if storage._cdata not in self._live:
+                if storage._cdata not in self._live and func not in _FROM_HOST_DATA:
                     # NOTE [ Views of what existed before are not allocations ]: a view (detach,
                     # slice, in-place op) of a tensor made before the block shares its storage;
                     # counting it would charge the whole pre-existing tensor to the block
