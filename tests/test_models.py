@@ -101,7 +101,10 @@ def test_a_local_directory_with_config_json_loads(tmp_path):
     [
         pytest.param("qwen2.5-05b", r"spec=.qwen2.5-05b.; did you mean 'qwen2.5-0.5b'\?", id="typo"),
         pytest.param("gpt5", r"spec must be a preset \(.*tiny.*\).*got spec='gpt5'", id="unknown"),
-        pytest.param(42, r"spec must be a preset name, a path or a hub id.*got spec=42", id="not-a-string"),
+        pytest.param(42, r"spec must be a preset name, a path, a hub id.*got spec=42 \(int\)", id="not-a-string"),
+        pytest.param(
+            torch.nn.Linear(2, 2), r"spec must be a transformers model \(with a config\).*a Linear without one", id="module"
+        ),
         pytest.param("/nonexistent/dir/config.json", r"does not exist", id="missing-file"),
     ],
 )
