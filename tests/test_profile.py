@@ -131,7 +131,7 @@ def test_a_model_a_config_and_a_preset_give_the_same_budget():
 
     from batchfit.models import build_causal_lm, load_config
 
-    options = ProfileOptions(max_seq_len=128, backend="estimate", memory_limit=64 * MiB, reserve_bytes=0)
+    options = ProfileOptions(max_seq_len=64, seq_lens=[64], backend="cpu", memory_limit=12 * MiB, dtype="fp32")
     by_name = profile_model("tiny", options)
     by_config = profile_model(load_config("tiny"), options)
     module = build_causal_lm("tiny")
@@ -170,7 +170,7 @@ def test_bad_settings_are_named(settings, match):
 
 
 def test_options_are_one_object_and_keywords_override_its_fields():
-    options = ProfileOptions(max_seq_len=128, backend="estimate", memory_limit=64 * MiB, reserve_bytes=0)
+    options = ProfileOptions(max_seq_len=64, seq_lens=[64], backend="cpu", memory_limit=12 * MiB, dtype="fp32")
     assert options.replace(cost="packed").cost == "packed" and options.cost == "padded"
     with pytest.raises(InvalidArgument, match=r"ProfileOptions has no field 'costs'; its fields are max_seq_len"):
         options.replace(costs="packed")
