@@ -340,6 +340,20 @@ def test_cuda_defaults_come_from_the_device(fake_cuda):
     assert (b.memory_limit, b.reserve_bytes, b.limit_bytes) == (10_000_000, 500_000, 9_500_000)
 
 
+def test_cuda_caps_the_allocator_at_its_limit_and_puts_the_fraction_back(fake_cuda, monkeypatch):
+    # NOTE [ One rank runs out ]: every rank's allocator refuses more than the same limit
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: 0.75, raising=False)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append(f))
+    b = CudaBackend(memory_limit=8_000_000, reserve_bytes=1_000_000)
+    with b.capped():
+        assert fractions == [0.7]  # (8,000,000 - 1,000,000) / 10,000,000
+    assert fractions == [0.7, 0.75]  # the fraction from before
+    with CudaBackend().capped():  # the whole device minus what no tracker sees: 9,500,000 / 10,000,000
+        pass
+    assert fractions[2:] == [0.95, 0.75]
+
+
 def test_cuda_measures_the_current_device_not_cuda_0(fake_cuda, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # torch.cuda.set_device(local_rank=3)
     assert CudaBackend().device == torch.device("cuda", 3)

@@ -78,3 +78,13 @@ class DoesNotFitError(BatchfitError):
         #: the smallest fsdp2 world size that would fit, when the raiser looked for one
         self.world_size_hint: int | None = None
         super().__init__(message)
+
+
+class ProbeAbandoned(BatchfitError):
+    """A probe on real ranks was left in the middle of its collectives: the search cannot go on.
+
+    Raised on every rank by the budget search when one rank ran out of memory in the middle
+    of a sharded step and the others gave up the collective they were waiting in (NOTE [ One
+    rank runs out ] in :mod:`batchfit.budget.guard`). The message names the rank and the probe.
+    """
+

@@ -10,6 +10,7 @@ at several lengths, longest first.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -18,12 +19,20 @@ from typing import Any
 
 import numpy as np
 
+from batchfit.budget.guard import ProbeGuard
 from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_max_batch
 from batchfit.budget.probe import BudgetStep, CallableStep, Probe, candidate_lengths
 from batchfit.budget.token_budget import BudgetPoint, TokenBudget, check_cost
-from batchfit.errors import DoesNotFitError, InvalidArgument
+from batchfit.errors import DoesNotFitError, InvalidArgument, ProbeAbandoned
 from batchfit.memory import BACKEND_NAMES, Backend
-from batchfit.parallel.distributed import agree, agreed_max, all_reduce_min, check_same_arguments
+from batchfit.parallel.distributed import (
+    agree,
+    agreed_max,
+    all_reduce_min,
+    check_same_arguments,
+    get_rank,
+    is_distributed,
+)
 from batchfit.plan.search import SearchResult, Trial, largest_fitting
 from batchfit.validation import check_choice, check_number, check_positive_int, is_int
 
@@ -187,7 +196,36 @@ def find_token_budget(
         what="find_token_budget",
     )
     limit = all_reduce_min(int(safety_margin * usable), group)
-    probe_at = _make_probe(measured, limit, group)
+    real_ranks = is_distributed(group)
+    # NOTE [ One rank runs out ] (batchfit.budget.guard): real ranks run every probe to the end,
+    # under the same cap on every device, guarded, and only probe what is predicted to fit
+    guard = ProbeGuard(get_rank(group)) if real_ranks else None
+    cap = measured.backend.limit_bytes if real_ranks else None
+    probe_at = _make_probe(measured, limit, group, guard)
+    with contextlib.ExitStack() as search:
+        if real_ranks:
+            search.enter_context(measured.backend.running_to_the_end())
+            search.enter_context(measured.backend.capped())
+        return _search(
+            measured, probe_at, cap, limit, usable, max_seq_len, safety_margin, cost, lengths, notify, role, hints
+        )
+
+
+def _search(
+    measured: BudgetStep,
+    probe_at: Callable[..., Probe],
+    cap: int | None,
+    limit: int,
+    usable: int,
+    max_seq_len: int,
+    safety_margin: float,
+    cost: str,
+    lengths: list[int],
+    notify: Callable[[BudgetProgress], None],
+    role: str | None,
+    hints: Mapping[int, int] | None,
+) -> TokenBudget:
+    """The search of :func:`find_token_budget` once its arguments are checked and agreed on."""
 
     trials: list[Probe] = []
     points: list[BudgetPoint] = []
@@ -197,7 +235,11 @@ def find_token_budget(
         before = len(trials)
 
         def probe(lengths: list[int], to_the_end: bool = False) -> Probe:
-            result = probe_at(lengths, seq_len, to_the_end)
+            predicted = _predicted_peak(trials, lengths, seq_len) if cap is not None else None
+            if predicted is not None and predicted > cap:  # NOTE [ Only predicted fits on real ranks ]
+                result = Probe(len(lengths), seq_len, predicted, fits=False, exceeded=True, tokens=sum(lengths), predicted=True)
+            else:
+                result = probe_at(lengths, seq_len, to_the_end)
             trials.append(result)
             notify(BudgetProgress(role, seq_len, index, n_lengths, result, None, len(trials), limit))
             return result
@@ -511,39 +553,59 @@ def _log_progress(event: BudgetProgress) -> None:
 # --------------------------------------------------------------------------- probing
 
 
-def _make_probe(step: BudgetStep, limit: int, group: Any) -> Callable[..., Probe]:
+def _make_probe(step: BudgetStep, limit: int, group: Any, guard: ProbeGuard | None) -> Callable[..., Probe]:
+    count = itertools.count()
+
     def probe(lengths: list[int], seq_len: int, to_the_end: bool = False) -> Probe:
         # NOTE [ Lockstep probes ]
-        # Every rank runs the same candidate, then ONE all-reduce (max) of
-        # [step raised, does not fit, peak, aborted] gives every rank the same verdict and
-        # peak. The search is a deterministic function of those, so every rank picks the
-        # same next candidate: no rank waits in a collective the others never enter, and
-        # one rank's OOM makes every rank treat the candidate as not fitting. Errors other
-        # than OOM (which the backend reports as exceeded) are caught only to be agreed
-        # on: this rank re-raises its own bare, the others raise BatchfitError.
+        # Every rank runs the same candidate, then ONE all-reduce (max) of [step raised, does
+        # not fit, peak, aborted, the rank that ran out + 1, a collective given up] gives every rank the same verdict and peak. The search is a deterministic function
+        # of those, so every rank picks the same next candidate: no rank waits in a
+        # collective the others never enter, and one rank's OOM makes every rank treat the
+        # candidate as not fitting. Errors other than OOM (which the backend reports as
+        # exceeded) are caught only to be agreed on: this rank re-raises its own bare, the
+        # others raise BatchfitError. On real ranks each probe is guarded (NOTE [ One rank
+        # runs out ]): a rank that left the step early says so, the others stop waiting for
+        # it, and a collective left behind ends the search on every rank.
+        index = next(count)
+        what = f"the probe of {_count(len(lengths), 'sequence')} ({sum(lengths):,} tokens, the longest {seq_len:,})"
         error: BaseException | None = None
-        peak, fits, exceeded = 0, False, False
+        peak, fits, exceeded, abandoned = 0, False, False, False
         breakdown: dict[str, int] = {}
         host = 0
-        try:
-            # NOTE [ Stop at the search's limit ]: a candidate above it is stopped there; the
-            # one-sequence check runs to the end (its peak says how much is missing), and so
-            # does a remainder candidate (within one sequence of the limit, its exact peak
-            # guides the next guess)
-            to_the_end = to_the_end or len(lengths) == 1
-            with contextlib.nullcontext() if to_the_end else step.backend.stopping_above(limit):
-                m = step.measure(lengths)
-            peak, exceeded = int(m.peak_bytes), bool(m.exceeded)
-            fits = m.fits and not exceeded and m.footprint_bytes <= limit
-            breakdown, host = dict(m.breakdown), int(m.host_bytes)
-        except Exception as exc:
-            error = exc
-        over, peak, exceeded_any = agreed_max(
-            [int(not fits), peak, int(exceeded)],
-            error,
-            group=group,
-            what=f"the probe of {_count(len(lengths), 'sequence')} ({sum(lengths):,} tokens, the longest {seq_len:,})",
+        with contextlib.ExitStack() as guarded:
+            guarded_probe = guarded.enter_context(guard.probe(index, what)) if guard is not None else None
+            try:
+                # NOTE [ Stop at the search's limit ]: a candidate above it is stopped there; the
+                # one-sequence check runs to the end (its peak says how much is missing), and so
+                # does a remainder candidate (within one sequence of the limit, its exact peak
+                # guides the next guess)
+                to_the_end = to_the_end or len(lengths) == 1
+                with contextlib.nullcontext() if to_the_end else step.backend.stopping_above(limit):
+                    m = step.measure(lengths)
+                peak, exceeded = int(m.peak_bytes), bool(m.exceeded)
+                fits = m.fits and not exceeded and m.footprint_bytes <= limit
+                breakdown, host = dict(m.breakdown), int(m.host_bytes)
+            except Exception as exc:
+                error = exc
+            if guarded_probe is not None:
+                abandoned = guarded_probe.abandoned
+                if (exceeded or error is not None) and not abandoned:
+                    guard.signal(index)  # this rank left the step early: the others stop waiting
+        ran_out = guard.rank + 1 if guard is not None and exceeded and not abandoned else 0
+        over, peak, exceeded_any, ran_out_rank, left_behind = agreed_max(
+            [int(not fits), peak, int(exceeded), ran_out, int(abandoned)], error, group=group, what=what
         )
+        if guard is not None:
+            guard.forget(index)
+        if left_behind:
+            raise ProbeAbandoned(
+                f"rank {ran_out_rank - 1} ran out of memory in the middle of {what}, and the other ranks gave up the "
+                "collective they were waiting in: the model's process group cannot be used again, so the search stops "
+                f"here on every rank (NOTE [ One rank runs out ]); the device refused more than "
+                f"{_fmt(step.backend.limit_bytes or limit)} on that rank: lower safety_margin, or free the memory other "
+                "processes hold on its device"
+            )
         return Probe(
             len(lengths),
             seq_len,
@@ -556,6 +618,37 @@ def _make_probe(step: BudgetStep, limit: int, group: Any) -> Callable[..., Probe
         )
 
     return probe
+
+
+def _predicted_peak(trials: Sequence[Probe], lengths: list[int], seq_len: int) -> int | None:
+    """An upper bound of the peak of ``lengths`` from the probes measured so far, ``None`` when they say nothing.
+
+    NOTE [ Only predicted fits on real ranks ]
+    On real ranks a probe is only run when the measurements so far predict its peak within
+    the device's limit (:meth:`batchfit.memory.Backend.capped`), so that no rank runs out in
+    the middle of a step (NOTE [ One rank runs out ]); one that is not is recorded as
+    ``predicted`` not to fit, unmeasured. At this length: the line through the two largest
+    measured token counts (peak is affine in the tokens of whole rows), or from one, the line
+    through the origin (an upper bound: the base is not negative). With none here, a probe
+    of no more tokens than one that fitted at a longer length (the same tokens in shorter
+    sequences hold no more) is bounded by that one's peak. ``None`` for the first probe of
+    a search (one sequence) and for shapes nothing bounds: those run.
+    """
+    tokens = sum(lengths)
+    here = sorted(
+        {p.total_tokens: p.peak_bytes for p in trials if p.seq_len == seq_len and not p.exceeded}.items()
+    )
+    if len(here) >= 2:
+        (t1, p1), (t2, p2) = here[-2:]
+        slope = max(0.0, (p2 - p1) / (t2 - t1))
+        return round(p2 + slope * (tokens - t2)) if tokens > t2 else p2
+    if here:
+        t1, p1 = here[0]
+        return round(p1 * tokens / t1) if tokens > t1 else p1
+    longer = [p.peak_bytes for p in trials if p.seq_len > seq_len and not p.exceeded and p.total_tokens >= tokens]
+    if longer:
+        return min(longer)
+    return None
 
 
 def _completed(trials: Sequence[Probe]) -> list[tuple[float, int, int]]:

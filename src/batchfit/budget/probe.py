@@ -95,6 +95,9 @@ class Probe:
             :class:`batchfit.memory.MemoryMeasurement`); empty when unknown.
         host_bytes: host bytes at the peak (CPU offload), not in ``peak_bytes``.
         tokens: the tokens of every sequence (``batch_size × seq_len`` when ``None``).
+        predicted: not run: the measurements so far predicted it above the device's limit
+            (real ranks only, NOTE [ Only predicted fits on real ranks ]); ``peak_bytes`` is
+            that prediction.
     """
 
     batch_size: int
@@ -105,6 +108,7 @@ class Probe:
     breakdown: dict[str, int] = field(default_factory=dict, compare=False)
     host_bytes: int = 0
     tokens: int | None = None
+    predicted: bool = False
 
     @property
     def total_tokens(self) -> int:

@@ -28,17 +28,31 @@ _OOM_MESSAGES = (
 )
 
 
+class RankRanOutOfMemory(Exception):
+    """Another rank ran out of memory in the middle of the same step: this rank's collective was abandoned.
+
+    Raised inside a step on the ranks that were waiting for the one that ran out (NOTE [ One
+    rank runs out ] in :mod:`batchfit.budget.guard`); :meth:`Backend.measure` counts it as
+    running out of memory, so every rank reports "does not fit". ``rank`` is the one that ran out.
+    """
+
+    def __init__(self, rank: int, what: str):
+        self.rank = rank
+        super().__init__(f"rank {rank} ran out of memory in the middle of {what}")
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """True when ``exc`` is the device (or the host) running out of memory, and nothing else.
 
     NOTE [ What counts as OOM ]
     ``torch.OutOfMemoryError`` (the caching allocator failed), the ``RuntimeError`` that
-    cuBLAS or a raw CUDA call raises when its own allocation fails, and the CPU allocator's
-    failure (``DefaultCPUAllocator: can't allocate memory``). :meth:`Backend.measure` is the
+    cuBLAS or a raw CUDA call raises when its own allocation fails, the CPU allocator's
+    failure (``DefaultCPUAllocator: can't allocate memory``), and
+    :class:`RankRanOutOfMemory` (another rank of the same step ran out). :meth:`Backend.measure` is the
     one place that decides it; every other exception is a bug in the step and is re-raised
     unchanged.
     """
-    if isinstance(exc, torch.OutOfMemoryError):
+    if isinstance(exc, (torch.OutOfMemoryError, RankRanOutOfMemory)):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
 
@@ -107,8 +121,40 @@ class Backend(abc.ABC):
         finally:
             self._stop_bytes = before
 
+    @contextlib.contextmanager
+    def running_to_the_end(self) -> Iterator[None]:
+        """Inside, a tracked call is never aborted, whatever it holds: it runs to the end and is judged after.
+
+        NOTE [ Real ranks run their probes to the end ]
+        A tracked backend stops a step as soon as it holds more than its limit (NOTE [ Abort
+        above the limit ]). On real ranks that is a step stopped on some ranks only: shards
+        are uneven, so one rank crosses the limit at an op where another does not, and the
+        ones that go on wait in a collective the stopped one never enters (three gloo ranks
+        hung that way). Real ranks therefore run every probe to the end and compare the peak
+        with the limit afterwards; every rank then enters every collective. ``cuda`` cannot
+        be told either way: its out-of-memory errors are handled by :mod:`batchfit.budget.guard`.
+        """
+        before = getattr(self, "_to_the_end", False)
+        self._to_the_end = True
+        try:
+            yield
+        finally:
+            self._to_the_end = before
+
+    @contextlib.contextmanager
+    def capped(self) -> Iterator[None]:
+        """Inside, the device itself refuses to hold more than :attr:`limit_bytes` (cuda; nothing elsewhere).
+
+        Every rank caps at the same limit, so a step runs out where the plan says on every
+        rank, not where each device happens to have room (NOTE [ One rank runs out ] in
+        :mod:`batchfit.budget.guard`).
+        """
+        yield
+
     def _abort_bytes(self) -> int | None:
-        """Where a tracked call is aborted: the device's limit, or a lower search limit."""
+        """Where a tracked call is aborted: the device's limit, a lower search limit, or never (:meth:`running_to_the_end`)."""
+        if getattr(self, "_to_the_end", False):
+            return None
         stop, limit = getattr(self, "_stop_bytes", None), self.limit_bytes
         if stop is None:
             return limit

@@ -100,6 +100,27 @@ class CudaBackend(Backend):
         yield
         torch.cuda.synchronize(self._device)
 
+    @contextlib.contextmanager
+    def capped(self) -> Iterator[None]:
+        """Inside, the caching allocator refuses to reserve more than :attr:`limit_bytes` on this device.
+
+        ``torch.cuda.set_per_process_memory_fraction(limit / total)``: a step that would go
+        above the limit raises ``torch.OutOfMemoryError`` there, the same on every rank. The
+        fraction before is put back on exit (1.0, PyTorch's default, when torch cannot tell it).
+        """
+        limit = self.limit_bytes
+        total = int(torch.cuda.get_device_properties(self._device).total_memory)
+        if limit is None or limit >= total:
+            yield
+            return
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        before = float(getter(self._device)) if getter is not None else 1.0
+        torch.cuda.set_per_process_memory_fraction(limit / total, self._device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(before, self._device)
+
     def _release(self) -> None:
         torch.cuda.empty_cache()  # after the state is restored (Backend.measure)
 

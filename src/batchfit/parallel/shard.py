@@ -69,6 +69,35 @@ def ddp_bucket_bytes(model: torch.nn.Module) -> int:
     )
 
 
+# NOTE [ A model's own process group ]
+# On real ranks every model shard_model wraps gets a process group of its own (the same ranks
+# as the default group, a new communicator). The default group then carries only what all
+# ranks agree on (the budget search's verdicts, old log-probs gathered over ranks), and when
+# one rank runs out of memory in the middle of a step, the collective the others abandon is
+# left on the model's group alone: the default group stays usable to say so on every rank
+# (NOTE [ One rank runs out ] in batchfit.budget.guard). Simulated ranks keep PyTorch's fake
+# default group.
+_MODEL_GROUPS: list[Any] = []
+
+
+def model_groups() -> list[Any]:
+    """The process groups :func:`shard_model` made for models on real ranks, oldest first (NOTE [ A model's own process group ])."""
+    return list(_MODEL_GROUPS)
+
+
+def _model_group() -> Any:
+    """A new process group over every rank for one model, on real ranks; ``None`` for simulated ones."""
+    import torch.distributed as dist
+
+    from batchfit.parallel.distributed import is_distributed
+
+    if not is_distributed():
+        return None
+    group = dist.new_group(backend=dist.get_backend())
+    _MODEL_GROUPS.append(group)
+    return group
+
+
 def shard_model(model: torch.nn.Module, sharding: Sharding, *, fake: bool = False) -> torch.nn.Module:
     """Spread ``model`` over the ranks of the default process group as ``sharding`` says.
 
@@ -84,7 +113,8 @@ def shard_model(model: torch.nn.Module, sharding: Sharding, *, fake: bool = Fals
     Returns:
         ``none``: ``model``. ``fsdp2``: ``model`` itself, now an ``FSDPModule`` whose
         parameters are ``DTensor`` shards. ``ddp``: a ``DistributedDataParallel`` wrapper
-        (``model`` on fake tensors). The result has ``batchfit_sharding`` and
+        (``model`` on fake tensors). On real ranks its collectives run on a process group of
+        its own (NOTE [ A model's own process group ]). The result has ``batchfit_sharding`` and
         ``batchfit_comm_buffers`` (state to register: DDP's buckets, as a meta tensor).
 
     Raises:
@@ -94,12 +124,12 @@ def shard_model(model: torch.nn.Module, sharding: Sharding, *, fake: bool = Fals
     comm: tuple[torch.Tensor, ...] = ()
     if sharding.strategy == "fsdp2":
         _check_world(sharding)
-        _fully_shard(model, sharding)
+        _fully_shard(model, sharding, _model_group())
         out = model
     elif sharding.strategy == "ddp":
         _check_world(sharding)
         comm = (torch.empty(ddp_bucket_bytes(model), dtype=torch.uint8, device="meta"),)
-        out = model if fake else _wrap_ddp(model)
+        out = model if fake else _wrap_ddp(model, _model_group())
     else:
         out = model
     out.batchfit_sharding = sharding
@@ -107,15 +137,18 @@ def shard_model(model: torch.nn.Module, sharding: Sharding, *, fake: bool = Fals
     return out
 
 
-def _fully_shard(model: torch.nn.Module, sharding: Sharding) -> None:
+def _fully_shard(model: torch.nn.Module, sharding: Sharding, group: Any) -> None:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     param = next(model.parameters())
     device_type = "cuda" if param.device.type == "cuda" else "cpu"
     with unset_fake_temporarily():  # the mesh holds real rank ids, even when estimating
-        mesh = init_device_mesh(device_type, (sharding.world_size,))
+        if group is None:
+            mesh = init_device_mesh(device_type, (sharding.world_size,))
+        else:
+            mesh = DeviceMesh.from_group(group, device_type)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": sharding.reshard_after_forward}
     if sharding.mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -127,12 +160,12 @@ def _fully_shard(model: torch.nn.Module, sharding: Sharding) -> None:
     fully_shard(model, **kwargs)
 
 
-def _wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
+def _wrap_ddp(model: torch.nn.Module, group: Any) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     param = next(model.parameters())
     device_ids = [param.device.index] if param.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=group)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
