@@ -390,7 +390,8 @@ def test_cuda_reports_peak_and_breakdown(fake_cuda):
 
     m = CudaBackend().measure(step, register=weights)
     assert (m.peak_bytes, m.fits, m.exceeded, m.backend) == (1_004_000, True, False, "cuda")
-    assert m.breakdown == {"inputs": 4000, "activations": 1_000_000}  # 1,004,000 - 4,000
+    # the registered state as the allocator holds it: 4,000 B in 512-byte blocks = 4,096 B
+    assert m.breakdown == {"inputs": 4096, "activations": 999_904}  # 1,004,000 - 4,096
     assert fake_cuda.resets == 1
 
 

@@ -8,9 +8,19 @@ fits. The probe is :class:`~batchfit.budget.step.TrainingStep`: a trainer's micr
 pieces are usable alone: :func:`batchfit.plan.largest_fitting` (the search, a pure function
 of a probe, shared with :mod:`batchfit.autobatch`), :func:`fit_memory_model` /
 :class:`MemoryModel` (``peak ≈ base + a·b·s + q·b·s²``) and :func:`guess_max_batch` (the
-search's guess).
+search's guess). :func:`confirm_profile` runs the real step once at each role's budget on the
+device and compares it with the estimate per category (``batchfit profile --confirm``).
 """
 
+from batchfit.budget.confirm import (
+    CategoryConfirmation,
+    ConfirmPlan,
+    ConfirmReport,
+    RoleConfirmation,
+    confirm_profile,
+    plan_confirm,
+    run_confirm,
+)
 from batchfit.budget.find import BudgetProgress, default_seq_lens, find_token_budget
 from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_max_batch
 from batchfit.budget.options import ProfileOptions
@@ -26,16 +36,23 @@ __all__ = [
     "BudgetProgress",
     "BudgetStep",
     "CallableStep",
+    "CategoryConfirmation",
+    "ConfirmPlan",
+    "ConfirmReport",
     "MemoryModel",
     "ModelProfile",
     "Probe",
     "ProfileOptions",
+    "RoleConfirmation",
     "TokenBudget",
     "TrainingStep",
     "causal_lm_step",
+    "confirm_profile",
     "default_seq_lens",
     "find_token_budget",
     "fit_memory_model",
     "guess_max_batch",
+    "plan_confirm",
     "profile_model",
+    "run_confirm",
 ]

@@ -184,7 +184,7 @@ def profile_model(
     from batchfit.memory.heap import retain_freed_memory
     from batchfit.models import load_config, parse_dtype
 
-    opts = _options(options, settings)
+    opts = resolve_options(options, settings)
     chosen_roles = check_roles(roles)
     plan = opts.sharding
     torch_dtype = parse_dtype(default_dtype(plan) if opts.dtype is None else opts.dtype)
@@ -193,14 +193,14 @@ def profile_model(
     resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
     if resident_bytes:
         _take_resident(be, resident_bytes)
-    parameters = _check_host_memory(config, model_name(model)) if be.name == "cpu" else 0
-    depth, extrapolate = _depth_plan(config, be, opts.depth_extrapolation)
-    build = _RoleBuilder(config, be, torch_dtype, opts, extrapolate, depth)
+    parameters = check_host_memory(config, model_name(model)) if be.name == "cpu" else 0
+    depth, extrapolate = depth_plan(config, be, opts.depth_extrapolation)
+    build = RoleBuilder(config, be, torch_dtype, opts, extrapolate, depth)
     budgets: dict[str, TokenBudget] = {}
     failed: tuple[str, DoesNotFitError] | None = None
     # NOTE [ Probing reuses host pages ]: real cpu probes refault gigabytes each time otherwise
     host_heap = retain_freed_memory() if be.name == "cpu" else contextlib.nullcontext()
-    with _world(be, plan), host_heap:
+    with simulated_world_for(be, plan), host_heap:
         for role in chosen_roles:
             lengths, hints = opts.seq_lens, None
             if be.name == "cpu" and not plan.distributed and parameters >= ESTIMATE_HINTS_FROM_PARAMETERS:
@@ -247,7 +247,7 @@ def profile_model(
     )
 
 
-def _options(options: ProfileOptions | None, settings: dict[str, Any]) -> ProfileOptions:
+def resolve_options(options: ProfileOptions | None, settings: dict[str, Any]) -> ProfileOptions:
     """``options`` with ``settings`` applied, or new options from ``settings``."""
     if options is not None:
         if not isinstance(options, ProfileOptions):
@@ -275,7 +275,7 @@ def model_name(model: Any) -> str:
     return str(name) if name else type(model).__name__
 
 
-def _depth_plan(config: Any, backend: Any, depth_extrapolation: bool | None) -> tuple[int, bool]:
+def depth_plan(config: Any, backend: Any, depth_extrapolation: bool | None) -> tuple[int, bool]:
     """The model's depth, and whether it is extrapolated from two shallow copies (default: when estimating)."""
     depth = int(config.num_hidden_layers)
     wanted = backend.name == "estimate" if depth_extrapolation is None else bool(depth_extrapolation)
@@ -324,9 +324,9 @@ def resident_state_bytes(
     torch_dtype = parse_dtype(default_dtype(plan) if options.dtype is None else options.dtype)
     config = load_config(model)
     be = get_backend(options.backend, memory_limit=options.memory_limit, reserve_bytes=0)
-    depth, extrapolate = _depth_plan(config, be, options.depth_extrapolation)
-    build = _RoleBuilder(config, be, torch_dtype, options.replace(gradient_checkpointing=False), extrapolate, depth)
-    with _world(be, plan):
+    depth, extrapolate = depth_plan(config, be, options.depth_extrapolation)
+    build = RoleBuilder(config, be, torch_dtype, options.replace(gradient_checkpointing=False), extrapolate, depth)
+    with simulated_world_for(be, plan):
         step = agree(lambda: build.step(role), what=f"building the {role} model")
         try:
             measured = step.measure([2])
@@ -336,7 +336,7 @@ def resident_state_bytes(
     return int(sum(measured.breakdown.get(kind, 0) for kind in kinds))
 
 
-def _estimated_hints(build: _RoleBuilder, role: str, options: ProfileOptions) -> tuple[Any, dict[int, int] | None]:
+def _estimated_hints(build: RoleBuilder, role: str, options: ProfileOptions) -> tuple[Any, dict[int, int] | None]:
     """The estimate backend's answer for the same step, as hints for a real cpu search.
 
     NOTE [ Estimates guide real cpu searches ]
@@ -373,7 +373,7 @@ def _estimated_hints(build: _RoleBuilder, role: str, options: ProfileOptions) ->
     return [p.seq_len for p in budget.points], answers
 
 
-def _check_host_memory(config: Any, model: str) -> int:
+def check_host_memory(config: Any, model: str) -> int:
     """The model's parameters; the cpu backend builds real models: refuse one whose training state alone exceeds half this host's memory."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -414,7 +414,7 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _world(backend: Any, sharding: Sharding) -> Any:
+def simulated_world_for(backend: Any, sharding: Sharding) -> Any:
     """The process group a sharded estimate needs: simulated ranks (nothing for cpu/cuda)."""
     if backend.name == "estimate" and sharding.distributed:
         from batchfit.parallel.distributed import simulated_world
@@ -423,7 +423,7 @@ def _world(backend: Any, sharding: Sharding) -> Any:
     return contextlib.nullcontext()
 
 
-class _RoleBuilder:
+class RoleBuilder:
     """Builds the probe of one role: full depth, or two shallow copies to extrapolate from."""
 
     def __init__(self, config: Any, backend: Any, dtype: Any, options: ProfileOptions, extrapolate: bool, depth: int):
@@ -434,15 +434,15 @@ class _RoleBuilder:
     def sharding(self) -> Sharding:
         return self.options.sharding
 
-    def with_options(self, **changes: Any) -> _RoleBuilder:
+    def with_options(self, **changes: Any) -> RoleBuilder:
         """The same builder with some options changed (another sharding, checkpointing)."""
-        return _RoleBuilder(
+        return RoleBuilder(
             self.config, self.backend, self.dtype, self.options.replace(**changes), self.extrapolate, self.depth
         )
 
-    def with_backend(self, backend: Any) -> _RoleBuilder:
+    def with_backend(self, backend: Any) -> RoleBuilder:
         """The same builder on another backend."""
-        return _RoleBuilder(self.config, backend, self.dtype, self.options, self.extrapolate, self.depth)
+        return RoleBuilder(self.config, backend, self.dtype, self.options, self.extrapolate, self.depth)
 
     def step(self, role: str) -> Any:
         from batchfit.budget.depth import build_depth_steps
@@ -479,7 +479,7 @@ _MAX_HINT_WORLD = 4096
 
 
 def smallest_fitting_world_size(
-    build: _RoleBuilder, role: str, seq_len: int, limit: int, start: int = 1
+    build: RoleBuilder, role: str, seq_len: int, limit: int, start: int = 1
 ) -> int | None:
     """The smallest ``fsdp2`` world size (checkpointing on) at which one sequence of ``seq_len`` fits under ``limit``.
 
@@ -514,7 +514,7 @@ def smallest_fitting_world_size(
             sharding = Sharding("fsdp2", world_size=world, mixed_precision=precision, offload=offload)
             builder = build.with_options(sharding=sharding, gradient_checkpointing=True).with_backend(unlimited)
             if base.strategy != "fsdp2":  # the hint's flags keep fsdp2's default: fp32 master weights
-                builder = _RoleBuilder(
+                builder = RoleBuilder(
                     builder.config, unlimited, parse_dtype(default_dtype(sharding)), builder.options,
                     builder.extrapolate, builder.depth,
                 )
@@ -559,7 +559,7 @@ def _world_below(n: int) -> int:
     return n - 8 if n > 8 else max(1, n // 2)
 
 
-def _with_world_size_hint(exc: DoesNotFitError, role: str, build: _RoleBuilder, seq_len: int) -> DoesNotFitError:
+def _with_world_size_hint(exc: DoesNotFitError, role: str, build: RoleBuilder, seq_len: int) -> DoesNotFitError:
     limit = exc.available if exc.available is not None else 0
     start = build.sharding.world_size if build.sharding.strategy == "fsdp2" else 1
     world = smallest_fitting_world_size(build, role, seq_len, limit, start=start)

@@ -2,7 +2,11 @@
 
 Parses flags, calls :func:`batchfit.budget.profile.profile_model`, renders a table per role,
 the budget and the memory model (or ``--json``), a rich progress bar while probing, and
-``--plot`` (matplotlib, imported only then).
+``--plot`` (matplotlib, imported only then). ``--confirm`` calls
+:func:`batchfit.budget.confirm.plan_confirm` and :func:`~batchfit.budget.confirm.run_confirm`
+(the estimate before any process group is joined, the real runs on the ranks) and renders the
+estimate and then the confirm table per role; ``--calibration FILE`` writes (with ``--confirm``)
+or reads a :class:`~batchfit.memory.calibration.Calibration`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ DEFAULT_MODEL = "qwen2.5-7b"
 DEFAULT_CPU_MODEL = "tiny"
 DEFAULT_MAX_SEQ_LEN = 8192
 DEFAULT_ESTIMATE_WORLD_SIZE = 8
+DEFAULT_SAFETY_MARGIN = 0.9
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -133,15 +138,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--safety-margin",
         type=float,
-        default=0.9,
         metavar="F",
-        help="fraction of usable memory (default 0.9)",
+        help=f"fraction of usable memory (default {DEFAULT_SAFETY_MARGIN:g}, or the --calibration file's)",
     )
     p.add_argument(
         "--depth-extrapolation",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="measure two shallow copies and extrapolate to the model's depth (default: on when estimating)",
+    )
+    p.add_argument(
+        "--confirm",
+        action="store_true",
+        help="estimate first, then run the real step once at each role's budget on the device (--backend cpu "
+        "or cuda) and report estimate vs measured per category; exit 1 when a run does not fit",
+    )
+    p.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="with --confirm: write what the runs measured on this device (JSON); without: read such a file and "
+        "profile with its memory, reserve and safety margin",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot peak memory vs. tokens per probed length")
@@ -171,11 +187,14 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
 
     backend = backend_name(check_choice("--backend", args.backend, BACKEND_NAMES))
     run = _apply_config(args, backend)
+    limits = _calibration(args, backend)
     memory = args.memory
+    if memory is None and limits is not None:
+        memory = limits.memory_limit  # the calibrated device
     defaulted = memory is None and backend == "estimate"
     if defaulted:
         memory = DEFAULT_ESTIMATE_TARGET
-    reserve = _reserve(args.reserve)
+    reserve = _reserve(args.reserve) if limits is None else limits.reserve_bytes
     if memory is not None:
         total = parse_memory(memory, name="--memory")
         kept = {"estimate": DEFAULT_RESERVE_BYTES, "cpu": 0}.get(backend) if reserve is None else reserve
@@ -228,6 +247,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     from batchfit.budget.find import check_max_seq_len
 
     check_max_seq_len(args.max_seq_len, "--max-seq-len")
+    if args.safety_margin is None:
+        args.safety_margin = DEFAULT_SAFETY_MARGIN if limits is None else limits.safety_margin
     check_number("--safety-margin", args.safety_margin, low=0.0, high=1.0, low_open=True)
     check_roles(args.roles, "--roles")
     check_choice("--logprobs", args.logprobs, LOGPROBS)
@@ -251,7 +272,62 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "sharding": sharding,
         "launched": launched,
         "run": run,
+        "calibration": limits,
     }
+
+
+def _calibration(args: argparse.Namespace, backend: str) -> Any:
+    """Check ``--confirm`` and ``--calibration``; read the calibration when profiling with it.
+
+    Returns:
+        The :class:`~batchfit.memory.calibration.CalibratedLimits` of ``--calibration FILE``
+        without ``--confirm``, else ``None``.
+
+    Raises:
+        InvalidArgument: ``--confirm`` with ``--config`` or without a real device, a
+            ``--calibration`` folder that does not exist (with ``--confirm``), ``--reserve`` or
+            ``--safety-margin`` beside a calibration to read, or a bad calibration file (one line each).
+    """
+    from pathlib import Path
+
+    from batchfit.memory.calibration import calibrated_limits, load_calibration
+
+    path = args.calibration
+    if args.confirm:
+        if args.config is not None:
+            raise InvalidArgument(
+                "--confirm runs one model's step and cannot be combined with --config; confirm each model with "
+                "--model and the config's settings as flags"
+            )
+        if backend not in ("cpu", "cuda"):
+            chose = " (auto chose estimate: no GPU here)" if args.backend == "auto" else ""
+            raise InvalidArgument(
+                f"--confirm runs the real step on a device, but got --backend {args.backend}{chose}; use "
+                "--backend cpu --memory SIZE (real CPU tensors) or --backend cuda on a GPU"
+            )
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise InvalidArgument(
+                f"--calibration {path!r}: the folder {str(Path(path).parent)!r} does not exist; create it or write "
+                "the calibration elsewhere"
+            )
+        return None
+    if path is None:
+        return None
+    for flag, value in (("--reserve", args.reserve), ("--safety-margin", args.safety_margin)):
+        if value is not None:
+            raise InvalidArgument(
+                f"{flag} cannot be combined with --calibration {path} (the calibration sets the reserve and the "
+                f"safety margin); drop {flag}, or drop --calibration to set them by hand"
+            )
+    limits = calibrated_limits(load_calibration(path))
+    cal = limits.calibration
+    if backend not in (cal.backend, "estimate"):
+        raise InvalidArgument(
+            f"--calibration {path} was measured on {cal.backend} and does not apply to --backend {backend}; use "
+            f"--backend {cal.backend} or estimate, or calibrate this device with --confirm --backend {backend} "
+            f"--calibration FILE"
+        )
+    return limits
 
 
 def _apply_config(args: argparse.Namespace, backend: str) -> Any:
@@ -336,6 +412,8 @@ def run(args: argparse.Namespace) -> int:
     from batchfit.budget.profile import profile_model
 
     settings = resolve_settings(args)
+    if args.confirm:
+        return _run_confirm(args, settings)
     with _process_group(settings) as rank:
         console = Console(soft_wrap=True)
         err = Console(stderr=True)
@@ -353,10 +431,90 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             data = profile.to_dict()
             data["memory_defaulted"] = settings["memory_defaulted"]
+            if settings["calibration"] is not None:
+                data["calibration"] = {"path": args.calibration, **settings["calibration"].to_dict()}
             json.dump(data, sys.stdout, indent=2)
             sys.stdout.write("\n")
             return 0
         _render(console, profile, settings, args)
+    return 0
+
+
+def _run_confirm(args: argparse.Namespace, settings: dict[str, Any]) -> int:
+    """``--confirm``: estimate (before joining any ranks), run the real step at each budget, render, save the calibration.
+
+    The estimate simulates the ranks, so under torchrun it runs before the process group is
+    joined (:func:`~batchfit.budget.confirm.plan_confirm`); the runs then happen on the real
+    ranks (:func:`~batchfit.budget.confirm.run_confirm`), and rank 0 prints.
+    """
+    from rich.console import Console
+
+    from batchfit.budget.confirm import plan_confirm, run_confirm
+
+    err = Console(stderr=True)
+    first = os.environ.get("RANK", "0") == "0"
+    show_progress = args.progress and not args.json and err.is_terminal and first
+    _select_device(settings)  # cuda: plan_confirm reads this rank's device
+    with _progress(err, show_progress) as callback, _flag_hint():
+        plan = plan_confirm(args.model, _profile_options(args, settings, callback), roles=args.roles)
+    with _process_group(settings) as rank:
+        report = run_confirm(plan, check=False)
+    error = report.error()
+    if rank != 0:
+        return 0 if error is None else 1
+    calibration = report.calibration() if args.calibration else None
+    if calibration is not None:
+        calibration.save(args.calibration)
+    if args.plot:
+        from batchfit.cli.render_budget import plot_budget
+
+        plot_budget(report.profile.budgets, args.plot)
+    if args.json:
+        data = report.profile.to_dict()
+        data["memory_defaulted"] = settings["memory_defaulted"]
+        data["confirm"] = report.to_dict()
+        if args.calibration:
+            data["calibration"] = {"path": args.calibration, "written": calibration is not None}
+            if calibration is not None:
+                data["calibration"].update(calibration.to_dict())
+        if error is not None:
+            data["error"] = {"type": type(error).__name__, "faults": [str(error)]}
+        json.dump(data, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        if error is not None:
+            sys.stderr.write(f"batchfit profile: error: {error}\n")
+            return 1
+        return 0
+    from batchfit.cli.render_budget import confirm_lines, confirm_table
+
+    console = Console(soft_wrap=True)
+    _render(console, report.profile, settings, args)
+    console.print()
+    head, *rest = confirm_lines(report)
+    console.print(head, highlight=False)
+    for line in rest:
+        console.print(f"  {line}", highlight=False)
+    for role, confirmation in report.roles.items():
+        console.print()
+        console.print(confirm_table(confirmation, report.backend))
+        for line in confirm_lines(report, role):
+            console.print(line, highlight=False)
+    if args.calibration:
+        console.print()
+        if calibration is None:
+            console.print(
+                f"no calibration written to {args.calibration}: no confirm run ran to the end", highlight=False
+            )
+        else:
+            from batchfit.memory.calibration import calibrated_limits
+
+            console.print(f"calibration written to {args.calibration}", highlight=False)
+            console.print(
+                f"  profiling with it (--calibration {args.calibration}): {calibrated_limits(calibration).describe()}",
+                highlight=False,
+            )
+    if error is not None:
+        raise error
     return 0
 
 
@@ -477,8 +635,7 @@ def _process_group(settings: dict[str, Any]) -> Iterator[int]:
     if settings["launched"] == 1 or settings["backend"] == "estimate" or dist.is_initialized():
         yield dist.get_rank() if dist.is_initialized() else 0
         return
-    if settings["backend"] == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    _select_device(settings)
     dist.init_process_group("nccl" if settings["backend"] == "cuda" else "gloo")
     try:
         yield dist.get_rank()
@@ -486,11 +643,19 @@ def _process_group(settings: dict[str, Any]) -> Iterator[int]:
         dist.destroy_process_group()
 
 
+def _select_device(settings: dict[str, Any]) -> None:
+    """Under torchrun with cuda: this rank's GPU (``LOCAL_RANK``) becomes the current device."""
+    if settings["backend"] == "cuda" and settings["launched"] > 1:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse.Namespace) -> None:
     from batchfit.cli.render_budget import breakdown_table, budget_lines, budget_table
     from batchfit.memory import format_bytes
 
     target = settings["memory"] if settings["memory"] is not None else "the device"
+    if isinstance(target, int):  # the calibrated device's bytes
+        target = format_bytes(target)
     if settings["memory_defaulted"]:
         target = f"{target} (default target without a GPU; set --memory)"
     limit = f"{format_bytes(profile.memory_limit)}" if profile.memory_limit else "device total"
@@ -514,6 +679,14 @@ def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse
         f"safety margin {args.safety_margin:g}",
         highlight=False,
     )
+    if settings.get("calibration") is not None:
+        console.print(f"calibration {args.calibration}: {settings['calibration'].describe()}", highlight=False)
+    if args.confirm:
+        console.print(
+            f"--confirm: the budgets estimated against the {settings['backend']} device's memory and reserve; "
+            "its real runs follow",
+            highlight=False,
+        )
     for role, budget in profile.budgets.items():
         console.print()
         console.print(budget_table(budget, title=f"{role}"))

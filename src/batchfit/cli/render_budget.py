@@ -12,6 +12,7 @@ from batchfit.memory import format_bytes
 
 if TYPE_CHECKING:
     from batchfit.budget import MemoryModel, TokenBudget
+    from batchfit.budget.confirm import ConfirmReport, RoleConfirmation
     from batchfit.budget.profile import ModelProfile
 
 
@@ -123,6 +124,80 @@ def budget_lines(budget: TokenBudget) -> list[str]:
         f"{format_bytes(budget.usable_bytes)} usable; {budget.probes} probes",
         f"memory model: {memory_model_text(budget.memory_model)}",
         f"model check: {budget.model_check}",
+    ]
+
+
+def _error_text(error: float | None) -> str:
+    return "—" if error is None else f"{error:+.2%}"
+
+
+def confirm_table(confirmation: RoleConfirmation, backend: str) -> Table:
+    """One role's confirm run: per category (its literal name), the estimate, the measurement and the error.
+
+    Then the peak; on cuda also the caching allocator's ``reserved − allocated``, which no
+    estimate sees. The error is ``(estimate − measured) / measured``.
+    """
+    c = confirmation
+    title = f"{c.role} on {backend}: {c.shape} ({c.cost})"
+    table = Table(title=title, title_justify="left")
+    table.add_column("category")
+    for name in ("estimate", "measured", "error"):
+        table.add_column(name, justify="right")
+    for cat in c.categories:
+        table.add_row(
+            cat.category,
+            format_bytes(cat.estimated_bytes),
+            format_bytes(cat.measured_bytes),
+            _error_text(cat.relative_error),
+        )
+    table.add_row(
+        "peak",
+        format_bytes(c.estimated_peak_bytes),
+        format_bytes(c.measured_peak_bytes) + (" (stopped)" if c.exceeded else ""),
+        _error_text(c.relative_error),
+        end_section=True,
+    )
+    if c.reserved_bytes is not None:
+        table.add_row("reserved − allocated", "—", format_bytes(c.allocator_overhead_bytes or 0), "not estimated")
+    return table
+
+
+def confirm_lines(report: ConfirmReport, role: str | None = None) -> list[str]:
+    """The confirm's header (``role=None``: the device, what differs, the largest error) or one role's verdict."""
+    if role is None:
+        about = [report.device] if report.device != report.backend else []
+        about += [f"{report.world_size} ranks"] if report.world_size > 1 else []
+        where = f"{report.backend} ({', '.join(about)})" if about else report.backend
+        runs = list(report.roles.values())
+        peak = max(runs, key=lambda r: abs(r.relative_error or 0.0))
+        cats = [(abs(c.relative_error), c.category) for r in runs for c in r.categories if c.relative_error is not None]
+        worst = max(cats, default=(0.0, ""))
+        lines = [
+            f"confirm on {where}: the real step, full depth, once at each role's budget; largest error: peak "
+            f"{_error_text(peak.relative_error)}, category {worst[0]:.2%}{f' ({worst[1]})' if worst[0] else ''} "
+            f"(the estimate took {report.estimate_seconds:.1f} s)",
+            *(f"what differs: {d}" for d in report.differences),
+        ]
+        if report.untracked_bytes is not None:
+            lines.append(
+                f"outside torch's allocator (CUDA context, NCCL, other processes): {format_bytes(report.untracked_bytes)}"
+            )
+        return lines
+    c = report.roles[role]
+    used = format_bytes(c.footprint_bytes) + (" reserved" if c.reserved_bytes is not None else "")
+    device = f"the {format_bytes(c.limit_bytes)} the device allows (memory − reserve)"
+    if not c.fits:
+        verdict = f"DOES NOT FIT: {'more than ' if c.exceeded else ''}{used}, above {device}"
+    else:
+        margin = "holds" if c.within_budget_limit else "was exceeded (the safety margin absorbed it)"
+        verdict = (
+            f"fits: {used} of {device}; the budget's limit {format_bytes(c.budget_limit_bytes)} "
+            f"(safety margin {c.safety_margin:g}) {margin}"
+        )
+    return [
+        verdict,
+        f"the budget search's own peak here ({report.profiled_round_to} B rounding): "
+        f"{format_bytes(c.profiled_peak_bytes)}; the run took {c.seconds:.2f} s",
     ]
 
 

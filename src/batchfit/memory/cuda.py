@@ -89,7 +89,8 @@ class CudaBackend(Backend):
         parameters: list[torch.nn.Parameter],
         host_categories: Sequence[str],
     ) -> dict[str, int]:
-        return storage_bytes(registered)  # bytes per category; the tensors themselves are let go
+        # bytes per category as the allocator holds them (512-byte blocks); the tensors are let go
+        return storage_bytes(registered, self.round_to)
 
     @contextlib.contextmanager
     def _running(self, state: dict[str, int]) -> Iterator[None]:

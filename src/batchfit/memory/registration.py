@@ -131,8 +131,8 @@ def trainable_parameters(register: Any) -> list[torch.nn.Parameter]:
     return list(seen.values())
 
 
-def storage_bytes(pairs: list[tuple[torch.Tensor, str]]) -> dict[str, int]:
-    """Bytes per category of the distinct storages in ``pairs`` (a shared storage counts once)."""
+def storage_bytes(pairs: list[tuple[torch.Tensor, str]], round_to: int = 1) -> dict[str, int]:
+    """Bytes per category of the distinct storages in ``pairs`` (a shared storage counts once), each rounded up to ``round_to``."""
     seen: set[int] = set()
     out: dict[str, int] = {}
     for t, cat in pairs:
@@ -141,5 +141,5 @@ def storage_bytes(pairs: list[tuple[torch.Tensor, str]]) -> dict[str, int]:
         if key in seen:
             continue
         seen.add(key)
-        out[cat] = out.get(cat, 0) + int(storage.nbytes())
+        out[cat] = out.get(cat, 0) + -(-int(storage.nbytes()) // round_to) * round_to
     return out
