@@ -391,7 +391,7 @@ class MemoryTracker(TorchDispatchMode):
         category = self._labels.region or ACTIVATIONS
         inputs = None
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and not t.is_meta:  # meta tensors hold no memory
                 storage = t.untyped_storage()
                 if storage._cdata not in self._live and func not in _FROM_HOST_DATA:
                     # NOTE [ Views of what existed before are not allocations ]: a view (detach,

@@ -1,19 +1,59 @@
-"""Building causal LMs (and value-head critics) from a spec, with real or fake tensors."""
+"""Building causal LMs (and value-head critics) from a spec, with real or fake tensors.
+
+Real models are built on the meta device and materialised after sharding, each rank holding
+only its shard (NOTE [ Models are built on the meta device ]); their initial weights come from
+a seed, the same on every rank, for every sharding and world size (NOTE [ Initial weights from
+a seed ]). The estimate backend builds fake tensors.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchfit.dtypes import parse_dtype
 from batchfit.errors import InvalidArgument
 from batchfit.memory import Backend, get_backend
 from batchfit.models.specs import DEFAULT_PRESET, load_config, quiet_transformers_logs, spec_name
-from batchfit.validation import check_choice
+from batchfit.validation import check_choice, check_int
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+#: Elements per block of a seeded random fill (NOTE [ Initial weights from a seed ]): 16,384
+#: (64 KiB in fp32), at least one row of the parameter.
+SEED_BLOCK_ELEMENTS = 1 << 14
+
+# NOTE [ Models are built on the meta device ]
+# Every build on a real backend (cpu, cuda, or none) goes meta -> shard -> allocate ->
+# initialise, PyTorch's and torchtitan's pattern: construct under ``torch.device("meta")``
+# (transformers skips its init there), enable checkpointing, and for ``fsdp2`` call
+# ``shard_model`` (``fully_shard`` per layer and root turns the meta parameters into meta
+# DTensor shards; its mesh's device type is the backend's device, which meta parameters
+# cannot tell it). Then allocate (``to_empty``, keeping tied parameters tied; with
+# ``offload="cpu"`` the parameters on the host and the buffers on the device, as torchtitan
+# does), run transformers' ``init_weights()`` with seeded fills (NOTE [ Initial weights from
+# a seed ]; buffers: NOTE [ Buffers after a meta build ]), and for ``ddp`` wrap the replica
+# last (DDP's broadcast of rank 0's state finds it equal already).
+# Under ``fsdp2`` the most a rank holds while building is its shard of the parameters, the
+# unsharded buffers and one block of a random fill: a 70B model over 8 ranks asks ~35 GB per
+# rank, not the ~280 GB of the whole model in fp32. ``ddp`` and ``none`` hold the replica they
+# train anyway; they take the same path so that one seed gives the same weights whatever the
+# sharding (two FSDP2 ranks train to the same parameters as one process). The estimate backend,
+# and any build inside an active FakeTensorMode (AutoBatch builds its tasks inside the
+# backend's context), keep the ordinary build: fake tensors allocate nothing, have no values.
+# Meta tensors hold no memory: the live-storage tracker skips them, so a measured build counts
+# what it allocates after the meta phase. Embedding padding rows: transformers zeroes
+# ``weight[padding_idx]``, which on a DTensor sharded by rows all-gathers the whole table into
+# a copy and zeroes the copy; the row is zeroed in the rank's own shard instead.
+# The model that comes out has the structure, dtypes, devices and ``train()`` mode of the
+# ordinary build (``from_config`` on the device, then ``shard_model``).
+
 
 def resolve_backend(backend: Any) -> Backend | None:
     """``None`` stays ``None`` (plain CPU tensors); a name goes through :func:`get_backend`."""
@@ -31,6 +71,7 @@ def build_causal_lm(
     gradient_checkpointing: bool = False,
     value_head: bool = False,
     sharding: Any = None,
+    seed: int | None = None,
     **config_overrides: Any,
 ) -> torch.nn.Module:
     """A randomly initialised causal LM (or value-head critic) in training mode, sharded if asked.
@@ -55,6 +96,15 @@ def build_causal_lm(
             decoder layer and the root, ``ddp`` wraps the model. Needs a process group of
             ``world_size`` ranks (on the estimate backend:
             :func:`batchfit.parallel.distributed.simulated_world`). ``None``: one device.
+            On a real backend the model is built on the meta device and sharded before
+            anything is allocated: an ``fsdp2`` rank never holds more than its shard (NOTE
+            [ Models are built on the meta device ]).
+        seed: the initial weights' seed (an integer ``>= 0``): the same weights on every rank,
+            for every sharding and world size, on cpu and cuda (NOTE [ Initial weights from a
+            seed ]). ``None`` (default): drawn from ``torch``'s global generator (rank 0's for
+            ``ddp`` and ``fsdp2``, so every rank builds the same model), so that
+            ``torch.manual_seed`` still decides the weights. Ignored by the estimate backend
+            (fake tensors have no values).
         **config_overrides: config attributes to override, e.g. ``num_hidden_layers=2``
             (a per-layer list such as ``layer_types`` is cut to the new depth).
 
@@ -63,8 +113,8 @@ def build_causal_lm(
         backend, its ``DistributedDataParallel`` wrapper).
 
     Raises:
-        InvalidArgument: bad spec, dtype, attention implementation, backend name or
-            sharding, or no process group of the sharding's size.
+        InvalidArgument: bad spec, dtype, attention implementation, backend name,
+            sharding or seed, or no process group of the sharding's size.
 
     Example:
         >>> model = build_causal_lm("tiny")
@@ -79,6 +129,8 @@ def build_causal_lm(
     torch_dtype = parse_dtype(dtype)
     check_choice("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
     plan = as_sharding(sharding)
+    if seed is not None:
+        seed = check_int("seed", seed, minimum=0)
     chosen = resolve_backend(backend)
     config = load_config(spec, **config_overrides)
     _cut_layer_lists(config)
@@ -89,12 +141,334 @@ def build_causal_lm(
     factory = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     context = chosen.context() if chosen is not None else contextlib.nullcontext()
     device = chosen.device if chosen is not None else torch.device("cpu")
-    with context, torch.device(device) if device.type != "cpu" else contextlib.nullcontext():
-        model = _from_config(factory, config, spec, dtype=torch_dtype, attn_implementation=attn_implementation)
-        if gradient_checkpointing:
-            enable_activation_checkpointing(model)
-        model = shard_model(model.train(), plan, fake=getattr(chosen, "fake_mode", None) is not None)
+    from torch._guards import active_fake_mode
+
+    if getattr(chosen, "fake_mode", None) is not None or active_fake_mode() is not None:
+        with context:  # fake tensors (estimate, or a task built inside its context): nothing allocated
+            model = _from_config(factory, config, spec, dtype=torch_dtype, attn_implementation=attn_implementation)
+            if gradient_checkpointing:
+                enable_activation_checkpointing(model)
+            return shard_model(model.train(), plan, fake=True)
+    with context:  # NOTE [ Models are built on the meta device ]
+        seed = resolve_seed(seed, plan)
+        with torch.device("meta"):
+            model = _from_config(factory, config, spec, dtype=torch_dtype, attn_implementation=attn_implementation)
+            if gradient_checkpointing:
+                enable_activation_checkpointing(model)
+            model.train()
+            if plan.strategy == "fsdp2":
+                model = _shard_on_meta(model, plan, device)
+        return _materialise(model, plan, device, seed, spec)
+
+
+def resolve_seed(seed: int | None, sharding: Any) -> int:
+    """The initial weights' seed: ``seed`` itself, or one drawn from ``torch``'s global generator.
+
+    For a distributed sharding (``ddp``, ``fsdp2``) every rank draws one number and keeps
+    rank 0's (one all-reduce on real ranks; none in a simulated world), so every rank builds
+    the same model; every rank must then call this. ``none`` draws locally and never
+    communicates (one rank may build alone).
+    """
+    from batchfit.parallel.distributed import all_reduce_max_list, get_rank
+
+    if seed is not None:
+        return seed
+    drawn = int(torch.randint(0, 2**62, (1,)).item())
+    if not sharding.distributed:
+        return drawn
+    return all_reduce_max_list([drawn if get_rank() == 0 else 0])[0]
+
+
+def _shard_on_meta(model: torch.nn.Module, plan: Any, device: torch.device) -> torch.nn.Module:
+    """``shard_model`` on a model whose parameters are on the meta device, for ``device``."""
+    from batchfit.parallel.shard import shard_model
+
+    if device.type == "cpu":
+        return shard_model(model, plan)
+    # the mesh's device type cannot be read off meta parameters: shard_model must be told it
+    return shard_model(model, plan, device=device)
+
+
+def _materialise(model: torch.nn.Module, plan: Any, device: torch.device, seed: int, spec: Any) -> torch.nn.Module:
+    """Allocate a model built on meta (sharded already for ``fsdp2``) on ``device``, initialise it, wrap ``ddp``.
+
+    NOTE [ Models are built on the meta device ]: DDP wraps the initialised replica (its
+    constructor broadcasts rank 0's, equal already).
+
+    Raises:
+        InvalidArgument: transformers left a buffer uninitialised (NOTE [ Buffers after a meta build ]).
+    """
+    from batchfit.parallel.shard import shard_model
+
+    home = torch.device("cpu") if plan.offload == "cpu" else device
+    _allocate(model, home)
+    if home != device:  # offloaded parameters live on the host, buffers on the device
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+    with torch.no_grad():
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                buffer.fill_(float("nan"))  # NOTE [ Buffers after a meta build ]
+    initialise_weights(model, seed)
+    _check_buffers(model, spec)
+    if plan.strategy != "fsdp2":
+        model = shard_model(model, plan)
     return model
+
+
+# NOTE [ Buffers after a meta build ]
+# Allocation leaves buffers uninitialised. transformers 5.x recomputes the non-persistent ones
+# (rotary ``inv_freq``, ``original_inv_freq``) in ``init_weights``, as its own meta loading
+# needs; transformers 4.x computes rotary frequencies in the module's ``__init__`` only, so a
+# rotary module with ``rope_init_fn`` gets them recomputed here. Floating-point buffers are
+# filled with NaN before the init and checked after it: a buffer nobody recomputed is an
+# error naming it, never garbage trained on.
+
+
+def _check_buffers(model: torch.nn.Module, spec: Any) -> None:
+    """Recompute transformers 4.x rotary buffers and refuse buffers left uninitialised (NOTE above).
+
+    Raises:
+        InvalidArgument: a floating-point buffer still holds the NaN it was filled with.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            inv_freq = module._buffers.get("inv_freq")
+            rope_init = getattr(module, "rope_init_fn", None)
+            if inv_freq is None or not callable(rope_init) or not torch.isnan(inv_freq).any():
+                continue
+            fresh, _ = rope_init(module.config, inv_freq.device)
+            inv_freq.copy_(fresh)
+            if "original_inv_freq" in module._buffers:
+                module._buffers["original_inv_freq"].copy_(fresh)
+            elif hasattr(module, "original_inv_freq"):
+                module.original_inv_freq = inv_freq
+    left = [name for name, b in model.named_buffers() if b.is_floating_point() and bool(torch.isnan(b).any())]
+    if left:
+        raise InvalidArgument(
+            f"spec={spec_name(spec)}: transformers did not initialise the buffers {', '.join(left)} of a model built on the meta device; use backend='estimate', or a transformers release whose init_weights recomputes them (5.x)"
+        )
+
+
+def _allocate(model: torch.nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device=device)`` that keeps tied parameters tied and allocates each once.
+
+    ``to_empty`` visits a parameter shared by two modules (tied embeddings) twice: a plain
+    parameter comes back as two parameters (the tie broken until ``tie_weights``), a DTensor
+    one is allocated twice. Parameters are swapped in place (the object stays, so the tie
+    does) and a tensor already off the meta device is kept.
+    """
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model._apply(lambda t: t if t.device.type != "meta" else torch.empty_like(t, device=device))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def initialise_weights(model: torch.nn.Module, seed: int) -> None:
+    """Re-initialise ``model`` (plain or FSDP2-sharded parameters) with transformers' ``init_weights`` from ``seed``.
+
+    transformers decides what each parameter gets (normal with ``initializer_range``, ones,
+    zeros, the rotary buffers in 5.x); every random fill draws seeded values (NOTE [ Initial
+    weights from a seed ]). Every module is initialised again, whatever transformers marked
+    as initialised. Nothing is communicated between ranks. The global random generators are
+    left as they were.
+
+    Args:
+        model: a transformers model (``init_weights``), with materialised (not meta) tensors.
+        seed: an integer ``>= 0``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    pads = {
+        m: m.padding_idx
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None and isinstance(m.weight, DTensor)
+    }
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    for item in (*model.modules(), *model.parameters(), *model.buffers()):
+        if getattr(item, "_is_hf_initialized", False):
+            item._is_hf_initialized = False  # transformers 4.x marks modules inited on meta
+    # transformers initialises module by module through each (sub-)model's _initialize_weights
+    owners = [m for m in model.modules() if callable(getattr(m, "_initialize_weights", None))] if pads else []
+    try:
+        for m in pads:
+            m.padding_idx = None  # NOTE [ Models are built on the meta device ]: zeroed in the shard
+        for owner in owners:
+            owner._initialize_weights = _zeroing_padding_after(owner._initialize_weights, pads)
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.manual_seed(seed)  # fills seeded_fills cannot name (see its NOTE) stay reproducible
+            with seeded_fills(model, seed):
+                model.init_weights()
+    finally:
+        for owner in owners:
+            del owner._initialize_weights  # the class's method again
+        for m, pad in pads.items():
+            m.padding_idx = pad
+
+
+def _zeroing_padding_after(initialize: Any, pads: dict[torch.nn.Module, int]) -> Any:
+    """``initialize(module, ...)``, then the padding row of a sharded embedding zeroed where transformers zeroes it.
+
+    Zeroing right after the embedding's own init (not after the whole init) keeps what
+    transformers does when a later init overwrites the row (a tied head drawn again).
+    """
+
+    def wrapped(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = initialize(module, *args, **kwargs)
+        pad = pads.get(module)
+        if pad is not None:
+            local, offset = _local_view(module.weight)
+            if offset[0] <= pad < offset[0] + local.shape[0]:
+                local[pad - offset[0]].zero_()
+        return out
+
+    return wrapped
+
+
+# NOTE [ Initial weights from a seed ]
+# A sharded model cannot be initialised by drawing each full parameter from one generator
+# (a rank would hold the whole tensor), and DTensor's own random ops do not help: on a CPU
+# mesh each rank fills its shard from its local generator (measured: with one seed, rank 0's
+# and rank 1's shards hold the same numbers), and on CUDA its RNG tracker gives each shard a
+# philox offset that the sharding decides (not one process's tensor). So every random fill of a
+# known parameter or buffer (``normal_``, ``uniform_``, ... on the tensor itself, a
+# ``.data`` alias included) is replaced by values that depend only on (seed, the tensor's
+# name, how many fills that tensor had before, position): the parameter's rows are cut into
+# blocks of at least one row and about SEED_BLOCK_ELEMENTS elements, each block is drawn
+# whole, in the parameter's dtype, by the same op from a CPU generator seeded with a hash of
+# (seed, name, fill, block). A rank draws the blocks that meet its shard and keeps its rows.
+# Hence a 2-rank FSDP2 build's full tensors equal a 1-process build's with the same seed,
+# and cpu and cuda builds agree (the numbers are drawn on the CPU, then copied). A rank
+# holds at most one block more than its shard, on the host. Fills on tensors that are not
+# known (views, temporaries) run unchanged with the global generator, seeded with ``seed``.
+
+
+@contextlib.contextmanager
+def seeded_fills(model: torch.nn.Module, seed: int) -> Iterator[None]:
+    """Inside, random in-place fills of ``model``'s parameters and buffers draw from ``seed`` (NOTE [ Initial weights from a seed ])."""
+    with _SeededFills(model, seed):
+        yield
+
+
+_RANDOM_FILLS = frozenset(
+    ("normal_", "uniform_", "bernoulli_", "exponential_", "log_normal_", "cauchy_", "geometric_", "random_")
+)
+
+
+def _local_view(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The part of ``tensor`` this rank holds and its offset in the global tensor (at least 1-D)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if isinstance(tensor, DTensor):
+        local = tensor._local_tensor
+        mesh, placements = tensor.device_mesh, tensor.placements
+        if mesh.ndim == 1 and len(placements) == 1 and placements[0].is_shard(0) and tensor.dim() > 0:
+            # FSDP2's layout: torch.chunk's rows (torch's general helper builds an index of them)
+            rows, world = tensor.shape[0], mesh.size()
+            start = min(mesh.get_local_rank() * -(-rows // world), rows)
+            shape, offset = (local.shape[0], *tensor.shape[1:]), (start, *(0 for _ in tensor.shape[1:]))
+        else:
+            shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+        if tuple(shape) != tuple(local.shape):  # pragma: no cover - a layout torch may add one day
+            raise InvalidArgument(
+                f"seed: cannot place this rank's shard of shape {tuple(local.shape)} in a parameter of shape {tuple(tensor.shape)} (placements {tensor.placements}); pass seed=None and sharding='none'"
+            )
+    else:
+        local, offset = tensor, (0,) * tensor.dim()
+    if local.dim() == 0:
+        return local.view(1), (0,)
+    return local, tuple(offset)
+
+
+def _local_numel(tensor: Any) -> int | None:
+    """Elements of ``tensor`` this rank holds (its local shard for a DTensor); ``None`` for a non-tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    return (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).numel()
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
+    from torch.distributed.tensor import DTensor
+
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    if local.device.type == "meta" or local.numel() == 0:
+        return None
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(tensor.shape))
+
+
+class _SeededFills(TorchDispatchMode):
+    """The dispatch mode behind :func:`seeded_fills`."""
+
+    def __init__(self, model: torch.nn.Module, seed: int):
+        super().__init__()
+        self.seed = seed
+        self.by_id: dict[int, str] = {}
+        self.by_storage: dict[tuple[int, int, tuple[int, ...]], str] = {}
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        for name, tensor in named:
+            self.by_id.setdefault(id(tensor), name)
+            key = _storage_key(tensor)
+            if key is not None:
+                self.by_storage.setdefault(key, name)
+        self.fills: dict[str, int] = {}
+
+    def _name(self, tensor: Any) -> str | None:
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        name = self.by_id.get(id(tensor))
+        if name is None:
+            key = _storage_key(tensor)
+            name = self.by_storage.get(key) if key is not None else None
+        return name
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func.__name__.split(".")[0] in _RANDOM_FILLS and args:
+            if _local_numel(args[0]) == 0:
+                return args[0]  # this rank holds no part of it (uneven shards): nothing to draw
+            name = self._name(args[0])
+            if name is not None and not any(isinstance(a, torch.Tensor) for a in args[1:]):
+                self._fill(func, name, args, kwargs)
+                return args[0]
+        return func(*args, **kwargs)
+
+    def _fill(self, func: Any, name: str, args: tuple, kwargs: dict) -> None:
+        tensor, rest = args[0], args[1:]
+        fill = self.fills.get(name, 0)
+        self.fills[name] = fill + 1
+        local, offset = _local_view(tensor)
+        shape = tuple(tensor.shape) or (1,)
+        row = math.prod(shape[1:])
+        per_block = max(1, SEED_BLOCK_ELEMENTS // max(row, 1))
+        lo, hi = offset[0], offset[0] + local.shape[0]
+        inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:]))
+        whole_rows = all(s.start == 0 and s.stop == n for s, n in zip(inner, shape[1:]))
+        in_place = whole_rows and local.device.type == "cpu"
+        for block in range(lo // per_block, -(-hi // per_block)) if hi > lo else ():
+            first, last = block * per_block, min((block + 1) * per_block, shape[0])
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(_block_seed(self.seed, name, fill, block))
+            drawn = {**kwargs, "generator": generator}
+            if in_place and first >= lo and last <= hi:
+                func(local[first - lo : last - lo], *rest, **drawn)
+                continue
+            values = torch.empty((last - first, *shape[1:]), dtype=local.dtype, device="cpu")
+            func(values, *rest, **drawn)
+            start, stop = max(first, lo), min(last, hi)
+            local[start - lo : stop - lo].copy_(values[(slice(start - first, stop - first), *inner)])
+            del values
+
+
+def _block_seed(seed: int, name: str, fill: int, block: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}/{fill}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def _from_config(factory: Any, config: Any, spec: Any, **kwargs: Any) -> torch.nn.Module:

@@ -6,6 +6,8 @@
 - :mod:`~batchfit.parallel.sharding`: :class:`Sharding`, the data-parallel layout as data.
 - :mod:`~batchfit.parallel.shard`: :func:`shard_model` (``fully_shard`` per layer and root,
   or DDP), :func:`unwrap`.
+- :mod:`~batchfit.parallel.behaviour`: what the installed torch does that changes a budget
+  (FSDP2's root resharded after forward or kept), probed or read from its version.
 """
 
 from batchfit.parallel.distributed import simulated_world, sync_micro_batch_count

@@ -98,7 +98,9 @@ def _model_group() -> Any:
     return group
 
 
-def shard_model(model: torch.nn.Module, sharding: Sharding, *, fake: bool = False) -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module, sharding: Sharding, *, fake: bool = False, device: torch.device | str | None = None
+) -> torch.nn.Module:
     """Spread ``model`` over the ranks of the default process group as ``sharding`` says.
 
     Args:
@@ -109,6 +111,9 @@ def shard_model(model: torch.nn.Module, sharding: Sharding, *, fake: bool = Fals
             group's size (a simulated one on the estimate backend).
         fake: the model's tensors are fake (estimate backend): DDP is then not wrapped,
             its buckets are counted (NOTE [ DDP gradient buckets ]).
+        device: the device the model will live on when it is still on ``meta`` (NOTE [ Models are
+            built on the meta device ] in :mod:`batchfit.models.build`): FSDP2's mesh is made for
+            it; default the parameters' own device.
 
     Returns:
         ``none``: ``model``. ``fsdp2``: ``model`` itself, now an ``FSDPModule`` whose
@@ -124,7 +129,7 @@ def shard_model(model: torch.nn.Module, sharding: Sharding, *, fake: bool = Fals
     comm: tuple[torch.Tensor, ...] = ()
     if sharding.strategy == "fsdp2":
         _check_world(sharding)
-        _fully_shard(model, sharding, _model_group())
+        _fully_shard(model, sharding, _model_group(), device)
         out = model
     elif sharding.strategy == "ddp":
         _check_world(sharding)
@@ -137,13 +142,13 @@ def shard_model(model: torch.nn.Module, sharding: Sharding, *, fake: bool = Fals
     return out
 
 
-def _fully_shard(model: torch.nn.Module, sharding: Sharding, group: Any) -> None:
+def _fully_shard(model: torch.nn.Module, sharding: Sharding, group: Any, device: Any = None) -> None:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    param = next(model.parameters())
-    device_type = "cuda" if param.device.type == "cuda" else "cpu"
+    where = torch.device(device) if device is not None else next(model.parameters()).device
+    device_type = "cuda" if where.type == "cuda" else "cpu"
     with unset_fake_temporarily():  # the mesh holds real rank ids, even when estimating
         if group is None:
             mesh = init_device_mesh(device_type, (sharding.world_size,))
