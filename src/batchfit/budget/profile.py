@@ -24,6 +24,7 @@ from batchfit.budget.find import find_token_budget
 from batchfit.budget.options import ProfileOptions
 from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import DoesNotFitError, InvalidArgument
+from batchfit.parallel.behaviour import TorchBehaviours, torch_behaviours
 from batchfit.parallel.distributed import agree
 from batchfit.parallel.sharding import Sharding
 from batchfit.validation import check_choice, check_int
@@ -69,6 +70,8 @@ class ModelProfile:
         depth: the model's number of decoder layers.
         measured_depths: the two depths measured when the peak was extrapolated to
             ``depth`` (NOTE [ Peak memory is affine in depth ]), else ``None``.
+        torch: what the installed torch does that changes a sharded budget
+            (:func:`batchfit.parallel.behaviour.torch_behaviours`), for ``fsdp2``; else ``None``.
     """
 
     model: str
@@ -85,6 +88,7 @@ class ModelProfile:
     depth: int | None = None
     measured_depths: tuple[int, int] | None = None
     resident_bytes: int = 0
+    torch: TorchBehaviours | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Settings, each role's budget and the combined budget as plain values (JSON-ready)."""
@@ -109,6 +113,7 @@ class ModelProfile:
                 "host_bytes": _host_bytes(self.combined),
             },
             "roles": {role: b.to_dict() for role, b in self.budgets.items()},
+            "torch": None if self.torch is None else self.torch.to_dict(),
         }
 
 
@@ -194,6 +199,7 @@ def profile_model(
     if resident_bytes:
         _take_resident(be, resident_bytes)
     parameters = check_host_memory(config, model_name(model)) if be.name == "cpu" else 0
+    behaviours = torch_behaviours() if plan.strategy == "fsdp2" else None  # before any simulated world
     depth, extrapolate = depth_plan(config, be, opts.depth_extrapolation)
     build = RoleBuilder(config, be, torch_dtype, opts, extrapolate, depth)
     budgets: dict[str, TokenBudget] = {}
@@ -244,6 +250,7 @@ def profile_model(
         compute_dtype=_dtype_name(compute_dtype(plan, torch_dtype)),
         depth=depth,
         measured_depths=tuple(DEFAULT_DEPTHS) if extrapolate else None,
+        torch=behaviours,
     )
 
 

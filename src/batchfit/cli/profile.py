@@ -674,6 +674,9 @@ def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse
         highlight=False,
     )
     console.print(f"sharding: {profile.sharding.describe()}", highlight=False)
+    if profile.torch is not None:
+        for b in profile.torch.behaviours:
+            console.print(f"torch {profile.torch.torch_version} ({b.detected_by}): {b.meaning}", highlight=False)
     console.print(
         f"backend {profile.backend} → {target} per rank: {limit}, reserve {format_bytes(profile.reserve_bytes)}, "
         f"safety margin {args.safety_margin:g}",
