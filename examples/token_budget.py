@@ -11,7 +11,7 @@ from batchfit.budget.step import causal_lm_step
 from batchfit.memory import format_bytes, get_backend
 from batchfit.models import build_causal_lm
 
-backend = get_backend("estimate", memory_limit="8GiB")  # 1 GiB reserve -> 7 GiB usable
+backend = get_backend("estimate", memory_limit="8GiB")  # less the untracked reserve (CUDA context, cuBLAS workspaces)
 budgets = []
 for role in ("policy", "critic"):
     model = build_causal_lm("tiny", backend=backend, dtype="bf16", value_head=role == "critic")

@@ -386,3 +386,18 @@ def test_two_ranks_agree_on_a_smaller_budget_when_one_rank_runs_out():
     assert got[0] == got[1]  # same budget, same points, same number of probes on both ranks
     assert got[0][0] == 35 * 4096  # the verdict at 36 was "does not fit" on every rank
     assert got[0][1][0] == 35
+
+
+def test_a_batch_size_probed_twice_counts_once_in_the_per_sequence_cost():
+    # a length's whole-sequence probes may repeat a batch size (a predicted probe, then the run):
+    # the secant must use two distinct sizes, not divide by zero
+    from batchfit.budget.find import _per_sequence
+    from batchfit.budget.probe import Probe
+
+    def probe(size: int, peak: int) -> Probe:
+        return Probe(batch_size=size, seq_len=10, peak_bytes=peak, fits=True, tokens=size * 10)
+
+    base = probe(26, 7_000)
+    probes = [probe(20, 5_800), base, probe(26, 7_000)]
+    assert _per_sequence(probes, 10, base) == pytest.approx((7_000 - 5_800) / 6)
+    assert _per_sequence([base, base], 10, base) == pytest.approx(7_000 / 26)  # one size: the base's share

@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from batchfit.cli import main
+from batchfit.memory import untracked_memory
 from multirank import free_port
 
-# A fast configuration: the tiny preset estimated against 2 GiB (the estimate backend keeps a 1 GiB reserve).
+# A fast configuration: the tiny preset estimated against 2 GiB (less the estimate backend's reserve).
 FAST = [
     "--model",
     "tiny",
@@ -41,13 +42,13 @@ def test_default_run_answers_a_7b_fsdp2_node(capsys):
 
 
 def test_the_default_jobs_packed_budget_counts_tokens_and_exceeds_the_padded_one(capsys):
-    # NOTE [ Packed budgets count tokens ]: 3 whole sequences of 8192 and 5,000 tokens more fit,
+    # NOTE [ Packed budgets count tokens ]: 3 whole sequences of 8192 and 3,132 tokens more fit,
     # where rounding down to whole sequences gave the padded 24,576
     assert main(["profile", "--no-progress", "--cost", "packed", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     longest = data["roles"]["policy"]["points"][0]
-    assert (longest["seq_len"], longest["max_batch_size"], longest["tokens"]) == (8192, 3, 29_576)
-    assert data["tokens"] == 29_576 > 24_576
+    assert (longest["seq_len"], longest["max_batch_size"], longest["tokens"]) == (8192, 3, 27_708)
+    assert data["tokens"] == 27_708 > 24_576
 
 
 def test_json_schema(capsys):
@@ -71,9 +72,11 @@ def test_json_schema(capsys):
     assert [p["seq_len"] for p in policy["points"]] == [512, 256, 128, 64]
     assert set(policy["memory_model"]) == {"base", "linear", "quadratic", "r2", "max_residual", "n_points"}
     assert policy["probes"] == len(policy["trials"]) <= 8 * 4
-    assert policy["limit_bytes"] == int(0.9 * (2 * 1024**3 - 1024**3))  # margin × (memory - 1 GiB reserve)
-    # estimating defaults to fsdp2 over 8 simulated ranks
+    # estimating defaults to fsdp2 over 8 simulated ranks: the reserve holds NCCL's buffers too
     assert data["sharding"]["strategy"] == "fsdp2" and data["sharding"]["world_size"] == 8
+    untracked = untracked_memory(world_size=8)
+    assert data["untracked"] == untracked.to_dict() and data["reserve_bytes"] == untracked.reserve_bytes
+    assert policy["limit_bytes"] == int(0.85 * (2 * 1024**3 - untracked.reserve_bytes))  # margin × (memory - reserve)
     assert set(data["per_rank"]) == {"breakdown", "reserve_bytes", "host_bytes"}
     assert data["per_rank"]["breakdown"] == policy["breakdown"]
 
@@ -155,7 +158,7 @@ def test_policy_and_critic_are_combined_by_the_smaller(capsys, tmp_path):
         ),
         pytest.param(["--plot", "out.txt"], "--plot must name a .png, .pdf, .svg, .jpg, .jpeg file", id="plot-suffix"),
         pytest.param(["--plot", "no/such/dir/b.png"], "the folder 'no/such/dir' does not exist", id="plot-folder"),
-        pytest.param(["--memory", "1GiB"], "--memory 1GiB leaves nothing once the reserve of 1.00 GiB is taken off", id="memory-below-reserve"),
+        pytest.param(["--memory", "300MiB"], "--memory 300MiB leaves nothing once the reserve of 337.75 MiB is taken off", id="memory-below-reserve"),
         pytest.param(["--reserve", "lots"], "--reserve is not a memory size", id="bad-reserve"),
         pytest.param(
             ["--backend", "cpu", "--memory", "1GiB", "--sharding", "fsdp2"],
@@ -218,7 +221,8 @@ def test_a_sequence_too_long_for_one_device_names_the_flags_that_fit(capsys, tmp
     config = dict(preset_info("tiny")["config"])
     config.update(vocab_size=16384, hidden_size=128, intermediate_size=352, head_dim=32)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    argv = ["profile", "--model", str(tmp_path), "--max-seq-len", "32", "--memory", str(1024**3 + 33 * 1024**2)]
+    argv = ["profile", "--model", str(tmp_path), "--max-seq-len", "32", "--memory", str(1024**3 + 33 * 1024**2), "--reserve", "1GiB"]
+    argv += ["--safety-margin", "0.9"]
     assert main([*argv, "--sharding", "none", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "it fits with --sharding fsdp2 --world-size 16 --gradient-checkpointing" in err

@@ -23,6 +23,7 @@ from batchfit.memory import (
     is_out_of_memory,
     measure_peak,
     parse_memory,
+    untracked_memory,
 )
 from batchfit.models import build_causal_lm
 
@@ -84,8 +85,9 @@ def test_auto_is_estimate_without_cuda():
 def test_backend_defaults_and_limit_arithmetic():
     cpu, est = get_backend("cpu"), get_backend("estimate", memory_limit="80GiB")
     assert (cpu.memory_limit, cpu.reserve_bytes, cpu.round_to, cpu.limit_bytes) == (None, 0, 1, None)
-    # 80 GiB - the 1 GiB default reserve = 79 GiB
-    assert (est.reserve_bytes, est.round_to, est.limit_bytes) == (1024**3, 512, 79 * 1024**3)
+    # 80 GiB less the default reserve: CUDA context 287,047,680 B + cuBLAS workspaces 2 × 32 MiB
+    reserve = 287_047_680 + 64 * 1024**2
+    assert (est.reserve_bytes, est.round_to, est.limit_bytes) == (reserve, 512, 80 * 1024**3 - reserve)
     assert cpu.device == est.device == torch.device("cpu")
     assert get_backend(cpu) is cpu
 
@@ -105,7 +107,7 @@ def test_backend_defaults_and_limit_arithmetic():
         ),
         pytest.param(
             "estimate",
-            {"memory_limit": "1GiB"},
+            {"memory_limit": "300MiB"},
             r"reserve_bytes must be smaller than memory_limit",
             id="reserve-too-big",
         ),
@@ -299,7 +301,7 @@ def test_estimate_reports_does_not_fit_cheaply():
     step = causal_lm_step(build_causal_lm("qwen2.5-0.5b", backend=backend, dtype="bf16"), backend=backend)
     m = step.measure([8192] * 64)
     assert (m.fits, m.exceeded) == (False, True)
-    assert m.peak_bytes > m.limit_bytes == parse_memory("l4") - 1024**3
+    assert m.peak_bytes > m.limit_bytes == parse_memory("l4") - untracked_memory("l4").reserve_bytes
 
 
 # --------------------------------------------------------------------------- cuda through a fake device

@@ -17,6 +17,7 @@ from batchfit.budget.find import check_max_seq_len
 from batchfit.budget.token_budget import check_cost
 from batchfit.errors import InvalidArgument
 from batchfit.memory import BACKEND_NAMES
+from batchfit.memory.untracked import DEFAULT_SAFETY_MARGIN
 from batchfit.parallel.sharding import Sharding, as_sharding
 from batchfit.train.logprobs import HEADS
 from batchfit.validation import check_choice, check_number
@@ -68,7 +69,7 @@ class ProfileOptions:
     gradient_checkpointing: bool = False
     logprobs: str = "full"
     cost: str = "padded"
-    safety_margin: float = 0.9
+    safety_margin: float = DEFAULT_SAFETY_MARGIN
     seq_lens: Sequence[int] | None = None
     sharding: Sharding = field(default_factory=Sharding)
     depth_extrapolation: bool | None = None

@@ -24,6 +24,8 @@ from batchfit.budget.find import find_token_budget
 from batchfit.budget.options import ProfileOptions
 from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import DoesNotFitError, InvalidArgument
+from batchfit.memory.estimate import EstimateBackend
+from batchfit.memory.untracked import UntrackedMemory, untracked_memory
 from batchfit.parallel.behaviour import TorchBehaviours, torch_behaviours
 from batchfit.parallel.distributed import agree
 from batchfit.parallel.sharding import Sharding
@@ -70,6 +72,8 @@ class ModelProfile:
         depth: the model's number of decoder layers.
         measured_depths: the two depths measured when the peak was extrapolated to
             ``depth`` (NOTE [ Peak memory is affine in depth ]), else ``None``.
+        untracked: the terms of the estimate backend's default reserve
+            (:func:`batchfit.memory.untracked.untracked_memory`), else ``None``.
         torch: what the installed torch does that changes a sharded budget
             (:func:`batchfit.parallel.behaviour.torch_behaviours`), for ``fsdp2``; else ``None``.
     """
@@ -88,6 +92,7 @@ class ModelProfile:
     depth: int | None = None
     measured_depths: tuple[int, int] | None = None
     resident_bytes: int = 0
+    untracked: UntrackedMemory | None = None
     torch: TorchBehaviours | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,6 +118,7 @@ class ModelProfile:
                 "host_bytes": _host_bytes(self.combined),
             },
             "roles": {role: b.to_dict() for role, b in self.budgets.items()},
+            "untracked": None if self.untracked is None else self.untracked.to_dict(),
             "torch": None if self.torch is None else self.torch.to_dict(),
         }
 
@@ -195,6 +201,8 @@ def profile_model(
     torch_dtype = parse_dtype(default_dtype(plan) if opts.dtype is None else opts.dtype)
     config = load_config(model)  # a bad spec fails here, before any backend work
     be = get_backend(opts.backend, memory_limit=opts.memory_limit, reserve_bytes=opts.reserve_bytes)
+    if isinstance(be, EstimateBackend):
+        be.expect_world_size(plan.world_size)  # NCCL's buffers on a sharded device
     resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
     if resident_bytes:
         _take_resident(be, resident_bytes)
@@ -250,6 +258,7 @@ def profile_model(
         compute_dtype=_dtype_name(compute_dtype(plan, torch_dtype)),
         depth=depth,
         measured_depths=tuple(DEFAULT_DEPTHS) if extrapolate else None,
+        untracked=getattr(be, "untracked", None),
         torch=behaviours,
     )
 
@@ -568,6 +577,9 @@ def _world_below(n: int) -> int:
 
 def _with_world_size_hint(exc: DoesNotFitError, role: str, build: RoleBuilder, seq_len: int) -> DoesNotFitError:
     limit = exc.available if exc.available is not None else 0
+    untracked = getattr(build.backend, "untracked", None)
+    if untracked is not None and not untracked.nccl_bytes:  # the suggested world has NCCL's buffers too
+        limit -= untracked_memory(world_size=2).nccl_bytes
     start = build.sharding.world_size if build.sharding.strategy == "fsdp2" else 1
     world = smallest_fitting_world_size(build, role, seq_len, limit, start=start)
     if world is None:

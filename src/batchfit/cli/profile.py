@@ -23,7 +23,7 @@ import torch
 
 from batchfit.budget.profile import ROLES, check_roles
 from batchfit.errors import InvalidArgument
-from batchfit.memory import DEFAULT_ESTIMATE_TARGET
+from batchfit.memory import DEFAULT_ESTIMATE_TARGET, DEFAULT_SAFETY_MARGIN
 
 # The main job's default: a 7B policy at 8k on one 8-GPU node, sharded the way SkyRL and verl
 # train it (FSDP2, fp32 master weights with bf16 compute, activation checkpointing).
@@ -32,7 +32,6 @@ DEFAULT_MODEL = "qwen2.5-7b"
 DEFAULT_CPU_MODEL = "tiny"
 DEFAULT_MAX_SEQ_LEN = 8192
 DEFAULT_ESTIMATE_WORLD_SIZE = 8
-DEFAULT_SAFETY_MARGIN = 0.9
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -180,7 +179,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     """
     from batchfit.budget.step import LOGPROBS
     from batchfit.budget.token_budget import check_cost
-    from batchfit.memory import BACKEND_NAMES, DEFAULT_RESERVE_BYTES, backend_name, format_bytes, parse_memory
+    from batchfit.memory import BACKEND_NAMES, backend_name, format_bytes, parse_memory, untracked_memory
     from batchfit.models import load_config, parse_dtype
     from batchfit.parallel.sharding import STRATEGIES, Sharding
     from batchfit.validation import check_choice, check_number, check_positive_int
@@ -197,7 +196,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     reserve = _reserve(args.reserve) if limits is None else limits.reserve_bytes
     if memory is not None:
         total = parse_memory(memory, name="--memory")
-        kept = {"estimate": DEFAULT_RESERVE_BYTES, "cpu": 0}.get(backend) if reserve is None else reserve
+        default = {"estimate": lambda: untracked_memory(str(memory), total_bytes=total).reserve_bytes, "cpu": lambda: 0}
+        kept = default[backend]() if reserve is None and backend in default else reserve
         if kept is not None and kept >= total:
             raise InvalidArgument(
                 f"--memory {memory} leaves nothing once the reserve of {format_bytes(kept)} is taken off "
@@ -677,8 +677,9 @@ def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse
     if profile.torch is not None:
         for b in profile.torch.behaviours:
             console.print(f"torch {profile.torch.torch_version} ({b.detected_by}): {b.meaning}", highlight=False)
+    terms = "" if profile.untracked is None else f" ({profile.untracked.describe()})"
     console.print(
-        f"backend {profile.backend} → {target} per rank: {limit}, reserve {format_bytes(profile.reserve_bytes)}, "
+        f"backend {profile.backend} → {target} per rank: {limit}, reserve {format_bytes(profile.reserve_bytes)}{terms}, "
         f"safety margin {args.safety_margin:g}",
         highlight=False,
     )

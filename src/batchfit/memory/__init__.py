@@ -23,7 +23,6 @@ from batchfit.memory.cpu import CpuBackend
 from batchfit.memory.cuda import CudaBackend
 from batchfit.memory.estimate import (
     DEFAULT_ESTIMATE_TARGET,
-    DEFAULT_RESERVE_BYTES,
     DEFAULT_ROUND_TO,
     EstimateBackend,
 )
@@ -31,13 +30,14 @@ from batchfit.memory.measurement import MemoryMeasurement
 from batchfit.memory.registry import BACKEND_NAMES, BACKENDS, backend_name, get_backend, measure_peak
 from batchfit.memory.sizes import DEVICE_MEMORY, format_bytes, parse_memory
 from batchfit.memory.tracker import MemoryLimitExceeded, MemoryTracker
+from batchfit.memory.untracked import DEFAULT_SAFETY_MARGIN, UntrackedMemory, untracked_memory
 
 __all__ = [
     "BACKENDS",
     "BACKEND_NAMES",
     "DEFAULT_ESTIMATE_TARGET",
-    "DEFAULT_RESERVE_BYTES",
     "DEFAULT_ROUND_TO",
+    "DEFAULT_SAFETY_MARGIN",
     "DEVICE_MEMORY",
     "Backend",
     "CpuBackend",
@@ -46,10 +46,12 @@ __all__ = [
     "MemoryLimitExceeded",
     "MemoryMeasurement",
     "MemoryTracker",
+    "UntrackedMemory",
     "backend_name",
     "format_bytes",
     "get_backend",
     "is_out_of_memory",
     "measure_peak",
     "parse_memory",
+    "untracked_memory",
 ]

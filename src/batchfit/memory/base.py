@@ -83,6 +83,10 @@ class Backend(abc.ABC):
         else:
             self.reserve_bytes = parse_memory(reserve_bytes, name="reserve_bytes")
         self.round_to = check_positive_int("round_to", round_to)
+        self._check_reserve()
+
+    def _check_reserve(self) -> None:
+        """Refuse a reserve that leaves nothing of the limit."""
         if self.memory_limit is not None and self.reserve_bytes >= self.memory_limit:
             raise InvalidArgument(
                 f"reserve_bytes must be smaller than memory_limit={self.memory_limit}, but got reserve_bytes={self.reserve_bytes}; lower reserve_bytes or raise memory_limit"

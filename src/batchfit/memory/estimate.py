@@ -10,12 +10,8 @@ from typing import Any
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from batchfit.memory.fake_patches import transformers_fake_patches
-from batchfit.memory.sizes import GiB
 from batchfit.memory.tracked import TrackedBackend
-
-#: Default bytes of ``memory_limit`` kept for what no tracker sees on a CUDA device: the CUDA
-#: context (~0.3-0.6 GiB), cuBLAS/cuDNN workspaces, NCCL buffers. 1 GiB.
-DEFAULT_RESERVE_BYTES = 1 * GiB
+from batchfit.memory.untracked import UntrackedMemory, untracked_memory
 
 #: Default storage rounding: the CUDA caching allocator hands out multiples of 512 bytes.
 DEFAULT_ROUND_TO = 512
@@ -47,30 +43,50 @@ class EstimateBackend(TrackedBackend):
     ``round_to=1`` and takes seconds even for 0.5B-parameter models at long sequences.
 
     What it models of a CUDA device: ``round_to`` (default 512 B, the caching allocator's
-    block) and ``reserve_bytes`` (default :data:`DEFAULT_RESERVE_BYTES` = 1 GiB, subtracted
-    from ``memory_limit``). Not modelled: fragmentation and kernels whose CUDA version
-    allocates differently from the CPU one (e.g. flash/efficient SDPA keeps a
-    log-sum-exp, the CPU math path differs) -- the budget search's safety margin covers
-    these. Fake *cuda* tensors are never used: they abort a CPU-only build.
+    block) and ``reserve_bytes`` (subtracted from ``memory_limit``; by default what no
+    tracker sees on the named device, term by term: :func:`batchfit.memory.untracked.untracked_memory`).
+    Not modelled: fragmentation and kernels whose CUDA version allocates differently from
+    the CPU one (e.g. flash/efficient SDPA keeps a log-sum-exp, the CPU math path differs)
+    -- the budget search's safety margin covers these (NOTE [ The margin's evidence ]).
+    Fake *cuda* tensors are never used: they abort a CPU-only build.
 
     Args:
         memory_limit: target device size (bytes, ``"80GiB"``, ``"h100-80gb"``), or ``None``.
-        reserve_bytes: bytes of ``memory_limit`` not available to tensors (default 1 GiB).
+        reserve_bytes: bytes of ``memory_limit`` not available to tensors (default: the
+            untracked memory of one rank of the device; :meth:`expect_world_size` adds NCCL's).
         round_to: storage rounding in bytes (default 512; 1 reproduces the cpu backend).
+
+    Attributes:
+        untracked: the terms of the default reserve, ``None`` when ``reserve_bytes`` was given.
     """
 
     name = "estimate"
 
     def __init__(self, *, memory_limit: Any = None, reserve_bytes: Any = None, round_to: int | None = None):
-        super().__init__(
-            memory_limit=memory_limit,
-            reserve_bytes=DEFAULT_RESERVE_BYTES if reserve_bytes is None else reserve_bytes,
-            round_to=DEFAULT_ROUND_TO if round_to is None else round_to,
-        )
+        self._device = memory_limit if isinstance(memory_limit, str) else None
+        super().__init__(memory_limit=memory_limit, reserve_bytes=0 if reserve_bytes is None else reserve_bytes, round_to=DEFAULT_ROUND_TO if round_to is None else round_to)
+        self.untracked: UntrackedMemory | None = None
+        self._default_reserve = reserve_bytes is None
+        self.expect_world_size(1)
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         fake_mode = self.fake_mode
         fake_mode.__deepcopy__ = lambda memo: fake_mode  # NOTE [ Deep copies of fake tensors ]
         self._depth = 0
+
+    def expect_world_size(self, world_size: int) -> None:
+        """Reserve what no tracker sees on one rank of ``world_size`` (NCCL's buffers when > 1).
+
+        Only a default reserve changes; one the user gave is kept.
+
+        Raises:
+            InvalidArgument: ``world_size`` is not a positive integer, or the reserve would
+                leave nothing of ``memory_limit``.
+        """
+        if not self._default_reserve:
+            return
+        self.untracked = untracked_memory(self._device, world_size=world_size, total_bytes=self.memory_limit)
+        self.reserve_bytes = self.untracked.reserve_bytes
+        self._check_reserve()
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:

@@ -47,8 +47,9 @@ def get_backend(
             (then the other arguments must be ``None``).
         memory_limit: device bytes (int, ``"80GiB"``, ``"80GB"``, a device preset such as
             ``"h100-80gb"``); default: unlimited (cpu, estimate), the device's memory (cuda).
-        reserve_bytes: bytes of ``memory_limit`` no tracker sees; default 0 (cpu), 1 GiB
-            (estimate), measured (cuda).
+        reserve_bytes: bytes of ``memory_limit`` no tracker sees; default 0 (cpu), the
+            device's untracked terms (estimate: :func:`batchfit.memory.untracked.untracked_memory`),
+            measured (cuda).
         round_to: storage rounding; default 1 (cpu), 512 (estimate, cuda).
 
     Returns:
@@ -60,8 +61,8 @@ def get_backend(
 
     Example:
         >>> b = get_backend("estimate", memory_limit="h100-80gb")
-        >>> b.name, b.limit_bytes == b.memory_limit - 1024**3
-        ('estimate', True)
+        >>> b.name, b.reserve_bytes   # CUDA context + cuBLAS workspaces
+        ('estimate', 354156544)
     """
     if isinstance(name, Backend):
         if not (memory_limit is None and reserve_bytes is None and round_to is None):
