@@ -10,7 +10,11 @@ import yaml
 from batchfit.cli import main
 from batchfit.frameworks import read_run_config
 from batchfit.frameworks.emit import Key, render_overrides
+from batchfit.frameworks.older_torch import older_torch_notes, root_parameter_bytes
+from batchfit.memory import format_bytes
 from batchfit.models import preset_info
+from batchfit.parallel.behaviour import ROOT_RESHARD, Behaviour, TorchBehaviours
+from batchfit.parallel.sharding import Sharding
 
 FAST = ["--backend", "estimate", "--memory", "2GiB", "--no-progress"]
 
@@ -60,10 +64,15 @@ def test_profile_config_emits_verl_keys_equal_to_the_budgets_and_the_merge_plans
     tokens = data["tokens"]
     assert tokens["policy_forward"] > tokens["policy"]  # a no_grad pass fits more
     assert data["emit"]["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] == tokens["policy"]
+    # torch 2.13 reshards the root after forward; the trained models say what an older torch adds
+    root = format_bytes(root_parameter_bytes(model_dir, "bfloat16"))
+    assert [note.split(" ")[0] for note in data["older_torch"]] == ["policy", "critic"]
+    assert f"+{root} per rank" in data["older_torch"][0] and "torch < 2.8" in data["older_torch"][0]
 
     assert main(["profile", "--config", str(path), *FAST, "--emit", "verl"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"# batchfit profile --config {path} --emit verl\n")
+    assert f"# note: policy ({model_dir}): these budgets follow torch" in out
     emitted = yaml.safe_load(out)
     actor = emitted["actor_rollout_ref"]["actor"]
     assert actor == {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": tokens["policy"]}
@@ -191,3 +200,24 @@ def test_bad_framework_input_is_one_line_and_exit_2(bad_files, capsys, argv, mes
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert message in err
+
+
+@pytest.mark.parametrize(
+    ("root_resharded", "sharding", "noted"),
+    [
+        pytest.param(True, Sharding("fsdp2", world_size=2), True, id="resharded-root"),
+        pytest.param(False, Sharding("fsdp2", world_size=2), False, id="older-torch-installed"),
+        pytest.param(True, Sharding("fsdp2", world_size=2, reshard_after_forward=False), False, id="no-reshard"),
+        pytest.param(True, Sharding("ddp", world_size=2), False, id="ddp"),
+    ],
+)
+def test_older_torch_notes_only_where_the_installed_torch_reshards_the_root(root_resharded, sharding, noted):
+    import types
+
+    behaviour = Behaviour(ROOT_RESHARD, root_resharded, "", "probe", "2.8")
+    torch_info = TorchBehaviours("2.13.0", (behaviour,)) if sharding.strategy == "fsdp2" else None
+    profile = types.SimpleNamespace(torch=torch_info, sharding=sharding, compute_dtype="bfloat16")
+    result = types.SimpleNamespace(profiles={"policy": profile, "reference": profile}, run=types.SimpleNamespace(models={"policy": "tiny"}))
+    notes = older_torch_notes(result)
+    # tiny: embedding and head 2 × 1,024 × 64 and the final norm 64, in bf16: 262,272 B
+    assert notes == ([f"policy (tiny): these budgets follow torch 2.13.0, which reshards FSDP2's root after forward; on torch < 2.8 (a framework's pin through vLLM or SGLang) the root's parameters stay gathered until backward, +{format_bytes(262_272)} per rank at the backward peak: profile under that torch, or lower the training budget by that much"] if noted else [])

@@ -91,6 +91,16 @@ def test_each_position_is_extrapolated_alone_and_the_largest_wins():
     assert out.breakdown == {"activations": 360}
 
 
+def test_the_allocators_reservation_is_extrapolated_and_judged_with_the_peak():
+    # cuda: no phase peaks; the reservation (100 B more per layer than allocated) survives extrapolation
+    m5 = MemoryMeasurement(peak_bytes=1_000, fits=True, limit_bytes=None, backend="cuda", reserved_bytes=1_500)
+    m6 = MemoryMeasurement(peak_bytes=1_100, fits=True, limit_bytes=None, backend="cuda", reserved_bytes=1_700)
+    out = extrapolate(m5, m6, 5, 6, 10, limit_bytes=2_000)
+    assert (out.peak_bytes, out.reserved_bytes) == (1_500, 2_500)
+    assert not out.fits  # allocated 1,500 B fits under 2,000 B, reserved 2,500 B does not
+    assert extrapolate(_m(100, {"forward": 100}), _m(110, {"forward": 110}), 5, 6, 8, None).reserved_bytes is None
+
+
 def test_a_position_seen_at_one_depth_only_is_not_extrapolated():
     m5 = _m(100, {"forward": 100})
     m6 = _m(130, {"forward": 110, "backward:layers-middle": 130})

@@ -397,6 +397,20 @@ def test_cuda_reports_peak_and_breakdown(fake_cuda):
     assert fake_cuda.resets == 1
 
 
+def test_cuda_counts_offloaded_state_as_host_bytes(fake_cuda):
+    # CPU offload: the optimizer state lives on the host, so it is no part of the device's breakdown
+    weights, state = torch.ones(1000), torch.ones(2000)
+
+    def step():
+        fake_cuda.peak = 1_004_096
+
+    m = CudaBackend().measure(
+        step, register=(weights, state), categories=("parameters", "optimizer_state"), host_categories=("optimizer_state",)
+    )
+    assert m.host_bytes == 8000  # unrounded, as the tracked backends count host memory
+    assert m.breakdown == {"parameters": 4096, "activations": 1_000_000}
+
+
 def test_cuda_out_of_memory_is_does_not_fit_and_releases_memory(fake_cuda):
     lin = torch.nn.Linear(4, 4)
 

@@ -122,9 +122,10 @@ def extrapolate(
     """Extrapolate two measurements at depths ``k1 < k2`` to ``depth``, phase by phase.
 
     Every phase's peak, the breakdown at the peak phase (each category extrapolated from
-    that phase's breakdowns, negatives clamped to 0) and the host bytes are extrapolated;
-    ``fits`` compares the peak with ``limit_bytes``. Without phase peaks (cuda) the overall
-    peaks are extrapolated.
+    that phase's breakdowns, negatives clamped to 0), the host bytes and the allocator's
+    reservation (cuda's ``reserved_bytes``, when both have it) are extrapolated; ``fits``
+    compares the larger of peak and reservation with ``limit_bytes``, as cuda's own
+    measurements do. Without phase peaks (cuda) the overall peaks are extrapolated.
     """
     line: Callable[[float, float], int] = lambda a, b: _extrapolate(a, b, k1, k2, depth)  # noqa: E731
     phases = sorted(set(m1.phase_peaks) & set(m2.phase_peaks))
@@ -145,9 +146,12 @@ def extrapolate(
         for ph in phases
         if ph in m1.phase_breakdowns and ph in m2.phase_breakdowns
     }
+    reserved = None
+    if m1.reserved_bytes is not None and m2.reserved_bytes is not None:
+        reserved = max(peak, line(m1.reserved_bytes, m2.reserved_bytes))
     return MemoryMeasurement(
         peak_bytes=peak,
-        fits=limit_bytes is None or peak <= limit_bytes,
+        fits=limit_bytes is None or max(peak, reserved or 0) <= limit_bytes,
         limit_bytes=limit_bytes,
         backend=m2.backend,
         breakdown={k: v for k, v in breakdown.items() if v},
@@ -156,6 +160,7 @@ def extrapolate(
         host_bytes=max(0, line(m1.host_bytes, m2.host_bytes)),
         phase_peaks=phase_peaks,
         phase_breakdowns=phase_breakdowns,
+        reserved_bytes=reserved,
     )
 
 

@@ -543,6 +543,7 @@ def _run_config(
 ) -> int:
     """``--config``: profile every pass of the run; render it, or emit the framework's keys."""
     from batchfit.frameworks.emit import emit_keys, render_overrides, render_yaml
+    from batchfit.frameworks.older_torch import older_torch_notes
     from batchfit.frameworks.profile import profile_run
     from batchfit.memory import format_bytes
 
@@ -551,6 +552,7 @@ def _run_config(
         result = profile_run(run, _profile_options(args, settings, callback))
     if rank != 0:
         return 0
+    notes = older_torch_notes(result)
     keys = None
     if args.emit is not None:
         keys = emit_keys(result, args.emit, max_seq_len=args.max_seq_len, margin=args.safety_margin)
@@ -561,6 +563,7 @@ def _run_config(
     if args.json:
         data = result.to_dict()
         data["memory_defaulted"] = settings["memory_defaulted"]
+        data["older_torch"] = notes
         if keys is not None:
             data["emit"] = {k.path: k.value for k in keys}
         json.dump(data, sys.stdout, indent=2)
@@ -576,6 +579,7 @@ def _run_config(
         if result.resident:
             shared = ", ".join(f"{role} {format_bytes(b)}" for role, b in result.resident.items())
             header.append(f"colocated models' state taken off each budget: {shared}")
+        header += [f"note: {note}" for note in notes]
         text = render_yaml(keys, header) if args.emit_format == "yaml" else render_overrides(keys)
         sys.stdout.write(text)
         return 0
@@ -585,6 +589,8 @@ def _run_config(
         + (f"; colocated {', '.join(run.colocated)}" if run.colocated else ""),
         highlight=False,
     )
+    for note in notes:
+        console.print(f"note: {note}", highlight=False)
     for role, profile in result.profiles.items():
         console.print()
         console.rule(f"{role} model", style="dim")

@@ -88,12 +88,17 @@ class CudaBackend(Backend):
         registered: list[tuple[torch.Tensor, str]],
         parameters: list[torch.nn.Parameter],
         host_categories: Sequence[str],
-    ) -> dict[str, int]:
-        # bytes per category as the allocator holds them (512-byte blocks); the tensors are let go
-        return storage_bytes(registered, self.round_to)
+    ) -> tuple[dict[str, int], int]:
+        # device bytes per category as the allocator holds them (512-byte blocks), and the bytes
+        # of the categories offloaded to the host (not the device's; as the tracked backends
+        # count them); the tensors are let go
+        host = set(host_categories)
+        device = storage_bytes([(t, c) for t, c in registered if c not in host], self.round_to)
+        offloaded = storage_bytes([(t, c) for t, c in registered if c in host])
+        return device, sum(offloaded.values())
 
     @contextlib.contextmanager
-    def _running(self, state: dict[str, int]) -> Iterator[None]:
+    def _running(self, state: tuple[dict[str, int], int]) -> Iterator[None]:
         gc.collect()
         torch.cuda.synchronize(self._device)
         torch.cuda.empty_cache()  # the previous trial's cached blocks must not shape this one
@@ -125,10 +130,11 @@ class CudaBackend(Backend):
     def _release(self) -> None:
         torch.cuda.empty_cache()  # after the state is restored (Backend.measure)
 
-    def _result(self, state: dict[str, int], exceeded: bool, seconds: float) -> MemoryMeasurement:
+    def _result(self, state: tuple[dict[str, int], int], exceeded: bool, seconds: float) -> MemoryMeasurement:
         peak = int(torch.cuda.max_memory_allocated(self._device))
         reserved = int(torch.cuda.max_memory_reserved(self._device))
-        breakdown = {k: v for k, v in state.items() if v}
+        device, host_bytes = state
+        breakdown = {k: v for k, v in device.items() if v}
         rest = peak - sum(breakdown.values())
         if rest > 0:
             breakdown[ACTIVATIONS] = rest
@@ -142,4 +148,5 @@ class CudaBackend(Backend):
             exceeded=exceeded,
             seconds=seconds,
             reserved_bytes=reserved,
+            host_bytes=host_bytes,
         )

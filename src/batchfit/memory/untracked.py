@@ -23,6 +23,12 @@ the safety margin covers the rest:
 - **The caching allocator**: what it reserves beyond what tensors hold (block rounding,
   segments that cannot serve a request of another size, memory kept for the next step) is
   not a fixed amount: it is covered by the safety margin (NOTE [ The margin's evidence ]).
+  It depends on the allocator's configuration: with ``expandable_segments:True``
+  (``PYTORCH_CUDA_ALLOC_CONF``) a segment grows in place instead of a new one being
+  reserved, so ``reserved − allocated`` stays near the rounding; without it, blocks split
+  for one size rarely serve another. The default margin is for the default allocator (no
+  expandable segments); ``--confirm --calibration`` measures ``reserved − allocated`` under
+  whatever configuration the process runs with, and its margin is the one to use then.
 
 NOTE [ The margin's evidence ]
 SkyRL PR #1610 measured its log-prob kernels on a B200 (183,359 MiB); the estimate backend
