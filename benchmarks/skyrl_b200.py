@@ -127,7 +127,9 @@ def _run(logits: torch.Tensor, target: torch.Tensor, chunk: int | None) -> torch
     return _Chunked.apply(logits, target, chunk)
 
 
-def _repetitions(tracker: MemoryTracker, logits: torch.Tensor, target: torch.Tensor, chunk: int | None, reps: int) -> list[int]:
+def _repetitions(
+    tracker: MemoryTracker, logits: torch.Tensor, target: torch.Tensor, chunk: int | None, reps: int
+) -> list[int]:
     """The benchmark's ``measure(..., reps)``: each repetition's peak (the previous graph alive until ``out`` is replaced)."""
     peaks = []
     for _ in range(reps):
@@ -140,7 +142,9 @@ def _repetitions(tracker: MemoryTracker, logits: torch.Tensor, target: torch.Ten
     return peaks
 
 
-def estimate_row(vocab: int, seq: int, chunk: int | None, *, warmup: int = WARMUP, bench: int = BENCH) -> tuple[float, int]:
+def estimate_row(
+    vocab: int, seq: int, chunk: int | None, *, warmup: int = WARMUP, bench: int = BENCH
+) -> tuple[float, int]:
     """``(mean peak MiB of the timed repetitions, largest peak in bytes of all)`` for one row, on fake tensors.
 
     The warm-up calls return before the next starts (nothing of theirs survives), so they do
@@ -164,7 +168,9 @@ def limit_bytes() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the 32K rows and the OOM rows of chunk 32 and 1024")
+    parser.add_argument(
+        "--quick", action="store_true", help="the 32K rows and the OOM rows of chunk 32 and 1024"
+    )
     args = parser.parse_args(argv)
     untracked = untracked_memory("b200", world_size=1)
     limit = limit_bytes()
@@ -173,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         keys = [k for k in keys if k[0] == 32_000 or (k[:2] == (128_000, 131_072) and k[2] in (32, 1024))]
     print(f"B200 {B200 / MiB:,.0f} MiB; {untracked.describe()}; limit = {DEFAULT_SAFETY_MARGIN} × "
           f"(memory − reserve) = {limit / MiB:,.0f} MiB")  # fmt: skip
-    print(f"{'vocab':>8} {'seq':>8} {'chunk':>6} {'table MiB':>10} {'estimate MiB':>13} {'diff':>6} {'largest rep MiB':>16}  verdict")
+    print(
+        f"{'vocab':>8} {'seq':>8} {'chunk':>6} {'table MiB':>10} {'estimate MiB':>13} {'diff':>6} {'largest rep MiB':>16}  verdict"
+    )
     worst, wrong = 0.0, 0
     for vocab, seq, chunk in keys:
         mean, largest = estimate_row(vocab, seq, chunk)
@@ -184,11 +192,16 @@ def main(argv: list[str] | None = None) -> int:
         diff = "" if measured is None else f"{mean - measured:+.1f}"
         worst = worst if measured is None else max(worst, abs(mean - measured))
         shown = "OOM" if measured is None else f"{measured:,}"
-        verdict = ("fits" if fits else "does not fit") + ("" if fits == ran else "  ← disagrees with the B200")
-        print(f"{vocab:>8,} {seq:>8,} {chunk!s:>6} {shown:>10} {mean:>13,.1f} {diff:>6} {largest / MiB:>16,.0f}  {verdict}")
+        verdict = ("fits" if fits else "does not fit") + (
+            "" if fits == ran else "  ← disagrees with the B200"
+        )
+        print(
+            f"{vocab:>8,} {seq:>8,} {chunk!s:>6} {shown:>10} {mean:>13,.1f} {diff:>6} {largest / MiB:>16,.0f}  {verdict}"
+        )
     print(f"\nlargest difference from a measured row: {worst:.1f} MiB (the table prints whole MiB); verdicts that "
           f"disagree with the B200: {wrong}")  # fmt: skip
     return 0 if wrong == 0 else 1
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -50,7 +50,11 @@ def older_torch_notes(result: RunProfile) -> list[str]:
         if profile is None or profile.torch is None:
             continue
         sharding = profile.sharding
-        if sharding.strategy != "fsdp2" or not sharding.reshard_after_forward or not profile.torch[ROOT_RESHARD].value:
+        if (
+            sharding.strategy != "fsdp2"
+            or not sharding.reshard_after_forward
+            or not profile.torch[ROOT_RESHARD].value
+        ):
             continue
         spec = result.run.models[role]
         extra = root_parameter_bytes(spec, profile.compute_dtype, value_head=critic)

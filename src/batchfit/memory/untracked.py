@@ -59,7 +59,18 @@ NCCL_CHANNELS = 16
 DEFAULT_SAFETY_MARGIN = 0.85
 
 # compute capability of each device preset (the workspace size depends on it)
-_CAPABILITY = {"h100": 9, "h200": 9, "h20": 9, "b200": 10, "b100": 10, "gb200": 10, "a100": 8, "a10": 8, "l4": 8, "l40": 8}
+_CAPABILITY = {
+    "h100": 9,
+    "h200": 9,
+    "h20": 9,
+    "b200": 10,
+    "b100": 10,
+    "gb200": 10,
+    "a100": 8,
+    "a10": 8,
+    "l4": 8,
+    "l40": 8,
+}
 
 
 @dataclass(frozen=True)
@@ -109,7 +120,9 @@ def workspace_bytes(capability: int, total_bytes: int | None = None) -> int:
     return 2 * each
 
 
-def untracked_memory(device: str | None = None, *, world_size: int = 1, total_bytes: int | None = None) -> UntrackedMemory:
+def untracked_memory(
+    device: str | None = None, *, world_size: int = 1, total_bytes: int | None = None
+) -> UntrackedMemory:
     """What no tracker sees on one rank of ``world_size`` for a device preset (``"h100-80gb"``) or an unknown one.
 
     An unknown device is taken for the newest kind (the largest workspaces).
