@@ -19,7 +19,8 @@ from batchfit.errors import InvalidArgument
 from batchfit.memory import BACKEND_NAMES
 from batchfit.memory.untracked import DEFAULT_SAFETY_MARGIN
 from batchfit.parallel.sharding import Sharding, as_sharding
-from batchfit.train.logprobs import HEADS
+from batchfit.train.framework_heads import FrameworkHead
+from batchfit.train.logprobs import check_head
 from batchfit.validation import check_choice, check_number
 
 __all__ = ["ProfileOptions"]
@@ -38,7 +39,8 @@ class ProfileOptions:
         dtype: the dtype parameters are stored in (``bf16``, ``fp32``, …); ``None``: fp32
             under ``fsdp2`` mixed precision (fp32 master weights, bf16 compute), else bf16.
         gradient_checkpointing: non-reentrant activation checkpointing of every layer.
-        logprobs: the policy's log-prob head, one of :data:`batchfit.train.HEADS` (``full``
+        logprobs: the policy's log-prob head, one of :data:`batchfit.train.HEADS` or a
+            :class:`~batchfit.train.framework_heads.FrameworkHead` (``full``
             fp32 ``log_softmax`` of the whole logits, ``chunked``, ``fused``).
         cost: ``padded`` (rows × longest) or ``packed`` (sum of lengths, counted to the token).
         safety_margin: the fraction of the usable bytes a peak may reach, in ``(0, 1]``.
@@ -67,7 +69,7 @@ class ProfileOptions:
     reserve_bytes: int | str | None = None
     dtype: str | None = None
     gradient_checkpointing: bool = False
-    logprobs: str = "full"
+    logprobs: str | FrameworkHead = "full"
     cost: str = "padded"
     safety_margin: float = DEFAULT_SAFETY_MARGIN
     seq_lens: Sequence[int] | None = None
@@ -80,7 +82,7 @@ class ProfileOptions:
         set_ = object.__setattr__  # frozen: normalise once, here
         set_(self, "max_seq_len", check_max_seq_len(self.max_seq_len))
         set_(self, "backend", check_choice("backend", self.backend, BACKEND_NAMES))
-        set_(self, "logprobs", check_choice("logprobs", self.logprobs, HEADS))
+        set_(self, "logprobs", check_head("logprobs", self.logprobs))
         set_(self, "cost", check_cost(self.cost))
         set_(self, "safety_margin", check_number("safety_margin", self.safety_margin, low=0.0, high=1.0, low_open=True))
         set_(self, "sharding", as_sharding(self.sharding))

@@ -63,7 +63,7 @@ from batchfit.models.build import resolve_backend
 from batchfit.parallel.shard import decoder_layers, unwrap
 from batchfit.parallel.sharding import Sharding
 from batchfit.plan.packing import COSTS, plan_micro_batches
-from batchfit.train.logprobs import HEADS
+from batchfit.train.logprobs import HEADS, check_head
 from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state
 from batchfit.train.step import micro_batch_loss, micro_batch_outputs
 from batchfit.validation import check_choice, check_positive_int
@@ -148,7 +148,7 @@ class TrainingStep:
         out = ["reduce max_seq_len"]
         if not getattr(model, name, False):
             out.append("enable gradient checkpointing")
-        if self.logprobs != "fused" and not self.critic:
+        if self.logprobs in ("full", "chunked") and not self.critic:
             out.append("compute log-probs fused from the hidden states (logprobs='fused')")
         if self.sharding.strategy != "fsdp2":
             out.append("shard the model over more ranks (fsdp2)")
@@ -502,7 +502,7 @@ def causal_lm_step(
                 f"vocab_size is required when the model has no config.vocab_size, but got vocab_size=None for a {type(model).__name__}"
             )
     vocab_size = check_positive_int("vocab_size", vocab_size)
-    logprobs = check_choice("logprobs", logprobs, LOGPROBS)
+    logprobs = check_head("logprobs", logprobs)
     cost = check_choice("cost", cost, COSTS)
     if isinstance(optimizer, str) and optimizer == "auto":
         optimizer = None if forward_only else "adamw"

@@ -61,19 +61,27 @@ from batchfit.logprobs import IGNORE_INDEX, logprobs_from_hidden, logprobs_from_
 from batchfit.logprobs._common import check_temperature
 from batchfit.models.attention import warn_if_masked
 from batchfit.parallel.shard import unwrap
+from batchfit.train.framework_heads import (
+    FRAMEWORK_HEADS,
+    FrameworkHead,
+    as_framework_head,
+    framework_logprobs,
+)
 from batchfit.validation import check_choice
 
 #: Config attributes of models that change the logits after the output head.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
-#: How :func:`model_logprobs` turns the last hidden states into log-probs.
-HEADS = ("full", "chunked", "fused")
+#: How :func:`model_logprobs` turns the last hidden states into log-probs: batchfit's three,
+#: then the frameworks' own (NOTE [ The framework's head, not ours ]).
+HEADS = ("full", "chunked", "fused", *FRAMEWORK_HEADS)
 
 __all__ = [
     "HEADS",
     "LOGIT_TRANSFORMS",
     "MAX_CHUNK",
     "auto_chunk_size",
+    "check_head",
     "fused_output_head",
     "model_logprobs",
     "model_values",
@@ -313,11 +321,22 @@ class _TokenAligned:
         return shifted
 
 
+def check_head(name: str, head: Any) -> str | FrameworkHead:
+    """``head`` checked: a name of :data:`HEADS` or a :class:`~batchfit.train.framework_heads.FrameworkHead`.
+
+    Raises:
+        InvalidArgument: anything else, naming ``name``, the value and the choices.
+    """
+    if isinstance(head, FrameworkHead):
+        return head
+    return check_choice(name, head, HEADS)
+
+
 def model_logprobs(
     model: torch.nn.Module,
     batch: Any,
     *,
-    head: str = "fused",
+    head: str | FrameworkHead = "fused",
     chunk_size: int | str | None = "auto",
     temperature: float = 1.0,
     return_entropy: bool = False,
@@ -344,7 +363,10 @@ def model_logprobs(
             (default; :func:`batchfit.logprobs.logprobs_from_hidden` inside the head, never
             ``[rows, T, V]`` logits), ``"chunked"`` (the model's logits, then
             :func:`batchfit.logprobs.logprobs_from_logits` chunk by chunk) or ``"full"``
-            (``log_softmax`` of the fp32 logits, as plain PyTorch code does).
+            (``log_softmax`` of the fp32 logits, as plain PyTorch code does); ``"verl"``,
+            ``"skyrl"`` or a :class:`~batchfit.train.framework_heads.FrameworkHead`: what that
+            framework runs on the model's logits (its entropy per its config; ``temperature``
+            and ``chunk_size`` are the head's own).
         chunk_size: tokens per chunk of the fused or chunked head; ``"auto"`` (default) is the
             micro-batch's longest sequence, at most 1024 (NOTE [ Head chunks no longer than a
             sequence ]); an int or ``None`` as :func:`batchfit.logprobs.logprobs_from_hidden`.
@@ -355,7 +377,8 @@ def model_logprobs(
     Returns:
         ``[rows, T]`` fp32 log-probs, column ``c`` the log-prob of the token in column ``c``
         (NOTE [ Token-aligned log-probs ]), 0 where it has no previous token; or
-        ``(logprobs, entropy)``, aligned the same way.
+        ``(logprobs, entropy)``, aligned the same way (a framework head's entropy is
+        ``None`` when its pass computes none).
 
     Raises:
         BatchError: a missing or misshapen field.
@@ -369,8 +392,16 @@ def model_logprobs(
         >>> model_logprobs(model, batch).shape
         torch.Size([1, 3])
     """
-    head = check_choice("head", head, HEADS)
+    head = check_head("head", head)
     run = _TokenAligned(model, batch, (input_ids_key, attention_mask_key, position_ids_key))
+    framework = as_framework_head(head)
+    if framework is not None:
+        _output_head(model)  # logits straight from a linear head, as the frameworks read them
+        logp, entropy = framework_logprobs(framework, model(**run.inputs).logits, run.labels())
+        logp = run.restore(logp)
+        if return_entropy:
+            return logp, None if entropy is None else run.restore(entropy)
+        return logp
     chunk = _chunk_size(chunk_size, run.fields, input_ids_key)
     if head == "fused":
         with fused_output_head(

@@ -16,8 +16,12 @@ from typing import Any, cast
 
 import torch
 
+from batchfit.train.framework_heads import FrameworkHead, as_framework_head
 from batchfit.train.logprobs import _fields, model_logprobs, model_values
-from batchfit.train.loss import policy_loss, value_loss
+from batchfit.train.loss import policy_loss, response_columns, value_loss
+
+#: The entropy bonus's coefficient when a framework's loss has one (its size changes no memory).
+ENTROPY_COEFF = 1e-3
 
 __all__ = ["micro_batch_loss", "micro_batch_outputs"]
 
@@ -27,7 +31,7 @@ def micro_batch_outputs(
     batch: Any,
     *,
     critic: bool = False,
-    head: str = "fused",
+    head: str | FrameworkHead = "fused",
     chunk_size: int | str | None = "auto",
     temperature: float = 1.0,
 ) -> torch.Tensor:
@@ -58,7 +62,7 @@ def micro_batch_loss(
     batch: Any,
     *,
     critic: bool = False,
-    head: str = "fused",
+    head: str | FrameworkHead = "fused",
     chunk_size: int | str | None = "auto",
     temperature: float = 1.0,
     clip_ratio: float = 0.2,
@@ -89,9 +93,40 @@ def micro_batch_loss(
         BatchError, InvalidArgument: as the functions above.
     """
     fields = _fields(batch)
+    framework = None if critic else as_framework_head(head)
+    if framework is not None:
+        return _framework_loss(model, batch, fields, framework, clip_ratio, clip_ratio_high, scale)
     outputs = micro_batch_outputs(
         model, batch, critic=critic, head=head, chunk_size=chunk_size, temperature=temperature
     )
     if critic:
         return value_loss(outputs, fields, clip=value_clip, scale=scale)
     return policy_loss(outputs, fields, clip_ratio=clip_ratio, clip_ratio_high=clip_ratio_high, scale=scale)
+
+
+def _framework_loss(
+    model: torch.nn.Module,
+    batch: Any,
+    fields: Any,
+    head: FrameworkHead,
+    clip_ratio: float,
+    clip_ratio_high: float | None,
+    scale: float,
+) -> torch.Tensor:
+    """The policy loss with a framework's head: its entropy a loss term, or a metric held with the loss.
+
+    NOTE [ The framework's head, not ours ] in :mod:`batchfit.train.framework_heads`: an entropy
+    with gradients that is only a metric keeps its graph while the framework holds it, which is
+    until the micro-batch's backward is done; it rides on the loss (``loss.held_entropy``),
+    which the caller drops after ``backward()``.
+    """
+    logp, entropy = model_logprobs(model, batch, head=head, return_entropy=True)
+    loss = policy_loss(logp, fields, clip_ratio=clip_ratio, clip_ratio_high=clip_ratio_high, scale=scale)
+    if entropy is None:
+        return loss
+    if head.entropy_in_loss:
+        weights = fields["weights"]
+        bonus = (response_columns(entropy, weights.shape[1]).float() * weights.to(torch.float32)).sum()
+        return loss - ENTROPY_COEFF * scale * bonus
+    loss.held_entropy = entropy  # type: ignore[attr-defined]
+    return loss
