@@ -88,9 +88,15 @@ def test_verl_default_shaped_config_gives_verls_plan():
     assert plan.optimizer_steps_per_step == 1024 // 256 * 2
     assert plan.samples_per_mini_batch_per_gpu == 256 * 4 // 16  # 64
     assert plan.gradient_accumulation_steps == 64 // 4  # micro-batches per optimizer step
-    assert plan.critic is not None and plan.critic.gradient_accumulation_steps == 64 // 4
+    # verl 0.9.1's critic engine batches by tokens (trainer_base.py gives it only token budgets)
+    assert plan.critic is not None and plan.critic.samples_per_mini_batch_per_gpu == 64
+    assert plan.critic.gradient_accumulation_steps is None and plan.critic.micro_batch_size_per_gpu is None
     assert run.max_seq_len == 512 + 1536 and run.reference and run.critic_model == "qwen2.5-0.5b"
     assert run.gradient_checkpointing is True and run.world_size == 16
+    # verl 0.9.1's defaults: padding removed, no entropy in the update, full entropy in the log-prob pass
+    assert run.remove_padding is True and run.critic_remove_padding is True and run.fused_kernels is False
+    assert (run.entropy, run.forward_entropy, run.entropy_chunk_size) == ("none", "full", None)
+    assert run.lora is None and run.warnings == ()
 
 
 def test_skyrl_config_gives_skyrls_plan_with_the_critics_own_placement():
@@ -185,8 +191,9 @@ def _skyrl(train, mini, n, gpus, **trainer):
 def test_skyrl_pads_a_mini_batch_that_does_not_split_and_warns_with_the_waste():
     plan = read_run_config(_skyrl(6, 3, 1, 2)).plan()
     assert plan.warnings == (
-        "each policy mini-batch of 3 samples is padded to 4 over 2 GPUs: 25% padding rows; set "
-        "trainer.policy_mini_batch_size to a multiple of 2 to avoid them",
+        "each policy mini-batch of 3 samples is padded to 4 over 2 GPUs (SkyRL 0.4.0 "
+        "skyrl/backends/skyrl_train/distributed/dispatch.py MeshDispatch.stage_chunks adds rows that train "
+        "nothing): 25% padding rows; set trainer.policy_mini_batch_size to a multiple of 2 to avoid them",
     )
     assert plan.samples_per_mini_batch_per_gpu == 2 and plan.optimizer_steps_per_step == 2
     with pytest.raises(BatchConfigError, match=r"25% padding rows.*--strict makes it a fault"):
@@ -213,11 +220,17 @@ def test_skyrl_colocated_critic_must_share_the_policys_gpus():
     assert plan.critic.samples_per_mini_batch_per_gpu == 4 and plan.policy.samples_per_mini_batch_per_gpu == 2
 
 
-def test_skyrl_conflicting_step_wise_keys_are_a_fault():
+def test_skyrl_reads_step_wise_from_its_only_key_and_names_older_ones():
+    # SkyRL 0.4.0 has generator.step_wise_trajectories only; trainer.step_wise_training is an older
+    # release's key, which 0.4.0's config dataclasses refuse (validate_dict_keys_against_dataclass)
     config = _skyrl(8, 4, 2, 4, step_wise_training=True)
     config["generator"]["step_wise_trajectories"] = False
-    with pytest.raises(BatchConfigError, match=r"conflicting step-wise keys: .*step_wise_trajectories=False"):
-        read_run_config(config).plan()
+    run = read_run_config(config)
+    assert run.batch.step_wise is False
+    assert any(
+        w.startswith("'trainer.step_wise_training' (set to True) is not a key of SkyRL 0.4.0")
+        for w in run.warnings
+    )
     config["trainer"].pop("step_wise_training")
     config["generator"]["step_wise_trajectories"] = True
     assert read_run_config(config).batch.step_wise is True
@@ -239,12 +252,21 @@ def _verl(**actor):
     ("actor", "match"),
     [
         pytest.param(
-            {}, r"\[actor\] set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", id="no-micro"
+            {},
+            r"\[actor\] neither actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu nor .* is set.* "
+            r"verl 0.9.1 refuses the config at start-up \(ActorConfig.__post_init__\)",
+            id="no-micro",
         ),
         pytest.param(
             {"ppo_micro_batch_size": 4, "ppo_micro_batch_size_per_gpu": 1},
-            r"both actor_rollout_ref.actor.ppo_micro_batch_size and .*_per_gpu are set",
+            r"both actor_rollout_ref.actor.ppo_micro_batch_size=4 \(deprecated\) and .*_per_gpu=1 are set",
             id="both-micro",
+        ),
+        pytest.param(
+            {"ppo_micro_batch_size": 4},
+            r"only the deprecated actor_rollout_ref.actor.ppo_micro_batch_size=4 is set: .*engine workers read "
+            r"only actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+            id="global-micro",
         ),
         pytest.param(
             {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 1000},
@@ -258,8 +280,8 @@ def _verl(**actor):
         ),
         pytest.param(
             {"ppo_mini_batch_size": 3, "ppo_micro_batch_size_per_gpu": 1},
-            r"verl floors them to 1 per GPU",
-            id="floor",
+            r"3 × 2 = 6 samples per mini-batch do not split over dp_size=4 .*train_mini_batch asserts",
+            id="no-floor",
         ),
     ],
 )
@@ -268,21 +290,29 @@ def test_verl_faults_mirror_verls_checks(actor, match):
         read_run_config(_verl(**actor)).plan()
 
 
-def test_verl_partial_last_mini_batch_is_a_warning_and_counts_the_extra_step():
+def test_verl_pads_a_step_that_is_not_whole_mini_batches_and_counts_the_extra_step():
     config = _verl(ppo_mini_batch_size=6, ppo_micro_batch_size_per_gpu=1)
+    config["actor_rollout_ref"]["rollout"]["log_prob_micro_batch_size_per_gpu"] = 1
     config["data"]["train_batch_size"] = 12
-    config["actor_rollout_ref"]["rollout"]["n"] = 2
     plan = read_run_config(config).plan()
-    assert plan.optimizer_steps_per_step == 2
+    assert plan.optimizer_steps_per_step == 2 and plan.warnings == ()
+    # 14 prompts × 2 = 28 samples; the V1 trainer pads to a multiple of lcm(4 GPUs, 6 × 2) = 12: 36
     config["data"]["train_batch_size"] = 14
-    config["trainer"]["n_gpus_per_node"] = 4
     plan = read_run_config(config).plan()
-    assert plan.optimizer_steps_per_step == 3
-    assert "verl runs 3 mini-batches per epoch, the last with 2 prompts" in plan.warnings[0]
+    assert plan.optimizer_steps_per_step == 3  # 36 / 12
+    assert plan.samples_per_step_per_gpu == 9  # 36 / 4, padding rows included
+    assert plan.warnings[0].startswith(
+        "verl pads each step's data.train_batch_size × actor_rollout_ref.rollout.n = 14 × 2 = 28 samples with 8 "
+        "rows that train nothing, to 36"
+    )
+    # the log-prob pass's micro size must divide each GPU's 9 samples (prepare_micro_batches)
+    config["actor_rollout_ref"]["rollout"]["log_prob_micro_batch_size_per_gpu"] = 2
+    with pytest.raises(BatchConfigError, match=r"log_prob_micro_batch_size_per_gpu=2 does not divide .* = 9"):
+        read_run_config(config).plan()
 
 
 def test_verl_stock_defaults_need_a_micro_size_or_dynamic_batching():
-    with pytest.raises(BatchConfigError, match=r"\[actor\] set .*ppo_micro_batch_size_per_gpu"):
+    with pytest.raises(BatchConfigError, match=r"\[actor\] neither .*ppo_micro_batch_size_per_gpu"):
         read_run_config({"data": {"train_batch_size": 1024}}).plan()
 
 
@@ -293,7 +323,8 @@ def test_a_misspelt_batch_key_gets_the_closest_name_and_unknown_schema_keys_are_
     config = _verl(ppo_micro_batch_size_per_gpu=1, ppo_mini_batch_sise=4, optim={"lr": 1e-6}, clip_ratio=0.2)
     with pytest.raises(
         BatchConfigError,
-        match=r"'actor_rollout_ref.actor.ppo_mini_batch_sise'; did you mean 'actor_rollout_ref.actor.ppo_mini_batch_size'",
+        match=r"unknown key 'actor_rollout_ref.actor.ppo_mini_batch_sise' \(set to 4\): verl 0.9.1's config has no "
+        r"such key; did you mean 'actor_rollout_ref.actor.ppo_mini_batch_size'\? Rename it",
     ):
         read_run_config(config)
     config["actor_rollout_ref"]["actor"].pop("ppo_mini_batch_sise")

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from batchfit.errors import BatchConfigError
 from batchfit.plan.config import BatchConfig, BatchPlan
+
+#: How a pass computes entropy over the vocabulary (the values of :attr:`RunConfig.entropy`).
+ENTROPY_MODES = ("none", "full", "chunked", "checkpointed")
 
 
 @dataclass(frozen=True)
@@ -24,21 +26,63 @@ class RunConfig:
         critic_model: the critic model, or ``None`` when the run has no critic.
         reference: the run computes reference log-probs (a KL term).
         max_seq_len: the longest sequence, prompt plus response, or ``None``.
-        strategy: the training strategy as the config names it (``fsdp``, ``fsdp2``,
-            ``megatron``) or ``None``.
+        strategy: the training strategy as the config names it, or ``None``: verl
+            ``fsdp`` (FSDP1, PyTorch's ``FullyShardedDataParallel``), ``fsdp2``
+            (``fully_shard``) or ``megatron``; SkyRL ``fsdp`` (``fully_shard``; its
+            deprecated ``fsdp2`` means the same) or ``megatron``.
         offload: the sharded parameters live on the CPU (``none`` or ``cpu``).
         gradient_checkpointing: activation checkpointing, or ``None`` when not given.
-        logprobs_chunk_size: SkyRL's ``trainer.logprobs_chunk_size``.
+        logprobs_chunk_size: SkyRL's ``trainer.logprobs_chunk_size`` (tokens along the
+            sequence per log-prob and entropy chunk).
+        remove_padding: the trained policy's micro-batches are packed, padding removed
+            (verl ``actor_rollout_ref.model.use_remove_padding``, which the actor's engine
+            reads; SkyRL ``trainer.remove_microbatch_padding``, or its deprecated alias
+            ``trainer.use_sample_packing``), or ``None`` for a flat config.
+        critic_remove_padding: the same for the critic (verl ``critic.model.use_remove_padding``;
+            SkyRL's key is common to every model), ``None`` without a critic.
+        fused_kernels: the policy's log-probs (and entropy) come from the framework's fused
+            kernels instead of the logits (verl ``actor_rollout_ref.model.use_fused_kernels``;
+            SkyRL ``trainer.fused_lm_head_logprob``, Megatron only).
+        entropy: how the policy's trained pass computes entropy over the vocabulary, one of
+            :data:`ENTROPY_MODES`. verl 0.9.1 (``engine/fsdp/transformer_impl.py``
+            ``prepare_model_outputs``): computed when ``actor.calculate_entropy`` or
+            ``actor.entropy_coeff != 0`` (``trainer/ppo/v1/trainer_base.py`` ``_update_actor``);
+            ``checkpointed`` with ``actor.fsdp_config.entropy_checkpointing``, else ``chunked``
+            with ``fsdp_config.entropy_from_logits_with_chunking`` when padding is removed
+            (the padded path never chunks), else ``full``; with ``fused_kernels`` the fused
+            kernel returns it and these keys are not read (``full`` is reported). SkyRL 0.4.0
+            (``workers/worker.py``, ``model_wrapper.py``): always ``chunked``.
+        entropy_chunk_size: rows (verl ``fsdp_config.entropy_from_logits_chunk_size``) or
+            tokens along the sequence (SkyRL ``logprobs_chunk_size``) per entropy chunk, or
+            ``None`` when the entropy is not chunked.
+        entropy_grad: the trained pass's entropy keeps its autograd graph (verl: whenever it
+            is computed, the pass runs with gradients; SkyRL: ``use_entropy_loss``).
+        entropy_in_loss: the entropy is a term of the loss (verl ``actor.entropy_coeff != 0``,
+            SkyRL ``trainer.algorithm.use_entropy_loss``), else a metric.
+        forward_entropy: how the policy's forward-only log-prob pass computes entropy (verl:
+            always, ``_compute_old_log_prob`` asks for it, in the mode the engine's keys
+            choose; ``none`` when ``algorithm.rollout_correction.bypass_mode`` skips the pass.
+            SkyRL: ``none``).
+        temperature: the sampling temperature the logits are divided by (verl
+            ``actor_rollout_ref.rollout.temperature``; SkyRL ``trainer.algorithm.temperature``,
+            which defaults to ``generator.sampling_params.temperature``).
+        lora: the policy's LoRA adapters, ``{"rank", "alpha", "target_modules",
+            "exclude_modules"}``, or ``None`` (rank 0 or absent). verl FSDP:
+            ``actor_rollout_ref.model.lora_rank``, ``lora_alpha``, ``target_modules``,
+            ``exclude_modules`` (Megatron: ``actor_rollout_ref.model.lora.*``); SkyRL:
+            ``trainer.policy.model.lora.rank``, ``alpha``, ``target_modules``, ``exclude_modules``.
         colocated: the models (``policy``, ``critic``, ``reference``) that share the GPUs,
             so that one runs while the others' state stays on the device.
         resident: per colocated model, the state it keeps on the device while another
             model runs (``parameters``, ``optimizer_state``); what the framework offloads
             between phases is left out.
         faults: the framework's own rules that the config breaks (beyond the batch plan's).
+        warnings: what the config sets that batchfit does not model or the framework would
+            refuse outside its batch rules (keys not in the framework's schema, settings that
+            change memory); :meth:`plan` adds them to the plan's warnings.
         source: batchfit's terms → the config keys they were read from (for messages).
         key_names: :class:`BatchConfig` field → the framework's key, so that the plan's
             faults and warnings name the keys the user wrote.
-        source: a mapping of batchfit's terms to the config keys they came from.
     """
 
     vocabulary: str
@@ -51,9 +95,20 @@ class RunConfig:
     offload: str = "none"
     gradient_checkpointing: bool | None = None
     logprobs_chunk_size: int | None = None
+    remove_padding: bool | None = None
+    critic_remove_padding: bool | None = None
+    fused_kernels: bool = False
+    entropy: str = "none"
+    entropy_chunk_size: int | None = None
+    entropy_grad: bool = False
+    entropy_in_loss: bool = False
+    forward_entropy: str = "none"
+    temperature: float | None = None
+    lora: dict[str, Any] | None = field(default=None, compare=False)
     colocated: tuple[str, ...] = ()
     resident: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
     faults: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
     source: dict[str, str] = field(default_factory=dict, compare=False)
     key_names: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -76,7 +131,16 @@ class RunConfig:
         return (cfg.num_nodes or 1) * (cfg.gpus_per_node or 1)
 
     def plan(self, *, strict: bool = False) -> BatchPlan:
-        """The batch plan under the framework's rules, with the config's own faults.
+        """The batch plan under the framework's rules, with the config's own faults and warnings.
+
+        Args:
+            strict: the plan's warnings (a layout the framework runs with waste) are faults;
+                the config's own :attr:`warnings` (unmodelled settings, unknown keys) stay
+                warnings.
+
+        Returns:
+            The :class:`BatchPlan`, its warnings in the framework's words followed by
+            :attr:`warnings`.
 
         Raises:
             BatchConfigError: every fault at once: the framework rules the config breaks
@@ -89,8 +153,9 @@ class RunConfig:
             faults.extend(self.in_own_words(f) for f in exc.faults)
             plan = None
         if faults or plan is None:
-            raise BatchConfigError(faults)
-        return dataclasses.replace(plan, warnings=tuple(self.in_own_words(w) for w in plan.warnings))
+            raise BatchConfigError(_unique(faults))
+        warnings = [self.in_own_words(w) for w in plan.warnings] + list(self.warnings)
+        return dataclasses.replace(plan, warnings=tuple(_unique(warnings)))
 
     def in_own_words(self, message: str) -> str:
         """``message`` with batchfit's field names replaced by the framework's keys."""
@@ -121,37 +186,53 @@ def as_bool(value: Any) -> Any:
     return value
 
 
-# Words that make a key a batch-size key: a misspelt one is a fault, not silently ignored.
-_BATCH_WORDS = (
-    "batch",
-    "token_len",
-    "tokens_per",
-    "epoch",
-    "micro",
-    "n_samples",
-    "num_gpus",
-    "nnodes",
-    "n_gpus",
-    "num_nodes",
-)
+def _unique(messages: list[str]) -> list[str]:
+    """``messages`` without repeats, in order (two rules can word one fault alike)."""
+    return list(dict.fromkeys(messages))
 
 
-def misspelt_keys(flat: Mapping[str, Any], known: set[str]) -> list[str]:
-    """One fault per batch-size key in ``flat`` that the framework does not have but nearly does.
+def unmodelled_warnings(
+    given: Mapping[str, Any], defaults: Mapping[str, Any], unmodelled: Mapping[str, str], title: str
+) -> list[str]:
+    """One warning per memory-affecting key the user's file sets away from the framework's default.
 
-    A key is judged only when its last part names a batch quantity (:data:`_BATCH_WORDS`)
-    and a known key of the same section is a close spelling; every other unknown key may
-    belong to the framework's larger schema and is ignored.
+    Args:
+        given: the user's own keys (flattened, resolved), not the defaults merged under them.
+        defaults: the framework's defaults (flattened, resolved).
+        unmodelled: key → what it changes in memory, for the keys batchfit's probe does not
+            reproduce (the framework modules' ``UNMODELLED`` tables); ``"section.*"`` stands
+            for every key below an open section.
+        title: the framework and version (``"verl 0.9.1"``), for the message.
+
+    Returns:
+        Messages naming the key, its value, the default and what the budgets leave out.
     """
-    faults = []
-    for key in flat:
-        if key in known:
-            continue
-        section, _, leaf = key.rpartition(".")
-        if not any(word in leaf for word in _BATCH_WORDS):
-            continue
-        siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == section}
-        near = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.8)
-        if near and near[0] != leaf:
-            faults.append(f"unknown key {key!r}; did you mean {siblings[near[0]]!r}?")
-    return faults
+    out = []
+    for pattern, what in unmodelled.items():
+        if pattern.endswith(".*"):
+            keys = [k for k in given if k.startswith(pattern[:-1])]
+        else:
+            keys = [pattern] if pattern in given else []
+        for key in keys:
+            if given[key] == defaults.get(key):
+                continue
+            out.append(
+                f"{key}={given[key]!r} (the {title} default is {defaults.get(key)!r}) changes memory in a way "
+                f"batchfit's budgets do not model: {what}; profile with the default, or confirm this setting on "
+                "the device (profile --confirm)"
+            )
+    return out
+
+
+def every_fault(run: RunConfig, first: list[str]) -> NoReturn:
+    """Raise ``first`` (faults of the config's keys) with every other fault of ``run``: its own and its plan's.
+
+    Raises:
+        BatchConfigError: always.
+    """
+    faults = list(first)
+    try:
+        run.plan()
+    except BatchConfigError as exc:
+        faults.extend(exc.faults)
+    raise BatchConfigError(_unique(faults))

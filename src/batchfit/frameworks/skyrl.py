@@ -1,128 +1,321 @@
 """SkyRL's vocabulary (``trainer.*``, ``trainer.placement.*``, ``generator.*``) in batchfit's terms.
 
-Mirrors skyrl/train/config/config.py (defaults) and skyrl/train/utils/utils.py
-(``validate_cfg``, ``validate_batch_sizes``) of NovaSky-AI/SkyRL a9564572.
+Mirrors SkyRL 0.4.0: the config dataclasses of ``skyrl/train/config/config.py`` (defaults
+and key vocabulary, generated into ``defaults/skyrl.yaml`` and ``defaults/skyrl_schema.json``
+by ``scripts/gen_framework_schemas.py``), ``skyrl/train/utils/utils.py`` (``validate_cfg``,
+``validate_batch_sizes``: the batch rules live in :mod:`batchfit.plan.rules`, framework
+``"skyrl"``), ``TrainerConfig.__post_init__`` and ``trainer.py`` (``build_models``,
+``_remove_tail_data``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from batchfit.errors import BatchConfigError
-from batchfit.frameworks.run import RunConfig, as_bool, as_int, misspelt_keys
-from batchfit.frameworks.source import flatten
+from batchfit.frameworks.run import RunConfig, as_bool, as_int, every_fault, unmodelled_warnings
+from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
 from batchfit.plan.config import BatchConfig
 
-# SkyRL key -> BatchConfig field.
+T = "trainer."
+PLACEMENT = "trainer.placement."
+MEGATRON = "trainer.policy.megatron_config."
+
+# SkyRL key -> BatchConfig field (the megatron sizes only under trainer.strategy=megatron).
 KEYS: dict[str, str] = {
-    "trainer.train_batch_size": "train_batch_size",
-    "trainer.policy_mini_batch_size": "policy_mini_batch_size",
-    "trainer.critic_mini_batch_size": "critic_mini_batch_size",
-    "trainer.micro_train_batch_size_per_gpu": "micro_train_batch_size_per_gpu",
-    "trainer.micro_forward_batch_size_per_gpu": "micro_forward_batch_size_per_gpu",
-    "trainer.update_epochs_per_batch": "update_epochs_per_batch",
-    "trainer.placement.policy_num_nodes": "num_nodes",
-    "trainer.placement.policy_num_gpus_per_node": "gpus_per_node",
-    "trainer.policy.sequence_parallel_size": "sequence_parallel",
-    "trainer.policy.megatron_config.tensor_model_parallel_size": "tensor_parallel",
-    "trainer.policy.megatron_config.pipeline_model_parallel_size": "pipeline_parallel",
-    "trainer.policy.megatron_config.context_parallel_size": "context_parallel",
+    T + "train_batch_size": "train_batch_size",
+    T + "policy_mini_batch_size": "policy_mini_batch_size",
+    T + "critic_mini_batch_size": "critic_mini_batch_size",
+    T + "micro_train_batch_size_per_gpu": "micro_train_batch_size_per_gpu",
+    T + "micro_forward_batch_size_per_gpu": "micro_forward_batch_size_per_gpu",
+    T + "update_epochs_per_batch": "update_epochs_per_batch",
+    PLACEMENT + "policy_num_nodes": "num_nodes",
+    PLACEMENT + "policy_num_gpus_per_node": "gpus_per_node",
+    T + "policy.sequence_parallel_size": "sequence_parallel",
     "generator.n_samples_per_prompt": "n_samples_per_prompt",
 }
-TOKEN_KEY = "trainer.max_tokens_per_microbatch"
-# The step-wise switch: generator.step_wise_trajectories today; the other two are older names.
-STEP_WISE_KEYS = (
-    "generator.step_wise_trajectories",
-    "trainer.step_wise_training",
-    "generator.step_wise_training",
-)
-OTHER_KEYS = (
-    TOKEN_KEY,
-    "trainer.max_tokens_per_micro_batch",
-    "trainer.logprobs_chunk_size",
-    "trainer.placement.critic_num_nodes",
-    "trainer.placement.critic_num_gpus_per_node",
-    *STEP_WISE_KEYS,
-)
+MEGATRON_KEYS = {
+    MEGATRON + "tensor_model_parallel_size": "tensor_parallel",
+    MEGATRON + "pipeline_model_parallel_size": "pipeline_parallel",
+    MEGATRON + "context_parallel_size": "context_parallel",
+}
+TOKEN_KEY = T + "max_tokens_per_microbatch"
+STEP_WISE_KEY = "generator.step_wise_trajectories"
+REMOVE_PADDING_KEY = T + "remove_microbatch_padding"
+REMOVE_PADDING_ALIAS = T + "use_sample_packing"  # deprecated; from_cli_overrides renames it
+LORA = T + "policy.model.lora."
+
+# Keys that change memory in ways batchfit's budgets do not reproduce: a config that sets one
+# away from SkyRL's default gets a warning naming it. Remove a key once profile models it.
+# ("prefix.*" stands for every key below an open section.)
+_SAME_FOR_CRITIC = "the critic's, as the policy's"
+UNMODELLED: dict[str, str] = {
+    LORA
+    + "rank": "LoRA adapters on a frozen base (no gradients or optimizer state for the base, the adapters "
+    "in fp32); the budgets are for full fine-tuning",
+    LORA + "target_modules": "which layers carry LoRA adapters",
+    LORA + "exclude_modules": "which layers carry no LoRA adapters",
+    T + "critic.model.lora.rank": "LoRA adapters on the critic's frozen base",
+    REMOVE_PADDING_KEY: "False keeps each micro-batch's padding (rows × longest sequence) where SkyRL otherwise "
+    "packs it; the budget's cost model is profile's --cost",
+    REMOVE_PADDING_ALIAS: "the deprecated name of trainer.remove_microbatch_padding (padding kept when False)",
+    T
+    + "flash_attn": "False runs attention without flash-attention (SDPA or eager kernels keep other buffers)",
+    T + "bf16": "False computes in fp32 instead of bf16 autocast",
+    T + "gradient_checkpointing_use_reentrant": "reentrant activation checkpointing (batchfit checkpoints "
+    "non-reentrantly)",
+    T + "algorithm.use_entropy_loss": "the entropy's backward through the [tokens, vocab] logits",
+    T + "policy.sequence_parallel_size": "Ulysses sequence parallelism splits each sequence over GPUs (the "
+    "budgets hold whole sequences on one GPU)",
+    T + "critic.sequence_parallel_size": "Ulysses sequence parallelism for the critic",
+    T + "ref.sequence_parallel_size": "Ulysses sequence parallelism for the reference",
+    T + "policy.fsdp_config.reshard_after_forward": "parameters kept gathered between forward and backward",
+    T + "policy.fsdp_config.fsdp_size": "hybrid sharding: state sharded over fsdp_size GPUs, not all of them",
+    T + "policy.fsdp_config.mixed_precision.*": "FSDP's mixed-precision dtypes (param, reduce, buffer)",
+    T + "policy.fsdp_config.wrap_policy.*": "how the model is wrapped into FSDP units (batchfit wraps each "
+    "decoder layer)",
+    T + "policy.model_config_kwargs.*": "overrides of the model's Hugging Face config (batchfit profiles its "
+    "config.json as it is)",
+    T
+    + "policy.use_torch_compile": "torch.compile of the log-prob and entropy computation (fuses temporaries)",
+    T + "critic.fsdp_config.cpu_offload": "the critic's parameters and optimizer state on the host",
+    T + "critic.fsdp_config.reshard_after_forward": _SAME_FOR_CRITIC,
+    T + "critic.fsdp_config.fsdp_size": _SAME_FOR_CRITIC,
+    T + "critic.fsdp_config.mixed_precision.*": _SAME_FOR_CRITIC,
+    T + "critic.model_config_kwargs.*": _SAME_FOR_CRITIC,
+    T + "ref.fsdp_config.cpu_offload": "the reference's parameters on the host",
+    T + "ref.fsdp_config.reshard_after_forward": "the reference's, as the policy's",
+}
 
 
 def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
-    """A resolved SkyRL config (defaults merged) as a :class:`RunConfig`; ``given`` is the
-    user's own resolved keys (flat), to tell what the file says from what SkyRL defaults."""
+    """A resolved SkyRL config (defaults merged) as a :class:`RunConfig`.
+
+    Args:
+        data: the user's config merged over SkyRL's defaults, interpolations resolved.
+        given: the user's own keys (flattened), to tell what the file says from what SkyRL
+            defaults (their values are read from ``data``).
+
+    Raises:
+        BatchConfigError: a key that is a close misspelling of one of SkyRL's (with the key
+            meant), together with every other fault of the config.
+    """
     flat = flatten(data)
-    misspelt = misspelt_keys(flat, set(flatten(_defaults())) | set(KEYS) | set(OTHER_KEYS))
-    if misspelt:
-        raise BatchConfigError(misspelt)
+    given = {key: flat.get(key, value) for key, value in given.items()}
+    schema = framework_schema("skyrl")
+    misspelt, warnings = schema.check_keys(given, ignore=BatchConfig.fields())
     faults: list[str] = []
-    values: dict[str, Any] = {field: as_int(flat[key]) for key, field in KEYS.items() if key in flat}
-    tokens = as_int(flat.get(TOKEN_KEY, flat.get("trainer.max_tokens_per_micro_batch")))
+
+    strategy = flat.get(T + "strategy")
+    if strategy == "fsdp2":  # validate_cfg: renamed to fsdp (a DeprecationWarning)
+        strategy = "fsdp"
+    megatron = strategy == "megatron"
+    keys = {**KEYS, **MEGATRON_KEYS} if megatron else KEYS
+    values: dict[str, Any] = {field: as_int(flat[key]) for key, field in keys.items() if key in flat}
+    if megatron:
+        values["sequence_parallel"] = 1  # validate_batch_sizes: dp = world // (pp · cp · tp) for Megatron
+    tokens = as_int(flat.get(TOKEN_KEY))
     values["max_tokens_per_micro_batch"] = (
         None if tokens is None or (isinstance(tokens, int) and tokens <= 0) else tokens
     )
-    values["step_wise"] = _step_wise(given, faults)
-    critic_model = flat.get("trainer.critic.model.path") or None
+    values["step_wise"] = as_bool(flat.get(STEP_WISE_KEY, False))
+
+    critic_model = flat.get(T + "critic.model.path") or None
     if not critic_model:
         values["critic_mini_batch_size"] = None  # SkyRL: no critic model, no critic
     else:
-        values["critic_world_size"] = _critic_world_size(flat, values, faults)
-    algorithm = "trainer.algorithm."
-    reference = bool(as_bool(flat.get(algorithm + "use_kl_loss"))) or bool(
-        as_bool(flat.get(algorithm + "use_kl_in_reward"))
-    )
-    estimator = flat.get(algorithm + "advantage_estimator")
-    if values["step_wise"] is True and estimator in ("gae", "reinforce++"):
-        # validate_cfg: step-wise trajectories need an outcome-level estimator
-        faults.append(
-            f"generator.step_wise_trajectories=true does not work with trainer.algorithm.advantage_estimator="
-            f"{estimator} (SkyRL validate_cfg); use grpo or rloo, or turn step-wise off"
-        )
-    if estimator == "gae" and not critic_model:
-        # validate_cfg: PPO (gae) needs trainer.critic.model.path
-        faults.append(
-            "trainer.algorithm.advantage_estimator=gae needs a critic: set trainer.critic.model.path"
-        )
-    prompt = flat.get("generator.max_input_length") or flat.get("trainer.max_prompt_length")
-    response = flat.get("generator.sampling_params.max_generate_length")
-    prompt, response = as_int(prompt), as_int(response)
+        values["critic_world_size"] = _gpus(flat, "critic")
+        values["critic_model_parallel"] = as_int(flat.get(T + "critic.sequence_parallel_size", 1))
+        _check_colocated_critic(flat, values, faults)
+    algorithm = T + "algorithm."
+    kl_loss = as_bool(flat.get(algorithm + "use_kl_loss")) is True
+    kl_reward = as_bool(flat.get(algorithm + "use_kl_in_reward")) is True
+    reference = kl_loss or kl_reward
+    if reference:
+        # validate_batch_sizes: the reference's dp size joins the lcm rule
+        values["reference_world_size"] = _gpus(flat, "ref")
+        values["reference_model_parallel"] = _reference_model_parallel(flat, megatron)
+    _validate_cfg(flat, given, values, critic_model, kl_loss, kl_reward, megatron, faults)
+
+    prompt = as_int(flat.get("generator.max_input_length") or flat.get(T + "max_prompt_length"))
+    response = as_int(flat.get("generator.sampling_params.max_generate_length"))
     max_seq_len = prompt + response if isinstance(prompt, int) and isinstance(response, int) else None
-    offload = "cpu" if as_bool(flat.get("trainer.policy.fsdp_config.cpu_offload")) is True else "none"
+    offload = "cpu" if as_bool(flat.get(T + "policy.fsdp_config.cpu_offload")) is True else "none"
     colocated, resident = _placement(flat, bool(critic_model), reference, offload)
-    return RunConfig(
+    chunk = as_int(flat.get(T + "logprobs_chunk_size"))
+    remove_padding = as_bool(flat.get(REMOVE_PADDING_KEY))
+    if REMOVE_PADDING_ALIAS in given and REMOVE_PADDING_KEY not in given:
+        remove_padding = as_bool(given[REMOVE_PADDING_ALIAS])  # from_cli_overrides renames the alias
+    entropy_loss = as_bool(flat.get(algorithm + "use_entropy_loss")) is True
+    entropy, entropy_chunk = _entropy(flat, megatron, chunk)
+    temperature = flat.get(algorithm + "temperature")
+    if temperature is None:  # SkyRLTrainConfig.__post_init__ copies the sampling temperature
+        temperature = flat.get("generator.sampling_params.temperature")
+    warnings += unmodelled_warnings(given, framework_defaults("skyrl"), UNMODELLED, schema.title)
+    run = RunConfig(
         vocabulary="skyrl",
         batch=BatchConfig(**values, framework="skyrl"),
-        model=flat.get("trainer.policy.model.path"),
+        model=flat.get(T + "policy.model.path"),
         critic_model=critic_model,
         reference=reference,
         max_seq_len=max_seq_len,
-        strategy=flat.get("trainer.strategy"),
+        strategy=strategy,
         offload=offload,
-        gradient_checkpointing=as_bool(flat.get("trainer.gradient_checkpointing")),
-        logprobs_chunk_size=as_int(flat.get("trainer.logprobs_chunk_size")),
+        gradient_checkpointing=as_bool(flat.get(T + "gradient_checkpointing")),
+        logprobs_chunk_size=chunk,
+        remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
+        critic_remove_padding=(remove_padding if isinstance(remove_padding, bool) else None)
+        if critic_model
+        else None,
+        fused_kernels=as_bool(flat.get(T + "fused_lm_head_logprob")) is True,
+        entropy=entropy,
+        entropy_chunk_size=entropy_chunk,
+        entropy_grad=entropy_loss,
+        entropy_in_loss=entropy_loss,
+        forward_entropy="none",  # worker.py _forward_micro_batch: log-probs only
+        temperature=temperature,
+        lora=_lora(flat),
         colocated=colocated,
         resident=resident,
         faults=tuple(faults),
-        key_names={
-            **{field: key for key, field in KEYS.items() if field not in ("num_nodes", "gpus_per_node")},
-            "max_tokens_per_micro_batch": TOKEN_KEY,
-        },
+        warnings=tuple(warnings),
+        key_names=_key_names(megatron),
         source={
             "max_seq_len": "generator.max_input_length + generator.sampling_params.max_generate_length",
             "world_size": "trainer.placement.policy_num_nodes × policy_num_gpus_per_node",
             "model": "trainer.policy.model.path",
+            "remove_padding": REMOVE_PADDING_KEY,
+            "entropy": "trainer.logprobs_chunk_size (SkyRL always chunks the entropy)",
+            "lora": LORA + "*",
         },
     )
+    if misspelt:
+        every_fault(run, misspelt)
+    return run
 
 
-def _step_wise(given: dict[str, Any], faults: list[str]) -> Any:
-    """The step-wise switch; the file's step-wise keys must agree (SkyRL reads only the first)."""
-    set_keys = {key: as_bool(given[key]) for key in STEP_WISE_KEYS if given.get(key) is not None}
-    if len(set(map(repr, set_keys.values()))) > 1:
+def _gpus(flat: dict[str, Any], role: str) -> Any:
+    """``<role>_num_nodes × <role>_num_gpus_per_node`` of ``trainer.placement``."""
+    nodes, per_node = (
+        as_int(flat.get(f"{PLACEMENT}{role}_num_nodes", 1)),
+        as_int(flat.get(f"{PLACEMENT}{role}_num_gpus_per_node", 1)),
+    )
+    if isinstance(nodes, int) and isinstance(per_node, int):
+        return nodes * per_node
+    return nodes if not isinstance(nodes, int) else per_node  # the invalid one, for the plan to name
+
+
+def _reference_model_parallel(flat: dict[str, Any], megatron: bool) -> Any:
+    """validate_batch_sizes: ``ref_world // ref.sequence_parallel_size`` (Megatron: ``// (pp · cp · tp)``)."""
+    if not megatron:
+        return as_int(flat.get(T + "ref.sequence_parallel_size", 1))
+    sizes = [
+        as_int(flat.get(f"{T}ref.megatron_config.{k}", 1))
+        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+    ]
+    return math.prod(sizes) if all(isinstance(s, int) for s in sizes) else sizes[0]
+
+
+def _validate_cfg(
+    flat: dict[str, Any],
+    given: dict[str, Any],
+    values: dict[str, Any],
+    critic_model: Any,
+    kl_loss: bool,
+    kl_reward: bool,
+    megatron: bool,
+    faults: list[str],
+) -> None:
+    """The parts of validate_cfg (and the config's own checks) that decide which models run and how."""
+    estimator = flat.get(T + "algorithm.advantage_estimator")
+    if values["step_wise"] is True and estimator in ("gae", "reinforce++"):
         faults.append(
-            "conflicting step-wise keys: "
-            + ", ".join(f"{k}={v!r}" for k, v in set_keys.items())
-            + f"; set only {STEP_WISE_KEYS[0]}"
+            f"{STEP_WISE_KEY}=true does not work with trainer.algorithm.advantage_estimator={estimator} "
+            "(SkyRL 0.4.0 validate_cfg refuses it: step-wise training broadcasts one advantage per trajectory); "
+            "use grpo or rloo, or set generator.step_wise_trajectories=false"
         )
-    return next(iter(set_keys.values()), False)
+    if estimator == "gae" and not critic_model:
+        faults.append(
+            "trainer.algorithm.advantage_estimator=gae needs a critic, but trainer.critic.model.path is not set "
+            "(SkyRL 0.4.0 validate_cfg asserts it): set trainer.critic.model.path, or use grpo"
+        )
+    if kl_loss and kl_reward:
+        faults.append(
+            "trainer.algorithm.use_kl_loss=true and use_kl_in_reward=true are both set (SkyRL 0.4.0 validate_cfg "
+            "asserts they are mutually exclusive): keep one"
+        )
+    if megatron and critic_model:
+        faults.append(
+            f"trainer.strategy=megatron trains no critic, but trainer.critic.model.path={critic_model!r} is set "
+            "(SkyRL 0.4.0 validate_megatron_cfg asserts it): remove the critic path, or use trainer.strategy=fsdp"
+        )
+    chunk = flat.get(T + "logprobs_chunk_size")
+    if chunk is None and not megatron:
+        faults.append(
+            "trainer.logprobs_chunk_size=None (no chunking) needs trainer.strategy=megatron (SkyRL 0.4.0 "
+            "TrainerConfig.__post_init__ raises): set a positive chunk size such as 1024"
+        )
+    elif chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
+        faults.append(
+            f"trainer.logprobs_chunk_size={chunk!r} must be a positive integer or None (SkyRL 0.4.0 "
+            "TrainerConfig.__post_init__ raises): set it to a positive chunk size such as 1024"
+        )
+    if as_bool(flat.get(T + "fused_lm_head_logprob")) is True and not megatron:
+        faults.append(
+            "trainer.fused_lm_head_logprob=true needs trainer.strategy=megatron (SkyRL 0.4.0 "
+            "TrainerConfig.__post_init__ raises): set it to false, or train with megatron"
+        )
+    if REMOVE_PADDING_ALIAS in given and REMOVE_PADDING_KEY in given:
+        faults.append(
+            f"both {REMOVE_PADDING_ALIAS}={given[REMOVE_PADDING_ALIAS]!r} (deprecated) and {REMOVE_PADDING_KEY}="
+            f"{given[REMOVE_PADDING_KEY]!r} are set (SkyRL 0.4.0 SkyRLTrainConfig.from_cli_overrides refuses "
+            f"both): keep only {REMOVE_PADDING_KEY}"
+        )
+
+
+def _check_colocated_critic(flat: dict[str, Any], values: dict[str, Any], faults: list[str]) -> None:
+    """trainer.build_models asserts the critic has the policy's GPUs under colocate_all."""
+    if as_bool(flat.get(PLACEMENT + "colocate_all")) is not True:
+        return
+    critic = values["critic_world_size"]
+    nodes, per_node = values.get("num_nodes") or 1, values.get("gpus_per_node") or 1
+    if not all(isinstance(v, int) for v in (critic, nodes, per_node)):
+        return
+    if critic != nodes * per_node:
+        faults.append(
+            f"trainer.placement.colocate_all=true needs the critic on the policy's GPUs, but the critic has "
+            f"critic_num_nodes × critic_num_gpus_per_node = {critic} and the policy {nodes * per_node} (SkyRL 0.4.0 "
+            "trainer.py build_models asserts num_policy_gpus == num_critic_gpus): set "
+            "trainer.placement.critic_num_nodes/critic_num_gpus_per_node to the policy's, or colocate_all=false"
+        )
+
+
+def _entropy(flat: dict[str, Any], megatron: bool, chunk: Any) -> tuple[str, int | None]:
+    """How the policy's trained pass computes entropy (worker.py: compute_entropy=True, always).
+
+    FSDP: ``chunked_entropy_from_logits`` in chunks of ``logprobs_chunk_size`` tokens
+    (``model_wrapper.py``). Megatron: ``vocab_entropy_chunk_size`` (``None`` = no chunking,
+    ``0`` = sized automatically, reported as an unknown chunk size).
+    """
+    if not megatron:
+        return "chunked", chunk if isinstance(chunk, int) and not isinstance(chunk, bool) else None
+    size = as_int(flat.get(T + "vocab_entropy_chunk_size"))
+    if size is None:
+        return "full", None
+    return "chunked", size if isinstance(size, int) and size > 0 else None
+
+
+def _lora(flat: dict[str, Any]) -> dict[str, Any] | None:
+    """The policy's LoRA (``trainer.policy.model.lora.*``, SkyRLLoraConfig), ``None`` at rank 0."""
+    rank = as_int(flat.get(LORA + "rank", 0))
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        return None
+    return {
+        "rank": rank,
+        "alpha": flat.get(LORA + "alpha"),
+        "target_modules": flat.get(LORA + "target_modules"),
+        "exclude_modules": flat.get(LORA + "exclude_modules"),
+    }
 
 
 def _placement(
@@ -135,41 +328,31 @@ def _placement(
     ``colocate_policy_ref`` (without it): the reference shares the policy's GPUs, both kept.
     """
     roles = ["policy", *(["critic"] if critic else []), *(["reference"] if reference else [])]
-    placement = "trainer.placement."
-    if as_bool(flat.get(placement + "colocate_all")) is True:
+    if as_bool(flat.get(PLACEMENT + "colocate_all")) is True:
         return tuple(roles), {}
-    if reference and as_bool(flat.get(placement + "colocate_policy_ref", True)) is True:
+    if reference and as_bool(flat.get(PLACEMENT + "colocate_policy_ref", True)) is True:
         kept = () if offload == "cpu" else ("parameters", "optimizer_state")
         return ("policy", "reference"), {"policy": kept, "reference": ("parameters",)}
     return (), {}
 
 
-def _critic_world_size(flat: dict[str, Any], values: dict[str, Any], faults: list[str]) -> Any:
-    """The critic's GPUs from its own placement keys (validate_batch_sizes uses them)."""
-    nodes = as_int(flat.get("trainer.placement.critic_num_nodes", 1))
-    per_node = as_int(flat.get("trainer.placement.critic_num_gpus_per_node", 1))
-    if not (isinstance(nodes, int) and isinstance(per_node, int)):
-        return None
-    critic = nodes * per_node
-    policy_nodes, policy_per_node = values.get("num_nodes") or 1, values.get("gpus_per_node") or 1
-    colocated = as_bool(flat.get("trainer.placement.colocate_all"))
-    if colocated is True and isinstance(policy_nodes, int) and isinstance(policy_per_node, int):
-        policy = policy_nodes * policy_per_node
-        if critic != policy:
-            # trainer.build_models asserts it under colocate_all
-            faults.append(
-                f"trainer.placement.colocate_all=true needs the critic on the policy's GPUs, but the critic "
-                f"has {nodes} × {per_node} = {critic} and the policy {policy}: set "
-                "trainer.placement.critic_num_nodes/critic_num_gpus_per_node to the policy's, or colocate_all=false"
-            )
-    return critic
-
-
-def _defaults() -> dict[str, Any]:
-    from importlib import resources
-
-    import yaml
-
-    return yaml.safe_load(
-        resources.files("batchfit.frameworks").joinpath("defaults", "skyrl.yaml").read_text()
-    )
+def _key_names(megatron: bool) -> dict[str, str]:
+    """BatchConfig field → SkyRL's key, for the plan's messages."""
+    keys = {**KEYS, **MEGATRON_KEYS} if megatron else KEYS
+    names = {field: key for key, field in keys.items() if field not in ("num_nodes", "gpus_per_node")}
+    if megatron:
+        names.pop("sequence_parallel", None)
+    return {
+        **names,
+        "max_tokens_per_micro_batch": TOKEN_KEY,
+        "step_wise": STEP_WISE_KEY,
+        "world_size": "trainer.placement.policy_num_nodes × policy_num_gpus_per_node",
+        "critic_world_size": "trainer.placement.critic_num_nodes × critic_num_gpus_per_node",
+        "critic_model_parallel": "trainer.critic.sequence_parallel_size",
+        "reference_world_size": "trainer.placement.ref_num_nodes × ref_num_gpus_per_node",
+        "reference_model_parallel": (
+            "the reference's tp × pp × cp (trainer.ref.megatron_config)"
+            if megatron
+            else T + "ref.sequence_parallel_size"
+        ),
+    }

@@ -4,12 +4,21 @@ Interpolations (``${a.b}``, ``${oc.select:a.b,default}``, ``${.sibling}``) are r
 OmegaConf, as Hydra resolves them for SkyRL and verl, after the user's file is merged over
 the framework's defaults (``defaults/<framework>.yaml``): a key the file leaves out has the
 value the framework would give it.
+
+The defaults and the key vocabularies (``defaults/<framework>_schema.json``) are generated
+from the frameworks' released packages by ``scripts/gen_framework_schemas.py`` (SkyRL's config
+dataclasses, verl's generated trainer config and the dataclasses its ``_target_`` sections
+build), never written by hand: :func:`framework_schema` loads them and
+:meth:`FrameworkSchema.check_keys` judges a user's keys against them.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -172,20 +181,141 @@ def resolve(data: Mapping[str, Any], vocabulary: str) -> dict[str, Any]:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    step = "merge"
     try:
         config = OmegaConf.create(_plain(data))
         if vocabulary in ("skyrl", "verl"):
-            text = (
-                resources.files("batchfit.frameworks").joinpath("defaults", f"{vocabulary}.yaml").read_text()
-            )
-            config = OmegaConf.merge(OmegaConf.create(text), config)
+            config = OmegaConf.merge(_defaults_config(vocabulary), config)
+        step = "resolve"
         resolved = OmegaConf.to_container(config, resolve=True, throw_on_missing=False)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
         message = " ".join(str(exc).split("\n")[0].split())
         where = f" at {key!r}" if key else ""
+        if step == "merge" and vocabulary in ("skyrl", "verl"):
+            name = framework_schema(vocabulary).title
+            raise BatchConfigError(
+                [
+                    f"the config cannot be merged over {name}'s defaults{where}: {message}; give that key "
+                    "the kind of value the framework's config has there (a section or a value)"
+                ]
+            ) from exc
         raise BatchConfigError([f"cannot resolve the interpolation{where}: {message}"]) from exc
     return _missing_as_none(resolved)
+
+
+@functools.cache
+def _defaults_config(vocabulary: str) -> Any:
+    """The framework's defaults as an OmegaConf config, read once (merging does not change it)."""
+    from omegaconf import OmegaConf
+
+    text = resources.files("batchfit.frameworks").joinpath("defaults", f"{vocabulary}.yaml").read_text()
+    return OmegaConf.create(text)
+
+
+@functools.cache
+def framework_defaults(vocabulary: str) -> dict[str, Any]:
+    """The framework's defaults, resolved and flattened (``{"trainer.train_batch_size": 1024, ...}``)."""
+    return flatten(resolve({}, vocabulary))
+
+
+@dataclass(frozen=True)
+class FrameworkSchema:
+    """A framework's key vocabulary, generated from its released package (``defaults/<name>_schema.json``).
+
+    Attributes:
+        framework: ``"skyrl"`` or ``"verl"``.
+        version: the framework version the schema was generated from.
+        keys: every key of its config, dotted, sections included.
+        open: sections below which any key is accepted (dict-typed fields such as
+            ``model_config_kwargs``).
+        strict: sections in which the framework refuses a key it does not know → the class
+            that refuses it (SkyRL: every dataclass section; verl: the ``_target_`` sections).
+    """
+
+    framework: str
+    version: str
+    keys: frozenset[str]
+    open: tuple[str, ...]
+    strict: Mapping[str, str]
+
+    @property
+    def title(self) -> str:
+        """``"SkyRL 0.4.0"``, ``"verl 0.9.1"``."""
+        return f"{_TITLES.get(self.framework, self.framework)} {self.version}"
+
+    def knows(self, key: str) -> bool:
+        """``key`` is in the schema, or below one of its open sections."""
+        return key in self.keys or any(key.startswith(p + ".") for p in self.open)
+
+    def children(self, section: str) -> list[str]:
+        """The names of the keys directly below ``section`` (``""`` = the top level)."""
+        prefix = section + "." if section else ""
+        return sorted(
+            {k[len(prefix) :].split(".")[0] for k in self.keys if k.startswith(prefix) and k != section}
+        )
+
+    def check_keys(
+        self, given: Mapping[str, Any], ignore: Collection[str] = ()
+    ) -> tuple[list[str], list[str]]:
+        """Judge the keys of a user's file (flattened) against the schema.
+
+        A key in the schema (or below an open section) is accepted. A key that is not is a
+        fault when it is a close misspelling of a key the framework has there (the fault
+        names the key, its value and the key meant); otherwise a warning when the framework
+        refuses unknown keys in that section (SkyRL everywhere, verl in the sections it
+        builds a dataclass from), and nothing when it accepts them (verl's other sections).
+
+        Args:
+            given: the user's keys, dotted (:func:`flatten`), with their values.
+            ignore: top-level names that are not the framework's (batchfit's flat fields).
+
+        Returns:
+            ``(faults, warnings)``, one message per key.
+        """
+        faults: list[str] = []
+        warnings: list[str] = []
+        for key, value in given.items():
+            if key.split(".")[0] in ignore or self.knows(key):
+                continue
+            parts = key.split(".")
+            depth = next(i for i in range(len(parts)) if not self.knows(".".join(parts[: i + 1])))
+            parent, name, rest = ".".join(parts[:depth]), parts[depth], parts[depth + 1 :]
+            strict = self.strict.get(parent)
+            if parent and parent not in self.keys:
+                continue  # below a leaf or an open value: the framework passes it through
+            near = difflib.get_close_matches(name, self.children(parent), n=1, cutoff=0.8 if strict else 0.9)
+            if near:
+                meant = ".".join([p for p in (parent, near[0]) if p] + rest)
+                faults.append(
+                    f"unknown key {key!r} (set to {value!r}): {self.title}'s config has no such key; "
+                    f"did you mean {meant!r}? Rename it"
+                )
+            elif strict is not None:
+                where = f"{parent!r} ({strict})" if parent else f"the top level ({strict})"
+                warnings.append(
+                    f"{key!r} (set to {value!r}) is not a key of {self.title}'s config: {where} has no "
+                    f"{name!r}, and {_TITLES.get(self.framework, self.framework)} refuses unknown keys there at "
+                    "start-up unless your own config class adds it; batchfit ignores it"
+                )
+        return faults, warnings
+
+
+_TITLES = {"skyrl": "SkyRL", "verl": "verl"}
+
+
+@functools.cache
+def framework_schema(framework: str) -> FrameworkSchema:
+    """The :class:`FrameworkSchema` of ``"skyrl"`` or ``"verl"``, read once from the package data."""
+    text = resources.files("batchfit.frameworks").joinpath("defaults", f"{framework}_schema.json").read_text()
+    data = json.loads(text)
+    return FrameworkSchema(
+        framework=data["framework"],
+        version=data["version"],
+        keys=frozenset(data["keys"]),
+        open=tuple(data["open"]),
+        strict=dict(data["strict"]),
+    )
 
 
 def _plain(value: Any) -> Any:

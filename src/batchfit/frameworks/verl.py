@@ -1,40 +1,37 @@
 """verl's vocabulary (``data.*``, ``actor_rollout_ref.*``, ``critic.*``, ``trainer.*``) in batchfit's terms.
 
-Mirrors verl/utils/config.py ``validate_config``, the actor and critic configs' checks
-(verl/workers/config/actor.py, critic.py), the workers' normalisation
-(verl/workers/fsdp_workers.py) and ``rearrange_micro_batches``
-(verl/utils/seqlen_balancing.py) of volcengine/verl b178a3cd.
+Mirrors verl 0.9.1 and its default V1 trainer (``trainer.use_v1: true``): the generated config
+``verl/trainer/config/_generated_ppo_trainer.yaml`` and the dataclasses its ``_target_``
+sections build (defaults and key vocabulary, generated into ``defaults/verl.yaml`` and
+``defaults/verl_schema.json`` by ``scripts/gen_framework_schemas.py``);
+``verl/utils/config.py`` ``validate_config``; the actor and critic configs' checks
+(``verl/workers/config/actor.py``, ``critic.py``: ``__post_init__``, ``validate``); the engine
+workers that replaced ``fsdp_workers.py`` (``verl/workers/engine_workers.py``,
+``verl/workers/engine/fsdp/transformer_impl.py``, ``verl/workers/engine/utils.py``,
+``verl/utils/seqlen_balancing.py``) and ``verl/trainer/ppo/v1/trainer_base.py``. The batch
+rules live in :mod:`batchfit.plan.rules` (framework ``"verl"``).
 
-Units: verl counts ``train_batch_size`` and ``ppo_mini_batch_size`` in prompts (the workers
-multiply by ``rollout.n``), micro sizes in samples per GPU, token lengths per GPU.
+Units: verl counts ``train_batch_size`` and ``ppo_mini_batch_size`` in prompts (the trainer
+multiplies by ``rollout.n``), micro sizes in samples per GPU, token lengths per GPU.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from batchfit.errors import BatchConfigError
-from batchfit.frameworks.run import RunConfig, as_bool, as_int, misspelt_keys
-from batchfit.frameworks.source import flatten
+from batchfit.frameworks.run import RunConfig, as_bool, as_int, every_fault, unmodelled_warnings
+from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
 from batchfit.plan.config import BatchConfig
 
+MODEL = "actor_rollout_ref.model."
 ACTOR = "actor_rollout_ref.actor."
+ENGINE = ACTOR + "fsdp_config."  # what the actor's FSDP engine reads (FSDPActorConfig.engine)
 REF = "actor_rollout_ref.ref."
 ROLLOUT = "actor_rollout_ref.rollout."
-# Keys verl has beyond its defaults file that batchfit knows of (not misspellings).
-EXTRA_KEYS = (
-    "data.val_batch_size",
-    "data.gen_batch_size",
-    ACTOR + "fsdp_config.ulysses_sequence_parallel_size",
-    "critic.model.fsdp_config.ulysses_sequence_parallel_size",
-    "critic.forward_micro_batch_size",
-    "reward_model.micro_batch_size",
-    "reward_model.micro_batch_size_per_gpu",
-    "reward_model.max_length",
-    ROLLOUT + "max_num_batched_tokens",
-    ROLLOUT + "tensor_model_parallel_size",
-)
-
+CRITIC = "critic."
+CRITIC_ENGINE = "critic.fsdp."  # FSDPCriticConfig.engine
+WORLD = "trainer.nnodes × trainer.n_gpus_per_node"
+VLLM_MAX_LORA_RANK = 512  # verl/workers/rollout/vllm_rollout/utils.py get_vllm_max_lora_rank's fallback
 
 # BatchConfig field -> the verl key it is read from (for messages in verl's words).
 KEY_NAMES = {
@@ -46,17 +43,86 @@ KEY_NAMES = {
     "max_tokens_per_micro_batch": ACTOR + "ppo_max_token_len_per_gpu",
     "update_epochs_per_batch": ACTOR + "ppo_epochs",
     "critic_mini_batch_size": "critic.ppo_mini_batch_size",
-    "sequence_parallel": ACTOR + "ulysses_sequence_parallel_size",
+    "sequence_parallel": ENGINE + "ulysses_sequence_parallel_size",
+    "world_size": WORLD,
+    "critic_world_size": WORLD,
+    "critic_model_parallel": CRITIC_ENGINE + "ulysses_sequence_parallel_size",
+}
+
+# Keys that change memory in ways batchfit's budgets do not reproduce: a config that sets one
+# away from verl's default gets a warning naming it. Remove a key once profile models it.
+# ("prefix.*" stands for every key below an open section.)
+_SAME = "as for the actor"
+UNMODELLED: dict[str, str] = {
+    MODEL + "lora_rank": "LoRA adapters on a frozen base (no gradients or optimizer state for the base, the "
+    "adapters in fp32); the budgets are for full fine-tuning",
+    MODEL + "target_modules": "which layers carry LoRA adapters",
+    MODEL + "exclude_modules": "which layers carry no LoRA adapters",
+    MODEL + "lora.rank": "Megatron's LoRA adapters",
+    CRITIC + "model.lora_rank": "LoRA adapters on the critic's frozen base",
+    MODEL
+    + "use_remove_padding": "False runs full-width padded rows while ppo_max_token_len_per_gpu counts valid "
+    "tokens (the attention mask's sum), so a packed budget can be exceeded",
+    CRITIC + "model.use_remove_padding": "the critic's padded rows, as for the actor",
+    MODEL
+    + "use_fused_kernels": "verl's fused kernels compute log-probs and entropy without the [tokens, vocab] "
+    "logits",
+    MODEL + "fused_kernel_options.impl_backend": "the fused kernels' implementation",
+    MODEL + "use_liger": "Liger kernels (RMSNorm, SwiGLU, RoPE) keep other activations",
+    MODEL + "enable_activation_offload": "activations offloaded to the host",
+    CRITIC + "model.enable_activation_offload": _SAME,
+    MODEL + "tiled_mlp.enabled": "the MLP computed in shards (TiledMLP)",
+    MODEL
+    + "override_config.*": "overrides of the model's Hugging Face config (batchfit profiles its config.json "
+    "as it is)",
+    ACTOR + "entropy_coeff": "entropy in the loss: its backward through the [tokens, vocab] logits",
+    ACTOR + "calculate_entropy": "entropy over the vocabulary in the update, with its graph",
+    ACTOR + "entropy_from_logits_with_chunking": "the entropy computed in row chunks",
+    ACTOR + "entropy_from_logits_chunk_size": "rows per entropy chunk",
+    ACTOR + "entropy_checkpointing": "the entropy recomputed in backward (activation checkpointing)",
+    ENGINE + "entropy_from_logits_with_chunking": "the entropy computed in row chunks",
+    ENGINE + "entropy_from_logits_chunk_size": "rows per entropy chunk",
+    ENGINE + "entropy_checkpointing": "the entropy recomputed in backward (activation checkpointing)",
+    ENGINE + "use_torch_compile": "torch.compile of the entropy (fuses its [tokens, vocab] temporaries)",
+    ACTOR + "use_torch_compile": "torch.compile of the entropy (fuses its [tokens, vocab] temporaries)",
+    ENGINE + "model_dtype": "the dtype parameters are stored in (profile's --dtype; fp32 under FSDP2 mixed "
+    "precision by default)",
+    ENGINE + "dtype": "the compute (autocast) dtype",
+    REF + "fsdp_config.model_dtype": "the reference's stored dtype",
+    CRITIC_ENGINE + "model_dtype": "the critic's stored dtype",
+    ACTOR
+    + "ulysses_sequence_parallel_size": "Ulysses sequence parallelism splits each sequence over GPUs (the "
+    "budgets hold whole sequences on one GPU)",
+    ENGINE + "ulysses_sequence_parallel_size": "Ulysses sequence parallelism splits each sequence over GPUs",
+    CRITIC_ENGINE + "ulysses_sequence_parallel_size": "Ulysses sequence parallelism for the critic",
+    ENGINE + "reshard_after_forward": "parameters kept gathered between forward and backward",
+    ENGINE + "fsdp_size": "hybrid sharding: state sharded over fsdp_size GPUs, not all of them",
+    ENGINE + "forward_prefetch": "the next unit's parameters gathered while one computes",
+    ENGINE + "wrap_policy.*": "how the model is wrapped into FSDP units (batchfit wraps each decoder layer)",
+    ENGINE + "mixed_precision.*": "FSDP's mixed-precision dtypes",
+    ENGINE + "pad_to_length": "packed micro-batches padded up to a bucket of tokens",
+    ACTOR + "pad_to_length": "packed micro-batches padded up to a bucket of tokens",
+    CRITIC_ENGINE + "offload_policy": "the critic's sharded state on the host",
+    CRITIC_ENGINE + "reshard_after_forward": _SAME,
+    CRITIC_ENGINE + "fsdp_size": _SAME,
 }
 
 
 def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
-    """A resolved verl config (defaults merged) as a :class:`RunConfig`."""
-    del given  # every verl rule reads the merged config
+    """A resolved verl config (defaults merged) as a :class:`RunConfig`.
+
+    Args:
+        data: the user's config merged over verl's defaults, interpolations resolved.
+        given: the user's own keys (flattened); their values are read from ``data``.
+
+    Raises:
+        BatchConfigError: a key that is a close misspelling of one of verl's (with the key
+            meant), together with every other fault of the config.
+    """
     flat = flatten(data)
-    misspelt = misspelt_keys(flat, set(flatten(_defaults())) | set(EXTRA_KEYS))
-    if misspelt:
-        raise BatchConfigError(misspelt)
+    given = {key: flat.get(key, value) for key, value in given.items()}
+    schema = framework_schema("verl")
+    misspelt, warnings = schema.check_keys(given, ignore=BatchConfig.fields())
     faults: list[str] = []
 
     def get(key: str) -> Any:
@@ -65,40 +131,43 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     n = get(ROLLOUT + "n")
     nnodes, per_node = get("trainer.nnodes"), get("trainer.n_gpus_per_node")
     world = nnodes * per_node if isinstance(nnodes, int) and isinstance(per_node, int) else None
+    # FSDPActorConfig.__post_init__: the deprecated actor key, when > 1, overrides the engine's
     sp = get(ACTOR + "ulysses_sequence_parallel_size")
-    if sp in (None, 1):
-        sp = get(ACTOR + "fsdp_config.ulysses_sequence_parallel_size") or 1
+    if not (isinstance(sp, int) and sp > 1):
+        sp = get(ENGINE + "ulysses_sequence_parallel_size") or 1
     dynamic = as_bool(flat.get(ACTOR + "use_dynamic_bsz")) is True
     prompt, response = get("data.max_prompt_length"), get("data.max_response_length")
     max_seq_len = prompt + response if isinstance(prompt, int) and isinstance(response, int) else None
-
-    micro = _micro_per_gpu(flat, ACTOR, "ppo_micro_batch_size", "actor", world, sp, dynamic, faults)
-    _micro_per_gpu(
-        flat, ROLLOUT, "log_prob_micro_batch_size", "actor_rollout_ref.rollout", world, sp, dynamic, faults
-    )
+    remove_padding = as_bool(flat.get(MODEL + "use_remove_padding"))
     reference = (
         as_bool(flat.get(ACTOR + "use_kl_loss")) is True
         or as_bool(flat.get("algorithm.use_kl_in_reward")) is True
     )
-    if reference:
-        _micro_per_gpu(
-            flat, REF, "log_prob_micro_batch_size", "actor_rollout_ref.ref", world, sp, dynamic, faults
-        )
     critic = _uses_critic(flat)
-    critic_mini = None
-    if critic:
-        critic_mini = get("critic.ppo_mini_batch_size")
-        critic_dynamic = as_bool(flat.get("critic.use_dynamic_bsz")) is True
-        critic_micro = _micro_per_gpu(
-            flat, "critic.", "ppo_micro_batch_size", "critic", world, sp, critic_dynamic, faults
+
+    micro = _micro_size(
+        flat, ACTOR, "ppo_micro_batch_size", "actor", dynamic, engine_reads=True, faults=faults
+    )
+    forward = _micro_size(
+        flat, ROLLOUT, "log_prob_micro_batch_size", "rollout", dynamic, engine_reads=True, faults=faults
+    )
+    if reference:
+        ref_dynamic = as_bool(flat.get(REF + "log_prob_use_dynamic_bsz")) is True
+        _micro_size(
+            flat,
+            REF,
+            "log_prob_micro_batch_size",
+            "ref",
+            dynamic,
+            engine_reads=not ref_dynamic,
+            faults=faults,
         )
-        _check_critic_micro(critic_mini, n, world, sp, critic_micro, faults)
-    _check_token_lengths(flat, max_seq_len, dynamic, reference, critic, faults)
-    values = {
+    _check_dynamic(flat, dynamic, faults)
+    _check_sequence_parallel(flat, sp, remove_padding, "actor", faults)
+    values: dict[str, Any] = {
         "train_batch_size": get("data.train_batch_size"),
         "policy_mini_batch_size": get(ACTOR + "ppo_mini_batch_size"),
         "n_samples_per_prompt": n,
-        "critic_mini_batch_size": critic_mini,
         "max_tokens_per_micro_batch": get(ACTOR + "ppo_max_token_len_per_gpu") if dynamic else None,
         "update_epochs_per_batch": get(ACTOR + "ppo_epochs"),
         "num_nodes": nnodes,
@@ -107,38 +176,90 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     }
     if micro is not None:
         values["micro_train_batch_size_per_gpu"] = micro
-    forward = get(ROLLOUT + "log_prob_micro_batch_size_per_gpu")
     if forward is not None:
         values["micro_forward_batch_size_per_gpu"] = forward
-    # fsdp_workers: offload_policy is FSDP2's CPUOffloadPolicy (the sharded state lives on the
-    # host); param_offload / optimizer_offload move state to the host between phases only.
-    offload = "cpu" if as_bool(flat.get(ACTOR + "fsdp_config.offload_policy")) is True else "none"
+    critic_sp = get(CRITIC_ENGINE + "ulysses_sequence_parallel_size") or 1
+    if critic:
+        values["critic_mini_batch_size"] = get(CRITIC + "ppo_mini_batch_size")
+        values["critic_world_size"] = world  # the critic shares the global resource pool
+        values["critic_model_parallel"] = critic_sp
+        _check_critic(flat, values, world, faults)
+        _check_sequence_parallel(
+            flat, critic_sp, as_bool(flat.get(CRITIC + "model.use_remove_padding")), "critic", faults
+        )
+    _check_token_lengths(flat, max_seq_len, dynamic, reference, critic, sp, critic_sp, faults)
+    lora = _lora(flat, flat.get(ACTOR + "strategy"))
+    _check_lora(flat, faults)
+    if as_bool(flat.get("trainer.use_v1")) is False:
+        warnings.append(
+            "trainer.use_v1=false runs verl's deprecated legacy trainer (main_ppo_v0.py), whose batch rules differ "
+            "(no padding rows: train_batch_size must be a multiple of ppo_mini_batch_size); batchfit mirrors the V1 "
+            "trainer: set trainer.use_v1=true, or check the plan by hand"
+        )
+    strategy = flat.get(ACTOR + "strategy")
+    if strategy == "megatron":
+        warnings.append(
+            "actor_rollout_ref.actor.strategy=megatron: batchfit mirrors verl's FSDP rules; Megatron's differ "
+            "(validate_config's minimal batch is megatron dp × ppo_micro_batch_size_per_gpu)"
+        )
+    entropy, forward_entropy, chunk = _entropy(flat, remove_padding)
+    entropy_in_loss = _number(flat.get(ACTOR + "entropy_coeff")) != 0
+    warnings += unmodelled_warnings(given, framework_defaults("verl"), UNMODELLED, schema.title)
     roles = ["policy", *(["reference"] if reference else []), *(["critic"] if critic else [])]
-    return RunConfig(
+    run = RunConfig(
         vocabulary="verl",
         batch=BatchConfig(**values, framework="verl"),
-        model=flat.get("actor_rollout_ref.model.path"),
-        critic_model=flat.get("critic.model.path") if critic else None,
+        model=flat.get(MODEL + "path"),
+        critic_model=flat.get(CRITIC + "model.path") if critic else None,
         reference=reference,
         max_seq_len=max_seq_len,
-        strategy=flat.get(ACTOR + "strategy"),
-        offload=offload,
-        gradient_checkpointing=as_bool(flat.get("actor_rollout_ref.model.enable_gradient_checkpointing")),
+        strategy=strategy,
+        # engine_workers: offload_policy is FSDP2's CPUOffloadPolicy (the sharded state lives on the
+        # host); param_offload / optimizer_offload move state to the host between phases only.
+        offload="cpu" if as_bool(flat.get(ENGINE + "offload_policy")) is True else "none",
+        gradient_checkpointing=as_bool(flat.get(MODEL + "enable_gradient_checkpointing")),
+        remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
+        critic_remove_padding=as_bool(flat.get(CRITIC + "model.use_remove_padding")) if critic else None,
+        fused_kernels=as_bool(flat.get(MODEL + "use_fused_kernels")) is True,
+        entropy=entropy,
+        entropy_chunk_size=chunk,
+        entropy_grad=entropy != "none",  # the update runs with gradients: a computed entropy keeps its graph
+        entropy_in_loss=entropy_in_loss,
+        forward_entropy=forward_entropy,
+        temperature=flat.get(ROLLOUT + "temperature"),
+        lora=lora,
         # actor, rollout and reference share one worker; the critic shares the global pool
         colocated=tuple(roles) if len(roles) > 1 else (),
         resident={
-            "policy": _kept(flat, ACTOR + "fsdp_config.", optimizer=True),
+            "policy": _kept(flat, ENGINE, optimizer=True),
             "reference": _kept(flat, REF + "fsdp_config.", optimizer=False),
-            "critic": _kept(flat, "critic.model.fsdp_config.", optimizer=True),
+            "critic": _kept(flat, CRITIC_ENGINE, optimizer=True),
         },
         faults=tuple(faults),
+        warnings=tuple(warnings),
         key_names=KEY_NAMES,
         source={
             "max_seq_len": "data.max_prompt_length + data.max_response_length",
-            "world_size": "trainer.nnodes × trainer.n_gpus_per_node",
-            "model": "actor_rollout_ref.model.path",
+            "world_size": WORLD,
+            "model": MODEL + "path",
+            "remove_padding": MODEL + "use_remove_padding",
+            "fused_kernels": MODEL + "use_fused_kernels",
+            "entropy": ACTOR + "calculate_entropy, entropy_coeff; " + ENGINE + "entropy_*",
+            "lora": MODEL + "lora_rank, lora_alpha, target_modules, exclude_modules",
         },
     )
+    if misspelt:
+        every_fault(run, misspelt)
+    return run
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _kept(flat: dict[str, Any], prefix: str, *, optimizer: bool) -> tuple[str, ...]:
@@ -157,54 +278,115 @@ def _uses_critic(flat: dict[str, Any]) -> bool:
     return flat.get("algorithm.adv_estimator") == "gae"
 
 
-def _micro_per_gpu(
+def _micro_size(
     flat: dict[str, Any],
     prefix: str,
     name: str,
     section: str,
-    world: int | None,
-    sp: int,
     dynamic: bool,
+    *,
+    engine_reads: bool,
     faults: list[str],
 ) -> int | None:
-    """The per-GPU micro size from ``<name>_per_gpu`` or the deprecated global ``<name>``.
+    """The per-GPU micro size ``<name>_per_gpu`` of a section, and verl's checks on it.
 
-    Without dynamic batch sizes verl needs exactly one of the two
-    (``check_mutually_exclusive``, ``ActorConfig.__post_init__``); the global one is
-    divided by the data-parallel size (fsdp_workers).
+    Without the actor's dynamic batch sizes verl needs exactly one of ``<name>`` and
+    ``<name>_per_gpu`` (``ActorConfig.__post_init__`` for the actor, ``validate_config``'s
+    ``check_mutually_exclusive`` for the rollout and the reference). The engine workers then
+    read only ``<name>_per_gpu`` (``engine_workers.py`` ``init_model`` asserts it is set for the
+    actor and the rollout; the reference's engine fails on ``None`` at its first micro-batch),
+    so the deprecated global size alone is refused too.
     """
     per_gpu, global_ = as_int(flat.get(prefix + name + "_per_gpu")), as_int(flat.get(prefix + name))
+    key, per_gpu_key = prefix + name, prefix + name + "_per_gpu"
     if dynamic:
         return per_gpu
+    who = "ActorConfig.__post_init__" if section == "actor" else "validate_config (check_mutually_exclusive)"
     if per_gpu is None and global_ is None:
         faults.append(
-            f"[{section}] set {prefix}{name}_per_gpu (samples per forward/backward on one GPU) or "
-            f"use_dynamic_bsz=true with a token length; verl refuses neither"
+            f"[{section}] neither {per_gpu_key} nor {key} is set, and actor_rollout_ref.actor.use_dynamic_bsz is "
+            f"false: verl 0.9.1 refuses the config at start-up ({who}); set {per_gpu_key} (samples per "
+            "forward/backward on one GPU), or use_dynamic_bsz=true with a token length"
         )
         return None
     if per_gpu is not None and global_ is not None:
         faults.append(
-            f"[{section}] both {prefix}{name} and {prefix}{name}_per_gpu are set; remove {prefix}{name} "
-            "(deprecated), as verl requires"
+            f"[{section}] both {key}={global_} (deprecated) and {per_gpu_key}={per_gpu} are set: verl 0.9.1 refuses "
+            f"the config at start-up ({who}); remove {key}"
         )
         return per_gpu
-    if per_gpu is None and isinstance(global_, int) and isinstance(world, int):
-        return max(global_ // max(world // sp, 1), 1)
+    if per_gpu is None and engine_reads:
+        faults.append(
+            f"[{section}] only the deprecated {key}={global_} is set: verl 0.9.1's engine workers read only "
+            f"{per_gpu_key} (verl/workers/engine_workers.py init_model) and fail without it; set {per_gpu_key} "
+            f"instead (samples per GPU, not per step)"
+        )
     return per_gpu
 
 
-def _check_critic_micro(
-    mini: Any, n: Any, world: int | None, sp: int, micro: int | None, faults: list[str]
-) -> None:
-    """fsdp_workers CriticWorker: normalised mini-batch per GPU divisible by the micro size."""
-    if not all(isinstance(v, int) and v > 0 for v in (mini, n, world, micro)):
-        return
-    per_gpu = mini * n // max(world // sp, 1)
-    if per_gpu and per_gpu % micro:
+def _check_dynamic(flat: dict[str, Any], dynamic: bool, faults: list[str]) -> None:
+    """engine_workers.py init_model asserts the rollout's log-prob pass batches as the actor does."""
+    rollout = as_bool(flat.get(ROLLOUT + "log_prob_use_dynamic_bsz")) is True
+    if rollout != dynamic:
         faults.append(
-            f"critic: the normalised ppo_mini_batch_size per GPU = {mini} × {n} / {world // sp} = {per_gpu} is "
-            f"not divisible by critic.ppo_micro_batch_size_per_gpu={micro}; set it to a divisor of {per_gpu}"
+            f"actor_rollout_ref.actor.use_dynamic_bsz={dynamic} but {ROLLOUT}log_prob_use_dynamic_bsz={rollout}: "
+            "verl 0.9.1 asserts they are equal (verl/workers/engine_workers.py init_model); set both to the same"
         )
+
+
+def _check_sequence_parallel(
+    flat: dict[str, Any], sp: Any, remove_padding: Any, role: str, faults: list[str]
+) -> None:
+    """FSDPActorConfig.validate and FSDPEngine.__init__: Ulysses needs padding removed."""
+    if isinstance(sp, int) and sp > 1 and remove_padding is not True:
+        key = MODEL + "use_remove_padding" if role == "actor" else CRITIC + "model.use_remove_padding"
+        size = ENGINE if role == "actor" else CRITIC_ENGINE
+        faults.append(
+            f"{size}ulysses_sequence_parallel_size={sp} needs {key}=true, but it is {remove_padding!r}: verl 0.9.1 "
+            "refuses it at start-up (verl/workers/engine/fsdp/transformer_impl.py FSDPEngine.__init__); set "
+            f"{key}=true or the sequence-parallel size to 1"
+        )
+
+
+def _check_critic(flat: dict[str, Any], values: dict[str, Any], world: int | None, faults: list[str]) -> None:
+    """CriticConfig.__post_init__ / FSDPCriticConfig.validate (without critic.use_dynamic_bsz).
+
+    The critic's micro sizes are checked at start-up even though its engine batches by
+    tokens at run time (trainer_base.py).
+    """
+    if as_bool(flat.get(CRITIC + "use_dynamic_bsz")) is True:
+        return
+    per_gpu, global_ = (
+        as_int(flat.get(CRITIC + "ppo_micro_batch_size_per_gpu")),
+        as_int(flat.get(CRITIC + "ppo_micro_batch_size")),
+    )
+    per_gpu_key, key = CRITIC + "ppo_micro_batch_size_per_gpu", CRITIC + "ppo_micro_batch_size"
+    if per_gpu is None and global_ is None:
+        faults.append(
+            f"[critic] neither {per_gpu_key} nor {key} is set, and critic.use_dynamic_bsz is false: verl 0.9.1 "
+            f"refuses the config at start-up (CriticConfig.__post_init__); set {per_gpu_key}, or "
+            "critic.use_dynamic_bsz=true"
+        )
+        return
+    if per_gpu is not None and global_ is not None:
+        faults.append(
+            f"[critic] both {key}={global_} (deprecated) and {per_gpu_key}={per_gpu} are set (verl's critic.yaml "
+            f"copies the first into the second when only it is given): verl 0.9.1 refuses the config at start-up "
+            f"(CriticConfig.__post_init__); set {per_gpu_key} alone"
+        )
+    if isinstance(global_, int) and global_ > 0:
+        mini = values.get("critic_mini_batch_size")
+        if isinstance(mini, int) and mini % global_:
+            faults.append(
+                f"critic.ppo_mini_batch_size={mini} is not a multiple of {key}={global_}: verl 0.9.1 refuses it "
+                f"(CriticConfig.__post_init__); set {per_gpu_key} instead"
+            )
+        sp = as_int(flat.get(CRITIC + "ulysses_sequence_parallel_size")) or 1
+        if isinstance(world, int) and isinstance(sp, int) and global_ * sp < world:
+            faults.append(
+                f"{key}={global_} × critic.ulysses_sequence_parallel_size={sp} is below the {world} GPUs: verl 0.9.1 "
+                f"refuses it (FSDPCriticConfig.validate); set {per_gpu_key} instead"
+            )
 
 
 def _check_token_lengths(
@@ -213,34 +395,94 @@ def _check_token_lengths(
     dynamic: bool,
     reference: bool,
     critic: bool,
+    sp: Any,
+    critic_sp: Any,
     faults: list[str],
 ) -> None:
-    """rearrange_micro_batches asserts max_token_len >= the sequence length at run time."""
+    """rearrange_micro_batches asserts ``max_token_len_per_gpu × sp >= the longest sequence``.
+
+    verl 0.9.1 (verl/workers/engine/utils.py prepare_micro_batches) multiplies the per-GPU
+    length by the Ulysses size; the critic's engine always batches by tokens, with
+    ``critic.ppo_infer_max_token_len_per_gpu`` for its update and its values
+    (verl/trainer/ppo/v1/trainer_base.py).
+    """
     if max_seq_len is None:
         return
-    keys = []
+    keys: list[tuple[str, Any]] = []
     if dynamic:
-        keys.append(ACTOR + "ppo_max_token_len_per_gpu")
-    if as_bool(flat.get(ROLLOUT + "log_prob_use_dynamic_bsz")) is True:
-        keys.append(ROLLOUT + "log_prob_max_token_len_per_gpu")
+        keys += [(ACTOR + "ppo_max_token_len_per_gpu", sp), (ROLLOUT + "log_prob_max_token_len_per_gpu", sp)]
     if reference and as_bool(flat.get(REF + "log_prob_use_dynamic_bsz")) is True:
-        keys.append(REF + "log_prob_max_token_len_per_gpu")
-    if critic and as_bool(flat.get("critic.use_dynamic_bsz")) is True:
-        keys += ["critic.ppo_max_token_len_per_gpu", "critic.forward_max_token_len_per_gpu"]
-    for key in keys:
+        keys.append((REF + "log_prob_max_token_len_per_gpu", sp))
+    if critic:
+        keys.append((CRITIC + "ppo_infer_max_token_len_per_gpu", critic_sp))
+    for key, size in keys:
         value = as_int(flat.get(key))
-        if isinstance(value, int) and value < max_seq_len:
+        size = size if isinstance(size, int) and size > 0 else 1
+        if isinstance(value, int) and value * size < max_seq_len:
+            times = f" × sequence-parallel size {size} = {value * size}" if size > 1 else ""
             faults.append(
-                f"{key}={value} is below the longest sequence, data.max_prompt_length + data.max_response_length "
-                f"= {max_seq_len}: verl's rearrange_micro_batches refuses it at run time; set it to at least {max_seq_len}"
+                f"{key}={value}{times} is below the longest sequence, data.max_prompt_length + "
+                f"data.max_response_length = {max_seq_len}: verl 0.9.1's rearrange_micro_batches refuses it at run "
+                f"time (verl/utils/seqlen_balancing.py); set it to at least {-(-max_seq_len // size)}"
             )
 
 
-def _defaults() -> dict[str, Any]:
-    from importlib import resources
+def _lora(flat: dict[str, Any], strategy: Any) -> dict[str, Any] | None:
+    """The policy's LoRA: HFModelConfig's ``lora_rank``/``lora_alpha``/``target_modules`` (FSDP),
+    or the ``lora`` block (Megatron); ``None`` at rank 0."""
+    if strategy == "megatron":
+        block = MODEL + "lora."
+        rank, alpha, targets, exclude = (
+            flat.get(block + k) for k in ("rank", "alpha", "target_modules", "exclude_modules")
+        )
+    else:
+        rank, alpha, targets, exclude = (
+            flat.get(MODEL + k) for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")
+        )
+    rank = as_int(rank)
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        return None
+    return {"rank": rank, "alpha": alpha, "target_modules": targets, "exclude_modules": exclude}
 
-    import yaml
 
-    return yaml.safe_load(
-        resources.files("batchfit.frameworks").joinpath("defaults", "verl.yaml").read_text()
+def _check_lora(flat: dict[str, Any], faults: list[str]) -> None:
+    """validate_config: a LoRA rank above vLLM's largest (get_vllm_max_lora_rank) is refused."""
+    rank = as_int(flat.get(MODEL + "lora.rank", 0))
+    if not (isinstance(rank, int) and rank > 0):
+        rank = as_int(flat.get(MODEL + "lora_rank", 0))
+    if as_bool(flat.get(MODEL + "lora.merge")) is True:
+        rank = 0
+    if flat.get(ROLLOUT + "name") == "vllm" and isinstance(rank, int) and rank > VLLM_MAX_LORA_RANK:
+        faults.append(
+            f"actor_rollout_ref.model.lora_rank={rank} exceeds vLLM's largest LoRA rank, {VLLM_MAX_LORA_RANK}: verl "
+            "0.9.1 refuses it at start-up (validate_config, get_vllm_max_lora_rank); set lora_rank to at most "
+            f"{VLLM_MAX_LORA_RANK}"
+        )
+
+
+def _entropy(flat: dict[str, Any], remove_padding: Any) -> tuple[str, str, int | None]:
+    """How the actor computes entropy: (trained pass, forward-only pass, chunk rows).
+
+    verl 0.9.1 ``prepare_model_outputs`` (engine/fsdp/transformer_impl.py): checkpointed with
+    the engine's ``entropy_checkpointing``; chunked with ``entropy_from_logits_with_chunking``,
+    only on the remove-padding path; else full. The update computes it when
+    ``calculate_entropy`` or ``entropy_coeff != 0`` (trainer_base.py ``_update_actor``), the
+    old-log-prob pass always (``_compute_old_log_prob``) unless the rollout's log-probs are
+    used instead (``algorithm.rollout_correction.bypass_mode``). With ``use_fused_kernels``
+    the fused kernel returns it (``full`` is reported; the mode keys are not read).
+    """
+    if as_bool(flat.get(MODEL + "use_fused_kernels")) is True:
+        mode = "full"
+    elif as_bool(flat.get(ENGINE + "entropy_checkpointing")) is True:
+        mode = "checkpointed"
+    elif as_bool(flat.get(ENGINE + "entropy_from_logits_with_chunking")) is True and remove_padding is True:
+        mode = "chunked"
+    else:
+        mode = "full"
+    in_update = (
+        as_bool(flat.get(ACTOR + "calculate_entropy")) is True
+        or _number(flat.get(ACTOR + "entropy_coeff")) != 0
     )
+    bypass = as_bool(flat.get("algorithm.rollout_correction.bypass_mode")) is True
+    chunk = as_int(flat.get(ENGINE + "entropy_from_logits_chunk_size")) if mode == "chunked" else None
+    return (mode if in_update else "none"), ("none" if bypass else mode), chunk

@@ -6,18 +6,19 @@ or raises one :class:`~batchfit.errors.BatchConfigError` listing every fault wit
 
 Units: ``train_batch_size`` and the ``*_mini_batch_size`` fields count **prompts**; the
 ``micro_*_per_gpu`` fields count **samples** (sequences); ``max_tokens_per_micro_batch``
-counts tokens. One rule set serves policy and critic (:func:`_role_plan`).
+counts tokens. One rule set per framework serves policy and critic (:mod:`batchfit.plan.rules`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from batchfit.errors import BatchConfigError
+from batchfit.plan import rules
+from batchfit.plan.arith import divisors, multiples_near, nearest, or_list
 from batchfit.plan.render import plan_tree_text
 from batchfit.validation import closest, is_int
 
@@ -49,9 +50,19 @@ class BatchConfig:
         step_wise: each trajectory yields one sequence per turn, so sample counts vary.
         critic_world_size: GPUs of the critic when it is placed apart from the policy
             (SkyRL's ``critic_num_nodes × critic_num_gpus_per_node``); ``None`` = the policy's.
+        critic_model_parallel: the critic's model-parallel size, its GPUs per data-parallel
+            rank (SkyRL's ``trainer.critic.sequence_parallel_size``, verl's
+            ``critic.fsdp.ulysses_sequence_parallel_size``); ``None`` = the policy's
+            ``tp · pp · cp · sp``.
+        reference_world_size: GPUs of a reference model with a data-parallel size of its own
+            that the step must split over (SkyRL's ``ref_num_nodes × ref_num_gpus_per_node``);
+            ``None`` = no such reference.
+        reference_model_parallel: the reference's model-parallel size (SkyRL's
+            ``trainer.ref.sequence_parallel_size``); ``None`` = the policy's.
         framework: whose rules the plan follows, one of :data:`FRAMEWORKS`: ``"batchfit"``
-            (exact splits), ``"skyrl"`` or ``"verl"`` (what that framework runs, even with
-            waste, is a warning; what it refuses or silently changes is a fault).
+            (exact splits), ``"skyrl"`` (SkyRL 0.4.0) or ``"verl"`` (verl 0.9.1, its V1
+            trainer): what that framework runs, even with waste, is a warning; what it
+            refuses is a fault (:mod:`batchfit.plan.rules` cites the code of each rule).
     """
 
     train_batch_size: int
@@ -71,6 +82,9 @@ class BatchConfig:
     sequence_parallel: int = 1
     step_wise: bool = False
     critic_world_size: int | None = None
+    critic_model_parallel: int | None = None
+    reference_world_size: int | None = None
+    reference_model_parallel: int | None = None
     framework: str = "batchfit"
 
     @classmethod
@@ -210,37 +224,14 @@ _INT_FIELDS = (
 _OPTIONAL_INT_FIELDS = (
     "critic_mini_batch_size",
     "critic_world_size",
+    "critic_model_parallel",
+    "reference_world_size",
+    "reference_model_parallel",
     "max_tokens_per_micro_batch",
     "world_size",
     "num_nodes",
     "gpus_per_node",
 )
-_ROLE_FIELDS = {"policy": "policy_mini_batch_size", "critic": "critic_mini_batch_size"}
-
-
-# Trial division stops here: fixes need some divisors, not all, and time must not grow with n.
-_DIVISOR_SEARCH_LIMIT = 100_000
-
-
-def _divisors(n: int) -> list[int]:
-    """Divisors of ``n``, increasing: all of them up to ``n = _DIVISOR_SEARCH_LIMIT²`` (10¹⁰);
-    above, those up to the limit and their co-divisors (O(limit) time, for a suggested fix)."""
-    small, large = [], []
-    for i in range(1, min(math.isqrt(n), _DIVISOR_SEARCH_LIMIT) + 1):
-        if n % i == 0:
-            small.append(i)
-            if i != n // i:
-                large.append(n // i)
-    return small + large[::-1]
-
-
-def _nearest(candidates: Iterable[int], value: int, k: int = 2) -> list[int]:
-    """The ``k`` candidates closest to ``value`` (ties to the smaller), in increasing order."""
-    return sorted(sorted(set(candidates), key=lambda c: (abs(c - value), c))[:k])
-
-
-def _or_list(values: list[int]) -> str:
-    return " or ".join(str(v) for v in values)
 
 
 def _type_faults(cfg: BatchConfig) -> tuple[list[str], set[str]]:
@@ -295,157 +286,49 @@ def _dp_size(cfg: BatchConfig, world: int, faults: list[str]) -> int | None:
     if world % mp == 0:
         return world // mp
     below, above = (world // mp) * mp, (world // mp + 1) * mp
-    world_fix = _or_list([w for w in (below, above) if w > 0])
+    world_fix = or_list([w for w in (below, above) if w > 0])
     faults.append(
         f"world_size={world} is not a multiple of tensor_parallel × pipeline_parallel × context_parallel "
-        f"× sequence_parallel = {' × '.join(map(str, parts))} = {mp} (dp_size would be {world / mp:.4g}): "
-        f"set world_size to {world_fix}, or model-parallel sizes whose product divides {world} "
-        f"(one of {_or_list(_nearest(_divisors(world), mp, 3))})"
+        f"× sequence_parallel = {' × '.join(map(str, parts))} = {mp} (dp_size would be {world / mp:.4g}"
+        f"{_MESH.get(cfg.framework, '')}): set world_size to {world_fix}, or model-parallel sizes whose product "
+        f"divides {world} (one of {or_list(nearest(divisors(world), mp, 3))})"
     )
     return None
 
 
-def _role_plan(
-    role: str,
-    cfg: BatchConfig,
-    dp: int | None,
-    faults: list[str],
-    bad: frozenset[str] = frozenset(),
-    warnings: list[str] | None = None,
-) -> RolePlan | None:
-    """The one rule set for a trained model; ``role`` picks the mini-batch field.
+# Where a framework refuses a world size its model-parallel size does not divide.
+_MESH = {"skyrl": f"; {rules.SKYRL_MESH} and fails", "verl": f"; {rules.VERL_MESH} and fails"}
 
-    Only relationships among valid fields are checked (``bad`` names the invalid ones), so
-    one invalid field does not hide the faults between the others. Where
-    ``cfg.framework`` runs a layout with waste, the waste goes to ``warnings`` instead of
-    ``faults`` (each rule cites the framework code it mirrors).
+
+def _model_dp(
+    cfg: BatchConfig, role: str, dp: int | None, bad: frozenset[str], faults: list[str]
+) -> int | None:
+    """The data-parallel size of the critic or the reference, from its own GPUs and model-parallel size.
+
+    The critic without ``critic_world_size`` shares the policy's ``dp``; a reference without
+    ``reference_world_size`` has none of its own (``None``).
     """
-    warnings = [] if warnings is None else warnings
-    name = _ROLE_FIELDS[role]
-    if name in bad or "train_batch_size" in bad or "framework" in bad:
+    world_field, mp_field = f"{role}_world_size", f"{role}_model_parallel"
+    world, own_mp = getattr(cfg, world_field), getattr(cfg, mp_field)
+    if bad & {world_field, mp_field} or dp is None:
         return None
-    mini, train, n = getattr(cfg, name), cfg.train_batch_size, cfg.n_samples_per_prompt
-    start = len(faults)
-    steps_per_epoch = train // mini
-    if mini > train:
+    parallel = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.context_parallel, cfg.sequence_parallel)
+    if bad & {"tensor_parallel", "pipeline_parallel", "context_parallel", "sequence_parallel"}:
+        return None
+    mp = own_mp if own_mp is not None else math.prod(parallel)
+    if world is None:
+        if role == "reference":
+            return None
+        world = dp * math.prod(parallel)
+    if world % mp:
+        what = mp_field if own_mp is not None else "the policy's model-parallel size"
         faults.append(
-            f"{name}={mini} exceeds train_batch_size={train} (both count prompts): a mini-batch cannot "
-            f"hold more prompts than a training step; set {name} to at most {train} "
-            f"(a divisor such as {_or_list(_nearest(_divisors(train), mini))}) or train_batch_size to at least {mini}"
+            f"{world_field}={world} is not a multiple of {what} = {mp} (the {role}'s dp_size would be "
+            f"{world / mp:.4g}{_MESH.get(cfg.framework, '')}): set {world_field} to a multiple of {mp} "
+            f"({or_list(multiples_near(mp, world))})"
         )
-    elif train % mini:
-        fix = (
-            f"set {name} to {_or_list(_nearest(_divisors(train), mini))} or train_batch_size to "
-            f"{_or_list([t for t in ((train // mini) * mini, (train // mini + 1) * mini) if t > 0])}"
-        )
-        if cfg.framework == "verl":
-            # verl: DataProto.split keeps a short last chunk (protocol.py), one more step
-            steps_per_epoch = -(-train // mini)
-            warnings.append(
-                f"train_batch_size={train} is not a multiple of {name}={mini} (prompts): verl runs "
-                f"{steps_per_epoch} mini-batches per epoch, the last with {train % mini} prompts; {fix}"
-            )
-        else:  # SkyRL: validate_batch_sizes asserts train_batch_size % policy_mini_batch_size == 0
-            faults.append(
-                f"train_batch_size={train} is not a multiple of {name}={mini} (prompts): the last "
-                f"mini-batch would be partial; {fix}"
-            )
-    if len(faults) > start:
         return None
-
-    samples = per_gpu = micro = accumulation = None
-    if bad & {"n_samples_per_prompt", "step_wise"}:
-        return None
-    if cfg.step_wise:
-        # The micro size is known; only the count varies with the turns.
-        if cfg.max_tokens_per_micro_batch is None and "micro_train_batch_size_per_gpu" not in bad:
-            micro = cfg.micro_train_batch_size_per_gpu
-    else:
-        samples = mini * n
-        if dp is not None:
-            per_gpu = samples // dp
-            if samples % dp:
-                if not _uneven_split(role, name, cfg, dp, samples, faults, warnings):
-                    return None
-                per_gpu = -(-samples // dp)  # SkyRL pads the mini-batch to a multiple of dp
-            if bad & {"micro_train_batch_size_per_gpu", "max_tokens_per_micro_batch"}:
-                return None
-            # SkyRL's validate_batch_sizes checks the micro size even with the token key
-            if cfg.max_tokens_per_micro_batch is None or cfg.framework == "skyrl":
-                micro = cfg.micro_train_batch_size_per_gpu
-                checked = samples // dp  # SkyRL and verl both check the floored per-GPU count
-                if checked % micro:
-                    rule = "exceeds" if micro > checked else "does not divide"
-                    faults.append(
-                        f"micro_train_batch_size_per_gpu={micro} {rule} the {role}'s samples per GPU per "
-                        f"mini-batch = {mini} × {n} / {dp} = {checked}: set micro_train_batch_size_per_gpu to "
-                        f"{_or_list(_nearest(_divisors(checked), micro))}, or set max_tokens_per_micro_batch "
-                        "to bound micro-batches by tokens"
-                    )
-                    return None
-                if cfg.max_tokens_per_micro_batch is None:
-                    accumulation = -(-per_gpu // micro)
-                else:
-                    micro = None
-    return RolePlan(
-        role=role,
-        mini_batch_size=mini,
-        mini_batches_per_epoch=steps_per_epoch,
-        optimizer_steps_per_step=steps_per_epoch * cfg.update_epochs_per_batch,
-        samples_per_mini_batch=samples,
-        samples_per_mini_batch_per_gpu=per_gpu,
-        micro_batch_size_per_gpu=micro,
-        gradient_accumulation_steps=accumulation,
-    )
-
-
-def _uneven_split(
-    role: str, name: str, cfg: BatchConfig, dp: int, samples: int, faults: list[str], warnings: list[str]
-) -> bool:
-    """Samples of a mini-batch that do not split over ``dp``: a warning (padded) or a fault.
-
-    Returns True when the framework pads the mini-batch and runs it.
-    """
-    mini, train, n = getattr(cfg, name), cfg.train_batch_size, cfg.n_samples_per_prompt
-    if cfg.framework == "skyrl":
-        # SkyRL: MeshDispatch.stage_chunks pads each mini-batch by (-size) % dp_size rows
-        # (loss_mask 0) before chunking it over the ranks; validate_batch_sizes floors.
-        padded = -(-samples // dp) * dp
-        if samples // dp < 1:
-            faults.append(
-                f"{name} × n_samples_per_prompt = {mini} × {n} = {samples} samples per mini-batch are "
-                f"fewer than the {role}'s dp_size={dp}: SkyRL asserts at least one sample per GPU "
-                f"(validate_batch_sizes); set {name} to at least {-(-dp // n)}"
-            )
-            return False
-        warnings.append(
-            f"each {role} mini-batch of {samples} samples is padded to {padded} over {dp} GPUs: "
-            f"{100 * (padded - samples) / padded:.0f}% padding rows; set {name} to a multiple of "
-            f"{dp // math.gcd(n, dp)} to avoid them"
-        )
-        return True
-    step = dp // math.gcd(n, dp)  # mini must be a multiple of this
-    valid = [d for d in _divisors(train) if d % step == 0]
-    fix = (
-        f"set {name} to {_or_list(_nearest(valid, mini))} (divides train_batch_size={train} "
-        "and gives whole per-GPU counts)"
-        if valid
-        else f"no divisor of train_batch_size={train} works; change n_samples_per_prompt or the GPU count"
-    )
-    if cfg.framework == "verl":
-        # verl: fsdp_workers normalises ppo_mini_batch_size *= n; //= dp (a floor, unchecked)
-        faults.append(
-            f"{name} × n = {mini} × {n} = {samples} samples per mini-batch do not split over dp_size={dp}: "
-            f"verl floors them to {samples // dp} per GPU, so each optimizer step trains on "
-            f"{samples // dp * dp} of {samples} samples; {fix}"
-        )
-        return False
-    faults.append(
-        f"{name} × n_samples_per_prompt = {mini} × {n} = {samples} samples per mini-batch do not "
-        f"split evenly over dp_size={dp} ({samples}/{dp} = {samples / dp:.4g} per GPU): {fix}; "
-        "or set step_wise=true to pad mini-batches for data parallelism"
-    )
-    return False
+    return world // mp
 
 
 def _python_ints(cfg: BatchConfig) -> BatchConfig:
@@ -458,49 +341,6 @@ def _python_ints(cfg: BatchConfig) -> BatchConfig:
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
-def _critic_dp(cfg: BatchConfig, dp: int | None, bad: frozenset[str], faults: list[str]) -> int | None:
-    """The critic's data-parallel size: the policy's, or from its own ``critic_world_size``."""
-    if cfg.critic_world_size is None or "critic_world_size" in bad or dp is None:
-        return dp
-    mp = math.prod((cfg.tensor_parallel, cfg.pipeline_parallel, cfg.context_parallel, cfg.sequence_parallel))
-    if cfg.critic_world_size % mp:
-        faults.append(
-            f"critic_world_size={cfg.critic_world_size} is not a multiple of the model-parallel size {mp}: "
-            f"set critic_world_size to a multiple of {mp}"
-        )
-        return None
-    return cfg.critic_world_size // mp
-
-
-def _step_faults(cfg: BatchConfig, world: int, dps: list[int], bad: frozenset[str], faults: list[str]) -> None:
-    """Whole-step rules of the frameworks (not of one role)."""
-    if bad & {"train_batch_size", "n_samples_per_prompt", "max_tokens_per_micro_batch"}:
-        return
-    train, n = cfg.train_batch_size, cfg.n_samples_per_prompt
-    if cfg.framework == "skyrl":
-        # SkyRL trainer._remove_tail_data keeps the largest prompt count whose samples split
-        # over the lcm of the models' dp sizes; the synchronous trainer then asserts
-        # num_prompts == train_batch_size (compute_prompt_mini_batch_boundaries).
-        lcm_dp = math.lcm(*dps)
-        stride = lcm_dp // math.gcd(lcm_dp, n)
-        if train % stride:
-            kept = train // stride * stride
-            faults.append(
-                f"train_batch_size × n_samples_per_prompt = {train} × {n} samples do not split over the "
-                f"models' data-parallel sizes (lcm {lcm_dp}): SkyRL keeps {kept} of {train} prompts "
-                f"(trainer._remove_tail_data) and then fails its num_prompts == train_batch_size check; "
-                f"set train_batch_size to a multiple of {stride} ({_or_list(_nearest([max(stride, kept), kept + stride], train))})"
-            )
-    elif cfg.framework == "verl" and cfg.max_tokens_per_micro_batch is None and train * n % world:
-        # verl utils/config.py validate_config (without use_dynamic_bsz): real_train_batch_size
-        # = train_batch_size × n must be divisible by n_gpus
-        faults.append(
-            f"data.train_batch_size × rollout.n = {train} × {n} = {train * n} is not divisible by the "
-            f"{world} GPUs (verl validate_config: real_train_batch_size must be divisible by the minimal "
-            f"batch size); set data.train_batch_size to a multiple of {world // math.gcd(n, world)}"
-        )
-
-
 def _build_plan(cfg: BatchConfig, strict: bool = False) -> BatchPlan:
     cfg = _python_ints(cfg)
     faults, invalid = _type_faults(cfg)
@@ -510,16 +350,22 @@ def _build_plan(cfg: BatchConfig, strict: bool = False) -> BatchPlan:
     world = None if bad & {"world_size", "num_nodes", "gpus_per_node"} else _world_size(cfg, faults)
     parallel = {"tensor_parallel", "pipeline_parallel", "context_parallel", "sequence_parallel"}
     dp = _dp_size(cfg, world, faults) if world is not None and not bad & parallel else None
-    critic_dp = _critic_dp(cfg, dp, bad, faults)
-    policy = _role_plan("policy", cfg, dp, faults, bad, warnings)
-    critic = None
-    if cfg.critic_mini_batch_size is not None:
-        critic = _role_plan("critic", cfg, critic_dp, faults, bad, warnings)
-    if world is not None and dp is not None and critic_dp is not None and "framework" not in bad:
-        _step_faults(cfg, world, [dp] + ([critic_dp] if critic is not None else []), bad, faults)
+    has_critic = cfg.critic_mini_batch_size is not None
+    critic_dp = _model_dp(cfg, "critic", dp, bad, faults) if has_critic else None
+    reference_dp = _model_dp(cfg, "reference", dp, bad, faults)
+    padded = rules.verl_padded_samples(cfg, dp, bad) if cfg.framework == "verl" else None
+    policy = rules.role_layout("policy", cfg, dp, bad, faults, warnings, padded)
+    critic = (
+        rules.role_layout("critic", cfg, critic_dp, bad, faults, warnings, padded) if has_critic else None
+    )
+    dps = {"policy": dp, "critic": critic_dp, "reference": reference_dp}
+    dps = {role: size for role, size in dps.items() if size is not None}
+    complete = dp is not None and (critic_dp is not None or not has_critic)
+    if world is not None and complete and "framework" not in bad:
+        rules.step_rules(cfg, world, dps, bad, faults, warnings, padded)
     if strict:
         faults.extend(f"{w} (a warning; --strict makes it a fault)" for w in warnings)
-    if faults or world is None or dp is None or policy is None:  # without faults all three exist
+    if faults or world is None or dp is None or policy is None or (has_critic and critic is None):
         raise BatchConfigError(faults)
 
     tokens = cfg.max_tokens_per_micro_batch is not None
@@ -531,18 +377,31 @@ def _build_plan(cfg: BatchConfig, strict: bool = False) -> BatchPlan:
             "mini-batch and GPU vary; sample-level divisibility is not checked. Cut mini-batches "
             "at prompt boundaries (batchfit.batches.minibatch.mini_batch_boundaries) and pad each for data "
             "parallelism (pad_for_data_parallel); the optimizer-step count does not depend on turns."
+            + (
+                " SkyRL still asserts its per-GPU sizes with the nominal n_samples_per_prompt."
+                if cfg.framework == "skyrl"
+                else ""
+            )
         )
         samples = per_gpu_step = forward = None
     else:
         samples = trajectories
-        per_gpu_step = samples // dp
-        if policy.samples_per_mini_batch % dp:  # padded mini-batches (SkyRL)
-            per_gpu_step = policy.mini_batches_per_epoch * policy.samples_per_mini_batch_per_gpu
+        if padded is not None:  # verl's padding rows
+            per_gpu_step = padded // dp
+        elif policy.samples % dp:  # SkyRL's padded mini-batches
+            per_gpu_step = policy.steps_per_epoch * policy.per_gpu
+        else:
+            per_gpu_step = samples // dp
         forward = None if tokens else -(-per_gpu_step // cfg.micro_forward_batch_size_per_gpu)
     if tokens:
         notes.append(
             f"micro-batches are bounded by max_tokens_per_micro_batch={cfg.max_tokens_per_micro_batch} "
             "tokens (batchfit.plan.packing.plan_micro_batches); micro_*_batch_size_per_gpu are not used."
+        )
+    if cfg.framework == "verl" and has_critic and not tokens:
+        notes.append(
+            "verl 0.9.1's critic batches by tokens whatever its micro sizes (trainer_base.py gives its engine only "
+            "critic.ppo_infer_max_token_len_per_gpu; EngineConfig.use_dynamic_bsz defaults to true)."
         )
     return BatchPlan(
         config=cfg,
@@ -554,8 +413,21 @@ def _build_plan(cfg: BatchConfig, strict: bool = False) -> BatchPlan:
         samples_per_step_per_gpu=per_gpu_step,
         forward_micro_batches_per_gpu=forward,
         micro_batching="tokens" if tokens else "samples",
-        policy=policy,
-        critic=critic,
+        policy=_role(policy, "policy", cfg),
+        critic=None if critic is None else _role(critic, "critic", cfg),
         notes=tuple(notes),
         warnings=tuple(warnings),
+    )
+
+
+def _role(layout: rules.RoleLayout, role: str, cfg: BatchConfig) -> RolePlan:
+    return RolePlan(
+        role=role,
+        mini_batch_size=getattr(cfg, rules.ROLE_FIELDS[role]),
+        mini_batches_per_epoch=layout.steps_per_epoch,
+        optimizer_steps_per_step=layout.steps_per_epoch * cfg.update_epochs_per_batch,
+        samples_per_mini_batch=layout.samples,
+        samples_per_mini_batch_per_gpu=layout.per_gpu,
+        micro_batch_size_per_gpu=layout.micro,
+        gradient_accumulation_steps=layout.accumulation,
     )
