@@ -7,9 +7,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from batchfit.memory.fake_patches import transformers_fake_patches
+from batchfit.memory.shadow_values import ShadowFakeTensorMode
 from batchfit.memory.tracked import TrackedBackend
 from batchfit.memory.untracked import UntrackedMemory, untracked_memory
 
@@ -64,11 +63,17 @@ class EstimateBackend(TrackedBackend):
 
     def __init__(self, *, memory_limit: Any = None, reserve_bytes: Any = None, round_to: int | None = None):
         self._device = memory_limit if isinstance(memory_limit, str) else None
-        super().__init__(memory_limit=memory_limit, reserve_bytes=0 if reserve_bytes is None else reserve_bytes, round_to=DEFAULT_ROUND_TO if round_to is None else round_to)
+        super().__init__(
+            memory_limit=memory_limit,
+            reserve_bytes=0 if reserve_bytes is None else reserve_bytes,
+            round_to=DEFAULT_ROUND_TO if round_to is None else round_to,
+        )
         self.untracked: UntrackedMemory | None = None
         self._default_reserve = reserve_bytes is None
         self.expect_world_size(1)
-        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        # NOTE [ Integer tensors keep their values ]: masks, lengths and indices made from host
+        # data keep real values, so remove-padding and masked log-probs run (floats stay fake)
+        self.fake_mode = ShadowFakeTensorMode(allow_non_fake_inputs=True)
         fake_mode = self.fake_mode
         fake_mode.__deepcopy__ = lambda memo: fake_mode  # NOTE [ Deep copies of fake tensors ]
         self._depth = 0
