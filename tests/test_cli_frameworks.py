@@ -1,4 +1,4 @@
-"""``plan`` and ``profile --config`` on SkyRL and verl configs; ``--emit`` round trips into ``plan``."""
+"""``plan`` and ``profile --config`` on SkyRL and verl configs and OpenRLHF and slime launch commands; ``--emit`` round trips into ``plan``."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def test_profile_config_emits_verl_keys_equal_to_the_budgets_and_the_merge_plans
     assert main(["profile", "--config", str(path), *FAST, "--json", "--emit", "verl"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["vocabulary"] == "verl" and data["max_seq_len"] == 256
+    assert data["budget"] == "estimated"  # the estimate backend's budgets
     assert set(data["tokens"]) == {"policy", "policy_forward", "reference", "critic", "critic_forward"}
     assert data["colocated"] == ["policy", "reference", "critic"] and data["resident_bytes"]["policy"] > 0
     tokens = data["tokens"]
@@ -82,7 +83,7 @@ def test_profile_config_emits_verl_keys_equal_to_the_budgets_and_the_merge_plans
     assert emitted["actor_rollout_ref"]["ref"]["log_prob_max_token_len_per_gpu"] == tokens["reference"]
     assert emitted["critic"]["ppo_max_token_len_per_gpu"] == tokens["critic"]
     assert emitted["critic"]["forward_max_token_len_per_gpu"] == tokens["critic_forward"]
-    assert "# actor update: measured budget" in out
+    assert "# actor update: estimated budget" in out and "measured" not in out  # the estimate backend
     merged = tmp_path / "merged.yaml"
     merged.write_text(yaml.safe_dump(_merge(config, emitted)))
     assert main(["plan", str(merged)]) == 0
@@ -177,7 +178,7 @@ def bad_files(tmp_path):
         ),
         (["profile", "--config", "{d}/megatron.yaml"], "strategy='megatron', which batchfit does not model"),
         (["profile", "--emit", "verl"], "--emit needs --config"),
-        (["profile", "--config", "{d}/megatron.yaml", "--emit", "openrlhf"], "--emit must be one of"),
+        (["profile", "--config", "{d}/megatron.yaml", "--emit", "trl"], "--emit must be one of"),
         (
             ["profile", "--config", "{d}/megatron.yaml", "--roles", "policy"],
             "--roles cannot be combined with --config",
@@ -207,7 +208,9 @@ def test_bad_framework_input_is_one_line_and_exit_2(bad_files, capsys, argv, mes
     [
         pytest.param(True, Sharding("fsdp2", world_size=2), True, id="resharded-root"),
         pytest.param(False, Sharding("fsdp2", world_size=2), False, id="older-torch-installed"),
-        pytest.param(True, Sharding("fsdp2", world_size=2, reshard_after_forward=False), False, id="no-reshard"),
+        pytest.param(
+            True, Sharding("fsdp2", world_size=2, reshard_after_forward=False), False, id="no-reshard"
+        ),
         pytest.param(True, Sharding("ddp", world_size=2), False, id="ddp"),
     ],
 )
@@ -217,7 +220,144 @@ def test_older_torch_notes_only_where_the_installed_torch_reshards_the_root(root
     behaviour = Behaviour(ROOT_RESHARD, root_resharded, "", "probe", "2.8")
     torch_info = TorchBehaviours("2.13.0", (behaviour,)) if sharding.strategy == "fsdp2" else None
     profile = types.SimpleNamespace(torch=torch_info, sharding=sharding, compute_dtype="bfloat16")
-    result = types.SimpleNamespace(profiles={"policy": profile, "reference": profile}, run=types.SimpleNamespace(models={"policy": "tiny"}))
+    result = types.SimpleNamespace(
+        profiles={"policy": profile, "reference": profile},
+        run=types.SimpleNamespace(models={"policy": "tiny"}),
+    )
     notes = older_torch_notes(result)
     # tiny: embedding and head 2 × 1,024 × 64 and the final norm 64, in bf16: 262,272 B
-    assert notes == ([f"policy (tiny): these budgets follow torch 2.13.0, which reshards FSDP2's root after forward; on torch < 2.8 (a framework's pin through vLLM or SGLang) the root's parameters stay gathered until backward, +{format_bytes(262_272)} per rank at the backward peak: profile under that torch, or lower the training budget by that much"] if noted else [])
+    assert notes == (
+        [
+            f"policy (tiny): these budgets follow torch 2.13.0, which reshards FSDP2's root after forward; on torch < 2.8 (a framework's pin through vLLM or SGLang) the root's parameters stay gathered until backward, +{format_bytes(262_272)} per rank at the backward peak: profile under that torch, or lower the training budget by that much"
+        ]
+        if noted
+        else []
+    )
+
+
+def _openrlhf_command(tmp_path, model_dir, *extra):
+    path = tmp_path / "train_grpo.sh"
+    path.write_text(
+        "#!/bin/bash\n"
+        f"MODEL={model_dir}\n"
+        "python3 -m openrlhf.cli.train_ppo_ray \\\n"
+        "   --actor.num_gpus_per_node 2 --ref.num_gpus_per_node 2 --vllm.num_engines 2 \\\n"
+        "   --actor.model_name_or_path $MODEL --reward.remote_url http://localhost:5000/get_reward \\\n"
+        "   --rollout.batch_size 8 --rollout.n_samples_per_prompt 4 --rollout.micro_batch_size 4 \\\n"
+        "   --train.batch_size 16 --train.micro_batch_size 2 --data.max_len 256 --ds.zero_stage 3 \\\n"
+        "   --algo.advantage.estimator group_norm --actor.gradient_checkpointing_enable --train.colocate_actor_ref "
+        + " ".join(extra)
+        + "\n"
+    )
+    return path
+
+
+def _flags(text: str) -> list[str]:
+    import shlex
+
+    lines = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    return shlex.split(lines.replace("\\\n", " "))
+
+
+def test_profile_emits_openrlhf_flags_that_its_parser_takes_and_the_command_plans(
+    tmp_path, model_dir, capsys
+):
+    from batchfit.frameworks.flags import flag_spec
+
+    path = _openrlhf_command(tmp_path, model_dir)
+    assert main(["plan", str(path)]) == 0
+    assert "OpenRLHF (launch command) vocabulary" in capsys.readouterr().out
+    assert main(["profile", "--config", str(path), *FAST, "--max-seq-len", "128", "--emit", "openrlhf"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"# batchfit profile --config {path} --emit openrlhf\n")
+    assert "budgets estimated (estimate backend)" in out
+    assert "# colocated models' state taken off each budget: policy" in out  # --train.colocate_actor_ref
+    assert "# note: DeepSpeed ZeRO-3 (--ds.zero_stage 3) is profiled as FSDP2" in out
+    flags = _flags(out)
+    args = flag_spec("openrlhf").parser().parse_args(flags)  # OpenRLHF 0.11.2's parser, from the shipped data
+    train, rollout = getattr(args, "train.max_tokens_per_gpu"), getattr(args, "rollout.max_tokens_per_gpu")
+    assert getattr(args, "train.dynamic_batch_enable") and 0 < train < rollout  # a no_grad pass fits more
+    # one flag for the training passes, one for the experience passes (the smaller forward budget)
+    assert (
+        f"# --train.max_tokens_per_gpu: actor update, set by policy: estimated budget {train:,} tokens" in out
+    )
+    assert (
+        "(policy_forward, reference; no_grad), set by " in out
+        and f"estimated budget {rollout:,} tokens" in out
+    )
+    merged = tmp_path / "merged.sh"
+    merged.write_text(path.read_text().rstrip("\n") + " " + " ".join(flags) + "\n")
+    assert main(["plan", str(merged), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["vocabulary"] == "openrlhf" and plan["micro_batching"] == "tokens"
+    assert plan["config"]["max_tokens_per_micro_batch"] == train
+
+
+def test_profile_emits_slime_flags_with_sharding_given(tmp_path, model_dir, capsys):
+    path = tmp_path / "run.sh"
+    path.write_text(
+        "ARGS=(\n"
+        f"   --hf-checkpoint {model_dir}\n"
+        "   --rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 16\n"
+        "   --rollout-max-prompt-len 64 --rollout-max-response-len 192\n"
+        ")\n"
+        "python3 train.py --actor-num-nodes 1 --actor-num-gpus-per-node 2 ${ARGS[@]} --recompute-granularity full\n"
+    )
+    assert main(["profile", "--config", str(path), *FAST, "--emit", "slime"]) == 2
+    assert "slime trains with Megatron-LM" in capsys.readouterr().err
+    argv = [
+        "profile",
+        "--config",
+        str(path),
+        *FAST,
+        "--max-seq-len",
+        "128",
+        "--sharding",
+        "fsdp2",
+        "--emit",
+        "slime",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert (
+        "fsdp2 over 2 ranks" in out
+        and "note: slime trains with Megatron-LM, which batchfit does not profile" in out
+    )
+    words = _flags(out)
+    assert words[:2] == ["--use-dynamic-batch-size", "--max-tokens-per-gpu"] and int(words[2]) > 0
+    assert (
+        "# --max-tokens-per-gpu: every pass (slime runs log-probs and values over the training micro-batches)"
+        in out
+    )
+    merged = tmp_path / "merged.sh"
+    merged.write_text(path.read_text().rstrip("\n") + " " + " ".join(words) + "\n")
+    assert read_run_config(merged).plan().config.max_tokens_per_micro_batch == int(words[2])
+
+
+def test_budgets_from_a_real_run_read_measured(tmp_path, model_dir, capsys):
+    # one GPU: the cpu backend runs the tiny model's real steps (no reference: init_coef 0)
+    path = _openrlhf_command(tmp_path, model_dir, "--algo.kl.init_coef 0")
+    path.write_text(path.read_text().replace("--actor.num_gpus_per_node 2", "--actor.num_gpus_per_node 1"))
+    argv = ["profile", "--config", str(path), "--backend", "cpu", "--memory", "200MiB", "--max-seq-len", "64"]
+    assert main([*argv, "--no-progress", "--emit", "openrlhf"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "budgets measured (cpu backend)" in out
+        and "set by policy: measured budget" in out
+        and "estimated" not in out
+    )
+
+
+@pytest.mark.parametrize(
+    ("backend", "word"), [("estimate", "estimated"), ("cpu", "measured"), ("cuda", "measured")]
+)
+def test_the_reports_budget_line_says_how_the_budget_was_found(backend, word):
+    import types
+
+    from batchfit.cli.render_budget import budget_lines
+
+    budget = types.SimpleNamespace(
+        tokens=4096, cost="padded", max_seq_len=1024, backend=backend, limit_bytes=2**30, safety_margin=0.85,
+        usable_bytes=2**31, probes=5, memory_model=None, model_check="ok",
+    )  # fmt: skip
+    assert budget_lines(budget)[0].startswith(f"token budget C = 4,096 tokens (padded), {word}: b sequences")

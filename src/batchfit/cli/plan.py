@@ -16,11 +16,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="validate and explain train / mini / micro batch sizes and the data-parallel layout",
         description=(
             "Validate a batch-size configuration (batchfit's flat keys, a SkyRL or a verl config, YAML or "
-            "JSON; the vocabulary is told from the keys) under that framework's rules and print the plan "
+            "JSON; the vocabulary is told from the keys; or an OpenRLHF or slime launch command, a shell script "
+            "or a file of its flags) under that framework's rules and print the plan "
             "with its warnings, or every fault with its fix (exit 2). Flags override the file."
         ),
     )
-    p.add_argument("config", nargs="?", help="YAML or JSON file (flat keys, SkyRL's or verl's sections)")
+    p.add_argument(
+        "config",
+        nargs="?",
+        help="YAML or JSON file (flat keys, SkyRL's or verl's sections), or an OpenRLHF/slime launch script",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument(
         "--strict",
@@ -53,4 +58,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-VOCABULARY_NAMES = {"flat": "batchfit's flat", "skyrl": "SkyRL", "verl": "verl"}
+VOCABULARY_NAMES = {
+    "flat": "batchfit's flat",
+    "skyrl": "SkyRL",
+    "verl": "verl",
+    "openrlhf": "OpenRLHF (launch command)",
+    "slime": "slime (launch command)",
+}

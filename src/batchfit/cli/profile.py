@@ -56,13 +56,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--config",
         metavar="FILE",
-        help="a SkyRL or verl config (YAML/JSON): the model, max sequence length, GPUs, sharding, offload, "
+        help="a SkyRL or verl config (YAML/JSON), or an OpenRLHF or slime launch command (a shell script, or a "
+        "file of its flags): the model, max sequence length, GPUs, sharding, offload, "
         "checkpointing and the roles it runs come from it; flags override",
     )
     p.add_argument(
         "--emit",
-        metavar="verl|skyrl",
-        help="with --config: print the keys to set in that framework's config (YAML, a comment per key)",
+        metavar="verl|skyrl|openrlhf|slime",
+        help="with --config: print the keys to set in that framework's config (YAML, a comment per key; "
+        "openrlhf and slime: the flags to add to the launch command)",
     )
     p.add_argument(
         "--emit-format", default="yaml", metavar="yaml|overrides", help="yaml (default) or Hydra overrides"
@@ -387,6 +389,11 @@ def _strategy(run: Any) -> str | None:
     strategy = (run.strategy or "fsdp").lower()
     if strategy in ("fsdp", "fsdp2"):
         return "fsdp2" if run.world_size > 1 else "none"
+    from batchfit.frameworks import strategy_refusal
+
+    refusal = strategy_refusal(run)  # OpenRLHF's DeepSpeed stages, slime's Megatron: the framework's own hint
+    if refusal is not None:
+        raise InvalidArgument(refusal)
     raise InvalidArgument(
         f"the config trains with strategy={run.strategy!r}, which batchfit does not model; pass "
         "--sharding fsdp2 to profile it as FSDP2 (an upper bound for tensor/pipeline parallelism)"
@@ -429,8 +436,11 @@ def run(args: argparse.Namespace) -> int:
 
             plot_budget(profile.budgets, args.plot)
         if args.json:
+            from batchfit.frameworks.emit import provenance
+
             data = profile.to_dict()
             data["memory_defaulted"] = settings["memory_defaulted"]
+            data["budget"] = provenance(profile.backend)  # estimated (estimate backend) or measured
             if settings["calibration"] is not None:
                 data["calibration"] = {"path": args.calibration, **settings["calibration"].to_dict()}
             json.dump(data, sys.stdout, indent=2)
@@ -542,7 +552,7 @@ def _run_config(
     args: argparse.Namespace, settings: dict[str, Any], console: Any, err: Any, show_progress: bool, rank: int
 ) -> int:
     """``--config``: profile every pass of the run; render it, or emit the framework's keys."""
-    from batchfit.frameworks.emit import emit_keys, render_overrides, render_yaml
+    from batchfit.frameworks.emit import emit_keys, provenance, render_keys
     from batchfit.frameworks.older_torch import older_torch_notes
     from batchfit.frameworks.profile import profile_run
     from batchfit.memory import format_bytes
@@ -564,8 +574,10 @@ def _run_config(
         data = result.to_dict()
         data["memory_defaulted"] = settings["memory_defaulted"]
         data["older_torch"] = notes
+        data["budget"] = provenance(settings["backend"])  # estimated (estimate backend) or measured
+        data["run_notes"] = list(getattr(run, "notes", ()))
         if keys is not None:
-            data["emit"] = {k.path: k.value for k in keys}
+            data["emit"] = {k.path: k.value for k in keys if k.path}
         json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -574,13 +586,14 @@ def _run_config(
         header = [
             f"batchfit profile --config {args.config} --emit {args.emit}",
             f"{', '.join(sorted(set(filter(None, run.models.values()))))}, max_seq_len {args.max_seq_len:,}, "
-            f"{settings['sharding'].describe()}, {target} per GPU, safety margin {args.safety_margin:g}",
+            f"{settings['sharding'].describe()}, {target} per GPU, safety margin {args.safety_margin:g}, "
+            f"budgets {provenance(settings['backend'])} ({settings['backend']} backend)",
         ]
         if result.resident:
             shared = ", ".join(f"{role} {format_bytes(b)}" for role, b in result.resident.items())
             header.append(f"colocated models' state taken off each budget: {shared}")
-        header += [f"note: {note}" for note in notes]
-        text = render_yaml(keys, header) if args.emit_format == "yaml" else render_overrides(keys)
+        header += [f"note: {note}" for note in (*notes, *getattr(run, "notes", ()))]
+        text = render_keys(keys, args.emit, header, args.emit_format)
         sys.stdout.write(text)
         return 0
     console.print(
@@ -589,7 +602,7 @@ def _run_config(
         + (f"; colocated {', '.join(run.colocated)}" if run.colocated else ""),
         highlight=False,
     )
-    for note in notes:
+    for note in (*notes, *getattr(run, "notes", ())):
         console.print(f"note: {note}", highlight=False)
     for role, profile in result.profiles.items():
         console.print()

@@ -118,8 +118,10 @@ def budget_lines(budget: TokenBudget) -> list[str]:
             f"packed micro-batches of sequences ≤ {budget.max_seq_len:,} tokens fit when the sum of "
             f"lengths ≤ {budget.tokens:,}"
         )
+    from batchfit.frameworks.emit import provenance
+
     return [
-        f"token budget C = {budget.tokens:,} tokens ({budget.cost}): {meaning}",
+        f"token budget C = {budget.tokens:,} tokens ({budget.cost}), {provenance(budget.backend)}: {meaning}",
         f"limit {format_bytes(budget.limit_bytes)} = safety margin {budget.safety_margin:g} × "
         f"{format_bytes(budget.usable_bytes)} usable; {budget.probes} probes",
         f"memory model: {memory_model_text(budget.memory_model)}",

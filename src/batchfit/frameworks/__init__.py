@@ -1,10 +1,13 @@
-"""Speak the RL frameworks' language: read SkyRL and verl configs (and batchfit's flat keys).
+"""Speak the RL frameworks' language: read SkyRL and verl configs, OpenRLHF and slime launch commands.
 
 :func:`read_run_config` takes a YAML/JSON file or a mapping, tells its vocabulary from the
 keys, merges it over the framework's defaults, resolves the interpolations with OmegaConf
 and returns a :class:`RunConfig`: the batch sizes under the framework's rules, and what
 ``batchfit profile --config`` measures (model, longest sequence, GPUs, offload,
-checkpointing, roles). :mod:`batchfit.frameworks.emit` writes the keys back.
+checkpointing, roles). Any other file is a launch command (a shell script or a file of
+arguments, :mod:`batchfit.frameworks.flags`): OpenRLHF's or slime's, told from the command
+and read by :mod:`~batchfit.frameworks.openrlhf` or :mod:`~batchfit.frameworks.slime`.
+:mod:`batchfit.frameworks.emit` writes the keys (or flags) back.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.errors import BatchConfigError
-from batchfit.frameworks import skyrl, verl
+from batchfit.frameworks import openrlhf, skyrl, slime, verl
+from batchfit.frameworks.flags import FLAG_FRAMEWORKS, detect_framework, is_command_file, read_command
 from batchfit.frameworks.run import RunConfig, as_bool, as_int
+from batchfit.frameworks.source import VOCABULARIES as _FILE_VOCABULARIES
 from batchfit.frameworks.source import (
-    VOCABULARIES,
     check_mapping,
     detect_vocabulary,
     flatten,
@@ -27,16 +31,22 @@ from batchfit.frameworks.source import (
 from batchfit.plan.config import BatchConfig
 from batchfit.validation import closest
 
-__all__ = ["VOCABULARIES", "RunConfig", "coerce", "read_run_config"]
+__all__ = ["VOCABULARIES", "RunConfig", "coerce", "read_run_config", "strategy_refusal"]
+
+VOCABULARIES = (*_FILE_VOCABULARIES, *FLAG_FRAMEWORKS)
+"""Every vocabulary a config can be written in: batchfit's flat names, SkyRL's, verl's (YAML/JSON),
+OpenRLHF's and slime's (launch commands)."""
+_COMMAND_READERS = {"openrlhf": openrlhf.read, "slime": slime.read}
 
 
 def read_run_config(
     source: str | Path | Mapping[str, Any], overrides: Mapping[str, Any] | None = None
 ) -> RunConfig:
-    """Read a config in batchfit's, SkyRL's or verl's vocabulary.
+    """Read a config in batchfit's, SkyRL's, verl's, OpenRLHF's or slime's vocabulary.
 
     Args:
-        source: a YAML (``.yaml``/``.yml``) or JSON file, or the mapping itself.
+        source: a YAML (``.yaml``/``.yml``) or JSON file, or the mapping itself; any other
+            file holds an OpenRLHF or slime launch command (a shell script) or its arguments.
         overrides: :class:`~batchfit.plan.config.BatchConfig` field names (e.g. from ``--field
             value`` flags), applied last; strings are read as numbers or booleans.
 
@@ -47,8 +57,13 @@ def read_run_config(
         BatchConfigError: the file cannot be read or parsed; a key that is not a string;
             keys of two frameworks, or of none; an interpolation that cannot be resolved;
             an unknown flat key or override (with the closest name); a misspelt batch key;
-            a missing required flat field.
+            a missing required flat field; for a launch command, what the trainer's parser
+            refuses, a misspelt flag, or neither trainer's flags.
     """
+    if not isinstance(source, Mapping) and is_command_file(source):
+        command = read_command(source)
+        run = _COMMAND_READERS[detect_framework(command)](command)
+        return _apply_flat(run, {}, overrides or {}, top_level_only=True)
     data = source if isinstance(source, Mapping) else read_mapping(source)
     check_mapping(data)
     vocabulary = detect_vocabulary(data)
@@ -111,3 +126,15 @@ def coerce(field: str, value: Any) -> Any:
     if field == "framework":
         return value.strip().lower()
     return as_int(value)
+
+
+def strategy_refusal(run: RunConfig) -> str | None:
+    """Why ``profile`` cannot model the training strategy of a launch-command run, with the flags that can.
+
+    ``None`` when batchfit models it, or for SkyRL, verl and flat configs (the CLI judges those).
+    """
+    if run.vocabulary == "openrlhf":
+        return openrlhf.strategy_refusal(run)
+    if run.vocabulary == "slime":
+        return slime.strategy_refusal(run)
+    return None

@@ -1,17 +1,24 @@
-"""The keys to set in a SkyRL or verl config, from measured budgets: YAML with a comment per key, or overrides.
+"""The keys to set in a framework's config, from the profiled budgets: YAML, overrides or flags, a comment per key.
 
 :func:`emit_keys` picks the keys and values; :func:`render_yaml` and :func:`render_overrides`
-write them. The YAML merged into the profiled config passes ``batchfit plan`` on it.
+write SkyRL's and verl's keys, :func:`render_flags` OpenRLHF's and slime's command-line flags
+(the flags their trainers' argument parsers accept, ``defaults/<framework>_flags.json``);
+:func:`render_keys` picks by target. The YAML merged into the profiled config, or the flags
+added to the launch command, pass ``batchfit plan`` on it. Each comment says whether its budget
+was **estimated** (the estimate backend) or **measured** (cpu, cuda): :func:`provenance`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from batchfit.errors import InvalidArgument
 from batchfit.frameworks.profile import RunProfile
 
-TARGETS = ("verl", "skyrl")
+TARGETS = ("verl", "skyrl", "openrlhf", "slime")
+FLAG_TARGETS = ("openrlhf", "slime")
+"""Targets configured by command-line flags (rendered by :func:`render_flags`)."""
 # verl: each pass → the key that turns token-length micro-batching on, its length key, and what runs.
 VERL_KEYS = (
     (
@@ -40,15 +47,31 @@ FORMATS = ("yaml", "overrides")
 
 @dataclass(frozen=True)
 class Key:
-    """One key to set: its dotted path, value and why."""
+    """One key to set: its dotted path (or flag), value and why.
+
+    For flags, ``True`` is a switch given alone (``store_true``), and a key with an empty
+    ``path`` is a comment only.
+    """
 
     path: str
     value: int | bool
     comment: str = ""
 
 
+def provenance(backend: str) -> str:
+    """``"estimated"`` for a budget from the estimate backend, ``"measured"`` for one from cpu or cuda.
+
+    >>> provenance("estimate"), provenance("cuda")
+    ('estimated', 'measured')
+    """
+    return "estimated" if backend == "estimate" else "measured"
+
+
 def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: float) -> list[Key]:
-    """The keys that configure ``target`` with ``profile``'s budgets.
+    """The keys (or flags, for :data:`FLAG_TARGETS`) that configure ``target`` with ``profile``'s budgets.
+
+    Each key's comment names the pass it bounds and its budget, ``estimated`` or ``measured``
+    (:func:`provenance`), with the safety margin and the usable memory it came from.
 
     Raises:
         InvalidArgument: ``target`` is not one of :data:`TARGETS`.
@@ -59,7 +82,17 @@ def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: flo
 
     def why(role: str, what: str) -> str:
         b = profile.budgets[role]
-        return f"{what}: measured budget {b.tokens:,} tokens per GPU ({margin:g} of {b.usable_bytes / 2**30:.1f} GiB usable)"
+        return (
+            f"{what}: {provenance(b.backend)} budget {b.tokens:,} tokens per GPU ({margin:g} of "
+            f"{b.usable_bytes / 2**30:.1f} GiB usable)"
+        )
+
+    if target in FLAG_TARGETS:
+        return (
+            _openrlhf_keys(profile, budgets, why)
+            if target == "openrlhf"
+            else _slime_keys(profile, budgets, why)
+        )
 
     if target == "verl":
         keys = [
@@ -117,6 +150,99 @@ def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], max_seq_len: int) 
     return keys
 
 
+def _smallest(budgets: dict[str, int], roles: tuple[str, ...]) -> str | None:
+    """The role of ``roles`` with the smallest budget (the one a shared key must take), or ``None``."""
+    present = [r for r in roles if r in budgets]
+    return min(present, key=budgets.get) if present else None
+
+
+def _cost_note(profile: RunProfile, framework: str) -> str:
+    costs = {b.cost for b in profile.budgets.values()}
+    if costs == {"packed"}:
+        return f"packed rows, as {framework} runs them"
+    return f"padded rows; {framework} packs samples into one row (varlen): --cost packed profiles that"
+
+
+def _openrlhf_keys(profile: RunProfile, budgets: dict[str, int], why: Any) -> list[Key]:
+    """OpenRLHF 0.11.2: one token flag for the actor and critic updates, one for the experience passes.
+
+    ``--train.max_tokens_per_gpu`` bounds the training micro-batches of the actor and the critic
+    (replay_buffer.setup_dynamic_batch); ``--rollout.max_tokens_per_gpu`` the forward passes that
+    make experience: old log-probs, reference log-probs, values (experience_maker).
+    """
+    trained = _smallest(budgets, ("policy", "critic"))
+    forward = _smallest(budgets, ("policy_forward", "reference", "critic_forward"))
+    values = getattr(profile.run, "values", {})
+    keys = [
+        Key(
+            "--train.dynamic_batch_enable",
+            True,
+            "micro-batches by the token counts below (replay_buffer.setup_dynamic_batch, experience_maker)",
+        ),
+        Key(
+            "--ds.packing_samples",
+            True,
+            "train_ppo_ray turns it on with dynamic batches anyway; it needs vLLM (--vllm.num_engines > 0)"
+            + ("" if values.get("vllm.num_engines") else ", which this command does not set"),
+        ),
+    ]
+    if trained is not None:
+        what = (
+            "actor and critic updates (one flag): the smaller budget"
+            if "critic" in budgets
+            else "actor update"
+        )
+        keys.append(
+            Key("--train.max_tokens_per_gpu", budgets[trained], why(trained, f"{what}, set by {trained}"))
+        )
+    if forward is not None:
+        passes = [p for p in ("policy_forward", "reference", "critic_forward") if p in budgets]
+        keys.append(
+            Key(
+                "--rollout.max_tokens_per_gpu",
+                budgets[forward],
+                why(forward, f"experience passes ({', '.join(passes)}; no_grad), set by {forward}"),
+            )
+        )
+    keys.append(
+        Key(
+            "",
+            False,
+            f"the budgets count {_cost_note(profile, 'OpenRLHF')}; OpenRLHF's caps are soft: it balances samples "
+            "into the first-fit count of micro-batches, and rounds the experience passes' count down to a multiple "
+            "of the actor ranks, so a micro-batch can hold more than its cap (the safety margin absorbs a little)",
+        )
+    )
+    return keys
+
+
+def _slime_keys(profile: RunProfile, budgets: dict[str, int], why: Any) -> list[Key]:
+    """slime (624b824a): one token flag for every pass; log-probs and values run the training micro-batches.
+
+    ``build_dp_schedule`` cuts each step into micro-batches of at most ``--max-tokens-per-gpu``
+    (× context-parallel size); ``compute_log_prob`` (old, reference) and the critic's values reuse
+    that schedule, so the flag takes the smallest budget. ``--log-probs-max-tokens-per-gpu`` is
+    parsed but not read at that commit, so it is not emitted.
+    """
+    binding = _smallest(budgets, tuple(budgets))
+    keys = [
+        Key("--use-dynamic-batch-size", True, "micro-batches by the token count below (build_dp_schedule)")
+    ]
+    if binding is not None:
+        keys.append(
+            Key(
+                "--max-tokens-per-gpu",
+                budgets[binding],
+                why(
+                    binding,
+                    f"every pass (slime runs log-probs and values over the training micro-batches), set by {binding}",
+                ),
+            )
+        )
+    keys.append(Key("", False, f"the budget counts {_cost_note(profile, 'slime')}"))
+    return keys
+
+
 def _largest_divisor_at_most(n: int, cap: int) -> int:
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
@@ -145,3 +271,30 @@ def render_overrides(keys: list[Key]) -> str:
         "\n".join(f"{k.path}={str(k.value).lower() if isinstance(k.value, bool) else k.value}" for k in keys)
         + "\n"
     )
+
+
+def render_flags(keys: list[Key], header: list[str]) -> str:
+    """The keys as command-line flags to add to the launch command: ``# comment`` lines, then the flags.
+
+    Switches (``True``) are given alone, other values after their flag; every flag line but
+    the last ends in `` \\`` so the block pastes into a shell command.
+
+    >>> print(render_flags([Key("--use-dynamic-batch-size", True), Key("--max-tokens-per-gpu", 8192, "why")], []), end="")
+    # --max-tokens-per-gpu: why
+    --use-dynamic-batch-size \\
+    --max-tokens-per-gpu 8192
+    """
+    lines = [f"# {line}" for line in header]
+    lines += [f"# {k.path}: {k.comment}" if k.path else f"# {k.comment}" for k in keys if k.comment]
+    flags = [
+        k.path if k.value is True else f"{k.path} {k.value}" for k in keys if k.path and k.value is not False
+    ]
+    lines += [f"{flag} \\" for flag in flags[:-1]] + flags[-1:]
+    return "\n".join(lines) + "\n"
+
+
+def render_keys(keys: list[Key], target: str, header: list[str], fmt: str = "yaml") -> str:
+    """``keys`` as ``target`` takes them: flags for :data:`FLAG_TARGETS`, else YAML or overrides (``fmt``)."""
+    if target in FLAG_TARGETS:
+        return render_flags(keys, header)
+    return render_yaml(keys, header) if fmt == "yaml" else render_overrides(keys)

@@ -1,0 +1,367 @@
+"""OpenRLHF's launch command (``python -m openrlhf.cli.train_ppo_ray --flag value …``) in batchfit's terms.
+
+Mirrors OpenRLHF 0.11.2 (the wheel's ``openrlhf/cli/train_ppo_ray.py`` and the code below it):
+the flags and their defaults come from ``defaults/openrlhf_flags.json``, extracted from that
+file's parser; each rule in :func:`rules` cites the code it mirrors.
+
+Units: ``--rollout.batch_size`` counts prompts, ``--train.batch_size`` counts **samples** per
+optimizer step over all GPUs (DeepSpeed's ``train_batch_size``), ``--train.micro_batch_size``
+and ``--rollout.micro_batch_size`` samples per GPU, ``--train.max_tokens_per_gpu`` and
+``--rollout.max_tokens_per_gpu`` tokens per GPU (packed rows: dynamic batching turns
+``--ds.packing_samples`` on).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
+from batchfit.plan.config import BatchConfig
+
+# The trainer's dest names batchfit reads (an unresolved shell value for one is a fault).
+READ = frozenset(
+    {
+        "actor.model_name_or_path",
+        "critic.model_name_or_path",
+        "reward.model_name_or_path",
+        "reward.remote_url",
+        "train.agent_func_path",
+        "actor.num_nodes",
+        "actor.num_gpus_per_node",
+        "critic.num_nodes",
+        "critic.num_gpus_per_node",
+        "ref.num_nodes",
+        "ref.num_gpus_per_node",
+        "rollout.batch_size",
+        "rollout.n_samples_per_prompt",
+        "rollout.micro_batch_size",
+        "rollout.max_tokens_per_gpu",
+        "train.batch_size",
+        "train.micro_batch_size",
+        "train.max_epochs",
+        "train.dynamic_batch_enable",
+        "train.max_tokens_per_gpu",
+        "data.max_len",
+        "ds.zero_stage",
+        "ds.ring_attn_size",
+        "ds.tensor_parallel_size",
+        "algo.advantage.estimator",
+        "algo.kl.init_coef",
+        "vllm.num_engines",
+    }
+)
+# BatchConfig field -> the flag it is read from (messages of the batch plan in OpenRLHF's words).
+KEY_NAMES = {
+    "train_batch_size": "--rollout.batch_size",
+    "n_samples_per_prompt": "--rollout.n_samples_per_prompt",
+    "micro_train_batch_size_per_gpu": "--train.micro_batch_size",
+    "micro_forward_batch_size_per_gpu": "--rollout.micro_batch_size",
+    "max_tokens_per_micro_batch": "--train.max_tokens_per_gpu",
+    "update_epochs_per_batch": "--train.max_epochs",
+    "tensor_parallel": "--ds.tensor_parallel_size",
+    "context_parallel": "--ds.ring_attn_size",
+}
+# Estimators that subtract a per-prompt baseline: train_ppo_ray asserts n_samples_per_prompt > 1.
+GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+
+
+def read(command: Command) -> FrameworkRun:
+    """The launch command as a :class:`FrameworkRun` (OpenRLHF's rules apply at ``plan()``).
+
+    Raises:
+        BatchConfigError: what OpenRLHF's parser refuses (an unknown flag, with the closest;
+            a bad value), or an unresolved shell value of a flag batchfit reads.
+    """
+    spec = flag_spec("openrlhf")
+    parsed = parse_command(command, spec, read=READ)
+    v = parsed.values
+    n, rollout, train = v["rollout.n_samples_per_prompt"], v["rollout.batch_size"], v["train.batch_size"]
+    dynamic = bool(v["train.dynamic_batch_enable"])
+    notes = [*command.notes, *parsed.notes]
+    # train.batch_size counts samples; batchfit's mini-batch counts prompts when it can
+    by_prompt = _positive(n) and _positive(train) and train % n == 0
+    if not by_prompt and _positive(n) and n > 1:
+        notes.append(
+            f"--train.batch_size={train} is not a multiple of --rollout.n_samples_per_prompt={n}: OpenRLHF shuffles "
+            "samples into optimizer steps regardless of their prompt, so the plan counts samples (one per 'prompt')"
+        )
+    critic = _critic_model(v)
+    reference = _number(v["algo.kl.init_coef"]) > 0  # train_ppo_ray: a reference model when init_coef > 0
+    roles = ["policy", *(["critic"] if critic else []), *(["reference"] if reference else [])]
+    batch = BatchConfig(
+        train_batch_size=rollout if by_prompt else _product(rollout, n),
+        policy_mini_batch_size=train // n if by_prompt else train,
+        n_samples_per_prompt=n if by_prompt else 1,
+        critic_mini_batch_size=(train // n if by_prompt else train) if critic else None,
+        micro_train_batch_size_per_gpu=v["train.micro_batch_size"],
+        micro_forward_batch_size_per_gpu=v["rollout.micro_batch_size"],
+        max_tokens_per_micro_batch=v["train.max_tokens_per_gpu"] if dynamic else None,
+        update_epochs_per_batch=v["train.max_epochs"],
+        num_nodes=v["actor.num_nodes"],
+        gpus_per_node=v["actor.num_gpus_per_node"],
+        tensor_parallel=v["ds.tensor_parallel_size"],
+        context_parallel=v["ds.ring_attn_size"],
+        critic_world_size=_product(v["critic.num_nodes"], v["critic.num_gpus_per_node"]) if critic else None,
+        framework="batchfit",  # exact splits: what DeepSpeed asserts (see rules)
+    )
+    colocated, resident = _placement(v, roles)
+    stage = v["ds.zero_stage"]
+    if stage == 3 and (_product(v["actor.num_nodes"], v["actor.num_gpus_per_node"]) or 1) > 1:
+        notes.append(
+            "DeepSpeed ZeRO-3 (--ds.zero_stage 3) is profiled as FSDP2, which shards the same state over the "
+            "same ranks; DeepSpeed keeps a bf16 shard of the parameters beside its fp32 master shard (2 bytes per "
+            "parameter / dp more) and fills reduce buckets of its own size"
+        )
+    if v.get("ds.adam_offload"):
+        notes.append(
+            "--ds.adam_offload keeps the optimizer state on the host; batchfit counts it on the GPU (the budgets "
+            "are lower than OpenRLHF needs)"
+        )
+    if v.get("reward.model_name_or_path") and not v.get("reward.remote_url"):
+        notes.append(
+            f"the reward model {v['reward.model_name_or_path']} runs on its own GPUs (--reward.num_gpus_per_node); "
+            "batchfit profiles the actor, critic and reference only"
+        )
+    return FrameworkRun(
+        vocabulary="openrlhf",
+        batch=batch,
+        model=v["actor.model_name_or_path"],
+        critic_model=critic,
+        reference=reference,
+        max_seq_len=v["data.max_len"],
+        strategy="fsdp2" if stage == 3 else f"deepspeed-zero{stage}",
+        offload="none",
+        gradient_checkpointing=bool(v.get("actor.gradient_checkpointing_enable")),
+        colocated=colocated,
+        resident=resident,
+        key_names={
+            **KEY_NAMES,
+            "policy_mini_batch_size": "--train.batch_size / --rollout.n_samples_per_prompt"
+            if by_prompt
+            else "--train.batch_size",
+        },
+        source={
+            "max_seq_len": "--data.max_len",
+            "world_size": "--actor.num_nodes × --actor.num_gpus_per_node",
+            "model": "--actor.model_name_or_path",
+            "strategy": "--ds.zero_stage",
+        },
+        rules=rules,
+        values=v,
+        notes=tuple(notes),
+    )
+
+
+def rules(run: FrameworkRun) -> Verdict:
+    """OpenRLHF 0.11.2's batch rules on ``run`` (its batch after overrides, its other flags).
+
+    Faults are what OpenRLHF refuses (an assertion), what makes its ranks disagree, or what
+    it runs while silently training on other samples than asked; warnings are what it runs
+    with a budget exceeded.
+    """
+    v, cfg = run.values, run.batch
+    faults: list[str] = []
+    warnings: list[str] = []
+    notes: list[str] = []
+    ints = {
+        "--rollout.batch_size × --rollout.n_samples_per_prompt": _product(
+            cfg.train_batch_size, cfg.n_samples_per_prompt
+        ),
+        "--train.batch_size": _product(cfg.policy_mini_batch_size, cfg.n_samples_per_prompt),
+        "--train.micro_batch_size": cfg.micro_train_batch_size_per_gpu,
+        "--rollout.micro_batch_size": cfg.micro_forward_batch_size_per_gpu,
+        "--train.max_epochs": cfg.update_epochs_per_batch,
+        "--actor.num_nodes": cfg.num_nodes,
+        "--actor.num_gpus_per_node": cfg.gpus_per_node,
+        "--ds.ring_attn_size": cfg.context_parallel,
+        "--ds.tensor_parallel_size": cfg.tensor_parallel,
+    }
+    for name, value in ints.items():
+        if not _positive(value):
+            faults.append(f"{name}={value!r} must be a positive integer")
+    if faults:
+        return Verdict(faults=tuple(faults))
+    samples, train = ints["--rollout.batch_size × --rollout.n_samples_per_prompt"], ints["--train.batch_size"]
+    micro, rollout_micro = cfg.micro_train_batch_size_per_gpu, cfg.micro_forward_batch_size_per_gpu
+    mp = cfg.context_parallel * cfg.tensor_parallel
+    dynamic = cfg.max_tokens_per_micro_batch is not None
+    estimator = v.get("algo.advantage.estimator")
+    if estimator in GROUP_ESTIMATORS and v.get("rollout.n_samples_per_prompt") == 1:
+        # train_ppo_ray: these estimators "require n_samples_per_prompt > 1"
+        faults.append(
+            f"--algo.advantage.estimator {estimator} subtracts a per-prompt baseline and OpenRLHF asserts "
+            "--rollout.n_samples_per_prompt > 1 (train_ppo_ray.py); set it to 2 or more"
+        )
+    if estimator == "gae" and not run.critic_model:
+        # train_ppo_ray: critic path = reward path .split(",")[0] -> AttributeError on None
+        faults.append(
+            "--algo.advantage.estimator gae trains a critic, initialised from --critic.model_name_or_path, else the "
+            "first --reward.model_name_or_path; set one of them (or use grpo-style estimators: group_norm, rloo)"
+        )
+    if dynamic and not _positive(v.get("vllm.num_engines")):
+        # train_ppo_ray: dynamic batching sets ds.packing_samples, then asserts vllm.num_engines > 0
+        faults.append(
+            "--train.dynamic_batch_enable turns on --ds.packing_samples, which OpenRLHF allows only with vLLM "
+            "(train_ppo_ray.py asserts --vllm.num_engines > 0); set --vllm.num_engines"
+        )
+    world = run.world_size
+    groups = [("actor", world)]
+    if cfg.critic_world_size is not None:
+        groups.append(("critic", cfg.critic_world_size))
+    if run.reference and (v.get("train.colocate_actor_ref") or v.get("train.colocate_all")):
+        ref = _product(v.get("ref.num_nodes"), v.get("ref.num_gpus_per_node"))
+        if ref != world:
+            # train_ppo_ray: colocated actor and reference need the same num_nodes and num_gpus_per_node
+            faults.append(
+                f"the reference shares the actor's GPUs (--train.colocate_actor_ref / colocate_all) but has "
+                f"--ref.num_nodes × --ref.num_gpus_per_node = {ref} against the actor's {world} (train_ppo_ray.py "
+                "asserts they match); set --ref.num_nodes and --ref.num_gpus_per_node to the actor's"
+            )
+    if samples < train:
+        faults.append(
+            f"a rollout of --rollout.batch_size × --rollout.n_samples_per_prompt = {samples} samples is smaller than "
+            f"--train.batch_size={train}: no optimizer step completes (ppo_trainer / replay_buffer count "
+            f"{samples} // {train} = 0 steps); set --train.batch_size to a divisor of {samples}"
+        )
+    elif samples % train:
+        # dynamic: replay_buffer.setup_dynamic_batch floors the step count (the rest is not trained);
+        # otherwise DeepSpeed's accumulation window runs over into the next rollout
+        fate = "are never trained" if dynamic else "accumulate into the next rollout's first optimizer step"
+        faults.append(
+            f"--rollout.batch_size × --rollout.n_samples_per_prompt = {samples} samples are not a multiple of "
+            f"--train.batch_size={train}: the last {samples % train} {fate}; set --train.batch_size to "
+            f"{_divisor_near(samples, train)} (a divisor of {samples}) or --rollout.batch_size so the product is a "
+            f"multiple of {train}"
+        )
+    for role, gpus in groups:
+        if gpus % mp:
+            faults.append(
+                f"the {role}'s {gpus} GPUs do not split into --ds.ring_attn_size × --ds.tensor_parallel_size = {mp} "
+                "(DeepSpeedStrategy.setup_distributed builds a (dp, ring, tp) mesh); use a multiple of it"
+            )
+            continue
+        dp = gpus // mp
+        if not dynamic:
+            # train_ppo_ray asserts n × rollout.batch_size // rollout.micro_batch_size >= dp
+            batches = samples // rollout_micro
+            if role == "actor" and batches < dp:
+                faults.append(
+                    f"{samples} samples in micro-batches of --rollout.micro_batch_size={rollout_micro} make {batches}, "
+                    f"fewer than the {dp} actor ranks (train_ppo_ray.py asserts at least one each); lower "
+                    "--rollout.micro_batch_size or raise --rollout.batch_size"
+                )
+            elif samples % rollout_micro or batches % dp:
+                # launcher.async_run_method_batch hands each rank ⌈batches / dp⌉ experience batches in turn
+                faults.append(
+                    f"the {role}'s {dp} ranks receive unequal shares of the rollout: {samples} samples in "
+                    f"{-(-samples // rollout_micro)} experience batches of up to --rollout.micro_batch_size={rollout_micro}, "
+                    f"dealt out ⌈{-(-samples // rollout_micro)} / {dp}⌉ at a time (launcher.async_run_method_batch), so "
+                    "ranks run different numbers of micro-batches; make --rollout.batch_size × --rollout.n_samples_per_prompt "
+                    f"/ --rollout.micro_batch_size a whole multiple of {dp}"
+                )
+            # DeepSpeed asserts train_batch_size == micro_batch_per_gpu × gradient_acc_step × world_size, with
+            # train_batch_size = --train.batch_size × ring × tp (utils/deepspeed/deepspeed.py get_ds_train_config)
+            if train % (micro * dp):
+                faults.append(
+                    f"--train.batch_size={train} is not a multiple of --train.micro_batch_size × the {role}'s data-parallel "
+                    f"size = {micro} × {dp} = {micro * dp}: DeepSpeed refuses it (train_batch_size == micro_batch_per_gpu "
+                    f"× gradient_acc_step × world_size); set --train.batch_size to a multiple of {micro * dp}"
+                    + (
+                        f" or --train.micro_batch_size to a divisor of {train // dp}"
+                        if train % dp == 0
+                        else ""
+                    )
+                )
+        elif train % dp:
+            # replay_buffer.setup_dynamic_batch: local_train_batch_size = train.batch_size // dp_size
+            faults.append(
+                f"--train.batch_size={train} does not split over the {role}'s {dp} data-parallel ranks: OpenRLHF "
+                f"takes {train // dp} per rank (replay_buffer.setup_dynamic_batch), {train // dp * dp} per optimizer "
+                f"step; set --train.batch_size to a multiple of {dp}"
+            )
+    if dynamic:
+        longest = run.max_seq_len
+        budgets = {"--train.max_tokens_per_gpu": cfg.max_tokens_per_micro_batch}
+        budgets["--rollout.max_tokens_per_gpu"] = (
+            v.get("rollout.max_tokens_per_gpu") or cfg.max_tokens_per_micro_batch
+        )
+        for flag, tokens in budgets.items():
+            if _positive(tokens) and _positive(longest) and tokens < longest:
+                # seqlen_balancing.get_minimum_num_micro_batch_size opens a bin for a longer sequence
+                warnings.append(
+                    f"{flag}={tokens} is below --data.max_len={longest}: OpenRLHF runs a longer sequence alone in a "
+                    f"micro-batch of up to {longest} tokens, above the budget (get_minimum_num_micro_batch_size); set "
+                    f"{flag} to at least {longest}"
+                )
+        notes.append(
+            "OpenRLHF's token caps are soft: it counts micro-batches by first fit under the cap, then balances "
+            "the samples into that many partitions (get_seqlen_balanced_partitions), which can exceed the cap; "
+            "for the experience passes it also rounds the count down to a multiple of the actor ranks "
+            "(experience_maker.split_rollout_samples)"
+        )
+    return Verdict(tuple(faults), tuple(warnings), tuple(notes))
+
+
+def _critic_model(v: dict[str, Any]) -> str | None:
+    """train_ppo_ray: a critic only for gae; its path, else the first reward model's, else (remote reward) the actor's."""
+    if v.get("algo.advantage.estimator") != "gae":
+        return None
+    if v.get("critic.model_name_or_path"):
+        return v["critic.model_name_or_path"]
+    remote = v.get("reward.remote_url") or v.get("train.agent_func_path")
+    if not remote:
+        reward = v.get("reward.model_name_or_path")
+        return reward.split(",")[0] if isinstance(reward, str) and reward else None
+    return v.get("actor.model_name_or_path")
+
+
+def _placement(v: dict[str, Any], roles: list[str]) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """Which models share GPUs and what each keeps there while another runs.
+
+    ``--train.colocate_all`` puts every model on the actor's GPUs; ``--ds.enable_sleep`` then
+    offloads a model's state while another runs (nothing stays). ``--train.colocate_actor_ref``
+    puts the reference on the actor's GPUs, both kept. ``--ref.offload`` keeps the reference's
+    parameters on the host, ``--ds.adam_offload`` the optimizer state.
+    """
+    optimizer = () if v.get("ds.adam_offload") else ("optimizer_state",)
+    kept = {
+        "policy": ("parameters", *optimizer),
+        "critic": ("parameters", *optimizer),
+        "reference": () if v.get("ref.offload") else ("parameters",),
+    }
+    if v.get("train.colocate_all"):
+        return tuple(roles), {} if v.get("ds.enable_sleep") else {r: kept[r] for r in roles}
+    if "reference" in roles and v.get("train.colocate_actor_ref"):
+        return ("policy", "reference"), {"policy": kept["policy"], "reference": kept["reference"]}
+    return (), {}
+
+
+def strategy_refusal(run: Any) -> str | None:
+    """Why ``profile`` cannot model OpenRLHF's DeepSpeed stage, with the flags that can; ``None`` for ZeRO-3."""
+    if run.strategy == "fsdp2":
+        return None
+    stage = run.strategy.removeprefix("deepspeed-zero")
+    return (
+        f"OpenRLHF trains with DeepSpeed ZeRO stage {stage} (--ds.zero_stage {stage}; 2 is OpenRLHF's default), which "
+        "keeps whole parameters on every GPU and batchfit does not model; add --ds.zero_stage 3 to the launch command "
+        "(profiled as FSDP2, which shards the same state), or pass --sharding fsdp2 --no-reshard-after-forward to "
+        "profile FSDP2 keeping every layer's gathered parameters from forward to backward (PyTorch's ZeRO-2 analogue)"
+    )
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _product(a: Any, b: Any) -> Any:
+    """``a × b`` for two ints (a zero or negative product is reported by the rules), else ``None``."""
+    ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b))
+    return a * b if ints else None
+
+
+def _divisor_near(n: int, target: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), d))

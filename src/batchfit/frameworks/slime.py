@@ -1,0 +1,347 @@
+"""slime's launch command (``python3 train.py --flag value …``) in batchfit's terms.
+
+Mirrors THUDM/slime at commit 624b824a (``slime/utils/arguments.py``: the flags in
+``defaults/slime_flags.json`` and ``slime_validate_args``; ``slime/utils/dp_schedule.py``
+``build_dp_schedule``, which cuts each rollout into optimizer steps and micro-batches) and the
+Megatron-LM checks slime runs (``megatron/training/arguments.py`` ``validate_args``,
+``megatron/core/num_microbatches_calculator.py``), each rule in :func:`rules` citing its code.
+
+Units: ``--rollout-batch-size`` counts prompts, ``--global-batch-size`` **samples** per optimizer
+step over all GPUs, ``--micro-batch-size`` samples per GPU, ``--max-tokens-per-gpu`` tokens per
+GPU (packed rows; a micro-batch holds up to ``max_tokens_per_gpu × context_parallel_size``
+tokens, each GPU of the context-parallel group a slice). slime trains with Megatron only;
+it ignores flags it does not know (Megatron parses with ``ignore_unknown_args=True``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
+from batchfit.plan.config import BatchConfig
+
+# Megatron-LM flags slime reads (Megatron's parser, not slime's file): ModelParallelConfig's
+# tensor/pipeline/context_parallel_size, TrainingConfig.decrease_batch_size_if_needed,
+# TransformerConfig.recompute_granularity (flags are the fields with dashes).
+MEGATRON_FLAGS: tuple[dict[str, Any], ...] = tuple(
+    {"flags": [flag], "dest": dest, "action": action, "type": kind, "nargs": None, "const": None,
+     "default": default, "choices": choices, "required": False}
+    for flag, dest, action, kind, default, choices in (
+        ("--tensor-model-parallel-size", "tensor_model_parallel_size", "_StoreAction", "int", 1, None),
+        ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", "_StoreAction", "int", 1, None),
+        ("--context-parallel-size", "context_parallel_size", "_StoreAction", "int", 1, None),
+        ("--decrease-batch-size-if-needed", "decrease_batch_size_if_needed", "_StoreTrueAction", None, False, None),
+        ("--recompute-granularity", "recompute_granularity", "_StoreAction", "str", None, ["full", "selective"]),
+    )
+)  # fmt: skip
+READ = frozenset(
+    {
+        "hf_checkpoint",
+        "actor_num_nodes",
+        "actor_num_gpus_per_node",
+        "rollout_batch_size",
+        "n_samples_per_prompt",
+        "global_batch_size",
+        "num_steps_per_rollout",
+        "micro_batch_size",
+        "use_dynamic_batch_size",
+        "max_tokens_per_gpu",
+        "rollout_max_context_len",
+        "rollout_max_prompt_len",
+        "rollout_max_response_len",
+        "advantage_estimator",
+        "kl_coef",
+        "use_kl_loss",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+        "decrease_batch_size_if_needed",
+        "recompute_granularity",
+    }
+)
+KEY_NAMES = {
+    "train_batch_size": "--rollout-batch-size",
+    "n_samples_per_prompt": "--n-samples-per-prompt",
+    "micro_train_batch_size_per_gpu": "--micro-batch-size",
+    "max_tokens_per_micro_batch": "--max-tokens-per-gpu",
+    "tensor_parallel": "--tensor-model-parallel-size",
+    "pipeline_parallel": "--pipeline-model-parallel-size",
+    "context_parallel": "--context-parallel-size",
+}
+_BATCH_WORDS = ("batch", "tokens-per", "n-samples", "num-gpus", "num-nodes", "parallel-size", "steps-per")
+
+
+def read(command: Command) -> FrameworkRun:
+    """The launch command as a :class:`FrameworkRun` (slime's rules apply at ``plan()``).
+
+    Raises:
+        BatchConfigError: what slime's parser refuses (a bad value, no ``--rollout-batch-size``),
+            a misspelt batch flag (slime ignores unknown flags, so it would be dropped
+            silently), or an unresolved shell value of a flag batchfit reads.
+    """
+    from batchfit.errors import BatchConfigError
+
+    spec = flag_spec("slime")
+    parsed = parse_command(command, spec, read=READ, extra=MEGATRON_FLAGS, ignore_unknown=True)
+    misspelt = _misspelt(parsed.unknown, [*spec.by_flag, *(f["flags"][0] for f in MEGATRON_FLAGS)])
+    if misspelt:
+        raise BatchConfigError(misspelt)
+    v = parsed.values
+    n, rollout = v["n_samples_per_prompt"], v["rollout_batch_size"]
+    world = _product(v["actor_num_nodes"], v["actor_num_gpus_per_node"])
+    tp, pp, cp = (
+        v["tensor_model_parallel_size"],
+        v["pipeline_model_parallel_size"],
+        v["context_parallel_size"],
+    )
+    dp = world // (tp * pp * cp) if _positive(world) and all(map(_positive, (tp, pp, cp))) else None
+    gbs, derived = _global_batch_size(v, dp)
+    notes = [*command.notes, *parsed.notes]
+    if derived:
+        notes.append(derived)
+    by_prompt = _positive(n) and _positive(gbs) and gbs % n == 0
+    if not by_prompt and _positive(n) and n > 1 and _positive(gbs):
+        notes.append(
+            f"--global-batch-size={gbs} is not a multiple of --n-samples-per-prompt={n}: slime cuts a rollout into "
+            "optimizer steps by sample, so the plan counts samples (one per 'prompt')"
+        )
+    dynamic = bool(v["use_dynamic_batch_size"])
+    critic = v.get("advantage_estimator") == "ppo"  # slime_validate_args: use_critic
+    if v.get("log_probs_max_tokens_per_gpu") is not None:
+        notes.append(
+            "--log-probs-max-tokens-per-gpu is parsed but not read at this slime commit: log-probs run the "
+            "training micro-batches (build_dp_schedule)"
+        )
+    notes.append(
+        "slime trains with Megatron-LM, which batchfit does not profile: `profile --config` needs --sharding "
+        "(fsdp2 over the same GPUs is an approximation; see the error it gives without)"
+    )
+    mini = (gbs // n if by_prompt else gbs) if _positive(gbs) else None
+    batch = BatchConfig(
+        train_batch_size=rollout if by_prompt else _product(rollout, n),
+        policy_mini_batch_size=mini,
+        n_samples_per_prompt=n if by_prompt else 1,
+        critic_mini_batch_size=mini if critic else None,
+        micro_train_batch_size_per_gpu=v["micro_batch_size"],
+        micro_forward_batch_size_per_gpu=v["micro_batch_size"],
+        max_tokens_per_micro_batch=v["max_tokens_per_gpu"] if dynamic else None,
+        num_nodes=v["actor_num_nodes"],
+        gpus_per_node=v["actor_num_gpus_per_node"],
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        context_parallel=cp,
+        framework="batchfit",  # exact splits: what Megatron's calculator asserts (see rules)
+    )
+    if v.get("kl_coef") or v.get("use_kl_loss"):
+        notes.append(
+            "reference log-probs run on the actor's own model with the reference weights swapped in "
+            "(actor.train_actor, _switch_model('ref')), over the same micro-batches: the policy's forward pass "
+            "covers them"
+        )
+    return FrameworkRun(
+        vocabulary="slime",
+        batch=batch,
+        model=v["hf_checkpoint"],
+        # slime's critic is a second Megatron model on the actor's GPUs, loaded from the same checkpoint
+        critic_model=v["hf_checkpoint"] if critic else None,
+        reference=False,
+        max_seq_len=_max_seq_len(v),
+        strategy="megatron",
+        gradient_checkpointing=v.get("recompute_granularity") == "full",
+        # with a critic slime offloads the idle model (use_critic forces offload_train)
+        colocated=("policy", "critic") if critic else (),
+        resident={},
+        key_names={
+            **KEY_NAMES,
+            "policy_mini_batch_size": "--global-batch-size / --n-samples-per-prompt"
+            if by_prompt
+            else "--global-batch-size",
+        },
+        source={
+            "max_seq_len": "--rollout-max-context-len (or --rollout-max-prompt-len + --rollout-max-response-len)",
+            "world_size": "--actor-num-nodes × --actor-num-gpus-per-node",
+            "model": "--hf-checkpoint",
+            "strategy": "--train-backend megatron",
+        },
+        rules=rules,
+        values={**v, "global_batch_size": gbs},
+        notes=tuple(notes),
+    )
+
+
+def _global_batch_size(v: dict[str, Any], dp: int | None) -> tuple[int | None, str]:
+    """slime_validate_args derives it from --num-steps-per-rollout; Megatron's validate_args defaults it to mbs × dp."""
+    gbs, steps = v.get("global_batch_size"), v.get("num_steps_per_rollout")
+    if (
+        _positive(steps)
+        and _positive(v.get("rollout_batch_size"))
+        and _positive(v.get("n_samples_per_prompt"))
+    ):
+        derived = v["rollout_batch_size"] * v["n_samples_per_prompt"] // steps
+        if gbs is None:
+            return (
+                derived,
+                f"--global-batch-size = --rollout-batch-size × --n-samples-per-prompt // --num-steps-per-rollout = {derived} (slime_validate_args)",
+            )
+        return gbs, ""
+    if gbs is None and _positive(v.get("micro_batch_size")) and dp is not None:
+        derived = v["micro_batch_size"] * dp
+        return derived, (
+            f"--global-batch-size is not set: Megatron uses --micro-batch-size × data-parallel size = {derived} "
+            "(validate_args), so each rollout trains in many small optimizer steps"
+        )
+    return gbs, ""
+
+
+def rules(run: FrameworkRun) -> Verdict:
+    """slime's (and Megatron's) batch rules on ``run`` (its batch after overrides, its other flags)."""
+    v, cfg = run.values, run.batch
+    faults: list[str] = []
+    warnings: list[str] = []
+    notes: list[str] = []
+    samples = _product(cfg.train_batch_size, cfg.n_samples_per_prompt)
+    gbs = _product(cfg.policy_mini_batch_size, cfg.n_samples_per_prompt)
+    ints = {
+        "--rollout-batch-size × --n-samples-per-prompt": samples,
+        "--global-batch-size": gbs,
+        "--micro-batch-size": cfg.micro_train_batch_size_per_gpu,
+        "--actor-num-nodes": cfg.num_nodes,
+        "--actor-num-gpus-per-node": cfg.gpus_per_node,
+        "--tensor-model-parallel-size": cfg.tensor_parallel,
+        "--pipeline-model-parallel-size": cfg.pipeline_parallel,
+        "--context-parallel-size": cfg.context_parallel,
+    }
+    for name, value in ints.items():
+        if not _positive(value):
+            faults.append(f"{name}={value!r} must be a positive integer")
+    if faults:
+        return Verdict(faults=tuple(faults))
+    steps, given = v.get("num_steps_per_rollout"), v.get("global_batch_size")
+    if _positive(steps) and given is not None and given != samples // steps:
+        # slime_validate_args asserts global_batch_size == rollout_batch_size * n // num_steps_per_rollout
+        faults.append(
+            f"--global-batch-size={given} disagrees with --rollout-batch-size × --n-samples-per-prompt // "
+            f"--num-steps-per-rollout = {samples} // {steps} = {samples // steps} (slime_validate_args asserts they "
+            "match); drop one of the two"
+        )
+    micro, mp = (
+        cfg.micro_train_batch_size_per_gpu,
+        cfg.tensor_parallel * cfg.pipeline_parallel * cfg.context_parallel,
+    )
+    world = run.world_size
+    dynamic = bool(v.get("use_dynamic_batch_size")) or cfg.max_tokens_per_micro_batch is not None
+    if world % mp:
+        # megatron validate_args: world size divisible by tp × pp × cp
+        faults.append(
+            f"--actor-num-nodes × --actor-num-gpus-per-node = {world} GPUs are not divisible by tensor × pipeline × "
+            f"context parallel = {mp} (Megatron validate_args asserts it); use a multiple of {mp} GPUs"
+        )
+        return Verdict(faults=tuple(faults))
+    dp = world // mp
+    if samples < gbs:
+        # build_dp_schedule: num_steps = num_rollouts // global_batch_size, asserted >= 1
+        faults.append(
+            f"a rollout of {samples} samples is smaller than --global-batch-size={gbs}: slime asserts at least one "
+            f"optimizer step per rollout (build_dp_schedule); set --global-batch-size to a divisor of {samples}"
+        )
+    elif samples % gbs:
+        # build_dp_schedule: "trailing rollouts whose samples don't fit are dropped"
+        faults.append(
+            f"--rollout-batch-size × --n-samples-per-prompt = {samples} samples are not a multiple of "
+            f"--global-batch-size={gbs}: slime drops the last {samples % gbs} of every rollout (build_dp_schedule); "
+            f"set --global-batch-size to a divisor of {samples}"
+        )
+    decrease = bool(v.get("decrease_batch_size_if_needed"))
+    if gbs % (micro * dp):
+        if not decrease:
+            # num_microbatches_calculator: global batch size divisible by micro batch size × data parallel size;
+            # slime initialises it even with dynamic batch sizes (initialize.py)
+            faults.append(
+                f"--global-batch-size={gbs} is not divisible by --micro-batch-size × data-parallel size = {micro} × {dp} "
+                f"= {micro * dp} (dp = {world} GPUs / tp·pp·cp {mp}): Megatron's microbatch calculator asserts it, "
+                f"with dynamic batch sizes too; set --global-batch-size to a multiple of {micro * dp}"
+            )
+        elif not dynamic and -(-gbs // micro) % dp:
+            # build_dp_schedule (static): the step's micro-batch count must be a multiple of dp
+            faults.append(
+                f"--global-batch-size={gbs} in micro-batches of --micro-batch-size={micro} makes {-(-gbs // micro)}, not "
+                f"a multiple of the {dp} data-parallel ranks (build_dp_schedule asserts it); set --global-batch-size "
+                f"to a multiple of {micro * dp}"
+            )
+        else:
+            warnings.append(
+                f"--global-batch-size={gbs} is not divisible by --micro-batch-size × dp = {micro * dp}: with "
+                "--decrease-batch-size-if-needed Megatron's calculator rounds it down for its own count (slime "
+                "schedules the full step itself)"
+            )
+    if gbs < dp:
+        faults.append(
+            f"--global-batch-size={gbs} samples are fewer than the {dp} data-parallel ranks (build_dp_schedule "
+            "asserts at least one sample per rank)"
+        )
+    if dynamic:
+        tokens, longest = cfg.max_tokens_per_micro_batch, run.max_seq_len
+        if not _positive(tokens):
+            # slime_validate_args: "max_tokens_per_gpu must be set when use_dynamic_batch_size is set"
+            faults.append(
+                "--use-dynamic-batch-size needs --max-tokens-per-gpu (slime_validate_args asserts it)"
+            )
+        elif _positive(longest) and tokens * cfg.context_parallel < longest:
+            # dp_schedule: a sample above max_tokens_per_gpu × cp lands alone in its own micro-batch
+            warnings.append(
+                f"--max-tokens-per-gpu={tokens} × --context-parallel-size={cfg.context_parallel} is below the longest "
+                f"sequence, {longest} tokens: slime runs a longer sample alone in a micro-batch above the budget "
+                "(build_dp_schedule)"
+            )
+        if v.get("balance_by_flops"):
+            warnings.append(
+                "--balance-by-flops partitions micro-batches by estimated FLOPs, which may exceed --max-tokens-per-gpu "
+                "(slime's own help text); drop it to keep the token cap"
+            )
+    return Verdict(tuple(faults), tuple(warnings), tuple(notes))
+
+
+def _max_seq_len(v: dict[str, Any]) -> int | None:
+    if _positive(v.get("rollout_max_context_len")):
+        return v["rollout_max_context_len"]
+    prompt, response = v.get("rollout_max_prompt_len"), v.get("rollout_max_response_len")
+    return prompt + response if _positive(prompt) and _positive(response) else None
+
+
+def _misspelt(unknown: tuple[str, ...], known: list[str]) -> list[str]:
+    """Unknown flags that nearly spell a batch flag: slime would ignore them (Megatron's ignore_unknown_args)."""
+    faults = []
+    batchy = [k for k in known if any(w in k for w in _BATCH_WORDS)]
+    for word in unknown:
+        if not word.startswith("--") or word.startswith("--sglang-"):
+            continue
+        flag = word.split("=", 1)[0]
+        near = difflib.get_close_matches(flag, batchy, n=1, cutoff=0.85)
+        if near:
+            faults.append(
+                f"unknown flag {flag}; did you mean {near[0]}? slime ignores flags it does not know (Megatron parses "
+                "with ignore_unknown_args), so this one would be dropped silently"
+            )
+    return faults
+
+
+def strategy_refusal(run: Any) -> str:
+    """Why ``profile`` cannot model slime's Megatron training, and the approximation a flag gives."""
+    cfg = run.batch
+    return (
+        f"slime trains with Megatron-LM (tensor {cfg.tensor_parallel} × pipeline {cfg.pipeline_parallel} × context "
+        f"{cfg.context_parallel} parallel, data parallel over the rest), which batchfit does not model; pass --sharding "
+        "fsdp2 to profile FSDP2 over the same GPUs instead (an approximation: FSDP2 shards parameters and gradients "
+        "that Megatron keeps per tensor × pipeline group, and holds whole activations that tensor parallelism splits)"
+    )
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _product(a: Any, b: Any) -> Any:
+    """``a × b`` for two ints (a zero or negative product is reported by the rules), else ``None``."""
+    ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b))
+    return a * b if ints else None

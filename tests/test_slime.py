@@ -1,0 +1,296 @@
+"""slime launch commands (batchfit/frameworks/slime.py): read, planned under slime's and Megatron's rules, emitted as flags slime's parser accepts."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import subprocess
+import types
+from pathlib import Path
+
+import pytest
+
+from batchfit.errors import BatchConfigError
+from batchfit.frameworks import read_run_config
+from batchfit.frameworks.emit import emit_keys, render_flags
+from batchfit.frameworks.flags import flag_spec
+
+SOURCE = Path(os.environ.get("BATCHFIT_SLIME_SOURCE", "/work/.mirror/THUDM+slime/repo"))
+COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "extract_framework_flags.py"
+
+# The layout of slime's own scripts/run-*.sh: flags grouped in bash arrays, a sourced model file.
+RUN = """#!/bin/bash
+set -ex
+export PYTHONUNBUFFERED=1
+SCRIPT_DIR="$(cd -- "$(dirname -- "${{BASH_SOURCE[0]}}")" &>/dev/null && pwd)"
+source "${{SCRIPT_DIR}}/models/qwen3-4B.sh"
+NUM_GPUS=${{NUM_GPUS:-8}}
+
+CKPT_ARGS=(
+   --hf-checkpoint /root/Qwen3-4B
+   --ref-load /root/Qwen3-4B_torch_dist
+)
+ROLLOUT_ARGS=(
+   --rollout-batch-size {rollout}
+   --n-samples-per-prompt {n}
+   --rollout-max-response-len 8192
+   --rollout-max-prompt-len 1024
+   {gbs}
+)
+PERF_ARGS=(
+   --tensor-model-parallel-size {tp}
+   --sequence-parallel
+   --recompute-granularity full
+   {perf}
+)
+GRPO_ARGS=(
+   --advantage-estimator grpo
+   --use-kl-loss
+   --kl-loss-coef 0.00
+)
+RUNTIME_ENV_JSON="{{
+  \\"env_vars\\": {{\\"CUDA_DEVICE_MAX_CONNECTIONS\\": \\"1\\"}}
+}}"
+ray job submit --address="http://127.0.0.1:8265" \\
+   --runtime-env-json="${{RUNTIME_ENV_JSON}}" \\
+   -- python3 train.py \\
+   --actor-num-nodes 1 \\
+   --actor-num-gpus-per-node ${{NUM_GPUS}} \\
+   --colocate \\
+   ${{MODEL_ARGS[@]}} \\
+   ${{CKPT_ARGS[@]}} \\
+   ${{ROLLOUT_ARGS[@]}} \\
+   ${{PERF_ARGS[@]}} \\
+   ${{GRPO_ARGS[@]}} \\
+   --num-rollout 3000 {extra}
+"""
+
+
+def _script(
+    tmp_path,
+    rollout=32,
+    n=8,
+    gbs="--global-batch-size 256",
+    tp=2,
+    perf="--use-dynamic-batch-size --max-tokens-per-gpu 9216",
+    extra="",
+):
+    path = tmp_path / "run-qwen3-4B.sh"
+    path.write_text(RUN.format(rollout=rollout, n=n, gbs=gbs, tp=tp, perf=perf, extra=extra))
+    return path
+
+
+def test_a_slime_script_reads_into_the_run_and_plans(tmp_path):
+    run = read_run_config(_script(tmp_path))
+    assert run.vocabulary == "slime" and run.model == "/root/Qwen3-4B" and run.max_seq_len == 9216
+    assert run.world_size == 8 and run.batch.tensor_parallel == 2 and run.strategy == "megatron"
+    assert run.gradient_checkpointing is True  # --recompute-granularity full
+    assert run.models == {"policy": "/root/Qwen3-4B"}  # the reference runs on the actor's model
+    plan = run.plan()
+    # 32 prompts × 8 = 256 samples = one optimizer step; dp = 8 / tp 2 = 4
+    assert plan.dp_size == 4 and plan.optimizer_steps_per_step == 1 and plan.policy.mini_batch_size == 32
+    assert plan.micro_batching == "tokens" and plan.config.max_tokens_per_micro_batch == 9216
+    notes = "\n".join(plan.notes)
+    assert "the array MODEL_ARGS is not defined in the file" in notes
+    assert "NUM_GPUS=8" in notes
+    assert "reference log-probs run on the actor's own model" in notes
+    assert "slime trains with Megatron-LM, which batchfit does not profile" in notes
+
+
+def test_without_a_global_batch_size_megatron_trains_micro_times_dp(tmp_path):
+    run = read_run_config(_script(tmp_path, gbs="", perf="--micro-batch-size 2", rollout=4, n=8))
+    plan = run.plan()
+    # Megatron validate_args: global batch = micro 2 × dp 4 = 8 samples = 1 prompt of 8; 4 prompts -> 4 steps
+    assert plan.policy.mini_batch_size == 1 and plan.optimizer_steps_per_step == 4
+    assert any("Megatron uses --micro-batch-size × data-parallel size = 8" in n for n in plan.notes)
+
+
+def test_num_steps_per_rollout_sets_the_global_batch_size(tmp_path):
+    run = read_run_config(_script(tmp_path, gbs="--num-steps-per-rollout 4"))
+    assert run.plan().optimizer_steps_per_step == 4  # 256 samples // 4 = 64 per step
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param(
+            {"gbs": "--global-batch-size 96"},
+            # 256 % 96 = 64
+            r"= 256 samples are not a multiple of --global-batch-size=96: slime drops the last 64 of every rollout \(build_dp_schedule\)",
+            id="trailing-dropped",
+        ),
+        pytest.param(
+            {"gbs": "--global-batch-size 512"},
+            r"a rollout of 256 samples is smaller than --global-batch-size=512: slime asserts at least one optimizer step",
+            id="rollout-smaller",
+        ),
+        pytest.param(
+            {"gbs": "--global-batch-size 128", "perf": "--micro-batch-size 3"},
+            # 128 % (3 × 4) = 8
+            r"--global-batch-size=128 is not divisible by --micro-batch-size × data-parallel size = 3 × 4 = 12 .*: Megatron's microbatch calculator asserts it",
+            id="megatron-calculator",
+        ),
+        pytest.param(
+            {
+                "rollout": 5,
+                "n": 4,
+                "gbs": "--global-batch-size 20",
+                "perf": "--micro-batch-size 3 --decrease-batch-size-if-needed",
+            },
+            # ⌈20 / 3⌉ = 7 micro-batches, not a multiple of dp 4
+            r"in micro-batches of --micro-batch-size=3 makes 7, not a multiple of the 4 data-parallel ranks \(build_dp_schedule asserts it\)",
+            id="static-schedule",
+        ),
+        pytest.param(
+            {"gbs": "--global-batch-size 128 --num-steps-per-rollout 4"},
+            r"--global-batch-size=128 disagrees with .* = 256 // 4 = 64 \(slime_validate_args asserts they match\)",
+            id="steps-disagree",
+        ),
+        pytest.param(
+            {"tp": 3},
+            r"8 GPUs are not divisible by tensor × pipeline × context parallel = 3 \(Megatron validate_args asserts it\)",
+            id="world-not-divisible",
+        ),
+        pytest.param(
+            {"perf": "--use-dynamic-batch-size"},
+            r"--use-dynamic-batch-size needs --max-tokens-per-gpu \(slime_validate_args asserts it\)",
+            id="dynamic-without-tokens",
+        ),
+    ],
+)
+def test_slime_rules_are_faults_in_its_own_words(tmp_path, kwargs, match):
+    run = read_run_config(_script(tmp_path, **kwargs))
+    with pytest.raises(BatchConfigError, match=match):
+        run.plan()
+
+
+def test_decreasing_the_batch_size_with_dynamic_batches_is_a_warning(tmp_path):
+    run = read_run_config(
+        _script(
+            tmp_path,
+            gbs="--global-batch-size 128",
+            perf="--micro-batch-size 3 --decrease-batch-size-if-needed --use-dynamic-batch-size --max-tokens-per-gpu 9216",
+        )
+    )
+    assert any(
+        "with --decrease-batch-size-if-needed Megatron's calculator rounds it down" in w
+        for w in run.plan().warnings
+    )
+
+
+def test_a_token_budget_below_the_longest_sequence_and_flops_balancing_warn(tmp_path):
+    run = read_run_config(
+        _script(tmp_path, perf="--use-dynamic-batch-size --max-tokens-per-gpu 4096 --balance-by-flops")
+    )
+    warnings = run.plan().warnings
+    assert (
+        "--max-tokens-per-gpu=4096 × --context-parallel-size=1 is below the longest sequence, 9216 tokens"
+        in warnings[0]
+    )
+    assert "--balance-by-flops partitions micro-batches by estimated FLOPs" in warnings[1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        pytest.param(
+            "--max-token-per-gpu 8192",
+            r"unknown flag --max-token-per-gpu; did you mean --max-tokens-per-gpu\? slime ignores flags it does not know",
+            id="misspelt-batch-flag",
+        ),
+        pytest.param(
+            "--n-samples-per-prompt many",
+            r"argument --n-samples-per-prompt: invalid int value: 'many'",
+            id="bad-int",
+        ),
+    ],
+)
+def test_what_slime_would_refuse_or_drop_is_refused_on_reading(tmp_path, extra, match):
+    with pytest.raises(BatchConfigError, match=match):
+        read_run_config(_script(tmp_path, extra=extra))
+
+
+def test_the_required_rollout_batch_size_is_required(tmp_path):
+    path = tmp_path / "args"
+    path.write_text("--global-batch-size 64 --n-samples-per-prompt 8\n")
+    with pytest.raises(BatchConfigError, match="the following arguments are required: --rollout-batch-size"):
+        read_run_config(path)
+
+
+def test_megatron_and_sglang_flags_are_ignored_as_slime_does(tmp_path):
+    run = read_run_config(
+        _script(tmp_path, extra="--num-layers 36 --sglang-mem-fraction-static 0.7 --attention-backend flash")
+    )
+    assert run.plan().dp_size == 4
+
+
+def test_profile_refuses_megatron_without_sharding_and_names_the_approximation(tmp_path, capsys):
+    from batchfit.cli import main
+
+    assert (
+        main(["profile", "--config", str(_script(tmp_path)), "--backend", "estimate", "--model", "tiny"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "slime trains with Megatron-LM (tensor 2 × pipeline 1 × context 1 parallel" in err
+    assert "pass --sharding fsdp2 to profile FSDP2 over the same GPUs instead (an approximation" in err
+
+
+def _emitted(run, budgets, backend="estimate"):
+    profile = types.SimpleNamespace(
+        run=run,
+        budgets={
+            r: types.SimpleNamespace(tokens=t, backend=backend, usable_bytes=70 * 2**30, cost="padded")
+            for r, t in budgets.items()
+        },
+    )
+    return render_flags(emit_keys(profile, "slime", max_seq_len=run.max_seq_len, margin=0.85), [])
+
+
+def _words(text: str) -> list[str]:
+    flags = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    return shlex.split(flags.replace("\\\n", " "))
+
+
+def test_emitted_flags_are_accepted_by_slimes_parser_and_plan_when_added(tmp_path):
+    run = read_run_config(_script(tmp_path, perf=""))
+    text = _emitted(run, {"policy": 12_000, "policy_forward": 30_000})
+    words = _words(text)
+    assert words == [
+        "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu",
+        "12000",
+    ]  # one flag: the smallest budget
+    args = flag_spec("slime").parser().parse_args(["--rollout-batch-size", "32", *words])
+    assert args.use_dynamic_batch_size is True and args.max_tokens_per_gpu == 12_000
+    assert "set by policy: estimated budget 12,000 tokens per GPU" in text
+    merged = _script(tmp_path, perf=" ".join(words))
+    assert read_run_config(merged).plan().config.max_tokens_per_micro_batch == 12_000
+
+
+def _real_parser():
+    if not (SOURCE / "HEAD").is_file() and not (SOURCE / "slime").is_dir():
+        pytest.skip(f"slime's source is not on this machine ({SOURCE}; set BATCHFIT_SLIME_SOURCE)")
+    spec = importlib.util.spec_from_file_location("extract_framework_flags", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        text, where = module.read_source("slime", SOURCE, COMMIT)
+    except subprocess.CalledProcessError:
+        pytest.skip(f"commit {COMMIT[:8]} is not in {SOURCE}")
+    return module, text, where
+
+
+def test_emitted_flags_are_accepted_by_the_real_parser_of_that_commit(tmp_path):
+    module, text, _ = _real_parser()
+    parser = module.build_parser("slime", text)  # slime's own add_slime_arguments, run from its source
+    run = read_run_config(_script(tmp_path, perf=""))
+    args = parser.parse_args(["--rollout-batch-size", "32", *_words(_emitted(run, {"policy": 12_000}))])
+    assert args.max_tokens_per_gpu == 12_000 and args.use_dynamic_batch_size is True
+
+
+def test_the_shipped_flags_are_that_commits():
+    module, text, where = _real_parser()
+    assert module.flag_data("slime", text, where, COMMIT[:12])["flags"] == list(flag_spec("slime").flags)
