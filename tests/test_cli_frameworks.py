@@ -116,8 +116,10 @@ def test_profile_config_emits_skyrl_keys_that_pass_plan_and_flags_override(tmp_p
     assert data["max_seq_len"] == 256 and data["profiles"]["policy"]["roles"]["policy"]["max_seq_len"] == 128
     assert set(data["tokens"]) == {"policy", "policy_forward"}  # no critic, no KL: no reference
     assert main(["profile", "--config", str(path), *FAST, "--emit", "skyrl"]) == 0
-    emitted = yaml.safe_load(capsys.readouterr().out)["trainer"]
+    out = capsys.readouterr().out
+    emitted = yaml.safe_load(out)["trainer"]
     assert emitted["max_tokens_per_microbatch"] > 0
+    assert "the smallest budget, set by policy: estimated budget" in out and "measured" not in out
     assert (4 * 4 // 2) % emitted["micro_train_batch_size_per_gpu"] == 0  # SkyRL validates it
     merged = tmp_path / "merged.yaml"
     merged.write_text(yaml.safe_dump(_merge(config, {"trainer": emitted})))

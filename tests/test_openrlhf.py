@@ -337,3 +337,9 @@ def test_emitted_flags_are_accepted_by_the_real_parser_of_the_release(tmp_path):
 def test_the_shipped_flags_are_the_releases(tmp_path):
     module, text, where = _real_parser()
     assert module.flag_data("openrlhf", text, where, "0.11.2")["flags"] == list(flag_spec("openrlhf").flags)
+
+
+def test_the_documented_example_plans():
+    example = Path(__file__).parents[1] / "examples" / "openrlhf_grpo.sh"
+    plan = read_run_config(example).plan()  # docs/frameworks.md, "Worked example: OpenRLHF"
+    assert plan.optimizer_steps_per_step == 4 and plan.gradient_accumulation_steps == 8

@@ -294,3 +294,9 @@ def test_emitted_flags_are_accepted_by_the_real_parser_of_that_commit(tmp_path):
 def test_the_shipped_flags_are_that_commits():
     module, text, where = _real_parser()
     assert module.flag_data("slime", text, where, COMMIT[:12])["flags"] == list(flag_spec("slime").flags)
+
+
+def test_the_documented_example_plans():
+    example = Path(__file__).parents[1] / "examples" / "slime_grpo.sh"
+    run = read_run_config(example)  # docs/frameworks.md, "Worked example: slime"
+    assert run.model == "qwen2.5-7b" and run.plan().config.max_tokens_per_micro_batch == 8192

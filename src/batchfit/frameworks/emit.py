@@ -104,10 +104,10 @@ def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: flo
                     keys.append(Key(switch, True))
                 keys.append(Key(length, budgets[role], why(role, what)))
         return keys
-    return _skyrl_keys(profile, budgets, max_seq_len)
+    return _skyrl_keys(profile, budgets, max_seq_len, why)
 
 
-def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], max_seq_len: int) -> list[Key]:
+def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], max_seq_len: int, why: Any) -> list[Key]:
     """SkyRL has one token key for every pass, and micro sizes validate_batch_sizes checks."""
     trained = min(budgets[r] for r in ("policy", "critic") if r in budgets)
     forward = min(budgets[r] for r in ("policy_forward", "critic_forward", "reference") if r in budgets)
@@ -116,7 +116,7 @@ def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], max_seq_len: int) 
         Key(
             "trainer.max_tokens_per_microbatch",
             min(trained, forward),
-            f"every pass (SkyRL uses one key): the smallest budget, set by {binding}",
+            why(binding, f"every pass (SkyRL uses one key): the smallest budget, set by {binding}"),
         )
     ]
     run = profile.run
@@ -144,7 +144,8 @@ def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], max_seq_len: int) 
             Key(
                 "trainer.logprobs_chunk_size",
                 run.logprobs_chunk_size,
-                "kept: the budgets were measured with the full fp32 logits, which chunking does not exceed",
+                f"kept: the budgets were {provenance(profile.budgets[binding].backend)} with the full fp32 logits, "
+                "which chunking does not exceed",
             )
         )
     return keys
