@@ -95,6 +95,14 @@ def test_gae_trains_a_critic_from_the_reward_model_on_its_own_gpus(tmp_path):
     assert any("the reward model rm-a,rm-b runs on its own GPUs" in n for n in plan.notes)
 
 
+def test_lora_flags_apply_to_the_actor_and_the_critic(tmp_path):
+    run = read_run_config(_script(tmp_path, **{"--ds.lora.rank": 64, "--ds.lora.alpha": 128}))
+    # ppo_actor / ppo_critic pass --ds.lora.* to both models; target_modules defaults to all-linear
+    assert run.lora == {"rank": 64, "alpha": 128, "target_modules": "all-linear"}
+    assert getattr(run, "critic_lora", None) is None  # group_norm: no critic
+    assert read_run_config(_script(tmp_path)).lora is None  # rank 0: full fine-tuning
+
+
 def test_train_batch_size_not_a_multiple_of_n_counts_samples(tmp_path):
     run = read_run_config(
         _script(

@@ -48,6 +48,8 @@ READ = frozenset(
         "algo.advantage.estimator",
         "algo.kl.init_coef",
         "vllm.num_engines",
+        "ds.lora.rank",
+        "ds.lora.alpha",
     }
 )
 # BatchConfig field -> the flag it is read from (messages of the batch plan in OpenRLHF's words).
@@ -105,6 +107,16 @@ def read(command: Command) -> FrameworkRun:
         framework="batchfit",  # exact splits: what DeepSpeed asserts (see rules)
     )
     colocated, resident = _placement(v, roles)
+    # ppo_actor / ppo_critic: both models take --ds.lora.* (rank 0 = full fine-tuning); the reference none
+    lora = (
+        {
+            "rank": v["ds.lora.rank"],
+            "alpha": v["ds.lora.alpha"],
+            "target_modules": v["ds.lora.target_modules"],
+        }
+        if _positive(v.get("ds.lora.rank"))
+        else None
+    )
     stage = v["ds.zero_stage"]
     if stage == 3 and (_product(v["actor.num_nodes"], v["actor.num_gpus_per_node"]) or 1) > 1:
         notes.append(
@@ -132,6 +144,8 @@ def read(command: Command) -> FrameworkRun:
         strategy="fsdp2" if stage == 3 else f"deepspeed-zero{stage}",
         offload="none",
         gradient_checkpointing=bool(v.get("actor.gradient_checkpointing_enable")),
+        lora=lora,
+        **_critic_lora(lora if critic else None),
         colocated=colocated,
         resident=resident,
         key_names={
@@ -300,6 +314,15 @@ def rules(run: FrameworkRun) -> Verdict:
             "(experience_maker.split_rollout_samples)"
         )
     return Verdict(tuple(faults), tuple(warnings), tuple(notes))
+
+
+def _critic_lora(lora: dict[str, Any] | None) -> dict[str, Any]:
+    """``critic_lora=`` where :class:`RunConfig` has the field (added beside ``lora`` for the LoRA profiles)."""
+    import dataclasses
+
+    return (
+        {"critic_lora": lora} if "critic_lora" in {f.name for f in dataclasses.fields(FrameworkRun)} else {}
+    )
 
 
 def _critic_model(v: dict[str, Any]) -> str | None:
