@@ -248,6 +248,27 @@ def test_masked_logprobs_and_masked_mean_loss_with_backward_equals_cpu(mask, voc
     _same_on_both(build, step, {"mask": mask, "labels": labels, "advantages": advantages})
 
 
+@_EXAMPLES
+@given(mask=padded_masks(min_tokens=1))
+def test_sizes_read_from_masks_repeat_interleave_unique_and_split_equal_cpu(mask):
+    b, s = mask.shape
+
+    def step(x, mask):
+        x = x.x
+        seqlens = mask.sum(-1)
+        unpadded = x[mask.bool()]  # (n, HIDDEN)
+        sequence_of_token = torch.repeat_interleave(torch.arange(b), seqlens)  # tensor repeats
+        ids, counts = torch.unique(sequence_of_token, return_counts=True)
+        assert counts.tolist() == seqlens.tolist() and ids.numel() == b
+        per_sequence = torch.split(unpadded, seqlens.tolist())  # sizes read with .tolist()
+        longest = int(seqlens.max())  # a size read with int()
+        padded = torch.nn.utils.rnn.pad_sequence(list(per_sequence), batch_first=True)
+        assert padded.shape == (b, longest, HIDDEN)
+        (padded.square().sum() + unpadded.index_select(0, torch.argsort(sequence_of_token)).sum()).backward()
+
+    _same_on_both(_leaf(b, s, HIDDEN), step, {"mask": mask})
+
+
 # --------------------------------------------------------------------------- a tiny remove-padding model
 
 
@@ -485,6 +506,35 @@ def test_a_write_the_shadows_follow_keeps_values_and_any_other_write_drops_them_
         assert other.tolist() == [0, 1, 2]  # unrelated tensors keep theirs
         with pytest.raises(UnknownValuesError, match=r"aten\.nonzero\.default.*computed from values"):
             torch.nonzero(ids)
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_a_write_through_a_float_view_drops_the_values_of_what_it_views(inference):
+    # under inference_mode no version counter exists: the explicit marks alone must do it
+    with _mode(), torch.inference_mode(inference):
+        ids = torch.arange(4)
+        row = ids[1:]
+        as_float = row.view(torch.float64)  # same bytes, no values kept
+        assert shadow_of(as_float) is None and row.tolist() == [1, 2, 3]
+        as_float.fill_(1.5)
+        assert shadow_of(ids) is None and shadow_of(row) is None
+
+
+@_EXAMPLES
+@given(mask=padded_masks())
+def test_remove_padding_under_inference_mode_equals_cpu(mask):
+    # inference tensors have no version counter: the shadows rely on explicit marks alone
+    b, s = mask.shape
+
+    def step(x, mask):
+        with torch.inference_mode():
+            unpadded, indices, cu_seqlens, max_seqlen, _ = unpad_input(x.x * 1, mask)
+            assert max_seqlen == max(mask.sum(-1).tolist()) and int(cu_seqlens[-1]) == unpadded.shape[0]
+            mask.mul_(2)  # followed: the shadows stay right
+            assert int(mask.sum()) == 2 * unpadded.shape[0]
+            return pad_input(unpadded, indices, b, s).sum()
+
+    _same_on_both(_leaf(b, s, HIDDEN), step, {"mask": mask})
 
 
 def test_the_out_form_of_a_data_dependent_op_is_refused_by_name():

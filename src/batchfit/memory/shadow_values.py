@@ -22,29 +22,39 @@ integer or bool dtype whose values can be known:
   its real result as shadow. Factories (``arange``, ``zeros(dtype=long)``) count as ops
   whose (no) arguments are known. Float tensors never have a shadow, whatever they were
   computed from: their values are never read, and a shape that depends on them raises.
-- **Data-dependent ops.** When the fake run refuses an op (``DynamicOutputShapeException``,
-  ``DataDependentOutputException``) and all its arguments are known, the op runs on the
-  shadows and its outputs become fresh fakes of the same sizes, strides and dtype (a Python
-  number for ``.item()``). When only the arguments that decide the shape are known, two
-  ops are rewritten: ``index`` with a bool mask becomes ``index`` with the mask's
-  ``nonzero`` columns (ATen does the same inside its kernel), and ``masked_select`` an
-  output of ``mask.sum()`` elements. Otherwise :class:`UnknownValuesError` names the op
-  and the argument whose values are missing (never a guess).
+- **Data-dependent ops.** An op tagged data-dependent whose arguments are all known runs on
+  the shadows only (the fake run would refuse it), and so does any op the fake run refuses
+  (``DynamicOutputShapeException``, ``DataDependentOutputException``) when its arguments
+  are all known: its tensors come back as fresh fakes of the real result's sizes, strides
+  and dtype, with the result as shadow, and a Python number for ``.item()``. When only the
+  arguments that decide the shape are known, two ops are rewritten: ``index`` with a bool
+  mask becomes ``index`` with the mask's ``nonzero`` columns (ATen does the same inside its
+  kernel), and ``masked_select`` an output of ``mask.sum()`` elements. Otherwise
+  :class:`UnknownValuesError` names the op and the argument whose values are missing,
+  never a guess: a shape decided by float data (mixture-of-experts routing, whose tokens
+  per expert come from the router's logits; ``nonzero`` of sampled tokens) cannot be
+  estimated, nor an ``out=`` form of a data-dependent op (its ``out`` would have to be
+  resized). An op whose run on the shadows fails leaves its outputs unknown.
 - **Writes.** An in-place op (or ``out=``) that runs on the shadows keeps them valid; any
   other write to a shadowed fake (unknown values, a collective, a non-aten op) drops the
   shadow of that tensor and of every view of it. A fake and the views made from it by ops
   that ran on the shadows share one record of validity, and a fake's version counter
   (shared with its views by autograd) must still read what the record expects: ATen bumps
   it after each write, so a write the shadows followed moves the expected version along,
-  any other write leaves the record behind (and marks it invalid explicitly, for writes
-  made below autograd). Tensors made under ``torch.inference_mode`` have no version
-  counter and get no shadow.
+  any other write leaves the record behind and marks it invalid explicitly (for writes
+  made below autograd, and for tensors made under ``torch.inference_mode``, which have no
+  version counter: explicit marks alone keep them right). A view that gets no values (a
+  float view of an integer tensor) still shares the record, so a write through it drops
+  the values of what it views.
 
 What the tracker counts is unchanged: the outputs it sees are the same fakes, with the
 sizes the real run gives them, so the estimate equals the cpu backend to the byte on these
-paths (``tests/test_dynamic_shapes.py``). The shadows are host memory the estimate spends,
-bounded by the limit per tensor and freed with their fakes; no float tensor is ever made
-real. The ops the shadows run are not seen by the tracker (they run below it).
+paths (``tests/test_dynamic_shapes.py``). The ops the shadows run are not seen by the
+tracker (they run below it, as the kernels' own temporaries do on the cpu backend). The
+shadows are host memory the estimate spends, bounded by the limit per tensor (a
+data-dependent op on known values allocates its real integer result whatever its size) and
+freed with their fakes; no float tensor is ever made real. transformers' packed-sequence
+check reads position ids through them (NOTE [ Fake tensors are not tracing ]).
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.utils._mode_utils import no_dispatch
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from batchfit.errors import BatchfitError
 from batchfit.memory.sizes import format_bytes
@@ -71,7 +81,7 @@ from batchfit.memory.sizes import format_bytes
 #: of 2M int64 entries); larger integer tensors are fakes without values.
 SHADOW_LIMIT_BYTES = 16 * 2**20
 
-# the attribute of a fake tensor that holds ``(shadow, version delta)``
+# the attribute of a fake tensor that holds ``(shadow or None, _Validity)``
 _SHADOW = "_batchfit_shadow"
 _DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
 # ops whose real result may share memory with the caller's own host tensor: copied
@@ -98,19 +108,36 @@ class UnknownValuesError(BatchfitError, RuntimeError):
         super().__init__(message)
 
 
+_VALUE_DTYPES = frozenset(
+    d
+    for d in (
+        getattr(torch, n, None)
+        for n in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+    )
+    if d is not None
+)
+
+
 def is_value_dtype(dtype: torch.dtype) -> bool:
     """True for the dtypes whose tensors keep their values: bool and the integer types."""
-    return dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex)
+    return dtype in _VALUE_DTYPES
 
 
 class _Validity:
-    """What a fake and its views (made by ops that ran on the shadows) share: valid, and at which version."""
+    """What a fake and its views share: still valid, and the version their counter must read (``None``: no counter)."""
 
     __slots__ = ("valid", "version")
 
-    def __init__(self, version: int):
+    def __init__(self, version: int | None):
         self.valid = True
         self.version = version
+
+
+def _version_of(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return None
 
 
 def shadow_of(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -120,20 +147,19 @@ def shadow_of(tensor: torch.Tensor) -> torch.Tensor | None:
     wrote unknown values into it or into a view of it (NOTE [ Integer tensors keep their
     values ]); a float tensor never has one.
     """
+    if tensor.dtype not in _VALUE_DTYPES:
+        return None
     if isinstance(tensor, FakeTensor):
         record = tensor.__dict__.get(_SHADOW)
         if record is not None:
             real, validity = record
-            if validity.valid and tensor._version == validity.version:
-                return real
-            del tensor.__dict__[_SHADOW]  # written since: unknown for good
-        constant = tensor.constant  # FakeTensorMode's own values of one-element lifts
-        if constant is not None and is_value_dtype(tensor.dtype):
-            return constant
-        return None
-    if isinstance(tensor, torch.Tensor) and _plain_host_values(tensor):
-        return tensor
-    return None
+            if validity.valid and (validity.version is None or _version_of(tensor) == validity.version):
+                if real is not None:
+                    return real
+            else:
+                del tensor.__dict__[_SHADOW]  # written since: unknown for good
+        return tensor.constant  # FakeTensorMode's own values of one-element lifts, or None
+    return tensor if _plain_host_values(tensor) else None
 
 
 def _validity(tensor: Any) -> _Validity | None:
@@ -142,12 +168,7 @@ def _validity(tensor: Any) -> _Validity | None:
 
 
 def _plain_host_values(t: torch.Tensor) -> bool:
-    return (
-        type(t) in (torch.Tensor, torch.nn.Parameter)
-        and t.layout == torch.strided
-        and not t.is_meta
-        and is_value_dtype(t.dtype)
-    )
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_meta
 
 
 def _argument(func: OpOverload, index: int, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
@@ -177,6 +198,12 @@ def _roles(func: OpOverload) -> tuple[tuple[int, ...], int | None]:
             None,
         )
     return written, viewed
+
+
+@functools.cache
+def _data_dependent(func: OpOverload) -> bool:
+    """Tagged as data-dependent: its output shape (or a Python value) is read from its inputs' data."""
+    return torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags
 
 
 def _written(func: OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
@@ -231,57 +258,51 @@ class ShadowFakeTensorMode(FakeTensorMode):
     # ----------------------------------------------------------------- dispatch
     def dispatch(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if self._inside or not isinstance(func, OpOverload):
+        if self._inside or not isinstance(func, OpOverload) or func._namespace == "prim":
             return super().dispatch(func, types, args, kwargs)
-        flat, spec = tree_flatten((args, kwargs))
-        values = self._values(flat)
-        data_dependent = (
-            torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags
-        )
-        if data_dependent and values is not None and self._runs_for_real(func):
-            return self._run_for_real(func, values, spec)
+        known = self._known(args) and self._known(kwargs.values())
+        if known and _data_dependent(func) and self._runs_for_real(func):
+            return self._run_for_real(func, args, kwargs)
         self._inside = True
         try:
             out = super().dispatch(func, types, args, kwargs)
         except _DATA_DEPENDENT as exc:
             self._inside = False
-            return self._data_dependent(func, types, args, kwargs, values, spec, exc)
+            return self._refused(func, types, args, kwargs, known, exc)
         finally:
             self._inside = False
-        if out is not NotImplemented:
-            self._follow(func, args, kwargs, values, spec, out)
+        if out is not NotImplemented and (known or _roles(func)[0]):
+            self._follow(func, args, kwargs, known, out)
         return out
 
-    def _values(self, flat: Sequence[Any]) -> list[Any] | None:
-        """``flat`` with every tensor replaced by its shadow; ``None`` when one is not known."""
-        out = []
-        for a in flat:
+    def _known(self, objs: Any) -> bool:
+        """Every tensor in ``objs`` (arguments, lists of them) has known values."""
+        for a in objs:
             if isinstance(a, torch.Tensor):
-                if isinstance(a, FakeTensor) and a.fake_mode is not self:
-                    return None
-                real = shadow_of(a)
-                if real is None:
-                    return None
-                out.append(real)
-            else:
-                out.append(a)
-        return out
+                if (isinstance(a, FakeTensor) and a.fake_mode is not self) or shadow_of(a) is None:
+                    return False
+            elif isinstance(a, (list, tuple)) and not self._known(a):
+                return False
+        return True
+
+    @staticmethod
+    def _real(args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """The arguments with every tensor replaced by its shadow (all known)."""
+        return tree_map_only(torch.Tensor, shadow_of, (args, kwargs))
 
     # ----------------------------------------------------------------- ops the fake run decided
-    def _follow(
-        self, func: OpOverload, args: Any, kwargs: Any, values: list[Any] | None, spec: Any, out: Any
-    ) -> None:
+    def _follow(self, func: OpOverload, args: Any, kwargs: Any, known: bool, out: Any) -> None:
         """After the fake run: give the outputs their shadows, or drop the shadows the op wrote over."""
         written = _written(func, args, kwargs)
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if (
-            values is not None
-            and func.namespace == "aten"
+            known
+            and func._namespace == "aten"
             and (outputs or written)
             and all(isinstance(t, FakeTensor) for t in written)  # never write to the caller's host tensors
             and all(self._keepable(t) for t in outputs)
         ):
-            real_args, real_kwargs = tree_unflatten(values, spec)
+            real_args, real_kwargs = self._real(args, kwargs)
             try:
                 with no_dispatch():
                     real_out = func(*real_args, **real_kwargs)
@@ -290,7 +311,7 @@ class ShadowFakeTensorMode(FakeTensorMode):
             if real_out is not None:
                 for t in written:
                     validity = _validity(t)
-                    if validity is not None:
+                    if validity is not None and validity.version is not None:
                         validity.version += 1  # ATen bumps the fake's counter once we return
                 if func in _LIFTS:
                     real_out = tree_map_only(torch.Tensor, torch.clone, real_out)
@@ -300,6 +321,14 @@ class ShadowFakeTensorMode(FakeTensorMode):
                 for fake, real in zip(outputs, reals):
                     self._attach(fake, real, shared)
                 return
+        viewed = _viewed(func, args, kwargs)
+        shared = _validity(viewed) if isinstance(viewed, torch.Tensor) else None
+        if shared is not None:
+            # a view without values (another dtype, or its values did not follow): it still
+            # shares the validity, so a write through it drops the values of what it views
+            for fake in outputs:
+                if isinstance(fake, FakeTensor) and _SHADOW not in fake.__dict__:
+                    fake.__dict__[_SHADOW] = (None, shared)
         for t in written:
             validity = _validity(t)
             if validity is not None:
@@ -321,25 +350,21 @@ class ShadowFakeTensorMode(FakeTensorMode):
         record = fake.__dict__.get(_SHADOW)
         if record is not None and record[0] is real:
             return  # an in-place op's output is its input: already attached
-        try:
-            version = fake._version
-        except RuntimeError:  # inference tensors keep no version counter
-            return
         # A view's version counter becomes its base's only once this op returns (autograd's
         # as_view, above the dispatch modes): it shares the validity of what it views as is.
         if shared is None:
-            shared = _Validity(version)
+            shared = _Validity(_version_of(fake))
         fake.__dict__[_SHADOW] = (real, shared)
 
     # ----------------------------------------------------------------- ops the fake run refuses
     @staticmethod
     def _runs_for_real(func: OpOverload) -> bool:
         """An aten op that returns new tensors (an ``out=`` form would have to resize its ``out``)."""
-        return func.namespace == "aten" and not _roles(func)[0]
+        return func._namespace == "aten" and not _roles(func)[0]
 
-    def _run_for_real(self, func: OpOverload, values: list[Any], spec: Any) -> Any:
+    def _run_for_real(self, func: OpOverload, args: Any, kwargs: Any) -> Any:
         """Run a data-dependent op on known values; its tensors come back as fresh fakes with shadows."""
-        real_args, real_kwargs = tree_unflatten(values, spec)
+        real_args, real_kwargs = self._real(args, kwargs)
         with no_dispatch():
             real_out = func(*real_args, **real_kwargs)
         return tree_map_only(torch.Tensor, self._fresh_fake_of, real_out)
@@ -361,18 +386,18 @@ class ShadowFakeTensorMode(FakeTensorMode):
         finally:
             self._inside = inside
 
-    def _data_dependent(
+    def _refused(
         self,
         func: OpOverload,
         types: Any,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
-        values: list[Any] | None,
-        spec: Any,
+        known: bool,
         exc: Exception,
     ) -> Any:
-        if values is not None and self._runs_for_real(func):
-            return self._run_for_real(func, values, spec)
+        """The fake run refused ``func``: run it on the shadows, rewrite it, or name what is missing."""
+        if known and self._runs_for_real(func):
+            return self._run_for_real(func, args, kwargs)
         if func is torch.ops.aten.index.Tensor:
             out = self._index_by_known_masks(types, args, kwargs)
             if out is not NotImplemented:
