@@ -98,8 +98,8 @@ class UnknownValuesError(BatchfitError, RuntimeError):
     Raised inside a step measured with the ``estimate`` backend (NOTE [ Integer tensors
     keep their values ] in :mod:`batchfit.memory.shadow_values`). ``op`` is the ATen op
     (``"aten.nonzero.default"``), ``argument`` the name of the argument whose values are
-    missing (empty when none is: the ``out=`` form of such an op). The step runs on the
-    ``cpu`` backend.
+    missing (empty when none is: the ``out=`` form of such an op). The same step runs on
+    the ``cpu`` backend, which has the values.
     """
 
     def __init__(self, message: str, *, op: str, argument: str):
