@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from batchfit.memory.fake_fsdp1 import fsdp1_fake_patches
 from batchfit.memory.fake_patches import transformers_fake_patches
 from batchfit.memory.shadow_values import ShadowFakeTensorMode
 from batchfit.memory.tracked import TrackedBackend
@@ -95,10 +96,11 @@ class EstimateBackend(TrackedBackend):
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
-        """Enter this backend's ``FakeTensorMode`` and the transformers patches (re-entrant).
+        """Enter this backend's ``FakeTensorMode`` and the transformers and FSDP1 patches (re-entrant).
 
-        See NOTE [ Fake tensors are not tracing ] in :mod:`batchfit.memory.fake_patches` and
-        NOTE [ Deep copies of fake tensors ].
+        See NOTE [ Fake tensors are not tracing ] in :mod:`batchfit.memory.fake_patches`, NOTE
+        [ FSDP1 compares data pointers ] in :mod:`batchfit.memory.fake_fsdp1` and NOTE [ Deep
+        copies of fake tensors ].
         """
         if self._depth:
             self._depth += 1
@@ -107,7 +109,7 @@ class EstimateBackend(TrackedBackend):
             finally:
                 self._depth -= 1
             return
-        with self.fake_mode, transformers_fake_patches(), warnings.catch_warnings():
+        with self.fake_mode, transformers_fake_patches(), fsdp1_fake_patches(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DATA_PTR_WARNING, category=UserWarning)
             self._depth = 1
             try:
