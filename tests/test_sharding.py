@@ -15,6 +15,16 @@ def test_fsdp2_defaults_to_bf16_mixed_precision_and_resharding():
     assert s.describe() == "fsdp2 over 8 ranks (fp32 params, bf16 compute, fp32 reduce)"
 
 
+def test_fsdp1_has_fsdp2s_options_and_names_its_sharding_strategy():
+    # verl's defaults: FULL_SHARD (reshard_after_forward: true), bf16 compute over fp32 shards
+    s = Sharding("fsdp1", world_size=8)
+    assert (s.mixed_precision, s.reshard_after_forward, s.offload) == ("bf16", True, "none")
+    assert s.shards_state and s.distributed
+    assert s.describe() == "fsdp1 over 8 ranks (FULL_SHARD, fp32 params, bf16 compute, fp32 reduce)"
+    s = Sharding("fsdp1", world_size=4, reshard_after_forward=False, mixed_precision="none", offload="cpu")
+    assert s.describe() == "fsdp1 over 4 ranks (SHARD_GRAD_OP, no mixed precision, CPU offload)"
+
+
 def test_other_strategies_default_to_no_mixed_precision():
     assert Sharding().mixed_precision == "none" and not Sharding().distributed
     assert Sharding("ddp", world_size=2).describe() == "ddp over 2 ranks (full replica + gradient buckets)"
@@ -35,12 +45,12 @@ def test_describe_names_every_memory_option():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        pytest.param({"strategy": "fsdp"}, r"sharding must be one of 'none', 'ddp', 'fsdp2', but got sharding='fsdp'; did you mean 'fsdp2'\?", id="unknown-strategy"),
+        pytest.param({"strategy": "fsdp"}, r"sharding must be one of 'none', 'ddp', 'fsdp1', 'fsdp2', but got sharding='fsdp'; did you mean 'fsdp2'\?", id="unknown-strategy"),
         pytest.param({"world_size": 0}, r"world_size must be an integer >= 1, but got world_size=0", id="zero-world"),
         pytest.param({"world_size": True}, r"world_size", id="bool-world"),
-        pytest.param({"strategy": "ddp", "world_size": 2, "offload": "cpu"}, r"offload='cpu' needs strategy='fsdp2'", id="offload-without-fsdp2"),
-        pytest.param({"strategy": "none", "mixed_precision": "bf16"}, r"mixed_precision='bf16' needs strategy='fsdp2'", id="mp-without-fsdp2"),
-        pytest.param({"strategy": "ddp", "reshard_after_forward": False}, r"reshard_after_forward=False needs strategy='fsdp2'", id="reshard-without-fsdp2"),
+        pytest.param({"strategy": "ddp", "world_size": 2, "offload": "cpu"}, r"offload='cpu' needs strategy='fsdp1' or 'fsdp2'", id="offload-without-fsdp2"),
+        pytest.param({"strategy": "none", "mixed_precision": "bf16"}, r"mixed_precision='bf16' needs strategy='fsdp1' or 'fsdp2'", id="mp-without-fsdp2"),
+        pytest.param({"strategy": "ddp", "reshard_after_forward": False}, r"reshard_after_forward=False needs strategy='fsdp1' or 'fsdp2'", id="reshard-without-fsdp2"),
         pytest.param({"strategy": "fsdp2", "offload": "nvme"}, r"offload must be one of 'none', 'cpu'", id="unknown-offload"),
         pytest.param({"strategy": "fsdp2", "mixed_precision": "fp16"}, r"mixed_precision must be one of 'bf16', 'none'", id="unknown-precision"),
         pytest.param({"strategy": "fsdp2", "reshard_after_forward": "no"}, r"reshard_after_forward must be True or False", id="non-bool-reshard"),

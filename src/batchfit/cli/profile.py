@@ -96,8 +96,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--sharding",
-        metavar="none|ddp|fsdp2",
-        help="how the model is spread over the ranks (default fsdp2 when estimating or under torchrun, else none)",
+        metavar="none|ddp|fsdp1|fsdp2",
+        help="how the model is spread over the ranks (default fsdp2 when estimating or under torchrun, else none; "
+        "fsdp1: FullyShardedDataParallel as verl's strategy fsdp wraps it)",
     )
     p.add_argument(
         "--no-reshard-after-forward",

@@ -200,9 +200,11 @@ def _materialise(model: torch.nn.Module, plan: Any, device: torch.device, seed: 
     """
     from batchfit.parallel.shard import shard_model
 
-    home = torch.device("cpu") if plan.offload == "cpu" else device
+    # fsdp1: on the host, FSDP1 moves each unit to the device as it wraps it (NOTE [ FSDP1 wraps a
+    # materialised model ] in batchfit.parallel.fsdp1)
+    home = torch.device("cpu") if plan.offload == "cpu" or plan.strategy == "fsdp1" else device
     _allocate(model, home)
-    if home != device:  # offloaded parameters live on the host, buffers on the device
+    if home != device and plan.strategy != "fsdp1":  # offloaded parameters live on the host, buffers on the device
         for module in model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None:
@@ -214,7 +216,7 @@ def _materialise(model: torch.nn.Module, plan: Any, device: torch.device, seed: 
     initialise_weights(model, seed)
     _check_buffers(model, spec)
     if plan.strategy != "fsdp2":
-        model = shard_model(model, plan)
+        model = shard_model(model, plan, device=device)
     return model
 
 

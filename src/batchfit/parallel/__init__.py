@@ -1,11 +1,12 @@
-"""Data parallelism: collectives that agree across ranks, sharding specs, PyTorch's FSDP2 and DDP applied.
+"""Data parallelism: collectives that agree across ranks, sharding specs, PyTorch's FSDP2, FSDP1 and DDP applied.
 
 - :mod:`~batchfit.parallel.distributed`: min/max/any all-reduce helpers and agreement on
   errors (no-ops without a process group), :func:`simulated_world` (PyTorch's fake process
   group), :func:`sync_micro_batch_count`.
 - :mod:`~batchfit.parallel.sharding`: :class:`Sharding`, the data-parallel layout as data.
 - :mod:`~batchfit.parallel.shard`: :func:`shard_model` (``fully_shard`` per layer and root,
-  or DDP), :func:`unwrap`.
+  FSDP1 or DDP), :func:`unwrap`.
+- :mod:`~batchfit.parallel.fsdp1`: FSDP1 (``FullyShardedDataParallel``) wrapped as verl wraps it.
 - :mod:`~batchfit.parallel.behaviour`: what the installed torch does that changes a budget
   (FSDP2's root resharded after forward or kept), probed or read from its version.
 """

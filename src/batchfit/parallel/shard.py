@@ -135,6 +135,11 @@ def shard_model(
         _check_world(sharding)
         comm = (torch.empty(ddp_bucket_bytes(model), dtype=torch.uint8, device="meta"),)
         out = model if fake else _wrap_ddp(model, _model_group())
+    elif sharding.strategy == "fsdp1":  # FullyShardedDataParallel as verl wraps it
+        from batchfit.parallel.fsdp1 import wrap_fsdp1
+
+        _check_world(sharding)
+        out = wrap_fsdp1(model, sharding, decoder_layers(model), _model_group(), device)
     else:
         out = model
     out.batchfit_sharding = sharding
@@ -174,10 +179,12 @@ def _wrap_ddp(model: torch.nn.Module, group: Any) -> torch.nn.Module:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside a DDP wrapper (``model`` itself otherwise)."""
+    """The module inside a DDP or FSDP1 wrapper (``model`` itself otherwise)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    from batchfit.parallel.fsdp1 import is_fsdp1
+
+    return model.module if isinstance(model, DistributedDataParallel) or is_fsdp1(model) else model
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:

@@ -1,6 +1,6 @@
 """How a model is spread over data-parallel ranks: :class:`Sharding` (a strategy and its memory options).
 
-Three strategies, one name each:
+Four strategies, one name each:
 
 - ``none``: one device holds the whole model, its gradients and optimizer state.
 - ``ddp``: every rank holds a full replica plus DDP's gradient buckets (PyTorch
@@ -9,14 +9,20 @@ Three strategies, one name each:
   on the root (embeddings, final norm, head), the way SkyRL, verl and torchtitan wrap: each
   rank holds ``1/world_size`` of the parameters, gradients and optimizer state, and
   gathers one layer's parameters at a time.
+- ``fsdp1``: PyTorch's ``FullyShardedDataParallel`` (FSDP1, verl's default ``strategy: fsdp``),
+  wrapped as verl 0.9.1 wraps it: one unit per decoder layer and the root, each unit's
+  parameters flattened into one ``FlatParameter`` and sharded (:mod:`batchfit.parallel.fsdp1`).
 
-The options that change memory under ``fsdp2``: ``reshard_after_forward`` (``False`` keeps
-every layer's gathered parameters from forward to backward), ``mixed_precision``
-(``"bf16"``: fp32 sharded parameters, bf16 compute, fp32 gradient reduction, i.e.
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, what SkyRL and verl run;
+The options that change memory under ``fsdp2`` and ``fsdp1``: ``reshard_after_forward``
+(``False`` keeps every layer's gathered parameters from forward to backward; FSDP1's
+``SHARD_GRAD_OP`` instead of ``FULL_SHARD``), ``mixed_precision`` (``"bf16"``: fp32 sharded
+parameters, bf16 compute, fp32 gradient reduction, i.e.
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, what SkyRL and verl run, and
+FSDP1's ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32, buffer_dtype=fp32)``;
 ``"none"``: parameters, compute and reduction in the model's dtype) and ``offload``
 (``"cpu"``: ``CPUOffloadPolicy``, sharded parameters, gradients and optimizer state in host
-memory, the optimizer step on the CPU).
+memory, the optimizer step on the CPU; FSDP1's ``CPUOffload(offload_params=True)``, which
+verl gives its forward-only reference model).
 
 This module is configuration only (no process groups): :func:`batchfit.models.shard_model`
 applies a :class:`Sharding` to a model.
@@ -30,7 +36,9 @@ from typing import Any
 from batchfit.errors import InvalidArgument
 from batchfit.validation import check_choice, check_positive_int
 
-STRATEGIES = ("none", "ddp", "fsdp2")
+STRATEGIES = ("none", "ddp", "fsdp1", "fsdp2")
+#: The strategies that shard parameters, gradients and optimizer state (and have the FSDP options).
+FSDP_STRATEGIES = ("fsdp1", "fsdp2")
 MIXED_PRECISION = ("bf16", "none")
 OFFLOAD = ("none", "cpu")
 
@@ -40,13 +48,14 @@ class Sharding:
     """A data-parallel strategy and the options that change its memory, validated on creation.
 
     Attributes:
-        strategy: ``"none"``, ``"ddp"`` or ``"fsdp2"`` (module docstring).
+        strategy: ``"none"``, ``"ddp"``, ``"fsdp1"`` or ``"fsdp2"`` (module docstring).
         world_size: data-parallel ranks the model is spread over (``>= 1``).
-        reshard_after_forward: ``fsdp2`` only: free each layer's gathered parameters after
-            its forward (default ``True``, FSDP2's default).
+        reshard_after_forward: ``fsdp1``/``fsdp2`` only: free each layer's gathered
+            parameters after its forward (default ``True``, FSDP2's default and FSDP1's
+            ``FULL_SHARD``; ``False`` is FSDP1's ``SHARD_GRAD_OP``).
         mixed_precision: ``"bf16"`` or ``"none"``; default (``None``) ``"bf16"`` with
-            ``fsdp2``, ``"none"`` otherwise. ``"bf16"`` is ``fsdp2`` only.
-        offload: ``"none"`` or ``"cpu"`` (``fsdp2`` only).
+            ``fsdp1``/``fsdp2``, ``"none"`` otherwise. ``"bf16"`` is ``fsdp1``/``fsdp2`` only.
+        offload: ``"none"`` or ``"cpu"`` (``fsdp1``/``fsdp2`` only).
 
     Raises:
         InvalidArgument: an unknown name (the choices and the closest are listed), a bad
@@ -59,7 +68,7 @@ class Sharding:
         >>> Sharding("ddp", world_size=8, offload="cpu")
         Traceback (most recent call last):
         ...
-        batchfit.errors.InvalidArgument: offload='cpu' needs strategy='fsdp2' (CPUOffloadPolicy shards to the host), but got strategy='ddp'; use strategy='fsdp2' or offload='none'
+        batchfit.errors.InvalidArgument: offload='cpu' needs strategy='fsdp1' or 'fsdp2' (FSDP offloads its shards to the host), but got strategy='ddp'; use strategy='fsdp2' or offload='none'
     """
 
     strategy: str = "none"
@@ -77,48 +86,55 @@ class Sharding:
             )
         precision = self.mixed_precision
         if precision is None:
-            precision = "bf16" if strategy == "fsdp2" else "none"
+            precision = "bf16" if strategy in FSDP_STRATEGIES else "none"
         check_choice("mixed_precision", precision, MIXED_PRECISION)
         check_choice("offload", self.offload, OFFLOAD)
-        if strategy != "fsdp2":
+        if strategy not in FSDP_STRATEGIES:
             if precision != "none":
                 raise InvalidArgument(
-                    f"mixed_precision={precision!r} needs strategy='fsdp2' (it is FSDP2's MixedPrecisionPolicy), but got strategy={strategy!r}; use strategy='fsdp2' or mixed_precision='none' (the model then trains in its dtype)"
+                    f"mixed_precision={precision!r} needs strategy='fsdp1' or 'fsdp2' (it is FSDP's mixed precision policy), but got strategy={strategy!r}; use strategy='fsdp2' or mixed_precision='none' (the model then trains in its dtype)"
                 )
             if self.offload != "none":
                 raise InvalidArgument(
-                    f"offload={self.offload!r} needs strategy='fsdp2' (CPUOffloadPolicy shards to the host), but got strategy={strategy!r}; use strategy='fsdp2' or offload='none'"
+                    f"offload={self.offload!r} needs strategy='fsdp1' or 'fsdp2' (FSDP offloads its shards to the host), but got strategy={strategy!r}; use strategy='fsdp2' or offload='none'"
                 )
             if not self.reshard_after_forward:
                 raise InvalidArgument(
-                    f"reshard_after_forward=False needs strategy='fsdp2' (only FSDP gathers parameters), but got strategy={strategy!r}; keep reshard_after_forward=True or use strategy='fsdp2'"
+                    f"reshard_after_forward=False needs strategy='fsdp1' or 'fsdp2' (only FSDP gathers parameters), but got strategy={strategy!r}; keep reshard_after_forward=True or use strategy='fsdp2'"
                 )
         object.__setattr__(self, "mixed_precision", precision)
 
     @property
     def shards_state(self) -> bool:
-        """True when parameters, gradients and optimizer state are split over the ranks (``fsdp2``)."""
-        return self.strategy == "fsdp2"
+        """True when parameters, gradients and optimizer state are split over the ranks (``fsdp1``, ``fsdp2``)."""
+        return self.strategy in FSDP_STRATEGIES
 
     @property
     def distributed(self) -> bool:
-        """True when the strategy talks to other ranks (``ddp`` or ``fsdp2``)."""
+        """True when the strategy talks to other ranks (``ddp``, ``fsdp1`` or ``fsdp2``)."""
         return self.strategy != "none"
 
     def describe(self) -> str:
-        """One line for reports, e.g. ``"fsdp2 over 8 ranks (fp32 params, bf16 compute, fp32 reduce)"``."""
+        """One line for reports, e.g. ``"fsdp2 over 8 ranks (fp32 params, bf16 compute, fp32 reduce)"``.
+
+        ``fsdp1`` names its sharding strategy first: ``"fsdp1 over 8 ranks (FULL_SHARD, fp32 params, ...)"``.
+        """
         if self.strategy == "none":
             return "none (one device)"
         if self.strategy == "ddp":
             return f"ddp over {self.world_size} ranks (full replica + gradient buckets)"
         parts = [
-            "fp32 params, bf16 compute, fp32 reduce" if self.mixed_precision == "bf16" else "no mixed precision",
+            "fp32 params, bf16 compute, fp32 reduce"
+            if self.mixed_precision == "bf16"
+            else "no mixed precision",
         ]
-        if not self.reshard_after_forward:
+        if self.strategy == "fsdp1":
+            parts.insert(0, "FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP")
+        elif not self.reshard_after_forward:
             parts.append("no reshard after forward")
         if self.offload == "cpu":
             parts.append("CPU offload")
-        return f"fsdp2 over {self.world_size} ranks ({', '.join(parts)})"
+        return f"{self.strategy} over {self.world_size} ranks ({', '.join(parts)})"
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values (JSON-ready)."""
