@@ -653,3 +653,14 @@ def test_batchfit_profile_takes_sharding_fsdp1(capsys):
     out = capsys.readouterr().out
     assert "sharding: fsdp1 over 2 ranks (FULL_SHARD, fp32 params, bf16 compute, fp32 reduce)" in out
     assert "parameters gathered by FSDP" in out
+
+
+def test_the_loop_scales_fsdp1s_loss_by_its_ranks_and_defers_its_sync_with_no_sync():
+    from batchfit.train.accumulate import data_parallel_size, gradient_sync
+
+    with simulated_world(WORLD):
+        model = build_causal_lm("tiny", sharding=_fsdp1())
+        assert data_parallel_size(model) == WORLD  # FSDP1 averages over its process group
+        with gradient_sync(model, False):
+            assert model._sync_gradients is False  # FSDP1's no_sync()
+        assert model._sync_gradients is True

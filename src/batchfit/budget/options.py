@@ -18,6 +18,7 @@ from batchfit.budget.token_budget import check_cost
 from batchfit.errors import InvalidArgument
 from batchfit.memory import BACKEND_NAMES
 from batchfit.memory.untracked import DEFAULT_SAFETY_MARGIN
+from batchfit.models.lora import LoraSpec, as_lora
 from batchfit.parallel.sharding import Sharding, as_sharding
 from batchfit.train.framework_heads import FrameworkHead
 from batchfit.train.logprobs import check_head
@@ -54,6 +55,13 @@ class ProfileOptions:
             smallest ``fsdp2`` world size (with checkpointing) that fits.
         progress: ``True`` logs each probe, ``False`` is silent, a callable receives each
             :class:`~batchfit.budget.BudgetProgress` (events carry the role).
+        lora: LoRA adapters for the trained models (policy, critic and their forward passes):
+            a :class:`~batchfit.models.lora.LoraSpec` or a mapping of its fields
+            (``{"rank": 64, "alpha": 128, "targets": "all-linear"}``); the base is frozen (no
+            gradients or optimizer state), AdamW holds the adapters (NOTE [ LoRA as the
+            frameworks build it ] in :mod:`batchfit.models.lora`). A ``reference`` is profiled
+            without adapters. ``None``: not set (full fine-tuning, or a framework config's own
+            LoRA in :func:`~batchfit.frameworks.profile.profile_run`); rank 0: full fine-tuning.
 
     Raises:
         InvalidArgument: a bad value, naming the field, the value and the fix.
@@ -77,6 +85,7 @@ class ProfileOptions:
     depth_extrapolation: bool | None = None
     suggest_world_size: bool = True
     progress: bool | Callable[..., Any] = field(default=False, compare=False)
+    lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -86,6 +95,7 @@ class ProfileOptions:
         set_(self, "cost", check_cost(self.cost))
         set_(self, "safety_margin", check_number("safety_margin", self.safety_margin, low=0.0, high=1.0, low_open=True))
         set_(self, "sharding", as_sharding(self.sharding))
+        set_(self, "lora", as_lora(self.lora))
         for name in ("gradient_checkpointing", "suggest_world_size"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")

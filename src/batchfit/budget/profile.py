@@ -26,6 +26,7 @@ from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.memory.estimate import EstimateBackend
 from batchfit.memory.untracked import UntrackedMemory, untracked_memory
+from batchfit.models.lora import LoraParameters, lora_parameters
 from batchfit.parallel.behaviour import TorchBehaviours, torch_behaviours
 from batchfit.parallel.distributed import agree
 from batchfit.parallel.sharding import Sharding
@@ -77,6 +78,9 @@ class ModelProfile:
         torch: what the installed torch does that changes a sharded budget
             (:func:`batchfit.parallel.behaviour.torch_behaviours`), for ``fsdp2``; else ``None``.
     """
+        lora: the LoRA adapters of the trained model and what they train
+            (:class:`~batchfit.models.lora.LoraParameters`; the causal LM's, or the value model's
+            when only critic roles were profiled), or ``None`` without LoRA.
 
     model: str
     dtype: str
@@ -95,6 +99,7 @@ class ModelProfile:
     untracked: UntrackedMemory | None = None
     torch: TorchBehaviours | None = None
 
+    lora: LoraParameters | None = None
     def to_dict(self) -> dict[str, Any]:
         """Settings, each role's budget and the combined budget as plain values (JSON-ready)."""
         return {
@@ -122,6 +127,7 @@ class ModelProfile:
             "torch": None if self.torch is None else self.torch.to_dict(),
         }
 
+            "lora": None if self.lora is None else self.lora.to_dict(),
 
 def _host_bytes(budget: TokenBudget) -> int:
     point = budget.binding_point
@@ -210,6 +216,10 @@ def profile_model(
     behaviours = torch_behaviours() if plan.strategy == "fsdp2" else None  # before any simulated world
     depth, extrapolate = depth_plan(config, be, opts.depth_extrapolation)
     build = RoleBuilder(config, be, torch_dtype, opts, extrapolate, depth)
+    adapters = None
+    if opts.lora is not None and opts.lora.enabled and set(chosen_roles) != {"reference"}:
+        critic_only = all(role in VALUE_ROLES or role == "reference" for role in chosen_roles)
+        adapters = lora_parameters(config, opts.lora, value_head=critic_only)  # a bad target fails here
     budgets: dict[str, TokenBudget] = {}
     failed: tuple[str, DoesNotFitError] | None = None
     # NOTE [ Probing reuses host pages ]: real cpu probes refault gigabytes each time otherwise
@@ -262,6 +272,7 @@ def profile_model(
         torch=behaviours,
     )
 
+        lora=adapters,
 
 def resolve_options(options: ProfileOptions | None, settings: dict[str, Any]) -> ProfileOptions:
     """``options`` with ``settings`` applied, or new options from ``settings``."""
@@ -478,6 +489,7 @@ class RoleBuilder:
                 sharding=options.sharding,
                 **overrides,
             )
+                lora=None if role == "reference" else options.lora,  # a reference is the frozen base
             return causal_lm_step(
                 net,
                 backend=self.backend,

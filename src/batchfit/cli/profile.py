@@ -138,6 +138,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--cost", default="padded", metavar="padded|packed", help="micro-batch cost (default padded)"
     )
     p.add_argument(
+        "--lora-rank",
+        type=int,
+        metavar="N",
+        help="train LoRA adapters of rank N on a frozen base, built with PEFT (pip install 'batchfit[lora]'); "
+        "0 = full fine-tuning (default 0, or the config's policy LoRA)",
+    )
+    p.add_argument(
+        "--lora-alpha", type=float, metavar="A", help="with --lora-rank: lora_alpha (default 16, as verl and SkyRL)"
+    )
+    p.add_argument(
+        "--lora-targets",
+        metavar="all-linear|NAME,NAME",
+        help="with --lora-rank: the modules to adapt (default all-linear: every linear layer but the LM head)",
+    )
+    p.add_argument(
         "--safety-margin",
         type=float,
         metavar="F",
@@ -263,6 +278,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     else:
         for role, model in run.models.items():
             _check_config_model(role, model, run)
+    lora = _lora(args, run)
     if args.plot:
         from batchfit.cli.render_budget import require_matplotlib
 
@@ -276,7 +292,34 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "launched": launched,
         "run": run,
         "calibration": limits,
+        "lora": lora,
     }
+
+
+def _lora(args: argparse.Namespace, run: Any) -> Any:
+    """``--lora-rank/--lora-alpha/--lora-targets`` as a :class:`~batchfit.models.lora.LoraSpec` (``None`` without them).
+
+    The targets are checked against the policy's model now (built on the meta device), before
+    any probe.
+
+    Raises:
+        InvalidArgument: a bad value, ``--lora-alpha``/``--lora-targets`` without ``--lora-rank``,
+            targets that match no module, or PEFT not installed (one line each).
+    """
+    from batchfit.models import load_config
+    from batchfit.models.lora import lora_parameters, lora_spec
+
+    if args.lora_rank is None:
+        for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets)):
+            if value is not None:
+                raise InvalidArgument(f"{flag} needs --lora-rank N (the adapters' rank), but got {flag} without it")
+        return None
+    names = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora-targets"}
+    spec = lora_spec(args.lora_rank, args.lora_alpha, args.lora_targets, names=names)
+    if spec.enabled:
+        model = args.model if run is None else run.models.get("policy")
+        lora_parameters(load_config(model), spec, name="--lora-targets")
+    return spec
 
 
 def _calibration(args: argparse.Namespace, backend: str) -> Any:
@@ -546,6 +589,7 @@ def _profile_options(args: argparse.Namespace, settings: dict[str, Any], progres
         safety_margin=args.safety_margin,
         depth_extrapolation=args.depth_extrapolation,
         progress=progress,
+        lora=settings.get("lora"),
     )
 
 
@@ -563,7 +607,7 @@ def _run_config(
         result = profile_run(run, _profile_options(args, settings, callback))
     if rank != 0:
         return 0
-    notes = older_torch_notes(result)
+    notes = older_torch_notes(result) + list(result.notes)
     keys = None
     if args.emit is not None:
         keys = emit_keys(result, args.emit, max_seq_len=args.max_seq_len, margin=args.safety_margin)
@@ -693,6 +737,10 @@ def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse
         f"{profile.logprobs} log-probs), max_seq_len {args.max_seq_len:,}, cost {args.cost}",
         highlight=False,
     )
+    if profile.lora is not None:
+        from batchfit.cli.render_budget import lora_text
+
+        console.print(lora_text(profile), highlight=False)
     console.print(f"sharding: {profile.sharding.describe()}", highlight=False)
     if profile.torch is not None:
         for b in profile.torch.behaviours:

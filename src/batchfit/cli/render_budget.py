@@ -29,6 +29,17 @@ def memory_model_text(model: MemoryModel | None) -> str:
     )
 
 
+def lora_text(profile: ModelProfile) -> str:
+    """``LoRA rank 64, alpha 128, all-linear: 35,192,832 trainable parameters of 529,225,600 (6.65%); …``."""
+    lora = profile.lora
+    if lora is None:
+        return "no LoRA: every parameter trained"
+    return (
+        f"{lora.describe()}; the base frozen in {profile.dtype} (no gradients, no optimizer state), "
+        "the adapters in float32 with AdamW"
+    )
+
+
 def budget_table(budget: TokenBudget, title: str | None = None) -> Table:
     """One row per probed length: max batch, tokens, peak, headroom to the limit, probes."""
     table = Table(title=title, title_justify="left")

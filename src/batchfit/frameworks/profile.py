@@ -9,6 +9,7 @@ state the others keep on the device (``resident``) taken off the usable memory.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,9 @@ from batchfit.budget.options import ProfileOptions
 from batchfit.budget.profile import ModelProfile, profile_model, resident_state_bytes
 from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import InvalidArgument
+from batchfit.frameworks.lora_keys import as_lora_spec
 from batchfit.frameworks.run import RunConfig
+from batchfit.train.framework_heads import FrameworkHead
 
 # Model role -> the profile roles its model runs (trained step first, then its forward pass).
 PASSES = {
@@ -37,11 +40,14 @@ class RunProfile:
         profiles: model role → its :class:`ModelProfile` (the roles of :data:`PASSES`).
         resident: model role → bytes per rank it keeps on the device while a colocated
             model runs.
+        notes: how the profile departs from the config's roles (a reference computed by the
+            LoRA policy itself), one sentence each.
     """
 
     run: RunConfig
     profiles: dict[str, ModelProfile]
     resident: dict[str, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
     @property
     def budgets(self) -> dict[str, TokenBudget]:
@@ -59,11 +65,18 @@ class RunProfile:
             "resident_bytes": self.resident,
             "tokens": {role: b.tokens for role, b in self.budgets.items()},
             "profiles": {name: p.to_dict() for name, p in self.profiles.items()},
+            "notes": list(self.notes),
         }
 
 
 def profile_run(run: RunConfig, options: ProfileOptions) -> RunProfile:
     """Profile every pass of ``run`` (its models from ``run.models``) with ``options``.
+
+    LoRA: the policy's adapters are ``options.lora`` when set (the command line's), else the
+    config's (``run.lora``); the critic's are the config's own (``run.critic_lora``), as verl and
+    SkyRL configure them per model. verl computes the reference log-probs with the LoRA actor,
+    adapters disabled (``ref_in_actor``): no reference model is profiled then, its passes are
+    the policy's forward ones (``policy_forward``), and :attr:`RunProfile.notes` says so.
 
     Args:
         run: from :func:`batchfit.frameworks.read_run_config`; ``run.models`` must name
@@ -78,15 +91,35 @@ def profile_run(run: RunConfig, options: ProfileOptions) -> RunProfile:
         InvalidArgument: a model role without a model.
         DoesNotFitError: a pass does not fit one sequence of ``options.max_seq_len``.
     """
-    models = run.models
+    models = dict(run.models)
     for role, model in models.items():
         if not model:
             raise InvalidArgument(
                 f"the config names no {role} model; pass --model PRESET|DIR (a preset, or a directory with config.json)"
             )
+    adapters = {
+        "policy": options.lora if options.lora is not None else as_lora_spec(getattr(run, "lora", None), "run.lora"),
+        "critic": as_lora_spec(getattr(run, "critic_lora", None), "run.critic_lora"),
+    }
+    notes: list[str] = []
+    for role, key in (("policy", "lora"), ("critic", "critic_lora")):
+        given = None if role == "policy" and options.lora is not None else getattr(run, key, None)
+        excluded = given.get("exclude_modules") if isinstance(given, Mapping) else None
+        if excluded and adapters[role] is not None:
+            notes.append(
+                f"{role}: LoRA exclude_modules={excluded!r} is not modelled: those modules are adapted too (a "
+                "slightly smaller, safe budget)"
+            )
+    policy_lora = adapters["policy"]
+    if run.vocabulary == "verl" and "reference" in models and policy_lora is not None and policy_lora.enabled:
+        del models["reference"]  # verl ray_trainer: ref_in_actor when lora_rank > 0
+        notes.append(
+            "verl computes the reference log-probs with the LoRA actor, adapters disabled (ref_in_actor): "
+            "no reference model is loaded, and those passes are the actor's forward ones (policy_forward)"
+        )
     resident = {
         role: resident_state_bytes(
-            models[role], PASSES[role][0], _for_role(role, options), kinds=run.resident.get(role, ())
+            models[role], PASSES[role][0], _for_role(role, options, adapters), kinds=run.resident.get(role, ())
         )
         for role in models
         if role in run.colocated and run.resident.get(role)
@@ -94,10 +127,20 @@ def profile_run(run: RunConfig, options: ProfileOptions) -> RunProfile:
     profiles = {}
     for role, model in models.items():
         others = sum(b for other, b in resident.items() if other != role)
-        profiles[role] = profile_model(model, _for_role(role, options), roles=PASSES[role], resident_bytes=others)
-    return RunProfile(run=run, profiles=profiles, resident=resident)
+        profiles[role] = profile_model(
+            model, _for_role(role, options, adapters), roles=PASSES[role], resident_bytes=others
+        )
+    return RunProfile(run=run, profiles=profiles, resident=resident, notes=tuple(notes))
 
 
-def _for_role(role: str, options: ProfileOptions) -> ProfileOptions:
-    """A frozen reference is loaded in bf16 unless a dtype is given (verl fsdp_workers: fp32 only for the actor)."""
+def _for_role(role: str, options: ProfileOptions, adapters: dict[str, Any]) -> ProfileOptions:
+    """The options of one model role: its own LoRA (none for the reference); a frozen reference in bf16.
+
+    A frozen reference is loaded in bf16 unless a dtype is given (verl fsdp_workers: fp32 only
+    for the actor), and its log-prob pass computes no entropy (verl ``_compute_ref_log_prob``).
+    """
+    options = options.replace(lora=adapters.get(role))
+    if role == "reference" and isinstance(options.logprobs, FrameworkHead):
+        # verl's and SkyRL's reference log-prob passes compute no entropy
+        options = options.replace(logprobs=options.logprobs.replace(forward_entropy="none"))
     return options.replace(dtype=REFERENCE_DTYPE) if role == "reference" and options.dtype is None else options

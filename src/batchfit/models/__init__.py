@@ -7,6 +7,7 @@
   context (fake tensors for the estimate backend), sharded as a
   :class:`~batchfit.parallel.Sharding` says.
 - :func:`use_varlen_attention`: packed rows attend per sequence without a ``T × T`` mask.
+- :class:`LoraSpec`: LoRA adapters (PEFT's ``get_peft_model``) for ``build_causal_lm(lora=...)``.
 """
 
 from batchfit.models.attention import use_varlen_attention
@@ -16,11 +17,13 @@ from batchfit.models.build import (
     enable_activation_checkpointing,
     parse_dtype,
 )
+from batchfit.models.lora import LoraSpec
 from batchfit.models.specs import DEFAULT_PRESET, list_presets, load_config, preset_info
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
     "DEFAULT_PRESET",
+    "LoraSpec",
     "build_causal_lm",
     "enable_activation_checkpointing",
     "list_presets",

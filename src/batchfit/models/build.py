@@ -52,7 +52,10 @@ SEED_BLOCK_ELEMENTS = 1 << 14
 # ``weight[padding_idx]``, which on a DTensor sharded by rows all-gathers the whole table into
 # a copy and zeroes the copy; the row is zeroed in the rank's own shard instead.
 # The model that comes out has the structure, dtypes, devices and ``train()`` mode of the
-# ordinary build (``from_config`` on the device, then ``shard_model``).
+# ordinary build (``from_config`` on the device, then ``shard_model``). With LoRA, PEFT wraps the
+# meta model before sharding (its adapters on meta too), the allocation covers the adapters, and
+# PEFT's own init follows transformers' (NOTE [ LoRA as the frameworks build it ] in
+# batchfit.models.lora); the estimate backend gives the adapters fake tensors of PEFT's dtype.
 
 
 def resolve_backend(backend: Any) -> Backend | None:
@@ -72,6 +75,7 @@ def build_causal_lm(
     value_head: bool = False,
     sharding: Any = None,
     seed: int | None = None,
+    lora: Any = None,
     **config_overrides: Any,
 ) -> torch.nn.Module:
     """A randomly initialised causal LM (or value-head critic) in training mode, sharded if asked.
@@ -105,16 +109,24 @@ def build_causal_lm(
             ``ddp`` and ``fsdp2``, so every rank builds the same model), so that
             ``torch.manual_seed`` still decides the weights. Ignored by the estimate backend
             (fake tensors have no values).
+        lora: a :class:`~batchfit.models.lora.LoraSpec` (or a mapping of its fields): the model
+            is wrapped by PEFT's ``get_peft_model`` before sharding, its base frozen, as verl and
+            SkyRL build it (NOTE [ LoRA as the frameworks build it ] in
+            :mod:`batchfit.models.lora`; needs ``pip install 'batchfit[lora]'``). The adapters
+            are fp32 whatever ``dtype`` is, and are initialised by PEFT (B zeros) from ``seed``.
+            ``None`` or rank 0: no adapters.
         **config_overrides: config attributes to override, e.g. ``num_hidden_layers=2``
             (a per-layer list such as ``layer_types`` is cut to the new depth).
 
     Returns:
         The model, in ``train()`` mode, with ``use_cache=False`` (for ``ddp`` on a real
-        backend, its ``DistributedDataParallel`` wrapper).
+        backend, its ``DistributedDataParallel`` wrapper; with ``lora``, the ``PeftModel``,
+        which FSDP2 shards as the root).
 
     Raises:
         InvalidArgument: bad spec, dtype, attention implementation, backend name,
-            sharding or seed, or no process group of the sharding's size.
+            sharding, seed or lora (a target that matches no module, PEFT missing), or no
+            process group of the sharding's size.
 
     Example:
         >>> model = build_causal_lm("tiny")
@@ -123,10 +135,14 @@ def build_causal_lm(
     """
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+    from batchfit.models.lora import as_lora
     from batchfit.parallel.shard import shard_model
     from batchfit.parallel.sharding import as_sharding
 
     torch_dtype = parse_dtype(dtype)
+    adapters = as_lora(lora)
+    if adapters is not None and not adapters.enabled:
+        adapters = None
     check_choice("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
     plan = as_sharding(sharding)
     if seed is not None:
@@ -148,6 +164,11 @@ def build_causal_lm(
             model = _from_config(factory, config, spec, dtype=torch_dtype, attn_implementation=attn_implementation)
             if gradient_checkpointing:
                 enable_activation_checkpointing(model)
+            if adapters is not None:
+                from batchfit.models.lora import apply_lora, materialise_adapters
+
+                model = apply_lora(model, adapters, value_head=value_head)
+                materialise_adapters(model, device)  # fake tensors of PEFT's dtype
             return shard_model(model.train(), plan, fake=True)
     with context:  # NOTE [ Models are built on the meta device ]
         seed = resolve_seed(seed, plan)
@@ -155,6 +176,10 @@ def build_causal_lm(
             model = _from_config(factory, config, spec, dtype=torch_dtype, attn_implementation=attn_implementation)
             if gradient_checkpointing:
                 enable_activation_checkpointing(model)
+            if adapters is not None:
+                from batchfit.models.lora import apply_lora
+
+                model = apply_lora(model, adapters, value_head=value_head)
             model.train()
             if plan.strategy == "fsdp2":
                 model = _shard_on_meta(model, plan, device)
@@ -285,6 +310,8 @@ def initialise_weights(model: torch.nn.Module, seed: int) -> None:
     """
     from torch.distributed.tensor import DTensor
 
+    from batchfit.models.lora import is_peft_model, reset_adapters
+
     pads = {
         m: m.padding_idx
         for m in model.modules()
@@ -305,6 +332,8 @@ def initialise_weights(model: torch.nn.Module, seed: int) -> None:
             torch.manual_seed(seed)  # fills seeded_fills cannot name (see its NOTE) stay reproducible
             with seeded_fills(model, seed):
                 model.init_weights()
+                if is_peft_model(model):  # transformers drew the adapters as plain linears
+                    reset_adapters(model)
     finally:
         for owner in owners:
             del owner._initialize_weights  # the class's method again
@@ -347,6 +376,8 @@ def _zeroing_padding_after(initialize: Any, pads: dict[torch.nn.Module, int]) ->
 # and cpu and cuda builds agree (the numbers are drawn on the CPU, then copied). A rank
 # holds at most one block more than its shard, on the host. Fills on tensors that are not
 # known (views, temporaries) run unchanged with the global generator, seeded with ``seed``.
+# Names are taken without PEFT's wrappers (``_unwrapped_name``): a LoRA model's base draws the
+# weights of the same-seed model without adapters.
 
 
 @contextlib.contextmanager
@@ -414,7 +445,8 @@ class _SeededFills(TorchDispatchMode):
         self.by_id: dict[int, str] = {}
         self.by_storage: dict[tuple[int, int, tuple[int, ...]], str] = {}
         named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-        for name, tensor in named:
+        for path, tensor in named:
+            name = _unwrapped_name(path)
             self.by_id.setdefault(id(tensor), name)
             key = _storage_key(tensor)
             if key is not None:
@@ -466,6 +498,16 @@ class _SeededFills(TorchDispatchMode):
             start, stop = max(first, lo), min(last, hi)
             local[start - lo : stop - lo].copy_(values[(slice(start - first, stop - first), *inner)])
             del values
+
+
+def _unwrapped_name(path: str) -> str:
+    """A parameter's path without PEFT's wrappers: a LoRA model's base draws the same-seed model's weights.
+
+    ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` ->
+    ``model.layers.0.self_attn.q_proj.weight`` (NOTE [ Initial weights from a seed ]); so with
+    its adapters' B at zero, a LoRA model starts as the model built without them.
+    """
+    return path.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def _block_seed(seed: int, name: str, fill: int, block: int) -> int:

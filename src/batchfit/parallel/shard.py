@@ -179,12 +179,19 @@ def _wrap_ddp(model: torch.nn.Module, group: Any) -> torch.nn.Module:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside a DDP or FSDP1 wrapper (``model`` itself otherwise)."""
+    """The transformers model inside a DDP wrapper and/or a PEFT (LoRA) wrapper (``model`` itself otherwise).
+
+    The model returned holds the same parameters (a PEFT model's adapter layers included);
+    run the forward through ``model`` itself, whose FSDP2 root or DDP hooks it needs.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     from batchfit.parallel.fsdp1 import is_fsdp1
 
-    return model.module if isinstance(model, DistributedDataParallel) or is_fsdp1(model) else model
+    inner = model.module if isinstance(model, DistributedDataParallel) or is_fsdp1(model) else model
+    if hasattr(inner, "peft_config") and callable(getattr(inner, "get_base_model", None)):  # a PeftModel
+        return inner.get_base_model()
+    return inner
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:

@@ -47,8 +47,14 @@ def _is_fsdp(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def _is_fsdp1(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(model, FullyShardedDataParallel)
+
+
 def data_parallel_size(model: torch.nn.Module) -> int:
-    """The ranks ``model``'s gradients are averaged over: DDP's process group, FSDP2's mesh, else 1.
+    """The ranks ``model``'s gradients are averaged over: DDP's or FSDP1's process group, FSDP2's mesh, else 1.
 
     Under FSDP2 this is the size of the mesh its parameters are sharded (and, for HSDP,
     replicated) over; a model that is not wrapped gives 1.
@@ -67,6 +73,10 @@ def data_parallel_size(model: torch.nn.Module) -> int:
         for param in model.parameters():
             if isinstance(param, DTensor):
                 return int(param.device_mesh.size())
+    if _is_fsdp1(model):  # the process group it shards over
+        import torch.distributed as dist
+
+        return dist.get_world_size(model.process_group)
     return 1
 
 
@@ -88,14 +98,14 @@ def accumulated_gradient_bytes(model: torch.nn.Module) -> int:
 def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
     """Run the forward and backward inside the block with gradient synchronisation on or off.
 
-    ``enabled=False``: DDP's ``no_sync()``; FSDP2's ``set_requires_gradient_sync(False)``
+    ``enabled=False``: DDP's (and FSDP1's) ``no_sync()``; FSDP2's ``set_requires_gradient_sync(False)``
     (switched back on when the block exits; it keeps unsharded gradients until a synced
     backward, see NOTE [ Accumulate, then sync once ]). A model that is not wrapped is left alone.
     """
     if enabled:
         yield
         return
-    if _is_ddp(model):
+    if _is_ddp(model) or _is_fsdp1(model):
         with model.no_sync():
             yield
     elif _is_fsdp(model):

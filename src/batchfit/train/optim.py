@@ -3,7 +3,8 @@
 A token budget's probe and a trainer use the same three helpers, so the state a probe
 measures is the state the trainer holds between micro-batches:
 
-- :func:`default_optimizer`: AdamW with ``foreach=True`` (what PyTorch picks on CUDA).
+- :func:`default_optimizer`: AdamW with ``foreach=True`` (what PyTorch picks on CUDA) over the
+  trainable parameters (a LoRA model's adapters).
 - :func:`initialize_optimizer_state`: the optimizer's lazy state created now (SkyRL #1060
   profiled one step and missed it).
 - :func:`allocate_gradients`: every trainable parameter's ``.grad`` allocated, as from the
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from batchfit.errors import InvalidArgument
 from batchfit.parallel.shard import unwrap
 
 __all__ = ["allocate_gradients", "default_optimizer", "initialize_optimizer_state"]
@@ -30,10 +32,13 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     back to 0, so bias correction starts as if no step had run. Parameters and their
     gradients are unchanged (AdamW's decoupled weight decay multiplies by
     ``1 - lr * wd = 1``). Without this, the first measured step would also allocate the
-    state and a single profile would miss it on later steps (SkyRL #1060).
+    state and a single profile would miss it on later steps (SkyRL #1060). Frozen parameters
+    (``requires_grad=False``: a LoRA model's base) get no state, as in training, where they
+    never have a gradient.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    fresh = [p for p in params if not optimizer.state.get(p)]
+    # a frozen parameter (a LoRA base) never gets a gradient, so a trainer never creates its state
+    fresh = [p for p in params if p.requires_grad and not optimizer.state.get(p)]
     if not fresh:
         return
     fresh_ids = {id(p) for p in fresh}
@@ -78,10 +83,27 @@ def allocate_gradients(model: torch.nn.Module) -> None:
 
 
 def default_optimizer(parameters: Any, lr: float = 1e-6) -> torch.optim.Optimizer:
-    """The optimizer every batchfit step trains with: AdamW with ``foreach=True``.
+    """The optimizer every batchfit step trains with: AdamW with ``foreach=True``, over the trainable parameters.
 
     ``foreach`` is what PyTorch picks by default on CUDA; on the CPU (and so under the
     estimate backend's fake CPU tensors) its default is the per-parameter loop, whose
     temporaries are smaller, so it is set explicitly: an estimate predicts the CUDA step.
+
+    Args:
+        parameters: parameters (e.g. ``model.parameters()``); frozen ones
+            (``requires_grad=False``, a LoRA model's base) are left out, so the state is the
+            trainable parameters' only, two fp32 moments each for fp32 adapters (verl and SkyRL
+            hand AdamW every parameter, which comes to the same state: a frozen parameter never
+            has a gradient).
+        lr: the learning rate.
+
+    Raises:
+        InvalidArgument: no parameter requires a gradient.
     """
-    return torch.optim.AdamW(parameters, lr=lr, foreach=True)
+    params = [p for p in parameters if p.requires_grad]
+    if not params:
+        raise InvalidArgument(
+            "parameters must include at least one trainable parameter (requires_grad=True), but got none; "
+            "unfreeze the model, or give it LoRA adapters"
+        )
+    return torch.optim.AdamW(params, lr=lr, foreach=True)
