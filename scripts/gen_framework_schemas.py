@@ -38,6 +38,7 @@ import copy
 import json
 import re
 import sys
+import warnings
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -142,7 +143,9 @@ class Index:
             if not path.endswith(".py"):
                 continue
             try:
-                tree = ast.parse(text)
+                with warnings.catch_warnings():  # their strings' invalid escapes are theirs to fix
+                    warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
+                    tree = ast.parse(text)
             except SyntaxError:
                 continue
             names = _module_names(path)

@@ -51,6 +51,22 @@ def test_faults_are_one_line_each_with_exit_2(capsys):
     assert all(line.startswith("batchfit plan: error: ") for line in err)
 
 
+def test_every_fault_of_a_plan_is_listed_at_once(capsys):
+    # issue 20: 100 prompts, mini-batch 32, 3 GPUs. 100 % 32 != 0, and 32 samples do not split over 3
+    # GPUs: two independent faults (the second used to be hidden behind the first)
+    argv = ["plan", "--train-batch-size", "100", "--policy-mini-batch-size", "32", "--world-size", "3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2
+    assert "train_batch_size=100 is not a multiple of policy_mini_batch_size=32" in err[0]
+    assert "32 × 1 = 32 samples per mini-batch do not split evenly over dp_size=3" in err[1]
+    # under SkyRL's rules: its assert, its floored per-GPU counts, its tail-dropping
+    assert main([*argv, "--framework", "skyrl"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("batchfit plan: error: ") == 3
+    assert "validate_batch_sizes asserts it" in err and "_remove_tail_data" in err
+
+
 def test_missing_file_exits_2_without_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "batchfit", "plan", "no-such-file.yaml"], capture_output=True, text=True

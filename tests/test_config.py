@@ -249,9 +249,7 @@ def test_plan_returns_consistent_numbers_or_raises_batch_config_error(
 
 def test_an_invalid_field_does_not_hide_faults_between_the_valid_ones():
     with pytest.raises(BatchConfigError) as info:
-        BatchConfig(
-            train_batch_size=100, policy_mini_batch_size=30, micro_train_batch_size_per_gpu=0
-        ).plan()
+        BatchConfig(train_batch_size=100, policy_mini_batch_size=30, micro_train_batch_size_per_gpu=0).plan()
     faults = info.value.faults
     assert any(f.startswith("micro_train_batch_size_per_gpu=0 must be") for f in faults)
     assert any("train_batch_size=100 is not a multiple of policy_mini_batch_size=30" in f for f in faults)
@@ -282,3 +280,66 @@ def test_numpy_integers_give_an_exact_json_ready_plan():
     ).plan()
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["trajectories_per_step"] == 8 * 2**40 and type(plan.config.train_batch_size) is int
+
+
+@pytest.mark.parametrize(
+    ("framework", "pattern"),
+    [
+        # 10 prompts, mini-batch 5, 2 GPUs: 5 samples do not split in two
+        ("batchfit", r"5 × 1 = 5 samples per mini-batch do not split evenly over dp_size=2"),
+        # SkyRL floors 5 // 2 = 2 and 10 // 2 = 5 per GPU, and asserts 5 % 2 == 0
+        ("skyrl", r"= 10 × 1 // 2 = 5, are not a multiple of .* = 5 × 1 // 2 = 2 .*validate_batch_sizes"),
+        # verl 0.9.1 asserts mini_batch_size % dp_size == 0 when it updates
+        ("verl", r"5 samples per mini-batch do not split over dp_size=2 .*train_mini_batch asserts"),
+    ],
+)
+def test_each_framework_refuses_a_mini_batch_that_does_not_split_in_its_own_words(framework, pattern):
+    config = BatchConfig(train_batch_size=10, policy_mini_batch_size=5, world_size=2, framework=framework)
+    with pytest.raises(BatchConfigError, match=pattern):
+        config.plan()
+
+
+def test_a_reference_with_its_own_dp_size_joins_skyrls_lcm_rules():
+    config = BatchConfig(train_batch_size=4, policy_mini_batch_size=4, world_size=2, framework="skyrl")
+    assert config.plan().optimizer_steps_per_step == 1
+    with pytest.raises(BatchConfigError) as info:
+        config.replace(reference_world_size=3).plan()
+    # validate_batch_sizes: 4 samples < lcm(2, 3) = 6; _remove_tail_data: stride 6 keeps 0 of 4 prompts
+    assert [f.split(":")[0] for f in info.value.faults] == [
+        "train_batch_size × n_samples_per_prompt = 4 × 1 = 4 samples are fewer than the least common multiple of "
+        "the data-parallel sizes (policy 2, reference 3",
+        "train_batch_size × n_samples_per_prompt = 4 × 1 samples do not split over the models' data-parallel sizes "
+        "(policy 2, reference 3",
+    ]
+
+
+def test_the_critics_own_model_parallel_size_sets_its_dp_size():
+    plan = BatchConfig(
+        train_batch_size=8,
+        policy_mini_batch_size=4,
+        critic_mini_batch_size=4,
+        n_samples_per_prompt=2,
+        world_size=4,
+        critic_world_size=4,
+        critic_model_parallel=2,
+    ).plan()
+    assert plan.policy.samples_per_mini_batch_per_gpu == 2  # 4 × 2 / 4
+    assert plan.critic.samples_per_mini_batch_per_gpu == 4  # 4 × 2 / (4 / 2)
+
+
+@pytest.mark.parametrize(
+    ("changes", "pattern"),
+    [
+        ({"reference_world_size": 0}, r"reference_world_size=0 must be an integer >= 1 or None"),
+        ({"critic_model_parallel": True}, r"critic_model_parallel=True must be an integer >= 1 or None"),
+        (
+            {"critic_mini_batch_size": 4, "critic_world_size": 3, "critic_model_parallel": 2},
+            r"critic_world_size=3 is not a multiple of critic_model_parallel = 2 .*set critic_world_size to a "
+            r"multiple of 2 \(2 or 4\)",
+        ),
+    ],
+    ids=["reference-zero", "critic-mp-bool", "critic-mp-does-not-divide"],
+)
+def test_the_other_models_placement_fields_are_checked(changes, pattern):
+    with pytest.raises(BatchConfigError, match=pattern):
+        BatchConfig(train_batch_size=8, policy_mini_batch_size=4).replace(**changes).plan()

@@ -71,6 +71,8 @@ class RunConfig:
             ``actor_rollout_ref.model.lora_rank``, ``lora_alpha``, ``target_modules``,
             ``exclude_modules`` (Megatron: ``actor_rollout_ref.model.lora.*``); SkyRL:
             ``trainer.policy.model.lora.rank``, ``alpha``, ``target_modules``, ``exclude_modules``.
+        critic_lora: the critic's, in the same form (verl ``critic.model.lora_rank``, ...;
+            SkyRL ``trainer.critic.model.lora.*``), or ``None``.
         colocated: the models (``policy``, ``critic``, ``reference``) that share the GPUs,
             so that one runs while the others' state stays on the device.
         resident: per colocated model, the state it keeps on the device while another
@@ -105,6 +107,7 @@ class RunConfig:
     forward_entropy: str = "none"
     temperature: float | None = None
     lora: dict[str, Any] | None = field(default=None, compare=False)
+    critic_lora: dict[str, Any] | None = field(default=None, compare=False)
     colocated: tuple[str, ...] = ()
     resident: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
     faults: tuple[str, ...] = ()

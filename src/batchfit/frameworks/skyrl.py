@@ -47,24 +47,20 @@ LORA = T + "policy.model.lora."
 
 # Keys that change memory in ways batchfit's budgets do not reproduce: a config that sets one
 # away from SkyRL's default gets a warning naming it. Remove a key once profile models it.
-# ("prefix.*" stands for every key below an open section.)
+# ("prefix.*" stands for every key below an open section.) Modelled, so not listed: LoRA's rank,
+# alpha and targets (RunConfig.lora, critic_lora), trainer.remove_microbatch_padding and its
+# alias (remove_padding: the probe's cost), trainer.logprobs_chunk_size and
+# trainer.algorithm.use_entropy_loss (the entropy fields: batchfit.frameworks.step), the
+# gradient checkpointing and cpu_offload of the policy (read into RunConfig).
 _SAME_FOR_CRITIC = "the critic's, as the policy's"
 UNMODELLED: dict[str, str] = {
-    LORA
-    + "rank": "LoRA adapters on a frozen base (no gradients or optimizer state for the base, the adapters "
-    "in fp32); the budgets are for full fine-tuning",
-    LORA + "target_modules": "which layers carry LoRA adapters",
-    LORA + "exclude_modules": "which layers carry no LoRA adapters",
-    T + "critic.model.lora.rank": "LoRA adapters on the critic's frozen base",
-    REMOVE_PADDING_KEY: "False keeps each micro-batch's padding (rows × longest sequence) where SkyRL otherwise "
-    "packs it; the budget's cost model is profile's --cost",
-    REMOVE_PADDING_ALIAS: "the deprecated name of trainer.remove_microbatch_padding (padding kept when False)",
+    LORA + "exclude_modules": "layers left without LoRA adapters (batchfit adapts every target module)",
+    T + "critic.model.lora.exclude_modules": "the critic's layers left without LoRA adapters",
     T
     + "flash_attn": "False runs attention without flash-attention (SDPA or eager kernels keep other buffers)",
     T + "bf16": "False computes in fp32 instead of bf16 autocast",
     T + "gradient_checkpointing_use_reentrant": "reentrant activation checkpointing (batchfit checkpoints "
     "non-reentrantly)",
-    T + "algorithm.use_entropy_loss": "the entropy's backward through the [tokens, vocab] logits",
     T + "policy.sequence_parallel_size": "Ulysses sequence parallelism splits each sequence over GPUs (the "
     "budgets hold whole sequences on one GPU)",
     T + "critic.sequence_parallel_size": "Ulysses sequence parallelism for the critic",
@@ -77,7 +73,8 @@ UNMODELLED: dict[str, str] = {
     T + "policy.model_config_kwargs.*": "overrides of the model's Hugging Face config (batchfit profiles its "
     "config.json as it is)",
     T
-    + "policy.use_torch_compile": "torch.compile of the log-prob and entropy computation (fuses temporaries)",
+    + "policy.use_torch_compile": "torch.compile of the entropy computation (fuses its temporaries; measured "
+    "eagerly)",
     T + "critic.fsdp_config.cpu_offload": "the critic's parameters and optimizer state on the host",
     T + "critic.fsdp_config.reshard_after_forward": _SAME_FOR_CRITIC,
     T + "critic.fsdp_config.fsdp_size": _SAME_FOR_CRITIC,
@@ -103,7 +100,9 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     flat = flatten(data)
     given = {key: flat.get(key, value) for key, value in given.items()}
     schema = framework_schema("skyrl")
-    misspelt, warnings = schema.check_keys(given, ignore=BatchConfig.fields())
+    # the deprecated alias is renamed by from_cli_overrides before the dataclasses see it
+    checked = {key: value for key, value in given.items() if key != REMOVE_PADDING_ALIAS}
+    misspelt, warnings = schema.check_keys(checked, ignore=BatchConfig.fields())
     faults: list[str] = []
 
     strategy = flat.get(T + "strategy")
@@ -111,7 +110,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         strategy = "fsdp"
     megatron = strategy == "megatron"
     keys = {**KEYS, **MEGATRON_KEYS} if megatron else KEYS
-    values: dict[str, Any] = {field: as_int(flat[key]) for key, field in keys.items() if key in flat}
+    values: dict[str, Any] = {field: as_int(flat.get(key)) for key, field in keys.items()}
     if megatron:
         values["sequence_parallel"] = 1  # validate_batch_sizes: dp = world // (pp · cp · tp) for Megatron
     tokens = as_int(flat.get(TOKEN_KEY))
@@ -151,7 +150,9 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     temperature = flat.get(algorithm + "temperature")
     if temperature is None:  # SkyRLTrainConfig.__post_init__ copies the sampling temperature
         temperature = flat.get("generator.sampling_params.temperature")
-    warnings += unmodelled_warnings(given, framework_defaults("skyrl"), UNMODELLED, schema.title)
+    defaults = framework_defaults("skyrl")
+    defaults = {**defaults, REMOVE_PADDING_ALIAS: defaults.get(REMOVE_PADDING_KEY)}
+    warnings += unmodelled_warnings(given, defaults, UNMODELLED, schema.title)
     run = RunConfig(
         vocabulary="skyrl",
         batch=BatchConfig(**values, framework="skyrl"),
@@ -174,7 +175,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         entropy_in_loss=entropy_loss,
         forward_entropy="none",  # worker.py _forward_micro_batch: log-probs only
         temperature=temperature,
-        lora=_lora(flat),
+        lora=_lora(flat, LORA),
+        critic_lora=_lora(flat, T + "critic.model.lora.") if critic_model else None,
         colocated=colocated,
         resident=resident,
         faults=tuple(faults),
@@ -305,16 +307,16 @@ def _entropy(flat: dict[str, Any], megatron: bool, chunk: Any) -> tuple[str, int
     return "chunked", size if isinstance(size, int) and size > 0 else None
 
 
-def _lora(flat: dict[str, Any]) -> dict[str, Any] | None:
-    """The policy's LoRA (``trainer.policy.model.lora.*``, SkyRLLoraConfig), ``None`` at rank 0."""
-    rank = as_int(flat.get(LORA + "rank", 0))
+def _lora(flat: dict[str, Any], prefix: str) -> dict[str, Any] | None:
+    """A model's LoRA (``<model>.lora.*``, SkyRLLoraConfig), ``None`` at rank 0."""
+    rank = as_int(flat.get(prefix + "rank", 0))
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         return None
     return {
         "rank": rank,
-        "alpha": flat.get(LORA + "alpha"),
-        "target_modules": flat.get(LORA + "target_modules"),
-        "exclude_modules": flat.get(LORA + "exclude_modules"),
+        "alpha": flat.get(prefix + "alpha"),
+        "target_modules": flat.get(prefix + "target_modules"),
+        "exclude_modules": flat.get(prefix + "exclude_modules"),
     }
 
 

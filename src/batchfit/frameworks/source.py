@@ -185,7 +185,8 @@ def resolve(data: Mapping[str, Any], vocabulary: str) -> dict[str, Any]:
     try:
         config = OmegaConf.create(_plain(data))
         if vocabulary in ("skyrl", "verl"):
-            config = OmegaConf.merge(_defaults_config(vocabulary), config)
+            pruned = not _mentions_unread(data, vocabulary)
+            config = OmegaConf.merge(_defaults_config(vocabulary, pruned), config)
         step = "resolve"
         resolved = OmegaConf.to_container(config, resolve=True, throw_on_missing=False)
     except OmegaConfBaseException as exc:
@@ -204,13 +205,52 @@ def resolve(data: Mapping[str, Any], vocabulary: str) -> dict[str, Any]:
     return _missing_as_none(resolved)
 
 
+# NOTE [ Sections no rule reads ]
+# verl's defaults hold ~120 interpolations, most in its profiler sections; resolving them all
+# costs more than everything else a read does. These sections (top-level names, and any
+# section named "profiler") feed no key batchfit reads, and no interpolation outside them
+# refers to them (tests/test_framework_rules_keys.py checks both), so they are left out of the
+# merge unless the user's file names one of them.
+_UNREAD = {
+    "verl": ("global_profiler", "distillation", "transfer_queue", "skip", "ray_kwargs", "reward", "profiler")
+}
+
+
+def _mentions_unread(data: Mapping[str, Any], vocabulary: str) -> bool:
+    """The user's file sets a key in, or interpolates from, a section of :data:`_UNREAD`."""
+    names = _UNREAD.get(vocabulary, ())
+    if not names:
+        return True
+    for key, value in flatten(data).items():
+        parts = key.split(".")
+        if parts[0] in names or "profiler" in parts[:-1]:
+            return True
+        if isinstance(value, str) and "${" in value and any(name in value for name in names):
+            return True
+    return False
+
+
+def _without_unread(tree: dict[str, Any], names: tuple[str, ...], top: bool = True) -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if (top and key in names) or key == "profiler":
+            continue
+        out[key] = _without_unread(value, names, top=False) if isinstance(value, dict) else value
+    return out
+
+
 @functools.cache
-def _defaults_config(vocabulary: str) -> Any:
-    """The framework's defaults as an OmegaConf config, read once (merging does not change it)."""
+def _defaults_config(vocabulary: str, pruned: bool = False) -> Any:
+    """The framework's defaults as an OmegaConf config, read once (merging does not change it);
+    ``pruned``: without the sections of NOTE [ Sections no rule reads ]."""
+    import yaml
     from omegaconf import OmegaConf
 
     text = resources.files("batchfit.frameworks").joinpath("defaults", f"{vocabulary}.yaml").read_text()
-    return OmegaConf.create(text)
+    tree = yaml.safe_load(text)
+    if pruned and vocabulary in _UNREAD:
+        tree = _without_unread(tree, _UNREAD[vocabulary])
+    return OmegaConf.create(tree)
 
 
 @functools.cache
@@ -248,6 +288,9 @@ class FrameworkSchema:
         """``key`` is in the schema, or below one of its open sections."""
         return key in self.keys or any(key.startswith(p + ".") for p in self.open)
 
+    def _is_open(self, key: str) -> bool:
+        return any(key == p or key.startswith(p + ".") for p in self.open)
+
     def children(self, section: str) -> list[str]:
         """The names of the keys directly below ``section`` (``""`` = the top level)."""
         prefix = section + "." if section else ""
@@ -276,15 +319,28 @@ class FrameworkSchema:
         faults: list[str] = []
         warnings: list[str] = []
         for key, value in given.items():
-            if key.split(".")[0] in ignore or self.knows(key):
+            if key.split(".")[0] in ignore:
+                continue
+            if self.knows(key):
+                children = self.children(key) if key in self.keys else []
+                if children and value is not None and not self._is_open(key):
+                    faults.append(
+                        f"{key}={value!r}: {key!r} is a section of {self.title}'s config, not a value; set the keys "
+                        f"below it instead (such as {key}.{'path' if 'path' in children else children[0]})"
+                    )
                 continue
             parts = key.split(".")
             depth = next(i for i in range(len(parts)) if not self.knows(".".join(parts[: i + 1])))
             parent, name, rest = ".".join(parts[:depth]), parts[depth], parts[depth + 1 :]
             strict = self.strict.get(parent)
-            if parent and parent not in self.keys:
-                continue  # below a leaf or an open value: the framework passes it through
-            near = difflib.get_close_matches(name, self.children(parent), n=1, cutoff=0.8 if strict else 0.9)
+            siblings = self.children(parent)
+            if parent and not siblings:
+                faults.append(
+                    f"{key}={value!r}: {parent!r} is a value in {self.title}'s config, not a section; set {parent} "
+                    "to a value"
+                )
+                continue
+            near = difflib.get_close_matches(name, siblings, n=1, cutoff=0.8 if strict else 0.9)
             if near:
                 meant = ".".join([p for p in (parent, near[0]) if p] + rest)
                 faults.append(

@@ -51,23 +51,19 @@ KEY_NAMES = {
 
 # Keys that change memory in ways batchfit's budgets do not reproduce: a config that sets one
 # away from verl's default gets a warning naming it. Remove a key once profile models it.
-# ("prefix.*" stands for every key below an open section.)
+# ("prefix.*" stands for every key below an open section.) Modelled, so not listed: the FSDP
+# LoRA keys lora_rank, lora_alpha, target_modules (RunConfig.lora, critic_lora),
+# use_remove_padding (remove_padding: the probe's cost), use_fused_kernels and the entropy keys
+# calculate_entropy, entropy_coeff, entropy_from_logits_with_chunking, *_chunk_size,
+# entropy_checkpointing (the entropy fields: batchfit.frameworks.step), the actor's offload
+# and gradient checkpointing (read into RunConfig).
 _SAME = "as for the actor"
 UNMODELLED: dict[str, str] = {
-    MODEL + "lora_rank": "LoRA adapters on a frozen base (no gradients or optimizer state for the base, the "
-    "adapters in fp32); the budgets are for full fine-tuning",
-    MODEL + "target_modules": "which layers carry LoRA adapters",
-    MODEL + "exclude_modules": "which layers carry no LoRA adapters",
-    MODEL + "lora.rank": "Megatron's LoRA adapters",
-    CRITIC + "model.lora_rank": "LoRA adapters on the critic's frozen base",
+    MODEL + "exclude_modules": "layers left without LoRA adapters (batchfit adapts every target module)",
+    MODEL + "lora.rank": "Megatron's LoRA adapters (batchfit models the FSDP engine's lora_rank)",
     MODEL
-    + "use_remove_padding": "False runs full-width padded rows while ppo_max_token_len_per_gpu counts valid "
-    "tokens (the attention mask's sum), so a packed budget can be exceeded",
-    CRITIC + "model.use_remove_padding": "the critic's padded rows, as for the actor",
-    MODEL
-    + "use_fused_kernels": "verl's fused kernels compute log-probs and entropy without the [tokens, vocab] "
-    "logits",
-    MODEL + "fused_kernel_options.impl_backend": "the fused kernels' implementation",
+    + "fused_kernel_options.impl_backend": "the fused kernels' implementation (measured with batchfit's "
+    "fused head)",
     MODEL + "use_liger": "Liger kernels (RMSNorm, SwiGLU, RoPE) keep other activations",
     MODEL + "enable_activation_offload": "activations offloaded to the host",
     CRITIC + "model.enable_activation_offload": _SAME,
@@ -75,16 +71,12 @@ UNMODELLED: dict[str, str] = {
     MODEL
     + "override_config.*": "overrides of the model's Hugging Face config (batchfit profiles its config.json "
     "as it is)",
-    ACTOR + "entropy_coeff": "entropy in the loss: its backward through the [tokens, vocab] logits",
-    ACTOR + "calculate_entropy": "entropy over the vocabulary in the update, with its graph",
-    ACTOR + "entropy_from_logits_with_chunking": "the entropy computed in row chunks",
-    ACTOR + "entropy_from_logits_chunk_size": "rows per entropy chunk",
-    ACTOR + "entropy_checkpointing": "the entropy recomputed in backward (activation checkpointing)",
-    ENGINE + "entropy_from_logits_with_chunking": "the entropy computed in row chunks",
-    ENGINE + "entropy_from_logits_chunk_size": "rows per entropy chunk",
-    ENGINE + "entropy_checkpointing": "the entropy recomputed in backward (activation checkpointing)",
-    ENGINE + "use_torch_compile": "torch.compile of the entropy (fuses its [tokens, vocab] temporaries)",
-    ACTOR + "use_torch_compile": "torch.compile of the entropy (fuses its [tokens, vocab] temporaries)",
+    ENGINE
+    + "use_torch_compile": "torch.compile of the entropy (fuses its [tokens, vocab] temporaries; measured "
+    "eagerly)",
+    ACTOR
+    + "use_torch_compile": "torch.compile of the entropy (fuses its [tokens, vocab] temporaries; measured "
+    "eagerly)",
     ENGINE + "model_dtype": "the dtype parameters are stored in (profile's --dtype; fp32 under FSDP2 mixed "
     "precision by default)",
     ENGINE + "dtype": "the compute (autocast) dtype",
@@ -189,6 +181,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         )
     _check_token_lengths(flat, max_seq_len, dynamic, reference, critic, sp, critic_sp, faults)
     lora = _lora(flat, flat.get(ACTOR + "strategy"))
+    critic_lora = _lora(flat, flat.get(CRITIC + "strategy"), model=CRITIC + "model.") if critic else None
     _check_lora(flat, faults)
     if as_bool(flat.get("trainer.use_v1")) is False:
         warnings.append(
@@ -228,6 +221,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         forward_entropy=forward_entropy,
         temperature=flat.get(ROLLOUT + "temperature"),
         lora=lora,
+        critic_lora=critic_lora,
         # actor, rollout and reference share one worker; the critic shares the global pool
         colocated=tuple(roles) if len(roles) > 1 else (),
         resident={
@@ -427,17 +421,17 @@ def _check_token_lengths(
             )
 
 
-def _lora(flat: dict[str, Any], strategy: Any) -> dict[str, Any] | None:
-    """The policy's LoRA: HFModelConfig's ``lora_rank``/``lora_alpha``/``target_modules`` (FSDP),
-    or the ``lora`` block (Megatron); ``None`` at rank 0."""
+def _lora(flat: dict[str, Any], strategy: Any, model: str = MODEL) -> dict[str, Any] | None:
+    """A model's LoRA: HFModelConfig's ``lora_rank``/``lora_alpha``/``target_modules`` (FSDP),
+    or its ``lora`` block (Megatron); ``None`` at rank 0. ``model``: the model section."""
     if strategy == "megatron":
-        block = MODEL + "lora."
+        block = model + "lora."
         rank, alpha, targets, exclude = (
             flat.get(block + k) for k in ("rank", "alpha", "target_modules", "exclude_modules")
         )
     else:
         rank, alpha, targets, exclude = (
-            flat.get(MODEL + k) for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")
+            flat.get(model + k) for k in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules")
         )
     rank = as_int(rank)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:

@@ -281,17 +281,18 @@ def _world_size(cfg: BatchConfig, faults: list[str]) -> int | None:
 
 
 def _dp_size(cfg: BatchConfig, world: int, faults: list[str]) -> int | None:
-    parts = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.context_parallel, cfg.sequence_parallel)
-    mp = math.prod(parts)
+    names = ("tensor_parallel", "pipeline_parallel", "context_parallel", "sequence_parallel")
+    mp = math.prod(getattr(cfg, name) for name in names)
     if world % mp == 0:
         return world // mp
     below, above = (world // mp) * mp, (world // mp + 1) * mp
     world_fix = or_list([w for w in (below, above) if w > 0])
+    parts = " × ".join(f"{name}={getattr(cfg, name)}" for name in names if getattr(cfg, name) > 1)
+    parts = parts if "×" not in parts else f"{parts} = {mp}"
     faults.append(
-        f"world_size={world} is not a multiple of tensor_parallel × pipeline_parallel × context_parallel "
-        f"× sequence_parallel = {' × '.join(map(str, parts))} = {mp} (dp_size would be {world / mp:.4g}"
-        f"{_MESH.get(cfg.framework, '')}): set world_size to {world_fix}, or model-parallel sizes whose product "
-        f"divides {world} (one of {or_list(nearest(divisors(world), mp, 3))})"
+        f"world_size={world} is not a multiple of the model-parallel size, {parts} (dp_size would be "
+        f"{world / mp:.4g}{_MESH.get(cfg.framework, '')}): set world_size to {world_fix}, or model-parallel sizes "
+        f"whose product divides {world} (one of {or_list(nearest(divisors(world), mp, 3))})"
     )
     return None
 

@@ -35,7 +35,7 @@ SKYRL_MESH = "SkyRL 0.4.0 skyrl/backends/skyrl_train/workers/worker.py builds th
 SKYRL_STAGE = "SkyRL 0.4.0 skyrl/backends/skyrl_train/distributed/dispatch.py MeshDispatch.stage_chunks"
 SKYRL_TAIL = (
     "SkyRL 0.4.0 skyrl/train/trainer.py _remove_tail_data, then skyrl/train/dataset/preprocess.py "
-    "compute_prompt_mini_batch_boundaries asserts num_prompts == train_batch_size"
+    "compute_prompt_mini_batch_boundaries asserts that no prompt was dropped"
 )
 VERL_VALIDATE = "verl 0.9.1 verl/utils/config.py validate_config"
 VERL_CONFIG_VALIDATE = "verl 0.9.1 verl/workers/config/{role}.py {cls}.validate"
