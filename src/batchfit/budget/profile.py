@@ -30,6 +30,7 @@ from batchfit.models.lora import LoraParameters, lora_parameters
 from batchfit.parallel.behaviour import TorchBehaviours, torch_behaviours
 from batchfit.parallel.distributed import agree
 from batchfit.parallel.sharding import Sharding
+from batchfit.train.framework_heads import FrameworkHead
 from batchfit.validation import check_choice, check_int
 
 ROLES = ("policy", "critic", "reference", "policy_forward", "critic_forward")
@@ -61,7 +62,7 @@ class ModelProfile:
             mixed precision).
         compute_dtype: dtype the forward and backward compute in.
         gradient_checkpointing: activation checkpointing was on.
-        logprobs: how log-probs were computed (``full``, ``chunked``, ``fused``).
+        logprobs: how log-probs were computed (``full``, ``chunked``, ``fused``, a framework's head).
         backend: the backend's name (``cpu``, ``estimate``, ``cuda``).
         memory_limit: device bytes (``None`` = the device's own, cuda).
         reserve_bytes: bytes of ``memory_limit`` no tracker sees.
@@ -77,15 +78,15 @@ class ModelProfile:
             (:func:`batchfit.memory.untracked.untracked_memory`), else ``None``.
         torch: what the installed torch does that changes a sharded budget
             (:func:`batchfit.parallel.behaviour.torch_behaviours`), for ``fsdp2``; else ``None``.
-    """
         lora: the LoRA adapters of the trained model and what they train
             (:class:`~batchfit.models.lora.LoraParameters`; the causal LM's, or the value model's
             when only critic roles were profiled), or ``None`` without LoRA.
+    """
 
     model: str
     dtype: str
     gradient_checkpointing: bool
-    logprobs: str
+    logprobs: str | FrameworkHead
     backend: str
     memory_limit: int | None
     reserve_bytes: int
@@ -98,8 +99,8 @@ class ModelProfile:
     resident_bytes: int = 0
     untracked: UntrackedMemory | None = None
     torch: TorchBehaviours | None = None
-
     lora: LoraParameters | None = None
+
     def to_dict(self) -> dict[str, Any]:
         """Settings, each role's budget and the combined budget as plain values (JSON-ready)."""
         return {
@@ -107,7 +108,8 @@ class ModelProfile:
             "dtype": self.dtype,
             "compute_dtype": self.compute_dtype or self.dtype,
             "gradient_checkpointing": self.gradient_checkpointing,
-            "logprobs": self.logprobs,
+            # a framework's head (FrameworkHead) as its fields
+            "logprobs": self.logprobs if isinstance(self.logprobs, str) else dataclasses.asdict(self.logprobs),
             "backend": self.backend,
             "memory_limit": self.memory_limit,
             "reserve_bytes": self.reserve_bytes,
@@ -125,9 +127,9 @@ class ModelProfile:
             "roles": {role: b.to_dict() for role, b in self.budgets.items()},
             "untracked": None if self.untracked is None else self.untracked.to_dict(),
             "torch": None if self.torch is None else self.torch.to_dict(),
+            "lora": None if self.lora is None else self.lora.to_dict(),
         }
 
-            "lora": None if self.lora is None else self.lora.to_dict(),
 
 def _host_bytes(budget: TokenBudget) -> int:
     point = budget.binding_point
@@ -214,12 +216,12 @@ def profile_model(
         _take_resident(be, resident_bytes)
     parameters = check_host_memory(config, model_name(model)) if be.name == "cpu" else 0
     behaviours = torch_behaviours() if plan.strategy == "fsdp2" else None  # before any simulated world
-    depth, extrapolate = depth_plan(config, be, opts.depth_extrapolation)
-    build = RoleBuilder(config, be, torch_dtype, opts, extrapolate, depth)
     adapters = None
     if opts.lora is not None and opts.lora.enabled and set(chosen_roles) != {"reference"}:
         critic_only = all(role in VALUE_ROLES or role == "reference" for role in chosen_roles)
         adapters = lora_parameters(config, opts.lora, value_head=critic_only)  # a bad target fails here
+    depth, extrapolate = depth_plan(config, be, opts.depth_extrapolation)
+    build = RoleBuilder(config, be, torch_dtype, opts, extrapolate, depth)
     budgets: dict[str, TokenBudget] = {}
     failed: tuple[str, DoesNotFitError] | None = None
     # NOTE [ Probing reuses host pages ]: real cpu probes refault gigabytes each time otherwise
@@ -270,9 +272,9 @@ def profile_model(
         measured_depths=tuple(DEFAULT_DEPTHS) if extrapolate else None,
         untracked=getattr(be, "untracked", None),
         torch=behaviours,
+        lora=adapters,
     )
 
-        lora=adapters,
 
 def resolve_options(options: ProfileOptions | None, settings: dict[str, Any]) -> ProfileOptions:
     """``options`` with ``settings`` applied, or new options from ``settings``."""
@@ -487,9 +489,9 @@ class RoleBuilder:
                 gradient_checkpointing=options.gradient_checkpointing,
                 value_head=role in VALUE_ROLES,
                 sharding=options.sharding,
+                lora=None if role == "reference" else options.lora,  # a reference is the frozen base
                 **overrides,
             )
-                lora=None if role == "reference" else options.lora,  # a reference is the frozen base
             return causal_lm_step(
                 net,
                 backend=self.backend,
