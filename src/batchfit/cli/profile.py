@@ -86,7 +86,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--reserve",
         metavar="SIZE",
-        help="memory per rank no tracker sees (CUDA context, NCCL, workspaces), taken off --memory: estimate default 1GiB, cpu 0, cuda measured; 0 for none",
+        help="memory per rank no tracker sees (CUDA context, NCCL, workspaces), taken off --memory: estimate default the CUDA context, cuBLAS workspaces and NCCL buffers (593.75 MiB sharded, 337.75 MiB on one GPU), cpu 0, cuda measured; 0 for none",
     )
     p.add_argument(
         "--world-size",
@@ -130,12 +130,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--logprobs",
-        default="full",
-        metavar="full|chunked|fused",
-        help="log-prob computation of the policy/reference step (default full: fp32 log_softmax of all logits)",
+        metavar="full|chunked|fused|verl|skyrl",
+        help="log-prob computation of the policy/reference step (default full: fp32 log_softmax of all logits; "
+        "verl, skyrl: the head that framework runs; with --config the framework's head as its keys set it)",
     )
     p.add_argument(
-        "--cost", default="padded", metavar="padded|packed", help="micro-batch cost (default padded)"
+        "--cost",
+        metavar="padded|packed",
+        help="micro-batch cost (default padded; with --config packed when the framework removes padding)",
     )
     p.add_argument(
         "--lora-rank",
@@ -195,11 +197,11 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         InvalidArgument: bad backend, memory, world size, sharding, roles or dtype (one
             line each, exit 2), or a world size that is not the torchrun group's.
     """
-    from batchfit.budget.step import LOGPROBS
     from batchfit.budget.token_budget import check_cost
     from batchfit.memory import BACKEND_NAMES, backend_name, format_bytes, parse_memory, untracked_memory
     from batchfit.models import load_config, parse_dtype
     from batchfit.parallel.sharding import STRATEGIES, Sharding
+    from batchfit.train.logprobs import check_head
     from batchfit.validation import check_choice, check_number, check_positive_int
 
     backend = backend_name(check_choice("--backend", args.backend, BACKEND_NAMES))
@@ -269,7 +271,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         args.safety_margin = DEFAULT_SAFETY_MARGIN if limits is None else limits.safety_margin
     check_number("--safety-margin", args.safety_margin, low=0.0, high=1.0, low_open=True)
     check_roles(args.roles, "--roles")
-    check_choice("--logprobs", args.logprobs, LOGPROBS)
+    check_head("--logprobs", args.logprobs)
     check_cost(args.cost)
     if args.dtype is not None:
         parse_dtype(args.dtype)
@@ -397,6 +399,7 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
             raise InvalidArgument("--emit needs --config (the framework config whose keys to write); pass --config FILE")
     else:
         from batchfit.frameworks import read_run_config
+        from batchfit.frameworks.step import framework_step
 
         if args.emit is not None:
             check_choice("--emit", args.emit, TARGETS)
@@ -417,6 +420,11 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
             args.offload = run.offload
         if args.gradient_checkpointing is None and run.gradient_checkpointing is not None:
             args.gradient_checkpointing = bool(run.gradient_checkpointing)
+        step = framework_step(run)  # the head and layout of the framework's own micro-batch
+        if step is not None:
+            args.logprobs = step.head if args.logprobs is None else args.logprobs
+            args.cost = step.cost if args.cost is None else args.cost
+            args.step_notes = list(step.notes)
     if args.max_seq_len is None:
         args.max_seq_len = DEFAULT_MAX_SEQ_LEN
     if args.offload is None:
@@ -425,14 +433,29 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
         args.gradient_checkpointing = True
     if args.roles is None:
         args.roles = "policy"
+    if args.logprobs is None:
+        args.logprobs = "full"
+    if args.cost is None:
+        args.cost = "padded"
     return run
 
 
 def _strategy(run: Any) -> str | None:
-    """The sharding that models the config's training strategy (SkyRL and verl train with FSDP2)."""
+    """The sharding that models the config's training strategy: verl's ``fsdp`` is FSDP1, SkyRL's ``fsdp`` FSDP2."""
+    from batchfit.parallel.sharding import STRATEGIES
+
     strategy = (run.strategy or "fsdp").lower()
     if strategy in ("fsdp", "fsdp2"):
-        return "fsdp2" if run.world_size > 1 else "none"
+        if run.world_size <= 1:
+            return "none"
+        if strategy == "fsdp" and run.vocabulary == "verl":  # FullyShardedDataParallel
+            if "fsdp1" in STRATEGIES:
+                return "fsdp1"
+            raise InvalidArgument(
+                "the config trains with verl's strategy=fsdp (FSDP1, FullyShardedDataParallel), which batchfit "
+                "does not model: set actor_rollout_ref.actor.strategy=fsdp2, or pass --sharding fsdp2 to profile it as FSDP2"
+            )
+        return "fsdp2"
     from batchfit.frameworks import strategy_refusal
 
     refusal = strategy_refusal(run)  # OpenRLHF's DeepSpeed stages, slime's Megatron: the framework's own hint
@@ -607,7 +630,7 @@ def _run_config(
         result = profile_run(run, _profile_options(args, settings, callback))
     if rank != 0:
         return 0
-    notes = older_torch_notes(result) + list(result.notes)
+    notes = list(getattr(args, "step_notes", [])) + older_torch_notes(result) + list(result.notes)
     keys = None
     if args.emit is not None:
         keys = emit_keys(result, args.emit, max_seq_len=args.max_seq_len, margin=args.safety_margin)
@@ -618,9 +641,11 @@ def _run_config(
     if args.json:
         data = result.to_dict()
         data["memory_defaulted"] = settings["memory_defaulted"]
-        data["older_torch"] = notes
+        data["older_torch"] = older_torch_notes(result)
+        data["notes"] = notes  # the framework step's, the older torch's and the run's
         data["budget"] = provenance(settings["backend"])  # estimated (estimate backend) or measured
         data["run_notes"] = list(getattr(run, "notes", ()))
+        data["warnings"] = list(run.warnings)  # what the config sets that the budgets do not model
         if keys is not None:
             data["emit"] = {k.path: k.value for k in keys if k.path}
         json.dump(data, sys.stdout, indent=2)
@@ -638,6 +663,7 @@ def _run_config(
             shared = ", ".join(f"{role} {format_bytes(b)}" for role, b in result.resident.items())
             header.append(f"colocated models' state taken off each budget: {shared}")
         header += [f"note: {note}" for note in (*notes, *getattr(run, "notes", ()))]
+        header += [f"warning: {warning}" for warning in run.warnings]
         text = render_keys(keys, args.emit, header, args.emit_format)
         sys.stdout.write(text)
         return 0
@@ -649,6 +675,8 @@ def _run_config(
     )
     for note in (*notes, *getattr(run, "notes", ())):
         console.print(f"note: {note}", highlight=False)
+    for warning in run.warnings:
+        console.print(f"warning: {warning}", highlight=False)
     for role, profile in result.profiles.items():
         console.print()
         console.rule(f"{role} model", style="dim")

@@ -1,0 +1,79 @@
+"""The micro-batch step a framework config runs: its log-prob head and its micro-batch layout.
+
+:func:`framework_step` reads what :mod:`batchfit.frameworks.verl` and
+:mod:`batchfit.frameworks.skyrl` put in a :class:`~batchfit.frameworks.run.RunConfig`
+(``remove_padding``, ``fused_kernels``, the entropy fields, ``temperature``) and says how the
+budget's probe must run to be the framework's step (NOTE [ The framework's head, not ours ] in
+:mod:`batchfit.train.framework_heads`), and what of the framework's step it does not reproduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchfit.frameworks.run import RunConfig
+from batchfit.train.framework_heads import FrameworkHead
+
+__all__ = ["FrameworkStep", "framework_step"]
+
+#: The entropy chunk each framework uses when its config names none.
+_DEFAULT_CHUNK = {"verl": 2048, "skyrl": 1024}
+
+
+@dataclass(frozen=True)
+class FrameworkStep:
+    """How the budget's probe runs a framework's micro-batch.
+
+    Attributes:
+        head: the policy's log-prob head: a :class:`FrameworkHead`, or ``"fused"`` when the
+            framework's fused kernels compute log-probs from the hidden states.
+        cost: ``"packed"`` when the framework removes the micro-batch's padding (its token
+            budget then bounds the packed row), else ``"padded"``.
+        notes: what of the framework's step the probe does not reproduce, one sentence each.
+    """
+
+    head: FrameworkHead | str
+    cost: str
+    notes: tuple[str, ...] = ()
+
+
+def framework_step(run: RunConfig) -> FrameworkStep | None:
+    """The step ``run``'s framework runs per micro-batch, or ``None`` for batchfit's flat vocabulary.
+
+    Args:
+        run: a config read by :func:`batchfit.frameworks.read_run_config`.
+
+    Returns:
+        A :class:`FrameworkStep` for a verl or SkyRL config, else ``None``.
+    """
+    framework = run.vocabulary
+    if framework not in _DEFAULT_CHUNK:
+        return None
+    notes: list[str] = []
+    remove_padding = bool(getattr(run, "remove_padding", False))
+    cost = "packed" if remove_padding else "padded"
+    if getattr(run, "fused_kernels", False):
+        notes.append(
+            f"{framework}'s fused kernels compute log-probs from the hidden states: measured with batchfit's fused "
+            "head (logprobs_from_hidden), which never builds the logits either; its chunking is batchfit's"
+        )
+        return FrameworkStep(head="fused", cost=cost, notes=tuple(notes))
+    entropy = getattr(run, "entropy", "none")
+    forward_entropy = getattr(run, "forward_entropy", "none")
+    head = FrameworkHead(
+        framework,
+        entropy=entropy,
+        entropy_grad=bool(getattr(run, "entropy_grad", False)),
+        entropy_in_loss=bool(getattr(run, "entropy_in_loss", False)),
+        entropy_chunk_size=getattr(run, "entropy_chunk_size", None) or _DEFAULT_CHUNK[framework],
+        forward_entropy=forward_entropy,
+        temperature=float(getattr(run, "temperature", None) or 1.0),
+    )
+    layout = "packed rows: it removes padding" if remove_padding else "padded rows: it keeps padding"
+    notes.append(f"measured with {head.describe()}; micro-batches as {layout}")
+    if framework == "verl" and "full" in (entropy, forward_entropy):
+        notes.append(
+            "verl compiles its entropy (use_torch_compile), which fuses its tokens × vocabulary temporaries away: "
+            "measured eagerly, an upper bound"
+        )
+    return FrameworkStep(head=head, cost=cost, notes=tuple(notes))
