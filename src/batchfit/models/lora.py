@@ -22,7 +22,10 @@ SkyRL 0.4.0 (``backends/skyrl_train/workers/model_wrapper.py``: ``HFModelWrapper
   reduce_dtype=fp32)``: under LoRA the frozen base is kept as fp32 shards, gathered in bf16,
   exactly as for full fine-tuning. PEFT keeps adapters in fp32 (``autocast_adapter_dtype``)
   whatever the base's dtype. With a bf16 base (``dtype="bf16"``) batchfit keeps PEFT's fp32
-  adapters (SkyRL, TRL); verl's engine would cast them to bf16 (``model_dtype: bf16``).
+  adapters (PEFT's default); verl's engine would cast them to bf16 (``model_dtype: bf16``).
+  Without a mixed-precision policy such adapters make PEFT cast each adapted layer's input to
+  fp32, a copy kept for backward (measured: the tiny preset's activations +49% on one device);
+  FSDP2's bf16 policy gathers the adapters in bf16 too, and no copy is made.
 - Sharding: ``fully_shard`` per decoder layer, then the ``PeftModel`` root (verl ``apply_fsdp2``,
   SkyRL ``_fsdp_init_model``): a layer's unit holds its frozen base weights and its
   trainable adapters together. torch's FSDP2 requires one dtype among a unit's *trainable*
