@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import yaml
+
 from batchfit.cli import main
 from batchfit.frameworks import read_run_config
 from batchfit.frameworks.step import framework_step
@@ -120,3 +122,27 @@ def test_verls_fsdp_strategy_is_profiled_as_fsdp1_and_skyrls_as_fsdp2():
     assert _strategy(read_run_config(_verl(strategy="fsdp"))) == "fsdp1"  # FullyShardedDataParallel
     assert _strategy(read_run_config(_verl())) == "fsdp2"
     assert _strategy(read_run_config(_skyrl(strategy="fsdp"))) == "fsdp2"  # SkyRL's fsdp is fully_shard
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that refuses a key written twice in one mapping (safe_load keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+        assert len(keys) == len(set(keys)), f"duplicate keys in {keys}"
+        return super().construct_mapping(node, deep=deep)
+
+
+def test_emit_verl_turns_padding_removal_on_even_when_the_config_keeps_padding(tmp_path, capsys):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_verl(model={"use_remove_padding": False})))
+    argv = ["profile", "--config", str(path), "--backend", "estimate", "--memory", "96MiB", "--reserve", "0"]
+    assert main([*argv, "--max-seq-len", "256", "--emit", "verl"]) == 0
+    text = capsys.readouterr().out
+    emitted = yaml.load(text, Loader=_UniqueKeyLoader)  # one mapping per section
+    ref = emitted["actor_rollout_ref"]
+    assert ref["model"]["use_remove_padding"] is True and ref["actor"]["ppo_max_token_len_per_gpu"] > 0
+    assert "the config keeps each micro-batch's padding" in text and "packed rows" in text
+    assert main([*argv, "--emit", "verl", "--cost", "padded"]) == 2
+    err = capsys.readouterr().err
+    assert "bound packed rows only" in err and "drop --cost padded" in err

@@ -112,7 +112,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="fsdp2: bf16 = fp32 sharded parameters, bf16 compute, fp32 gradient reduction (the default with fsdp2)",
     )
     p.add_argument(
-        "--offload", metavar="none|cpu", help="fsdp2: cpu = parameters, gradients, optimizer on the host (default none)"
+        "--offload",
+        metavar="none|cpu",
+        help="fsdp2: cpu = parameters, gradients, optimizer on the host (default none)",
     )
     p.add_argument(
         "--dtype",
@@ -126,7 +128,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="activation checkpointing of every layer (default on, or the config's)",
     )
     p.add_argument(
-        "--roles", metavar="R,R", help=f"{','.join(ROLES)} (default policy; with --config every pass the run makes)"
+        "--roles",
+        metavar="R,R",
+        help=f"{','.join(ROLES)} (default policy; with --config every pass the run makes)",
     )
     p.add_argument(
         "--logprobs",
@@ -147,7 +151,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "0 = full fine-tuning (default 0, or the config's policy LoRA)",
     )
     p.add_argument(
-        "--lora-alpha", type=float, metavar="A", help="with --lora-rank: lora_alpha (default 16, as verl and SkyRL)"
+        "--lora-alpha",
+        type=float,
+        metavar="A",
+        help="with --lora-rank: lora_alpha (default 16, as verl and SkyRL)",
     )
     p.add_argument(
         "--lora-targets",
@@ -216,7 +223,10 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     reserve = _reserve(args.reserve) if limits is None else limits.reserve_bytes
     if memory is not None:
         total = parse_memory(memory, name="--memory")
-        default = {"estimate": lambda: untracked_memory(str(memory), total_bytes=total).reserve_bytes, "cpu": lambda: 0}
+        default = {
+            "estimate": lambda: untracked_memory(str(memory), total_bytes=total).reserve_bytes,
+            "cpu": lambda: 0,
+        }
         kept = default[backend]() if reserve is None and backend in default else reserve
         if kept is not None and kept >= total:
             raise InvalidArgument(
@@ -314,7 +324,9 @@ def _lora(args: argparse.Namespace, run: Any) -> Any:
     if args.lora_rank is None:
         for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets)):
             if value is not None:
-                raise InvalidArgument(f"{flag} needs --lora-rank N (the adapters' rank), but got {flag} without it")
+                raise InvalidArgument(
+                    f"{flag} needs --lora-rank N (the adapters' rank), but got {flag} without it"
+                )
         return None
     names = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora-targets"}
     spec = lora_spec(args.lora_rank, args.lora_alpha, args.lora_targets, names=names)
@@ -396,7 +408,9 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
     run = None
     if args.config is None:
         if args.emit is not None:
-            raise InvalidArgument("--emit needs --config (the framework config whose keys to write); pass --config FILE")
+            raise InvalidArgument(
+                "--emit needs --config (the framework config whose keys to write); pass --config FILE"
+            )
     else:
         from batchfit.frameworks import read_run_config
         from batchfit.frameworks.step import framework_step
@@ -423,8 +437,10 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
         step = framework_step(run)  # the head and layout of the framework's own micro-batch
         if step is not None:
             args.logprobs = step.head if args.logprobs is None else args.logprobs
-            args.cost = step.cost if args.cost is None else args.cost
             args.step_notes = list(step.notes)
+            if args.emit in ("verl", "skyrl"):
+                _packed_for_emit(args, step.cost)
+            args.cost = step.cost if args.cost is None else args.cost
     if args.max_seq_len is None:
         args.max_seq_len = DEFAULT_MAX_SEQ_LEN
     if args.offload is None:
@@ -438,6 +454,28 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
     if args.cost is None:
         args.cost = "padded"
     return run
+
+
+def _packed_for_emit(args: argparse.Namespace, config_cost: str) -> None:
+    """``--emit verl|skyrl`` writes packed-row budgets: both count a micro-batch's valid tokens.
+
+    The emitted keys turn padding removal on (:mod:`batchfit.frameworks.emit`); a config that
+    keeps padding is profiled packed and a note says so.
+
+    Raises:
+        InvalidArgument: ``--cost padded`` with it.
+    """
+    if args.cost == "padded":
+        raise InvalidArgument(
+            f"--emit {args.emit} writes token budgets {args.emit} counts in valid tokens, which bound packed rows "
+            "only (the emitted keys turn padding removal on): drop --cost padded"
+        )
+    if config_cost == "padded":
+        args.step_notes.append(
+            "the config keeps each micro-batch's padding, which no token budget bounds: the keys below turn "
+            "padding removal on, and the budgets are for packed rows"
+        )
+    args.cost = "packed"
 
 
 def _strategy(run: Any) -> str | None:
@@ -580,7 +618,8 @@ def _run_confirm(args: argparse.Namespace, settings: dict[str, Any]) -> int:
         console.print()
         if calibration is None:
             console.print(
-                f"no calibration written to {args.calibration}: no confirm run ran to the end", highlight=False
+                f"no calibration written to {args.calibration}: no confirm run ran to the end",
+                highlight=False,
             )
         else:
             from batchfit.memory.calibration import calibrated_limits
@@ -772,7 +811,9 @@ def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse
     console.print(f"sharding: {profile.sharding.describe()}", highlight=False)
     if profile.torch is not None:
         for b in profile.torch.behaviours:
-            console.print(f"torch {profile.torch.torch_version} ({b.detected_by}): {b.meaning}", highlight=False)
+            console.print(
+                f"torch {profile.torch.torch_version} ({b.detected_by}): {b.meaning}", highlight=False
+            )
     terms = "" if profile.untracked is None else f" ({profile.untracked.describe()})"
     console.print(
         f"backend {profile.backend} → {target} per rank: {limit}, reserve {format_bytes(profile.reserve_bytes)}{terms}, "
@@ -780,7 +821,9 @@ def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse
         highlight=False,
     )
     if settings.get("calibration") is not None:
-        console.print(f"calibration {args.calibration}: {settings['calibration'].describe()}", highlight=False)
+        console.print(
+            f"calibration {args.calibration}: {settings['calibration'].describe()}", highlight=False
+        )
     if args.confirm:
         console.print(
             f"--confirm: the budgets estimated against the {settings['backend']} device's memory and reserve; "

@@ -58,6 +58,15 @@ class Key:
     comment: str = ""
 
 
+# verl and SkyRL count a micro-batch's valid tokens (the attention mask's sum): a token budget
+# bounds packed rows only; with padding kept, a micro-batch is as wide as its longest row times
+# its rows, which no token count bounds.
+_REMOVE_PADDING = (
+    "the budgets bound packed rows, and {framework} counts valid tokens: without it every micro-batch "
+    "is padded to its longest row, which no token budget bounds"
+)
+
+
 def provenance(backend: str) -> str:
     """``"estimated"`` for a budget from the estimate backend, ``"measured"`` for one from cpu or cuda.
 
@@ -96,8 +105,11 @@ def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: flo
 
     if target == "verl":
         keys = [
-            Key("actor_rollout_ref.actor.use_dynamic_bsz", True, "micro-batches by the token lengths below")
+            Key("actor_rollout_ref.actor.use_dynamic_bsz", True, "micro-batches by the token lengths below"),
+            Key("actor_rollout_ref.model.use_remove_padding", True, _REMOVE_PADDING.format(framework="verl")),
         ]
+        if "critic" in budgets:
+            keys.append(Key("critic.model.use_remove_padding", True, "the critic's micro-batches packed too"))
         for role, switch, length, what in VERL_KEYS:
             if role in budgets:
                 if all(k.path != switch for k in keys):
@@ -117,7 +129,8 @@ def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], max_seq_len: int, 
             "trainer.max_tokens_per_microbatch",
             min(trained, forward),
             why(binding, f"every pass (SkyRL uses one key): the smallest budget, set by {binding}"),
-        )
+        ),
+        Key("trainer.remove_microbatch_padding", True, _REMOVE_PADDING.format(framework="SkyRL")),
     ]
     run = profile.run
     plan = run.batch.replace(max_tokens_per_micro_batch=None, micro_train_batch_size_per_gpu=1).plan()
@@ -144,8 +157,8 @@ def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], max_seq_len: int, 
             Key(
                 "trainer.logprobs_chunk_size",
                 run.logprobs_chunk_size,
-                f"kept: the budgets were {provenance(profile.budgets[binding].backend)} with the full fp32 logits, "
-                "which chunking does not exceed",
+                f"kept: the budgets were {provenance(profile.budgets[binding].backend)} with SkyRL's entropy "
+                "chunked by it",
             )
         )
     return keys
@@ -249,10 +262,14 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
 
 
 def render_yaml(keys: list[Key], header: list[str]) -> str:
-    """The keys as nested YAML, a ``# comment`` per key, ``header`` lines first."""
+    """The keys as nested YAML, a ``# comment`` per key, ``header`` lines first.
+
+    Keys of one section are written together, in the order the section first appears (a
+    section written twice would be a duplicate YAML key, the second replacing the first).
+    """
     lines = [f"# {line}" for line in header]
     open_path: list[str] = []
-    for key in keys:
+    for key in _grouped(keys):
         *sections, leaf = key.path.split(".")
         common = 0
         while common < min(len(sections), len(open_path)) and sections[common] == open_path[common]:
@@ -264,6 +281,22 @@ def render_yaml(keys: list[Key], header: list[str]) -> str:
         comment = f"  # {key.comment}" if key.comment else ""
         lines.append(f"{'  ' * len(sections)}{leaf}: {value}{comment}")
     return "\n".join(lines) + "\n"
+
+
+def _grouped(keys: list[Key]) -> list[Key]:
+    """``keys`` reordered so that each section's keys are contiguous (first appearances kept in order)."""
+    first: dict[str, int] = {}
+    for index, key in enumerate(keys):
+        parts = key.path.split(".")[:-1]
+        for depth in range(1, len(parts) + 1):
+            first.setdefault(".".join(parts[:depth]), index)
+
+    def order(item: tuple[int, Key]) -> tuple[int, ...]:
+        index, key = item
+        parts = key.path.split(".")[:-1]
+        return (*(first[".".join(parts[:depth])] for depth in range(1, len(parts) + 1)), index)
+
+    return [key for _, key in sorted(enumerate(keys), key=order)]
 
 
 def render_overrides(keys: list[Key]) -> str:

@@ -54,7 +54,7 @@ def framework_step(run: RunConfig) -> FrameworkStep | None:
     cost = "packed" if remove_padding else "padded"
     if getattr(run, "fused_kernels", False):
         notes.append(
-            f"{framework}'s fused kernels compute log-probs from the hidden states: measured with batchfit's fused "
+            f"{framework}'s fused kernels compute log-probs from the hidden states: probed with batchfit's fused "
             "head (logprobs_from_hidden), which never builds the logits either; its chunking is batchfit's"
         )
         return FrameworkStep(head="fused", cost=cost, notes=tuple(notes))
@@ -70,10 +70,10 @@ def framework_step(run: RunConfig) -> FrameworkStep | None:
         temperature=float(getattr(run, "temperature", None) or 1.0),
     )
     layout = "packed rows: it removes padding" if remove_padding else "padded rows: it keeps padding"
-    notes.append(f"measured with {head.describe()}; micro-batches as {layout}")
+    notes.append(f"the budgets' probe runs {head.describe()}; micro-batches as {layout}")
     if framework == "verl" and "full" in (entropy, forward_entropy):
         notes.append(
             "verl compiles its entropy (use_torch_compile), which fuses its tokens × vocabulary temporaries away: "
-            "measured eagerly, an upper bound"
+            "run eagerly, an upper bound"
         )
     return FrameworkStep(head=head, cost=cost, notes=tuple(notes))

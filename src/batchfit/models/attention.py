@@ -79,19 +79,32 @@ def varlen_attention(
     # grouped-query attention without copies of key and value (transformers' sdpa path does the same)
     gqa = query.shape[1] != key.shape[1]
     p = dropout if module.training else 0.0
-    outputs = [
-        F.scaled_dot_product_attention(
-            query[:, :, s:e],
-            key[:, :, s:e],
-            value[:, :, s:e],
-            dropout_p=p,
-            is_causal=True,
-            scale=scaling,
-            enable_gqa=gqa,
+    outputs = []
+    for start, count, length in _equal_runs(bounds):
+        # NOTE [ Sequences of one length attend as one batch ]: a run of ``count`` adjacent
+        # sequences of one length is ``count`` rows of one sdpa call (views, no copies), the
+        # same attention as one call per sequence in one call instead of ``count``
+        stop = start + count * length
+        q, k, v = (
+            t[0, :, start:stop].unflatten(1, (count, length)).transpose(0, 1) for t in (query, key, value)
         )
-        for s, e in bounds
-    ]
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=p, is_causal=True, scale=scaling, enable_gqa=gqa
+        )
+        outputs.append(out.transpose(0, 1).flatten(1, 2)[None] if count > 1 else out)
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _equal_runs(bounds: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(start, count, length)`` of each run of adjacent sequences of one length."""
+    runs: list[list[int]] = []
+    for start, end in bounds:
+        length = end - start
+        if runs and runs[-1][2] == length and runs[-1][0] + runs[-1][1] * length == start:
+            runs[-1][1] += 1
+        else:
+            runs.append([start, 1, length])
+    return [(start, count, length) for start, count, length in runs]
 
 
 def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
@@ -133,7 +146,11 @@ def use_varlen_attention(model: torch.nn.Module) -> str:
         )
     param = next(model.parameters(), None)
     on_cuda = param is not None and param.device.type == "cuda"
-    name = "flash_attention_2" if on_cuda and importlib.util.find_spec("flash_attn") else register_varlen_attention()
+    name = (
+        "flash_attention_2"
+        if on_cuda and importlib.util.find_spec("flash_attn")
+        else register_varlen_attention()
+    )
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
     else:  # pragma: no cover - older transformers
