@@ -82,7 +82,8 @@ def test_profile_config_emits_verl_keys_equal_to_the_budgets_and_the_merge_plans
     )
     assert emitted["actor_rollout_ref"]["ref"]["log_prob_max_token_len_per_gpu"] == tokens["reference"]
     assert emitted["critic"]["ppo_max_token_len_per_gpu"] == tokens["critic"]
-    assert emitted["critic"]["forward_max_token_len_per_gpu"] == tokens["critic_forward"]
+    # verl's V1 trainer runs both critic passes under ppo_infer_max_token_len_per_gpu: the smaller budget
+    assert emitted["critic"]["ppo_infer_max_token_len_per_gpu"] == min(tokens["critic"], tokens["critic_forward"])
     merged = tmp_path / "merged.yaml"
     merged.write_text(yaml.safe_dump(_merge(config, emitted)))
     assert main(["plan", str(merged)]) == 0

@@ -40,7 +40,14 @@ VERL_KEYS = (
         "reference log-probs (no_grad)",
     ),
     ("critic", "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", "critic update"),
-    ("critic_forward", "critic.use_dynamic_bsz", "critic.forward_max_token_len_per_gpu", "values (no_grad)"),
+    # verl 0.9.1's V1 trainer (trainer_base.py) sets the critic engine's training and inference
+    # token lengths both from ppo_infer_max_token_len_per_gpu: it takes the smaller budget
+    (
+        "critic_forward",
+        "critic.use_dynamic_bsz",
+        "critic.ppo_infer_max_token_len_per_gpu",
+        "values (no_grad) and, in verl's V1 trainer, the critic update too",
+    ),
 )
 FORMATS = ("yaml", "overrides")
 
@@ -114,7 +121,13 @@ def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: flo
             if role in budgets:
                 if all(k.path != switch for k in keys):
                     keys.append(Key(switch, True))
-                keys.append(Key(length, budgets[role], why(role, what)))
+                value = (
+                    min(budgets[role], budgets.get("critic", budgets[role]))
+                    if role == "critic_forward"
+                    else budgets[role]
+                )
+                bound = "critic" if role == "critic_forward" and value == budgets.get("critic") else role
+                keys.append(Key(length, value, why(bound, what)))
         return keys
     return _skyrl_keys(profile, budgets, max_seq_len, why)
 
