@@ -275,6 +275,7 @@ def test_profile_emits_openrlhf_flags_that_its_parser_takes_and_the_command_plan
     assert "budgets estimated (estimate backend)" in out
     assert "# colocated models' state taken off each budget: policy" in out  # --train.colocate_actor_ref
     assert "# note: DeepSpeed ZeRO-3 (--ds.zero_stage 3) is profiled as FSDP2" in out
+    assert "# the budgets count packed rows, as OpenRLHF runs them" in out  # dynamic batches pack samples
     flags = _flags(out)
     args = flag_spec("openrlhf").parser().parse_args(flags)  # OpenRLHF 0.11.2's parser, from the shipped data
     train, rollout = getattr(args, "train.max_tokens_per_gpu"), getattr(args, "rollout.max_tokens_per_gpu")

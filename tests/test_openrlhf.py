@@ -61,6 +61,7 @@ def test_a_launch_script_reads_into_the_run_and_plans(tmp_path):
     run = read_run_config(_script(tmp_path))
     assert run.vocabulary == "openrlhf" and run.model == "tiny" and run.max_seq_len == 1024
     assert run.world_size == 8 and run.strategy == "fsdp2"
+    assert not run.remove_padding  # no dynamic batches, no --ds.packing_samples: padded rows
     # algo.kl.init_coef defaults to 0.01: a reference; group_norm: no critic
     assert run.models == {"policy": "tiny", "reference": "tiny"}
     assert run.colocated == ("policy", "reference")

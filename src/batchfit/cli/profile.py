@@ -401,7 +401,7 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
             ``--emit``/``--emit-format``, a training strategy batchfit does not model.
         BatchConfigError: the config cannot be read (one line per fault).
     """
-    from batchfit.frameworks.emit import FORMATS, TARGETS
+    from batchfit.frameworks.emit import FLAG_TARGETS, FORMATS, TARGETS
     from batchfit.validation import check_choice
 
     check_choice("--emit-format", args.emit_format, FORMATS)
@@ -441,6 +441,8 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
             if args.emit in ("verl", "skyrl"):
                 _packed_for_emit(args, step.cost)
             args.cost = step.cost if args.cost is None else args.cost
+        elif args.cost is None and (args.emit in FLAG_TARGETS or getattr(run, "remove_padding", False)):
+            args.cost = "packed"  # OpenRLHF (--ds.packing_samples, on with dynamic batches) and slime pack rows
     if args.max_seq_len is None:
         args.max_seq_len = DEFAULT_MAX_SEQ_LEN
     if args.offload is None:

@@ -48,6 +48,7 @@ READ = frozenset(
         "algo.advantage.estimator",
         "algo.kl.init_coef",
         "vllm.num_engines",
+        "ds.packing_samples",
         "ds.lora.rank",
         "ds.lora.alpha",
     }
@@ -144,6 +145,8 @@ def read(command: Command) -> FrameworkRun:
         strategy="fsdp2" if stage == 3 else f"deepspeed-zero{stage}",
         offload="none",
         gradient_checkpointing=bool(v.get("actor.gradient_checkpointing_enable")),
+        # train_ppo_ray turns --ds.packing_samples on with dynamic batches: one padding-free row per micro-batch
+        remove_padding=bool(v.get("ds.packing_samples")) or dynamic,
         lora=lora,
         **_critic_lora(lora if critic else None),
         colocated=colocated,

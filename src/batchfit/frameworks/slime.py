@@ -149,6 +149,7 @@ def read(command: Command) -> FrameworkRun:
         max_seq_len=_max_seq_len(v),
         strategy="megatron",
         gradient_checkpointing=v.get("recompute_granularity") == "full",
+        remove_padding=True,  # megatron_utils validate_args: "always use varlen" (packed THD micro-batches)
         # with a critic slime offloads the idle model (use_critic forces offload_train)
         colocated=("policy", "critic") if critic else (),
         resident={},
