@@ -100,7 +100,7 @@ def test_lora_flags_apply_to_the_actor_and_the_critic(tmp_path):
     run = read_run_config(_script(tmp_path, **{"--ds.lora.rank": 64, "--ds.lora.alpha": 128}))
     # ppo_actor / ppo_critic pass --ds.lora.* to both models; target_modules defaults to all-linear
     assert run.lora == {"rank": 64, "alpha": 128, "target_modules": "all-linear"}
-    assert getattr(run, "critic_lora", None) is None  # group_norm: no critic
+    assert run.critic_lora is None  # group_norm: no critic
     assert read_run_config(_script(tmp_path)).lora is None  # rank 0: full fine-tuning
 
 

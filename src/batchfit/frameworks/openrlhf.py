@@ -148,7 +148,7 @@ def read(command: Command) -> FrameworkRun:
         # train_ppo_ray turns --ds.packing_samples on with dynamic batches: one padding-free row per micro-batch
         remove_padding=bool(v.get("ds.packing_samples")) or dynamic,
         lora=lora,
-        **_critic_lora(lora if critic else None),
+        critic_lora=lora if critic else None,
         colocated=colocated,
         resident=resident,
         key_names={
@@ -317,15 +317,6 @@ def rules(run: FrameworkRun) -> Verdict:
             "(experience_maker.split_rollout_samples)"
         )
     return Verdict(tuple(faults), tuple(warnings), tuple(notes))
-
-
-def _critic_lora(lora: dict[str, Any] | None) -> dict[str, Any]:
-    """``critic_lora=`` where :class:`RunConfig` has the field (added beside ``lora`` for the LoRA profiles)."""
-    import dataclasses
-
-    return (
-        {"critic_lora": lora} if "critic_lora" in {f.name for f in dataclasses.fields(FrameworkRun)} else {}
-    )
 
 
 def _critic_model(v: dict[str, Any]) -> str | None:
