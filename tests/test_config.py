@@ -257,14 +257,33 @@ def test_an_invalid_field_does_not_hide_faults_between_the_valid_ones():
 
 @pytest.mark.timeout(10)
 def test_huge_sizes_are_answered_at_once():
-    import time
+    # work counted, not timed: trial division to √n (10⁸ steps, 11 s and a hang) ran ~2·10⁸
+    # Python lines; bounded at DIVISOR_SEARCH_LIMIT it runs ~4·10⁵ for both plans
+    import sys
 
-    start = time.perf_counter()
-    with pytest.raises(BatchConfigError, match=r"train_batch_size=10000000000000061 is not a multiple"):
-        BatchConfig(train_batch_size=10**16 + 61, policy_mini_batch_size=3).plan()
-    with pytest.raises(BatchConfigError):
-        BatchConfig(train_batch_size=2**63, policy_mini_batch_size=3).plan()
-    assert time.perf_counter() - start < 2  # was 11 s and a hang: trial division to √n
+    from batchfit.plan.arith import DIVISOR_SEARCH_LIMIT
+
+    class TooMuchWork(Exception):
+        pass
+
+    lines, cap = [0], 10 * DIVISOR_SEARCH_LIMIT
+
+    def count(frame, event, arg):
+        if event == "line":
+            lines[0] += 1
+            if lines[0] > cap:
+                raise TooMuchWork(f"more than {cap:,} Python lines")
+        return count
+
+    sys.settrace(count)
+    try:
+        with pytest.raises(BatchConfigError, match=r"train_batch_size=10000000000000061 is not a multiple"):
+            BatchConfig(train_batch_size=10**16 + 61, policy_mini_batch_size=3).plan()
+        with pytest.raises(BatchConfigError):
+            BatchConfig(train_batch_size=2**63, policy_mini_batch_size=3).plan()
+    finally:
+        sys.settrace(None)
+    assert 0 < lines[0] <= cap
 
 
 def test_numpy_integers_give_an_exact_json_ready_plan():
