@@ -20,7 +20,7 @@ from batchfit.errors import BatchConfigError
 from batchfit.plan import rules
 from batchfit.plan.arith import divisors, multiples_near, nearest, or_list
 from batchfit.plan.render import plan_tree_text
-from batchfit.validation import closest, is_int
+from batchfit.validation import MAX_COUNT, check_bool, closest, is_int, short_repr
 
 FRAMEWORKS = ("batchfit", "skyrl", "verl")
 """Whose batch rules a plan follows (:attr:`BatchConfig.framework`)."""
@@ -109,7 +109,7 @@ class BatchConfig:
             BatchConfigError: one error listing every fault; each names the fields, their
                 values, the rule broken and the nearest valid values.
         """
-        return _build_plan(self, strict=strict)
+        return _build_plan(self, strict=check_bool("strict", strict))
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a flat ``dict``."""
@@ -243,15 +243,19 @@ def _type_faults(cfg: BatchConfig) -> tuple[list[str], set[str]]:
             continue
         if not is_int(value) or value < 1:
             what = "an integer >= 1" + (" or None" if name in _OPTIONAL_INT_FIELDS else "")
-            faults.append(f"{name}={value!r} must be {what}")
+            kind = "" if is_int(value) else f", not a {type(value).__name__}"
+            faults.append(f"{name}={short_repr(value)} must be {what}{kind}")
+            bad.add(name)
+        elif value > MAX_COUNT:
+            faults.append(f"{name}={short_repr(value)} must be at most {MAX_COUNT:,} (2**62); is it a typo?")
             bad.add(name)
     if not isinstance(cfg.step_wise, bool):
-        faults.append(f"step_wise={cfg.step_wise!r} must be true or false")
+        faults.append(f"step_wise={short_repr(cfg.step_wise)} must be true or false")
         bad.add("step_wise")
-    if cfg.framework not in FRAMEWORKS:
-        hint = closest(str(cfg.framework), FRAMEWORKS)
+    if not isinstance(cfg.framework, str) or cfg.framework not in FRAMEWORKS:
+        hint = closest(cfg.framework, FRAMEWORKS) if isinstance(cfg.framework, str) else None
         faults.append(
-            f"framework={cfg.framework!r} must be one of {', '.join(FRAMEWORKS)}"
+            f"framework={short_repr(cfg.framework)} must be one of {', '.join(FRAMEWORKS)}"
             + (f"; did you mean {hint!r}?" if hint else "")
         )
         bad.add("framework")
