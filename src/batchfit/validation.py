@@ -28,6 +28,10 @@ MAX_COUNT = 2**62
 batch, small enough that products of a few counts and their float ratios stay exact and finite."""
 
 
+MAX_RANKS = 2**20
+"""Largest data-parallel size the public API accepts (each rank is a list in a plan)."""
+
+
 def short_repr(value: Any, limit: int = REPR_LIMIT) -> str:
     """``repr(value)`` cut to ``limit`` characters (a huge string or tensor stays a short message)."""
     try:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from batchfit.errors import BatchError
+from batchfit.validation import check_int, check_int_sequence, describe, short_repr
 
 Batch = Mapping[str, Any]
 
@@ -41,7 +42,7 @@ def batch_size(batch: Batch) -> int:
     sizes = {key: len(value) for key, value in batch.items() if is_per_sample(value)}
     if not sizes:
         raise BatchError(
-            f"batch has no per-sample field (tensors or lists), but got keys {sorted(batch)!r}; "
+            f"batch has no per-sample field (tensors or lists), but got keys {short_repr(sorted(map(str, batch)))}; "
             "add at least one field with one entry per sample"
         )
     if len(set(sizes.values())) > 1:
@@ -60,6 +61,7 @@ def slice_batch(batch: Batch, start: int, end: int) -> dict[str, Any]:
             does not hold.
     """
     n = batch_size(batch)
+    start, end = check_int("start", start), check_int("end", end)
     if not (0 <= start <= end <= n):
         raise BatchError(f"slice must satisfy 0 <= start <= end <= {n}, but got start={start}, end={end}")
     return {k: v[start:end] for k, v in batch.items() if is_per_sample(v)}
@@ -72,7 +74,7 @@ def take_rows(batch: Batch, indices: Sequence[int] | torch.Tensor | np.ndarray) 
         BatchError: fields disagree on the sample count, or an index is out of range.
     """
     n = batch_size(batch)
-    idx = [int(i) for i in (indices.tolist() if hasattr(indices, "tolist") else indices)]
+    idx = check_int_sequence("indices", indices)
     bad = [i for i in idx if not 0 <= i < n]
     if bad:
         raise BatchError(f"indices must be in [0, {n}), but got {bad[:5]!r}")
@@ -95,22 +97,36 @@ def concat_batches(batches: Sequence[Batch]) -> dict[str, Any]:
     Raises:
         BatchError: the batches do not have the same per-sample keys.
     """
+    if not isinstance(batches, (list, tuple)):
+        raise BatchError(f"batches must be a list of batches (mappings of per-sample fields), but got {describe(batches)}")
     if not batches:
         return {}
+    for i, b in enumerate(batches):
+        if not isinstance(b, Mapping):
+            raise BatchError(f"batches[{i}] must be a mapping of per-sample fields, but got {describe(b)}")
     keys = [k for k, v in batches[0].items() if is_per_sample(v)]
     for b in batches[1:]:
         other = [k for k, v in b.items() if is_per_sample(v)]
-        if sorted(other) != sorted(keys):
+        if set(other) != set(keys):
             raise BatchError(
-                f"batches to concatenate must have the same fields, but got {keys!r} and {other!r}"
+                f"batches to concatenate must have the same fields, but got {short_repr(keys)} and {short_repr(other)}"
             )
     out: dict[str, Any] = {}
     for key in keys:
         parts = [b[key] for b in batches]
-        if isinstance(parts[0], torch.Tensor):
-            out[key] = torch.cat(parts, dim=0)
-        elif isinstance(parts[0], np.ndarray):
-            out[key] = np.concatenate(parts, axis=0)
-        else:
-            out[key] = type(parts[0])(x for p in parts for x in p)
+        kinds = {torch.Tensor if isinstance(p, torch.Tensor) else np.ndarray if isinstance(p, np.ndarray) else list for p in parts}
+        try:
+            if kinds == {torch.Tensor}:
+                out[key] = torch.cat(parts, dim=0)
+            elif kinds == {np.ndarray}:
+                out[key] = np.concatenate(parts, axis=0)
+            elif kinds == {list}:
+                out[key] = type(parts[0])(x for p in parts for x in p)
+            else:
+                raise TypeError("tensors, arrays and lists mixed")
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise BatchError(
+                f"field {key!r} does not concatenate over the batches ({' '.join(str(exc).split())[:120]}); "
+                "give it the same kind (tensor, array or list), dtype and trailing shape in every batch"
+            ) from exc
     return out

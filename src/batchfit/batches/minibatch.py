@@ -11,6 +11,7 @@ Batches are the per-sample mappings of :mod:`batchfit.batches.batch`.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,15 @@ import torch
 
 from batchfit.batches.batch import Batch, batch_size, is_per_sample, slice_batch
 from batchfit.errors import BatchError, InvalidArgument
-from batchfit.validation import check_positive_int
+from batchfit.validation import (
+    MAX_RANKS,
+    check_bool,
+    check_int,
+    check_key,
+    check_mapping,
+    check_positive_int,
+    describe,
+)
 
 __all__ = [
     "PAD",
@@ -147,6 +156,7 @@ def mini_batch_boundaries(
         [(0, 3), (3, 7)]
     """
     check_positive_int("prompts_per_mini_batch", prompts_per_mini_batch)
+    allow_partial = check_bool("allow_partial", allow_partial)
     prompts = prompt_boundaries(uids)
     if len(prompts) % prompts_per_mini_batch and not allow_partial:
         k = prompts_per_mini_batch
@@ -170,6 +180,32 @@ def mini_batch_boundaries(
 # are made of such rows.
 
 
+MAX_PAD_ROWS = MAX_RANKS
+"""Most pad rows :func:`pad_rows` makes at once (data-parallel padding needs fewer than ``dp_size``)."""
+
+
+def _full(key: str, shape: tuple[int, ...], fill: Any, like: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """``shape`` filled with ``fill`` in ``like``'s dtype (and device); a clear error for a fill it cannot hold."""
+    value = fill.item() if isinstance(fill, (torch.Tensor, np.ndarray, np.generic)) and fill.ndim == 0 else fill
+    if isinstance(like, torch.Tensor):
+        floating = like.dtype.is_floating_point or like.dtype.is_complex
+    else:
+        floating = like.dtype.kind in "fc"
+    ok = isinstance(value, (bool, numbers.Number)) and (
+        floating or isinstance(value, (bool, numbers.Integral)) or (isinstance(value, float) and value.is_integer())
+    )
+    if ok:
+        try:
+            if isinstance(like, torch.Tensor):
+                return torch.full(shape, value, dtype=like.dtype, device=like.device)
+            return np.full(shape, value, dtype=like.dtype)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            pass
+    raise InvalidArgument(
+        f"pad_values[{key!r}] must be a number that the field's dtype {like.dtype} holds, but got {describe(fill)}"
+    )
+
+
 def pad_rows(
     batch: Batch,
     n: int,
@@ -189,10 +225,11 @@ def pad_rows(
         BatchError: the batch's fields disagree on the sample count.
         InvalidArgument: ``n`` is negative.
     """
-    if n < 0:
-        raise BatchError(f"n must be >= 0, but got n={n}")
+    n = check_int("n", n, minimum=0, maximum=MAX_PAD_ROWS)
+    loss_mask_key = check_key("loss_mask_key", loss_mask_key)
+    attention_mask_key = check_key("attention_mask_key", attention_mask_key)
+    overrides = check_mapping("pad_values", pad_values)
     size = batch_size(batch)
-    overrides = dict(pad_values or {})
     out: dict[str, Any] = {}
     for key, value in batch.items():
         if not is_per_sample(value):
@@ -200,15 +237,9 @@ def pad_rows(
         # None = the default for the field's type (zeros, one attention token, PAD)
         fill = overrides.get(key, 0 if key == loss_mask_key else None)
         if isinstance(value, (torch.Tensor, np.ndarray)):
-            is_torch = isinstance(value, torch.Tensor)
             shape = (n, *value.shape[1:])
-            if is_torch:
-                rows = torch.full(
-                    shape, fill if fill is not None else 0, dtype=value.dtype, device=value.device
-                )
-            else:
-                rows = np.full(shape, fill if fill is not None else 0, dtype=value.dtype)
-            if key == attention_mask_key and fill is None and value.ndim >= 2 and n:
+            rows = _full(key, shape, fill if fill is not None else 0, value)
+            if key == attention_mask_key and fill is None and value.ndim >= 2 and n and all(value.shape[1:]):
                 rows[(slice(None), *([0] * (value.ndim - 1)))] = 1
                 if size and value.ndim == 2 and (value[:, -1] != 0).all() and (value[:, 0] == 0).any():
                     # left-padded batch: keep the valid token on the right, where real rows keep theirs
@@ -249,7 +280,7 @@ def pad_for_data_parallel(
         InvalidArgument: ``dp_size`` is not a positive integer.
         BatchError: the batch's fields disagree on the sample count.
     """
-    check_positive_int("dp_size", dp_size)
+    check_int("dp_size", dp_size, minimum=1, maximum=MAX_RANKS)
     size = batch_size(batch)
     n_pad = (-size) % dp_size
     out = dict(batch)
@@ -281,7 +312,7 @@ def split_for_data_parallel(batch: Batch, dp_size: int) -> list[dict[str, Any]]:
         InvalidArgument: ``dp_size`` is not a positive integer.
         BatchError: the sample count is not a multiple of ``dp_size`` (names both and the fix).
     """
-    check_positive_int("dp_size", dp_size)
+    check_int("dp_size", dp_size, minimum=1, maximum=MAX_RANKS)
     size = batch_size(batch)
     if size % dp_size:
         raise BatchError(

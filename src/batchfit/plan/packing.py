@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -29,7 +29,16 @@ from typing import Any
 import numpy as np
 
 from batchfit.errors import BudgetError, InvalidArgument
-from batchfit.validation import check_choice, check_positive_int, is_int
+from batchfit.validation import (
+    MAX_COUNT,
+    MAX_RANKS,
+    check_bool,
+    check_choice,
+    check_int,
+    describe,
+    is_int,
+    short_repr,
+)
 
 __all__ = ["COSTS", "OVERSIZE", "PADDING_MICRO_BATCH_COST", "MicroBatchPlan", "plan_micro_batches"]
 
@@ -45,7 +54,17 @@ PADDING_MICRO_BATCH_COST = 1
 MAX_LENGTH = 2**40
 """Cost of a padding micro-batch: one pad row with one valid token (NOTE [ Pad rows cost one token ])."""
 
+MAX_PADDING_MICRO_BATCHES = 2**24
+"""Most padding micro-batches :meth:`MicroBatchPlan.pad_to` appends over all ranks (each is a tuple in memory)."""
+
 Indices = tuple[int, ...]
+
+
+def _is_container(outputs: Any) -> bool:
+    """A list, tuple, numpy array or tensor with a first dimension."""
+    if isinstance(outputs, (list, tuple)):
+        return True
+    return hasattr(outputs, "shape") and hasattr(outputs, "ndim") and outputs.ndim >= 1 and not isinstance(outputs, str)
 
 
 @dataclass(frozen=True)
@@ -192,6 +211,11 @@ class MicroBatchPlan:
             ['out0', 'out1', 'out2']
         """
         order = self.order(rank)
+        if not _is_container(outputs):
+            raise InvalidArgument(
+                f"outputs must be a list, tuple, numpy array or tensor with one entry per sequence, but got "
+                f"outputs={describe(outputs)}"
+            )
         if len(outputs) != len(order):
             where = "all ranks" if rank is None else f"rank {rank}"
             raise InvalidArgument(
@@ -219,10 +243,16 @@ class MicroBatchPlan:
         """
         if not is_int(num_micro_batches) or num_micro_batches < self.num_micro_batches:
             raise InvalidArgument(
-                f"num_micro_batches must be >= the plan's count {self.num_micro_batches}, but got "
-                f"num_micro_batches={num_micro_batches}; a plan can only grow with padding"
+                f"num_micro_batches must be >= the plan's count {self.num_micro_batches} (an integer), but got "
+                f"num_micro_batches={describe(num_micro_batches)}; a plan can only grow with padding"
             )
         extra = num_micro_batches - self.num_micro_batches
+        if extra * max(self.dp_size, 1) > MAX_PADDING_MICRO_BATCHES:
+            raise InvalidArgument(
+                f"num_micro_batches={short_repr(num_micro_batches)} would append {extra:,} padding micro-batches to "
+                f"each of {self.dp_size} ranks (at most {MAX_PADDING_MICRO_BATCHES:,} in all); the plan has "
+                f"{self.num_micro_batches}: pass another rank's count, not a size in tokens or samples"
+            )
         if not extra:
             return self
         ranks, costs = _pad_ranks(
@@ -248,17 +278,33 @@ def _exact_sum(values: np.ndarray) -> int:
 
 
 def _as_lengths(lengths: Any) -> np.ndarray:
+    if isinstance(lengths, (str, bytes, Mapping)) or lengths is None:
+        raise InvalidArgument(
+            f"lengths must be a list, numpy array or 1-D tensor of ints (valid tokens per sequence), but got "
+            f"lengths={describe(lengths)}; pass attention_mask.sum(-1)"
+        )
     if hasattr(lengths, "detach"):  # a tensor, possibly on an accelerator
-        lengths = lengths.detach().cpu().numpy()
-    arr = np.asarray(lengths)
-    if arr.ndim != 1:
-        raise InvalidArgument(f"lengths must be 1-D (one entry per sequence), but got shape {arr.shape}")
+        lengths = lengths.detach().cpu().resolve_conj().resolve_neg().numpy()
+    try:
+        arr = np.asarray(lengths)
+    except (ValueError, TypeError, OverflowError):  # ragged nested lists, objects numpy cannot read
+        arr = np.asarray(lengths, dtype=object) if isinstance(lengths, (list, tuple)) else None
+    if arr is None or arr.ndim != 1:
+        shape = "none" if arr is None else arr.shape
+        raise InvalidArgument(
+            f"lengths must be 1-D (one int per sequence), but got shape {shape}: lengths={short_repr(lengths)}"
+        )
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        first = next((i for i, v in enumerate(arr.tolist()) if not is_int(v)), None)
+        which = f"lengths[{first}]={describe(arr[first])}" if first is not None else f"dtype {arr.dtype}"
+        if first is None:  # integers too large for an int64: an object array of Python ints
+            big = int(np.argmax([abs(v) for v in arr.tolist()]))
+            which = f"lengths[{big}]={short_repr(arr[big])}"
         raise InvalidArgument(
-            f"lengths must be integers (valid tokens per sequence), but got dtype {arr.dtype}; "
-            "pass attention_mask.sum(-1) or a list of ints"
+            f"lengths must be integers of at most {MAX_LENGTH:,} tokens (valid tokens per sequence), but got "
+            f"{which}; pass attention_mask.sum(-1) or a list of ints"
         )
     too_long = np.flatnonzero(arr > MAX_LENGTH)
     if too_long.size:
@@ -279,9 +325,10 @@ def _as_lengths(lengths: Any) -> np.ndarray:
 
 
 def _check_budget(token_budget: Any) -> int:
-    if not is_int(token_budget) or token_budget < 1:
+    if not is_int(token_budget) or not 1 <= token_budget <= MAX_COUNT:
         raise BudgetError(
-            f"token_budget must be a positive integer number of tokens, but got token_budget={token_budget!r}"
+            f"token_budget must be a positive integer number of tokens (at most 2**62), but got "
+            f"token_budget={describe(token_budget)}"
         )
     return int(token_budget)
 
@@ -672,11 +719,10 @@ def plan_micro_batches(
     """
     lens = _as_lengths(lengths)
     budget = _check_budget(token_budget)
-    dp_size = check_positive_int("dp_size", dp_size)
+    dp_size = check_int("dp_size", dp_size, minimum=1, maximum=MAX_RANKS)
     cost = check_choice("cost", cost, COSTS)
     oversize = check_choice("oversize", oversize, OVERSIZE)
-    if not isinstance(balance, bool):
-        raise InvalidArgument(f"balance must be True or False, but got balance={balance!r}")
+    balance = check_bool("balance", balance)
 
     over = np.flatnonzero(lens > budget)
     if over.size and oversize == "raise":
