@@ -74,6 +74,8 @@ from typing import Any
 
 import torch
 
+from batchfit.memory.patches import undo_all
+
 # A value of the optimizer's state that is not a tensor (a step count as a Python number):
 # left as the probe left it (values are not restored).
 _NOT_A_TENSOR = object()
@@ -452,17 +454,47 @@ class ProbeSnapshot:
             (gathered FSDP parameters, iteration state, gradients or optimizer state), so
             that the backend's caches are worth releasing.
         """
-        torch.set_grad_enabled(self.grad_enabled)
+        # every step runs even when one raises; the first failure is raised at the end
+        # (NOTE [ Every undo step runs ] in batchfit.memory.patches)
+        changed = False
+        revived: dict[int, torch.Tensor] = {}
+
+        def fsdp() -> None:
+            nonlocal changed
+            changed = self.fsdp.restore() or changed
+
+        def fsdp1() -> None:
+            nonlocal changed
+            gathered, found = self.fsdp1.restore()
+            revived.update(found)
+            changed = gathered or changed
+
+        def grads() -> None:
+            nonlocal changed
+            changed = self._restore_grads(finished, revived) or changed
+
+        def optimizers() -> None:
+            nonlocal changed
+            changed = self._restore_optimizers() or changed
+
+        def modes() -> None:
+            for module, training in self.modes:
+                module.training = training
+
         # the gradients from before that are still alive, held while the FSDP resets drop what
         # holds them (FSDP1 sets a sharded gradient aside in _saved_grad_shard during backward)
         alive = [_deref(ref) for _, ref in self.grads]
-        changed = self.fsdp.restore()
-        gathered, revived = self.fsdp1.restore()
-        changed = self._restore_grads(finished, revived) or gathered or changed
-        del alive
-        changed = self._restore_optimizers() or changed
-        for module, training in self.modes:
-            module.training = training
+        undo_all(
+            (
+                lambda: torch.set_grad_enabled(self.grad_enabled),
+                fsdp,
+                fsdp1,
+                grads,
+                alive.clear,
+                optimizers,
+                modes,
+            )
+        )
         return changed
 
     def _restore_grads(self, finished: bool, revived: dict[int, torch.Tensor]) -> bool:

@@ -49,13 +49,47 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 _ABSENT = object()  # no entry of that name in the class __dict__
 _NOTHING = object()  # we have not installed the wrapper: nothing to restore
 
 _MAX_CHAIN = 64  # __wrapped__ links followed before giving up
+
+
+def undo_all(steps: Iterable[Callable[[], object]], error: BaseException | None = None) -> None:
+    """Call every undo step in order, even when one raises (NOTE [ Every undo step runs ]).
+
+    Args:
+        steps: the undo steps, already in the order to run (the reverse of the setup).
+        error: the exception that made the caller unwind (a failed setup), or ``None`` (an
+            ordinary exit).
+
+    Raises:
+        The first exception a step raised, when ``error`` is ``None``; the later ones are
+        attached to it as notes. With ``error``, nothing: the failures are attached to
+        ``error`` as notes, and the caller re-raises ``error``.
+
+    NOTE [ Every undo step runs ]
+    A context manager that changes several things (a dispatch mode pushed, class attributes
+    patched, a process-wide setting) undoes all of them on exit and on a failed entry, in
+    the reverse order of the setup, even when one undo step raises: a step that fails must
+    not leave the later ones undone (a dispatch mode left on the stack would track every op
+    of the process for good). The first failure is the one raised: the others follow from
+    the state it left.
+    """
+    first = error
+    for step in steps:
+        try:
+            step()
+        except BaseException as exc:  # collected, re-raised below
+            if first is None:
+                first = exc
+            else:
+                first.add_note(f"while undoing, another step also failed: {exc!r}")
+    if error is None and first is not None:
+        raise first
 
 
 def _reaches(fn: Any, target: Any) -> bool:
@@ -124,14 +158,25 @@ class ClassPatch:
 
     # ----------------------------------------------------------------- install / remove
     def acquire(self) -> None:
-        """One more user; the first installs the wrapper."""
+        """One more user; the first installs the wrapper.
+
+        When installing raises, the count and the attribute are as they were before the call.
+        """
         with self._lock:
             self.users += 1
             if self.users == 1:
-                self._establish()
+                try:
+                    self._establish()
+                except BaseException:
+                    self.users -= 1
+                    raise
 
     def release(self) -> None:
-        """One user less; the last removes the wrapper if it is still on top."""
+        """One user less; the last removes the wrapper if it is still on top.
+
+        When removing raises, the user is gone all the same and the wrapper stays installed,
+        remembered as ours: the next first user takes it over and the next last one removes it.
+        """
         with self._lock:
             if self.users == 0:
                 return
@@ -154,7 +199,6 @@ class ClassPatch:
             return
         entry = owner.__dict__.get(self.name, _ABSENT)
         current = getattr(owner, self.name)
-        self._seen = entry
         if current is self.wrapper:
             if self._restore is _NOTHING:
                 # put back by code that saved it (a MemTracker constructed inside our block):
@@ -162,27 +206,32 @@ class ClassPatch:
                 if self._below is None:  # pragma: no cover - only we install it, which sets _below
                     self._below = self._base
                 self._restore = self._entry_for(self._below)
+            self._seen = entry
             return
         if _reaches(current, self.wrapper):
+            self._seen = entry
             return  # a wrapper above ours already calls ours
-        self._restore = entry
-        self._below = current
+        # the state changes only once the attribute is ours: a failed setattr changes nothing
+        setattr(owner, self.name, self.wrapper)
+        self._restore, self._below, self._seen = entry, current, self.wrapper
         if self._base is None:
             self._base = _bottom(current)
-        setattr(owner, self.name, self.wrapper)
-        self._seen = self.wrapper
 
     def _withdraw(self) -> None:
         owner = self._owner()
-        restore, self._restore, self._seen = self._restore, _NOTHING, _NOTHING
-        if owner is None or restore is _NOTHING:
-            return
-        if owner.__dict__.get(self.name, _ABSENT) is not self.wrapper:
-            return  # replaced since: whoever did restores what it saved
-        if restore is _ABSENT:
-            delattr(owner, self.name)
-        else:
-            setattr(owner, self.name, restore)
+        restore = self._restore
+        if (
+            owner is not None
+            and restore is not _NOTHING
+            and owner.__dict__.get(self.name, _ABSENT) is self.wrapper
+        ):
+            # still ours on top (else whoever replaced it restores what it saved); a failed
+            # delattr/setattr leaves it installed and remembered (see release)
+            if restore is _ABSENT:
+                delattr(owner, self.name)
+            else:
+                setattr(owner, self.name, restore)
+        self._restore, self._seen = _NOTHING, _NOTHING
 
     def _entry_for(self, value: Any) -> Any:
         """The ``__dict__`` entry that makes ``owner.name`` be ``value``: none if the base classes give it."""

@@ -10,6 +10,7 @@ import torch
 
 from batchfit.memory.base import Backend
 from batchfit.memory.measurement import MemoryMeasurement
+from batchfit.memory.patches import undo_all
 from batchfit.memory.registration import GRADIENTS
 from batchfit.memory.tracker import MemoryLimitExceeded, MemoryTracker
 
@@ -46,20 +47,22 @@ class TrackedBackend(Backend):
     def _running(self, state: _Trial) -> Iterator[None]:
         tracker = state.tracker
         with self.context():
-            handles = [
-                p.register_post_accumulate_grad_hook(lambda p: tracker.recategorize(p.grad, GRADIENTS))
-                for p in state.parameters
-            ]
-            state.parameters = []
-            try:
+            handles = []
+            try:  # a hook that fails to register removes the ones registered before it
+                for p in state.parameters:
+                    handles.append(
+                        p.register_post_accumulate_grad_hook(
+                            lambda p: tracker.recategorize(p.grad, GRADIENTS)
+                        )
+                    )
+                state.parameters = []
                 with tracker:
                     for tensor, category in state.registered:
                         tracker.register_tensor(tensor, category)
                     state.registered = []  # counted; the step may now free them
                     yield
             finally:
-                for handle in handles:
-                    handle.remove()
+                undo_all(handle.remove for handle in reversed(handles))
 
     def _aborted(self, exc: Exception) -> bool:
         return isinstance(exc, MemoryLimitExceeded)  # the simulated OOM

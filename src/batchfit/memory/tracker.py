@@ -45,16 +45,17 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.utils._python_dispatch as _dispatch
 from torch._guards import active_fake_mode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
 from batchfit.memory import labels
-from batchfit.memory.patches import ClassPatch
+from batchfit.memory.patches import ClassPatch, undo_all
 from batchfit.memory.registration import (
     ACTIVATIONS,
     COMMUNICATION,
@@ -172,6 +173,67 @@ def _untracked_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
     finally:
         for mine, region in zip(context, before):
             mine.region = region
+
+
+def _remove_mode(mode: TorchDispatchMode, exc: tuple[Any, ...]) -> None:
+    """Take ``mode`` off the dispatch-mode stack, also when modes entered after it are still on it.
+
+    NOTE [ Trackers exit out of order ]
+    ``TorchDispatchMode.__exit__`` pops the top of the stack and puts back the process-wide
+    "inside a dispatch mode" flags saved at its entry. A tracker exited before a mode
+    entered after it (two trackers entered by hand and exited in entry order) would pop the
+    other mode instead and leave itself active, and the last exit would leave the flags set
+    with an empty stack (measured on torch 2.13: ``_is_in_torch_dispatch_mode`` stayed
+    ``True``). Here the modes above are lifted off, ``mode`` exits, and they are pushed back
+    with the flags each saved recomputed as if ``mode`` had never been entered.
+    """
+    stack = _get_current_dispatch_mode_stack()
+    index = max((i for i, m in enumerate(stack) if m is mode), default=None)
+    if index is None:
+        for name in (
+            "old_dispatch_mode_flags",
+            "old_non_infra_dispatch_mode_flags",
+            "old_without_ignore_compile_internals_dispatch_mode_flags",
+        ):
+            flags = getattr(mode, name, None)
+            if flags:
+                flags.pop()
+        raise RuntimeError(
+            f"{type(mode).__name__} is no longer on the dispatch-mode stack at its exit: other code popped it; exit dispatch modes in reverse order of entry"
+        )
+    if index == len(stack) - 1:
+        TorchDispatchMode.__exit__(mode, *exc)
+        return
+    above = stack[index + 1 :]
+    for _ in above:
+        torch._C._pop_torch_dispatch_stack(None)
+    try:
+        TorchDispatchMode.__exit__(mode, *exc)
+    finally:
+        for other in above:
+            torch._C._push_on_torch_dispatch_stack(other)
+        # each mode above saved the flags in force when it entered: recompute them without ``mode``
+        active, non_infra, uncompiled = (
+            _dispatch._is_in_torch_dispatch_mode,
+            _dispatch._is_in_non_infra_torch_dispatch_mode,
+            _dispatch._is_in_any_mode_without_ignore_compile_internals,
+        )
+        for other in above:
+            saved = (
+                getattr(other, "old_dispatch_mode_flags", None),
+                getattr(other, "old_non_infra_dispatch_mode_flags", None),
+                getattr(other, "old_without_ignore_compile_internals_dispatch_mode_flags", None),
+            )
+            for flags, value in zip(saved, (active, non_infra, uncompiled)):
+                if flags:
+                    flags[-1] = value
+            active = True
+            non_infra = non_infra or not other.is_infra_mode()
+            uncompiled = uncompiled or not other.ignore_compile_internals()
+        _dispatch._is_in_torch_dispatch_mode = active
+        _dispatch._is_in_non_infra_torch_dispatch_mode = non_infra
+        _dispatch._is_in_any_mode_without_ignore_compile_internals = uncompiled
+        _dispatch.set_is_in_mode_without_ignore_compile_internals(uncompiled)
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -340,43 +402,52 @@ class MemoryTracker(TorchDispatchMode):
         self.phase_breakdowns = {}
 
     def __enter__(self) -> MemoryTracker:
-        if self._depth == 0:
-            self._entry_fake_mode = active_fake_mode()
-            self._labels.owner = self
-        labels._push(self._labels)
-        acquired = []
+        # NOTE [ Every undo step runs ] in batchfit.memory.patches: a failure at any step
+        # undoes the steps before it, in reverse order, and propagates
+        undo: list[Callable[[], object]] = []
         try:
+            if self._depth == 0:
+                self._entry_fake_mode = active_fake_mode()
+                self._labels.owner = self
+                undo.append(self._detach)
+            labels._push(self._labels)
+            undo.append(functools.partial(labels._pop, self._labels))
             for patch in _PATCHES:
                 patch.acquire()
-                acquired.append(patch)
+                undo.append(patch.release)
             super().__enter__()
-        except BaseException:
-            self._leave(acquired)
+        except BaseException as exc:
+            undo_all(reversed(undo), exc)
             raise
         self._depth += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            self._depth -= 1
-            self._leave(_PATCHES)
+        """Undo one entry in reverse order, every step even when one raises (the first failure is raised).
 
-    def _leave(self, patches: Iterable[ClassPatch]) -> None:
-        """Undo one entry: release ``patches``, drop the labels from the context; the last exit detaches."""
-        try:
-            for patch in patches:
-                patch.release()
-        finally:
-            labels._pop(self._labels)
-            if self._depth == 0:
-                self._labels.owner = None
-                # Detach the finalizers: a storage outliving the block must not keep this
-                # tracker alive (nor call into it) after the measurement.
-                for fin in self._finalizers.values():
-                    fin.detach()
-                self._finalizers.clear()
+        Trackers may exit out of the order they entered (see :func:`_remove_mode`); an exit
+        without an entry is refused (``RuntimeError``).
+        """
+        if self._depth == 0:
+            raise RuntimeError(
+                "MemoryTracker.__exit__ called on a tracker that is not active: call __exit__ once per __enter__ (or use a with-block)"
+            )
+        self._depth -= 1
+        steps: list[Callable[[], object]] = [functools.partial(_remove_mode, self, exc)]
+        steps += [patch.release for patch in reversed(_PATCHES)]
+        steps.append(functools.partial(labels._pop, self._labels))
+        if self._depth == 0:
+            steps.append(self._detach)
+        undo_all(steps)
+
+    def _detach(self) -> None:
+        """After the last exit: no owner for the labels, and no finalizer calling into this tracker."""
+        self._labels.owner = None
+        # Detach the finalizers: a storage outliving the block must not keep this
+        # tracker alive (nor call into it) after the measurement.
+        for fin in self._finalizers.values():
+            fin.detach()
+        self._finalizers.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         dtensor = _dtensor_type()
