@@ -293,16 +293,42 @@ def write_back(
             if isinstance(out, torch.Tensor):
                 out[row, torch.as_tensor(cols, device=out.device)] = values[i, torch.as_tensor(src, device=values.device)].to(device=out.device, dtype=out.dtype)
             else:
-                out[row, cols] = np.asarray(values)[i, src]
+                out[row, cols] = _host(values)[i, src]
+
+
+def _host(values: Array) -> np.ndarray:
+    """``values`` as a host array (a device tensor, or one that requires grad, is copied)."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().numpy()
+    return np.asarray(values)
 
 
 # --------------------------------------------------------------------------- packed rows
 
-#: Keys a packed micro-batch adds: the cumulative sequence lengths and the longest sequence,
-#: what varlen attention kernels (flash-attention's ``cu_seqlens``) take.
+# NOTE [ Packed position ids ]
+# A packed row says where its sequences start in two ways: ``position_ids`` restarting at 0
+# (what transformers' masks and batchfit's labels read) and ``cu_seq_lens`` (what varlen
+# kernels read). :func:`pack_rows` makes both from the attention mask, never from the
+# user's ``position_ids``: a common convention gives left-padded rows ``arange(W)``
+# positions, which never restart at 0 once packed (the labels then cross sequence
+# boundaries and attention spans the whole row). The user's positions are checked
+# instead: over each sequence's valid tokens they must count up by one. Those that do
+# (``0 .. l − 1``, or the arange convention's ``p .. p + l − 1``) are replaced by
+# ``0 .. l − 1``, each sequence then running as it runs alone and as
+# :func:`batchfit.train.model_logprobs` runs padded rows (moved to column 0, no positions);
+# any other positions (rows with holes numbered across them, positions that repeat) are
+# refused with :class:`~batchfit.errors.BatchError`.
+
+#: Keys a packed micro-batch adds: the cumulative sequence lengths (int32) and the longest
+#: sequence. batchfit reads them (:func:`packed_model_inputs`, the budget's probe);
+#: a model gets them under the names in :data:`VARLEN_KWARGS`.
 CU_SEQ_LENS = "cu_seq_lens"
 MAX_LENGTH = "max_length"
 POSITION_IDS = "position_ids"
+
+#: What transformers' attention functions read for a packed row (flash-attention's varlen
+#: path, ``modeling_flash_attention_utils``, and batchfit's varlen attention).
+VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 @dataclass(frozen=True)
@@ -338,14 +364,19 @@ def pack_rows(
     Token fields become ``[1, T, ...]`` (``T`` = total valid tokens); response fields are
     packed per token too, each token taking the response column that belongs to it
     (NOTE [ Sequence and response columns ]) or the field's fill value (prompt tokens);
-    ``position_ids`` is packed if the batch has it, else made, restarting at 0 for each
-    sequence; ``cu_seq_lens`` (int32, ``[rows + 1]``) and ``max_length`` are added for varlen
-    kernels. The attention mask is dropped: a Hugging Face model given packed
-    ``position_ids`` and no mask (and ``use_cache=False``) attends within each sequence.
+    ``position_ids`` are made, restarting at 0 for each sequence (a batch's own
+    ``position_ids`` are checked, not copied: NOTE [ Packed position ids ]);
+    ``cu_seq_lens`` (int32, ``[rows + 1]``) and ``max_length`` are added for varlen
+    kernels. The attention mask is dropped: run the row with :func:`packed_model_inputs`
+    (``MicroBatch.model_inputs()``), which a Hugging Face model runs within each sequence.
     Other per-sample fields (lists, per-sequence scalars) keep one entry per sequence.
 
     Returns:
         ``(packed fields, PackedRows)``.
+
+    Raises:
+        BatchError: the batch's ``position_ids`` do not count up by one over a row's valid
+            tokens (NOTE [ Packed position ids ]).
     """
     mask = rows[attention_mask_key]
     valid = np.asarray(mask.detach().cpu() if isinstance(mask, torch.Tensor) else mask) != 0
@@ -367,12 +398,104 @@ def pack_rows(
             value = rows[key]
             picked = _gather(value, row_index, np.clip(response_col, 0, value.shape[1] - 1))
             out[key] = _where(inside, picked, fills.get(key, 0))[None]
-    if POSITION_IDS not in out:
-        positions = np.concatenate([np.arange(len(c)) for c in columns]).astype(np.int64)
-        out[POSITION_IDS] = torch.as_tensor(positions, device=_device(mask))[None]
+    given = rows.get(POSITION_IDS)
+    if given is not None:
+        _check_positions(given, packed, row_index, col_index)
+    positions = np.concatenate([np.arange(len(c)) for c in columns] or [np.zeros(0)]).astype(np.int64)
+    out[POSITION_IDS] = torch.as_tensor(positions, device=_device(mask))[None]
     out[CU_SEQ_LENS] = torch.as_tensor(packed.offsets, dtype=torch.int32, device=_device(mask))
     out[MAX_LENGTH] = max(packed.lengths, default=0)
     return out, packed
+
+
+def _check_positions(given: Any, packed: PackedRows, row_index: np.ndarray, col_index: np.ndarray) -> None:
+    """Refuse ``position_ids`` that do not count up by one over each row's valid tokens (NOTE [ Packed position ids ])."""
+    if not _is_array(given) or given.ndim != 2:
+        shape = tuple(given.shape) if _is_array(given) else type(given).__name__
+        raise BatchError(
+            f"{POSITION_IDS} must be a 2-D tensor [rows, columns] for layout='packed', but got {shape}; "
+            f"drop it from the batch: the packed layout makes its own positions"
+        )
+    values = _host(_gather(given, row_index, col_index)).astype(np.int64)
+    offsets = packed.offsets
+    inner = np.ones(max(len(values) - 1, 0), dtype=bool)
+    starts = offsets[1:-1][(offsets[1:-1] > 0) & (offsets[1:-1] < len(values))]
+    inner[starts - 1] = False  # a step from one sequence into the next
+    bad = np.flatnonzero((np.diff(values) != 1) & inner)
+    if bad.size:
+        row = int(np.searchsorted(offsets, bad[0], side="right") - 1)
+        seq = values[offsets[row] : offsets[row + 1]]
+        shown = ", ".join(str(int(v)) for v in seq[:8]) + (", ..." if len(seq) > 8 else "")
+        raise BatchError(
+            f"position_ids of micro-batch row {row} are [{shown}] over its {len(seq)} valid tokens "
+            f"(columns {packed.columns[row][:8].tolist()}{'...' if len(seq) > 8 else ''}): they do not count up by one, "
+            "so the packed row cannot restart them at 0 per sequence as they were meant; "
+            "drop position_ids from the batch (the packed layout makes 0 .. length - 1 for each sequence) "
+            "or run these rows with layout='padded'"
+        )
+
+
+def packed_model_inputs(
+    fields: Mapping[str, Any], *, input_ids_key: str = "input_ids", position_ids_key: str = POSITION_IDS
+) -> dict[str, Any]:
+    """The keyword arguments a transformers model runs a packed row with, each sequence attending only to itself.
+
+    ``input_ids`` and ``position_ids`` (restarting at 0 per sequence), the varlen kwargs
+    transformers' attention reads (:data:`VARLEN_KWARGS`, from ``cu_seq_lens`` and
+    ``max_length`` when the row has them) and ``use_cache=False``: transformers splits a
+    packed row into its sequences only when no cache is made (with a cache, ``eager`` and
+    ``sdpa`` attend across the whole row; NOTE [ Packed rows need varlen attention ] in
+    :mod:`batchfit.models.attention`).
+
+    Raises:
+        BatchError: ``fields`` has no ``input_ids_key`` or ``position_ids_key`` tensor.
+    """
+    for key in (input_ids_key, position_ids_key):
+        if not isinstance(fields.get(key), torch.Tensor):
+            raise BatchError(
+                f"a packed row needs a {key!r} tensor, but its fields are {sorted(fields)}; make it with iter_micro_batches(layout='packed')"
+            )
+    inputs: dict[str, Any] = {"input_ids": fields[input_ids_key], "position_ids": fields[position_ids_key]}
+    cu = fields.get(CU_SEQ_LENS)
+    if isinstance(cu, torch.Tensor):
+        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        longest = fields.get(MAX_LENGTH)
+        if isinstance(longest, int) and not isinstance(longest, bool):
+            inputs.update(max_length_q=longest, max_length_k=longest)
+    inputs["use_cache"] = False
+    return inputs
+
+
+def padded_model_inputs(
+    fields: Mapping[str, Any],
+    *,
+    input_ids_key: str = "input_ids",
+    attention_mask_key: str = "attention_mask",
+    position_ids_key: str = POSITION_IDS,
+) -> dict[str, Any]:
+    """The keyword arguments a transformers model runs padded rows with.
+
+    ``input_ids``, the attention mask, ``position_ids`` (the batch's own, else counted from
+    the mask: ``0 .. l − 1`` over each row's valid tokens, whichever side the padding is on)
+    and ``use_cache=False``.
+
+    Raises:
+        BatchError: ``fields`` has no ``input_ids_key`` tensor.
+    """
+    ids = fields.get(input_ids_key)
+    if not isinstance(ids, torch.Tensor):
+        raise BatchError(f"the micro-batch needs a {input_ids_key!r} tensor, but its fields are {sorted(fields)}")
+    inputs: dict[str, Any] = {"input_ids": ids}
+    mask = fields.get(attention_mask_key)
+    if isinstance(mask, torch.Tensor):
+        inputs["attention_mask"] = mask
+    positions = fields.get(position_ids_key)
+    if isinstance(positions, torch.Tensor):
+        inputs["position_ids"] = positions
+    elif isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        inputs["position_ids"] = ((mask != 0).long().cumsum(-1) - 1).clamp(min=0)
+    inputs["use_cache"] = False
+    return inputs
 
 
 def _device(value: Array) -> torch.device:
@@ -429,4 +552,4 @@ def write_back_packed(out: Array, values: Array, packed: PackedRows, indices: Se
         if isinstance(out, torch.Tensor):
             out[row, torch.as_tensor(cols, device=out.device)] = rows[i, : len(cols)].to(device=out.device, dtype=out.dtype)
         else:
-            out[row, cols] = np.asarray(rows)[i, : len(cols)]
+            out[row, cols] = _host(rows)[i, : len(cols)]

@@ -22,6 +22,8 @@ from batchfit.batches.layout import (
     align_rows,
     field_roles,
     pack_rows,
+    packed_model_inputs,
+    padded_model_inputs,
     unpack,
     write_back,
     write_back_packed,
@@ -68,6 +70,36 @@ class MicroBatch:
         if self.packed is None:
             raise BatchError("unpack needs a packed micro-batch (iter_micro_batches(layout='packed'))")
         return unpack(values, self.packed, fill=fill)
+
+    def model_inputs(
+        self,
+        *,
+        input_ids_key: str = "input_ids",
+        attention_mask_key: str = "attention_mask",
+        position_ids_key: str = "position_ids",
+    ) -> dict[str, Any]:
+        """The keyword arguments to run this micro-batch through a transformers model: ``model(**mb.model_inputs())``.
+
+        A packed row: ``input_ids``, ``position_ids`` restarting at 0 per sequence, the
+        varlen kwargs transformers reads (``cu_seq_lens_q/k``, ``max_length_q/k``) and
+        ``use_cache=False``, without which ``eager`` and ``sdpa`` attend across the row's
+        sequences (:func:`batchfit.batches.layout.packed_model_inputs`). Padded rows:
+        ``input_ids``, ``attention_mask``, ``position_ids`` (the batch's, else counted from
+        the mask) and ``use_cache=False`` (:func:`batchfit.batches.layout.padded_model_inputs`).
+        ``batchfit.models.attention.check_packed_attention(model, inputs)`` tells whether a
+        model runs a packed row's sequences apart.
+
+        Raises:
+            BatchError: a needed field is missing.
+        """
+        if self.packed is not None:
+            return packed_model_inputs(self.batch, input_ids_key=input_ids_key, position_ids_key=position_ids_key)
+        return padded_model_inputs(
+            self.batch,
+            input_ids_key=input_ids_key,
+            attention_mask_key=attention_mask_key,
+            position_ids_key=position_ids_key,
+        )
 
     @property
     def is_padding(self) -> bool:
@@ -206,17 +238,20 @@ def iter_micro_batches(
         layout: ``"padded"`` (rows, as above) or ``"packed"``: one padding-free row per
             micro-batch, the valid tokens of its sequences concatenated in ``indices`` order
             (token and response fields ``[1, T]`` with ``T ≤`` the planned cost,
-            ``position_ids`` restarting at 0 per sequence, ``cu_seq_lens`` and
-            ``max_length``; no attention mask: a Hugging Face model given these
-            ``position_ids`` and ``use_cache=False`` attends within each sequence).
-            ``MicroBatch.unpack`` and ``write_back`` map per-token outputs back.
+            ``position_ids`` made restarting at 0 per sequence (the batch's own are
+            checked, not copied: NOTE [ Packed position ids ]), ``cu_seq_lens`` and
+            ``max_length``; no attention mask). Run it with ``model(**mb.model_inputs())``
+            (``use_cache=False`` and the varlen kwargs: each sequence attends only to
+            itself). ``MicroBatch.unpack`` and ``write_back`` map per-token outputs back.
 
     Yields:
         :class:`MicroBatch`, ``plan.num_micro_batches`` of them.
 
     Raises:
         BatchError: the batch's row count differs from the plan's sequence count, its
-            fields disagree on the row count, or a named field is missing or misshapen.
+            fields disagree on the row count, or a named field is missing or misshapen;
+            with ``layout="packed"``, ``position_ids`` that do not count up by one over a
+            row's valid tokens.
         BudgetError: a padded micro-batch would be larger than planned (the plan's lengths
             are not the rows' valid-token spans, e.g. a mask with holes).
         InvalidArgument: ``rank`` is not in ``[0, plan.dp_size)``.

@@ -17,6 +17,7 @@ import torch
 
 from batchfit.batches.microbatch import MicroBatch, iter_micro_batches
 from batchfit.errors import InvalidArgument
+from batchfit.parallel.collective_device import all_reduce_
 from batchfit.parallel.distributed import is_distributed
 from batchfit.plan.packing import MicroBatchPlan
 from batchfit.train.logprobs import span_starts
@@ -60,7 +61,9 @@ def forward_logprobs(
         head, chunk_size, temperature: as :func:`batchfit.train.model_logprobs`.
         group: the data-parallel process group (``None`` = the default group).
         out: a float ``[N, W]`` tensor to write into (zeroed first), e.g. one kept in host
-            memory; default a new fp32 one on ``input_ids``' device.
+            memory (each micro-batch's values are copied to its device and dtype, and the
+            ranks' sum runs on the group's device and is copied back: NOTE [ Collectives
+            run on the group's device ]); default a new fp32 one on ``input_ids``' device.
         **iter_options: passed to :func:`batchfit.batches.microbatch.iter_micro_batches` (``trim=False``
             runs full-width rows).
 
@@ -145,5 +148,5 @@ def _forward(
             else:
                 mb.write_back(out, values)
     if plan.dp_size > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        all_reduce_(out, dist.ReduceOp.SUM, group)  # NOTE [ Collectives run on the group's device ]
     return out

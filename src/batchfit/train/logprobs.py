@@ -54,12 +54,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchfit.batches.layout import CU_SEQ_LENS, MAX_LENGTH
+from batchfit.batches.layout import packed_model_inputs
 from batchfit.batches.microbatch import MicroBatch
 from batchfit.errors import BatchError, InvalidArgument
 from batchfit.logprobs import IGNORE_INDEX, logprobs_from_hidden, logprobs_from_logits
 from batchfit.logprobs._common import check_temperature
-from batchfit.models.attention import warn_if_masked
+from batchfit.models.attention import check_packed_attention, warn_if_masked
 from batchfit.parallel.shard import unwrap
 from batchfit.train.framework_heads import (
     FRAMEWORK_HEADS,
@@ -185,7 +185,9 @@ def fused_output_head(
     ``[*labels.shape]`` fp32, or ``[*labels.shape, 2]`` (log-prob, entropy) with
     ``return_entropy``. ``labels`` may be a function that makes them, called when the head
     runs (they then do not exist during the layers' forward). Not thread-safe: the head is
-    patched on the module.
+    patched on the module; an accelerate hook on it keeps running around the fused forward,
+    and the head's instance attributes are restored as found on exit (NOTE [ The head's
+    instance attributes are left as found ]).
 
     Raises:
         InvalidArgument: ``model`` has no linear output head, or transforms its logits.
@@ -204,15 +206,22 @@ def fused_output_head(
         )
         return torch.stack(out, dim=-1) if return_entropy else out.clone()
 
-    own = head.__dict__.get("forward")  # another library's instance-level forward (accelerate's hooks)
-    head.forward = forward  # an instance attribute shadows the class' forward
+    # NOTE [ The head's instance attributes are left as found ]: accelerate's hooks (device
+    # maps, offload) replace the head's forward by an instance attribute that runs the hook
+    # around ``_old_forward``; under such a hook the fused forward goes in ``_old_forward``, so
+    # the hook still moves the weight in and the output out. Whatever attribute is replaced
+    # is put back as it was (or deleted only when batchfit added it).
+    name = "_old_forward" if "_hf_hook" in head.__dict__ and "_old_forward" in head.__dict__ else "forward"
+    missing = object()
+    own = head.__dict__.get(name, missing)
+    setattr(head, name, forward)  # an instance attribute shadows the class' forward
     try:
         yield
     finally:
-        if own is None:
-            del head.forward
+        if own is missing:
+            head.__dict__.pop(name, None)
         else:
-            head.forward = own
+            setattr(head, name, own)
 
 
 #: The largest chunk ``chunk_size="auto"`` uses (:func:`batchfit.logprobs.logprobs_from_hidden`'s default).
@@ -283,21 +292,21 @@ class _TokenAligned:
             self.shifts = (fields[attention_mask_key] != 0).int().argmax(1)
             ids = _roll_left(ids, self.shifts)
         self.ids = ids
-        self.inputs: dict[str, Any] = {"input_ids": ids, "use_cache": False}
         mask, positions = fields.get(attention_mask_key), fields.get(position_ids_key)
-        if starts is None:  # rows with holes keep their mask; packed rows their positions
-            if mask is not None:
-                self.inputs["attention_mask"] = mask
-            if positions is not None:
-                self.inputs["position_ids"] = positions
-        if mask is None and positions is not None:
+        if mask is None and isinstance(positions, torch.Tensor):  # a packed row
+            # positions, the varlen kwargs and use_cache=False (NOTE [ Packed position ids ])
+            self.inputs: dict[str, Any] = packed_model_inputs(
+                fields, input_ids_key=input_ids_key, position_ids_key=position_ids_key
+            )
+            check_packed_attention(unwrap(model), self.inputs)  # NOTE [ Packed rows must not attend across sequences ]
             warn_if_masked(unwrap(model))  # NOTE [ Packed rows need varlen attention ]
-            cu = fields.get(CU_SEQ_LENS)
-            if isinstance(cu, torch.Tensor):  # what flash-attention's and batchfit's varlen kernels read
-                longest = fields.get(MAX_LENGTH)
-                self.inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu)
-                if isinstance(longest, int):
-                    self.inputs.update(max_length_q=longest, max_length_k=longest)
+        else:
+            self.inputs = {"input_ids": ids, "use_cache": False}
+            if starts is None:  # rows with holes keep their mask (and positions)
+                if mask is not None:
+                    self.inputs["attention_mask"] = mask
+                if positions is not None:
+                    self.inputs["position_ids"] = positions
         self.starts = starts
 
     def labels(self) -> torch.Tensor:
