@@ -34,7 +34,7 @@ from batchfit.batches.minibatch import pad_rows
 from batchfit.batches.weights import REDUCTIONS
 from batchfit.errors import InvalidArgument
 from batchfit.parallel import sync_micro_batch_count
-from batchfit.plan import MicroBatchPlan, plan_micro_batches
+from batchfit.plan import plan_micro_batches
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -259,7 +259,8 @@ uids = st.lists(st.integers(0, 3), max_size=8).map(sorted)
 def test_prompt_and_mini_batch_boundaries(ids, k, partial):
     with batchfit_error_or_result():
         bounds = prompt_boundaries(ids)
-        assert [e - s for s, e in bounds] and sum(e - s for s, e in bounds) == len(ids) or not bounds
+        assert sum(e - s for s, e in bounds) == len(ids)
+        assert all(e > s for s, e in bounds)
     with batchfit_error_or_result():
         cuts = mini_batch_boundaries(ids, k, allow_partial=partial)
         assert sum(e - s for s, e in cuts) == len(ids)
@@ -350,10 +351,12 @@ def test_iter_micro_batches(plan, batch_kind, other, rank, trim, attention_key, 
 # ------------------------------------------------------------------ numbers
 
 
-@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean"])
-@pytest.mark.parametrize("tokens", [50_000, 300_007, 700_000])
+@pytest.mark.parametrize(
+    ("reduction", "tokens"), [("token_mean", 50_000), ("sequence_mean", 300_007), ("token_mean", 700_000)]
+)
 def test_float16_weights_sum_to_one_within_its_epsilon(reduction, tokens):
-    # 1/700k is a float16 subnormal (spacing 2**-24): cast one by one, every weight rounds the same way
+    # 1/700k is a float16 subnormal (grid 2**-24): cast one by one, every weight rounded the same
+    # way and the sum was 1 ± 1.36e-3, 1.4× float16's epsilon (NOTE [ Float16 weights keep their sums ])
     rows = 1000
     mask = torch.zeros(rows, -(-tokens // rows), dtype=torch.bool)
     mask.view(-1)[:tokens] = True
@@ -361,29 +364,33 @@ def test_float16_weights_sum_to_one_within_its_epsilon(reduction, tokens):
     assert w.dtype == torch.float16
     assert abs(float(w.double().sum()) - 1.0) <= torch.finfo(torch.float16).eps
     assert bool((w[~mask] == 0).all()) and bool((w[mask] > 0).all())
+    exact = loss_weights(mask, reduction=reduction, dtype=torch.float64)
+    assert float((w.double() - exact).abs().max()) < 2**-24  # each weight within one grid step
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
-    counts=st.lists(st.integers(0, 2000), min_size=1, max_size=40),
+    counts=st.lists(st.integers(0, 4000), min_size=1, max_size=16),
     k=st.integers(1, 4),
     reduction=st.sampled_from(REDUCTIONS),
     dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    binary=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_low_precision_weights_keep_each_mini_batch_sum(counts, k, reduction, dtype, seed):
+def test_low_precision_weights_keep_each_mini_batch_sum(counts, k, reduction, dtype, binary, seed):
     gen = torch.Generator().manual_seed(seed)
-    width = max(counts) or 1
-    mask = torch.zeros(len(counts), width * 30)
+    mask = torch.zeros(len(counts), max(counts) or 1)
     for i, c in enumerate(counts):
-        mask[i, : c * 30] = torch.rand(c * 30, generator=gen) * 2
+        mask[i, :c] = 1.0 if binary else torch.rand(c, generator=gen) * 2
     mini = [(s, min(s + k, len(counts))) for s in range(0, len(counts), k)]
     prompts = [(i, i + 1) for i in range(len(counts))]
-    exact = loss_weights(mask, reduction=reduction, mini_batch_boundaries=mini, prompt_boundaries=prompts, dtype=torch.float64)
-    low = loss_weights(mask, reduction=reduction, mini_batch_boundaries=mini, prompt_boundaries=prompts, dtype=dtype)
+    kw = {"reduction": reduction, "mini_batch_boundaries": mini, "prompt_boundaries": prompts}
+    exact = loss_weights(mask, dtype=torch.float64, **kw)
+    low = loss_weights(mask, dtype=dtype, **kw)
+    assert bool((low[mask == 0] == 0).all())
     for s, e in mini:
         want = float(exact[s:e].sum())
-        assert abs(float(low[s:e].double().sum()) - want) <= torch.finfo(dtype).eps * max(abs(want), 1e-30) + 2**-24
+        assert abs(float(low[s:e].double().sum()) - want) <= torch.finfo(dtype).eps * want + 2**-24
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])

@@ -220,7 +220,7 @@ def check_number(
 def check_choice(name: str, value: Any, choices: Iterable[T]) -> T:
     """Return ``value`` if it is one of ``choices``; else raise, listing the choices and the closest."""
     options = list(choices)
-    if value in options:
+    if any(_equal(value, c) for c in options):
         return value
     listed = ", ".join(repr(c) for c in options)
     hint = ""
@@ -228,7 +228,15 @@ def check_choice(name: str, value: Any, choices: Iterable[T]) -> T:
         close = difflib.get_close_matches(value, [str(c) for c in options], n=1)
         if close:
             hint = f"; did you mean {close[0]!r}?"
-    raise InvalidArgument(f"{name} must be one of {listed}, but got {name}={value!r}{hint}")
+    raise InvalidArgument(f"{name} must be one of {listed}, but got {name}={short_repr(value)}{hint}")
+
+
+def _equal(value: Any, choice: Any) -> bool:
+    """``value == choice`` as ``in`` tests it, False when the comparison is not a truth value (arrays)."""
+    try:
+        return value is choice or bool(value == choice)
+    except Exception:  # numpy/torch arrays compare element-wise
+        return False
 
 
 def closest(value: str, candidates: Sequence[str]) -> str | None:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from batchfit.errors import BatchError, InvalidArgument
-from batchfit.validation import check_choice, check_positive_int
+from batchfit.validation import check_choice, check_count, check_ranges, describe
 
 REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
 
@@ -32,8 +32,8 @@ def _segment_ids(bounds: Sequence[tuple[int, int]], n: int, name: str) -> torch.
     """Row → segment index for contiguous ``bounds`` that must tile ``range(n)`` exactly."""
     ids = torch.empty(n, dtype=torch.long)
     expected = 0
-    for k, (start, end) in enumerate(bounds):
-        if start != expected or end <= start:
+    for k, (start, end) in enumerate(check_ranges(name, bounds)):
+        if start != expected or end <= start or end > n:
             raise BatchError(
                 f"{name} must tile the {n} rows contiguously with non-empty ranges, but range {k} is "
                 f"({start}, {end}) where start {expected} was expected"
@@ -92,13 +92,17 @@ def loss_weights(
         dtype: floating dtype of the result; default the mask's dtype if it is float32 or
             float64, else float32 (counts and scales are always computed in float64: a
             float16 count overflows at 65,536 tokens and bf16 rounds counts above 256).
+            float16 weights keep each mini-batch's sum within float16's epsilon, subnormal
+            weights included (NOTE [ Float16 weights keep their sums ]).
 
     Returns:
         A tensor shaped like ``loss_mask``, on its device.
 
     Raises:
-        InvalidArgument: unknown reduction, a mask that is not 2-D, a bad ``max_seq_len`` or
-            ``dtype``, or ``prompt_mean`` without ``prompt_boundaries``.
+        InvalidArgument: unknown reduction, a mask that is not a 2-D real tensor or holds NaN
+            or inf, a bad ``max_seq_len`` or ``dtype``, boundaries that are not ``(start, end)``
+            integer pairs, weights that overflow ``dtype``, or ``prompt_mean`` without
+            ``prompt_boundaries``.
         BatchError: boundaries that do not tile the rows (``[]`` for a non-empty mask
             included), or a prompt straddling two mini-batches.
 
@@ -110,8 +114,19 @@ def loss_weights(
     """
     check_choice("reduction", reduction, REDUCTIONS)
     if not isinstance(loss_mask, torch.Tensor) or loss_mask.ndim != 2:
-        shape = tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else type(loss_mask).__name__
+        shape = tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else describe(loss_mask)
         raise InvalidArgument(f"loss_mask must be a 2-D tensor [num_sequences, seq_len], but got {shape}")
+    if loss_mask.dtype.is_complex:
+        raise InvalidArgument(
+            f"loss_mask must be bool, integer or real floating, but got dtype {loss_mask.dtype}; pass its real part"
+        )
+    _check_finite(loss_mask)
+    if max_seq_len is not None:
+        max_seq_len = check_count("max_seq_len", max_seq_len)
+    if mini_batch_boundaries is not None:
+        mini_batch_boundaries = check_ranges("mini_batch_boundaries", mini_batch_boundaries)
+    if prompt_boundaries is not None:
+        prompt_boundaries = check_ranges("prompt_boundaries", prompt_boundaries)
     if dtype is None:
         dtype = loss_mask.dtype if loss_mask.dtype in (torch.float32, torch.float64) else torch.float32
     elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -140,7 +155,7 @@ def loss_weights(
         sequences = _per_segment(has_tokens, mb, n_mb)
         row_scale = _safe_inverse(tokens) * _safe_inverse(sequences)[mb]
     elif reduction == "seq_mean_token_sum_norm":
-        norm = width if max_seq_len is None else check_positive_int("max_seq_len", max_seq_len)
+        norm = width if max_seq_len is None else max_seq_len
         sequences = _per_segment(has_tokens, mb, n_mb)
         row_scale = _safe_inverse(sequences)[mb] / norm
     else:  # prompt_mean
@@ -161,4 +176,57 @@ def loss_weights(
         prompt_mb = torch.zeros(n_pr, dtype=torch.long).index_copy_(0, pr, mb)
         prompts = _per_segment((prompt_tokens != 0).to(dtype), prompt_mb, n_mb)
         row_scale = _safe_inverse(prompt_tokens)[pr] * _safe_inverse(prompts)[mb]
-    return (mask * row_scale[:, None]).to(device=device, dtype=out_dtype)
+    weights = mask * row_scale[:, None]
+    if not bool(torch.isfinite(weights).all()):
+        raise InvalidArgument(
+            f"loss_mask's values are too large to normalise in float64 (largest {float(mask.abs().max()):.3g}, "
+            f"total {float(mask.abs().sum()):.3g}); pass a 0/1 mask, or token weights of a sensible scale"
+        )
+    return _cast_keeping_sums(weights, out_dtype).to(device=device)
+
+
+def _check_finite(loss_mask: torch.Tensor) -> None:
+    """NaN or inf in a float mask would poison every weight of its mini-batch silently."""
+    if not loss_mask.dtype.is_floating_point:
+        return
+    bad = ~torch.isfinite(loss_mask.detach())
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise InvalidArgument(
+            f"loss_mask must be finite, but loss_mask[{row}, {col}]={float(loss_mask[row, col])} "
+            f"({int(bad.sum())} non-finite entries); a NaN would make every other weight of its mini-batch 0. "
+            "Fix the mask (e.g. torch.nan_to_num) before computing weights"
+        )
+
+
+# NOTE [ Float16 weights keep their sums ]
+# 1/N for N > 16,384 tokens is a float16 subnormal, on a fixed grid of 2**-24: cast one by
+# one, every weight of a token mean rounds the same way and the mini-batch sums to 1 ± N·2**-25
+# (1.36e-3 measured at 700k tokens, 1.4× float16's epsilon; 0 or 2 further out). Below 2**-13
+# float16 holds every multiple of 2**-24 exactly, so those weights are rounded cumulatively:
+# weight i becomes round(prefix_i) − round(prefix_{i−1}) on that grid (row-major, so each row
+# and each mini-batch is a contiguous run). Every prefix sum -- each mini-batch's, each row's --
+# then stays within 2**-24 of the exact one, and a weight moves by less than one grid step.
+# Larger weights are cast as usual (relative error ≤ 2**-11 each). The sum of each mini-batch
+# is therefore its float64 sum within 2**-11 relative + 2**-24, inside float16's epsilon
+# (2**-10). bfloat16 has no such grid problem: its exponent range reaches 1e-38, so its weights
+# are within 2**-9 relative each, inside its epsilon (2**-7).
+_F16_GRID = 2.0**-24
+_F16_FINE = 2.0**-13
+
+
+def _cast_keeping_sums(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weights`` (float64) cast to ``dtype``; float16 keeps its sums (NOTE [ Float16 weights keep their sums ])."""
+    out = weights.to(dtype)
+    if not bool(torch.isfinite(out).all()):
+        raise InvalidArgument(
+            f"loss weights up to {float(weights.abs().max()):.3g} overflow dtype={dtype}; pass dtype=torch.float32 "
+            "or smaller token weights in loss_mask"
+        )
+    if dtype != torch.float16 or not weights.numel():
+        return out
+    flat = weights.reshape(-1)
+    fine = flat.abs() < _F16_FINE
+    steps = torch.round(torch.cumsum(torch.where(fine, flat, torch.zeros_like(flat)) / _F16_GRID, 0))
+    steps = torch.diff(steps, prepend=steps.new_zeros(1))
+    return torch.where(fine, (steps * _F16_GRID).to(dtype), out.reshape(-1)).reshape(weights.shape)
