@@ -133,11 +133,10 @@ def _enter() -> bool:
         undo: list[Callable[[], object]] = []
         try:
             for parameter, _, _ in _PARAMETERS:
-                changed = libc.mallopt(parameter, _RETAIN)
-                undo.append(functools.partial(libc.mallopt, parameter, restore[parameter]))
-                if not changed:  # refused (the call changes nothing then)
+                if not libc.mallopt(parameter, _RETAIN):  # refused: that call changed nothing
                     undo_all(reversed(undo))
                     return False
+                undo.append(functools.partial(libc.mallopt, parameter, restore[parameter]))
         except BaseException as exc:
             undo_all(reversed(undo), exc)
             raise
