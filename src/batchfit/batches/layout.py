@@ -358,6 +358,7 @@ def pack_rows(
     *,
     attention_mask_key: str = "attention_mask",
     pad_values: Mapping[str, Any] | None = None,
+    indices: Sequence[int] | None = None,
 ) -> tuple[dict[str, Any], PackedRows]:
     """One padding-free row: the valid tokens of every row, concatenated in row order.
 
@@ -370,6 +371,8 @@ def pack_rows(
     kernels. The attention mask is dropped: run the row with :func:`packed_model_inputs`
     (``MicroBatch.model_inputs()``), which a Hugging Face model runs within each sequence.
     Other per-sample fields (lists, per-sequence scalars) keep one entry per sequence.
+
+    ``indices`` (the rows' input indices, for error messages) names the rows as the batch numbers them.
 
     Returns:
         ``(packed fields, PackedRows)``.
@@ -400,7 +403,7 @@ def pack_rows(
             out[key] = _where(inside, picked, fills.get(key, 0))[None]
     given = rows.get(POSITION_IDS)
     if given is not None:
-        _check_positions(given, packed, row_index, col_index)
+        _check_positions(given, packed, row_index, col_index, indices)
     positions = np.concatenate([np.arange(len(c)) for c in columns] or [np.zeros(0)]).astype(np.int64)
     out[POSITION_IDS] = torch.as_tensor(positions, device=_device(mask))[None]
     out[CU_SEQ_LENS] = torch.as_tensor(packed.offsets, dtype=torch.int32, device=_device(mask))
@@ -408,7 +411,9 @@ def pack_rows(
     return out, packed
 
 
-def _check_positions(given: Any, packed: PackedRows, row_index: np.ndarray, col_index: np.ndarray) -> None:
+def _check_positions(
+    given: Any, packed: PackedRows, row_index: np.ndarray, col_index: np.ndarray, indices: Sequence[int] | None
+) -> None:
     """Refuse ``position_ids`` that do not count up by one over each row's valid tokens (NOTE [ Packed position ids ])."""
     if not _is_array(given) or given.ndim != 2:
         shape = tuple(given.shape) if _is_array(given) else type(given).__name__
@@ -425,9 +430,10 @@ def _check_positions(given: Any, packed: PackedRows, row_index: np.ndarray, col_
     if bad.size:
         row = int(np.searchsorted(offsets, bad[0], side="right") - 1)
         seq = values[offsets[row] : offsets[row + 1]]
+        where = f"row {indices[row]} of the batch" if indices and row < len(indices) else f"micro-batch row {row}"
         shown = ", ".join(str(int(v)) for v in seq[:8]) + (", ..." if len(seq) > 8 else "")
         raise BatchError(
-            f"position_ids of micro-batch row {row} are [{shown}] over its {len(seq)} valid tokens "
+            f"position_ids of {where} are [{shown}] over its {len(seq)} valid tokens "
             f"(columns {packed.columns[row][:8].tolist()}{'...' if len(seq) > 8 else ''}): they do not count up by one, "
             "so the packed row cannot restart them at 0 per sequence as they were meant; "
             "drop position_ids from the batch (the packed layout makes 0 .. length - 1 for each sequence) "

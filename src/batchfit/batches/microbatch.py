@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchfit.batches.batch import Batch, batch_size, take_rows
+from batchfit.batches.batch import Batch, batch_size, check_micro_batch_arguments, take_rows
 from batchfit.batches.layout import (
     PackedRows,
     RowAlignment,
@@ -256,6 +256,17 @@ def iter_micro_batches(
             are not the rows' valid-token spans, e.g. a mask with holes).
         InvalidArgument: ``rank`` is not in ``[0, plan.dp_size)``.
     """
+    check_micro_batch_arguments(
+        batch,
+        plan,
+        rank,
+        trim=trim,
+        attention_mask_key=attention_mask_key,
+        loss_mask_key=loss_mask_key,
+        pad_values=pad_values,
+        token_fields=token_fields,
+        response_fields=response_fields,
+    )
     if not is_int(rank) or not 0 <= rank < plan.dp_size:
         raise InvalidArgument(f"rank must be an integer in [0, {plan.dp_size}), but got rank={rank!r}")
     n = batch_size(batch)
@@ -291,7 +302,9 @@ def iter_micro_batches(
                 raise BatchError(
                     f"layout='packed' needs a 2-D {attention_mask_key!r} field marking valid tokens, but the batch has none; pass attention_mask_key"
                 )
-            rows, packed = pack_rows(rows, roles, attention_mask_key=attention_mask_key, pad_values=pad_values)
+            rows, packed = pack_rows(
+                rows, roles, attention_mask_key=attention_mask_key, pad_values=pad_values, indices=indices
+            )
             total = int(packed.offsets[-1])
             if total > cost:
                 raise BudgetError(
