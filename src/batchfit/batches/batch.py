@@ -9,14 +9,25 @@ slice, so nothing describing other samples leaks into a sub-batch.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from batchfit.errors import BatchError
-from batchfit.validation import check_int, check_int_sequence, describe, short_repr
+from batchfit.errors import BatchError, InvalidArgument
+from batchfit.plan.packing import MicroBatchPlan
+from batchfit.validation import (
+    check_bool,
+    check_int,
+    check_int_sequence,
+    check_key,
+    check_keys,
+    check_mapping,
+    describe,
+    short_repr,
+)
 
 Batch = Mapping[str, Any]
 
@@ -130,3 +141,38 @@ def concat_batches(batches: Sequence[Batch]) -> dict[str, Any]:
                 "give it the same kind (tensor, array or list), dtype and trailing shape in every batch"
             ) from exc
     return out
+
+
+def check_micro_batch_arguments(
+    batch: Any,
+    plan: Any,
+    rank: Any,
+    *,
+    trim: Any,
+    attention_mask_key: Any,
+    loss_mask_key: Any,
+    pad_values: Any,
+    token_fields: Any,
+    response_fields: Any,
+) -> None:
+    """The argument checks of :func:`batchfit.batches.microbatch.iter_micro_batches`, one place.
+
+    Raises:
+        InvalidArgument: ``plan`` is not a :class:`~batchfit.plan.packing.MicroBatchPlan`, ``rank``
+            is not in ``[0, plan.dp_size)``, ``trim`` is not a bool, a key is not a ``str``,
+            ``pad_values`` not a mapping, or a field list not a list of ``str``.
+        BatchError: ``batch`` is not a mapping whose per-sample fields agree.
+    """
+    if not isinstance(plan, MicroBatchPlan):
+        raise InvalidArgument(
+            f"plan must be a MicroBatchPlan (from batchfit.plan_micro_batches), but got plan={describe(plan)}"
+        )
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < plan.dp_size:
+        raise InvalidArgument(f"rank must be an integer in [0, {plan.dp_size}), but got rank={describe(rank)}")
+    check_bool("trim", trim)
+    check_key("attention_mask_key", attention_mask_key)
+    check_key("loss_mask_key", loss_mask_key)
+    check_mapping("pad_values", pad_values)
+    check_keys("token_fields", token_fields)
+    check_keys("response_fields", response_fields)
+    batch_size(batch)
