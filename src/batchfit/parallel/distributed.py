@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from batchfit.errors import BatchfitError, InvalidArgument
 from batchfit.plan.packing import MicroBatchPlan
-from batchfit.validation import check_positive_int
+from batchfit.validation import check_positive_int, describe
 
 T = TypeVar("T")
 
@@ -229,5 +229,16 @@ def sync_micro_batch_count(plan: MicroBatchPlan, group: Any = None) -> MicroBatc
     Returns:
         ``plan`` itself without an initialised process group (or when nothing is missing),
         else ``plan.pad_to(max count)``.
+
+    Raises:
+        InvalidArgument: ``plan`` is not a :class:`MicroBatchPlan` or ``group`` not a process group.
     """
+    if not isinstance(plan, MicroBatchPlan):
+        raise InvalidArgument(
+            f"plan must be a MicroBatchPlan (from batchfit.plan_micro_batches), but got plan={describe(plan)}"
+        )
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise InvalidArgument(
+            f"group must be None (the default group) or a torch.distributed process group, but got group={describe(group)}"
+        )
     return plan.pad_to(all_reduce_max(plan.num_micro_batches, group))
