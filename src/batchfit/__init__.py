@@ -50,10 +50,13 @@ _LAZY = {
     "loss_weights": "batchfit.batches",
     "iter_micro_batches": "batchfit.batches",
     "MicroBatch": "batchfit.batches",
+    "collate_rollouts": "batchfit.batches.rollouts",
     # data parallelism
     "Sharding": "batchfit.parallel",
     "simulated_world": "batchfit.parallel",
     "sync_micro_batch_count": "batchfit.parallel",
+    "reduce_figures": "batchfit.parallel.reduce",
+    "parameter_agreement": "batchfit.parallel.reduce",
     # memory
     "get_backend": "batchfit.memory",
     "measure_peak": "batchfit.memory",
@@ -70,6 +73,7 @@ _LAZY = {
     "data_parallel_size": "batchfit.train",
     "forward_logprobs": "batchfit.train",
     "forward_values": "batchfit.train",
+    "group_advantages": "batchfit.train",
     "initialize_optimizer_state": "batchfit.train",
     "micro_batch_loss": "batchfit.train",
     "model_logprobs": "batchfit.train",

@@ -23,7 +23,7 @@ from batchfit.budget.depth import DEFAULT_DEPTHS, uniform_layers
 from batchfit.budget.find import find_token_budget
 from batchfit.budget.options import ProfileOptions
 from batchfit.budget.token_budget import TokenBudget
-from batchfit.errors import DoesNotFitError, InvalidArgument
+from batchfit.errors import BudgetError, DoesNotFitError, InvalidArgument
 from batchfit.memory.estimate import EstimateBackend
 from batchfit.memory.untracked import UntrackedMemory, untracked_memory
 from batchfit.models.lora import LoraParameters, lora_parameters
@@ -130,6 +130,39 @@ class ModelProfile:
             "lora": None if self.lora is None else self.lora.to_dict(),
         }
 
+    @property
+    def train(self) -> TokenBudget:
+        """The training budget per rank: the smallest of the trained roles' (``policy``, ``critic``).
+
+        Measured on the trainer's own step as ``sharding`` runs it, so under ``fsdp2`` it
+        already holds what FSDP2 keeps during the backward (each layer's unsharded gradient
+        until it is reduce-scattered, the gathered layers) and the sharded gradients resident
+        between micro-batches (:func:`batchfit.train.accumulate` keeps FSDP2's sync on): no
+        reserve to take off by hand.
+
+        Raises:
+            BudgetError: no trained role was profiled (pass ``roles="policy"``).
+        """
+        return self._min_of(TRAINED_ROLES, "trained", "roles='policy'")
+
+    @property
+    def forward(self) -> TokenBudget:
+        """The forward-only budget per rank (old/reference log-probs, values): the smallest forward role's.
+
+        Raises:
+            BudgetError: no forward-only role was profiled (pass ``forward_too=True`` or
+                ``roles="policy,policy_forward"``).
+        """
+        return self._min_of(tuple(r for r in ROLES if forward_role(r)), "forward-only", "forward_too=True")
+
+    def _min_of(self, roles: Sequence[str], kind: str, fix: str) -> TokenBudget:
+        found = [b for role, b in self.budgets.items() if role in roles]
+        if not found:
+            raise BudgetError(
+                f"this profile has no {kind} budget: it profiled roles {', '.join(self.budgets)}; profile with {fix}"
+            )
+        return TokenBudget.min(*found)
+
 
 def _host_bytes(budget: TokenBudget) -> int:
     point = budget.binding_point
@@ -156,6 +189,7 @@ def profile_model(
     *,
     roles: str | Sequence[str] = ("policy",),
     resident_bytes: int = 0,
+    forward_too: bool = False,
     **settings: Any,
 ) -> ModelProfile:
     """Build ``model`` for each role and find its token budget per rank; combine the roles.
@@ -175,13 +209,20 @@ def profile_model(
     Args:
         model: a preset name (``tiny``, ``qwen2.5-7b``, …), a local directory with
             ``config.json``, a hub id (config only), a ``PretrainedConfig``, or a transformers
-            model (``nn.Module``, bare or wrapped), whose config is built for each role.
+            model (``nn.Module``, bare or wrapped), whose config is built for each role
+            (NOTE [ Profiling a model object ]): the model itself is left untouched, and
+            what is not set in ``options`` or ``settings`` is read from it (its parameters'
+            dtype; FSDP2's or DDP's sharding, world size and FSDP2's bf16 mixed precision).
         options: the :class:`~batchfit.budget.options.ProfileOptions`; keyword ``settings``
             (its field names: ``max_seq_len=8192, backend="estimate", …``) build one, or
             override the fields of the one given.
         roles: any of :data:`ROLES` (``"policy,critic"``).
         resident_bytes: bytes other models sharing the device keep on it (colocated roles),
             taken off the usable memory like the reserve.
+        forward_too: also profile each trained role's forward-only pass (``policy`` →
+            ``policy_forward``, ``critic`` → ``critic_forward``), so one call gives the
+            training budget (:attr:`ModelProfile.train`) and the forward-only one
+            (:attr:`ModelProfile.forward`).
 
     Returns:
         :class:`ModelProfile`.
@@ -203,8 +244,13 @@ def profile_model(
     from batchfit.memory.heap import retain_freed_memory
     from batchfit.models import load_config, parse_dtype
 
-    opts = resolve_options(options, settings)
+    opts = resolve_options(options, {**module_settings(model, options, settings), **settings})
     chosen_roles = check_roles(roles)
+    if not isinstance(forward_too, bool):
+        raise InvalidArgument(f"forward_too must be True or False, but got forward_too={forward_too!r}")
+    if forward_too:
+        extra = [f"{r}_forward" for r in chosen_roles if r in TRAINED_ROLES]
+        chosen_roles = tuple(dict.fromkeys([*chosen_roles, *extra]))
     plan = opts.sharding
     torch_dtype = parse_dtype(default_dtype(plan) if opts.dtype is None else opts.dtype)
     config = load_config(model)  # a bad spec fails here, before any backend work
@@ -274,6 +320,53 @@ def profile_model(
         torch=behaviours,
         lora=adapters,
     )
+
+
+def module_settings(model: Any, options: ProfileOptions | None, settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings a model object implies that neither ``options`` nor ``settings`` give.
+
+    NOTE [ Profiling a model object ]
+    A module is profiled through its config: each role's model is built again from it by
+    :mod:`batchfit.models` and sharded by :func:`batchfit.parallel.shard_model`, and the
+    probe runs :func:`batchfit.train.micro_batch_loss` on it: the code path the loop
+    runs, on every backend (an estimate cannot run the user's real, already-allocated
+    module under fake tensors, and measuring it in place would train it). What the object
+    itself says about how it runs fills the settings left unset: its parameters' dtype,
+    and for a model wrapped by FSDP2 (``fully_shard``) or DDP the strategy, the world size
+    (FSDP2's mesh, DDP's group) and FSDP2's mixed precision (bf16 compute: ``"bf16"``).
+    ``options`` given: only ``settings`` override it (the options are taken as they are).
+    """
+    import torch
+
+    if options is not None or not isinstance(model, torch.nn.Module):
+        return {}
+    out: dict[str, Any] = {}
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if "dtype" not in settings and params:
+        out["dtype"] = _dtype_name(params[0].dtype)
+    if "sharding" not in settings:
+        sharding = _module_sharding(model)
+        if sharding is not None:
+            out["sharding"] = sharding
+    return out
+
+
+def _module_sharding(model: Any) -> Sharding | None:
+    """FSDP2's or DDP's :class:`Sharding` of a wrapped model, else ``None``."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    from batchfit.train.accumulate import data_parallel_size
+
+    if isinstance(model, DistributedDataParallel):
+        return Sharding("ddp", world_size=data_parallel_size(model))
+    if isinstance(model, FSDPModule):
+        policy = getattr(getattr(model, "_get_fsdp_state", lambda: None)(), "_mp_policy", None)
+        import torch
+
+        bf16 = getattr(policy, "param_dtype", None) == torch.bfloat16
+        return Sharding("fsdp2", world_size=data_parallel_size(model), mixed_precision="bf16" if bf16 else "none")
+    return None
 
 
 def resolve_options(options: ProfileOptions | None, settings: dict[str, Any]) -> ProfileOptions:

@@ -12,6 +12,8 @@
   accumulation with DDP's ``no_sync`` or FSDP2's ``set_requires_gradient_sync`` until the
   last micro-batch, the ``× dp_size`` that turns the ranks' average into the sum, and the
   bytes of the gradients kept between micro-batches (NOTE [ Accumulate, then sync once ]).
+- :func:`group_advantages`: GRPO's group-relative advantages (and RLOO's leave-one-out) from
+  one reward per rollout.
 - :class:`PeakTracker` / :class:`CollectiveBytes`: peak bytes per micro-batch (cpu tracker)
   and bytes of collectives per optimizer step.
 
@@ -34,6 +36,7 @@ from batchfit.train.accumulate import (
     data_parallel_size,
     gradient_sync,
 )
+from batchfit.train.advantages import ESTIMATORS, group_advantages, group_ids
 from batchfit.train.forward import forward_logprobs, forward_values
 from batchfit.train.logprobs import HEADS, fused_output_head, model_logprobs, model_values, next_token_labels
 from batchfit.train.loss import policy_loss, response_columns, value_loss
@@ -42,6 +45,7 @@ from batchfit.train.optim import allocate_gradients, default_optimizer, initiali
 from batchfit.train.step import micro_batch_loss, micro_batch_outputs
 
 __all__ = [
+    "ESTIMATORS",
     "HEADS",
     "CollectiveBytes",
     "PeakTracker",
@@ -54,6 +58,8 @@ __all__ = [
     "forward_values",
     "fused_output_head",
     "gradient_sync",
+    "group_advantages",
+    "group_ids",
     "initialize_optimizer_state",
     "micro_batch_loss",
     "micro_batch_outputs",
