@@ -401,3 +401,43 @@ def test_a_batch_size_probed_twice_counts_once_in_the_per_sequence_cost():
     probes = [probe(20, 5_800), base, probe(26, 7_000)]
     assert _per_sequence(probes, 10, base) == pytest.approx((7_000 - 5_800) / 6)
     assert _per_sequence([base, base], 10, base) == pytest.approx(7_000 / 26)  # one size: the base's share
+
+
+# --------------------------------------------------------------------------- profile_model: one call, a model object
+
+
+def test_one_call_gives_the_training_and_the_forward_only_budget_of_a_module():
+    from batchfit.budget import profile_model
+    from batchfit.errors import BudgetError
+    from batchfit.models import build_causal_lm
+
+    module = build_causal_lm("tiny", dtype="fp32")
+    profile = profile_model(
+        module, max_seq_len=64, seq_lens=[64], backend="estimate", memory_limit="64MiB", reserve_bytes=0, forward_too=True
+    )
+    assert list(profile.budgets) == ["policy", "policy_forward"]
+    assert profile.dtype == "float32"  # read from the module's parameters, not the bf16 default
+    assert profile.train.tokens == profile.budgets["policy"].tokens
+    # forward-only keeps no activations for a backward: more tokens fit
+    assert profile.forward.tokens > profile.train.tokens == profile.combined.tokens
+    alone = profile_model(module, max_seq_len=64, seq_lens=[64], backend="estimate", memory_limit="64MiB", reserve_bytes=0)
+    assert alone.train.tokens == profile.train.tokens  # forward_too adds a role, changes nothing else
+    with pytest.raises(BudgetError, match=r"no forward-only budget: it profiled roles policy; profile with forward_too=True"):
+        alone.forward  # noqa: B018
+    with pytest.raises(InvalidArgument, match=r"forward_too must be True or False, but got forward_too=1"):
+        profile_model(module, max_seq_len=64, backend="estimate", memory_limit="64MiB", forward_too=1)
+
+
+def test_an_fsdp2_module_gives_its_sharding_and_dtype_unless_told_otherwise():
+    from batchfit.budget import ProfileOptions
+    from batchfit.budget.profile import module_settings
+    from batchfit.models import build_causal_lm
+    from batchfit.parallel import Sharding, simulated_world
+
+    with simulated_world(4):
+        sharded = build_causal_lm("tiny", dtype="fp32", sharding=Sharding("fsdp2", world_size=4, mixed_precision="none"))
+        got = module_settings(sharded, None, {})
+    assert got == {"dtype": "float32", "sharding": Sharding("fsdp2", world_size=4, mixed_precision="none")}
+    assert module_settings(sharded, None, {"dtype": "bf16", "sharding": "none"}) == {}  # given settings win
+    assert module_settings(sharded, ProfileOptions(max_seq_len=64), {}) == {}  # options are taken as given
+    assert module_settings("tiny", None, {}) == {}
