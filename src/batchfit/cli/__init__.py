@@ -9,11 +9,16 @@ errors) prints one line per fault on stderr and exits 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
+import io
 import json
+import os
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 from batchfit.errors import BatchConfigError, BatchfitError, TaskError
 
@@ -62,32 +67,113 @@ def report_error(prog: str, exc: BaseException, *, as_json: bool = False) -> Non
     """Print ``exc`` as one line per fault on stderr; with ``as_json`` also as a JSON document on stdout.
 
     The document is ``{"error": {"type": ..., "faults": [...]}}``, so a script reading
-    ``--json`` output gets JSON whatever happened.
+    ``--json`` output gets JSON whatever happened. A stdout that cannot be written (full,
+    closed, a closed pipe) loses the document, never the lines on stderr.
     """
     faults = _faults(exc)
-    for fault in faults:
-        sys.stderr.write(f"{prog}: error: {fault}\n")
+    _say("".join(f"{prog}: error: {fault}\n" for fault in faults))
     if as_json:
-        json.dump(
-            {"error": {"type": type(exc).__name__, "faults": faults}},
-            sys.stdout,
-            indent=2,
-            ensure_ascii=False,
-        )
-        sys.stdout.write("\n")
+        try:
+            json.dump(
+                {"error": {"type": type(exc).__name__, "faults": faults}},
+                sys.stdout,
+                indent=2,
+                ensure_ascii=False,
+            )
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        except OSError:  # the lines above already said it; nothing is left to flush at exit
+            _silence(getattr(sys.stdout, "_stream", sys.stdout))
+
+
+def _say(text: str) -> None:
+    """Write ``text`` on stderr; a stderr that cannot be written is silent (nowhere else to say it)."""
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
+class StdoutError(OSError):
+    """stdout cannot be written (full, closed, a closed pipe): told apart from the files a command writes."""
+
+
+class _Stdout:
+    """``sys.stdout`` during a command: its write failures become :class:`StdoutError`.
+
+    ``stream`` is ``None`` when the process started with stdout closed (``>&-``): every write
+    then fails with ``EBADF``, as the shell's redirection means.
+    """
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        if self._stream is None:
+            raise StdoutError(errno.EBADF, "stdout is closed")
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise StdoutError(exc.errno, exc.strerror or str(exc)) from exc
+
+    def flush(self) -> None:
+        if self._stream is None:
+            return
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise StdoutError(exc.errno, exc.strerror or str(exc)) from exc
+
+    def isatty(self) -> bool:
+        return self._stream is not None and self._stream.isatty()
+
+    def __getattr__(self, name: str) -> Any:
+        if self._stream is None:
+            raise AttributeError(name)
+        return getattr(self._stream, name)
+
+
+EXIT_OUTPUT = 2
+"""Exit code when stdout cannot be written (full, closed): like a file named on the command line."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchfit`` console script; returns the exit code.
 
     Ctrl-C at any point, the imports that building the parser triggers included, exits 130
-    with ``batchfit: interrupted`` and no traceback.
+    with ``batchfit: interrupted`` and no traceback. A stdout that cannot be written exits
+    :data:`EXIT_OUTPUT` (2) with one line on stderr (0 and nothing for a pipe its reader
+    closed, as ``batchfit plan --json | head``), never a traceback.
     """
+    real = sys.stdout
+    sys.stdout = _Stdout(real)
     try:
-        return _run(argv)
+        code = _run(argv)
+        sys.stdout.flush()  # a full disk shows here, not at exit
+        return code
     except KeyboardInterrupt:
-        sys.stderr.write("batchfit: interrupted\n")
+        _say("batchfit: interrupted\n")
         return 130
+    except StdoutError as exc:
+        _silence(real)
+        if isinstance(exc.__cause__, BrokenPipeError) or exc.errno == errno.EPIPE:
+            return 0
+        _say(
+            f"batchfit: error: cannot write the output to stdout ({exc.strerror or exc}); redirect it to a "
+            "file or pipe that accepts it\n"
+        )
+        return EXIT_OUTPUT
+    finally:
+        sys.stdout = real
+
+
+def _silence(stream: Any) -> None:
+    """Point a failed stdout at /dev/null, so the interpreter's last flush at exit does not fail again."""
+    if stream is None:
+        return
+    with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 def _run(argv: Sequence[str] | None) -> int:
@@ -97,8 +183,9 @@ def _run(argv: Sequence[str] | None) -> int:
     debug = "--debug" in argv
     args = parser.parse_args([a for a in argv if a != "--debug"])
     if args.command is None:
-        parser.print_usage(sys.stderr)
-        sys.stderr.write(f"batchfit: error: name a command ({', '.join(COMMANDS)}); see batchfit --help\n")
+        with contextlib.suppress(OSError):
+            parser.print_usage(sys.stderr)
+        _say(f"batchfit: error: name a command ({', '.join(COMMANDS)}); see batchfit --help\n")
         return 2
     prog = f"batchfit {args.command}"
     as_json = bool(getattr(args, "json", False))
@@ -113,6 +200,8 @@ def _run(argv: Sequence[str] | None) -> int:
                 exc = TaskError(f"{exc}; add --debug for the traceback", exc.location)
         report_error(prog, exc, as_json=as_json)
         return 2 if isinstance(exc, ValueError) else 1
+    except StdoutError:
+        raise
     except BrokenPipeError:  # e.g. `batchfit plan --json | head`
         return 0
     except OSError as exc:  # a file named on the command line cannot be read or written

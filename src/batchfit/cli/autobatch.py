@@ -10,10 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 from batchfit.autobatch import BUILTIN_TASKS, MODES, check_report_path, report_rows, sweep, write_report
 from batchfit.autobatch.search import Trial
@@ -87,15 +84,13 @@ def load_settings(config: str | None) -> dict[str, Any]:
     """
     if config is None:
         return {}
-    try:
-        text = Path(config).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = "is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else f"cannot be read ({exc.strerror or exc})"
-        raise InvalidArgument(f"--config {config!r} {reason}; pass a YAML file whose keys mirror the flags") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise InvalidArgument(f"config={config!r} is not valid YAML: {' '.join(str(exc).split())}") from None
+    from batchfit.fileio import parse_yaml, read_text
+
+    what = f"--config {config!r}"
+    try:  # NOTE [ Untrusted input files ]: size, aliases, depth and integers bounded
+        data = parse_yaml(read_text(config, what), what)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{exc}; pass a YAML file whose keys mirror the flags") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

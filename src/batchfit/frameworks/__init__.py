@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from batchfit.errors import BatchConfigError
+from batchfit.errors import BatchConfigError, InvalidArgument
 from batchfit.frameworks import openrlhf, skyrl, slime, verl
 from batchfit.frameworks.flags import FLAG_FRAMEWORKS, detect_framework, is_command_file, read_command
 from batchfit.frameworks.run import RunConfig, as_bool, as_int
@@ -60,6 +60,8 @@ def read_run_config(
             a missing required flat field; for a launch command, what the trainer's parser
             refuses, a misspelt flag, or neither trainer's flags.
     """
+    if not isinstance(source, Mapping):
+        _check_size(source)
     if not isinstance(source, Mapping) and is_command_file(source):
         command = read_command(source)
         run = _COMMAND_READERS[detect_framework(command)](command)
@@ -78,6 +80,21 @@ def read_run_config(
             vocabulary="flat", batch=BatchConfig(train_batch_size=None, policy_mini_batch_size=None)
         )
     return _apply_flat(run, resolved, overrides or {}, top_level_only=vocabulary != "flat")
+
+
+def _check_size(path: str | Path) -> None:
+    """Refuse at once a file larger than any config (NOTE [ Untrusted input files ] in :mod:`batchfit.fileio`)."""
+    from batchfit.fileio import MAX_INPUT_BYTES, read_text
+
+    try:
+        too_large = Path(path).stat().st_size > MAX_INPUT_BYTES
+    except OSError:
+        return  # missing or unreadable: the reader says so
+    if too_large:
+        try:
+            read_text(path, f"config file {str(path)!r}")
+        except InvalidArgument as exc:
+            raise BatchConfigError([str(exc)]) from None
 
 
 def _apply_flat(

@@ -23,7 +23,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from batchfit.errors import BatchConfigError
+from batchfit.errors import BatchConfigError, InvalidArgument
+from batchfit.validation import short_repr
 
 VOCABULARIES = ("flat", "skyrl", "verl")
 """The key vocabularies a config can be written in: batchfit's flat field names, SkyRL's or verl's."""
@@ -57,28 +58,19 @@ def read_mapping(path: str | Path) -> dict[str, Any]:
         BatchConfigError: the file is missing, unreadable, not UTF-8, does not parse, is not
             a mapping, or has a key that is not a string.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise BatchConfigError([f"config file {str(path)!r} does not exist"])
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = (
-            "is not UTF-8 text"
-            if isinstance(exc, UnicodeDecodeError)
-            else f"cannot be read ({exc.strerror or exc})"
-        )
-        raise BatchConfigError([f"config file {str(path)!r} {reason}; pass a YAML or JSON file"]) from exc
-    try:
-        if path.suffix.lower() == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
+    from batchfit.fileio import parse_json, parse_yaml, read_text
 
-            data = yaml.safe_load(text)
-    except Exception as exc:  # any parse error of the user's file is a bad-input error
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise BatchConfigError([f"config file {str(path)!r} could not be parsed: {first}"]) from exc
+    path = Path(path)
+    what = f"config file {str(path)!r}"
+    try:
+        text = read_text(path, what)
+        # NOTE [ Untrusted input files ]: size, aliases, depth and integers bounded
+        data = parse_json(text, what) if path.suffix.lower() == ".json" else parse_yaml(text, what)
+    except InvalidArgument as exc:
+        message = str(exc)
+        if message.endswith("is not UTF-8 text"):
+            message += "; pass a YAML or JSON file"
+        raise BatchConfigError([message]) from None
     data = {} if data is None else data
     check_mapping(data)
     return data
@@ -325,7 +317,7 @@ class FrameworkSchema:
                 children = self.children(key) if key in self.keys else []
                 if children and value is not None and not self._is_open(key):
                     faults.append(
-                        f"{key}={value!r}: {key!r} is a section of {self.title}'s config, not a value; set the keys "
+                        f"{key}={short_repr(value)}: {key!r} is a section of {self.title}'s config, not a value; set the keys "
                         f"below it instead (such as {key}.{'path' if 'path' in children else children[0]})"
                     )
                 continue
@@ -336,7 +328,7 @@ class FrameworkSchema:
             siblings = self.children(parent)
             if parent and not siblings:
                 faults.append(
-                    f"{key}={value!r}: {parent!r} is a value in {self.title}'s config, not a section; set {parent} "
+                    f"{key}={short_repr(value)}: {parent!r} is a value in {self.title}'s config, not a section; set {parent} "
                     "to a value"
                 )
                 continue
@@ -344,13 +336,13 @@ class FrameworkSchema:
             if near:
                 meant = ".".join([p for p in (parent, near[0]) if p] + rest)
                 faults.append(
-                    f"unknown key {key!r} (set to {value!r}): {self.title}'s config has no such key; "
+                    f"unknown key {key!r} (set to {short_repr(value)}): {self.title}'s config has no such key; "
                     f"did you mean {meant!r}? Rename it"
                 )
             elif strict is not None:
                 where = f"{parent!r} ({strict})" if parent else f"the top level ({strict})"
                 warnings.append(
-                    f"{key!r} (set to {value!r}) is not a key of {self.title}'s config: {where} has no "
+                    f"{key!r} (set to {short_repr(value)}) is not a key of {self.title}'s config: {where} has no "
                     f"{name!r}, and {_TITLES.get(self.framework, self.framework)} refuses unknown keys there at "
                     "start-up unless your own config class adds it; batchfit ignores it"
                 )

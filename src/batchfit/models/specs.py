@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from batchfit.errors import InvalidArgument
-from batchfit.validation import closest
+from batchfit.validation import closest, short_repr
 
 DEFAULT_PRESET = "tiny"
 
@@ -160,17 +160,23 @@ def check_config(config: Any, spec: Any) -> Any:
         value = getattr(config, name, None)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise InvalidArgument(
-                f"spec={spec_name(spec)}: config field {name} must be a positive integer, but got {name}={value!r}"
+                f"spec={spec_name(spec)}: config field {name} must be a positive integer, but got {name}={short_repr(value)}"
             )
     heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
-    if heads and hidden and getattr(config, "head_dim", None) is None and hidden % heads:
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1):
+        raise InvalidArgument(
+            f"spec={spec_name(spec)}: config field head_dim must be a positive integer (or left out: "
+            f"hidden_size / num_attention_heads), but got head_dim={short_repr(head_dim)}"
+        )
+    if heads and hidden and head_dim is None and hidden % heads:
         raise InvalidArgument(
             f"spec={spec_name(spec)}: num_attention_heads={heads} must divide hidden_size={hidden} (or set head_dim)"
         )
     kv = getattr(config, "num_key_value_heads", None)
-    if heads and kv and (not isinstance(kv, int) or kv < 1 or heads % kv):
+    if heads and kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or heads % kv):
         raise InvalidArgument(
-            f"spec={spec_name(spec)}: num_key_value_heads={kv!r} must be a positive divisor of num_attention_heads={heads}"
+            f"spec={spec_name(spec)}: num_key_value_heads={short_repr(kv)} must be a positive divisor of num_attention_heads={heads}"
         )
     return config
 
@@ -187,12 +193,15 @@ def _config_from_string(spec: str, auto_config: Any) -> Any:
             raise InvalidArgument(
                 f"spec={spec!r} is a path but {str(file)!r} does not exist; point spec at a directory containing config.json"
             )
-        try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        from batchfit.fileio import parse_json, read_text
+
+        what = "the file"
+        try:  # NOTE [ Untrusted input files ]: size, depth and integers bounded
+            data = parse_json(read_text(file, what), what)
+        except InvalidArgument as exc:
             raise InvalidArgument(
-                f"spec={spec!r}: cannot read a transformers config from {str(file)!r} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); point spec at a config.json"
-            ) from exc
+                f"spec={spec!r}: cannot read a transformers config from {str(file)!r} ({exc}); point spec at a config.json"
+            ) from None
         if not isinstance(data, dict) or "model_type" not in data:
             raise InvalidArgument(
                 f"spec={spec!r}: {str(file)!r} must hold a JSON object with a 'model_type' field (a transformers config.json), but got {type(data).__name__}"
