@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from batchfit.budget.guard import ProbeGuard
+from batchfit.budget.guard import RankLeftSearch, SearchGuard, guarded_search
 from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_max_batch
 from batchfit.budget.probe import BudgetStep, CallableStep, Probe, candidate_lengths
 from batchfit.budget.token_budget import BudgetPoint, TokenBudget, check_cost
@@ -30,8 +30,7 @@ from batchfit.parallel.distributed import (
     agreed_max,
     all_reduce_min,
     check_same_arguments,
-    get_rank,
-    is_distributed,
+    mark_agreed,
 )
 from batchfit.plan.search import SearchResult, Trial, largest_fitting
 from batchfit.validation import check_choice, check_number, check_positive_int, is_int
@@ -186,30 +185,30 @@ def find_token_budget(
         usable_bytes = _usable_bytes(measured.backend, memory_limit)
         return checked_len, margin, chosen_cost, lens, sink, measured, usable_bytes
 
-    # NOTE [ Ranks agree or say why ]: a rank whose arguments or backend fail raises on every rank
-    max_seq_len, safety_margin, cost, lengths, notify, measured, usable = agree(
-        setup, group=group, what="find_token_budget's setup"
-    )
-    check_same_arguments(
-        {"max_seq_len": max_seq_len, "seq_lens": lengths, "cost": cost, "safety_margin": safety_margin, "role": role},
-        group=group,
-        what="find_token_budget",
-    )
-    limit = all_reduce_min(int(safety_margin * usable), group)
-    real_ranks = is_distributed(group)
-    # NOTE [ One rank runs out ] (batchfit.budget.guard): real ranks run every probe to the end,
-    # under the same cap on every device, guarded, and only probe what is predicted to fit
-    guard = ProbeGuard(get_rank(group)) if real_ranks else None
-    cap = measured.backend.limit_bytes if real_ranks else None
-    probe_at = _make_probe(measured, limit, group, guard)
-    with contextlib.ExitStack() as search:
-        if real_ranks:
-            search.enter_context(measured.backend.running_to_the_end())
-            search.enter_context(measured.backend.capped())
-        return _search(
-            measured, probe_at, cap, limit, usable, max_seq_len, safety_margin, cost, lengths, notify, role, hints
+    # NOTE [ One rank runs out ] (batchfit.budget.guard): on real ranks every rank joins the
+    # same search first, and a way out of it that the others do not share is announced to them
+    with guarded_search(f"find_token_budget(role={role!r})", group) as guard:
+        # NOTE [ Ranks agree or say why ]: a rank whose arguments or backend fail raises on every rank
+        max_seq_len, safety_margin, cost, lengths, notify, measured, usable = agree(
+            setup, group=group, what="find_token_budget's setup"
         )
-
+        check_same_arguments(
+            {"max_seq_len": max_seq_len, "seq_lens": lengths, "cost": cost, "safety_margin": safety_margin, "role": role},
+            group=group,
+            what="find_token_budget",
+        )
+        limit = all_reduce_min(int(safety_margin * usable), group)
+        # real ranks run every probe to the end, under the same cap on every device, guarded,
+        # and only probe what is predicted to fit
+        cap = measured.backend.limit_bytes if guard is not None else None
+        probe_at = _make_probe(measured, limit, group, guard)
+        with contextlib.ExitStack() as search:
+            if guard is not None:
+                search.enter_context(measured.backend.running_to_the_end())
+                search.enter_context(measured.backend.capped())
+            return _search(
+                measured, probe_at, cap, limit, usable, max_seq_len, safety_margin, cost, lengths, notify, role, hints
+            )
 
 def _search(
     measured: BudgetStep,
@@ -267,7 +266,8 @@ def _search(
         point = run_length(seq_len, index, planned)
         if point.max_batch_size == 0:
             one = next(p for p in reversed(trials) if p.seq_len == seq_len and p.total_tokens == seq_len)
-            raise _does_not_fit(one, limit=limit, usable=usable, margin=safety_margin, step=measured)
+            # the same probes and verdicts on every rank: raised on every rank alike
+            raise mark_agreed(_does_not_fit(one, limit=limit, usable=usable, margin=safety_margin, step=measured))
         points.append(point)
 
     tokens = min(p.tokens for p in points)
@@ -555,7 +555,7 @@ def _log_progress(event: BudgetProgress) -> None:
 # --------------------------------------------------------------------------- probing
 
 
-def _make_probe(step: BudgetStep, limit: int, group: Any, guard: ProbeGuard | None) -> Callable[..., Probe]:
+def _make_probe(step: BudgetStep, limit: int, group: Any, guard: SearchGuard | None) -> Callable[..., Probe]:
     count = itertools.count()
 
     def probe(lengths: list[int], seq_len: int, to_the_end: bool = False) -> Probe:
@@ -588,7 +588,9 @@ def _make_probe(step: BudgetStep, limit: int, group: Any, guard: ProbeGuard | No
                 peak, exceeded = int(m.peak_bytes), bool(m.exceeded)
                 fits = m.fits and not exceeded and m.footprint_bytes <= limit
                 breakdown, host = dict(m.breakdown), int(m.host_bytes)
-            except Exception as exc:
+            except RankLeftSearch:
+                raise  # another rank left the search: no agreement to wait for
+            except BaseException as exc:  # an interrupt too: agreed on below, re-raised on this rank
                 error = exc
             if guarded_probe is not None:
                 abandoned = guarded_probe.abandoned
@@ -601,13 +603,13 @@ def _make_probe(step: BudgetStep, limit: int, group: Any, guard: ProbeGuard | No
         if guard is not None:
             guard.forget(index)
         if left_behind:
-            raise ProbeAbandoned(
+            raise mark_agreed(ProbeAbandoned(
                 f"rank {ran_out_rank - 1} ran out of memory in the middle of {what}, and the other ranks gave up the "
                 "collective they were waiting in: the model's process group cannot be used again, so the search stops "
                 f"here on every rank (NOTE [ One rank runs out ]); the device refused more than "
                 f"{_fmt(step.backend.limit_bytes or limit)} on that rank: lower safety_margin, or free the memory other "
                 "processes hold on its device"
-            )
+            ))
         return Probe(
             len(lengths),
             seq_len,

@@ -1,36 +1,55 @@
-"""A probe on real ranks that one rank's out-of-memory error cannot hang: :class:`ProbeGuard`.
+"""Searches on real ranks that no rank can hang: :func:`guarded_search` and its :class:`SearchGuard`.
 
 NOTE [ One rank runs out ]
-A sharded step holds collectives: FSDP2 all-gathers each layer's parameters and
-reduce-scatters its gradients. When one rank runs out of memory in the middle of a step, it
-leaves the step, while the other ranks wait in the next collective for it, forever (gloo)
-or until NCCL's watchdog kills them. The search therefore does four things on real ranks:
+Ranks that search together run the same probes, and a probe of a sharded model holds
+collectives (FSDP2 all-gathers each layer's parameters and reduce-scatters its gradients) on
+the model's own process group (NOTE [ A model's own process group ] in
+:mod:`batchfit.parallel.shard`). A rank that leaves a step early, or a search, or never starts
+one, leaves the others waiting in a collective it never enters: forever on gloo, until the
+watchdog kills them on NCCL. The rule: **a step stopped on one rank is stopped on every rank
+before anyone enters another collective, and every way out of a search is agreed or
+announced.** On real ranks (:func:`~batchfit.parallel.distributed.is_distributed`):
 
-1. It does not provoke it. Tracked backends run every probe to the end (NOTE [ Real ranks
-   run their probes to the end ]); cuda caps every rank's allocator at the same limit
-   (:meth:`batchfit.memory.Backend.capped`), and the search only runs a candidate whose peak
-   the measurements so far predict within that limit (NOTE [ Only predicted fits on real
-   ranks ] in :mod:`batchfit.budget.find`).
-2. When it happens anyway, the rank that ran out says so at once: it sets a key of the
-   default group's store, named after the search and the probe (:meth:`ProbeGuard.signal`).
-3. The ranks waiting for it stop waiting. On gloo, ``Work.wait`` is what a waiting rank is
-   in: inside a guarded probe it waits in slices of :data:`POLL_SECONDS` and looks at the key
-   between them; when it is set it raises :class:`~batchfit.memory.base.RankRanOutOfMemory`,
-   which :meth:`batchfit.memory.Backend.measure` counts as running out, so the step unwinds
-   and its state is restored (NOTE [ Probes are isolated ]). On NCCL, ``wait`` does not
-   block the host (the kernel waits on the device): a watcher thread looks at the key and
-   aborts the model's communicator (``ProcessGroup.abort``, NCCL's ``ncclCommAbort``), which
-   ends the waiting kernels with an error.
-4. Every rank learns it before anyone enters another collective of that model: the
-   verdicts are agreed on the default group, which the abandoned collective did not touch
-   (each model has a process group of its own, NOTE [ A model's own process group ]). The
-   model's group is left with a collective one rank never entered, so it is never used
-   again: the search stops with one :class:`~batchfit.errors.ProbeAbandoned` on every rank.
-   A rank that ran out after the step's last collective (in the optimizer step) left no
-   collective behind: that candidate simply does not fit and the search goes on.
-
-DDP all-reduces gradients from C++ (the reducer), where no Python ``wait`` can be polled:
-there the model group's timeout bounds the wait.
+1. Nothing stops a step on one rank only, by design.
+   - Tracked backends (cpu, estimate) do not abort at the limit at all: the search runs every
+     probe to the end on every rank (:meth:`batchfit.memory.Backend.running_to_the_end`;
+     shards are uneven, so with 3 ranks one rank crossed the limit mid-step where the others
+     did not, and hung them), records each rank's peak, and the ranks then agree in one
+     all-reduce (max of the peaks, "does not fit" on any rank). The verdict is exact: a
+     probe fits when every rank's whole step stayed under the limit.
+   - cuda cannot be told to go on: every rank's allocator is capped at the same limit
+     (:meth:`batchfit.memory.Backend.capped`) and the search only runs a candidate whose peak
+     the measurements so far predict within it (NOTE [ Only predicted fits on real ranks ]
+     in :mod:`batchfit.budget.find`); tracked backends skip such candidates too (a real cpu
+     probe far above the limit would take the host's memory).
+2. When a step does stop on one rank anyway (a real out-of-memory error, a bug, an
+   interrupt), that rank says so at once in the default group's store: a key named after the
+   search and the probe (:meth:`SearchGuard.signal`). The ranks waiting for it stop waiting:
+   on gloo, ``Work.wait`` is what a waiting rank is in, and inside a search it waits in slices
+   of :data:`POLL_SECONDS` and looks at the keys between them; it raises
+   :class:`~batchfit.memory.base.RankRanOutOfMemory`, which
+   :meth:`batchfit.memory.Backend.measure` counts as running out, so the step unwinds and its
+   state is restored (NOTE [ Probes are isolated ]). On NCCL, ``wait`` does not block the
+   host: a watcher thread aborts the model's communicator (``ProcessGroup.abort``).
+3. Every rank learns the verdict before anyone enters another collective of that model: the
+   probe ends in one all-reduce on the default group, which the abandoned collective did not
+   touch. A model group left with a collective one rank never entered is never used again:
+   the search stops with one :class:`~batchfit.errors.ProbeAbandoned` on every rank (or the
+   failing rank's own error there and a :class:`~batchfit.errors.BatchfitError` elsewhere).
+   A rank that ran out after the step's last collective (the optimizer step) left nothing
+   behind: that candidate simply does not fit and the search goes on.
+4. Every search begins by joining (:meth:`SearchGuard.join`): each rank writes a store key
+   carrying the search's tag (``find_token_budget(role='policy')``) and its number on that
+   rank, and waits for the others' at most :func:`~batchfit.parallel.distributed.search_timeout`.
+   A rank that skipped the search, or is in another one, is named on every rank.
+5. Every way out of a search that is not agreed (an exception raised on one rank outside
+   the agreements, ``KeyboardInterrupt`` or ``SystemExit`` anywhere) sets the search's
+   ``left`` key before it propagates (:meth:`SearchGuard.running`); every other rank's next
+   wait raises :class:`RankLeftSearch`. At the agreement points (each probe, the setup)
+   ``BaseException`` is caught, agreed on and re-raised on its own rank. A rank killed
+   outright closes its connections (gloo: the collective fails, naming the lost rank), and
+   what waits outside Python (DDP's reducer) is bounded by the process group's timeout, one
+   setting for every group (:func:`~batchfit.parallel.distributed.collective_timeout`).
 """
 
 from __future__ import annotations
@@ -43,15 +62,21 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from batchfit.errors import BatchfitError
 from batchfit.memory.base import RankRanOutOfMemory
 from batchfit.memory.patches import ClassPatch
+from batchfit.parallel.distributed import is_agreed, mark_agreed
 from batchfit.parallel.shard import model_groups
 
 #: How long a guarded ``Work.wait`` blocks before it looks at the store again.
 POLL_SECONDS = 0.05
 
-_searches = itertools.count()  # every rank starts its searches in the same order
-_active = threading.local()  # the guarded probe of this thread, if any
+_counters: dict[tuple[int, ...], Any] = {}  # the searches of each set of ranks, counted on every rank alike
+_active = threading.local()  # the guarded search of this thread (and its probe), if any
+
+
+class RankLeftSearch(BatchfitError):
+    """Another rank left the search without the others (an error of its own, an interrupt): this rank stops too."""
 
 
 def _work_class() -> type | None:
@@ -65,9 +90,9 @@ _WAIT = ClassPatch(_work_class, "wait")
 
 @_WAIT.bind
 def _polling_wait(work: Any, timeout: Any = None, *args: Any, **kwargs: Any) -> Any:
-    """``Work.wait`` that, inside a guarded probe, gives up when another rank has run out (NOTE above)."""
-    probe = getattr(_active, "probe", None)
-    if probe is None or args or kwargs:
+    """``Work.wait`` that, inside a guarded search, gives up when another rank ran out or left (NOTE above)."""
+    guard = getattr(_active, "guard", None)
+    if guard is None or args or kwargs:
         return _WAIT.call_below(work, *(() if timeout is None else (timeout,)), *args, **kwargs)
     given = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 0.0
     deadline = time.monotonic() + given if given > 0 else None
@@ -78,10 +103,7 @@ def _polling_wait(work: Any, timeout: Any = None, *args: Any, **kwargs: Any) -> 
         except RuntimeError as exc:
             if "timed out" not in str(exc).lower():
                 raise
-        failed = probe.failed_rank()
-        if failed is not None:
-            probe.abandoned = True
-            raise RankRanOutOfMemory(failed, probe.what)
+        guard.check()
         if deadline is not None and time.monotonic() > deadline:
             raise RuntimeError(f"Work.wait timed out after {given:g} s")
 
@@ -99,25 +121,108 @@ class _Probe:
         return int(self.store.get(self.key).decode())
 
 
-class ProbeGuard:
-    """Guards the probes of one search on real ranks (NOTE [ One rank runs out ]).
+def _agreed(exc: BaseException) -> bool:
+    return is_agreed(exc) or isinstance(exc, RankLeftSearch)
 
-    Every rank makes one per search, in the same order, and passes each probe the same
-    index: ``with guard.probe(index, what) as p: measure(...)``; a rank whose measurement ran
-    out of memory calls :meth:`signal`; ``p.abandoned`` says whether this rank gave up a
-    collective because another rank ran out.
+
+class SearchGuard:
+    """The guard of one search on real ranks (NOTE [ One rank runs out ]).
+
+    Made by :func:`guarded_search` on every rank, in the same order. Inside it, each probe
+    runs in ``with guard.probe(index, what) as p: measure(...)`` with the same ``index`` on
+    every rank; a rank whose measurement stopped early calls :meth:`signal`; ``p.abandoned``
+    says whether this rank gave up a collective because another rank ran out.
     """
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, ranks: list[int], rank: int, tag: str, timeout: datetime.timedelta) -> None:
         import torch.distributed as dist
 
-        self.rank = rank
-        self.search = next(_searches)
+        self.ranks, self.rank, self.tag, self.timeout = ranks, rank, tag, timeout
+        self.number = next(_counters.setdefault(tuple(ranks), itertools.count()))
+        self.search = f"{'-'.join(map(str, ranks))}/{self.number}"
         self._store = dist.distributed_c10d._get_default_store()
+        self._probe: _Probe | None = None
 
+    # ----------------------------------------------------------------- keys
     def _key(self, index: int) -> str:
         return f"batchfit/search/{self.search}/probe/{index}/ran_out"
 
+    def _left_key(self) -> str:
+        return f"batchfit/search/{self.search}/left"
+
+    def _join_key(self, rank: int) -> str:
+        return f"batchfit/search/{self.search}/join/{rank}"
+
+    # ----------------------------------------------------------------- joining
+    def join(self) -> None:
+        """Wait (at most :attr:`timeout`) until every rank has started this search, the same one.
+
+        Raises:
+            BatchfitError: naming the ranks that did not start it in time, or the ranks that
+                are in another search (a different tag), on every rank.
+        """
+        self._store.set(self._join_key(self.rank), self.tag)
+        keys = [self._join_key(r) for r in self.ranks]
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            missing = [r for r, k in zip(self.ranks, keys, strict=True) if not self._store.check([k])]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise mark_agreed(BatchfitError(
+                    f"rank {self.rank} waited {self.timeout.total_seconds():g} s for {_ranks(missing)} to start "
+                    f"search {self.number} ({self.tag}), in vain: every rank must run the same searches in the same "
+                    "order (one that skipped it, crashed or hangs holds up the others); the wait is "
+                    "batchfit.parallel.distributed.search_timeout()"
+                ))
+            time.sleep(POLL_SECONDS)
+        tags = {r: self._store.get(k).decode() for r, k in zip(self.ranks, keys, strict=True)}
+        if len(set(tags.values())) > 1:
+            detail = ", ".join(f"rank {r} is in {t}" for r, t in tags.items())
+            raise mark_agreed(BatchfitError(
+                f"the ranks are in different searches (search {self.number} of each): {detail}; every rank must run "
+                "the same searches in the same order"
+            ))
+
+    # ----------------------------------------------------------------- leaving
+    def check(self) -> None:
+        """Raise if another rank left this search, or ran out of memory in this rank's current probe."""
+        probe = self._probe
+        if probe is not None:
+            failed = probe.failed_rank()
+            if failed is not None:
+                probe.abandoned = True
+                raise RankRanOutOfMemory(failed, probe.what)
+        if self._store.check([self._left_key()]):
+            rank, _, why = self._store.get(self._left_key()).decode().partition(":")
+            if int(rank) != self.rank:
+                raise RankLeftSearch(
+                    f"rank {rank} left {self.tag} alone ({why}); rank {self.rank} stops too (see rank {rank}'s error)"
+                )
+
+    def leave(self, exc: BaseException) -> None:
+        """This rank leaves the search with ``exc``, which the others do not know of: tell them."""
+        first = " ".join(str(exc).split())[:160]
+        why = type(exc).__name__ + (f": {first}" if first else "")
+        with contextlib.suppress(Exception):  # the store itself may be gone
+            self._store.set(self._left_key(), f"{self.rank}:{why}")
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[SearchGuard]:
+        """The search's body: waits poll the store; a way out that is not agreed is announced (NOTE above)."""
+        _WAIT.acquire()
+        _active.guard = self
+        try:
+            yield self
+        except BaseException as exc:
+            if not _agreed(exc):
+                self.leave(exc)
+            raise
+        finally:
+            _active.guard = None
+            _WAIT.release()
+
+    # ----------------------------------------------------------------- probes
     @contextlib.contextmanager
     def probe(self, index: int, what: str) -> Iterator[_Probe]:
         """Guard one probe: waits give up and NCCL communicators are aborted when another rank runs out."""
@@ -128,25 +233,54 @@ class ProbeGuard:
         if nccl:
             watcher = threading.Thread(target=_watch, args=(probe, nccl, stop), daemon=True)
             watcher.start()
-        _WAIT.acquire()
-        _active.probe = probe
+        self._probe = probe
         try:
             yield probe
         finally:
-            _active.probe = None
-            _WAIT.release()
+            self._probe = None
             stop.set()
             if watcher is not None:
                 watcher.join()
 
     def signal(self, index: int) -> None:
-        """This rank ran out of memory in probe ``index``: tell the others at once."""
+        """This rank left probe ``index`` early (out of memory, an error): tell the others at once."""
         self._store.set(self._key(index), str(self.rank))
 
     def forget(self, index: int) -> None:
         """Drop probe ``index``'s key once every rank has agreed on it."""
         with contextlib.suppress(Exception):  # a key never set, or a store without delete
             self._store.delete_key(self._key(index))
+
+
+@contextlib.contextmanager
+def guarded_search(tag: str, group: Any = None) -> Iterator[SearchGuard | None]:
+    """Run one search's body guarded on real ranks (NOTE [ One rank runs out ]); ``None`` elsewhere.
+
+    Every rank of ``group`` must enter it, for the same search (``tag`` names it:
+    ``"find_token_budget(role='policy')"``). On real ranks it joins first (bounded by
+    :func:`~batchfit.parallel.distributed.search_timeout`), then yields the :class:`SearchGuard`
+    inside which waits poll and a way out that is not agreed is announced.
+
+    Raises:
+        BatchfitError: a rank did not start the search in time, or started another one; inside,
+            :class:`RankLeftSearch` when another rank left.
+    """
+    from batchfit.parallel.distributed import get_rank, is_distributed, search_timeout
+
+    if not is_distributed(group):
+        yield None
+        return
+    import torch.distributed as dist
+
+    ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+    guard = SearchGuard(ranks, dist.get_rank() if group is not None else get_rank(), tag, search_timeout())
+    guard.join()
+    with guard.running():
+        yield guard
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _backend(group: Any) -> str:

@@ -60,6 +60,7 @@ from batchfit.memory.registration import (
 )
 from batchfit.models.attention import use_varlen_attention
 from batchfit.models.build import resolve_backend
+from batchfit.parallel.distributed import is_distributed
 from batchfit.parallel.shard import decoder_layers, unwrap
 from batchfit.parallel.sharding import Sharding
 from batchfit.plan.packing import COSTS, plan_micro_batches
@@ -178,12 +179,16 @@ class TrainingStep:
             it ran out of the backend's memory).
         """
         mb = self.micro_batch(lengths)
-        return self.backend.measure(
-            lambda: self.run(mb),
-            register=self.persistent,
-            categories=self.categories,
-            host_categories=self.host_categories,
-        )
+        # NOTE [ One rank runs out ] (batchfit.budget.guard): a sharded step on real ranks is never
+        # stopped by a tracker on one rank only; it runs to the end, its peak judged after
+        sharded = self.sharding.distributed and is_distributed()
+        with self.backend.running_to_the_end() if sharded else contextlib.nullcontext():
+            return self.backend.measure(
+                lambda: self.run(mb),
+                register=self.persistent,
+                categories=self.categories,
+                host_categories=self.host_categories,
+            )
 
     def __call__(self, lengths: Sequence[int]) -> None:
         """Run the step once on a micro-batch of sequences of ``lengths`` tokens (unmeasured)."""

@@ -9,6 +9,8 @@ on the CPU, or on the current CUDA device for the NCCL backend.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import os
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -23,6 +25,49 @@ from batchfit.validation import check_positive_int, describe
 T = TypeVar("T")
 
 FAKE_BACKEND = "fake"
+
+#: The environment variable that sets :func:`collective_timeout` (seconds).
+TIMEOUT_ENV = "BATCHFIT_TIMEOUT"
+#: :func:`collective_timeout` when :data:`TIMEOUT_ENV` is not set.
+DEFAULT_TIMEOUT_SECONDS = 600.0
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a rank waits for the others at most: the one setting every bound on real ranks derives from.
+
+    ``$BATCHFIT_TIMEOUT`` seconds, else :data:`DEFAULT_TIMEOUT_SECONDS`. Pass it to
+    ``init_process_group(timeout=...)`` (``batchfit`` under torchrun does); the process group
+    of every model batchfit shards and the join of every search use :func:`search_timeout`,
+    which is never longer than the default group's own timeout (NOTE [ One rank runs
+    out ] in :mod:`batchfit.budget.guard`).
+
+    Raises:
+        InvalidArgument: ``$BATCHFIT_TIMEOUT`` is not a positive number.
+    """
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_SECONDS)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise InvalidArgument(
+            f"{TIMEOUT_ENV} must be a positive number of seconds, but got {TIMEOUT_ENV}={text!r}; "
+            f"set e.g. {TIMEOUT_ENV}=600 or unset it"
+        )
+    return datetime.timedelta(seconds=seconds)
+
+
+def search_timeout() -> datetime.timedelta:
+    """The bound on waiting for another rank: :func:`collective_timeout`, or the default group's own timeout if shorter."""
+    bound = collective_timeout()
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # a store without a timeout
+            own = dist.distributed_c10d._get_default_store().timeout
+            if isinstance(own, datetime.timedelta) and own.total_seconds() > 0:
+                bound = min(bound, own)
+    return bound
 
 
 def is_simulated(group: Any = None) -> bool:
@@ -143,14 +188,40 @@ def agreed_max(values: list[int], error: BaseException | None, *, group: Any = N
         this rank's ``error`` unchanged; else :class:`BatchfitError` when another rank failed
         (naming the highest-numbered failing rank), or when a peer is lost.
     """
-    failed, *out = all_reduce_max_list([get_rank(group) + 1 if error is not None else 0, *values], group)
-    if error is not None:
-        raise error
-    if failed:
-        raise BatchfitError(
-            f"rank {failed - 1} raised during {what}; rank {get_rank(group)} stops too (see rank {failed - 1}'s error)"
+    me = get_rank(group) + 1
+    interrupted = error is not None and not isinstance(error, Exception)  # KeyboardInterrupt, SystemExit
+    try:
+        failed, stopped, *out = all_reduce_max_list(
+            [me if error is not None else 0, me if interrupted else 0, *values], group
         )
+    except BaseException:
+        if error is not None:
+            raise error from None
+        raise
+    if error is not None:
+        raise mark_agreed(error)
+    if failed:
+        how = "was interrupted (KeyboardInterrupt or SystemExit)" if stopped == failed else "raised"
+        raise mark_agreed(BatchfitError(
+            f"rank {failed - 1} {how} during {what}; rank {get_rank(group)} stops too (see rank {failed - 1}'s error)"
+        ))
     return out
+
+
+def mark_agreed(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as raised on every rank after an agreement, and return it.
+
+    A search that ends with it announces nothing to the other ranks (NOTE [ One rank runs
+    out ] in :mod:`batchfit.budget.guard`): they raise theirs from the same agreement.
+    """
+    with contextlib.suppress(AttributeError, TypeError):
+        exc.__batchfit_agreed__ = True  # type: ignore[attr-defined]
+    return exc
+
+
+def is_agreed(exc: BaseException) -> bool:
+    """``exc`` was marked by :func:`mark_agreed`."""
+    return bool(getattr(exc, "__batchfit_agreed__", False))
 
 
 def agree(fn: Callable[[], T], *, group: Any = None, what: str) -> T:
@@ -163,14 +234,19 @@ def agree(fn: Callable[[], T], *, group: Any = None, what: str) -> T:
     result: Any = None
     try:
         result = fn()
-    except Exception as exc:
+    except BaseException as exc:  # an interrupt too: agreed on, then re-raised on its own rank
         error = exc
     agreed_max([], error, group=group, what=what)
     return result
 
 
-def check_same_arguments(arguments: Mapping[str, Any], *, group: Any = None, what: str) -> None:
+def check_same_arguments(
+    arguments: Mapping[str, Any], *, group: Any = None, what: str, lead: str | None = None
+) -> None:
     """Raise on every rank when ranks pass different ``arguments`` (compared by ``repr``).
+
+    ``lead`` replaces the message's opening ("every rank must pass the same arguments to
+    {what}").
 
     One all-reduce of a fingerprint; only when it differs, an ``all_gather_object`` finds the
     arguments and ranks to name.
@@ -194,7 +270,8 @@ def check_same_arguments(arguments: Mapping[str, Any], *, group: Any = None, wha
     detail = "; ".join(
         f"{k}: " + ", ".join(f"rank {r} has {g.get(k)}" for r, g in enumerate(gathered)) for k in differing
     )
-    raise InvalidArgument(f"every rank must pass the same arguments to {what}, but they differ: {detail}")
+    lead = lead or f"every rank must pass the same arguments to {what}"
+    raise mark_agreed(InvalidArgument(f"{lead}, but they differ: {detail}"))
 
 
 def all_reduce_max(value: int, group: Any = None) -> int:

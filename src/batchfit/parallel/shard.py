@@ -13,6 +13,7 @@ see them; see NOTE [ DDP gradient buckets ].
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -86,14 +87,18 @@ def model_groups() -> list[Any]:
 
 
 def _model_group() -> Any:
-    """A new process group over every rank for one model, on real ranks; ``None`` for simulated ones."""
+    """A new process group over every rank for one model, on real ranks; ``None`` for simulated ones.
+
+    Its timeout is :func:`~batchfit.parallel.distributed.search_timeout` (NOTE [ One rank runs
+    out ] in :mod:`batchfit.budget.guard`).
+    """
     import torch.distributed as dist
 
-    from batchfit.parallel.distributed import is_distributed
+    from batchfit.parallel.distributed import is_distributed, search_timeout
 
     if not is_distributed():
         return None
-    group = dist.new_group(backend=dist.get_backend())
+    group = dist.new_group(backend=dist.get_backend(), timeout=search_timeout())
     _MODEL_GROUPS.append(group)
     return group
 
@@ -127,6 +132,8 @@ def shard_model(
             layers (``fsdp2``).
     """
     comm: tuple[torch.Tensor, ...] = ()
+    if sharding.strategy != "none":
+        check_same_model(model, sharding)  # before the first collective of the model
     if sharding.strategy == "fsdp2":
         _check_world(sharding)
         _fully_shard(model, sharding, _model_group(), device)
@@ -145,6 +152,56 @@ def shard_model(
     out.batchfit_sharding = sharding
     out.batchfit_comm_buffers = comm
     return out
+
+
+#: Config entries that name where a model came from, not what it is.
+_PROVENANCE = frozenset({"_name_or_path", "name_or_path", "transformers_version", "_commit_hash"})
+
+
+class _Text(str):
+    """A string shown bare in a message (``repr`` without quotes)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def model_identity(model: torch.nn.Module) -> dict[str, Any]:
+    """What makes ``model`` the same model on every rank: its config's entries and its parameters' shapes and dtypes.
+
+    ``{"config.<key>": value, …, "parameters": "N tensors, M elements (dtypes), digest D"}``;
+    entries naming where the model came from (its path, the transformers version) are left out.
+    """
+    import zlib
+
+    inner = unwrap(model)
+    config = getattr(inner, "config", None)
+    entries = config.to_dict() if hasattr(config, "to_dict") else {}
+    out: dict[str, Any] = {f"config.{k}": v for k, v in sorted(entries.items()) if k not in _PROVENANCE}
+    shapes = [(name, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()]
+    elements = sum(math.prod(shape) for _, shape, _ in shapes)
+    dtypes = ", ".join(sorted({d for _, _, d in shapes}))
+    digest = zlib.crc32(repr(shapes).encode())
+    out["parameters"] = _Text(f"{len(shapes)} tensors, {elements:,} elements ({dtypes}), digest {digest:08x}")
+    return out
+
+
+def check_same_model(model: torch.nn.Module, sharding: Sharding) -> None:
+    """Raise on every rank when the ranks are about to shard different models (a no-op without real ranks).
+
+    Sharded ranks that hold different models enter collectives of different sizes, which
+    ends in a crash (``collective mismatch``, SIGABRT) or a hang; this compares
+    :func:`model_identity` in one all-reduce of a fingerprint first, on the default group.
+
+    Raises:
+        InvalidArgument: one line naming each entry that differs and every rank's value.
+    """
+    from batchfit.parallel.distributed import check_same_arguments
+
+    check_same_arguments(
+        model_identity(model),
+        what="shard_model",
+        lead=f"every rank must build the same model to shard it (sharding={sharding.strategy!r})",
+    )
 
 
 def _fully_shard(model: torch.nn.Module, sharding: Sharding, group: Any, device: Any = None) -> None:
