@@ -279,10 +279,6 @@ def test_a_failed_tracker_entry_in_a_measurement_removes_the_hooks(monkeypatch):
     assert _hook_counts(model) == before and _process_state() == state
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="train/measure.py:51 PeakTracker.__enter__ registers after entering its tracker, outside a try",
-)
 def test_a_peak_tracker_whose_registration_fails_leaves_no_mode():
     from batchfit.train.measure import PeakTracker
 
@@ -441,3 +437,19 @@ def test_the_transformers_patch_is_restored_by_the_last_block_whatever_the_exit_
     with contextlib.suppress(Injected), fp.transformers_fake_patches():
         raise Injected("in the block")
     assert mu.find_packed_sequence_indices is original and fp._users == 0
+
+
+def test_fsdp1_fake_patches_exited_out_of_order_leave_torch_as_found():
+    from torch.distributed.fsdp import _flat_param, _runtime_utils
+
+    from batchfit.memory.fake_fsdp1 import fsdp1_fake_patches
+
+    originals = (_runtime_utils._catch_all_reshard, _flat_param._same_storage, _flat_param._data_ptr_allocated)
+    first, second = fsdp1_fake_patches(), fsdp1_fake_patches()
+    first.__enter__()
+    second.__enter__()
+    assert _flat_param._same_storage is not originals[1]
+    first.__exit__(None, None, None)  # the first entered exits first
+    assert _flat_param._same_storage is not originals[1]  # the second is still inside
+    second.__exit__(None, None, None)
+    assert (_runtime_utils._catch_all_reshard, _flat_param._same_storage, _flat_param._data_ptr_allocated) == originals

@@ -45,6 +45,8 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 _lock = threading.Lock()
+_users = 0  # blocks inside now (any thread): the first installs, the last restores
+_installed: list[tuple[Any, str, Any, Any]] = []  # (module, name, original, replacement)
 
 
 def _local(tensor: Any) -> Any:
@@ -114,12 +116,32 @@ def fsdp1_fake_patches() -> Iterator[None]:
         return storage_allocated(tensor) if is_fake(_local(tensor)) else allocated(tensor)
 
     replacements = (_catch_all_reshard, _same_storage, _data_ptr_allocated)
-    with _lock:
-        for (module, name), fn in zip(names, replacements):
-            setattr(module, name, fn)
+    _acquire([(module, name, original, fn) for (module, name), original, fn in zip(names, originals, replacements)])
     try:
         yield
     finally:
-        with _lock:
-            for (module, name), original in zip(names, originals):
+        _release()
+
+
+def _acquire(patches: list[tuple[Any, str, Any, Any]]) -> None:
+    """One more block inside; the first installs ``patches`` (later blocks share them, whatever their order)."""
+    global _users
+    with _lock:
+        if _users == 0:
+            for module, name, _, fn in patches:
+                setattr(module, name, fn)
+            _installed[:] = patches
+        _users += 1
+
+
+def _release() -> None:
+    """One block less; the last puts back each original still replaced by our function."""
+    global _users
+    with _lock:
+        _users -= 1
+        if _users:
+            return
+        for module, name, original, fn in _installed:
+            if getattr(module, name, None) is fn:  # code that replaced it since keeps its replacement
                 setattr(module, name, original)
+        _installed.clear()

@@ -9,6 +9,7 @@ measures a budget's probes, so a micro-batch's peak compares directly with the
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,8 +51,12 @@ class PeakTracker:
 
     def __enter__(self) -> PeakTracker:
         self._tracker.__enter__()
-        for tensor, category in registered_tensors(self._host, HOST) + registered_tensors(self._state, None):
-            self._tracker.register_tensor(tensor, category)
+        try:
+            for tensor, category in registered_tensors(self._host, HOST) + registered_tensors(self._state, None):
+                self._tracker.register_tensor(tensor, category)
+        except BaseException:
+            self._tracker.__exit__(*sys.exc_info())  # leave no dispatch mode behind
+            raise
         self._state = self._host = ()
         return self
 
