@@ -70,9 +70,14 @@ def _as_list(uids: Any) -> list[Any]:
                 f"uids must be one-dimensional (one prompt id per sequence), but got shape {tuple(uids.shape)}"
             )
         return uids.tolist()
-    if uids is None or isinstance(uids, (str, bytes)) or not hasattr(uids, "__iter__"):
+    if (
+        uids is None
+        or isinstance(uids, (str, bytes, Mapping, set, frozenset))
+        or not hasattr(uids, "__iter__")
+    ):
         raise InvalidArgument(
-            f"uids must be a sequence of prompt ids (list, tuple, 1-D tensor or array), but got uids={uids!r}"
+            f"uids must be a sequence of prompt ids, ordered (list, tuple, 1-D tensor or array), but got "
+            f"uids={describe(uids)}"
         )
     out = list(uids)
     for i, uid in enumerate(out):
@@ -88,7 +93,7 @@ def _as_list(uids: Any) -> list[Any]:
             hash(uid)
         except TypeError:
             raise InvalidArgument(
-                f"uids must be hashable prompt ids (str, int), but got uids[{i}]={uid!r} ({type(uid).__name__})"
+                f"uids must be hashable prompt ids (str, int), but got uids[{i}]={describe(uid)}"
             ) from None
         if isinstance(uid, float) and uid != uid:
             raise InvalidArgument(f"uids must not be NaN, but got uids[{i}]=nan")

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchfit.errors import BatchConfigError
+from batchfit.errors import BatchConfigError, InvalidArgument
 from batchfit.plan import rules
 from batchfit.plan.arith import divisors, multiples_near, nearest, or_list
 from batchfit.plan.render import plan_tree_text
@@ -93,7 +93,18 @@ class BatchConfig:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     def replace(self, **changes: Any) -> BatchConfig:
-        """A copy with ``changes`` applied (nothing is checked until :meth:`plan`)."""
+        """A copy with ``changes`` applied (values are checked by :meth:`plan`).
+
+        Raises:
+            InvalidArgument: a name that is not a field (with the closest field).
+        """
+        unknown = [name for name in changes if name not in self.fields()]
+        if unknown:
+            hint = closest(unknown[0], self.fields())
+            raise InvalidArgument(
+                f"BatchConfig has no field {unknown[0]!r}"
+                + (f"; did you mean {hint!r}?" if hint else f"; fields: {', '.join(self.fields())}")
+            )
         return dataclasses.replace(self, **changes)
 
     def plan(self, *, strict: bool = False) -> BatchPlan:
@@ -350,6 +361,8 @@ def _build_plan(cfg: BatchConfig, strict: bool = False) -> BatchPlan:
     cfg = _python_ints(cfg)
     faults, invalid = _type_faults(cfg)
     bad = frozenset(invalid)
+    if "framework" in bad:  # the other rules still run (batchfit's), on a framework they can compare
+        cfg = dataclasses.replace(cfg, framework="batchfit")
     warnings: list[str] = []
     # every relationship among valid fields is checked, even when another field is invalid
     world = None if bad & {"world_size", "num_nodes", "gpus_per_node"} else _world_size(cfg, faults)
