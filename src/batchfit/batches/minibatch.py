@@ -76,7 +76,7 @@ def _as_list(uids: Any) -> list[Any]:
         or not hasattr(uids, "__iter__")
     ):
         raise InvalidArgument(
-            f"uids must be a sequence of prompt ids, ordered (list, tuple, 1-D tensor or array), but got "
+            f"uids must be a sequence of prompt ids (an ordered list, tuple, 1-D tensor or array), but got "
             f"uids={describe(uids)}"
         )
     out = list(uids)
