@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -42,10 +44,14 @@ from batchfit import BatchConfig, BatchfitError, BatchPlan, InvalidArgument
 from batchfit.batches.batch import slice_batch
 from batchfit.batches.microbatch import iter_micro_batches
 from batchfit.batches.minibatch import mini_batch_boundaries, pad_for_data_parallel
+from batchfit.batches.rollouts import collate_rollouts
 from batchfit.batches.weights import loss_weights
-from batchfit.budget import ProfileOptions, profile_model
+from batchfit.budget import profile_model
+from batchfit.memory import parse_memory
 from batchfit.models import build_causal_lm, load_config
 from batchfit.models.attention import use_varlen_attention
+from batchfit.parallel.distributed import check_same_arguments
+from batchfit.parallel.reduce import parameter_agreement, reduce_figures
 from batchfit.parallel.shard import unwrap
 from batchfit.parallel.sharding import Sharding
 from batchfit.plan.packing import MicroBatchPlan, plan_micro_batches
@@ -55,16 +61,15 @@ from batchfit.train import (
     accumulate,
     data_parallel_size,
     forward_logprobs,
+    group_advantages,
     micro_batch_loss,
     response_columns,
 )
 from batchfit.train.optim import initialize_optimizer_state
-from batchfit.validation import check_choice, check_int, check_positive_int
+from batchfit.validation import check_choice, check_int, check_number, check_positive_int
 
 GOOD_TOKENS = 0.125  # the lowest eighth of the vocabulary (after 3 special ids) is "good"
 TURN_WEIGHTS = (0.35, 0.25, 0.2, 0.12, 0.08)  # P(turns = 1..5), cut at max_turns
-# the old-log-prob pass runs forward-only on the policy, whose training state stays resident
-FORWARD_ROLE = "policy_forward"
 
 
 @dataclass
@@ -104,6 +109,12 @@ class Settings:
             )
         check_choice("sharding", self.sharding, ("none", "ddp", "fsdp2"))
         check_choice("layout", self.layout, ("packed", "padded"))
+        for name in ("token_budget", "forward_token_budget", "micro_batch_size", "forward_micro_batch_size"):
+            if getattr(self, name) is not None:  # checked here, before minutes of profiling
+                check_positive_int(name, getattr(self, name))
+        check_number("lr", self.lr, low=0.0, low_open=True)
+        check_number("clip_ratio", self.clip_ratio, low=0.0, low_open=True)
+        parse_memory(self.memory, name="memory")
 
 
 @dataclass
@@ -151,6 +162,7 @@ class Result:
     steps: list[StepLog] = field(default_factory=list)
     forward: list[ForwardLog] = field(default_factory=list)
     model: Any = None
+    ranks_agree: bool | None = None  # the ranks' parameter checksums are equal (None: not checked)
 
 
 # --------------------------------------------------------------------------- rollouts
@@ -161,48 +173,35 @@ def synthetic_rollouts(s: Settings, step: int, vocab_size: int) -> dict[str, Any
     rng = np.random.default_rng([s.seed, step])
     good_end = 3 + int(GOOD_TOKENS * (vocab_size - 3))
     p_len, r_len = s.max_prompt_len, s.max_response_len
-    rows: list[tuple[np.ndarray, np.ndarray]] = []
-    uids: list[int] = []
-    advantages: list[float] = []
+    prompts, responses, uids, trajectory = [], [], [], []  # one entry per sequence (turn)
+    rewards: list[float] = []  # one per trajectory
     turn_p = np.array(TURN_WEIGHTS[: s.max_turns]) / sum(TURN_WEIGHTS[: s.max_turns])
     for prompt in range(s.prompts):
         question = rng.integers(3, vocab_size, rng.integers(8, 33))
-        rewards, turns = np.zeros(s.samples), np.zeros(s.samples, dtype=int)
-        for k in range(s.samples):
-            turns[k] = 1 + rng.choice(len(turn_p), p=turn_p)
+        for _ in range(s.samples):
+            turns = 1 + rng.choice(len(turn_p), p=turn_p)
             quality = rng.random()  # the share of good tokens this trajectory writes
             history, good, total = question, 0, 0
-            for _ in range(turns[k]):
+            for _ in range(turns):
                 long_tail = int(np.clip(rng.lognormal(np.log(r_len / 8), 0.8), 4, r_len))
                 length = r_len if rng.random() < 0.04 else long_tail  # a few at the maximum
                 is_good = rng.random(length) < quality
                 response = np.where(
                     is_good, rng.integers(3, good_end, length), rng.integers(good_end, vocab_size, length)
                 )
-                rows.append((history[-p_len:], response))  # one sequence per turn
+                prompts.append(history[-p_len:])  # one sequence per turn, the history left-truncated
+                responses.append(response)
+                uids.append(prompt)
+                trajectory.append(len(rewards))
                 good, total = good + int(is_good.sum()), total + length
                 observation = rng.integers(3, vocab_size, rng.integers(4, 13))  # the environment's reply
                 history = np.concatenate([history, response, observation])
-            rewards[k] = good / total
-        group_advantage = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
-        for a, n in zip(group_advantage, turns):
-            uids += [prompt] * int(n)
-            advantages += [float(a)] * int(n)  # every turn of a trajectory gets its advantage
-    input_ids = torch.zeros(len(rows), p_len + r_len, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, (prompt_ids, response_ids) in enumerate(rows):
-        start, end = p_len - len(prompt_ids), p_len + len(response_ids)
-        input_ids[i, start:end] = torch.from_numpy(np.concatenate([prompt_ids, response_ids]))
-        attention_mask[i, start:end] = 1
-    loss_mask = attention_mask[:, p_len:].float()
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0) * attention_mask,
-        "loss_mask": loss_mask,  # response-wide fields are right-aligned with the sequence
-        "advantages": torch.tensor(advantages)[:, None] * loss_mask,
-        "uid": uids,
-    }
+            rewards.append(good / total)
+    # GRPO: each trajectory's reward relative to its prompt's group; every turn gets its trajectory's
+    advantages = group_advantages(rewards, n=s.samples)[trajectory]
+    return collate_rollouts(  # prompt | response rows; response-wide fields right-aligned
+        prompts, responses, uids=uids, advantages=advantages, prompt_width=p_len, response_width=r_len
+    )
 
 
 # --------------------------------------------------------------------------- the loop
@@ -226,7 +225,7 @@ def train(
     if s.layout == "packed":
         use_varlen_attention(unwrap(model))  # packed rows attend per sequence, no T × T mask
     if budgets is None:
-        budgets = token_budgets(s, sharding)
+        budgets = token_budgets(s, sharding, model)
     micro = {"micro_train_batch_size_per_gpu": s.micro_batch_size} if s.micro_batch_size else {}
     config = BatchConfig(
         train_batch_size=s.prompts,
@@ -271,7 +270,7 @@ def train(
             ForwardLog(
                 training_step=t,
                 micro_batches=forward_plan.num_micro_batches,
-                peak_bytes=_max_over_ranks(peak),
+                peak_bytes=int(reduce_figures({"peak": peak}, "max")["peak"]),
                 limit_bytes=budgets.forward_limit,
                 seconds=time.perf_counter() - start,
                 all_gather_bytes=comm.take()[0]["all_gather"],
@@ -302,19 +301,23 @@ def train(
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     peak = max(peak, peaks.take())  # the last micro-batch and the optimizer step
-                loss_total, computed_total, real_total = _sum_over_ranks(loss_sum, computed, real)
+                # token counts summed over ranks, the peak the largest of any rank
+                totals = reduce_figures(
+                    {"loss": loss_sum, "computed": computed, "real": real, "peak": peak},
+                    {"loss": "sum", "computed": "sum", "real": "sum", "peak": "max"},
+                )
                 log = StepLog(
                     step=len(result.steps) + 1,
                     training_step=t,
                     sequences=hi - lo,
                     micro_batches=mb_plan.num_micro_batches,
-                    tokens_computed=int(computed_total),
-                    real_tokens=int(real_total),
+                    tokens_computed=int(totals["computed"]),
+                    real_tokens=int(totals["real"]),
                     seconds=time.perf_counter() - start,
-                    peak_bytes=_max_over_ranks(peak),
+                    peak_bytes=int(totals["peak"]),
                     limit_bytes=budgets.training_limit,
                     all_gather_bytes=comm.take()[0]["all_gather"],
-                    loss=loss_total,
+                    loss=totals["loss"],
                 )
                 result.steps.append(log)
                 if on_step is not None:
@@ -336,17 +339,21 @@ class Budgets:
     forward_limit: int | None = None
 
 
-def token_budgets(s: Settings, sharding: Sharding) -> Budgets:
+def token_budgets(s: Settings, sharding: Sharding, model: torch.nn.Module | None = None) -> Budgets:
     """The training and forward-only token budgets per rank for ``sharding``, measured on this machine.
 
-    Each budget's probe runs this loop's own micro-batch step (fused log-probs, the clipped
-    surrogate, backward, AdamW with the gradients resident) on micro-batches laid out as
-    this loop lays them out. Every rank calls this (the probes run in lockstep); budgets
-    given in ``s`` are used as they are.
+    One :func:`profile_model` call profiles the model (``model``, else the preset
+    ``s.model``) for both: its probes run this loop's own micro-batch step (fused log-probs,
+    the clipped surrogate, backward, AdamW with the gradients resident; under FSDP2 the
+    unsharded gradients of the backward included) and its old-log-prob pass, on
+    micro-batches laid out as this loop lays them out. Every rank calls this (the probes
+    run in lockstep); budgets given in ``s`` are used as they are.
     """
     if s.token_budget is not None and s.forward_token_budget is not None:
         return Budgets(s.token_budget, s.forward_token_budget)
-    options = ProfileOptions(
+    profile = profile_model(
+        s.model if model is None else model,
+        forward_too=True,  # policy and policy_forward (old log-probs, training state resident)
         max_seq_len=s.max_prompt_len + s.max_response_len,
         backend="cpu",
         memory_limit=s.memory,
@@ -355,12 +362,11 @@ def token_budgets(s: Settings, sharding: Sharding) -> Budgets:
         cost="packed" if s.layout == "packed" else "padded",
         sharding=sharding,
     )
-    policy = profile_model(s.model, options, roles=("policy",)).budgets["policy"]
-    forward = profile_model(s.model, options, roles=(FORWARD_ROLE,)).budgets[FORWARD_ROLE]
+    train, forward = profile.train, profile.forward
     return Budgets(
-        s.token_budget or policy.tokens,
+        s.token_budget or train.tokens,
         s.forward_token_budget or forward.tokens,
-        policy.limit_bytes,
+        train.limit_bytes,
         forward.limit_bytes,
     )
 
@@ -420,20 +426,6 @@ class _Off:
         return self.value
 
 
-def _sum_over_ranks(*values: float) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def _max_over_ranks(value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 # --------------------------------------------------------------------------- command line
 
 
@@ -463,16 +455,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_settings(s: Settings) -> int:
-    """Run ``s`` with a progress display; joins torchrun's process group for ``ddp`` and ``fsdp2``."""
+    """Run ``s`` with a progress display; joins torchrun's process group for ``ddp`` and ``fsdp2``.
+
+    Returns 0, or 1 when the ranks end with different parameters.
+    """
     joined = s.sharding != "none" and not dist.is_initialized()
+    if joined and "RANK" not in os.environ:
+        raise InvalidArgument(
+            f"sharding={s.sharding!r} runs on several ranks, but this process was not launched by torchrun "
+            f"(RANK is not set); run torchrun --nproc_per_node=2 examples/grpo_stepwise.py --sharding {s.sharding}"
+        )
     if joined:
         dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     try:
-        run_with_progress(s)
+        if joined:  # ranks that disagree would plan differently and deadlock: one line on every rank instead
+            flags = {"--" + k.replace("_", "-"): v for k, v in asdict(s).items()}
+            check_same_arguments(flags, what="grpo_stepwise.py")
+        return 0 if run_with_progress(s).ranks_agree else 1
     finally:
         if joined:
             dist.destroy_process_group()
-    return 0
 
 
 def run_with_progress(s: Settings) -> Result:
@@ -505,9 +507,25 @@ def run_with_progress(s: Settings) -> Result:
         progress.advance(task)
 
     try:
-        return train(s, on_step=on_step, on_setup=on_setup)
+        result = train(s, on_step=on_step, on_setup=on_setup)
     finally:
         progress.stop()
+    result.ranks_agree = check_parameters(result.model, console)
+    return result
+
+
+def check_parameters(model: torch.nn.Module, console: Any) -> bool:
+    """Whether every rank ends with the same parameters: one all-reduce of a checksum (every rank calls it).
+
+    Prints ``ranks agree: parameter checksum … on all N ranks`` on ``console`` (rank 0's);
+    when they differ, every rank writes the range of checksums to stderr.
+    """
+    agreement = parameter_agreement(model)
+    if not agreement.equal:
+        sys.stderr.write(f"grpo_stepwise: error: {agreement}\n")
+        return False
+    console.print(str(agreement))
+    return True
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 
 The example is the loop users copy; this command only finds it, passes the options given
 (each one of the example's ``Settings`` fields) over small defaults, and runs it. Under
-``torchrun --nproc-per-node 2 -m batchfit demo --sharding fsdp2`` it runs FSDP2 over gloo.
+``torchrun --nproc-per-node 2 -m batchfit demo --sharding fsdp2`` it runs FSDP2 over gloo:
+the ranks join (:mod:`batchfit.cli._ranks`), check that they were given the same options
+(else every rank exits 2 naming the differing flag), rank 0 prints, and the run ends with
+the ranks' parameter checksum compared (exit 1 when they differ). Bad values exit 2 before
+any work.
 """
 
 from __future__ import annotations
@@ -107,7 +111,19 @@ def run(args: argparse.Namespace) -> int:
     # a tiny model's ops only contend for cores: one thread (torchrun sets it per rank too);
     # two threads on a busy 2-core machine ran the demo 6x slower
     torch.set_num_threads(1)
+    from batchfit.cli._ranks import check_same_flags, launched_world, process_group, require_torchrun
+    from batchfit.errors import InvalidArgument
+
     example = load_example()
     values = {name: getattr(args, name) for name, _, _ in OPTIONS if getattr(args, name) is not None}
-    settings = example.Settings(**{**DEMO_DEFAULTS, **values})
-    return example.run_settings(settings)
+    settings = example.Settings(**{**DEMO_DEFAULTS, **values})  # every value checked before any work
+    if settings.sharding != "none":
+        require_torchrun(f"--sharding {settings.sharding}", "demo")
+    elif launched_world() > 1:
+        raise InvalidArgument(
+            f"batchfit demo runs under torchrun (WORLD_SIZE={launched_world()}) with --sharding none, so every rank "
+            "would train alone; pass --sharding fsdp2 or ddp, or run it without torchrun"
+        )
+    with process_group("cpu"):
+        check_same_flags(args, [name for name, _, _ in OPTIONS], "demo")
+        return example.run_settings(settings)
