@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -101,8 +104,15 @@ def _params(model: torch.nn.Module) -> dict[str, np.ndarray]:
 
 def _fsdp2_rank(rank: int) -> dict:
     torch.set_num_threads(1)
-    result = example.train(small(steps=1, sharding="fsdp2"))
-    return {"params": _params(result.model), "steps": [(s.micro_batches, s.loss) for s in result.steps]}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # what the run prints, as the user sees it (rank 0 only)
+        result = example.run_with_progress(small(steps=1, sharding="fsdp2", quiet=False))
+    return {
+        "params": _params(result.model),
+        "steps": [(s.micro_batches, s.loss) for s in result.steps],
+        "agree": result.ranks_agree,
+        "out": out.getvalue(),
+    }
 
 
 def test_two_fsdp2_ranks_end_with_identical_parameters_equal_to_one_process():
@@ -113,5 +123,66 @@ def test_two_fsdp2_ranks_end_with_identical_parameters_equal_to_one_process():
         assert np.array_equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
         np.testing.assert_allclose(ranks[0]["params"][name], value, atol=1e-5, rtol=0, err_msg=name)
     assert ranks[0]["steps"] == ranks[1]["steps"]  # the same micro-batch count and mini-batch loss
+    # rank 0 prints, and ends with the ranks' checksums compared
+    assert ranks[1]["out"] == "" and ranks[0]["agree"] is ranks[1]["agree"] is True
+    assert ranks[0]["out"].count("token budget per rank") == 1
+    last = ranks[0]["out"].strip().splitlines()[-1]
+    assert last.startswith("ranks agree: parameter checksum ") and last.endswith(" on all 2 ranks"), last
     for (_, loss), step in zip(ranks[0]["steps"], single.steps):
         assert loss == pytest.approx(step.loss, abs=1e-5)
+
+
+# --------------------------------------------------------------------------- bad input, fast
+
+
+def test_sharding_without_torchrun_is_one_line_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["demo", "--sharding", "fsdp2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not launched by torchrun (RANK is not set); run torchrun --nproc-per-node 2 -m batchfit demo --sharding fsdp2" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        pytest.param(["--micro-batch-size", "0"], "micro_batch_size must be an integer >= 1, but got micro_batch_size=0", id="micro-batch-0"),
+        pytest.param(["--token-budget", "-5"], "token_budget must be an integer >= 1, but got token_budget=-5", id="budget"),
+        pytest.param(["--lr", "0"], "lr must be in (0, inf], but got lr=0.0", id="lr"),
+        pytest.param(["--memory", "lots"], "memory is not a memory size or device preset", id="memory"),
+    ],
+)
+def test_bad_values_exit_2_before_any_work(capsys, args, match):
+    assert main(["demo", *args]) == 2  # no profiling ran: it would take a minute
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match in err
+
+
+def _disagreeing_rank(rank: int) -> dict:
+    # launched as torchrun launches: the group exists, RANK is set
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["demo", "--sharding", "fsdp2", "--seed", str(rank), "--token-budget", "256"])
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(1.0 + rank)  # the ranks drifted apart
+        model.bias.fill_(0.0)
+    checksum_err = io.StringIO()
+    with contextlib.redirect_stderr(checksum_err):
+        agree = example.check_parameters(model, console=None)
+    return {"code": code, "err": err.getvalue(), "agree": agree, "checksum_err": checksum_err.getvalue()}
+
+
+def test_ranks_that_disagree_fail_on_every_rank_in_one_line():
+    ranks = run_ranks(_disagreeing_rank, timeout=90)
+    for got in ranks.values():
+        assert got["code"] == 2
+        assert got["err"] == (
+            "batchfit demo: error: every rank must pass the same arguments to batchfit demo, but they differ: "
+            "--seed: rank 0 has 0, rank 1 has 1\n"
+        )
+        # weights 1 and 2 on 6 entries: checksums 6 + 6 = 12 and 12 + 24 = 36
+        assert got["agree"] is False
+        assert got["checksum_err"].startswith(
+            "grpo_stepwise: error: ranks differ: parameter checksums range from 1.200000000e+01 to 3.600000000e+01 over 2 ranks"
+        )
