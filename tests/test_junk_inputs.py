@@ -34,9 +34,9 @@ from batchfit.batches.minibatch import pad_rows
 from batchfit.batches.weights import REDUCTIONS
 from batchfit.errors import InvalidArgument
 from batchfit.parallel import sync_micro_batch_count
-from batchfit.plan import plan_micro_batches
+from batchfit.plan import largest_fitting, plan_micro_batches
 
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+FAST = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
 
 HUGE = [2**63, 2**64 + 1, 10**30, -(10**30), 10**400]
 
@@ -117,7 +117,11 @@ lengths_valid = st.lists(st.integers(1, 50), max_size=12)
 
 @FAST
 @given(
-    lengths=maybe(lengths_valid | st.builds(lambda v: torch.tensor(v, dtype=torch.long), lengths_valid)),
+    lengths=maybe(
+        lengths_valid
+        | st.builds(lambda v: torch.tensor(v, dtype=torch.long), lengths_valid)
+        | st.lists(st.one_of(st.integers(1, 9), junk), min_size=1, max_size=3)
+    ),
     budget=maybe(st.integers(1, 120)),
     dp=maybe(st.integers(1, 4)),
     cost=maybe(st.sampled_from(["padded", "packed"])),
@@ -172,6 +176,34 @@ def test_restore_order_and_pad_to(plan, kind, rank, junk_outputs, count):
         assert synced is plan
 
 
+@FAST
+@given(
+    answer=st.integers(0, 300),
+    verdict=st.sampled_from(["bool", "numpy", "junk"]),
+    junk_verdict=junk,
+    low=maybe(st.integers(1, 20)),
+    high=maybe(st.none() | st.integers(1, 400)),
+    guess=maybe(st.none() | st.floats(allow_nan=True) | st.just(junk)),
+    start=maybe(st.none() | st.integers(1, 50)),
+)
+def test_largest_fitting(answer, verdict, junk_verdict, low, high, guess, start):
+    def probe(size):
+        fits = size <= answer
+        return {"bool": fits, "numpy": np.bool_(fits), "junk": junk_verdict}[verdict]
+
+    if isinstance(guess, st.SearchStrategy):
+        guess_fn = lambda trials: junk_verdict  # noqa: E731 - a guess that returns junk
+    elif isinstance(guess, float) or guess is None:
+        guess_fn = None if guess is None else (lambda trials, g=guess: g)
+    else:
+        guess_fn = guess  # junk where a function is meant
+    with batchfit_error_or_result():
+        result = largest_fitting(probe, low=low, high=high, guess=guess_fn, start=start)
+        assert len(result.trials) <= result.max_trials
+        if verdict != "junk":
+            assert result.batch_size == (max(low - 1, min(answer, high)) if high is not None else max(low - 1, answer))
+
+
 # ------------------------------------------------------------------ batches
 
 
@@ -193,6 +225,8 @@ batches = st.one_of(
     st.integers(1, 6).map(lambda n: {**_valid_batch(n), "reward": torch.ones(n + 1)}),  # disagreeing counts
     st.just({1: None, "a": 2}),  # no per-sample field, keys of mixed types
     st.just({"x": np.zeros((3, 2))}),
+    st.builds(lambda n, v: {**_valid_batch(n), "extra": v}, st.integers(1, 4), junk),
+    st.builds(lambda n, key, v: {**_valid_batch(n), key: v}, st.integers(1, 4), st.sampled_from(["attention_mask", "loss_mask", "input_ids"]), junk),
     junk,
 )
 
@@ -310,7 +344,18 @@ def test_loss_weights(mask, reduction, mini, prompts, max_seq_len, dtype):
 @FAST
 @given(
     plan=plans(),
-    batch_kind=st.sampled_from(["matching", "other"]),
+    batch_kind=st.sampled_from(["matching", "matching", "other", "attention_mask", "loss_mask", "input_ids"]),
+    field_value=st.sampled_from(
+        [
+            lambda t: t.float(),
+            lambda t: t.bool(),
+            lambda t: t.float().masked_fill(t == 0, math.nan),
+            lambda t: t[:, :, None],
+            lambda t: t.tolist(),
+            lambda t: t[:, :3],
+            lambda t: t[:, 0],
+        ]
+    ),
     other=batches,
     rank=maybe(st.integers(0, 3)),
     trim=maybe(st.booleans()),
@@ -321,13 +366,15 @@ def test_loss_weights(mask, reduction, mini, prompts, max_seq_len, dtype):
     layout=maybe(st.sampled_from(["padded", "packed"])),
     junk_plan=st.one_of(st.none(), junk),
 )
-def test_iter_micro_batches(plan, batch_kind, other, rank, trim, attention_key, loss_key, pad_values, fields, layout, junk_plan):
-    if batch_kind == "matching":
+def test_iter_micro_batches(plan, batch_kind, field_value, other, rank, trim, attention_key, loss_key, pad_values, fields, layout, junk_plan):
+    if batch_kind != "other":
         n, lengths = plan.num_sequences, plan.lengths.tolist()
         mask = torch.zeros(n, 12, dtype=torch.long)
         for i, length in enumerate(lengths):
             mask[i, :length] = 1
         batch = {"input_ids": torch.arange(n * 12).reshape(n, 12), "attention_mask": mask, "loss_mask": mask.clone()}
+        if batch_kind in batch:  # one field of the right rows made odd: float, bool, NaN, 3-D, a list
+            batch[batch_kind] = field_value(batch[batch_kind])
     else:
         batch = other
     with batchfit_error_or_result():

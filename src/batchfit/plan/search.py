@@ -49,11 +49,13 @@ two probes.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from batchfit.errors import InvalidArgument
-from batchfit.validation import check_int, check_positive_int
+from batchfit.validation import check_int, check_positive_int, describe
 
 GUIDED_SLACK = 2  # guided probes that may fail to shrink the blind cost (NOTE [ Trial budget ])
 _UNBOUNDED_BASE = 1  # Φ(0, ∞) = 1: the unbounded potential before any probe (NOTE [ Trial budget ])
@@ -176,7 +178,7 @@ def blind_step(lo: int, hi: int, bounded: bool) -> tuple[int, str]:
 
 def _guided(predicted: float, lo: int, hi: int, prefer_fit: bool) -> int:
     """NOTE [ Guided candidate ]: ``floor(predicted)`` or the size above, inside ``(lo, hi)``."""
-    g = hi - 1 if predicted >= hi else max(math.floor(predicted), lo)
+    g = hi - 1 if predicted >= hi else lo if predicted <= lo else math.floor(predicted)  # -inf: lo
     if g <= lo:
         return lo + 1  # the model says lo is the answer: confirm lo + 1 fails
     if prefer_fit or g + 1 >= hi:
@@ -188,7 +190,27 @@ def _guided(predicted: float, lo: int, hi: int, prefer_fit: bool) -> int:
 def _as_trial(size: int, outcome: Trial | bool, chosen_by: str) -> Trial:
     if isinstance(outcome, Trial):
         return Trial(size, outcome.peak_bytes, bool(outcome.fits), outcome.exact, chosen_by)
-    return Trial(size, None, bool(outcome), False, chosen_by)
+    try:
+        if outcome is None:
+            raise TypeError
+        fits = bool(outcome)
+    except Exception:  # None, or a tensor/array of several values
+        raise InvalidArgument(
+            f"probe({size}) must return a verdict (True/False) or a Trial, but returned {describe(outcome)}"
+        ) from None
+    return Trial(size, None, fits, False, chosen_by)
+
+
+def _as_guess(predicted: Any) -> float | None:
+    """The guess as a float (NaN for unknown), or ``None``; a clear error for anything else."""
+    if predicted is None:
+        return None
+    if isinstance(predicted, bool) or not isinstance(predicted, numbers.Real):
+        raise InvalidArgument(
+            f"guess(trials) must return a number (a predicted size; inf, NaN or None for unknown), but returned "
+            f"{describe(predicted)}"
+        )
+    return float(predicted)
 
 
 def largest_fitting(
@@ -242,6 +264,9 @@ def largest_fitting(
         >>> largest_fitting(lambda b: b <= 95, low=1, high=512).batch_size
         95
     """
+    for name, fn in (("probe", probe), ("guess", guess), ("on_trial", on_trial)):
+        if not callable(fn) and not (fn is None and name != "probe"):
+            raise InvalidArgument(f"{name} must be a function, but got {name}={describe(fn)}")
     low = check_positive_int("low", low)
     if high is not None:
         high = check_int("high", high, minimum=low)
@@ -265,7 +290,7 @@ def largest_fitting(
         return len(trials) + 1 + worst <= limit
 
     while hi - lo > 1:
-        predicted = guess(trials) if guess is not None else None
+        predicted = _as_guess(guess(trials)) if guess is not None else None
         candidate, chosen_by = blind_step(lo, hi, bounded)
         if predicted is not None and not math.isnan(predicted):
             guided = _guided(predicted, lo, hi, prefer_fit=not bounded and not failed)
