@@ -2,6 +2,12 @@
 
 A rank that hangs (stuck in a collective) makes the test fail instead of stalling CI; an
 exception on a rank is reported back as ``("error", repr(exc))`` instead of hanging the parent.
+
+Every timeout in the tests derives from one setting (:func:`scaled`): the environment
+variable ``BATCHFIT_TEST_TIMEOUT_SCALE`` multiplies the base seconds written in the tests
+(pytest-timeout's per-test limit, the queue wait here, the gloo process-group timeout,
+subprocess timeouts). conftest.py sets it once per session, from the machine's load when
+it is not given, so a loaded machine waits longer instead of failing.
 """
 
 from __future__ import annotations
@@ -10,25 +16,56 @@ import datetime
 import multiprocessing
 import os
 import queue
-import socket
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+#: The environment variable that scales every timeout in the tests (a positive number).
+TIMEOUT_SCALE_ENV = "BATCHFIT_TEST_TIMEOUT_SCALE"
 
-def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: Seconds the ranks' process group waits for a peer in a collective, before scaling.
+GROUP_TIMEOUT = 60.0
 
 
-def _entry(worker: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple) -> None:
+def timeout_scale() -> float:
+    """The factor from ``BATCHFIT_TEST_TIMEOUT_SCALE`` (1 when unset); a bad value is a usage error."""
+    raw = os.environ.get(TIMEOUT_SCALE_ENV, "").strip()
+    if not raw:
+        return 1.0
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = float("nan")
+    if not scale > 0 or scale == float("inf"):
+        raise pytest.UsageError(
+            f"{TIMEOUT_SCALE_ENV}={raw!r} is not a positive number; set it to e.g. 1 (default) or 4 on a loaded machine"
+        )
+    return scale
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` (a test's timeout on an unloaded machine) times :func:`timeout_scale`."""
+    return seconds * timeout_scale()
+
+
+def _entry(
+    worker: Callable[..., Any],
+    rank: int,
+    world: int,
+    store_path: str,
+    group_timeout: float,
+    results: Any,
+    args: tuple,
+) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    # a file store: nothing listens on a port, so no other job can take it between choosing and binding
+    store = dist.FileStore(store_path, world)
+    timeout = datetime.timedelta(seconds=group_timeout)
+    store.set_timeout(timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         results.put((rank, worker(rank, *args)))
     except BaseException as exc:  # report, do not hang the parent
@@ -38,31 +75,45 @@ def _entry(worker: Callable[..., Any], rank: int, world: int, port: int, results
 
 
 def run_ranks(
-    worker: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 90.0, silent: tuple[int, ...] = ()
+    worker: Callable[..., Any],
+    *args: Any,
+    world: int = 2,
+    timeout: float = 90.0,
+    silent: tuple[int, ...] = (),
 ) -> dict[int, Any]:
     """``{rank: worker(rank, *args)}`` from ``world`` spawned gloo ranks; fails the test on a hang or an error.
 
     ``worker`` must be a module-level function (spawn pickles it by name). Ranks in ``silent``
     are expected to exit without reporting (a rank killed on purpose); the others must report.
+    ``timeout`` is the wait for each rank's result on an unloaded machine; it is :func:`scaled`,
+    as is the ranks' process-group timeout (:data:`GROUP_TIMEOUT`).
     """
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(worker, r, world, port, results, args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    try:
-        for _ in range(world - len(silent)):
-            rank, value = results.get(timeout=timeout)
-            got[rank] = value
-    except queue.Empty:
-        pytest.fail(f"a rank hung; got results from ranks {sorted(got)} of {world}")
-    finally:
+    with tempfile.TemporaryDirectory(prefix="batchfit-ranks-") as folder:
+        store_path = os.path.join(folder, "store")
+        procs = [
+            ctx.Process(
+                target=_entry, args=(worker, r, world, store_path, scaled(GROUP_TIMEOUT), results, args)
+            )
+            for r in range(world)
+        ]
         for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+            p.start()
+        got: dict[int, Any] = {}
+        try:
+            for _ in range(world - len(silent)):
+                rank, value = results.get(timeout=scaled(timeout))
+                got[rank] = value
+        except queue.Empty:
+            pytest.fail(
+                f"a rank hung; got results from ranks {sorted(got)} of {world} in {scaled(timeout):.0f} s"
+            )
+        finally:
+            for p in procs:
+                p.join(timeout=scaled(30))
+                if p.is_alive():
+                    p.kill()
     errors = {r: v for r, v in got.items() if isinstance(v, tuple) and v[:1] == ("error",)}
     assert not errors, errors
     return got

@@ -10,7 +10,7 @@ import pytest
 
 from batchfit.cli import main
 from batchfit.memory import untracked_memory
-from multirank import free_port
+from multirank import scaled
 
 # A fast configuration: the tiny preset estimated against 2 GiB (less the estimate backend's reserve).
 FAST = [
@@ -106,10 +106,11 @@ def test_ddp_and_one_device_are_strategies_too(capsys):
 
 
 def test_under_torchrun_every_rank_measures_and_rank_0_prints_one_json_document():
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), "-m", "batchfit", "profile", "--backend", "cpu"]
+    # --standalone: torchrun's own rendezvous on a port the OS picks when it binds (no port chosen beforehand)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "batchfit", "profile", "--backend", "cpu"]
     command += ["--model", "tiny", "--memory", "24MiB", "--max-seq-len", "64", "--json", "--no-progress"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=scaled(240))
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)  # exactly one document: rank 1 printed nothing
     assert data["backend"] == "cpu" and data["sharding"]["world_size"] == 2

@@ -8,7 +8,6 @@ on float data raises an error naming the op.
 from __future__ import annotations
 
 import itertools
-import resource
 
 import pytest
 import torch
@@ -405,20 +404,20 @@ def _remove_padding_head_step(b, s, h, v, lengths):
     return build, step, {"mask": mask}
 
 
-def test_large_float_tensors_stay_fake_on_a_remove_padding_step():
+def test_large_float_tensors_stay_fake_on_a_remove_padding_step(host_memory):
     _measure("estimate", *_remove_padding_head_step(2, 16, 8, 8, [16, 3]))  # first-use costs, small
     # 4 x 8192 tokens, hidden 4096, vocab 8192: the hidden states are 4 * 8192 * 4096 * 4 B = 512 MiB
     lengths = [8192, 5000, 123, 1]
     h, v = 4096, 8192
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = host_memory.reset_peak()
     m = _measure("estimate", *_remove_padding_head_step(4, 8192, h, v, lengths))
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    grown = host_memory.peak() - start
     tokens = sum(lengths)  # 13,316
     assert m.breakdown["parameters"] == h * v * 4  # 134,217,728
     assert m.peak_bytes > 3 * tokens * v * 4  # logits (436 MB), log-softmax, their gradient: 1.3 GB
-    # the hidden states alone would touch 512 MiB / 4 KiB = 131,072 pages; the shadows (mask,
-    # indices, lengths: < 1 MB) and the fake machinery touch a few hundred (measured: 239)
-    assert faults < 5_000, faults
+    # the hidden states alone would make 512 MiB resident; the shadows (mask, indices,
+    # lengths: < 1 MB) and the fake machinery a little (bytes, whatever the page size)
+    assert grown < 64 * 2**20, grown
 
 
 # --------------------------------------------------------------------------- what is and is not known
