@@ -53,6 +53,33 @@ def test_fixed_widths_keep_shapes_and_tensors_are_accepted():
     assert b["input_ids"].tolist() == [[0, 0, 3, 4, 5, 0]] and b["loss_mask"].shape == (1, 2)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 6)), min_size=1, max_size=6), st.integers(0, 3))
+def test_every_row_holds_its_prompt_then_its_response_and_nothing_else(shape, pad_id):
+    rng = np.random.default_rng(len(shape))
+    prompts = [rng.integers(4, 100, p) for p, _ in shape]
+    responses = [rng.integers(4, 100, r) for _, r in shape]
+    values = [rng.random(r) for _, r in shape]
+    b = collate_rollouts(prompts, responses, pad_id=pad_id, old_log_probs=values)
+    P, R = max(p for p, _ in shape), max(r for _, r in shape)
+    assert b["input_ids"].shape == (len(shape), P + R) and b["loss_mask"].shape == (len(shape), R)
+    for i, (p, r) in enumerate(shape):
+        valid = b["attention_mask"][i].bool()
+        assert b["input_ids"][i][valid].tolist() == [*prompts[i].tolist(), *responses[i].tolist()]
+        assert (b["input_ids"][i][~valid] == pad_id).all()
+        assert b["position_ids"][i][valid].tolist() == list(range(p + r))
+        assert valid[P:].tolist() == b["loss_mask"][i].bool().tolist()  # right-aligned with the sequence
+        assert torch.allclose(b["old_log_probs"][i][:r], torch.tensor(values[i], dtype=torch.float32))
+        assert (b["old_log_probs"][i][r:] == 0).all()
+
+
+def test_a_two_dimensional_per_token_field_is_one_row_per_rollout():
+    b = collate_rollouts([[1], [2]], [[3, 4], [5, 6]], old_log_probs=torch.tensor([[0.1, 0.2], [0.3, 0.4]]))
+    assert torch.allclose(b["old_log_probs"], torch.tensor([[0.1, 0.2], [0.3, 0.4]]))
+    with pytest.raises(BatchError, match=r"old_log_probs\[1\] must hold one value per response token \(1\), but got 2"):
+        collate_rollouts([[1], [2]], [[3, 4], [5]], old_log_probs=torch.tensor([[0.1, 0.2], [0.3, 0.0]]))
+
+
 @pytest.mark.parametrize(
     ("prompts", "responses", "kwargs", "match"),
     [

@@ -42,8 +42,8 @@ def _ids(name: str, rows: Any) -> list[np.ndarray]:
 
 def _per_token(name: str, values: Any, lengths: list[int]) -> torch.Tensor | list[np.ndarray]:
     """One value per rollout (a scalar, broadcast over its response) or one per response token."""
-    if isinstance(values, (torch.Tensor, np.ndarray)) and values.ndim == 1:
-        values = values.tolist()
+    if isinstance(values, (torch.Tensor, np.ndarray)) and values.ndim in (1, 2):
+        values = values.tolist() if values.ndim == 1 else list(values)  # 2-D: one row per rollout
     if not isinstance(values, Sequence) or isinstance(values, str):
         raise BatchError(
             f"{name} must hold one value per rollout (a number, or one number per response token), but got {name}={describe(values)}"
