@@ -82,6 +82,7 @@ def test_batchfit_demo_runs_the_example_and_reports_bad_values_in_one_line(capsy
     out = capsys.readouterr().out
     assert "token budget per rank: 256 tokens" in out
     assert out.count("step ") >= 2 and "micro-batches" in out and "tok/s" in out
+    assert out.strip().splitlines()[-1].startswith("ranks agree: parameter checksum ")  # one process: "(one rank)"
     assert main(["demo", "--max-turns", "9"]) == 2
     assert (
         capsys.readouterr().err == "batchfit demo: error: max_turns must be at most 5, but got max_turns=9\n"

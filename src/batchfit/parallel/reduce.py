@@ -121,7 +121,8 @@ class ChecksumAgreement:
 
     def __str__(self) -> str:
         if self.equal:
-            return f"ranks agree: parameter checksum {self.checksum:.6e} on all {self.world_size} ranks"
+            where = "(one rank)" if self.world_size == 1 else f"on all {self.world_size} ranks"
+            return f"ranks agree: parameter checksum {self.checksum:.6e} {where}"
         return (
             f"ranks differ: parameter checksums range from {self.low:.9e} to {self.high:.9e} over "
             f"{self.world_size} ranks (this rank: {self.checksum:.9e})"
