@@ -16,8 +16,8 @@ from multirank import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
-#: The join timeout the ranks of these tests use ($BATCHFIT_TIMEOUT): a rank that skips a search is noticed after it.
-JOIN_SECONDS = "8"
+#: The join timeout of the "skip" case ($BATCHFIT_TIMEOUT): a rank that skips a search is noticed after it.
+JOIN_SECONDS = "3"
 
 
 def _config(**changes):
@@ -30,24 +30,13 @@ def _config(**changes):
     return config
 
 
-def _own_peaks():
-    """Record this rank's own peak of every measured step (the search only keeps the agreed maximum)."""
-    from batchfit.budget.step import TrainingStep
+def _uneven_profile(world: int) -> tuple[int, int, int, int]:
+    """Profile FSDP2 over ``world`` ranks at a limit between the ranks' own peaks of 5 rows: (tokens, low, high, limit).
 
-    own: list[tuple[int, int]] = []
-    measure = TrainingStep.measure
-
-    def recording(self, lengths):
-        m = measure(self, lengths)
-        own.append((sum(lengths), int(m.peak_bytes)))
-        return m
-
-    TrainingStep.measure = recording
-    return own
-
-
-def _uneven_profile(world: int) -> tuple[int, list[tuple[int, int]], int]:
-    """Profile FSDP2 over ``world`` ranks at a limit between the ranks' own peaks of 5 rows: (tokens, own peaks, limit)."""
+    ``low`` and ``high`` are the smallest and the largest rank's peak of one step of 5 rows of
+    32 (the step the search measures as the "+ 1" of 4 rows): stopped at ``limit``, that step
+    would stop mid-step on some ranks and not on others.
+    """
     from batchfit.budget import causal_lm_step, profile_model
     from batchfit.memory import get_backend
     from batchfit.models import build_causal_lm
@@ -55,20 +44,18 @@ def _uneven_profile(world: int) -> tuple[int, list[tuple[int, int]], int]:
     from batchfit.parallel.distributed import all_reduce_max, all_reduce_min
 
     sharding = Sharding("fsdp2", world_size=world)
-    # the limit: halfway between the smallest and the largest rank's peak of 5 rows of 64
     be = get_backend("cpu")
     step = causal_lm_step(build_causal_lm(_config(), backend=be, dtype="fp32", sharding=sharding), backend=be)
-    five = step.measure([64] * 5).peak_bytes
+    five = step.measure([32] * 5).peak_bytes
     low, high = all_reduce_min(five), all_reduce_max(five)
     del step
     limit = (low + high) // 2
-    own = _own_peaks()
-    # the device twice the limit: no probe is predicted above it, so 5 rows are measured (the "+ 1" of 4)
+    # the device twice the limit: no probe is predicted above it, so 5 rows are measured
     profile = profile_model(
-        _config(), max_seq_len=64, seq_lens=[64], backend="cpu", memory_limit=2 * limit, safety_margin=0.5,
+        _config(), max_seq_len=32, seq_lens=[32], backend="cpu", memory_limit=2 * limit, safety_margin=0.5,
         dtype="fp32", sharding=sharding, progress=False,
     )
-    return profile.combined.tokens, own, limit
+    return profile.combined.tokens, low, high, limit
 
 
 def _outcome(fn) -> str:
@@ -101,11 +88,11 @@ def _interrupted_fsdp2_search(rank: int, world: int) -> int:
 
     step.measure = counted
     model.model.layers[1].register_forward_pre_hook(leave)
-    return find_token_budget(step, max_seq_len=64, seq_lens=[64], progress=False).tokens
+    return find_token_budget(step, max_seq_len=32, seq_lens=[32], progress=False).tokens
 
 
 def _plain_search(rank: int, world: int, case: str) -> int:
-    """A budget search of a plain step; the last rank is interrupted as ``case`` says."""
+    """A budget search of a plain step; the last rank is interrupted, or searches another role, as ``case`` says."""
     from batchfit.budget import find_token_budget
     from batchfit.memory import get_backend
 
@@ -123,7 +110,8 @@ def _plain_search(rank: int, world: int, case: str) -> int:
             raise SystemExit(4)
 
     budget = find_token_budget(
-        step, max_seq_len=64, safety_margin=0.9, backend=get_backend("cpu", memory_limit="1MiB"), progress=progress
+        step, max_seq_len=64, safety_margin=0.9, backend=get_backend("cpu", memory_limit="1MiB"), progress=progress,
+        role="critic" if odd and case == "another-search" else "policy",
     )
     return budget.tokens
 
@@ -142,7 +130,6 @@ def _ranks(rank: int, world: int, cases: tuple[str, ...]) -> dict[str, object]:
     """Each rank: the uneven profile, then ``cases`` in order, each case's outcome as text (the ranks never hang)."""
     import time
 
-    os.environ["BATCHFIT_TIMEOUT"] = JOIN_SECONDS
     torch.set_num_threads(1)
     out: dict[str, object] = {"uneven": _uneven_profile(world)}
     for case in cases:
@@ -153,6 +140,9 @@ def _ranks(rank: int, world: int, cases: tuple[str, ...]) -> dict[str, object]:
         elif case == "skip" and rank == world - 1:
             time.sleep(2 * float(JOIN_SECONDS))  # alive, never joins
             out[case] = "skipped"
+        elif case == "skip":
+            os.environ["BATCHFIT_TIMEOUT"] = JOIN_SECONDS  # the one setting every wait for a rank derives from
+            out[case] = _outcome(lambda case=case: _plain_search(rank, world, case))
         else:
             out[case] = _outcome(lambda case=case: _plain_search(rank, world, case))
     return out
@@ -161,65 +151,82 @@ def _ranks(rank: int, world: int, cases: tuple[str, ...]) -> dict[str, object]:
 # the cases that leave the default group usable come first; "skip" makes the last rank's searches lag: last
 CASES = {
     2: ("different-models",),
-    3: ("exit-in-fsdp2-step", "interrupt-in-a-probe", "exit-between-probes", "skip"),
+    3: ("exit-in-fsdp2-step", "interrupt-in-a-probe", "another-search", "exit-between-probes", "skip"),
     4: (),
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CASES), ids=lambda w: f"{w}-ranks")
-def ranks(request) -> tuple[int, dict[int, dict[str, object]]]:
-    world = request.param
-    return world, run_ranks(_ranks, world, CASES[world], world=world, timeout=240)
+def _run(world: int) -> dict[int, dict[str, object]]:
+    return run_ranks(_ranks, world, CASES[world], world=world, timeout=240)
 
 
-def test_fsdp2_ranks_with_uneven_shards_end_with_the_same_budget_when_the_limit_falls_between_their_peaks(ranks):
-    _, got = ranks
-    tokens = {r: v["uneven"][0] for r, v in got.items()}
-    assert len(set(tokens.values())) == 1 and tokens[0] == 4 * 64, got  # 4 rows fit on every rank, 5 on none
-    limit = got[0]["uneven"][2]
-    five = {r: dict(v["uneven"][1])[5 * 64] for r, v in got.items()}
-    # the premise: a step stopped at the limit would have stopped mid-step on some ranks only
-    assert min(five.values()) <= limit < max(five.values()), (five, limit)
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[int, dict[str, object]]:
+    return _run(2)
 
 
-def _case(ranks, case):
-    world, got = ranks
-    if case not in CASES[world]:
-        pytest.skip(f"{case} runs on {[w for w, c in CASES.items() if case in c]} ranks")
-    return world, {r: v[case] for r, v in got.items()}
+@pytest.fixture(scope="module")
+def three_ranks() -> dict[int, dict[str, object]]:
+    return _run(3)
 
 
-def test_ranks_that_build_different_models_fail_with_one_line_naming_the_difference(ranks):
-    _, got = _case(ranks, "different-models")
-    for message in got.values():
-        assert message.startswith("InvalidArgument: every rank must build the same model to shard it"), got
+@pytest.fixture(scope="module")
+def four_ranks() -> dict[int, dict[str, object]]:
+    return _run(4)
+
+
+@pytest.mark.parametrize("ranks", ["two_ranks", "three_ranks", "four_ranks"])
+def test_fsdp2_ranks_with_uneven_shards_end_with_the_same_budget_when_the_limit_falls_between_their_peaks(
+    ranks, request
+):
+    got = request.getfixturevalue(ranks)
+    tokens, low, high, limit = got[0]["uneven"]
+    # the premise: a step stopped at the limit would stop mid-step on some ranks only (uneven shards)
+    assert low <= limit < high, got[0]["uneven"]
+    assert tokens > 0 and all(v["uneven"][0] == tokens for v in got.values()), got  # the same answer everywhere
+
+
+def _case(got, case):
+    return {r: v[case] for r, v in got.items()}
+
+
+def test_ranks_that_build_different_models_fail_with_one_line_naming_the_difference(two_ranks):
+    for message in _case(two_ranks, "different-models").values():
+        assert message.startswith("InvalidArgument: every rank must build the same model to shard it"), message
         assert "config.num_hidden_layers: rank 0 has 2, rank 1 has 3" in message and "\n" not in message
         assert "parameters: rank 0 has 21 tensors" in message and "rank 1 has 30 tensors" in message
 
 
-def test_an_exit_in_the_middle_of_a_sharded_step_ends_the_others_with_a_batchfit_error(ranks):
-    world, got = _case(ranks, "exit-in-fsdp2-step")
-    assert got[world - 1] == "SystemExit: 5", got  # its own, re-raised once the others were told
-    for rank in range(world - 1):
-        assert got[rank].startswith(f"BatchfitError: rank {world - 1} was interrupted (KeyboardInterrupt or SystemExit) during the probe of "), got
+def test_an_exit_in_the_middle_of_a_sharded_step_ends_the_others_with_a_batchfit_error(three_ranks):
+    got = _case(three_ranks, "exit-in-fsdp2-step")
+    assert got[2] == "SystemExit: 5", got  # its own, re-raised once the others were told
+    for rank in (0, 1):
+        assert got[rank].startswith(
+            "BatchfitError: rank 2 was interrupted (KeyboardInterrupt or SystemExit) during the probe of "
+        ), got
 
 
-def test_an_interrupt_in_a_probe_ends_the_others_with_a_batchfit_error(ranks):
-    world, got = _case(ranks, "interrupt-in-a-probe")
-    assert got[world - 1] == "KeyboardInterrupt: ", got
-    for rank in range(world - 1):
-        assert got[rank].startswith(f"BatchfitError: rank {world - 1} was interrupted"), got
+def test_an_interrupt_in_a_probe_ends_the_others_with_a_batchfit_error(three_ranks):
+    got = _case(three_ranks, "interrupt-in-a-probe")
+    assert got[2] == "KeyboardInterrupt: ", got
+    assert got[0].startswith("BatchfitError: rank 2 was interrupted") and got[1].startswith("BatchfitError: rank 2 "), got
 
 
-def test_an_exit_between_probes_ends_the_others_with_a_batchfit_error(ranks):
-    world, got = _case(ranks, "exit-between-probes")
-    assert got[world - 1] == "SystemExit: 4", got
-    for rank in range(world - 1):
-        assert got[rank].startswith(f"RankLeftSearch: rank {world - 1} left find_token_budget(role=None) alone (SystemExit: 4)"), got
+def test_an_exit_between_probes_ends_the_others_with_a_batchfit_error(three_ranks):
+    got = _case(three_ranks, "exit-between-probes")
+    assert got[2] == "SystemExit: 4", got
+    for rank in (0, 1):
+        assert got[rank].startswith("RankLeftSearch: rank 2 left find_token_budget(role='policy') alone (SystemExit: 4)"), got
 
 
-def test_a_rank_that_skips_a_search_is_named_on_every_other_rank(ranks):
-    world, got = _case(ranks, "skip")
-    assert got[world - 1] == "skipped"
-    for rank in range(world - 1):
-        assert got[rank].startswith(f"BatchfitError: rank {rank} waited 8 s for rank {world - 1} to start search "), got
+def test_a_rank_in_another_search_is_named_on_every_rank(three_ranks):
+    for message in _case(three_ranks, "another-search").values():
+        assert message.startswith("BatchfitError: the ranks are in different searches"), message
+        assert "rank 1 is in find_token_budget(role='policy'), rank 2 is in find_token_budget(role='critic')" in message
+
+
+def test_a_rank_that_skips_a_search_is_named_on_every_other_rank(three_ranks):
+    got = _case(three_ranks, "skip")
+    assert got[2] == "skipped"
+    for rank in (0, 1):
+        assert got[rank].startswith(f"BatchfitError: rank {rank} waited 3 s for rank 2 to start search "), got

@@ -211,7 +211,7 @@ class SearchGuard:
     def running(self) -> Iterator[SearchGuard]:
         """The search's body: waits poll the store; a way out that is not agreed is announced (NOTE above)."""
         _WAIT.acquire()
-        _active.guard = self
+        outer, _active.guard = getattr(_active, "guard", None), self
         try:
             yield self
         except BaseException as exc:
@@ -219,7 +219,7 @@ class SearchGuard:
                 self.leave(exc)
             raise
         finally:
-            _active.guard = None
+            _active.guard = outer
             _WAIT.release()
 
     # ----------------------------------------------------------------- probes
