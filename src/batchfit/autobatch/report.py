@@ -65,7 +65,8 @@ def check_report_path(path: str | Path) -> str:
         raise InvalidArgument(
             f"output must be in an existing folder, but got output={str(path)!r} and {str(folder)!r} does not exist; create it or name another path"
         )
-    writable = os.access(target, os.W_OK) if target.exists() else os.access(folder, os.W_OK | os.X_OK)
+    # the report is written beside the target and moved over it (NOTE [ Writes replace, never truncate ])
+    writable = os.access(folder, os.W_OK | os.X_OK) and (not target.exists() or os.access(target, os.W_OK))
     if not writable:
         raise InvalidArgument(
             f"output cannot be written: output={str(path)!r} is not writable by this process; name another path"
@@ -96,24 +97,29 @@ def write_report(path: str | Path, rows: Sequence[dict[str, Any]]) -> str:
     JSON Lines keep ``trial_log`` as a list of trials; CSV writes it with :func:`trial_log_text`.
     Both have the columns of :data:`REPORT_FIELDS`.
 
+    The rows go to a temporary file beside ``path`` that replaces it only once written whole:
+    a write that fails (disk full, file-size limit) leaves an existing report unchanged.
+
     Raises:
         InvalidArgument: unknown extension, or the file cannot be written (names ``output`` and
             the reason; :func:`check_report_path` finds most of these before a search).
     """
+    from batchfit.fileio import replacing
+
     fmt = report_format(path)
-    try:
-        f = open(path, "w", newline="", encoding="utf-8")  # noqa: SIM115 - closed by the with below
+    try:  # NOTE [ Writes replace, never truncate ]: a failed write leaves the old report as it was
+        with replacing(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+            if fmt == "jsonl":
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+            else:
+                writer = csv.DictWriter(f, fieldnames=list(REPORT_FIELDS))
+                writer.writeheader()
+                for row in rows:
+                    writer.writerow({**row, "trial_log": trial_log_text(row["trial_log"])})
     except OSError as exc:
         raise InvalidArgument(
-            f"output cannot be written: output={str(path)!r} ({exc.strerror or exc}); name another path"
+            f"output cannot be written: output={str(path)!r} ({exc.strerror or exc}); name another path "
+            "(a file there before is unchanged)"
         ) from None
-    with f:
-        if fmt == "jsonl":
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        else:
-            writer = csv.DictWriter(f, fieldnames=list(REPORT_FIELDS))
-            writer.writeheader()
-            for row in rows:
-                writer.writerow({**row, "trial_log": trial_log_text(row["trial_log"])})
     return fmt

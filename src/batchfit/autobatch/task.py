@@ -121,13 +121,13 @@ def _import(module_name: str, spec: str) -> Any:
         sys.modules[name] = module
         try:
             loader_spec.loader.exec_module(module)
-        except Exception as exc:  # the user's file: SyntaxError, ImportError, anything it raises
+        except (Exception, SystemExit) as exc:  # the user's file: SyntaxError, ImportError, sys.exit, anything
             sys.modules.pop(name, None)
             raise task_error(exc, f"your task file {module_name!r} raised") from exc
         return module
     try:
         return importlib.import_module(module_name)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
         if missing is not None and module_name.startswith(missing):  # the module itself, not an import inside it
             raise InvalidArgument(
@@ -151,6 +151,8 @@ def task_error(exc: BaseException, what: str) -> TaskError:
                 location = f"{frame.filename}:{frame.lineno}"
                 break
     detail = " ".join(str(exc).split()) or "(no message)"
+    if isinstance(exc, SystemExit):
+        detail = f"sys.exit({exc.code!r}): a task must return, not exit"
     where = f" at {location}" if location else ""
     return TaskError(f"{what} {type(exc).__name__}: {detail}{where}", location=location)
 
@@ -174,7 +176,7 @@ def build_task(factory: Callable[[], Any], backend: Any) -> Any:
     with backend.context():
         try:
             task = factory()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # sys.exit() in a factory (or --task sys:exit) is no task
             if is_out_of_memory(exc) or isinstance(exc, BatchfitError):
                 raise
             name = getattr(factory, "__qualname__", repr(factory))
@@ -234,9 +236,21 @@ class TaskTrial:
         self.model: torch.nn.Module = task.model
         self.optimizer: torch.optim.Optimizer | None = None
         if self.mode == "train":
+            if not any(p.requires_grad for p in self.model.parameters()):
+                raise TaskError(
+                    f"the task's model ({type(self.model).__name__}) has no parameters that require gradients, so "
+                    "there is nothing to train; give it parameters, or search --modes val only"
+                )
             factory = getattr(task, "make_optimizer", _adamw)
             if factory is not None:
-                self.optimizer = factory(self.model.parameters())
+                with _user_code("make_optimizer"):
+                    self.optimizer = factory(self.model.parameters())
+                if not callable(getattr(self.optimizer, "step", None)) or not hasattr(self.optimizer, "param_groups"):
+                    raise TaskError(
+                        f"the task's make_optimizer returned {type(self.optimizer).__name__}, not a "
+                        "torch.optim.Optimizer; return one (e.g. torch.optim.AdamW(parameters)), or set "
+                        "make_optimizer = None for no optimizer step"
+                    )
         else:
             for p in self.model.parameters():
                 p.grad = None
@@ -251,7 +265,8 @@ class TaskTrial:
         if self.optimizer is not None:
             from batchfit.train.optim import initialize_optimizer_state
 
-            initialize_optimizer_state(self.optimizer)
+            with _user_code("optimizer"):
+                initialize_optimizer_state(self.optimizer)
 
     @property
     def persistent(self) -> tuple[Any, ...]:
@@ -273,13 +288,40 @@ class TaskTrial:
             batch = _to_device(self.task.make_batch(batch_size, "train"), device)
             loss = self.task.loss(self.model, batch)
         del batch
-        loss.backward()
+        _check_loss(loss)
+        with _user_code("loss backward"):
+            loss.backward()
         del loss
         if self.optimizer is not None:
-            self.optimizer.step()
+            with _user_code("optimizer step"):
+                self.optimizer.step()
         # NOTE [ Gradients do not outlive the step ]: a training loop frees them (zero_grad with
         # set_to_none) before the next forward; freeing them here keeps every trial alike.
         self.model.zero_grad(set_to_none=True)
+
+
+def _check_loss(loss: Any) -> None:
+    """A train step needs a scalar tensor with a graph to run backward on.
+
+    Raises:
+        TaskError: a float, a tensor of more than one value, or a tensor without gradients
+            (names what the task's loss returned and the fix).
+    """
+    if not isinstance(loss, torch.Tensor):
+        raise TaskError(
+            f"the task's loss(model, batch) returned {type(loss).__name__}, not a tensor; return the scalar loss "
+            "tensor (e.g. model(batch).square().mean()), not loss.item()"
+        )
+    if loss.numel() != 1:
+        raise TaskError(
+            f"the task's loss(model, batch) returned a tensor of shape {tuple(loss.shape)}, not a scalar; reduce it "
+            "(e.g. .mean()) to one value"
+        )
+    if not loss.requires_grad:
+        raise TaskError(
+            "the task's loss(model, batch) returned a tensor without gradients (computed under torch.no_grad(), "
+            "detached, or not from the model's parameters); compute it from model(batch)"
+        )
 
 
 @contextlib.contextmanager
@@ -291,7 +333,7 @@ def _user_code(what: str) -> Iterator[None]:
     """
     try:
         yield
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         if is_out_of_memory(exc) or isinstance(exc, (BatchfitError, MemoryLimitExceeded)):
             raise
         raise task_error(exc, f"your task's {what} raised") from exc

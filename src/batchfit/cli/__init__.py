@@ -196,7 +196,7 @@ def _run(argv: Sequence[str] | None) -> int:
         if isinstance(exc, TaskError):
             if debug and exc.__cause__ is not None:
                 traceback.print_exception(exc.__cause__, file=sys.stderr)
-            elif not debug:
+            elif not debug and exc.__cause__ is not None:
                 exc = TaskError(f"{exc}; add --debug for the traceback", exc.location)
         report_error(prog, exc, as_json=as_json)
         return 2 if isinstance(exc, ValueError) else 1

@@ -32,6 +32,9 @@ DEFAULT_MODEL = "qwen2.5-7b"
 DEFAULT_CPU_MODEL = "tiny"
 DEFAULT_MAX_SEQ_LEN = 8192
 DEFAULT_ESTIMATE_WORLD_SIZE = 8
+# The most ranks the estimate backend simulates (torch's process groups count ranks in a C int;
+# a million GPUs is beyond any run).
+MAX_ESTIMATE_WORLD_SIZE = 2**20
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -209,7 +212,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     from batchfit.models import load_config, parse_dtype
     from batchfit.parallel.sharding import STRATEGIES, Sharding
     from batchfit.train.logprobs import check_head
-    from batchfit.validation import check_choice, check_number, check_positive_int
+    from batchfit.validation import check_choice, check_int, check_number, check_positive_int
 
     backend = backend_name(check_choice("--backend", args.backend, BACKEND_NAMES))
     run = _apply_config(args, backend)
@@ -249,7 +252,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
                 f"WORLD_SIZE={launched} torchrun ranks; run it without torchrun, or use --backend cpu or cuda"
             )
         world = DEFAULT_ESTIMATE_WORLD_SIZE if args.world_size is None else args.world_size
-        check_positive_int("--world-size", world)
+        check_int("--world-size", world, minimum=1, maximum=MAX_ESTIMATE_WORLD_SIZE)
     else:
         world = launched if args.world_size is None else check_positive_int("--world-size", args.world_size)
         if world != launched:
@@ -422,6 +425,8 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
                 "--roles cannot be combined with --config: the config says which models run (drop --roles)"
             )
         run = read_run_config(args.config)
+        if args.emit == "skyrl":
+            _check_emit_plan(run)
         if args.model is not None:
             run = run.replace(model=args.model)
         if args.max_seq_len is None:
@@ -456,6 +461,21 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
     if args.cost is None:
         args.cost = "padded"
     return run
+
+
+def _check_emit_plan(run: Any) -> None:
+    """The batch plan ``--emit skyrl`` derives its micro sizes from must hold, checked before any probe.
+
+    Raises:
+        BatchConfigError: the plan's faults in the config's own key names (e.g. ``update_epochs_per_batch:
+            null``), now rather than after minutes of probing.
+    """
+    from batchfit.errors import BatchConfigError
+
+    try:
+        run.batch.replace(max_tokens_per_micro_batch=None, micro_train_batch_size_per_gpu=1).plan()
+    except BatchConfigError as exc:
+        raise BatchConfigError([run.in_own_words(f) for f in exc.faults]) from None
 
 
 def _packed_for_emit(args: argparse.Namespace, config_cost: str) -> None:
@@ -581,7 +601,10 @@ def _run_confirm(args: argparse.Namespace, settings: dict[str, Any]) -> int:
         return 0 if error is None else 1
     calibration = report.calibration() if args.calibration else None
     if calibration is not None:
-        calibration.save(args.calibration)
+        from batchfit.fileio import replacing
+
+        with replacing(args.calibration) as tmp:  # NOTE [ Writes replace, never truncate ]
+            calibration.save(tmp)
     if args.plot:
         from batchfit.cli.render_budget import plot_budget
 

@@ -274,5 +274,13 @@ def plot_budget(budgets: dict[str, TokenBudget], path: str) -> None:
     ax.set_title("batchfit profile: probes (x = aborted at the limit), dotted = budget C")
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    from pathlib import Path
+
+    from batchfit.fileio import replacing
+
+    suffix = Path(path).suffix.lstrip(".").lower() or None
+    try:  # NOTE [ Writes replace, never truncate ]
+        with replacing(path) as tmp:
+            fig.savefig(tmp, dpi=120, format=suffix)
+    finally:
+        plt.close(fig)

@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 
 from batchfit.errors import BatchConfigError
 from batchfit.plan.config import BatchConfig, BatchPlan
+from batchfit.validation import short_repr
 
 #: How a pass computes entropy over the vocabulary (the values of :attr:`RunConfig.entropy`).
 ENTROPY_MODES = ("none", "full", "chunked", "checkpointed")
@@ -174,12 +175,44 @@ class RunConfig:
 
 
 def as_int(value: Any) -> Any:
-    """``"1024"`` → 1024 (CLI overrides and YAML strings); other values unchanged."""
+    """``"1024"`` → 1024 (CLI overrides and YAML strings); other values unchanged.
+
+    A string of more digits than any count has (:data:`batchfit.fileio.MAX_INT_DIGITS`) stays a
+    string, for the plan to refuse by name (Python refuses to convert 4,300 digits).
+    """
+    from batchfit.fileio import MAX_INT_DIGITS
+
     if isinstance(value, str):
         text = value.strip().replace("_", "")
-        if text.lstrip("-").isdigit():
+        digits = text.lstrip("-")
+        if digits.isdigit() and digits.isascii() and len(digits) <= MAX_INT_DIGITS:
             return int(text)
     return value
+
+
+def size_faults(flat: Mapping[str, Any], suffixes: tuple[str, ...], title: str, what: str) -> list[str]:
+    """A fault per key of ``flat`` ending in one of ``suffixes`` whose value is set but not an integer >= 1.
+
+    GPU counts and parallel sizes divide or multiply into the world size: ``0`` divides by
+    zero, and two negative factors would multiply into a plausible count.
+
+    Args:
+        flat: the resolved config, flattened.
+        suffixes: the key endings that hold a size (``"_num_nodes"``, ``"ulysses_sequence_parallel_size"``).
+        title: the framework and version, e.g. ``"verl 0.9.1"``.
+        what: what the size counts, for the message (``"GPUs, nodes and parallel sizes"``).
+    """
+    faults = []
+    for key, value in flat.items():
+        if not key.endswith(suffixes) or value is None:
+            continue
+        number = as_int(value)
+        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+            faults.append(
+                f"{key}={short_repr(value)} must be an integer >= 1 ({what} count from 1 in {title}); set it to 1 "
+                "or more"
+            )
+    return faults
 
 
 def as_bool(value: Any) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from batchfit.frameworks.run import RunConfig, as_bool, as_int, every_fault, unmodelled_warnings
+from batchfit.frameworks.run import RunConfig, as_bool, as_int, every_fault, size_faults, unmodelled_warnings
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
 from batchfit.plan.config import BatchConfig
 
@@ -124,6 +124,12 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         values["critic_mini_batch_size"] = None  # SkyRL: no critic model, no critic
     else:
         values["critic_world_size"] = _gpus(flat, "critic")
+        faults += size_faults(
+            {k: v for k, v in flat.items() if k.startswith(PLACEMENT + "critic_")},
+            ("_num_nodes", "_num_gpus_per_node"),
+            schema.title,
+            "nodes and GPUs",
+        )
         values["critic_model_parallel"] = as_int(flat.get(T + "critic.sequence_parallel_size", 1))
         _check_colocated_critic(flat, values, faults)
     algorithm = T + "algorithm."
@@ -133,6 +139,12 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     if reference:
         # validate_batch_sizes: the reference's dp size joins the lcm rule
         values["reference_world_size"] = _gpus(flat, "ref")
+        faults += size_faults(
+            {k: v for k, v in flat.items() if k.startswith(PLACEMENT + "ref_")},
+            ("_num_nodes", "_num_gpus_per_node"),
+            schema.title,
+            "nodes and GPUs",
+        )
         values["reference_model_parallel"] = _reference_model_parallel(flat, megatron)
     _validate_cfg(flat, given, values, critic_model, kl_loss, kl_reward, megatron, faults)
 
@@ -202,8 +214,12 @@ def _gpus(flat: dict[str, Any], role: str) -> Any:
         as_int(flat.get(f"{PLACEMENT}{role}_num_nodes", 1)),
         as_int(flat.get(f"{PLACEMENT}{role}_num_gpus_per_node", 1)),
     )
-    if isinstance(nodes, int) and isinstance(per_node, int):
+    if isinstance(nodes, int) and isinstance(per_node, int) and nodes > 0 and per_node > 0:
         return nodes * per_node
+    if isinstance(nodes, int) and nodes < 1:
+        return nodes  # -1 × -8 is not 8 GPUs: the invalid factor, for the plan to name
+    if isinstance(per_node, int) and per_node < 1:
+        return per_node
     return nodes if not isinstance(nodes, int) else per_node  # the invalid one, for the plan to name
 
 
@@ -281,8 +297,8 @@ def _check_colocated_critic(flat: dict[str, Any], values: dict[str, Any], faults
         return
     critic = values["critic_world_size"]
     nodes, per_node = values.get("num_nodes") or 1, values.get("gpus_per_node") or 1
-    if not all(isinstance(v, int) for v in (critic, nodes, per_node)):
-        return
+    if not all(isinstance(v, int) and v > 0 for v in (critic, nodes, per_node)):
+        return  # a size that is not a count is a fault of its own
     if critic != nodes * per_node:
         faults.append(
             f"trainer.placement.colocate_all=true needs the critic on the policy's GPUs, but the critic has "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchfit.frameworks.run import RunConfig, as_bool, as_int, every_fault, unmodelled_warnings
+from batchfit.frameworks.run import RunConfig, as_bool, as_int, every_fault, size_faults, unmodelled_warnings
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
 from batchfit.plan.config import BatchConfig
 
@@ -156,6 +156,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         )
     _check_dynamic(flat, dynamic, faults)
     _check_sequence_parallel(flat, sp, remove_padding, "actor", faults)
+    used = {k: v for k, v in flat.items() if critic or not k.startswith(CRITIC)}  # an unused critic is not read
+    faults += size_faults(used, ("ulysses_sequence_parallel_size",), schema.title, "sequence-parallel sizes")
     values: dict[str, Any] = {
         "train_batch_size": get("data.train_batch_size"),
         "policy_mini_batch_size": get(ACTOR + "ppo_mini_batch_size"),
