@@ -159,7 +159,7 @@ def test_policy_and_critic_are_combined_by_the_smaller(capsys, tmp_path):
         ),
         pytest.param(["--plot", "out.txt"], "--plot must name a .png, .pdf, .svg, .jpg, .jpeg file", id="plot-suffix"),
         pytest.param(["--plot", "no/such/dir/b.png"], "the folder 'no/such/dir' does not exist", id="plot-folder"),
-        pytest.param(["--memory", "300MiB"], "--memory 300MiB leaves nothing once the reserve of 337.75 MiB is taken off", id="memory-below-reserve"),
+        pytest.param(["--memory", "300MiB"], "--memory 300MiB (300.00 MiB) leaves nothing once the default reserve of 593.75 MiB is taken off", id="memory-below-reserve"),
         pytest.param(["--reserve", "lots"], "--reserve is not a memory size", id="bad-reserve"),
         pytest.param(
             ["--backend", "cpu", "--memory", "1GiB", "--sharding", "fsdp2"],

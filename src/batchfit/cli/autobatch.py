@@ -8,6 +8,7 @@ Parses flags (and ``--config`` YAML whose keys mirror the flags), calls
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any
@@ -152,6 +153,13 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise InvalidArgument(
             "--memory is required with --backend cpu (the host has no device limit to take a fraction of), but got no --memory; pass e.g. --memory 2GiB, or use --backend estimate to predict a GPU"
         )
+    if settings["memory"] is not None:
+        from batchfit.cli.profile import check_reserve_fits
+        from batchfit.memory import parse_memory
+
+        reserve = settings["reserve"]
+        reserve = None if reserve is None else parse_memory(reserve, name="--reserve") if reserve not in (0, "0") else 0
+        check_reserve_fits(settings["memory"], reserve, backend, 1)  # one process: no NCCL buffers
     settings["fractions"] = _fractions(settings["fractions"])
     settings["modes"] = check_modes(_split("modes", settings["modes"]))
     if settings["output"] is not None:  # before the search, which may take minutes
@@ -174,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.progress and not args.json and sys.stderr.isatty():  # no spinner residue in logs and pipes
         results = _with_progress(s["task"], kwargs)
+    elif args.progress and not args.json:  # a log or a pipe: one flushed line per trial
+        results = sweep(s["task"], progress=_progress_line(s["task"]), **kwargs)
     else:
         results = sweep(s["task"], **kwargs)
     rows = report_rows(results)
@@ -185,6 +195,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(s, results, rows)
     return 0
+
+
+def _progress_line(task: str) -> Any:
+    """A progress callback writing one flushed line per trial on stderr (when it is not a terminal)."""
+
+    def line(mode: str, fraction: float, trial: Trial) -> None:
+        verdict = "fits" if trial.fits else "over"
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(f"batchfit autobatch: {task}: {mode} @ {fraction:g}: batch {trial.batch_size} {verdict}\n")
+            sys.stderr.flush()
+
+    return line
 
 
 def _with_progress(task: str, kwargs: dict[str, Any]) -> list[Any]:

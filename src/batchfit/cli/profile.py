@@ -190,7 +190,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot peak memory vs. tokens per probed length")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress (a bar on a terminal; else a line per probe on stderr)",
+    )
     p.set_defaults(func=run)
 
 
@@ -208,7 +213,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             line each, exit 2), or a world size that is not the torchrun group's.
     """
     from batchfit.budget.token_budget import check_cost
-    from batchfit.memory import BACKEND_NAMES, backend_name, format_bytes, parse_memory, untracked_memory
+    from batchfit.memory import BACKEND_NAMES, backend_name, parse_memory
     from batchfit.models import load_config, parse_dtype
     from batchfit.parallel.sharding import STRATEGIES, Sharding
     from batchfit.train.logprobs import check_head
@@ -225,18 +230,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         memory = DEFAULT_ESTIMATE_TARGET
     reserve = _reserve(args.reserve) if limits is None else limits.reserve_bytes
     if memory is not None:
-        total = parse_memory(memory, name="--memory")
-        default = {
-            "estimate": lambda: untracked_memory(str(memory), total_bytes=total).reserve_bytes,
-            "cpu": lambda: 0,
-        }
-        kept = default[backend]() if reserve is None and backend in default else reserve
-        if kept is not None and kept >= total:
-            raise InvalidArgument(
-                f"--memory {memory} leaves nothing once the reserve of {format_bytes(kept)} is taken off "
-                f"(memory no tracker sees: CUDA context, NCCL, workspaces); raise --memory or lower --reserve "
-                f"(e.g. --reserve 0)"
-            )
+        parse_memory(memory, name="--memory")
     elif backend == "cpu":
         raise InvalidArgument(
             "--memory is required with --backend cpu (the host has no device limit to fit), but got no "
@@ -265,6 +259,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     if strategy is None:
         strategy = "fsdp2" if backend == "estimate" or world > 1 else "none"
     strategy = check_choice("--sharding", strategy, STRATEGIES)
+    if memory is not None:
+        check_reserve_fits(memory, reserve, backend, world if strategy != "none" else 1)
     sharding = Sharding(
         strategy,
         world_size=world,
@@ -309,6 +305,42 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "calibration": limits,
         "lora": lora,
     }
+
+
+def check_reserve_fits(memory: Any, reserve: int | None, backend: str, world: int) -> None:
+    """Refuse a ``--memory`` the reserve leaves nothing of, naming a default reserve as the default it is.
+
+    Args:
+        memory: ``--memory`` as given (a size or a preset), or a calibrated byte count.
+        reserve: ``--reserve`` in bytes, ``None`` for the backend's default (the estimate backend:
+            CUDA context, workspaces and, over more than one rank, NCCL's buffers; cpu: 0).
+        backend: the backend's name.
+        world: the ranks the model is sharded over (NCCL's buffers when > 1).
+
+    Raises:
+        InvalidArgument: the reserve is at least ``memory``; a default reserve is said to be the
+            default, with ``--reserve`` to change it (never a byte count the user did not pass).
+    """
+    from batchfit.memory import format_bytes, parse_memory, untracked_memory
+
+    total = parse_memory(memory, name="--memory")
+    if reserve is not None:
+        if reserve >= total:
+            raise InvalidArgument(
+                f"--memory {memory} leaves nothing once --reserve {format_bytes(reserve)} is taken off; raise "
+                "--memory or lower --reserve (e.g. --reserve 0)"
+            )
+        return
+    if backend != "estimate":
+        return  # cpu: no reserve; cuda: measured on the device
+    untracked = untracked_memory(str(memory), world_size=world, total_bytes=total)
+    if untracked.reserve_bytes >= total:
+        ranks = f" over {world} ranks" if world > 1 else ""
+        raise InvalidArgument(
+            f"--memory {memory} ({format_bytes(total)}) leaves nothing once the default reserve of "
+            f"{format_bytes(untracked.reserve_bytes)} is taken off (what no tracker sees on a GPU{ranks}: "
+            f"{untracked.describe()}); raise --memory, or pass --reserve SIZE (e.g. --reserve 0) to set it yourself"
+        )
 
 
 def _lora(args: argparse.Namespace, run: Any) -> Any:
@@ -551,7 +583,7 @@ def run(args: argparse.Namespace) -> int:
     with _process_group(settings) as rank:
         console = Console(soft_wrap=True)
         err = Console(stderr=True)
-        show_progress = args.progress and not args.json and err.is_terminal and rank == 0
+        show_progress = args.progress and not args.json and rank == 0  # a bar, or lines when not a terminal
         if settings["run"] is not None:
             return _run_config(args, settings, console, err, show_progress, rank)
         with _progress(err, show_progress) as callback, _flag_hint():
@@ -590,7 +622,7 @@ def _run_confirm(args: argparse.Namespace, settings: dict[str, Any]) -> int:
 
     err = Console(stderr=True)
     first = os.environ.get("RANK", "0") == "0"
-    show_progress = args.progress and not args.json and err.is_terminal and first
+    show_progress = args.progress and not args.json and first  # a bar, or lines when not a terminal
     _select_device(settings)  # cuda: plan_confirm reads this rank's device
     with _progress(err, show_progress) as callback, _flag_hint():
         plan = plan_confirm(args.model, _profile_options(args, settings, callback), roles=args.roles)
@@ -875,16 +907,29 @@ def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse
 
 
 class _progress:
-    """A rich progress bar fed by :class:`~batchfit.budget.BudgetProgress` events (or nothing)."""
+    """Progress fed by :class:`~batchfit.budget.BudgetProgress` events: a rich bar on a terminal, else lines.
+
+    When stderr is not a terminal (a log file, a CI job, a pipe) each probe and each finished
+    length is one flushed line on stderr, the finished lengths with the time so far and, from
+    the first finished length on, the time left for that role (elapsed per length × lengths
+    left; lengths are probed longest first, so it errs long).
+    """
 
     def __init__(self, console: Any, enabled: bool):
         self.console, self.enabled = console, enabled
         self.bar: Any = None
         self.tasks: dict[Any, Any] = {}
+        self.started: dict[Any, float] = {}
+        self.last = 0.0
 
     def __enter__(self) -> Any:
         if not self.enabled:
             return False
+        if not self.console.is_terminal:
+            import time
+
+            self.last = time.monotonic()
+            return self.line
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.bar = Progress(
@@ -897,6 +942,30 @@ class _progress:
         )
         self.bar.__enter__()
         return self.update
+
+    def line(self, event: Any) -> None:
+        """One line per event on stderr, flushed (see the class docstring)."""
+        import time
+
+        role = event.role or "probing"
+        now = time.monotonic()
+        start = self.started.setdefault(role, self.last)  # a role starts when the one before it ended
+        self.last = now
+        if event.probe is not None:
+            p = event.probe
+            verdict = "fits" if p.fits else "does not fit"
+            text = f"{role}: probe {event.probes}: s={p.seq_len:,} b={p.batch_size:,} {verdict}"
+        else:
+            done = event.length_index + 1
+            total = max(event.n_lengths, done)
+            elapsed = now - start
+            left = elapsed / done * (total - done)
+            best = "" if event.max_batch_size is None else f", largest batch {event.max_batch_size:,}"
+            eta = f", about {_duration(left)} left" if total > done else ""
+            text = f"{role}: length {done}/{total} done (s={event.seq_len:,}{best}); {_duration(elapsed)} so far{eta}"
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(f"batchfit profile: {text}\n")
+            sys.stderr.flush()
 
     def update(self, event: Any) -> None:
         key = event.role
@@ -917,3 +986,9 @@ class _progress:
     def __exit__(self, *exc: Any) -> None:
         if self.bar is not None:
             self.bar.__exit__(*exc)
+
+
+def _duration(seconds: float) -> str:
+    """``"42 s"``, ``"3 min 5 s"``."""
+    seconds = max(0, round(seconds))
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60} s"
