@@ -310,3 +310,50 @@ def chunk_backward(
     if temperature != 1.0:
         g.div_(temperature)
     return g
+
+
+# NOTE [ Only the positions the loss reads ]
+# An RL loss reads log-probs (and entropy) only where its loss mask is set: response tokens, not
+# the prompt, system messages or tool outputs. ``positions`` (a mask of the token shape) makes the
+# head run only there: the selected rows of the hidden states (or of the model's logits) are
+# gathered into one ``[K, H]`` block, reduced as before, and the ``[K]`` results are scattered back
+# to the token shape with 0 elsewhere. Each selected token's value is computed from its own row
+# alone, so it equals the full head's value there; the gradient of an unselected row is 0 (the
+# full head's too, when the loss reads only the selected ones). Memory and time of the head then
+# scale with ``K``, not with every token. The row index is read from the mask (one device sync),
+# so the mask must hold values: fake tensors (the estimate backend) have none.
+
+
+def position_index(positions: Any, token_shape: tuple[int, ...]) -> torch.Tensor:
+    """The flat int64 indices (ascending) of the non-zero entries of ``positions``, a mask of ``token_shape``.
+
+    See NOTE [ Only the positions the loss reads ].
+
+    Raises:
+        InvalidArgument: not a tensor of ``token_shape``, or a fake tensor (no values to read).
+    """
+    if not isinstance(positions, torch.Tensor):
+        raise InvalidArgument(
+            f"positions must be a torch.Tensor mask of the token shape {tuple(token_shape)}, but got positions of type {type(positions).__name__}"
+        )
+    if tuple(positions.shape) != tuple(token_shape):
+        raise InvalidArgument(
+            f"positions must have the token shape {tuple(token_shape)} of the labels, but got positions.shape={tuple(positions.shape)}"
+        )
+    if is_fake(positions):
+        raise InvalidArgument(
+            "positions must hold values (the head runs only where they are non-zero), but got a fake tensor "
+            "(the estimate backend); run the full head there, or measure on the cpu backend"
+        )
+    return (positions.reshape(-1) != 0).nonzero().reshape(-1)
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of ``x`` (``[..., D]``) flattened over its leading dims: ``[K, D]`` (differentiable)."""
+    return x.reshape(-1, x.shape[-1]).index_select(0, index)
+
+
+def scatter_tokens(values: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+    """``[count, ...]`` zeros with ``values[k]`` at row ``index[k]`` (differentiable w.r.t. ``values``)."""
+    out = torch.zeros((count, *values.shape[1:]), dtype=values.dtype, device=values.device)
+    return out.index_copy(0, index, values)

@@ -35,7 +35,10 @@ from batchfit.logprobs._common import (
     chunk_forward,
     chunks,
     compute_dtype,
+    gather_tokens,
+    position_index,
     rows,
+    scatter_tokens,
 )
 
 # NOTE [ Weight gradient by vocabulary blocks ]
@@ -264,6 +267,7 @@ def logprobs_from_hidden(
     temperature: float = 1.0,
     return_entropy: bool = False,
     ignore_index: int = IGNORE_INDEX,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (and entropy) of ``softmax((hidden @ weight.T + bias) / temperature)`` without full logits.
 
@@ -284,6 +288,11 @@ def logprobs_from_hidden(
         temperature: ``T > 0``.
         return_entropy: also return the per-token entropy.
         ignore_index: label value whose log-prob is 0 and which gets no gradient from it.
+        positions: optional mask of the labels' shape (bool, int or float, e.g. a loss mask):
+            only the tokens where it is non-zero run through the head; the others get 0 (log-prob
+            and entropy) and no gradient (NOTE [ Only the positions the loss reads ] in
+            :mod:`batchfit.logprobs._common`). Memory and time then scale with the selected
+            tokens. Reads the mask (one device sync); not on fake tensors.
 
     Returns:
         ``logp`` of shape ``labels.shape`` in fp32 (fp64 for fp64 inputs), or ``(logp, entropy)``
@@ -292,7 +301,8 @@ def logprobs_from_hidden(
     Raises:
         InvalidArgument (a ValueError): bad ``chunk_size`` or ``temperature``; ``weight`` not
             ``[V, H]`` with ``H = hidden.shape[-1]``; ``bias`` not ``[V]``; dtypes that differ;
-            labels of another shape or dtype, or out of range.
+            labels of another shape or dtype, or out of range; ``positions`` not a tensor of the
+            labels' shape, or fake.
 
     Memory: peak extra O(chunk_size × V) (two or three ``[chunk, V]`` temporaries) plus O(N)
     floats, independent of sequence length. For bf16/fp16 weights backward adds a
@@ -338,10 +348,18 @@ def logprobs_from_hidden(
     chunk_size = check_chunk_size(chunk_size)
     temperature = check_temperature(temperature)
     flat = check_labels(labels, tuple(hidden.shape[:-1]), vocab, ignore_index)
+    shape = tuple(labels.shape)
+    index = None
+    if positions is not None:  # NOTE [ Only the positions the loss reads ]
+        index = position_index(positions, shape)
+        hidden, flat = gather_tokens(hidden, index), flat.index_select(0, index)
     logp, entropy = _HiddenLogprobs.apply(
         hidden, weight, bias, flat, chunk_size, temperature, int(ignore_index), bool(return_entropy)
     )
-    shape = tuple(labels.shape)
+    if index is not None:
+        count = labels.numel()
+        logp = scatter_tokens(logp, index, count)
+        entropy = None if entropy is None else scatter_tokens(entropy, index, count)
     if return_entropy:
         return logp.view(shape), entropy.view(shape)
     return logp.view(shape)

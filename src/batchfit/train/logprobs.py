@@ -43,6 +43,24 @@ chunk is its longest sequence, at most :data:`MAX_CHUNK` tokens: a micro-batch o
 sequences never holds more head memory than the budget's probe at the longest length held
 (the probe runs this function, NOTE [ One micro-batch step ] in :mod:`batchfit.budget.step`),
 and short micro-batches hold less.
+
+NOTE [ Response-only head ]
+The loss reads log-probs (and entropy) only where ``loss_mask`` is set; prompts, system
+messages and tool outputs carry 0. With ``only_loss_tokens=True``, :func:`model_logprobs`
+runs the output head only on the hidden rows that predict those tokens: column ``c`` of the
+result comes from the hidden state of column ``c - 1`` (NOTE [ Token-aligned log-probs ]), so
+the rows gathered are those whose *next* column is in the loss mask (and continues their
+sequence). The loss mask is read in the micro-batch's own layout: response-width and
+right-aligned with the sequence for prompt | response rows (NOTE [ Sequence and response
+columns ]), per token in a packed row. The gathered ``[K, H]`` rows run through the fused
+head (:func:`batchfit.logprobs.logprobs_from_hidden` with ``positions``) or, for the other
+heads, through the head's own forward and then the head's reduction; the ``[K]`` results
+are scattered back to ``[rows, W]`` with 0 elsewhere. The gathering happens inside the head's
+forward, called by the model as always, so DDP's reducer and FSDP2's all-gather of the head's
+weight (and the reduce-scatter of its gradient) run as for the full head. At the selected
+columns values and gradients equal the full head's; memory and time of the head scale with
+the loss tokens. The row index is read from the loss mask (one device sync): fake tensors
+(the estimate backend) cannot run it.
 """
 
 from __future__ import annotations
@@ -58,7 +76,7 @@ from batchfit.batches.layout import packed_model_inputs
 from batchfit.batches.microbatch import MicroBatch
 from batchfit.errors import BatchError, InvalidArgument
 from batchfit.logprobs import IGNORE_INDEX, logprobs_from_hidden, logprobs_from_logits
-from batchfit.logprobs._common import check_temperature
+from batchfit.logprobs._common import check_temperature, gather_tokens, position_index, scatter_tokens
 from batchfit.models.attention import check_packed_attention, warn_if_masked
 from batchfit.parallel.shard import unwrap
 from batchfit.train.framework_heads import (
@@ -176,6 +194,7 @@ def fused_output_head(
     chunk_size: int | None = 1024,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    positions: torch.Tensor | Callable[[], torch.Tensor] | None = None,
 ) -> Iterator[None]:
     """Inside the block, the output head of ``model`` returns fused log-probs of ``labels`` instead of logits.
 
@@ -184,28 +203,44 @@ def fused_output_head(
     is the gathered weight (NOTE [ Fused log-probs through the wrapper ]). Its output is
     ``[*labels.shape]`` fp32, or ``[*labels.shape, 2]`` (log-prob, entropy) with
     ``return_entropy``. ``labels`` may be a function that makes them, called when the head
-    runs (they then do not exist during the layers' forward). Not thread-safe: the head is
-    patched on the module; an accelerate hook on it keeps running around the fused forward,
-    and the head's instance attributes are restored as found on exit (NOTE [ The head's
-    instance attributes are left as found ]).
+    runs (they then do not exist during the layers' forward). With ``positions`` (a mask of
+    the labels' shape, or a function making it) only the hidden rows where it is non-zero
+    run through the head, the others get 0 (NOTE [ Response-only head ]). Not thread-safe:
+    the head is patched on the module; an accelerate hook on it keeps running around the
+    fused forward, and the head's instance attributes are restored as found on exit (NOTE
+    [ The head's instance attributes are left as found ]).
 
     Raises:
         InvalidArgument: ``model`` has no linear output head, or transforms its logits.
     """
     head = _output_head(model)
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        out = logprobs_from_hidden(
-            hidden,
-            head.weight,
-            labels() if callable(labels) else labels,
-            bias=getattr(head, "bias", None),
-            chunk_size=chunk_size,
-            temperature=temperature,
-            return_entropy=return_entropy,
-        )
-        return torch.stack(out, dim=-1) if return_entropy else out.clone()
+    def make(own: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            out = logprobs_from_hidden(
+                hidden,
+                head.weight,
+                labels() if callable(labels) else labels,
+                bias=getattr(head, "bias", None),
+                chunk_size=chunk_size,
+                temperature=temperature,
+                return_entropy=return_entropy,
+                positions=positions() if callable(positions) else positions,
+            )
+            return torch.stack(out, dim=-1) if return_entropy else out.clone()
 
+        return forward
+
+    with _replaced_forward(head, make):
+        yield
+
+
+@contextlib.contextmanager
+def _replaced_forward(
+    head: torch.nn.Module,
+    make: Callable[[Callable[[torch.Tensor], torch.Tensor]], Callable[[torch.Tensor], torch.Tensor]],
+) -> Iterator[None]:
+    """Inside the block, ``head``'s forward is ``make(its own forward)``; module hooks keep running around it."""
     # NOTE [ The head's instance attributes are left as found ]: accelerate's hooks (device
     # maps, offload) replace the head's forward by an instance attribute that runs the hook
     # around ``_old_forward``; under such a hook the fused forward goes in ``_old_forward``, so
@@ -214,7 +249,8 @@ def fused_output_head(
     name = "_old_forward" if "_hf_hook" in head.__dict__ and "_old_forward" in head.__dict__ else "forward"
     missing = object()
     own = head.__dict__.get(name, missing)
-    setattr(head, name, forward)  # an instance attribute shadows the class' forward
+    original = type(head).forward.__get__(head) if own is missing else own
+    setattr(head, name, make(original))  # an instance attribute shadows the class' forward
     try:
         yield
     finally:
@@ -222,6 +258,26 @@ def fused_output_head(
             head.__dict__.pop(name, None)
         else:
             setattr(head, name, own)
+
+
+@contextlib.contextmanager
+def _gathered_output_head(model: torch.nn.Module, index: torch.Tensor) -> Iterator[None]:
+    """Inside the block, the output head runs only on the hidden rows ``index`` (flat): its logits are ``[1, K, V]``.
+
+    The head's own forward runs on the gathered rows, inside the call the model makes, so
+    FSDP2's and DDP's hooks around the head (or its root) run as for the full head (NOTE
+    [ Response-only head ]).
+    """
+    head = _output_head(model)
+
+    def make(own: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            return own(gather_tokens(hidden, index))[None]
+
+        return forward
+
+    with _replaced_forward(head, make):
+        yield
 
 
 #: The largest chunk ``chunk_size="auto"`` uses (:func:`batchfit.logprobs.logprobs_from_hidden`'s default).
@@ -309,6 +365,31 @@ class _TokenAligned:
                     self.inputs["position_ids"] = positions
         self.starts = starts
 
+    def loss_positions(self, loss_mask_key: str) -> torch.Tensor:
+        """``[rows, T]`` bool in the model's columns: the hidden rows whose next token is in the loss mask (NOTE [ Response-only head ]).
+
+        Raises:
+            BatchError: no 2-D ``loss_mask_key`` tensor with the batch's rows, or one wider than the sequence.
+        """
+        mask = self.fields.get(loss_mask_key)
+        rows, width = self.ids.shape
+        if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
+            shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise BatchError(
+                f"only_loss_tokens needs a 2-D tensor field {loss_mask_key!r} (the loss mask), but got {shape}; "
+                f"fields: {sorted(self.fields)}; pass loss_mask_key or only_loss_tokens=False"
+            )
+        if mask.shape[0] != rows or mask.shape[1] > width:
+            raise BatchError(
+                f"{loss_mask_key} must be [{rows}, R] with R <= {width} (response-width, right-aligned with the sequence, "
+                f"or per token), but got shape {tuple(mask.shape)}"
+            )
+        wanted = torch.nn.functional.pad(mask != 0, (width - mask.shape[1], 0))  # at the sequence's columns
+        if self.shifts is not None:
+            wanted = _roll_left(wanted, self.shifts)
+        predicts = torch.nn.functional.pad(wanted[:, 1:], (0, 1))  # column c predicts the token of c + 1
+        return predicts & (self.labels() != IGNORE_INDEX)
+
     def labels(self) -> torch.Tensor:
         """Next-token labels of the columns the model runs (``IGNORE_INDEX`` where none)."""
         input_ids_key, attention_mask_key, position_ids_key = self.keys
@@ -349,6 +430,8 @@ def model_logprobs(
     chunk_size: int | str | None = "auto",
     temperature: float = 1.0,
     return_entropy: bool = False,
+    only_loss_tokens: bool = False,
+    loss_mask_key: str = "loss_mask",
     input_ids_key: str = "input_ids",
     attention_mask_key: str = "attention_mask",
     position_ids_key: str = "position_ids",
@@ -381,18 +464,25 @@ def model_logprobs(
             sequence ]); an int or ``None`` as :func:`batchfit.logprobs.logprobs_from_hidden`.
         temperature: as :func:`batchfit.logprobs.logprobs_from_hidden`.
         return_entropy: also return the entropy of the distribution each token was drawn from.
+        only_loss_tokens: run the output head only for the tokens in the batch's loss mask
+            (NOTE [ Response-only head ]): same values and gradients there, 0 elsewhere;
+            the head's memory and time scale with the loss tokens. Default ``False``: every
+            token, as before.
+        loss_mask_key: the loss mask's field (response-width and right-aligned, or per token
+            in a packed row); read only with ``only_loss_tokens``.
         input_ids_key, attention_mask_key, position_ids_key: the field names.
 
     Returns:
         ``[rows, T]`` fp32 log-probs, column ``c`` the log-prob of the token in column ``c``
-        (NOTE [ Token-aligned log-probs ]), 0 where it has no previous token; or
+        (NOTE [ Token-aligned log-probs ]), 0 where it has no previous token (and, with
+        ``only_loss_tokens``, where the loss mask is 0); or
         ``(logprobs, entropy)``, aligned the same way (a framework head's entropy is
         ``None`` when its pass computes none).
 
     Raises:
-        BatchError: a missing or misshapen field.
+        BatchError: a missing or misshapen field (the loss mask with ``only_loss_tokens``).
         InvalidArgument: an unknown ``head`` or ``chunk_size``; ``model`` has no linear output
-            head, or transforms its logits.
+            head, or transforms its logits; ``only_loss_tokens`` on fake tensors.
 
     Example:
         >>> from batchfit.models import build_causal_lm
@@ -403,6 +493,8 @@ def model_logprobs(
     """
     head = check_head("head", head)
     run = _TokenAligned(model, batch, (input_ids_key, attention_mask_key, position_ids_key))
+    if only_loss_tokens:
+        return _loss_token_logprobs(model, run, head, chunk_size, temperature, return_entropy, loss_mask_key)
     framework = as_framework_head(head)
     if framework is not None:
         _output_head(model)  # logits straight from a linear head, as the frameworks read them
@@ -424,6 +516,47 @@ def model_logprobs(
     if return_entropy:
         return out[..., 0], out[..., 1]
     return out
+
+
+def _loss_token_logprobs(
+    model: torch.nn.Module,
+    run: _TokenAligned,
+    head: str | FrameworkHead,
+    chunk_size: int | str | None,
+    temperature: float,
+    return_entropy: bool,
+    loss_mask_key: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`model_logprobs` with the head run only on the loss tokens' rows (NOTE [ Response-only head ])."""
+    chunk = _chunk_size(chunk_size, run.fields, run.keys[0])
+    if head == "fused":
+        with fused_output_head(
+            model,
+            run.labels,
+            chunk_size=chunk,
+            temperature=temperature,
+            return_entropy=return_entropy,
+            positions=lambda: run.loss_positions(loss_mask_key),
+        ):
+            out = run.restore(model(**run.inputs).logits)
+        return (out[..., 0], out[..., 1]) if return_entropy else out
+    labels = run.labels()
+    index = position_index(run.loss_positions(loss_mask_key), tuple(labels.shape))
+    picked = labels.reshape(-1).index_select(0, index)[None]  # [1, K]
+    with _gathered_output_head(model, index):
+        logits = model(**run.inputs).logits  # [1, K, V]
+
+    def back(values: torch.Tensor) -> torch.Tensor:  # [1, K, ...] -> [rows, T, ...] at the batch's columns
+        return run.restore(scatter_tokens(values[0], index, labels.numel()).view(*labels.shape, *values.shape[2:]))
+
+    framework = as_framework_head(head)
+    if framework is not None:
+        logp, entropy = framework_logprobs(framework, logits, picked)
+        if return_entropy:
+            return back(logp), None if entropy is None else back(entropy)
+        return back(logp)
+    out = back(_from_logits(logits, picked, head, chunk, temperature, return_entropy))
+    return (out[..., 0], out[..., 1]) if return_entropy else out
 
 
 def _chunk_size(chunk_size: int | str | None, fields: Mapping[str, Any], input_ids_key: str) -> int | None:
