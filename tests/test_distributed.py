@@ -138,3 +138,35 @@ def test_a_probe_that_raises_on_one_rank_raises_on_every_rank():
 def test_a_rank_killed_mid_search_becomes_an_error_naming_it():
     got = run_ranks(_budget_on_ranks, "killed", timeout=60, silent=(1,))
     assert got[0].startswith("BatchfitError: rank 0 lost rank 1"), got[0]
+
+
+# --------------------------------------------------------------------------- one timeout setting
+
+
+def test_the_collective_timeout_comes_from_one_environment_variable(monkeypatch):
+    import datetime
+
+    from batchfit.parallel.distributed import DEFAULT_TIMEOUT_SECONDS, collective_timeout, search_timeout
+
+    monkeypatch.delenv("BATCHFIT_TIMEOUT", raising=False)
+    assert collective_timeout() == datetime.timedelta(seconds=DEFAULT_TIMEOUT_SECONDS)
+    monkeypatch.setenv("BATCHFIT_TIMEOUT", "2.5")
+    assert collective_timeout() == search_timeout() == datetime.timedelta(seconds=2.5)  # no process group
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "soon", "inf", "nan"])
+def test_a_bad_timeout_setting_names_the_variable_and_the_fix(monkeypatch, value):
+    from batchfit.parallel.distributed import collective_timeout
+
+    monkeypatch.setenv("BATCHFIT_TIMEOUT", value)
+    with pytest.raises(InvalidArgument, match=rf"BATCHFIT_TIMEOUT must be a positive number of seconds, but got BATCHFIT_TIMEOUT='{value}'"):
+        collective_timeout()
+
+
+def test_without_ranks_the_store_exchange_and_the_search_guard_do_nothing():
+    from batchfit.budget.guard import guarded_search
+    from batchfit.parallel.distributed import gather_through_store
+
+    assert gather_through_store("k", "text", what="a step") == {0: "text"}
+    with guarded_search("find_token_budget(role=None)") as guard:
+        assert guard is None

@@ -229,4 +229,4 @@ def test_a_rank_that_skips_a_search_is_named_on_every_other_rank(three_ranks):
     got = _case(three_ranks, "skip")
     assert got[2] == "skipped"
     for rank in (0, 1):
-        assert got[rank].startswith(f"BatchfitError: rank {rank} waited 3 s for rank 2 to start search "), got
+        assert got[rank].startswith(f"BatchfitError: rank {rank} waited 3 s for rank 2 to reach search "), got

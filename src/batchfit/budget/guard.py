@@ -65,7 +65,7 @@ from typing import Any
 from batchfit.errors import BatchfitError
 from batchfit.memory.base import RankRanOutOfMemory
 from batchfit.memory.patches import ClassPatch
-from batchfit.parallel.distributed import is_agreed, mark_agreed
+from batchfit.parallel.distributed import gather_through_store, is_agreed, mark_agreed
 from batchfit.parallel.shard import model_groups
 
 #: How long a guarded ``Work.wait`` blocks before it looks at the store again.
@@ -134,10 +134,10 @@ class SearchGuard:
     says whether this rank gave up a collective because another rank ran out.
     """
 
-    def __init__(self, ranks: list[int], rank: int, tag: str, timeout: datetime.timedelta) -> None:
+    def __init__(self, ranks: list[int], rank: int, tag: str) -> None:
         import torch.distributed as dist
 
-        self.ranks, self.rank, self.tag, self.timeout = ranks, rank, tag, timeout
+        self.ranks, self.rank, self.tag = ranks, rank, tag
         self.number = next(_counters.setdefault(tuple(ranks), itertools.count()))
         self.search = f"{'-'.join(map(str, ranks))}/{self.number}"
         self._store = dist.distributed_c10d._get_default_store()
@@ -150,35 +150,19 @@ class SearchGuard:
     def _left_key(self) -> str:
         return f"batchfit/search/{self.search}/left"
 
-    def _join_key(self, rank: int) -> str:
-        return f"batchfit/search/{self.search}/join/{rank}"
-
     # ----------------------------------------------------------------- joining
     def join(self) -> None:
-        """Wait (at most :attr:`timeout`) until every rank has started this search, the same one.
+        """Wait (at most :func:`~batchfit.parallel.distributed.search_timeout`) until every rank has started this search, the same one.
 
         Raises:
             BatchfitError: naming the ranks that did not start it in time, or the ranks that
                 are in another search (a different tag), on every rank.
         """
-        self._store.set(self._join_key(self.rank), self.tag)
-        keys = [self._join_key(r) for r in self.ranks]
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        while True:
-            missing = [r for r, k in zip(self.ranks, keys, strict=True) if not self._store.check([k])]
-            if not missing:
-                break
-            if time.monotonic() > deadline:
-                raise mark_agreed(BatchfitError(
-                    f"rank {self.rank} waited {self.timeout.total_seconds():g} s for {_ranks(missing)} to start "
-                    f"search {self.number} ({self.tag}), in vain: every rank must run the same searches in the same "
-                    "order (one that skipped it, crashed or hangs holds up the others); the wait is "
-                    "batchfit.parallel.distributed.search_timeout()"
-                ))
-            time.sleep(POLL_SECONDS)
-        tags = {r: self._store.get(k).decode() for r, k in zip(self.ranks, keys, strict=True)}
+        tags = gather_through_store(
+            f"search/{self.search}/join", self.tag, what=f"search {self.number} ({self.tag})", ranks=self.ranks
+        )
         if len(set(tags.values())) > 1:
-            detail = ", ".join(f"rank {r} is in {t}" for r, t in tags.items())
+            detail = ", ".join(f"rank {r} is in {t}" for r, t in sorted(tags.items()))
             raise mark_agreed(BatchfitError(
                 f"the ranks are in different searches (search {self.number} of each): {detail}; every rank must run "
                 "the same searches in the same order"
@@ -265,7 +249,7 @@ def guarded_search(tag: str, group: Any = None) -> Iterator[SearchGuard | None]:
         BatchfitError: a rank did not start the search in time, or started another one; inside,
             :class:`RankLeftSearch` when another rank left.
     """
-    from batchfit.parallel.distributed import get_rank, is_distributed, search_timeout
+    from batchfit.parallel.distributed import is_distributed
 
     if not is_distributed(group):
         yield None
@@ -273,14 +257,10 @@ def guarded_search(tag: str, group: Any = None) -> Iterator[SearchGuard | None]:
     import torch.distributed as dist
 
     ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
-    guard = SearchGuard(ranks, dist.get_rank() if group is not None else get_rank(), tag, search_timeout())
+    guard = SearchGuard(ranks, dist.get_rank(), tag)
     guard.join()
     with guard.running():
         yield guard
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _backend(group: Any) -> str:

@@ -12,7 +12,7 @@ import contextlib
 import datetime
 import os
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -240,13 +240,8 @@ def agree(fn: Callable[[], T], *, group: Any = None, what: str) -> T:
     return result
 
 
-def check_same_arguments(
-    arguments: Mapping[str, Any], *, group: Any = None, what: str, lead: str | None = None
-) -> None:
+def check_same_arguments(arguments: Mapping[str, Any], *, group: Any = None, what: str) -> None:
     """Raise on every rank when ranks pass different ``arguments`` (compared by ``repr``).
-
-    ``lead`` replaces the message's opening ("every rank must pass the same arguments to
-    {what}").
 
     One all-reduce of a fingerprint; only when it differs, an ``all_gather_object`` finds the
     arguments and ranks to name.
@@ -270,8 +265,54 @@ def check_same_arguments(
     detail = "; ".join(
         f"{k}: " + ", ".join(f"rank {r} has {g.get(k)}" for r, g in enumerate(gathered)) for k in differing
     )
-    lead = lead or f"every rank must pass the same arguments to {what}"
-    raise mark_agreed(InvalidArgument(f"{lead}, but they differ: {detail}"))
+    raise mark_agreed(InvalidArgument(f"every rank must pass the same arguments to {what}, but they differ: {detail}"))
+
+
+def gather_through_store(key: str, text: str, *, what: str, ranks: Sequence[int] | None = None) -> dict[int, str]:
+    """Every rank's ``text`` under ``key``, exchanged through the default group's store, without a collective.
+
+    Each rank sets ``batchfit/<key>/<rank>`` and waits, at most :func:`search_timeout`, for
+    every other rank's. No collective is entered, so a rank that never comes (it failed
+    earlier, skipped this step, or is in another one) cannot pair with another collective:
+    the others stop waiting after the timeout and name it (NOTE [ One rank runs out ] in
+    :mod:`batchfit.budget.guard`). ``key`` must name the step and its occurrence the same way
+    on every rank; ``ranks`` (global ranks, default all) take part. Without real ranks:
+    ``{0: text}``.
+
+    Raises:
+        BatchfitError: naming the ranks that did not arrive within the timeout and ``what``.
+    """
+    import time
+
+    if not is_distributed():
+        return {get_rank(): text}
+    store = dist.distributed_c10d._get_default_store()
+    me = get_rank()
+    ranks = range(get_world_size()) if ranks is None else sorted(ranks)
+    store.set(f"batchfit/{key}/{me}", text)
+    timeout = search_timeout()
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        missing = [r for r in ranks if not store.check([f"batchfit/{key}/{r}"])]
+        if not missing:
+            return {r: store.get(f"batchfit/{key}/{r}").decode() for r in ranks}
+        if time.monotonic() > deadline:
+            who = f"rank {missing[0]}" if len(missing) == 1 else "ranks " + ", ".join(map(str, missing))
+            raise mark_agreed(BatchfitError(
+                f"rank {me} waited {timeout.total_seconds():g} s for {who} to reach {what}, in vain: every rank must "
+                "take the same steps in the same order (one that skipped it, failed before it, crashed or hangs holds "
+                f"up the others); the wait is the process group's timeout, at most ${TIMEOUT_ENV} seconds"
+            ))
+        time.sleep(0.05)
+
+
+def differences(gathered: Mapping[int, Mapping[str, str]]) -> str:
+    """``"name: rank 0 has a, rank 1 has b; …"`` for every entry that differs between the ranks' mappings."""
+    names = list(dict.fromkeys(k for g in gathered.values() for k in g))
+    differing = [k for k in names if len({g.get(k) for g in gathered.values()}) > 1]
+    return "; ".join(
+        f"{k}: " + ", ".join(f"rank {r} has {g.get(k)}" for r, g in sorted(gathered.items())) for k in differing
+    )
 
 
 def all_reduce_max(value: int, group: Any = None) -> int:

@@ -13,6 +13,7 @@ see them; see NOTE [ DDP gradient buckets ].
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -185,23 +186,38 @@ def model_identity(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
+_shardings = itertools.count()  # shard_model's calls, counted alike on every rank
+
+
 def check_same_model(model: torch.nn.Module, sharding: Sharding) -> None:
     """Raise on every rank when the ranks are about to shard different models (a no-op without real ranks).
 
     Sharded ranks that hold different models enter collectives of different sizes, which
-    ends in a crash (``collective mismatch``, SIGABRT) or a hang; this compares
-    :func:`model_identity` in one all-reduce of a fingerprint first, on the default group.
+    ends in a crash (``collective mismatch``, SIGABRT) or a hang. Before the model's first
+    collective, each rank's :func:`model_identity` is exchanged through the store
+    (:func:`~batchfit.parallel.distributed.gather_through_store`: no collective, so a rank that
+    failed before it cannot pair with it) and compared.
 
     Raises:
         InvalidArgument: one line naming each entry that differs and every rank's value.
+        BatchfitError: a rank did not come within the process group's timeout.
     """
-    from batchfit.parallel.distributed import check_same_arguments
+    import json
 
-    check_same_arguments(
-        model_identity(model),
-        what="shard_model",
-        lead=f"every rank must build the same model to shard it (sharding={sharding.strategy!r})",
+    from batchfit.parallel.distributed import differences, gather_through_store, is_distributed, mark_agreed
+
+    if not is_distributed():
+        return
+    mine = {k: repr(v) for k, v in model_identity(model).items()}
+    gathered = gather_through_store(
+        f"shard_model/{next(_shardings)}", json.dumps(mine), what=f"shard_model (sharding={sharding.strategy!r})"
     )
+    every = {r: json.loads(text) for r, text in gathered.items()}
+    if any(g != mine for g in every.values()):
+        raise mark_agreed(InvalidArgument(
+            f"every rank must build the same model to shard it (sharding={sharding.strategy!r}), but they differ: "
+            f"{differences(every)}"
+        ))
 
 
 def _fully_shard(model: torch.nn.Module, sharding: Sharding, group: Any, device: Any = None) -> None:
