@@ -41,12 +41,19 @@ announced.** On real ranks (:func:`~batchfit.parallel.distributed.is_distributed
 4. Every search begins by joining (:meth:`SearchGuard.join`): each rank writes a store key
    carrying the search's tag (``find_token_budget(role='policy')``) and its number on that
    rank, and waits for the others' at most :func:`~batchfit.parallel.distributed.search_timeout`.
-   A rank that skipped the search, or is in another one, is named on every rank.
+   A rank that skipped the search, or is in another one, is named on every rank. The model
+   every rank shards is compared the same way before its first collective
+   (:func:`batchfit.parallel.shard.check_same_model`: config and parameter shapes), so ranks
+   that built different models fail with one line naming what differs instead of a
+   collective mismatch. Through the store, not a collective: a rank that failed before it
+   cannot pair its own agreement with it (:func:`~batchfit.parallel.distributed.gather_through_store`).
 5. Every way out of a search that is not agreed (an exception raised on one rank outside
    the agreements, ``KeyboardInterrupt`` or ``SystemExit`` anywhere) sets the search's
    ``left`` key before it propagates (:meth:`SearchGuard.running`); every other rank's next
-   wait raises :class:`RankLeftSearch`. At the agreement points (each probe, the setup)
-   ``BaseException`` is caught, agreed on and re-raised on its own rank. A rank killed
+   wait (in a step or in an agreement) raises :class:`RankLeftSearch`, and the groups that
+   wait was in are not used again: the run is over. At the agreement points (each probe, the
+   setup) ``BaseException`` is caught, agreed on and re-raised on its own rank, the others
+   raising a :class:`~batchfit.errors.BatchfitError` naming it. A rank killed
    outright closes its connections (gloo: the collective fails, naming the lost rank), and
    what waits outside Python (DDP's reducer) is bounded by the process group's timeout, one
    setting for every group (:func:`~batchfit.parallel.distributed.collective_timeout`).
