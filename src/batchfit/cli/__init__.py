@@ -106,21 +106,26 @@ class _Stdout:
 
     def __init__(self, stream: Any):
         self._stream = stream
+        #: a write or flush failed: what is left is not flushed again
+        self.broken = False
 
     def write(self, text: str) -> int:
         if self._stream is None:
+            self.broken = True
             raise StdoutError(errno.EBADF, "stdout is closed")
         try:
             return self._stream.write(text)
         except OSError as exc:
+            self.broken = True
             raise StdoutError(exc.errno, exc.strerror or str(exc)) from exc
 
     def flush(self) -> None:
-        if self._stream is None:
+        if self._stream is None or self.broken:
             return
         try:
             self._stream.flush()
         except OSError as exc:
+            self.broken = True
             raise StdoutError(exc.errno, exc.strerror or str(exc)) from exc
 
     def isatty(self) -> bool:
@@ -145,15 +150,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     closed, as ``batchfit plan --json | head``), never a traceback.
     """
     real = sys.stdout
-    sys.stdout = _Stdout(real)
+    guard = sys.stdout = _Stdout(real)
     try:
         code = _run(argv)
-        sys.stdout.flush()  # a full disk shows here, not at exit
+        guard.flush()  # a full disk shows here, not at exit
+        if guard.broken:  # the error report's JSON was lost; its lines on stderr said it all
+            _silence(real)
         return code
     except KeyboardInterrupt:
         _say("batchfit: interrupted\n")
         return 130
     except StdoutError as exc:
+        guard.broken = True
         _silence(real)
         if isinstance(exc.__cause__, BrokenPipeError) or exc.errno == errno.EPIPE:
             return 0

@@ -1,0 +1,455 @@
+"""Junk through every CLI door ends clean: one line per fault on stderr, a defined exit code, no traceback.
+
+Each class of the reliability run of issue 21 (alias bombs, huge and deep files, huge integers,
+nulls and zeros where counts go, sections that are values, negative GPU counts, tasks that
+exit or return junk, stdout full or closed, a report write that fails) has a case here. Every
+case fails before any probe runs, so each is bounded by construction (a few seconds; the
+timeouts are generous limits, not measurements).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchfit.cli import main
+from batchfit.fileio import MAX_DEPTH, MAX_INPUT_BYTES, MAX_NODES, parse_yaml, replacing
+from batchfit.models import preset_info
+
+REPO = Path(__file__).resolve().parents[1]
+SKYRL = (REPO / "examples" / "skyrl_ppo.yaml").read_text()
+VERL = (REPO / "examples" / "verl_grpo.yaml").read_text()
+
+
+def _bomb(levels: int, width: int = 9) -> str:
+    """A "billion laughs" YAML: ``width ** (levels + 1)`` values from a few hundred bytes."""
+    lines = ["train_batch_size: 4", "policy_mini_batch_size: 2", f"a: &a [{', '.join(['x'] * width)}]"]
+    prev = "a"
+    for i in range(levels):
+        name = f"l{i}"
+        lines.append(f"{name}: &{name} [{', '.join(['*' + prev] * width)}]")
+        prev = name
+    return "\n".join(lines) + "\n"
+
+
+def _nested(key: str, value: object) -> dict:
+    out: dict = {}
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+@pytest.fixture
+def junk(tmp_path):
+    """A folder of junk files, by name."""
+    import yaml
+
+    (tmp_path / "bomb.yaml").write_text(_bomb(9))  # 9**10 values from ~350 bytes
+    (tmp_path / "recursive.yaml").write_text("train_batch_size: 4\na: &a [1, *a]\n")
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 200 + "]" * 200 + "\n")
+    (tmp_path / "deep.json").write_text('{"a": ' + "[" * 5000 + "]" * 5000 + "}")
+    (tmp_path / "bigint.yaml").write_text(f"train_batch_size: {'9' * 5000}\npolicy_mini_batch_size: 2\n")
+    (tmp_path / "bigint.json").write_text(f'{{"train_batch_size": {"9" * 5000}, "policy_mini_batch_size": 2}}')
+    for name in ("huge.yaml", "huge.json", "huge.sh"):
+        with open(tmp_path / name, "wb") as f:  # sparse: MAX_INPUT_BYTES + 1 bytes that take no disk
+            f.truncate(MAX_INPUT_BYTES + 1)
+    (tmp_path / "epochs_flat.yaml").write_text(
+        "train_batch_size: 4\npolicy_mini_batch_size: 2\nupdate_epochs_per_batch: null\n"
+    )
+    skyrl = yaml.safe_load(SKYRL)
+    verl = yaml.safe_load(VERL)
+    skyrl["trainer"]["policy"]["model"]["path"] = "tiny"
+    for name, base, change in (
+        ("epochs_skyrl.yaml", skyrl, _nested("trainer.update_epochs_per_batch", None)),
+        ("epochs_verl.yaml", verl, _nested("actor_rollout_ref.actor.ppo_epochs", None)),
+        ("sp0_verl.yaml", verl, _nested("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", 0)),
+        ("generator_skyrl.yaml", skyrl, {"generator": "hello"}),
+        (
+            "critic_skyrl.yaml",
+            skyrl,
+            {"trainer": {"placement": {"critic_num_nodes": -1, "critic_num_gpus_per_node": -8}}},
+        ),
+    ):
+        (tmp_path / name).write_text(yaml.safe_dump(_merge(base, change)))
+    (tmp_path / "autobatch_bomb.yaml").write_text(_bomb(9).replace("train_batch_size: 4\npolicy_mini_batch_size: 2\n", ""))
+    config = dict(preset_info("tiny")["config"])
+    for name, change in {
+        "kv0": {"num_key_value_heads": 0},
+        "headdim0": {"head_dim": 0},
+        "headdimneg": {"head_dim": -8},
+        "kvneg": {"num_key_value_heads": -2},
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **change}))
+    (tmp_path / "bigintmodel").mkdir()
+    text = json.dumps(config)
+    (tmp_path / "bigintmodel" / "config.json").write_text(text[:-1] + f', "x": {"9" * 5000}}}')
+    return tmp_path
+
+
+def _merge(base: dict, change: dict) -> dict:
+    out = dict(base)
+    for key, value in change.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+HUGE = "9" * 5000
+# (argv, exit code, what the one line says); {d} is the junk folder
+CASES = [
+    # inputs bounded before parsing (NOTE [ Untrusted input files ])
+    (["plan", "{d}/bomb.yaml"], 2, f"holds more than {MAX_NODES:,} values (YAML aliases expanded)"),
+    (["plan", "{d}/recursive.yaml"], 2, "has a recursive alias *a (line 2)"),
+    (["plan", "{d}/deep.yaml"], 2, f"nests mappings or lists more than {MAX_DEPTH} deep"),
+    (["plan", "{d}/deep.json"], 2, f"nests mappings or lists more than {MAX_DEPTH} deep"),
+    (["plan", "{d}/bigint.yaml"], 2, "has an integer of 5,000 digits at line 1"),
+    (["plan", "{d}/bigint.json"], 2, "has an integer of 5,000 digits"),
+    (["plan", "{d}/huge.yaml"], 2, "is larger than 4 MiB (4.0 MiB)"),
+    (["plan", "{d}/huge.json"], 2, "is larger than 4 MiB"),
+    (["plan", "{d}/huge.sh"], 2, "is larger than 4 MiB"),
+    (["profile", "--config", "{d}/bomb.yaml"], 2, "YAML aliases expanded"),
+    (["autobatch", "--config", "{d}/autobatch_bomb.yaml"], 2, "YAML aliases expanded"),
+    (["autobatch", "--config", "{d}/huge.yaml"], 2, "is larger than 4 MiB"),
+    (["plan", "--train-batch-size", HUGE, "--policy-mini-batch-size", "2"], 2, "must be an integer >= 1"),
+    (["profile", "--model", "{d}/bigintmodel"], 2, "has an integer of 5,000 digits"),
+    # nulls and zeros where counts go
+    (["plan", "{d}/epochs_flat.yaml"], 2, "update_epochs_per_batch=None must be an integer >= 1"),
+    (["plan", "{d}/epochs_skyrl.yaml"], 2, "trainer.update_epochs_per_batch=None must be an integer >= 1"),
+    (["plan", "{d}/epochs_verl.yaml"], 2, "actor_rollout_ref.actor.ppo_epochs=None must be an integer >= 1"),
+    (
+        ["plan", "--train-batch-size", "4", "--policy-mini-batch-size", "2", "--update-epochs-per-batch", "none"],
+        2,
+        "update_epochs_per_batch=None must be an integer >= 1",
+    ),
+    (
+        ["profile", "--config", "{d}/epochs_skyrl.yaml", "--emit", "skyrl"],
+        2,
+        "trainer.update_epochs_per_batch=None must be an integer >= 1",
+    ),
+    (
+        ["plan", "{d}/sp0_verl.yaml"],
+        2,
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=0 must be an integer >= 1",
+    ),
+    # wrong answers that were exit 0
+    (["plan", "{d}/generator_skyrl.yaml"], 2, "'generator' is a section of SkyRL"),
+    (["plan", "{d}/critic_skyrl.yaml"], 2, "trainer.placement.critic_num_nodes=-1 must be an integer >= 1"),
+    # model configs
+    (["profile", "--model", "{d}/kv0"], 2, "num_key_value_heads=0 must be a positive divisor"),
+    (["profile", "--model", "{d}/kvneg"], 2, "num_key_value_heads=-2 must be a positive divisor"),
+    (["profile", "--model", "{d}/headdim0"], 2, "config field head_dim must be a positive integer"),
+    (["profile", "--model", "{d}/headdimneg"], 2, "but got head_dim=-8"),
+    (["profile", "--world-size", str(2**40)], 2, "--world-size must be an integer <= 1,048,576"),
+    # a default named as a default (item 8)
+    (["profile", "--memory", "300MiB", "--world-size", "1"], 2, "leaves nothing once the default reserve of 337.75 MiB"),
+    (
+        ["autobatch", "--memory", "300MiB", "--backend", "estimate"],
+        2,
+        "leaves nothing once the default reserve of 337.75 MiB",
+    ),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("argv", "code", "message"), CASES, ids=[" ".join(c[0])[:48] for c in CASES])
+def test_junk_ends_in_one_line_per_fault_and_a_defined_exit_code(junk, capsys, argv, code, message):
+    extra = ["--no-progress"] if argv[0] in ("profile", "autobatch") else []
+    assert main([a.format(d=junk) for a in argv] + extra) == code
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err and "reserve_bytes=" not in err
+    assert all(line.startswith("batchfit") for line in err.splitlines()), err
+    assert len(err) < 2000
+
+
+@pytest.mark.timeout(60)
+def test_an_alias_bomb_is_refused_while_composing(junk):
+    """The bomb's 9**10 values are never built: the count stops it within the limit's work."""
+    import time
+
+    from batchfit.errors import InvalidArgument
+
+    started = time.process_time()
+    with pytest.raises(InvalidArgument, match="YAML aliases expanded"):
+        parse_yaml(_bomb(30), "f")  # 9**31 values if it were built
+    assert time.process_time() - started < 30  # CPU seconds: a bomb that expands would never end
+
+
+def test_aliases_within_the_limits_still_load():
+    assert parse_yaml("a: &a {x: 1}\nb: *a\nc: [*a, *a]\n", "f") == {
+        "a": {"x": 1},
+        "b": {"x": 1},
+        "c": [{"x": 1}, {"x": 1}],
+    }
+
+
+def test_an_alias_does_not_deepen_past_the_limit():
+    from batchfit.errors import InvalidArgument
+
+    inner = "[" * 20 + "]" * 20
+    with pytest.raises(InvalidArgument, match="more than 32 deep"):
+        parse_yaml(f"a: &a {inner}\nb: {'[' * 20}*a{']' * 20}\n", "f")
+
+
+# ---- AutoBatch tasks that exit or return junk: the task's error, exit 2 ----
+
+TASKS = """
+import sys
+import torch
+
+
+class Task:
+    def __init__(self, kind):
+        self.kind = kind
+        self.model = torch.nn.Sequential() if kind == "noparams" else torch.nn.Linear(4, 4)
+        if kind == "junkopt":
+            self.make_optimizer = lambda parameters: 5
+
+    def make_batch(self, batch_size, mode):
+        return torch.randn(batch_size, 4)
+
+    def loss(self, model, batch):
+        out = model(batch)
+        if self.kind == "float":
+            return 0.5
+        if self.kind == "vector":
+            return out.mean(0)
+        if self.kind == "nograd":
+            return out.mean().detach()
+        if self.kind == "exit":
+            sys.exit(0)
+        return out.square().mean()
+
+
+def make(kind="ok"):
+    return lambda: Task(kind)
+
+
+ok, floatloss, vector, nograd = make(), make("float"), make("vector"), make("nograd")
+noparams, junkopt, exits = make("noparams"), make("junkopt"), make("exit")
+"""
+TASK_ARGS = ["--backend", "cpu", "--memory", "64MiB", "--max-bs", "2", "--modes", "train", "--steps", "1"]
+
+
+@pytest.fixture
+def tasks(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tasks.py").write_text(TASKS)
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(0)\n")
+    return tmp_path
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("exits_at_import.py:make", "your task file 'exits_at_import.py' raised SystemExit: sys.exit(0)"),
+        ("sys:exit", "your task factory 'exit' raised SystemExit"),
+        ("tasks.py:exits", "your task's make_batch / loss raised SystemExit"),
+        ("tasks.py:floatloss", "loss(model, batch) returned float, not a tensor"),
+        ("tasks.py:vector", "returned a tensor of shape (4,), not a scalar"),
+        ("tasks.py:nograd", "returned a tensor without gradients"),
+        ("tasks.py:noparams", "has no parameters that require gradients"),
+        ("tasks.py:junkopt", "make_optimizer returned int, not a torch.optim.Optimizer"),
+    ],
+)
+def test_a_task_that_exits_or_returns_junk_is_the_tasks_error(tasks, capsys, spec, message):
+    assert main(["autobatch", "--task", spec, *TASK_ARGS, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.timeout(120)
+def test_a_task_run_shows_one_progress_line_per_trial_when_stderr_is_no_terminal(tasks, capsys):
+    assert main(["autobatch", "--task", "tasks.py:ok", *TASK_ARGS]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(line.startswith("batchfit autobatch: tasks.py:ok: train @ 0.8: batch ") for line in lines)
+
+
+def test_profile_progress_is_a_line_per_probe_with_the_time_left(capsys):
+    from types import SimpleNamespace
+
+    from batchfit.cli.profile import _progress
+
+    console = SimpleNamespace(is_terminal=False)
+    probe = SimpleNamespace(seq_len=256, batch_size=4, fits=True)
+    with _progress(console, True) as callback:
+        callback(SimpleNamespace(role="policy", probe=probe, probes=1))
+        callback(SimpleNamespace(role="policy", probe=None, length_index=0, n_lengths=4, seq_len=256, max_batch_size=4, probes=1))
+        callback(SimpleNamespace(role="policy", probe=None, length_index=3, n_lengths=4, seq_len=32, max_batch_size=9, probes=4))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "batchfit profile: policy: probe 1: s=256 b=4 fits"
+    assert lines[1].startswith("batchfit profile: policy: length 1/4 done (s=256, largest batch 4); ")
+    assert "left" in lines[1] and "left" not in lines[2]  # the last length leaves nothing to wait for
+
+
+# ---- files the CLI writes: a failed write leaves the old file (NOTE [ Writes replace, never truncate ]) ----
+
+ROW = {
+    "mode": "train",
+    "memory_fraction": 0.8,
+    "batch_size": 4,
+    "max_batch_size": 8,
+    "capped_by_max_batch_size": False,
+    "peak_bytes": 100,
+    "target_bytes": 200,
+    "limit_bytes": 250,
+    "trials": 2,
+    "max_trials": 5,
+    "backend": "cpu",
+    "world_size": 1,
+    "trial_log": [{"batch_size": 4, "peak_bytes": 100, "fits": True, "exact": True}],
+}
+
+
+def test_a_report_write_that_fails_leaves_the_old_report_and_no_partial_file(tmp_path, monkeypatch):
+    from batchfit.autobatch import report
+    from batchfit.errors import InvalidArgument
+
+    old = tmp_path / "old.csv"
+    old.write_text("the user's old report\n")
+    calls = []
+
+    def failing(log):
+        calls.append(log)
+        if len(calls) == 2:  # the first row is written, the second fails as a full disk would
+            raise OSError(errno.EFBIG, "File too large")
+        return "1:100:fit"
+
+    monkeypatch.setattr(report, "trial_log_text", failing)
+    with pytest.raises(InvalidArgument, match=r"output cannot be written: .*File too large.*unchanged"):
+        report.write_report(old, [ROW, ROW, ROW])
+    assert old.read_text() == "the user's old report\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.csv"]
+
+
+def test_a_report_replaces_the_old_one_and_keeps_its_permissions(tmp_path):
+    from batchfit.autobatch.report import write_report
+
+    old = tmp_path / "old.jsonl"
+    old.write_text("old\n")
+    old.chmod(0o640)
+    write_report(old, [ROW])
+    assert json.loads(old.read_text())["batch_size"] == 4
+    assert old.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.jsonl"]
+
+
+def test_replacing_writes_through_to_a_device(tmp_path):
+    with replacing(os.devnull) as path:
+        assert str(path) == os.devnull  # /dev/null is written, never replaced
+
+
+WRITE_UNDER_LIMIT = """
+import sys
+from batchfit.autobatch.report import write_report
+row = {row!r}
+write_report(sys.argv[1], [row] * 2000)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_report_over_the_file_size_limit_leaves_the_old_one(tmp_path):
+    old = tmp_path / "old.csv"
+    old.write_text("the user's old report\n")
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    done = subprocess.run(
+        [sys.executable, "-c", WRITE_UNDER_LIMIT.format(row=ROW), str(old)],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit,
+        timeout=100,
+    )
+    assert done.returncode != 0 and "output cannot be written" in done.stderr, done.stderr
+    assert old.read_text() == "the user's old report\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.csv"]
+
+
+# ---- stdout that cannot be written: one line on stderr, a defined code, never a traceback ----
+
+PLAN = [sys.executable, "-m", "batchfit", "plan", "--json", "--policy-mini-batch-size", "2", "--train-batch-size"]
+
+
+def _run(argv, **kwargs):
+    return subprocess.run(argv, stderr=subprocess.PIPE, text=True, timeout=100, **kwargs)
+
+
+class _Broken:
+    """A stdout whose writes fail as ``error`` (a full disk, a pipe its reader closed)."""
+
+    def __init__(self, error: OSError):
+        self.error = error
+
+    def write(self, text: str) -> int:
+        raise self.error
+
+    def flush(self) -> None:
+        raise self.error
+
+    def isatty(self) -> bool:
+        return False
+
+
+PLAN_ARGS = ["plan", "--json", "--policy-mini-batch-size", "2", "--train-batch-size"]
+
+
+@pytest.mark.parametrize(
+    ("size", "error", "code", "said"),
+    [
+        ("4", OSError(errno.ENOSPC, "No space left on device"), 2, "cannot write the output to stdout (No space left"),
+        ("x", OSError(errno.ENOSPC, "No space left on device"), 2, "train_batch_size='x'"),
+        ("4", BrokenPipeError(errno.EPIPE, "Broken pipe"), 0, ""),
+        ("x", BrokenPipeError(errno.EPIPE, "Broken pipe"), 2, "train_batch_size='x'"),
+    ],
+    ids=["full", "full-fault", "closed-pipe", "closed-pipe-fault"],
+)
+def test_a_stdout_that_fails_is_at_most_one_line_and_a_defined_code(monkeypatch, capsys, size, error, code, said):
+    monkeypatch.setattr(sys, "stdout", _Broken(error))
+    assert main([*PLAN_ARGS, size]) == code
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == (1 if said else 0), err
+
+
+@pytest.mark.timeout(120)
+def test_a_full_stdout_in_a_real_process_is_one_line_and_exit_2():
+    """The interpreter's own flush at exit must not fail again ("Exception ignored ...")."""
+    with open("/dev/full", "w") as full:
+        done = _run([*PLAN, "x"], stdout=full)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "train_batch_size='x'" in done.stderr, done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_closed_stdout_is_one_line_and_exit_2():
+    done = _run([*PLAN, "4"], preexec_fn=lambda: os.close(1))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "batchfit: error: cannot write the output to stdout (stdout is closed); redirect it to a file or pipe "
+        "that accepts it"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_task_that_exits_is_exit_2_in_a_real_process(tmp_path):
+    done = _run(
+        [sys.executable, "-m", "batchfit", "autobatch", "--task", "sys:exit", *TASK_ARGS],
+        stdout=subprocess.PIPE,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2 and "raised SystemExit" in done.stderr and "Traceback" not in done.stderr
