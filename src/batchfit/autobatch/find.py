@@ -29,7 +29,6 @@ import torch
 
 from batchfit.autobatch.search import Trial, search_largest
 from batchfit.autobatch.task import MODES, TaskTrial, is_task
-from batchfit.budget.guard import RankLeftSearch, guarded_search
 from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.memory import Backend, get_backend
 from batchfit.parallel.distributed import (
@@ -39,7 +38,6 @@ from batchfit.parallel.distributed import (
     check_same_arguments,
     get_rank,
     get_world_size,
-    mark_agreed,
 )
 from batchfit.validation import check_choice, check_int, check_number, check_positive_int
 
@@ -246,8 +244,7 @@ def find_batch_size(
         Exception: whatever the trial raises on this rank other than running out of memory.
 
     Example:
-        >>> from batchfit.budget.guard import RankLeftSearch, guarded_search
-from batchfit.memory import Backend, get_backend
+        >>> from batchfit.memory import Backend, get_backend
         >>> be = get_backend("cpu", memory_limit="64MiB")
         >>> find_batch_size(lambda b: torch.zeros(b, 1024), backend=be, progress=False).batch_size
         512
@@ -292,80 +289,71 @@ from batchfit.memory import Backend, get_backend
                 step.prepare()
         return mode, fraction, low, high, steps, be, limit, wrap, step, persistent
 
-    # NOTE [ One rank runs out ] (batchfit.budget.guard): every rank joins the same search, and a
-    # way out of it the others do not share is announced to them
-    with guarded_search("find_batch_size", group) as guard:
-        # NOTE [ Ranks agree or say why ]: a rank whose arguments, backend or task fail raises everywhere
-        mode, fraction, low, high, steps, be, limit, wrap, step, persistent = agree(
-            setup, group=group, what="find_batch_size's setup"
-        )
-        check_same_arguments(
-            {
-                "mode": mode,
-                "target_memory_fraction": fraction,
-                "min_batch_size": low,
-                "max_batch_size": high,
-                "steps_per_trial": steps,
-            },
-            group=group,
-            what="find_batch_size",
-        )
+    # NOTE [ Ranks agree or say why ]: a rank whose arguments, backend or task fail raises everywhere
+    mode, fraction, low, high, steps, be, limit, wrap, step, persistent = agree(
+        setup, group=group, what="find_batch_size's setup"
+    )
+    check_same_arguments(
+        {
+            "mode": mode,
+            "target_memory_fraction": fraction,
+            "min_batch_size": low,
+            "max_batch_size": high,
+            "steps_per_trial": steps,
+        },
+        group=group,
+        what="find_batch_size",
+    )
 
-        local_target = math.floor(fraction * limit)
-        target = all_reduce_min(local_target, group)
+    local_target = math.floor(fraction * limit)
+    target = all_reduce_min(local_target, group)
 
-        def run(batch_size: int) -> None:
-            with wrap():
-                for _ in range(steps):
-                    step(batch_size)
+    def run(batch_size: int) -> None:
+        with wrap():
+            for _ in range(steps):
+                step(batch_size)
 
-        def probe(batch_size: int) -> Trial:
-            error: BaseException | None = None
-            peak, over, inexact = 0, True, True
-            index = len(probed)
-            with guard.probe(index, f"the trial at batch_size={batch_size}") if guard else contextlib.nullcontext():
-                try:
-                    m = be.measure(lambda: run(batch_size), register=persistent)
-                    peak, inexact = int(m.peak_bytes), bool(m.exceeded)
-                    # cuda: the allocator's reservation counts too (real OOMs happen there)
-                    over = inexact or m.footprint_bytes > local_target
-                except RankLeftSearch:
-                    raise  # another rank left the search: no agreement to wait for
-                except BaseException as exc:  # not an OOM (measure reports those): agree on it, then re-raise
-                    error = exc
-                    if guard is not None:
-                        guard.signal(index)  # this rank left the trial early: the others stop waiting
-            # NOTE [ Ranks agree on every trial ] (NOTE [ Ranks agree or say why ])
-            over_any, peak_max, inexact_any = agreed_max(
-                [int(over), peak, int(inexact)], error, group=group, what=f"the trial at batch_size={batch_size}"
-            )
-            measured = Trial(batch_size, peak_max, not over_any, exact=not inexact_any)
-            probed.append(measured)
-            return measured
-
-        probed: list[Trial] = []
+    def probe(batch_size: int) -> Trial:
+        error: BaseException | None = None
+        peak, over, inexact = 0, True, True
         try:
-            found = search_largest(
-                probe,
-                low=low,
-                high=high,
-                target_bytes=target,
-                on_trial=lambda t: _report(progress, t, mode, fraction, group),
-            )
-        except DoesNotFitError as exc:
-            first = probed[0]
-            at_least = "" if first.exact else "at least "
-            world = get_world_size(group)
-            of = (
-                f"{fraction:g} × {limit:,}"
-                if world == 1
-                else f"the smallest {fraction:g} × usable over {world} ranks"
-            )
-            raise mark_agreed(DoesNotFitError(
-                f"even min_batch_size={low} does not fit in {mode} mode: its peak is {at_least}{first.peak_bytes:,} bytes, over the target {of} = {target:,} bytes by {at_least}{first.peak_bytes - target:,} bytes; lower min_batch_size, raise target_memory_fraction or memory_limit, or use a smaller model",
-                needed=exc.needed,
-                available=target,
-            )) from None
+            m = be.measure(lambda: run(batch_size), register=persistent)
+            peak, inexact = int(m.peak_bytes), bool(m.exceeded)
+            # cuda: the allocator's reservation counts too (real OOMs happen there)
+            over = inexact or m.footprint_bytes > local_target
+        except BaseException as exc:  # not an OOM (measure reports those), an interrupt too: agree, then re-raise
+            error = exc
+        # NOTE [ Ranks agree on every trial ] (NOTE [ Ranks agree or say why ])
+        over_any, peak_max, inexact_any = agreed_max(
+            [int(over), peak, int(inexact)], error, group=group, what=f"the trial at batch_size={batch_size}"
+        )
+        measured = Trial(batch_size, peak_max, not over_any, exact=not inexact_any)
+        probed.append(measured)
+        return measured
+
+    probed: list[Trial] = []
+    try:
+        found = search_largest(
+            probe,
+            low=low,
+            high=high,
+            target_bytes=target,
+            on_trial=lambda t: _report(progress, t, mode, fraction, group),
+        )
+    except DoesNotFitError as exc:
+        first = probed[0]
+        at_least = "" if first.exact else "at least "
+        world = get_world_size(group)
+        of = (
+            f"{fraction:g} × {limit:,}"
+            if world == 1
+            else f"the smallest {fraction:g} × usable over {world} ranks"
+        )
+        raise DoesNotFitError(
+            f"even min_batch_size={low} does not fit in {mode} mode: its peak is {at_least}{first.peak_bytes:,} bytes, over the target {of} = {target:,} bytes by {at_least}{first.peak_bytes - target:,} bytes; lower min_batch_size, raise target_memory_fraction or memory_limit, or use a smaller model",
+            needed=exc.needed,
+            available=target,
+        ) from None
     return BatchSizeResult(
         batch_size=found.batch_size,
         mode=mode,
