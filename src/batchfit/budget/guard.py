@@ -38,7 +38,8 @@ announced.** On real ranks (:func:`~batchfit.parallel.distributed.is_distributed
    failing rank's own error there and a :class:`~batchfit.errors.BatchfitError` elsewhere).
    A rank that ran out after the step's last collective (the optimizer step) left nothing
    behind: that candidate simply does not fit and the search goes on.
-4. Every search begins by joining (:meth:`SearchGuard.join`): each rank writes a store key
+4. Every budget search begins by joining (:meth:`SearchGuard.join`; ``find_batch_size``'s
+   trials do not communicate, so its per-trial agreement is its guard): each rank writes a store key
    carrying the search's tag (``find_token_budget(role='policy')``) and its number on that
    rank, and waits for the others' at most :func:`~batchfit.parallel.distributed.search_timeout`.
    A rank that skipped the search, or is in another one, is named on every rank. The model
