@@ -50,17 +50,20 @@ def process_group(device: str = "cpu") -> Iterator[int]:
     """Join torchrun's ranks for the block (gloo for ``cpu``, NCCL on ``LOCAL_RANK``'s GPU for ``cuda``); yield this rank.
 
     Without torchrun, or when a group is already initialised, nothing is joined (yields the
-    current rank, 0 without a group); the group joined here is destroyed on exit.
+    current rank, 0 without a group); the group joined here is destroyed on exit. Its
+    collectives time out after ``$BATCHFIT_TIMEOUT`` seconds (:func:`collective_timeout`).
     """
     import torch
     import torch.distributed as dist
+
+    from batchfit.parallel.distributed import collective_timeout
 
     if not launched_by_torchrun() or dist.is_initialized():
         yield dist.get_rank() if dist.is_initialized() else 0
         return
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=collective_timeout())
     try:
         yield dist.get_rank()
     finally:
