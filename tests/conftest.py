@@ -30,6 +30,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if not os.environ.get(TIMEOUT_SCALE_ENV, "").strip():
         os.environ[TIMEOUT_SCALE_ENV] = str(_load_scale())
     timeout_scale()  # a bad value stops the session here, with its name
+    # One intra-op thread for the session, and for spawned ranks and subprocesses (they read
+    # OMP_NUM_THREADS): the tests' models are tiny, and two threads on a shared 2-core machine
+    # only contend -- a tiny profile took twice the CPU time with two.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -61,7 +66,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """One intra-op thread for a module: tiny models on a shared 2-core machine only contend (45x slower measured)."""
+    """One intra-op thread for a module: tiny models on a shared 2-core machine only contend (45x slower measured).
+
+    The session runs on one thread already (pytest_configure); this keeps a module on one if that changes.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
