@@ -81,6 +81,7 @@ def junk(tmp_path):
         ),
     ):
         (tmp_path / name).write_text(yaml.safe_dump(_merge(base, change)))
+    (tmp_path / "output_int.yaml").write_text("output: 5\n")
     (tmp_path / "autobatch_bomb.yaml").write_text(_bomb(9).replace("train_batch_size: 4\npolicy_mini_batch_size: 2\n", ""))
     config = dict(preset_info("tiny")["config"])
     for name, change in {
@@ -125,6 +126,13 @@ CASES = [
     (["autobatch", "--config", "{d}/huge.yaml"], 2, "is larger than 4 MiB"),
     (["plan", "--train-batch-size", HUGE, "--policy-mini-batch-size", "2"], 2, "must be an integer >= 1"),
     (["profile", "--model", "{d}/bigintmodel"], 2, "has an integer of 5,000 digits"),
+    (["profile", "--calibration", "{d}/deep.json"], 2, "calibration file"),
+    (["profile", "--calibration", "{d}/huge.json"], 2, "is larger than 4 MiB"),
+    # counts that would never end
+    (["bench", "logprobs", "--repeats", "99999999999999999999"], 2, "--repeats must be an integer <= 1,000"),
+    (["bench", "logprobs", "--seed", HUGE[:30]], 2, "--seed must be an integer <="),
+    (["autobatch", "--steps", "99999999999999"], 2, "--steps must be at most 1,000"),
+    (["autobatch", "--config", "{d}/output_int.yaml"], 2, "--output must be a name, but got output=5 (int)"),
     # nulls and zeros where counts go
     (["plan", "{d}/epochs_flat.yaml"], 2, "update_epochs_per_batch=None must be an integer >= 1"),
     (["plan", "{d}/epochs_skyrl.yaml"], 2, "trainer.update_epochs_per_batch=None must be an integer >= 1"),
@@ -166,7 +174,7 @@ CASES = [
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("argv", "code", "message"), CASES, ids=[" ".join(c[0])[:48] for c in CASES])
 def test_junk_ends_in_one_line_per_fault_and_a_defined_exit_code(junk, capsys, argv, code, message):
-    extra = ["--no-progress"] if argv[0] in ("profile", "autobatch") else []
+    extra = ["--no-progress"] if argv[0] in ("profile", "autobatch", "bench") else []
     assert main([a.format(d=junk) for a in argv] + extra) == code
     err = capsys.readouterr().err
     assert message in err, err

@@ -19,7 +19,10 @@ from batchfit.autobatch.sweep import check_fractions, check_modes
 from batchfit.autobatch.task import DEFAULT_TASK
 from batchfit.errors import InvalidArgument
 from batchfit.memory import BACKEND_NAMES, DEFAULT_ESTIMATE_TARGET, backend_name
-from batchfit.validation import closest
+from batchfit.validation import closest, is_int, short_repr
+
+MAX_STEPS = 1000
+"""Most steps per trial: ten to the twentieth would never end, and the peak is reached in two."""
 
 # config key -> (flag, default); config keys mirror the flags ("min-bs" and "min_bs" both work).
 OPTIONS: dict[str, tuple[str, Any]] = {
@@ -142,6 +145,18 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, key)
         if value is not None:
             settings[key] = value
+    for key in ("task", "backend", "output"):  # a YAML number or list where a name goes
+        if settings[key] is not None and not isinstance(settings[key], str):
+            flag = OPTIONS[key][0]
+            raise InvalidArgument(
+                f"{flag} must be a name, but got {key}={short_repr(settings[key])} ({type(settings[key]).__name__}) "
+                "in the config; write it as a string"
+            )
+    if is_int(settings["steps"]) and settings["steps"] > MAX_STEPS:  # the library checks the rest
+        raise InvalidArgument(
+            f"--steps must be at most {MAX_STEPS:,} (each trial runs that many steps; the peak is reached in the "
+            f"first two), but got steps={settings['steps']:,}; use the default 2"
+        )
     for key in ("memory", "reserve"):  # a plain byte count from the command line
         if isinstance(settings[key], str) and settings[key].strip().isdigit():
             settings[key] = int(settings[key])

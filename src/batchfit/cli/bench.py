@@ -40,6 +40,9 @@ def _chunk(text: str) -> int | None:
     return value
 
 
+MAX_RUNS = 1000
+"""Most timed (``--repeats``) or untimed (``--warmup``) runs per case: a best-of-1000 is already exact."""
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``bench`` and its sub-subcommand ``logprobs``."""
     p = sub.add_parser("bench", help="benchmarks (logprobs: time and peak memory of log-prob paths)")
@@ -94,6 +97,12 @@ def run_logprobs(args: argparse.Namespace) -> int:
     Progress goes to stderr unless ``--no-progress``: a spinner on a terminal, else one line per
     step, so a piped or logged run shows what it is doing during minutes of measuring.
     """
+    from batchfit.validation import check_int
+
+    # runs per case and the seed are bounded here: 10**20 repeats never end, torch refuses a seed past 64 bits
+    check_int("--repeats", args.repeats, minimum=1, maximum=MAX_RUNS)
+    check_int("--warmup", args.warmup, minimum=0, maximum=MAX_RUNS)
+    check_int("--seed", args.seed, minimum=-(2**63), maximum=2**64 - 1)  # what torch.manual_seed takes
     backend = backend_name(args.backend)
     vocabs, seqs, chunks = DEFAULT_GRID[backend]
     chunks = args.chunk if args.chunk is not None else chunks

@@ -414,6 +414,11 @@ def _calibration(args: argparse.Namespace, backend: str) -> Any:
                 f"{flag} cannot be combined with --calibration {path} (the calibration sets the reserve and the "
                 f"safety margin); drop {flag}, or drop --calibration to set them by hand"
             )
+    from batchfit.fileio import parse_json, read_text
+
+    what = f"calibration file {str(path)!r}"
+    if Path(path).exists():  # bounded first (NOTE [ Untrusted input files ]); the loader names a missing file
+        parse_json(read_text(path, what), what)
     limits = calibrated_limits(load_calibration(path))
     cal = limits.calibration
     if backend not in (cal.backend, "estimate"):
