@@ -12,7 +12,8 @@ from batchfit.cli import main
 from batchfit.memory import untracked_memory
 from multirank import scaled
 
-# A fast configuration: the tiny preset estimated against 2 GiB (less the estimate backend's reserve).
+# A fast configuration: the tiny preset estimated against 1 GiB (less the estimate backend's reserve):
+# small budgets make the estimate's probes cheap
 FAST = [
     "--model",
     "tiny",
@@ -21,7 +22,7 @@ FAST = [
     "--backend",
     "estimate",
     "--memory",
-    "2GiB",
+    "1GiB",
     "--no-progress",
 ]
 
@@ -64,7 +65,7 @@ def test_json_schema(capsys):
         "binding_role",
         "roles",
     } <= set(data)
-    assert data["backend"] == "estimate" and data["memory_limit"] == 2 * 1024**3
+    assert data["backend"] == "estimate" and data["memory_limit"] == 1024**3
     policy = data["roles"]["policy"]
     assert policy["tokens"] == data["tokens"]
     # C = min over probed lengths of max_batch_size × seq_len
@@ -76,7 +77,7 @@ def test_json_schema(capsys):
     assert data["sharding"]["strategy"] == "fsdp2" and data["sharding"]["world_size"] == 8
     untracked = untracked_memory(world_size=8)
     assert data["untracked"] == untracked.to_dict() and data["reserve_bytes"] == untracked.reserve_bytes
-    assert policy["limit_bytes"] == int(0.85 * (2 * 1024**3 - untracked.reserve_bytes))  # margin × (memory - reserve)
+    assert policy["limit_bytes"] == int(0.85 * (1024**3 - untracked.reserve_bytes))  # margin × (memory - reserve)
     assert set(data["per_rank"]) == {"breakdown", "reserve_bytes", "host_bytes"}
     assert data["per_rank"]["breakdown"] == policy["breakdown"]
 

@@ -25,6 +25,7 @@ from batchfit.parallel import Sharding, simulated_world
 from batchfit.parallel.fsdp1 import is_fsdp1
 from batchfit.parallel.shard import decoder_layers, shard_model, unwrap
 from multirank import run_ranks
+from test_isolation import _OutOfMemoryAt
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -466,33 +467,6 @@ def _fresh(backend: Any, sharding: dict, build: dict):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     _train(model, optimizer, backend)()  # AdamW's lazy state, resident gradients
     return model, optimizer
-
-
-class _OutOfMemoryAt:
-    """Raise the device's out-of-memory error once, in the forward of layer 1 or the backward of layer 0."""
-
-    def __init__(self, model: torch.nn.Module, where: str):
-        self.fired = False
-        layers = unwrap(model).model.layers
-        if where == "oom-in-forward":
-            self.handle = layers[1].register_forward_hook(lambda m, args, out: self._raise())
-        else:  # the gradient of layer 0's output arrives once layer 1's backward has run
-            self.handle = layers[0].register_forward_hook(self._on_output)
-
-    def _on_output(self, module, args, out):
-        if torch.is_grad_enabled() and out.requires_grad and not self.fired:
-            out.register_hook(lambda grad: self._raise())
-
-    def _raise(self):
-        if not self.fired:
-            self.fired = True
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.handle.remove()
 
 
 def _aborted(backend: Any, model, optimizer, abort: str, fresh_peak: int):

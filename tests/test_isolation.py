@@ -22,6 +22,7 @@ from batchfit.memory import CpuBackend, CudaBackend, get_backend
 from batchfit.memory.isolation import isolate
 from batchfit.models import build_causal_lm
 from batchfit.parallel import Sharding, simulated_world
+from batchfit.parallel.shard import unwrap
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -95,11 +96,14 @@ def _fresh(backend: Any, sharding: dict, build: dict):
 
 
 class _OutOfMemoryAt:
-    """Raise the device's out-of-memory error once, in the forward of layer 1 or the backward of layer 0."""
+    """Raise the device's out-of-memory error once, in the forward of layer 1 or the backward of layer 0.
+
+    ``model`` may be wrapped (FSDP1, DDP, PEFT): test_fsdp1 uses this too.
+    """
 
     def __init__(self, model: torch.nn.Module, where: str):
         self.fired = False
-        layers = model.model.layers
+        layers = unwrap(model).model.layers
         if where == "oom-in-forward":
             self.handle = layers[1].register_forward_hook(lambda m, args, out: self._raise())
         else:

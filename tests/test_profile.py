@@ -42,6 +42,12 @@ def _profile(model, world, strategy="fsdp2", memory=GiB + 300 * MiB, **kwargs):
     )
 
 
+@pytest.fixture(scope="module")
+def four_ranks(wide):
+    """Policy and reference on 4 ranks: one profile the tests below read (the policy binds)."""
+    return _profile(wide, 4, roles="policy,reference")
+
+
 def test_the_budget_grows_with_the_number_of_ranks(wide):
     two, eight = _profile(wide, 2), _profile(wide, 8)
     assert eight.combined.tokens > two.combined.tokens
@@ -51,9 +57,8 @@ def test_the_budget_grows_with_the_number_of_ranks(wide):
     assert eight.combined.breakdown["parameters"] == pytest.approx(2_281_792, rel=0.01)
 
 
-def test_profile_reports_sharding_depth_and_the_per_rank_breakdown(wide):
-    p = _profile(wide, 4, roles="policy,reference")
-    data = json.loads(json.dumps(p.to_dict()))
+def test_profile_reports_sharding_depth_and_the_per_rank_breakdown(four_ranks):
+    data = json.loads(json.dumps(four_ranks.to_dict()))
     assert data["sharding"] == {
         "strategy": "fsdp2",
         "world_size": 4,
@@ -71,13 +76,14 @@ def test_profile_reports_sharding_depth_and_the_per_rank_breakdown(wide):
     assert "optimizer_state" not in data["roles"]["reference"]["breakdown"]
 
 
-def test_cpu_offload_moves_the_state_to_the_host(wide):
-    on_device = _profile(wide, 4)
+def test_cpu_offload_moves_the_state_to_the_host(wide, four_ranks):
+    on_device = four_ranks.budgets["policy"]
+    assert four_ranks.combined.binding_role == "policy"  # so on_device's budget is the combined one
     offloaded = _profile(wide, 4, sharding={"offload": "cpu"})
     point = offloaded.combined.binding_point
     assert "optimizer_state" not in point.breakdown and "parameters" not in point.breakdown
-    assert point.host_bytes >= on_device.combined.breakdown["optimizer_state"]
-    assert offloaded.combined.tokens >= on_device.combined.tokens
+    assert point.host_bytes >= on_device.breakdown["optimizer_state"]
+    assert offloaded.combined.tokens >= on_device.tokens
 
 
 def test_a_sequence_too_long_for_one_device_names_the_world_size_that_fits(wide):
