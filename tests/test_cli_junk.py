@@ -74,6 +74,8 @@ def junk(tmp_path):
         ("epochs_verl.yaml", verl, _nested("actor_rollout_ref.actor.ppo_epochs", None)),
         ("sp0_verl.yaml", verl, _nested("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", 0)),
         ("generator_skyrl.yaml", skyrl, {"generator": "hello"}),
+        ("nodes_verl.yaml", verl, _nested("trainer.nnodes", "x")),
+        ("strategy_skyrl.yaml", skyrl, _nested("trainer.strategy", -1)),
         (
             "critic_skyrl.yaml",
             skyrl,
@@ -82,6 +84,7 @@ def junk(tmp_path):
     ):
         (tmp_path / name).write_text(yaml.safe_dump(_merge(base, change)))
     (tmp_path / "output_int.yaml").write_text("output: 5\n")
+    os.mkfifo(tmp_path / "fifo.yaml")  # no writer: opening it would block forever
     (tmp_path / "autobatch_bomb.yaml").write_text(_bomb(9).replace("train_batch_size: 4\npolicy_mini_batch_size: 2\n", ""))
     config = dict(preset_info("tiny")["config"])
     for name, change in {
@@ -122,6 +125,8 @@ CASES = [
     (["plan", "{d}/huge.json"], 2, "is larger than 4 MiB"),
     (["plan", "{d}/huge.sh"], 2, "is larger than 4 MiB"),
     (["profile", "--config", "{d}/bomb.yaml"], 2, "YAML aliases expanded"),
+    (["plan", "{d}/fifo.yaml"], 2, "is not a regular file (a pipe or a device)"),
+    (["plan", "/dev/zero"], 2, "is not a regular file (a pipe or a device)"),
     (["autobatch", "--config", "{d}/autobatch_bomb.yaml"], 2, "YAML aliases expanded"),
     (["autobatch", "--config", "{d}/huge.yaml"], 2, "is larger than 4 MiB"),
     (["plan", "--train-batch-size", HUGE, "--policy-mini-batch-size", "2"], 2, "must be an integer >= 1"),
@@ -155,6 +160,8 @@ CASES = [
     # wrong answers that were exit 0
     (["plan", "{d}/generator_skyrl.yaml"], 2, "'generator' is a section of SkyRL"),
     (["plan", "{d}/critic_skyrl.yaml"], 2, "trainer.placement.critic_num_nodes=-1 must be an integer >= 1"),
+    (["profile", "--config", "{d}/nodes_verl.yaml"], 2, "the config's trainer.nnodes='x' must be an integer >= 1"),
+    (["profile", "--config", "{d}/strategy_skyrl.yaml"], 2, "the config's training strategy=-1 must be a name"),
     # model configs
     (["profile", "--model", "{d}/kv0"], 2, "num_key_value_heads=0 must be a positive divisor"),
     (["profile", "--model", "{d}/kvneg"], 2, "num_key_value_heads=-2 must be a positive divisor"),

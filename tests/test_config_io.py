@@ -88,3 +88,36 @@ def test_unparsable_file_is_a_fault(tmp_path):
     path.write_text("train_batch_size: [1, 2\n")
     with pytest.raises(BatchConfigError, match=r"could not be parsed"):
         load_config(path)
+
+
+# NOTE [ Untrusted input files ]: bounded before parsing, each a BatchConfigError naming the file
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("bomb.yaml", "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+            f"l{i}: &l{i} [{', '.join(['*a' if i == 0 else f'*l{i - 1}'] * 10)}]\n" for i in range(6)
+        ), r"holds more than 10,000 values \(YAML aliases expanded\)"),
+        ("loop.yaml", "a: &a {b: *a}\n", r"recursive alias \*a"),
+        ("deep.json", '{"a": ' + "[" * 40 + "]" * 40 + "}", r"nests mappings or lists more than 32 deep"),
+        ("int.json", '{"train_batch_size": ' + "1" * 70 + "}", r"integer of 70 digits"),
+        ("int.yaml", "train_batch_size: " + "1" * 70 + "\n", r"integer of 70 digits at line 1"),
+    ],
+)
+def test_a_hostile_file_is_refused_before_it_is_built(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(BatchConfigError, match=message):
+        load_config(path)
+
+
+def test_a_file_over_4_mib_is_refused_unread(tmp_path):
+    path = tmp_path / "huge.yaml"
+    with open(path, "wb") as f:
+        f.truncate(4 * 2**20 + 1)  # sparse: 4 MiB + 1 byte of nothing
+    with pytest.raises(BatchConfigError, match=r"'.*huge.yaml' is larger than 4 MiB \(4.0 MiB\)"):
+        load_config(path)
+
+
+def test_a_count_of_more_digits_than_any_count_is_refused_by_name():
+    with pytest.raises(BatchConfigError, match=r"train_batch_size='9999.*must be an integer >= 1"):
+        config_from_mapping({"policy_mini_batch_size": 2}, {"train_batch_size": "9" * 5000}).plan()

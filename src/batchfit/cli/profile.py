@@ -462,6 +462,7 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
                 "--roles cannot be combined with --config: the config says which models run (drop --roles)"
             )
         run = read_run_config(args.config)
+        _check_run_settings(run)
         if args.emit == "skyrl":
             _check_emit_plan(run)
         if args.model is not None:
@@ -498,6 +499,46 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
     if args.cost is None:
         args.cost = "padded"
     return run
+
+
+# the keys a config's node and GPU counts are read from, for messages
+_GPU_KEYS = {
+    "verl": {"num_nodes": "trainer.nnodes", "gpus_per_node": "trainer.n_gpus_per_node"},
+    "skyrl": {
+        "num_nodes": "trainer.placement.policy_num_nodes",
+        "gpus_per_node": "trainer.placement.policy_num_gpus_per_node",
+    },
+}
+
+
+def _check_run_settings(run: Any) -> None:
+    """The config's values profile reads (GPUs, strategy) must be of their kind, checked before they are used.
+
+    ``plan`` judges a config's batch sizes; ``profile`` needs fewer keys but needs them right:
+    a GPU count of ``"x"`` or a strategy of ``-1`` is named here with its key, not met as a
+    TypeError later.
+
+    Raises:
+        InvalidArgument: a node or GPU count that is set but not an integer >= 1, or a strategy
+            that is not a name (one line each, naming the config's key).
+    """
+    from batchfit.validation import is_int, short_repr
+
+    batch = run.batch
+    names = {**_GPU_KEYS.get(run.vocabulary, {}), **(getattr(run, "key_names", {}) or {})}
+    for field in ("world_size", "num_nodes", "gpus_per_node"):
+        value = getattr(batch, field, None)
+        if value is not None and not (is_int(value) and value >= 1):
+            key = names.get(field, field)
+            raise InvalidArgument(
+                f"the config's {key}={short_repr(value)} must be an integer >= 1 (GPUs and nodes count from 1); "
+                "fix it in the config"
+            )
+    if run.strategy is not None and not isinstance(run.strategy, str):
+        raise InvalidArgument(
+            f"the config's training strategy={short_repr(run.strategy)} must be a name (fsdp, fsdp2, megatron, ...); "
+            "fix it in the config, or pass --sharding fsdp2"
+        )
 
 
 def _check_emit_plan(run: Any) -> None:

@@ -12,6 +12,7 @@ and read by :mod:`~batchfit.frameworks.openrlhf` or :mod:`~batchfit.frameworks.s
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -83,14 +84,19 @@ def read_run_config(
 
 
 def _check_size(path: str | Path) -> None:
-    """Refuse at once a file larger than any config (NOTE [ Untrusted input files ] in :mod:`batchfit.fileio`)."""
+    """Refuse at once a pipe, a device or a file larger than any config (NOTE [ Untrusted input files ] in
+    :mod:`batchfit.fileio`)."""
     from batchfit.fileio import MAX_INPUT_BYTES, read_text
 
     try:
-        too_large = Path(path).stat().st_size > MAX_INPUT_BYTES
+        info = Path(path).stat()
     except OSError:
         return  # missing or unreadable: the reader says so
-    if too_large:
+    if stat.S_ISFIFO(info.st_mode) or stat.S_ISCHR(info.st_mode) or stat.S_ISSOCK(info.st_mode):
+        raise BatchConfigError(  # reading /dev/zero never ends, a FIFO without a writer blocks
+            [f"config file {str(path)!r} is not a regular file (a pipe or a device); pass a YAML or JSON file or a launch script"]
+        )
+    if info.st_size > MAX_INPUT_BYTES:
         try:
             read_text(path, f"config file {str(path)!r}")
         except InvalidArgument as exc:
