@@ -468,3 +468,9 @@ def test_a_task_that_exits_is_exit_2_in_a_real_process(tmp_path):
         cwd=tmp_path,
     )
     assert done.returncode == 2 and "raised SystemExit" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_closed_stderr_still_gives_the_exit_code(monkeypatch):
+    monkeypatch.setattr(sys, "stderr", None)  # what Python sets when started with 2>&-
+    assert main(["plan", "--train-batch-size", "x", "--policy-mini-batch-size", "2"]) == 2
+    assert sys.stderr is None  # put back as it was

@@ -149,8 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     :data:`EXIT_OUTPUT` (2) with one line on stderr (0 and nothing for a pipe its reader
     closed, as ``batchfit plan --json | head``), never a traceback.
     """
-    real = sys.stdout
+    real, real_err = sys.stdout, sys.stderr
     guard = sys.stdout = _Stdout(real)
+    if sys.stderr is None:  # started with stderr closed (2>&-): nowhere to say anything
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - closed in the finally below
     try:
         code = _run(argv)
         guard.flush()  # a full disk shows here, not at exit
@@ -172,6 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OUTPUT
     finally:
         sys.stdout = real
+        if sys.stderr is not real_err:
+            sys.stderr.close()
+            sys.stderr = real_err
 
 
 def _silence(stream: Any) -> None:

@@ -217,7 +217,7 @@ def _progress_line(task: str) -> Any:
 
     def line(mode: str, fraction: float, trial: Trial) -> None:
         verdict = "fits" if trial.fits else "over"
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr full or closed
             sys.stderr.write(f"batchfit autobatch: {task}: {mode} @ {fraction:g}: batch {trial.batch_size} {verdict}\n")
             sys.stderr.flush()
 

@@ -1009,7 +1009,7 @@ class _progress:
             best = "" if event.max_batch_size is None else f", largest batch {event.max_batch_size:,}"
             eta = f", about {_duration(left)} left" if total > done else ""
             text = f"{role}: length {done}/{total} done (s={event.seq_len:,}{best}); {_duration(elapsed)} so far{eta}"
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr full or closed
             sys.stderr.write(f"batchfit profile: {text}\n")
             sys.stderr.flush()
 
