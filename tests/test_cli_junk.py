@@ -127,6 +127,7 @@ CASES = [
     (["profile", "--config", "{d}/bomb.yaml"], 2, "YAML aliases expanded"),
     (["plan", "{d}/fifo.yaml"], 2, "is not a regular file (a pipe or a device)"),
     (["plan", "/dev/zero"], 2, "is not a regular file (a pipe or a device)"),
+    (["autobatch", "--config", "{d}/fifo.yaml"], 2, "is not a regular file (a pipe or a device)"),
     (["autobatch", "--config", "{d}/autobatch_bomb.yaml"], 2, "YAML aliases expanded"),
     (["autobatch", "--config", "{d}/huge.yaml"], 2, "is larger than 4 MiB"),
     (["plan", "--train-batch-size", HUGE, "--policy-mini-batch-size", "2"], 2, "must be an integer >= 1"),

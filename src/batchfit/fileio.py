@@ -53,7 +53,8 @@ def read_text(path: str | os.PathLike[str], what: str) -> str:
         what: how messages name it, e.g. ``"config file 'a.yaml'"``.
 
     Raises:
-        InvalidArgument: the file is missing, not a regular file, unreadable, too large or not UTF-8.
+        InvalidArgument: the file is missing, a directory, a pipe or a device, unreadable, too large
+            or not UTF-8.
     """
     p = Path(path)
     try:
@@ -64,11 +65,13 @@ def read_text(path: str | os.PathLike[str], what: str) -> str:
         raise InvalidArgument(f"{what} cannot be read ({exc.strerror or exc})") from None
     if stat.S_ISDIR(info.st_mode):
         raise InvalidArgument(f"{what} is a directory; name a file")
-    if stat.S_ISREG(info.st_mode) and info.st_size > MAX_INPUT_BYTES:
+    if not stat.S_ISREG(info.st_mode):  # /dev/zero never ends, a FIFO without a writer blocks
+        raise InvalidArgument(f"{what} is not a regular file (a pipe or a device); name a file")
+    if info.st_size > MAX_INPUT_BYTES:
         raise InvalidArgument(_too_large(what, info.st_size))
     try:
         with open(p, "rb") as f:
-            data = f.read(MAX_INPUT_BYTES + 1)  # a pipe or a growing file is cut here too
+            data = f.read(MAX_INPUT_BYTES + 1)  # a file that grew since is cut here too
     except OSError as exc:
         raise InvalidArgument(f"{what} cannot be read ({exc.strerror or exc})") from None
     if len(data) > MAX_INPUT_BYTES:
