@@ -253,7 +253,7 @@ def unmodelled_warnings(
             if given[key] == defaults.get(key):
                 continue
             out.append(
-                f"{key}={given[key]!r} (the {title} default is {defaults.get(key)!r}) changes memory in a way "
+                f"{key}={short_repr(given[key])} (the {title} default is {defaults.get(key)!r}) changes memory in a way "
                 f"batchfit's budgets do not model: {what}; profile with the default, or confirm this setting on "
                 "the device (profile --confirm)"
             )

@@ -16,6 +16,7 @@ from typing import Any
 from batchfit.frameworks.run import RunConfig, as_bool, as_int, every_fault, size_faults, unmodelled_warnings
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
 from batchfit.plan.config import BatchConfig
+from batchfit.validation import short_repr
 
 T = "trainer."
 PLACEMENT = "trainer.placement."
@@ -264,7 +265,7 @@ def _validate_cfg(
         )
     if megatron and critic_model:
         faults.append(
-            f"trainer.strategy=megatron trains no critic, but trainer.critic.model.path={critic_model!r} is set "
+            f"trainer.strategy=megatron trains no critic, but trainer.critic.model.path={short_repr(critic_model)} is set "
             "(SkyRL 0.4.0 validate_megatron_cfg asserts it): remove the critic path, or use trainer.strategy=fsdp"
         )
     chunk = flat.get(T + "logprobs_chunk_size")
@@ -275,7 +276,7 @@ def _validate_cfg(
         )
     elif chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
         faults.append(
-            f"trainer.logprobs_chunk_size={chunk!r} must be a positive integer or None (SkyRL 0.4.0 "
+            f"trainer.logprobs_chunk_size={short_repr(chunk)} must be a positive integer or None (SkyRL 0.4.0 "
             "TrainerConfig.__post_init__ raises): set it to a positive chunk size such as 1024"
         )
     if as_bool(flat.get(T + "fused_lm_head_logprob")) is True and not megatron:
@@ -285,8 +286,8 @@ def _validate_cfg(
         )
     if REMOVE_PADDING_ALIAS in given and REMOVE_PADDING_KEY in given:
         faults.append(
-            f"both {REMOVE_PADDING_ALIAS}={given[REMOVE_PADDING_ALIAS]!r} (deprecated) and {REMOVE_PADDING_KEY}="
-            f"{given[REMOVE_PADDING_KEY]!r} are set (SkyRL 0.4.0 SkyRLTrainConfig.from_cli_overrides refuses "
+            f"both {REMOVE_PADDING_ALIAS}={short_repr(given[REMOVE_PADDING_ALIAS])} (deprecated) and {REMOVE_PADDING_KEY}="
+            f"{short_repr(given[REMOVE_PADDING_KEY])} are set (SkyRL 0.4.0 SkyRLTrainConfig.from_cli_overrides refuses "
             f"both): keep only {REMOVE_PADDING_KEY}"
         )
 

@@ -22,6 +22,7 @@ from typing import Any
 from batchfit.frameworks.run import RunConfig, as_bool, as_int, every_fault, size_faults, unmodelled_warnings
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
 from batchfit.plan.config import BatchConfig
+from batchfit.validation import short_repr
 
 MODEL = "actor_rollout_ref.model."
 ACTOR = "actor_rollout_ref.actor."
@@ -338,7 +339,7 @@ def _check_sequence_parallel(
         key = MODEL + "use_remove_padding" if role == "actor" else CRITIC + "model.use_remove_padding"
         size = ENGINE if role == "actor" else CRITIC_ENGINE
         faults.append(
-            f"{size}ulysses_sequence_parallel_size={sp} needs {key}=true, but it is {remove_padding!r}: verl 0.9.1 "
+            f"{size}ulysses_sequence_parallel_size={sp} needs {key}=true, but it is {short_repr(remove_padding)}: verl 0.9.1 "
             "refuses it at start-up (verl/workers/engine/fsdp/transformer_impl.py FSDPEngine.__init__); set "
             f"{key}=true or the sequence-parallel size to 1"
         )
