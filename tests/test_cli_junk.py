@@ -132,6 +132,9 @@ CASES = [
     (["autobatch", "--config", "{d}/huge.yaml"], 2, "is larger than 4 MiB"),
     (["plan", "--train-batch-size", HUGE, "--policy-mini-batch-size", "2"], 2, "must be an integer >= 1"),
     (["profile", "--model", "{d}/bigintmodel"], 2, "has an integer of 5,000 digits"),
+    (["profile", "--memory", HUGE], 2, "--memory is not a memory size: got 5,000 characters"),
+    (["autobatch", "--reserve", HUGE], 2, "--reserve is not a memory size: got 5,000 characters"),
+    (["profile", "--model", HUGE], 2, "spec must be a preset"),
     (["profile", "--calibration", "{d}/deep.json"], 2, "calibration file"),
     (["profile", "--calibration", "{d}/huge.json"], 2, "is larger than 4 MiB"),
     # counts that would never end

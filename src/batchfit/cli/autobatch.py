@@ -157,6 +157,10 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
             f"--steps must be at most {MAX_STEPS:,} (each trial runs that many steps; the peak is reached in the "
             f"first two), but got steps={settings['steps']:,}; use the default 2"
         )
+    from batchfit.cli.profile import check_size_text
+
+    for key in ("memory", "reserve"):
+        check_size_text(OPTIONS[key][0], settings[key])
     for key in ("memory", "reserve"):  # a plain byte count from the command line
         if isinstance(settings[key], str) and settings[key].strip().isdigit():
             settings[key] = int(settings[key])

@@ -219,6 +219,8 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     from batchfit.train.logprobs import check_head
     from batchfit.validation import check_choice, check_int, check_number, check_positive_int
 
+    for flag, value in (("--memory", args.memory), ("--reserve", args.reserve)):
+        check_size_text(flag, value)
     backend = backend_name(check_choice("--backend", args.backend, BACKEND_NAMES))
     run = _apply_config(args, backend)
     limits = _calibration(args, backend)
@@ -305,6 +307,25 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "calibration": limits,
         "lora": lora,
     }
+
+
+MAX_SIZE_TEXT = 64
+"""Longest ``--memory``/``--reserve`` text read as a size: ``80GiB`` is 5 characters, a preset about 12."""
+
+
+def check_size_text(flag: str, value: Any) -> None:
+    """Refuse a ``--memory``/``--reserve`` string too long to be a size (5,000 digits overflow a float).
+
+    Raises:
+        InvalidArgument: naming the flag, the start of the value and what a size looks like.
+    """
+    from batchfit.validation import short_repr
+
+    if isinstance(value, str) and len(value) > MAX_SIZE_TEXT:
+        raise InvalidArgument(
+            f"{flag} is not a memory size: got {len(value):,} characters ({short_repr(value, 20)}); pass bytes, "
+            "a size such as 80GiB, or a device preset such as h100-80gb"
+        )
 
 
 def check_reserve_fits(memory: Any, reserve: int | None, backend: str, world: int) -> None:

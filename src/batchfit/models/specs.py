@@ -57,7 +57,7 @@ def _unknown_spec_message(spec: str) -> str:
     presets = list_presets()
     near = closest(spec.strip().lower(), presets)
     hint = f"; did you mean {near!r}?" if near else ""
-    return f"spec must be a preset ({', '.join(presets)}), a local directory containing config.json, or a hub id such as 'Qwen/Qwen2.5-0.5B', but got spec={spec!r}{hint}"
+    return f"spec must be a preset ({', '.join(presets)}), a local directory containing config.json, or a hub id such as 'Qwen/Qwen2.5-0.5B', but got spec={short_repr(spec)}{hint}"
 
 
 def load_config(spec: Any = DEFAULT_PRESET, **overrides: Any) -> Any:
@@ -187,7 +187,11 @@ def _config_from_string(spec: str, auto_config: Any) -> Any:
         data = dict(preset_info(key)["config"])
         return auto_config.for_model(data.pop("model_type"), **data)
     path = Path(spec).expanduser()
-    if path.is_dir() or path.suffix == ".json":
+    try:
+        is_dir = path.is_dir()
+    except OSError:  # a name too long for a path (ENAMETOOLONG): not a directory, maybe a preset typo
+        is_dir = False
+    if is_dir or path.suffix == ".json":
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise InvalidArgument(
