@@ -13,7 +13,10 @@ Guarantees of :func:`plan_micro_batches`:
 - **equal counts**: every rank has ``num_micro_batches`` micro-batches; ranks short of it get
   padding micro-batches (see NOTE [ Pad rows cost one token ] in :mod:`batchfit.batches.minibatch`),
   without which FSDP/DDP ranks deadlock (SkyRL #1060);
-- **deterministic**: ties are broken by index, so the plan is the same on every rank.
+- **deterministic**: ties are broken by index, so the plan is the same on every rank;
+- **a second cap** (optional): with ``response_lengths`` and ``response_budget``, every
+  micro-batch also holds at most ``response_budget`` response (loss) tokens, the cost of a
+  response-only head (NOTE [ Two caps ]).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from batchfit.validation import (
     check_bool,
     check_choice,
     check_int,
+    check_int_sequence,
     describe,
     is_int,
     short_repr,
@@ -81,6 +85,12 @@ class MicroBatchPlan:
         oversize: indices longer than ``token_budget``, each run alone (``oversize="alone"``);
             their micro-batches are the only ones whose cost exceeds the budget.
         lengths: valid tokens per sequence, in input order.
+        response_costs: ``response_costs[r][k]`` is the response (loss) tokens of that
+            micro-batch, the sum of its sequences' ``response_lengths`` (0 for padding), in
+            both costs (NOTE [ Two caps ]); ``None`` when the plan was made without
+            ``response_lengths``.
+        response_budget: the cap on ``response_costs`` the plan was made for, or ``None``.
+        response_lengths: response (loss) tokens per sequence, in input order, or ``None``.
 
     "Plan order" is rank-major: rank 0's micro-batches in order, each in its index order,
     then rank 1's, and so on; padding micro-batches contribute no sequence.
@@ -94,6 +104,9 @@ class MicroBatchPlan:
     lengths: np.ndarray = field(
         default_factory=lambda: np.zeros(0, dtype=np.int64), compare=False, repr=False
     )
+    response_costs: tuple[tuple[int, ...], ...] | None = None
+    response_budget: int | None = None
+    response_lengths: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def dp_size(self) -> int:
@@ -149,17 +162,29 @@ class MicroBatchPlan:
         the budget because an oversize sequence fills one micro-batch alone. For
         ``cost="padded"`` the true optimum can be higher (padding is unavoidable when lengths
         differ); the plan's count is that optimum (see :func:`plan_micro_batches`).
+
+        With a ``response_budget`` ``R``, the larger of this and the same bound on response
+        tokens, ``⌈Σ min(response, R) / (dp_size · R)⌉``.
         """
         clipped = _exact_sum(np.minimum(self.lengths, self.token_budget))
-        return -(-clipped // (self.dp_size * self.token_budget)) if clipped else 0
+        bound = -(-clipped // (self.dp_size * self.token_budget)) if clipped else 0
+        if self.response_budget is not None and self.response_lengths is not None:
+            responses = _exact_sum(np.minimum(self.response_lengths, self.response_budget))
+            bound = max(bound, -(-responses // (self.dp_size * self.response_budget)))
+        return bound
 
     @cached_property
     def rank_lower_bounds(self) -> tuple[int, ...]:
-        """Per rank, ``⌈Σ min(length, C) over its sequences / C⌉``."""
+        """Per rank, ``⌈Σ min(length, C) over its sequences / C⌉`` (and the response bound, as in :attr:`lower_bound`)."""
         clipped = np.minimum(self.lengths, self.token_budget)
-        return tuple(
-            -(-_exact_sum(clipped[self.order(r)]) // self.token_budget) for r in range(self.dp_size)
-        )
+        bounds = [-(-_exact_sum(clipped[self.order(r)]) // self.token_budget) for r in range(self.dp_size)]
+        if self.response_budget is not None and self.response_lengths is not None:
+            responses = np.minimum(self.response_lengths, self.response_budget)
+            bounds = [
+                max(b, -(-_exact_sum(responses[self.order(r)]) // self.response_budget))
+                for r, b in enumerate(bounds)
+            ]
+        return tuple(bounds)
 
     @cached_property
     def padding_tokens(self) -> int:
@@ -258,6 +283,9 @@ class MicroBatchPlan:
         ranks, costs = _pad_ranks(
             [list(r) for r in self.ranks], [list(c) for c in self.costs], num_micro_batches
         )
+        response_costs = None
+        if self.response_costs is not None:
+            response_costs = tuple(tuple(c) + (0,) * (num_micro_batches - len(c)) for c in self.response_costs)
         return MicroBatchPlan(
             ranks=ranks,
             costs=costs,
@@ -265,6 +293,9 @@ class MicroBatchPlan:
             cost=self.cost,
             oversize=self.oversize,
             lengths=self.lengths,
+            response_costs=response_costs,
+            response_budget=self.response_budget,
+            response_lengths=self.response_lengths,
         )
 
 
@@ -331,6 +362,37 @@ def _check_budget(token_budget: Any) -> int:
             f"token_budget={describe(token_budget)}"
         )
     return int(token_budget)
+
+
+def _as_response_lengths(response_lengths: Any, lens: np.ndarray) -> np.ndarray:
+    """``response_lengths`` as int64, one per sequence, each in ``[0, lengths[i]]``."""
+    if hasattr(response_lengths, "detach"):  # a tensor, possibly on an accelerator
+        response_lengths = response_lengths.detach().cpu().resolve_conj().resolve_neg()
+    values = check_int_sequence("response_lengths", response_lengths, minimum=0, maximum=MAX_LENGTH)
+    if len(values) != len(lens):
+        raise InvalidArgument(
+            f"response_lengths must have one entry per sequence ({len(lens)}, as lengths), but got "
+            f"len(response_lengths)={len(values)}; pass loss_mask.sum(-1) of the same batch"
+        )
+    arr = np.asarray(values, dtype=np.int64).reshape(len(values))
+    over = np.flatnonzero(arr > lens)
+    if over.size:
+        i = int(over[0])
+        raise InvalidArgument(
+            f"response_lengths must be at most lengths (response tokens are among a sequence's valid "
+            f"tokens), but got response_lengths[{i}]={int(arr[i])} > lengths[{i}]={int(lens[i])}; pass "
+            "loss_mask.sum(-1) and attention_mask.sum(-1) of the same rows"
+        )
+    return arr
+
+
+def _check_response_budget(response_budget: Any) -> int:
+    if not is_int(response_budget) or not 1 <= response_budget <= MAX_COUNT:
+        raise BudgetError(
+            f"response_budget must be a positive integer number of response tokens (at most 2**62) or None, "
+            f"but got response_budget={describe(response_budget)}"
+        )
+    return int(response_budget)
 
 
 def _pack_padded(lens: np.ndarray, idx: np.ndarray, budget: int) -> tuple[list[list[int]], list[int]]:
@@ -591,6 +653,218 @@ def _pack_best_fit_then_search(
     return [[order[i] for i in g] for g in best], [sum(values[i] for i in g) for g in best]
 
 
+# NOTE [ Two caps ]
+# With a response-only head (``model_logprobs(only_loss_tokens=True)``) a micro-batch's peak
+# has two parts: the trunk pays for its tokens (``token_budget``: rows × longest for padded
+# rows, the sum of lengths packed) and the head for its response (loss) tokens. The head
+# gathers the loss positions before the projection in both layouts, so a micro-batch's
+# response cost is the sum of its sequences' response lengths, padded or packed. A plan with
+# a ``response_budget`` is a 2-D vector bin packing:
+# - first the one-cap plan; if every micro-batch of it holds the response cap, it is the plan
+#   (a response cap that never binds changes nothing but the reported ``response_costs``);
+# - else best fit in two dimensions (:func:`_pack_two_caps`): ``packed``: sequences by their
+#   larger normalised size ``max(length / C, response / R)``, largest first, each into the
+#   micro-batch with the least room in its own tighter dimension among those where both fit
+#   (up to TWO_CAP_SCAN candidates in each dimension's order), else a new micro-batch;
+#   ``padded``: sequences longest first (then largest response), each into the micro-batch
+#   with the least response room that holds it and has a free row (every open micro-batch is
+#   at least as wide as the sequence, so rows are the only token constraint), else a new one
+#   of ``C // length`` rows;
+# - then, for at most SMALL_PLAN_MAX_SEQUENCES sequences above the lower bound (the larger of
+#   the response bound ``⌈Σ responses / R⌉`` and ``⌈Σ lengths / C⌉``, packed, or the one-cap
+#   optimum, padded), the depth-first search of NOTE [ Small plans are searched ] with both
+#   caps (:func:`_fewer_two_caps`).
+# Both caps are hard; an oversize sequence (over either cap, ``oversize="alone"``) runs alone.
+
+TWO_CAP_SCAN = 32
+"""Candidates a two-cap best fit looks at in each dimension's order before opening a micro-batch."""
+
+
+def _group_costs(lens: list[int], groups: list[list[int]], padded: bool) -> list[int]:
+    """Token cost of each group of positions of ``lens``."""
+    if padded:
+        return [len(g) * max(lens[p] for p in g) for g in groups]
+    return [sum(lens[p] for p in g) for g in groups]
+
+
+def _two_cap_order(lens: np.ndarray, resps: np.ndarray, budget: int, rbudget: int, padded: bool) -> np.ndarray:
+    """Positions in the order the two-cap packers take them (see NOTE [ Two caps ]); ties by position."""
+    if padded:  # lens is sorted descending already: then the larger response first
+        return np.lexsort((np.arange(len(lens)), -resps, -lens))
+    size = np.maximum(lens / budget, resps / rbudget)
+    return np.argsort(-size, kind="stable")
+
+
+def _find_fit(rooms: list[tuple[int, int]], need: int, other: list[int], other_need: int) -> int:
+    """The first micro-batch in ``rooms`` (sorted (room, id)) with room >= need whose other room fits."""
+    start = bisect.bisect_left(rooms, (need, -1))
+    for _room, b in rooms[start : start + TWO_CAP_SCAN]:
+        if other[b] >= other_need:
+            return b
+    return -1
+
+
+def _pack_two_caps(
+    lens: np.ndarray, idx: np.ndarray, budget: int, resps: np.ndarray, rbudget: int, padded: bool
+) -> list[list[int]]:
+    """Best fit under both caps (NOTE [ Two caps ]); groups of positions of ``lens`` (sorted descending)."""
+    order = _two_cap_order(lens, resps, budget, rbudget, padded).tolist()
+    ls, rs = lens.tolist(), resps.tolist()
+    groups: list[list[int]] = []
+    if padded:
+        open_: list[tuple[int, int, int]] = []  # (response room, free rows, micro-batch), rows > 0
+        for p in order:
+            length, r = ls[p], rs[p]
+            fits = length <= budget and r <= rbudget
+            if fits:
+                pos = bisect.bisect_left(open_, (r, 0, 0))
+                if pos < len(open_):
+                    room, free, b = open_.pop(pos)
+                    groups[b].append(p)
+                    if free > 1:
+                        bisect.insort(open_, (room - r, free - 1, b))
+                    continue
+            groups.append([p])
+            if fits and budget // length > 1:
+                bisect.insort(open_, (rbudget - r, budget // length - 1, len(groups) - 1))
+        return groups
+    shortest = min(ls, default=1)
+    room_l: list[int] = []
+    room_r: list[int] = []
+    by_l: list[tuple[int, int]] = []  # (token room, micro-batch) of micro-batches that hold a sequence more
+    by_r: list[tuple[int, int]] = []  # (response room, micro-batch), the same micro-batches
+    for p in order:
+        length, r = ls[p], rs[p]
+        b = -1
+        if length <= budget and r <= rbudget:
+            if length * rbudget >= r * budget:  # tokens are the tighter dimension of this sequence
+                b = _find_fit(by_l, length, room_r, r)
+                b = b if b >= 0 else _find_fit(by_r, r, room_l, length)
+            else:
+                b = _find_fit(by_r, r, room_l, length)
+                b = b if b >= 0 else _find_fit(by_l, length, room_r, r)
+        if b >= 0:
+            del by_l[bisect.bisect_left(by_l, (room_l[b], b))]
+            del by_r[bisect.bisect_left(by_r, (room_r[b], b))]
+            groups[b].append(p)
+            room_l[b] -= length
+            room_r[b] -= r
+        else:
+            b = len(groups)
+            groups.append([p])
+            room_l.append(budget - length)
+            room_r.append(rbudget - r)
+            if length > budget or r > rbudget:  # oversize: alone
+                continue
+        if room_l[b] >= shortest:
+            bisect.insort(by_l, (room_l[b], b))
+            bisect.insort(by_r, (room_r[b], b))
+    return groups
+
+
+def _fewer_two_caps(
+    lens: list[int], resps: list[int], budget: int, rbudget: int, count: int, padded: bool
+) -> list[list[int]] | None:
+    """Positions of ``lens`` in ``count`` micro-batches under both caps, or ``None`` (NOTE [ Two caps ]).
+
+    ``lens`` is sorted descending for ``padded`` (a micro-batch's first sequence sets its width).
+    ``None`` when no such plan exists or the search ran past :data:`SMALL_PLAN_NODE_LIMIT`.
+    """
+    n = len(lens)
+    suffix_l = [0] * (n + 1)
+    suffix_r = [0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        suffix_l[i] = suffix_l[i + 1] + lens[i]
+        suffix_r[i] = suffix_r[i + 1] + resps[i]
+    loads = [0] * count  # tokens (packed) or rows (padded)
+    widths = [0] * count
+    rloads = [0] * count
+    groups: list[list[int]] = [[] for _ in range(count)]
+    nodes = 0
+
+    def place(i: int, room: int, rroom: int) -> bool:
+        nonlocal nodes
+        if i == n:
+            return True
+        if suffix_r[i] > rroom or (not padded and suffix_l[i] > room):
+            return False
+        nodes += 1
+        if nodes > SMALL_PLAN_NODE_LIMIT:
+            raise _SearchLimit
+        length, r = lens[i], resps[i]
+        tried: set[tuple[int, int, int]] = set()
+        for b in range(count):
+            key = (loads[b], widths[b], rloads[b])
+            if key in tried or rloads[b] + r > rbudget:
+                continue
+            if padded:
+                width = widths[b] or length
+                if (loads[b] + 1) * width > budget:
+                    continue
+            elif loads[b] + length > budget:
+                continue
+            tried.add(key)
+            old_width = widths[b]
+            loads[b] += 1 if padded else length
+            widths[b] = widths[b] or length
+            rloads[b] += r
+            groups[b].append(i)
+            if place(i + 1, room - length, rroom - r):
+                return True
+            loads[b] -= 1 if padded else length
+            widths[b] = old_width
+            rloads[b] -= r
+            groups[b].pop()
+        return False
+
+    try:
+        return groups if place(0, count * budget, count * rbudget) else None
+    except _SearchLimit:
+        return None
+
+
+def _pack_two_caps_then_search(
+    lens: np.ndarray, idx: np.ndarray, budget: int, resps: np.ndarray, rbudget: int, padded: bool
+) -> tuple[list[list[int]], list[int]]:
+    """Two-cap best fit, then for small plans the search (NOTE [ Two caps ]); groups of input indices."""
+    groups = _pack_two_caps(lens, idx, budget, resps, rbudget, padded)
+    ls, rs = lens.tolist(), resps.tolist()
+    oversize = any(length > budget for length in ls) or any(r > rbudget for r in rs)
+    if 0 < len(ls) <= SMALL_PLAN_MAX_SEQUENCES and not oversize:
+        if padded:
+            bound = len(_pack_padded(lens, idx, budget)[0])  # the one-cap optimum
+        else:
+            bound = -(-sum(ls) // budget)
+        bound = max(bound, -(-sum(rs) // rbudget))
+        order = _two_cap_order(lens, resps, budget, rbudget, padded).tolist()
+        count = len(groups) - 1
+        while count >= bound:
+            found = _fewer_two_caps([ls[p] for p in order], [rs[p] for p in order], budget, rbudget, count, padded)
+            if found is None:
+                break
+            groups = [[order[q] for q in g] for g in found if g]
+            count = len(groups) - 1
+    # inside a micro-batch, longest first (then by position: the sorted order, ties by index)
+    groups = [sorted(g) for g in groups]
+    positions = idx.tolist()
+    return [[positions[p] for p in g] for g in groups], _group_costs(ls, groups, padded)
+
+
+def _two_cap_packer(packer: Packer, resp: np.ndarray, rbudget: int, padded: bool) -> Packer:
+    """``packer``'s plan when it holds the response cap, else the two-cap packer (NOTE [ Two caps ]).
+
+    ``resp`` is indexed by input index (the packers see input indices in ``idx``).
+    """
+
+    def pack(lens: np.ndarray, idx: np.ndarray, budget: int) -> tuple[list[list[int]], list[int]]:
+        groups, costs = packer(lens, idx, budget)
+        if all(len(g) == 1 or int(resp[g].sum()) <= rbudget for g in groups):
+            return groups, costs
+        return _pack_two_caps_then_search(lens, idx, budget, resp[idx], rbudget, padded)
+
+    return pack
+
+
 def _packer(cost: str, lengths: np.ndarray) -> Packer:
     """The packer for ``cost``, chosen once per plan (by the distinct ``lengths``, sorted, of all sequences)."""
     if cost == "padded":
@@ -663,8 +937,18 @@ def plan_micro_batches(
     cost: str = "padded",
     balance: bool = True,
     oversize: str = "raise",
+    response_lengths: Sequence[int] | np.ndarray | Any | None = None,
+    response_budget: int | None = None,
 ) -> MicroBatchPlan:
     """Plan micro-batches that never exceed ``token_budget``, as few as possible, equal over ranks.
+
+    With ``response_lengths`` and ``response_budget``, no micro-batch holds more than
+    ``response_budget`` response (loss) tokens either: the head's cost with a response-only
+    head (``model_logprobs(only_loss_tokens=True)``), which gathers the loss positions before
+    the projection, so a micro-batch's response cost is the **sum** of its sequences'
+    response lengths in both layouts (``padded`` rows and ``packed`` rows alike), while its
+    token cost stays ``count × longest`` or the sum of lengths. A micro-batch fits when both
+    caps hold (NOTE [ Two caps ]).
 
     Algorithm (sequences sorted by length, longest first, ties by index):
 
@@ -687,6 +971,10 @@ def plan_micro_batches(
     - ``balance=True`` also orders each rank's micro-batches by cost, largest first, so that
       the ``k``-th micro-batches of all ranks (which run in lockstep under FSDP) match.
     - Ranks short of the maximum count get padding micro-batches (cost 1, no sequence).
+    - With a ``response_budget``: each packing above is kept if all its micro-batches hold the
+      response cap; otherwise it is replaced by a best fit in two dimensions, searched for one
+      micro-batch fewer when small (NOTE [ Two caps ]). The count is at least
+      ``plan.lower_bound``, which then covers both caps.
 
     Complexity: O(n log n) numpy work for the sort and the output. Python steps: padded,
     one per micro-batch; packed, best fit: a few per distinct length (at most one per
@@ -700,15 +988,23 @@ def plan_micro_batches(
         cost: ``"padded"`` or ``"packed"`` (see :data:`COSTS`).
         balance: balance rank costs and align micro-batches across ranks (see above).
         oversize: ``"raise"`` (default) or ``"alone"``: a sequence longer than the budget
-            runs alone in its own micro-batch and is listed in ``plan.oversize``.
+            (or with more response tokens than ``response_budget``) runs alone in its own
+            micro-batch and is listed in ``plan.oversize``.
+        response_lengths: response (loss) tokens per sequence (``loss_mask.sum(-1)``), each in
+            ``[0, lengths[i]]``; the plan reports ``response_costs``. ``None``: no response cost.
+        response_budget: the largest response cost of a micro-batch (needs
+            ``response_lengths``); ``None``: no second cap, and the plan is the one-cap plan.
 
     Returns:
         A :class:`MicroBatchPlan`; the same inputs always give the same plan.
 
     Raises:
-        BudgetError: ``token_budget`` is not a positive integer, or (``oversize="raise"``) a
-            sequence is longer than the budget (names its index, length and the budget).
-        InvalidArgument: bad ``lengths``, ``dp_size``, ``cost``, ``balance`` or ``oversize``.
+        BudgetError: ``token_budget`` or ``response_budget`` is not a positive integer, or
+            (``oversize="raise"``) a sequence is longer than the budget or has more response
+            tokens than ``response_budget`` (names its index, its size and the smallest budget
+            that holds every sequence).
+        InvalidArgument: bad ``lengths``, ``response_lengths``, ``dp_size``, ``cost``,
+            ``balance`` or ``oversize``; ``response_budget`` without ``response_lengths``.
 
     Example:
         >>> plan = plan_micro_batches([100, 30, 70, 40], token_budget=140, cost="packed")
@@ -716,6 +1012,10 @@ def plan_micro_batches(
         (((0, 3), (2, 1)),)
         >>> plan.num_micro_batches, plan.lower_bound
         (2, 2)
+        >>> plan = plan_micro_batches([100, 30, 70, 40], token_budget=140, cost="packed",
+        ...                           response_lengths=[60, 20, 50, 30], response_budget=80)
+        >>> plan.ranks, plan.response_costs  # 100 + 40 would hold 90 response tokens
+        ((((0, 1), (2, 3)),), ((80, 80),))
     """
     lens = _as_lengths(lengths)
     budget = _check_budget(token_budget)
@@ -723,8 +1023,16 @@ def plan_micro_batches(
     cost = check_choice("cost", cost, COSTS)
     oversize = check_choice("oversize", oversize, OVERSIZE)
     balance = check_bool("balance", balance)
+    resp = None if response_lengths is None else _as_response_lengths(response_lengths, lens)
+    rbudget = None if response_budget is None else _check_response_budget(response_budget)
+    if rbudget is not None and resp is None:
+        raise InvalidArgument(
+            f"response_budget={rbudget} needs response_lengths (response tokens per sequence, "
+            "loss_mask.sum(-1)); pass both, or neither for a plan on token_budget alone"
+        )
 
-    over = np.flatnonzero(lens > budget)
+    over_tokens = lens > budget
+    over = np.flatnonzero(over_tokens)
     if over.size and oversize == "raise":
         i = int(over[0])
         others = (
@@ -737,10 +1045,26 @@ def plan_micro_batches(
             f"token_budget to at least {int(lens.max())}, truncate or drop the sequence, or pass "
             "oversize='alone' to run it alone in a micro-batch over the budget"
         )
+    if rbudget is not None:
+        over_responses = resp > rbudget
+        over_r = np.flatnonzero(over_responses)
+        if over_r.size and oversize == "raise":
+            i = int(over_r[0])
+            others = (
+                f" ({over_r.size} sequences are over it, largest {int(resp.max())})" if over_r.size > 1 else ""
+            )
+            raise BudgetError(
+                f"sequence {i} has {int(resp[i])} response tokens, more than response_budget={rbudget}{others}; "
+                f"raise response_budget to at least {int(resp.max())}, truncate or drop the sequence, or pass "
+                "oversize='alone' to run it alone in a micro-batch over the budget"
+            )
+        over = np.flatnonzero(over_tokens | over_responses)
 
     order = np.argsort(-lens, kind="stable")  # longest first, ties by index
     sorted_lens = lens[order]
     packer = _packer(cost, sorted_lens)
+    if rbudget is not None:
+        packer = _two_cap_packer(packer, resp, rbudget, cost == "padded")
     groups, costs = packer(sorted_lens, order, budget)
     if dp_size == 1:
         ranks, rank_costs = [[tuple(g) for g in groups]], [costs]
@@ -762,6 +1086,12 @@ def plan_micro_batches(
     padded_ranks, padded_costs = _pad_ranks(ranks, rank_costs, count)
     frozen = lens.copy()
     frozen.setflags(write=False)
+    response_costs = frozen_resp = None
+    if resp is not None:
+        rs = resp.tolist()
+        response_costs = tuple(tuple(sum(rs[i] for i in mb) for mb in rank) for rank in padded_ranks)
+        frozen_resp = resp.copy()
+        frozen_resp.setflags(write=False)
     return MicroBatchPlan(
         ranks=padded_ranks,
         costs=padded_costs,
@@ -769,4 +1099,7 @@ def plan_micro_batches(
         cost=cost,
         oversize=tuple(over.tolist()),
         lengths=frozen,
+        response_costs=response_costs,
+        response_budget=rbudget,
+        response_lengths=frozen_resp,
     )
