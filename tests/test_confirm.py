@@ -147,7 +147,7 @@ def test_calibration_round_trip_applies_its_reserve_and_margin(cpu_confirm):
 @pytest.mark.parametrize(
     ("document", "field"),
     [
-        pytest.param("{not json", "is not JSON", id="not-json"),
+        pytest.param("{not json", "is not valid JSON", id="not-json"),
         pytest.param('["a list"]', "must hold a JSON object", id="not-an-object"),
         pytest.param({"format": "other"}, "field format", id="format"),
         pytest.param({"version": 2}, "field version", id="version"),

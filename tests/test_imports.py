@@ -95,7 +95,7 @@ def test_the_cycle_finder_finds_a_cycle():
 # package and the layers below it, never one above (nor one beside it on the same layer).
 LAYERS = (
     ("errors",),
-    ("validation", "dtypes"),
+    ("validation", "dtypes", "fileio"),
     ("plan",),
     ("batches",),
     ("parallel",),

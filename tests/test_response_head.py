@@ -258,3 +258,28 @@ def test_ddp_and_fsdp2_gradients_equal_the_full_heads_with_the_same_collectives(
                     torch.from_numpy(only["grads"][name]), grad, atol=1e-5, rtol=1e-4, msg=f"{strategy} {name}"
                 )
     assert np.isfinite(results[0]["fsdp2", True]["grads"]["lm_head.weight"]).all()
+
+
+def test_response_only_step_estimates_to_the_byte_of_the_cpu_backend():
+    """An integer loss mask keeps its values on the estimate backend: the same gather runs, the same bytes."""
+    from batchfit.memory import get_backend
+
+    host = rollouts([7, 3, 5], [2, 4, 3], holes=True)
+    host["loss_mask"] = (host["loss_mask"] != 0).long()
+
+    def measure(name: str):
+        backend = get_backend(name, round_to=1, reserve_bytes=0)
+        with backend.context():
+            torch.manual_seed(0)
+            model = tiny_lm()
+
+        def step():
+            batch = {k: v.to(backend.device, copy=True) for k, v in host.items()}
+            logp = model_logprobs(model, batch, only_loss_tokens=True)
+            (logp * batch["weights"].new_ones(())).sum().backward()
+
+        return backend.measure(step, register=model)
+
+    cpu, est = measure("cpu"), measure("estimate")
+    assert est.peak_bytes == cpu.peak_bytes
+    assert est.breakdown == cpu.breakdown

@@ -330,7 +330,7 @@ def position_index(positions: Any, token_shape: tuple[int, ...]) -> torch.Tensor
     See NOTE [ Only the positions the loss reads ].
 
     Raises:
-        InvalidArgument: not a tensor of ``token_shape``, or a fake tensor (no values to read).
+        InvalidArgument: not a tensor of ``token_shape``, or a fake tensor whose values were not kept.
     """
     if not isinstance(positions, torch.Tensor):
         raise InvalidArgument(
@@ -340,12 +340,20 @@ def position_index(positions: Any, token_shape: tuple[int, ...]) -> torch.Tensor
         raise InvalidArgument(
             f"positions must have the token shape {tuple(token_shape)} of the labels, but got positions.shape={tuple(positions.shape)}"
         )
-    if is_fake(positions):
+    if is_fake(positions) and not _values_kept(positions):
         raise InvalidArgument(
             "positions must hold values (the head runs only where they are non-zero), but got a fake tensor "
-            "(the estimate backend); run the full head there, or measure on the cpu backend"
+            "whose values are not known; make the mask from host data (an integer or bool tensor, whose values "
+            "the estimate backend keeps), or run the full head"
         )
     return (positions.reshape(-1) != 0).nonzero().reshape(-1)
+
+
+def _values_kept(tensor: torch.Tensor) -> bool:
+    """A fake integer/bool tensor whose values the estimate backend kept (NOTE [ Integer tensors keep their values ])."""
+    from batchfit.memory.shadow_values import shadow_of
+
+    return shadow_of(tensor) is not None
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

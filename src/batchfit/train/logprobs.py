@@ -59,8 +59,10 @@ are scattered back to ``[rows, W]`` with 0 elsewhere. The gathering happens insi
 forward, called by the model as always, so DDP's reducer and FSDP2's all-gather of the head's
 weight (and the reduce-scatter of its gradient) run as for the full head. At the selected
 columns values and gradients equal the full head's; memory and time of the head scale with
-the loss tokens. The row index is read from the loss mask (one device sync): fake tensors
-(the estimate backend) cannot run it.
+the loss tokens. The row index is read from the loss mask (one device sync); on the
+estimate backend an integer or bool loss mask made from host data keeps its values (NOTE
+[ Integer tensors keep their values ]), so the estimate runs the same gather (equal to the
+cpu backend to the byte); a float mask there has no values and is refused.
 """
 
 from __future__ import annotations
@@ -71,12 +73,20 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._mode_utils import no_dispatch
 
 from batchfit.batches.layout import packed_model_inputs
 from batchfit.batches.microbatch import MicroBatch
 from batchfit.errors import BatchError, InvalidArgument
 from batchfit.logprobs import IGNORE_INDEX, logprobs_from_hidden, logprobs_from_logits
-from batchfit.logprobs._common import check_temperature, gather_tokens, position_index, scatter_tokens
+from batchfit.logprobs._common import (
+    check_temperature,
+    gather_tokens,
+    is_fake,
+    position_index,
+    scatter_tokens,
+)
+from batchfit.memory.shadow_values import shadow_of
 from batchfit.models.attention import check_packed_attention, warn_if_masked
 from batchfit.parallel.shard import unwrap
 from batchfit.train.framework_heads import (
@@ -482,7 +492,8 @@ def model_logprobs(
     Raises:
         BatchError: a missing or misshapen field (the loss mask with ``only_loss_tokens``).
         InvalidArgument: an unknown ``head`` or ``chunk_size``; ``model`` has no linear output
-            head, or transforms its logits; ``only_loss_tokens`` on fake tensors.
+            head, or transforms its logits; ``only_loss_tokens`` with a fake loss mask whose values
+            were not kept (a float mask on the estimate backend).
 
     Example:
         >>> from batchfit.models import build_causal_lm
@@ -635,7 +646,9 @@ def span_starts(mask: Any) -> np.ndarray | None:
     """Per row, its first valid column, when every row's valid tokens are one contiguous span.
 
     ``None``: no 2-D mask, or a row with holes (NOTE [ Padded rows run without a mask ]: such
-    rows keep their mask). Reads the mask (one device sync).
+    rows keep their mask). Reads the mask (one device sync); on the estimate backend, the
+    values an integer mask kept (NOTE [ Integer tensors keep their values ]); a fake mask
+    without them gives ``None``.
 
     Example:
         >>> span_starts(torch.tensor([[0, 1, 1], [1, 1, 0]])).tolist()
@@ -643,7 +656,14 @@ def span_starts(mask: Any) -> np.ndarray | None:
     """
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[0] == 0:
         return None
-    valid = mask.detach().cpu().numpy() != 0
+    if is_fake(mask):
+        real = shadow_of(mask)
+        if real is None:
+            return None
+        with no_dispatch():  # a real tensor, read outside the fake mode
+            valid = real.detach().cpu().numpy() != 0
+    else:
+        valid = mask.detach().cpu().numpy() != 0
     count = valid.sum(1)
     first = np.where(count > 0, valid.argmax(1), 0)
     cols = np.arange(valid.shape[1])
