@@ -1,0 +1,284 @@
+"""Micro-batch plans under two caps: tokens (the trunk) and response tokens (a response-only head)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchfit import BudgetError, InvalidArgument
+from batchfit.batches.microbatch import iter_micro_batches
+from batchfit.plan.packing import MicroBatchPlan, plan_micro_batches
+from microbatch_helpers import make_batch
+
+
+def token_cost(lengths, indices, cost):
+    """The definition of a micro-batch's token cost (not the planner's code path)."""
+    members = [lengths[i] for i in indices]
+    return len(members) * max(members) if cost == "padded" else sum(members)
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+@st.composite
+def two_cap_inputs(draw, max_size=50):
+    lengths = draw(st.lists(st.integers(1, 300), max_size=max_size))
+    responses = [draw(st.integers(0, length)) for length in lengths]
+    budget = draw(st.integers(1, 900))
+    rbudget = draw(st.integers(1, 600))
+    dp_size = draw(st.integers(1, 4))
+    cost = draw(st.sampled_from(["padded", "packed"]))
+    balance = draw(st.booleans())
+    return lengths, responses, budget, rbudget, dp_size, cost, balance
+
+
+def check_two_cap_plan(plan: MicroBatchPlan, lengths, responses, budget, rbudget, dp_size, cost):
+    # every index exactly once, over all ranks
+    flat = sorted(i for rank in plan.ranks for mb in rank for i in mb)
+    assert flat == list(range(len(lengths)))
+    # the same count on every rank, in both cost tables
+    assert {len(r) for r in plan.ranks} == {plan.num_micro_batches}
+    assert [len(c) for c in plan.costs] == [len(c) for c in plan.response_costs] == [len(r) for r in plan.ranks]
+    oversize = set(plan.oversize)
+    assert oversize == {i for i, (n, r) in enumerate(zip(lengths, responses)) if n > budget or r > rbudget}
+    for rank, costs, rcosts in zip(plan.ranks, plan.costs, plan.response_costs):
+        for mb, c, rc in zip(rank, costs, rcosts):
+            if not mb:  # padding micro-batch: one pad row, no loss token
+                assert (c, rc) == (1, 0)
+                continue
+            assert c == token_cost(lengths, mb, cost)
+            assert rc == sum(responses[i] for i in mb)  # the head pays response tokens in both layouts
+            if oversize & set(mb):
+                assert len(mb) == 1  # an oversize sequence runs alone
+            else:
+                assert c <= budget and rc <= rbudget  # both caps are hard
+    # the lower bound covers both dimensions, and no plan beats it
+    clipped = sum(min(n, budget) for n in lengths)
+    rclipped = sum(min(r, rbudget) for r in responses)
+    expected = max(ceil_div(clipped, dp_size * budget), ceil_div(rclipped, dp_size * rbudget)) if lengths else 0
+    assert plan.lower_bound == expected
+    assert plan.num_micro_batches >= plan.lower_bound
+
+
+# ---------------------------------------------------------------- invariants (hypothesis)
+
+
+@settings(max_examples=150, deadline=None)
+@given(two_cap_inputs())
+def test_both_caps_hold_nothing_lost_or_duplicated_equal_counts(inputs):
+    lengths, responses, budget, rbudget, dp_size, cost, balance = inputs
+    plan = plan_micro_batches(
+        lengths,
+        budget,
+        dp_size=dp_size,
+        cost=cost,
+        balance=balance,
+        oversize="alone",
+        response_lengths=responses,
+        response_budget=rbudget,
+    )
+    check_two_cap_plan(plan, lengths, responses, budget, rbudget, dp_size, cost)
+    again = plan_micro_batches(
+        lengths,
+        budget,
+        dp_size=dp_size,
+        cost=cost,
+        balance=balance,
+        oversize="alone",
+        response_lengths=responses,
+        response_budget=rbudget,
+    )
+    assert again == plan  # deterministic: every rank computes the same plan
+
+
+@settings(max_examples=100, deadline=None)
+@given(two_cap_inputs())
+def test_without_the_second_cap_the_plan_is_the_one_cap_plan(inputs):
+    lengths, responses, budget, _, dp_size, cost, balance = inputs
+    kwargs = dict(dp_size=dp_size, cost=cost, balance=balance, oversize="alone")
+    one = plan_micro_batches(lengths, budget, **kwargs)
+    assert one.response_costs is None and one.response_budget is None
+    reported = plan_micro_batches(lengths, budget, response_lengths=responses, **kwargs)
+    loose = plan_micro_batches(
+        lengths, budget, response_lengths=responses, response_budget=max(1, sum(responses)), **kwargs
+    )
+    for plan in (reported, loose):
+        assert (plan.ranks, plan.costs, plan.oversize) == (one.ranks, one.costs, one.oversize)
+        assert plan.response_costs == tuple(
+            tuple(sum(responses[i] for i in mb) for mb in rank) for rank in one.ranks
+        )
+    assert reported.response_budget is None and reported.lower_bound == one.lower_bound
+
+
+def brute_force_min_count(lengths, responses, budget, rbudget, cost):
+    """Fewest micro-batches under both caps, by trying every set partition (tiny inputs only)."""
+    n = len(lengths)
+
+    @functools.cache
+    def best(remaining: frozenset) -> int:
+        if not remaining:
+            return 0
+        first = min(remaining)
+        rest = sorted(remaining - {first})
+        result = n + 1
+        for mask in range(1 << len(rest)):
+            group = [first] + [rest[b] for b in range(len(rest)) if mask >> b & 1]
+            if token_cost(lengths, group, cost) <= budget and sum(responses[i] for i in group) <= rbudget:
+                result = min(result, 1 + best(remaining - set(group)))
+        return result
+
+    return best(frozenset(range(n)))
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=7),
+    st.integers(40, 120),
+    st.integers(40, 80),
+    st.sampled_from(["padded", "packed"]),
+)
+def test_small_plans_reach_the_optimum_under_both_caps(pairs, budget, rbudget, cost):
+    lengths = [n for n, _ in pairs]
+    responses = [min(r, n) for n, r in pairs]
+    plan = plan_micro_batches(lengths, budget, cost=cost, response_lengths=responses, response_budget=rbudget)
+    assert plan.num_micro_batches == brute_force_min_count(lengths, responses, budget, rbudget, cost)
+
+
+# ---------------------------------------------------------------- the response cap binds
+
+
+def test_the_response_cap_binds_where_the_one_cap_plan_breaks_it():
+    # long prompts with short answers and short prompts with long answers
+    lengths = [900, 850, 800, 300, 280, 260, 240, 220]
+    responses = [50, 40, 30, 280, 260, 250, 230, 200]
+    budget, rbudget = 2048, 400
+    for cost in ("padded", "packed"):
+        one = plan_micro_batches(lengths, budget, cost=cost, response_lengths=responses)
+        assert max(c for rank in one.response_costs for c in rank) > rbudget  # the one-cap plan breaks it
+        two = plan_micro_batches(lengths, budget, cost=cost, response_lengths=responses, response_budget=rbudget)
+        check_two_cap_plan(two, lengths, responses, budget, rbudget, 1, cost)
+        assert two.num_micro_batches > one.num_micro_batches
+        assert two.num_micro_batches == brute_force_min_count(lengths, responses, budget, rbudget, cost)
+
+
+def test_example_pairs_answers_with_prompts():
+    plan = plan_micro_batches(
+        [100, 30, 70, 40], 140, cost="packed", response_lengths=[60, 20, 50, 30], response_budget=80
+    )
+    assert plan.ranks == (((0, 1), (2, 3)),)
+    assert plan.costs == ((130, 110),) and plan.response_costs == ((80, 80),)
+
+
+def rl_rollouts(n, max_len, seed):
+    """Long-tailed RL-like rollouts (as benchmarks/packing_two_caps.py): log-normal prompt and response."""
+    rng = np.random.default_rng(seed)
+    prompt = np.clip(rng.lognormal(np.log(900), 0.7, n).astype(np.int64), 256, max_len // 2)
+    limit = max_len - prompt
+    response = np.clip(rng.lognormal(np.log(700), 1.0, n).astype(np.int64), 1, None)
+    response = np.where(rng.random(n) < 0.05, limit, np.minimum(response, limit))
+    return prompt + response, response
+
+
+@pytest.mark.parametrize("cost", ["padded", "packed"])
+@pytest.mark.parametrize("dp_size", [1, 4])
+def test_rl_rollouts_plan_close_to_the_lower_bound(cost, dp_size):
+    lengths, responses = rl_rollouts(1024, 8192, seed=3)
+    for budget, rbudget in ((16384, 8192), (16384, 9830), (32768, 13107), (32768, 19660)):
+        one = plan_micro_batches(lengths, budget, dp_size=dp_size, cost=cost, response_lengths=responses)
+        plan = plan_micro_batches(
+            lengths, budget, dp_size=dp_size, cost=cost, response_lengths=responses, response_budget=rbudget
+        )
+        check_two_cap_plan(plan, lengths.tolist(), responses.tolist(), budget, rbudget, dp_size, cost)
+        # padded: the one-cap count is optimal under the token cap alone, so also a bound
+        bound = max(plan.lower_bound, one.num_micro_batches if cost == "padded" else 0)
+        assert plan.num_micro_batches <= 1.12 * bound, (budget, rbudget, plan.num_micro_batches, bound)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_a_response_over_the_cap_is_named_with_the_smallest_budget_that_holds_it():
+    with pytest.raises(BudgetError, match=r"sequence 1 has 90 response tokens, more than response_budget=50 "
+                       r"\(2 sequences are over it, largest 95\); raise response_budget to at least 95"):
+        plan_micro_batches([100, 100, 100], 1000, response_lengths=[10, 90, 95], response_budget=50)
+    with pytest.raises(BudgetError, match=r"sequence 0 has 100 tokens, more than token_budget=60.*at least 100"):
+        plan_micro_batches([100, 10], 60, response_lengths=[5, 5], response_budget=50)
+
+
+def test_oversize_alone_runs_a_response_over_the_cap_alone():
+    plan = plan_micro_batches(
+        [10, 20, 30, 40], 100, cost="packed", oversize="alone", response_lengths=[1, 20, 2, 3], response_budget=10
+    )
+    assert plan.oversize == (1,)
+    assert (1,) in plan.ranks[0]
+    assert all(rc <= 10 for mb, rc in zip(plan.ranks[0], plan.response_costs[0]) if mb != (1,))
+
+
+@pytest.mark.parametrize(
+    "response_lengths, response_budget, error, match",
+    [
+        ([1, 2], 10, InvalidArgument, r"one entry per sequence \(3, as lengths\).*len\(response_lengths\)=2"),
+        ([1, -1, 2], 10, InvalidArgument, r"response_lengths must hold integers in \[0, .*response_lengths\[1\]=-1"),
+        ([1, 2.5, 2], 10, InvalidArgument, r"response_lengths must hold integers only.*response_lengths\[1\]=2.5"),
+        ([1, 2, 31], 10, InvalidArgument, r"at most lengths.*response_lengths\[2\]=31 > lengths\[2\]=30"),
+        ("123", 10, InvalidArgument, r"response_lengths must be a list"),
+        (None, 10, InvalidArgument, r"response_budget=10 needs response_lengths"),
+        ([1, 2, 3], 0, BudgetError, r"response_budget must be a positive integer.*response_budget=0 \(int\)"),
+        ([1, 2, 3], True, BudgetError, r"response_budget=True \(bool\)"),
+        ([1, 2, 3], 5.0, BudgetError, r"response_budget=5.0 \(float\)"),
+    ],
+)
+def test_bad_response_arguments_are_refused(response_lengths, response_budget, error, match):
+    with pytest.raises(error, match=match):
+        plan_micro_batches(
+            [10, 20, 30], 100, response_lengths=response_lengths, response_budget=response_budget
+        )
+
+
+def test_tensors_and_arrays_are_accepted_and_pad_to_extends_response_costs():
+    lengths = torch.tensor([50, 40, 30, 20, 10])
+    responses = torch.tensor([40, 30, 20, 10, 5])
+    plan = plan_micro_batches(lengths, 60, dp_size=2, cost="packed", response_lengths=responses, response_budget=45)
+    same = plan_micro_batches(
+        lengths.numpy(), 60, dp_size=2, cost="packed", response_lengths=responses.numpy(), response_budget=45
+    )
+    assert plan == same
+    assert plan.response_lengths.tolist() == responses.tolist()
+    padded = plan.pad_to(plan.num_micro_batches + 2)
+    assert [c[-2:] for c in padded.response_costs] == [(0, 0), (0, 0)]
+    assert padded.response_budget == 45 and padded.lower_bound == plan.lower_bound
+
+
+# ---------------------------------------------------------------- running the plan
+
+
+@pytest.mark.parametrize("cost, layout", [("padded", "padded"), ("packed", "packed"), ("packed", "padded")])
+def test_iter_micro_batches_runs_a_two_cap_plan(cost, layout):
+    batch = make_batch(num_sequences=12, seed=4)
+    lengths = batch["attention_mask"].sum(-1)
+    responses = batch["loss_mask"].sum(-1)
+    budget, rbudget = int(3 * lengths.max()), int(responses.max() + 2)
+    one = plan_micro_batches(lengths, budget, dp_size=2, cost=cost, response_lengths=responses)
+    assert max(itertools.chain.from_iterable(one.response_costs)) > rbudget  # the cap binds
+    plan = plan_micro_batches(
+        lengths, budget, dp_size=2, cost=cost, response_lengths=responses, response_budget=rbudget
+    )
+    seen = []
+    for rank in range(plan.dp_size):
+        mbs = list(iter_micro_batches(batch, plan, rank, layout=layout))
+        assert len(mbs) == plan.num_micro_batches
+        for mb, rcost in zip(mbs, plan.response_costs[rank]):
+            loss_tokens = int(mb.batch["loss_mask"].sum())
+            assert loss_tokens == rcost <= rbudget  # what the response-only head gathers
+            assert mb.cost <= budget
+            if cost == layout:  # a packed plan run as padded rows pays rows × width, not its cost
+                assert mb.batch["input_ids"].numel() <= mb.cost
+            seen += list(mb.indices)
+    assert sorted(seen) == list(range(12))
