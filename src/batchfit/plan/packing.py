@@ -674,7 +674,8 @@ def _pack_best_fit_then_search(
 #   sequence, so rows are the only token constraint), else a new one of ``C // length`` rows.
 #   Each best fit scans the open micro-batches sorted by room from the first that is large
 #   enough to the first where the other cap holds too: O(log m) when one cap dominates, O(m)
-#   per sequence at worst (about 0.05 s for 2,048 rollouts, 0.4 s for 20,000);
+#   per sequence at worst (packed, dp 8: about 0.03 s for 2,048 rollouts, 0.7–1.4 s for
+#   20,000; padded 0.07 s: benchmarks/packing_two_caps.py);
 # - then, for at most SMALL_PLAN_MAX_SEQUENCES sequences above the lower bound (the larger of
 #   the response bound ``⌈Σ responses / R⌉`` and ``⌈Σ lengths / C⌉``, packed, or the one-cap
 #   optimum, padded), the depth-first search of NOTE [ Small plans are searched ] with both
