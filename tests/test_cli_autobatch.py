@@ -267,3 +267,33 @@ def test_nothing_fits_exits_1_and_says_by_how_much(capsys):
         and "even min_batch_size=1 does not fit in train mode" in lines[0]
         and " by " in lines[0]
     )
+
+
+def _autobatch_rank(rank: int, memories: tuple[str, str]) -> dict:
+    import contextlib
+    import io
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2")  # launched as torchrun launches: the group exists
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(
+            ["autobatch", "--task", TASK, "--backend", "cpu", "--memory", memories[rank], "--reserve", "0"]
+            + ["--max-bs", "8", "--modes", "val", "--fractions", "0.5", "--json", "--no-progress"]
+        )
+    return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
+
+
+def test_under_torchrun_ranks_agree_on_the_flags_and_rank_0_alone_prints():
+    from multirank import run_ranks
+
+    differ = run_ranks(_autobatch_rank, ("64MiB", "32MiB"))
+    for got in differ.values():  # --json: the error is JSON on stdout, on every rank
+        assert got["code"] == 2
+        assert json.loads(got["out"])["error"]["faults"] == [
+            "every rank must pass the same arguments to batchfit autobatch, "
+            "but they differ: --memory: rank 0 has '64MiB', rank 1 has '32MiB'"
+        ]
+    same = run_ranks(_autobatch_rank, ("64MiB", "64MiB"))
+    assert same[0]["code"] == same[1]["code"] == 0
+    assert json.loads(same[0]["out"])[0]["batch_size"] >= 1 and same[1]["out"] == ""

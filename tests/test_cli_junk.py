@@ -22,6 +22,7 @@ import pytest
 from batchfit.cli import main
 from batchfit.fileio import MAX_DEPTH, MAX_INPUT_BYTES, MAX_NODES, parse_yaml, replacing
 from batchfit.models import preset_info
+from multirank import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 SKYRL = (REPO / "examples" / "skyrl_ppo.yaml").read_text()
@@ -393,7 +394,7 @@ def test_a_report_over_the_file_size_limit_leaves_the_old_one(tmp_path):
         capture_output=True,
         text=True,
         preexec_fn=limit,
-        timeout=100,
+        timeout=scaled(100),
     )
     assert done.returncode != 0 and "output cannot be written" in done.stderr, done.stderr
     assert old.read_text() == "the user's old report\n"
@@ -406,7 +407,7 @@ PLAN = [sys.executable, "-m", "batchfit", "plan", "--json", "--policy-mini-batch
 
 
 def _run(argv, **kwargs):
-    return subprocess.run(argv, stderr=subprocess.PIPE, text=True, timeout=100, **kwargs)
+    return subprocess.run(argv, stderr=subprocess.PIPE, text=True, timeout=scaled(100), **kwargs)
 
 
 class _Broken:

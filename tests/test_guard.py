@@ -57,13 +57,14 @@ def _search_with_an_oom(rank: int, where: str, at_probe: int) -> tuple[str, floa
 
 def test_a_rank_that_runs_out_inside_a_sharded_forward_stops_every_rank_with_one_error():
     got = run_ranks(_search_with_an_oom, "forward", 2, timeout=180)
-    (first, seconds0), (second, seconds1) = got[0], got[1]
+    (first, _), (second, _) = got[0], got[1]  # (outcome, seconds) per rank
     assert first == second, got  # the same error on every rank
     assert first.startswith(
         "ProbeAbandoned: rank 1 ran out of memory in the middle of the probe of "
     ) and "the model's process group cannot be used again" in first
-    # no rank waited for the group's timeout (60 s): rank 0 gave up its all-gather at once
-    assert max(seconds0, seconds1) < 50, got
+    # rank 0 gave up its all-gather when rank 1 said so: had it waited for the group's timeout
+    # instead, its error would be the timeout's (a lost peer), not the same one as rank 1's
+    assert "timed out" not in first and "timeout" not in first.lower(), got
 
 
 def test_a_rank_that_runs_out_after_the_last_collective_only_makes_that_candidate_not_fit():

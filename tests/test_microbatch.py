@@ -23,6 +23,7 @@ from microbatch_helpers import (
     weighted_loss,
     whole_batch_grads,
 )
+from multirank import scaled
 
 # ---------------------------------------------------------------- trimming
 
@@ -193,7 +194,7 @@ def test_two_rank_ddp_gradient_equals_whole_mini_batch_gradient(tmp_path):
         join=False,
         start_method="spawn",
     )
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + scaled(150)
     try:
         while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
             if time.monotonic() > deadline:

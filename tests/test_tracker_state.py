@@ -23,6 +23,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from batchfit.memory import MemoryTracker, get_backend, labels
+from multirank import scaled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,7 +51,7 @@ def _run_in_thread(fn: Any) -> Any:
 
     thread = threading.Thread(target=target)
     thread.start()
-    thread.join(timeout=30)
+    thread.join(timeout=scaled(30))
     assert not thread.is_alive(), "the helper thread hung"
     if "error" in out:
         raise out["error"]
@@ -158,7 +159,7 @@ def slow_wait(monkeypatch) -> Iterator[tuple[threading.Event, threading.Event]]:
 
     def wait(work: Any, *args: Any, **kwargs: Any) -> bool:
         entered.set()
-        assert release.wait(timeout=30)
+        assert release.wait(timeout=scaled(30))
         return True
 
     monkeypatch.setattr(dist.Work, "wait", wait)
@@ -171,10 +172,10 @@ def test_a_wait_on_another_thread_does_not_hide_the_measured_threads_allocations
     with MemoryTracker() as t:
         waiter = threading.Thread(target=dist.Work().wait)
         waiter.start()  # async checkpointing waits on its own thread
-        assert entered.wait(timeout=30)
+        assert entered.wait(timeout=scaled(30))
         y = torch.ones(256 * KiB)  # 1 MiB while the other thread is inside wait()
         release.set()
-        waiter.join(timeout=30)
+        waiter.join(timeout=scaled(30))
     assert t.peak_bytes == MiB and t.peak_breakdown == {"activations": MiB}
     del y
 

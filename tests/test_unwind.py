@@ -23,6 +23,7 @@ from batchfit.memory import CpuBackend, MemoryTracker, heap, labels
 from batchfit.memory import fake_patches as fp
 from batchfit.memory import tracker as tracker_module
 from batchfit.memory.patches import ClassPatch, undo_all
+from multirank import scaled
 
 _ABSENT = object()
 
@@ -408,15 +409,15 @@ def test_concurrent_blocks_restore_when_the_last_one_exits(libc):
     def other() -> None:
         with heap.retain_freed_memory():
             inside.set()
-            release.wait(timeout=30)
+            release.wait(timeout=scaled(30))
 
     thread = threading.Thread(target=other)
     with heap.retain_freed_memory():
         thread.start()
-        assert inside.wait(timeout=30)
+        assert inside.wait(timeout=scaled(30))
     assert libc.values == {MMAP: RETAIN, TRIM: RETAIN}  # the other thread is still inside
     release.set()
-    thread.join(timeout=30)
+    thread.join(timeout=scaled(30))
     assert libc.values == {MMAP: DEFAULT, TRIM: DEFAULT}
 
 

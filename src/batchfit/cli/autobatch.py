@@ -186,8 +186,18 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
+#: Flags every torchrun rank must pass alike (the table, the report and --json are rank 0's).
+_AGREED_FLAGS = ("task", "config", "memory", "reserve", "backend", "fractions", "modes", "steps", "min_bs", "max_bs")
+
+
 def run(args: argparse.Namespace) -> int:
-    """``batchfit autobatch``: search, print the table (or JSON), write ``--output``; exit code."""
+    """``batchfit autobatch``: search, print the table (or JSON), write ``--output``; exit code.
+
+    Under torchrun the command joins the ranks, checks they were given the same flags, and
+    rank 0 alone prints and writes; the search's verdicts are agreed across ranks.
+    """
+    from batchfit.cli._ranks import check_same_flags, process_group
+
     s = resolve(args)
     kwargs = dict(
         fractions=s["fractions"],
@@ -199,12 +209,18 @@ def run(args: argparse.Namespace) -> int:
         reserve_bytes=s["reserve"],
         backend=s["backend"],
     )
-    if args.progress and not args.json and sys.stderr.isatty():  # no spinner residue in logs and pipes
-        results = _with_progress(s["task"], kwargs)
-    elif args.progress and not args.json:  # a log or a pipe: one flushed line per trial
-        results = sweep(s["task"], progress=_progress_line(s["task"]), **kwargs)
-    else:
-        results = sweep(s["task"], **kwargs)
+    with process_group("cuda" if backend_name(s["backend"]) == "cuda" else "cpu") as rank:
+        # under torchrun: ranks agree on the flags or all say which differ (NOTE [ Ranks agree or say why ])
+        check_same_flags(args, _AGREED_FLAGS, "autobatch")
+        progress = args.progress and not args.json and rank == 0
+        if progress and sys.stderr.isatty():  # no spinner residue in logs and pipes
+            results = _with_progress(s["task"], kwargs)
+        elif progress:  # a log or a pipe: one flushed line per trial
+            results = sweep(s["task"], progress=_progress_line(s["task"]), **kwargs)
+        else:
+            results = sweep(s["task"], **kwargs)  # the verdicts are agreed across ranks (autobatch.find)
+    if rank != 0:
+        return 0
     rows = report_rows(results)
     if s["output"] is not None:
         write_report(s["output"], rows)

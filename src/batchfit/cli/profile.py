@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from batchfit.budget.profile import ROLES, check_roles
+from batchfit.cli._ranks import launched_world, process_group
 from batchfit.errors import InvalidArgument
 from batchfit.memory import DEFAULT_ESTIMATE_TARGET, DEFAULT_SAFETY_MARGIN
 
@@ -199,12 +200,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _launched_world() -> int:
-    """Ranks torchrun launched this process among (``WORLD_SIZE``), 1 without torchrun."""
-    raw = os.environ.get("WORLD_SIZE", "1")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
-
-
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Backend, memory, world and sharding after defaults; fails fast on bad values (before building models).
 
@@ -240,7 +235,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         )
     if args.model is None:
         args.model = DEFAULT_CPU_MODEL if backend == "cpu" else DEFAULT_MODEL
-    launched = _launched_world()
+    launched = launched_world()
     if backend == "estimate":
         if launched > 1:
             raise InvalidArgument(
@@ -890,12 +885,8 @@ def _process_group(settings: dict[str, Any]) -> Iterator[int]:
     if settings["launched"] == 1 or settings["backend"] == "estimate" or dist.is_initialized():
         yield dist.get_rank() if dist.is_initialized() else 0
         return
-    _select_device(settings)
-    dist.init_process_group("nccl" if settings["backend"] == "cuda" else "gloo")
-    try:
-        yield dist.get_rank()
-    finally:
-        dist.destroy_process_group()
+    with process_group(settings["backend"]) as rank:  # LOCAL_RANK's GPU for cuda; the one collective timeout
+        yield rank
 
 
 def _select_device(settings: dict[str, Any]) -> None:
