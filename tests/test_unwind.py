@@ -454,3 +454,12 @@ def test_fsdp1_fake_patches_exited_out_of_order_leave_torch_as_found():
     assert _flat_param._same_storage is not originals[1]  # the second is still inside
     second.__exit__(None, None, None)
     assert (_runtime_utils._catch_all_reshard, _flat_param._same_storage, _flat_param._data_ptr_allocated) == originals
+
+
+def test_pinning_patch_nests_on_one_thread_and_restores_the_inherited_method():
+    from batchfit.parallel.fsdp1 import _pinning_where_possible
+
+    assert "pin_memory" not in torch.Tensor.__dict__
+    with _pinning_where_possible(), _pinning_where_possible():  # was a deadlock: a plain lock held across yield
+        assert "pin_memory" in torch.Tensor.__dict__
+    assert "pin_memory" not in torch.Tensor.__dict__

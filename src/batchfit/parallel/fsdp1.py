@@ -104,7 +104,7 @@ import torch
 from batchfit.errors import InvalidArgument
 from batchfit.parallel.sharding import Sharding
 
-_pin_lock = threading.Lock()
+_pin_lock = threading.RLock()  # re-entrant: a nested block on one thread restores what it found
 
 
 def is_fsdp1(model: torch.nn.Module) -> bool:
