@@ -457,3 +457,11 @@ def test_junk_config_fields_are_faults_naming_field_value_and_fix(field, value):
     with pytest.raises(InvalidArgument, match=field) as info:
         cfg.plan()
     assert len(str(info.value)) < 400
+
+
+def test_lengths_nested_unevenly_are_refused_by_name():
+    """Found by the property test under load: numpy could read this neither as numbers nor as objects."""
+    from batchfit import plan_micro_batches
+
+    with pytest.raises(BatchfitError, match=r"lengths\[0\]"):
+        plan_micro_batches([[[1, 2], [3]], torch.ones(2, 2, 2)], 8)

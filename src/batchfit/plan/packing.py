@@ -308,6 +308,14 @@ def _exact_sum(values: np.ndarray) -> int:
     return sum(values.tolist())
 
 
+def _objects(values: list | tuple) -> np.ndarray:
+    """A 1-D object array holding ``values`` as they are (``np.asarray(..., dtype=object)`` broadcasts nested ones)."""
+    arr = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        arr[i] = value
+    return arr
+
+
 def _as_lengths(lengths: Any) -> np.ndarray:
     if isinstance(lengths, (str, bytes, Mapping)) or lengths is None:
         raise InvalidArgument(
@@ -319,7 +327,7 @@ def _as_lengths(lengths: Any) -> np.ndarray:
     try:
         arr = np.asarray(lengths)
     except (ValueError, TypeError, OverflowError):  # ragged nested lists, objects numpy cannot read
-        arr = np.asarray(lengths, dtype=object) if isinstance(lengths, (list, tuple)) else None
+        arr = _objects(lengths) if isinstance(lengths, (list, tuple)) else None
     if arr is None or arr.ndim != 1:
         shape = "none" if arr is None else arr.shape
         raise InvalidArgument(
