@@ -277,10 +277,8 @@ def _autobatch_rank(rank: int, memories: tuple[str, str]) -> dict:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2")  # launched as torchrun launches: the group exists
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(
-            ["autobatch", "--task", TASK, "--backend", "cpu", "--memory", memories[rank], "--reserve", "0"]
-            + ["--max-bs", "8", "--modes", "val", "--fractions", "0.5", "--json", "--no-progress"]
-        )
+        flags = ["--max-bs", "8", "--modes", "val", "--fractions", "0.5", "--json", "--no-progress"]
+        code = main(["autobatch", "--task", TASK, "--backend", "cpu", "--memory", memories[rank], "--reserve", "0", *flags])
     return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
 
 
