@@ -117,3 +117,23 @@ def ddp_worker(
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def fewest_groups(n: int, fits) -> int:
+    """Fewest groups of ``range(n)`` each satisfying ``fits(group)``, by trying every set partition (tiny ``n`` only)."""
+    import functools
+
+    @functools.cache
+    def best(remaining: frozenset) -> int:
+        if not remaining:
+            return 0
+        first = min(remaining)
+        rest = sorted(remaining - {first})
+        result = n + 1
+        for mask in range(1 << len(rest)):
+            group = [first] + [rest[b] for b in range(len(rest)) if mask >> b & 1]
+            if fits(group):
+                result = min(result, 1 + best(remaining - set(group)))
+        return result
+
+    return best(frozenset(range(n)))

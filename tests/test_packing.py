@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
@@ -13,6 +11,7 @@ from hypothesis import strategies as st
 from batchfit import BudgetError, InvalidArgument
 from batchfit.plan import packing
 from batchfit.plan.packing import MicroBatchPlan, plan_micro_batches
+from microbatch_helpers import fewest_groups
 
 
 def micro_batch_cost(lengths, indices, cost):
@@ -23,22 +22,7 @@ def micro_batch_cost(lengths, indices, cost):
 
 def brute_force_min_count(lengths, budget, cost):
     """Fewest micro-batches under the cap, by trying every set partition (tiny inputs only)."""
-    n = len(lengths)
-
-    @functools.cache
-    def best(remaining: frozenset) -> int:
-        if not remaining:
-            return 0
-        first = min(remaining)
-        rest = sorted(remaining - {first})
-        result = n + 1
-        for mask in range(1 << len(rest)):
-            group = [first] + [rest[b] for b in range(len(rest)) if mask >> b & 1]
-            if micro_batch_cost(lengths, group, cost) <= budget:
-                result = min(result, 1 + best(remaining - set(group)))
-        return result
-
-    return best(frozenset(range(n)))
+    return fewest_groups(len(lengths), lambda group: micro_batch_cost(lengths, group, cost) <= budget)
 
 
 # ---------------------------------------------------------------- invariants (hypothesis)

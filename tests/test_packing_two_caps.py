@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import numpy as np
@@ -14,7 +13,7 @@ from hypothesis import strategies as st
 from batchfit import BudgetError, InvalidArgument
 from batchfit.batches.microbatch import iter_micro_batches
 from batchfit.plan.packing import MicroBatchPlan, plan_micro_batches
-from microbatch_helpers import make_batch
+from microbatch_helpers import fewest_groups, make_batch
 
 
 def token_cost(lengths, indices, cost):
@@ -119,22 +118,10 @@ def test_without_the_second_cap_the_plan_is_the_one_cap_plan(inputs):
 
 def brute_force_min_count(lengths, responses, budget, rbudget, cost):
     """Fewest micro-batches under both caps, by trying every set partition (tiny inputs only)."""
-    n = len(lengths)
-
-    @functools.cache
-    def best(remaining: frozenset) -> int:
-        if not remaining:
-            return 0
-        first = min(remaining)
-        rest = sorted(remaining - {first})
-        result = n + 1
-        for mask in range(1 << len(rest)):
-            group = [first] + [rest[b] for b in range(len(rest)) if mask >> b & 1]
-            if token_cost(lengths, group, cost) <= budget and sum(responses[i] for i in group) <= rbudget:
-                result = min(result, 1 + best(remaining - set(group)))
-        return result
-
-    return best(frozenset(range(n)))
+    return fewest_groups(
+        len(lengths),
+        lambda group: token_cost(lengths, group, cost) <= budget and sum(responses[i] for i in group) <= rbudget,
+    )
 
 
 @settings(max_examples=120, deadline=None)
