@@ -91,6 +91,16 @@ class DepthExtrapolatedStep:
             raise InvalidArgument("the two shallow steps must share one backend, but got two backends")
         self.backend: Backend = steps[self.k1].backend
 
+    @property
+    def only_loss_tokens(self) -> bool:
+        """The shallow steps' ``only_loss_tokens`` (a response-only head)."""
+        return bool(getattr(self.steps[self.k1], "only_loss_tokens", False))
+
+    @property
+    def response_fraction(self) -> float | None:
+        """The shallow steps' ``response_fraction``."""
+        return getattr(self.steps[self.k1], "response_fraction", None)
+
     def remedies(self) -> list[str]:
         """The shallow steps' remedies (they share the deep model's settings)."""
         return self.steps[self.k1].remedies()

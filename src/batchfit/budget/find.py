@@ -14,14 +14,14 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from batchfit.budget.guard import RankLeftSearch, SearchGuard, guarded_search
 from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_max_batch
-from batchfit.budget.probe import BudgetStep, CallableStep, Probe, candidate_lengths
+from batchfit.budget.probe import BudgetStep, CallableStep, Probe, candidate_lengths, response_cap
 from batchfit.budget.token_budget import BudgetPoint, TokenBudget, check_cost
 from batchfit.errors import DoesNotFitError, InvalidArgument, ProbeAbandoned
 from batchfit.memory import BACKEND_NAMES, DEFAULT_SAFETY_MARGIN, Backend
@@ -244,6 +244,9 @@ def _search(
             return result
 
         def finish(point: BudgetPoint) -> BudgetPoint:
+            size = point.tokens if cost == "packed" else point.max_batch_size
+            if size:
+                point = replace(point, response_tokens=response_cap(measured, candidate_lengths(size, seq_len, cost)))
             notify(BudgetProgress(role, seq_len, index, n_lengths, None, point.max_batch_size, len(trials), limit))
             return point
 
@@ -298,7 +301,27 @@ def _search(
         role=role,
         trials=tuple(trials),
         model_check=check,
+        response_tokens=_response_budget(points),
+        response_fraction=getattr(measured, "response_fraction", None) if getattr(measured, "only_loss_tokens", False) else None,
     )
+
+
+# NOTE [ A budget in two dimensions ]
+# With a response-only head (model_logprobs(only_loss_tokens=True)) the peak grows with the
+# micro-batch's tokens (the trunk) and with its response tokens (the head) apart. The probes
+# hold sequences with a stated share f of response tokens (response_tokens(L, f) each), so
+# the search stays one-dimensional along the ray response = f × tokens and finds, at every
+# probed length s, the most tokens T_s whose candidate fits; that candidate holds R_s
+# response tokens. The peak only grows with either count, so a micro-batch with at most
+# T_s tokens and at most R_s response tokens fits at s: the budget is the box of both caps,
+# tokens = min_s T_s and response_tokens = min_s R_s, which plan_micro_batches honours
+# together (response_budget). A share higher than f is not assumed: the second cap holds it.
+
+
+def _response_budget(points: Sequence[BudgetPoint]) -> int | None:
+    """The smallest response cap of the points (NOTE [ A budget in two dimensions ]), ``None`` without one."""
+    caps = [p.response_tokens for p in points if p.response_tokens is not None]
+    return min(caps) if caps and len(caps) == len(points) else None
 
 
 # NOTE [ Packed budgets count tokens ]

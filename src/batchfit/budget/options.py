@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchfit.budget.find import check_max_seq_len
+from batchfit.budget.step import check_response_fraction
 from batchfit.budget.token_budget import check_cost
 from batchfit.errors import InvalidArgument
 from batchfit.memory import BACKEND_NAMES
@@ -62,6 +63,12 @@ class ProfileOptions:
             frameworks build it ] in :mod:`batchfit.models.lora`). A ``reference`` is profiled
             without adapters. ``None``: not set (full fine-tuning, or a framework config's own
             LoRA in :func:`~batchfit.frameworks.profile.profile_run`); rank 0: full fine-tuning.
+        response_only: the policy's and reference's head runs only on the loss tokens
+            (:func:`batchfit.train.model_logprobs` with ``only_loss_tokens=True``); the budget
+            gains a second cap, ``response_tokens`` (NOTE [ A budget in two dimensions ]).
+        response_fraction: with ``response_only``, the share of a sequence's tokens that are
+            response (loss) tokens, in ``(0, 1]`` (a 4:1 prompt:response ratio is 0.2);
+            ``None``: every token but the first (the most there can be).
 
     Raises:
         InvalidArgument: a bad value, naming the field, the value and the fix.
@@ -86,6 +93,8 @@ class ProfileOptions:
     suggest_world_size: bool = True
     progress: bool | Callable[..., Any] = field(default=False, compare=False)
     lora: LoraSpec | None = None
+    response_only: bool = False
+    response_fraction: float | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -96,9 +105,15 @@ class ProfileOptions:
         set_(self, "safety_margin", check_number("safety_margin", self.safety_margin, low=0.0, high=1.0, low_open=True))
         set_(self, "sharding", as_sharding(self.sharding))
         set_(self, "lora", as_lora(self.lora))
-        for name in ("gradient_checkpointing", "suggest_world_size"):
+        set_(self, "response_fraction", check_response_fraction(self.response_fraction))
+        for name in ("gradient_checkpointing", "suggest_world_size", "response_only"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")
+        if self.response_fraction is not None and not self.response_only:
+            raise InvalidArgument(
+                f"response_fraction={self.response_fraction} is read only by the response-only head, but got "
+                "response_only=False; pass response_only=True (--response-only) or drop response_fraction"
+            )
         if self.depth_extrapolation is not None and not isinstance(self.depth_extrapolation, bool):
             raise InvalidArgument(
                 f"depth_extrapolation must be True, False or None (automatic), but got depth_extrapolation={self.depth_extrapolation!r}"

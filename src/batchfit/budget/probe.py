@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from typing import Any, Protocol, runtime_checkable
 
 from batchfit.memory import Backend, MemoryMeasurement
@@ -78,6 +79,37 @@ def candidate_lengths(size: int, seq_len: int, cost: str) -> list[int]:
     return [seq_len] * whole + ([rest] if rest else [])
 
 
+def response_tokens(length: int, fraction: float | None = None) -> int:
+    """The response (loss) tokens of a probe's sequence of ``length`` tokens: ``⌈fraction × length⌉``.
+
+    At most ``length − 1`` (a sequence's first token is never predicted, so at least one
+    prompt token), and ``length − 1`` when ``fraction`` is ``None`` (every token the loss
+    can read). ``fraction`` is read as the nearest fraction with a denominator up to 10⁶, so
+    ``0.2 × 10`` is exactly 2.
+
+    Example:
+        >>> response_tokens(10, 0.2), response_tokens(10), response_tokens(1, 0.5)
+        (2, 9, 0)
+    """
+    if fraction is None:
+        return max(length - 1, 0)
+    share = Fraction(fraction).limit_denominator(10**6)
+    return min(max(length - 1, 0), -(-share.numerator * length // share.denominator))
+
+
+def response_cap(step: Any, lengths: Sequence[int]) -> int | None:
+    """The response tokens of ``step``'s micro-batch of ``lengths`` when its head runs only on them, else ``None``.
+
+    A step runs a response-only head when its ``only_loss_tokens`` is true (a
+    :class:`~batchfit.budget.step.TrainingStep`, or a depth-extrapolated one); its sequences
+    then hold :func:`response_tokens` ``(L, step.response_fraction)`` response tokens each.
+    """
+    if not getattr(step, "only_loss_tokens", False):
+        return None
+    fraction = getattr(step, "response_fraction", None)
+    return sum(response_tokens(length, fraction) for length in lengths)
+
+
 @dataclass(frozen=True)
 class Probe:
     """One measured candidate: did ``batch_size`` sequences of at most ``seq_len`` tokens (``tokens`` in all) fit?
@@ -120,4 +152,4 @@ class Probe:
         return {**asdict(self), "tokens": self.total_tokens}
 
 
-__all__ = ["GENERIC_REMEDIES", "BudgetStep", "CallableStep", "Probe", "candidate_lengths"]
+__all__ = ["GENERIC_REMEDIES", "BudgetStep", "CallableStep", "Probe", "candidate_lengths", "response_cap", "response_tokens"]

@@ -592,6 +592,8 @@ class RoleBuilder:
                 cost=options.cost,
                 forward_only=forward_role(role),
                 optimizer="auto" if role == "reference" else "adamw",
+                only_loss_tokens=options.response_only and role not in VALUE_ROLES,
+                response_fraction=options.response_fraction if options.response_only else None,
             )
 
         return build_depth_steps(make, self.depth) if self.extrapolate else make(self.depth)

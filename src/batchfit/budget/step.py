@@ -47,6 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from batchfit.batches.layout import CU_SEQ_LENS
 from batchfit.batches.microbatch import MicroBatch, iter_micro_batches
 from batchfit.batches.weights import loss_weights
+from batchfit.budget.probe import response_tokens
 from batchfit.errors import InvalidArgument
 from batchfit.memory import Backend, MemoryMeasurement, labels
 from batchfit.memory.registration import (
@@ -67,7 +68,7 @@ from batchfit.plan.packing import COSTS, plan_micro_batches
 from batchfit.train.logprobs import HEADS, check_head
 from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state
 from batchfit.train.step import micro_batch_loss, micro_batch_outputs
-from batchfit.validation import check_choice, check_positive_int
+from batchfit.validation import check_choice, check_number, check_positive_int
 
 OPTIMIZERS = ("adamw", "sgd")
 #: How the policy's log-probs are computed (:data:`batchfit.train.HEADS`): ``full`` materialises
@@ -110,6 +111,11 @@ class TrainingStep:
         host_categories: categories held in host memory (CPU offload), see
             :meth:`batchfit.memory.Backend.measure`.
         sharding: the model's :class:`~batchfit.parallel.Sharding`.
+        only_loss_tokens: a policy's head runs only on the loss tokens (NOTE [ Response-only
+            head ]); the micro-batch's loss mask is then an integer tensor, whose values the
+            estimate backend keeps.
+        response_fraction: each sequence's share of response tokens (:func:`~batchfit.budget.probe.response_tokens`);
+            ``None``: every token but the first.
     """
 
     def __init__(
@@ -123,8 +129,12 @@ class TrainingStep:
         logprobs: str = "full",
         cost: str = "padded",
         forward_only: bool = False,
+        only_loss_tokens: bool = False,
+        response_fraction: float | None = None,
     ):
         self.model = model
+        self.only_loss_tokens = only_loss_tokens
+        self.response_fraction = response_fraction
         self.backend = backend
         self.optimizer = optimizer
         self.critic = critic
@@ -165,7 +175,13 @@ class TrainingStep:
             InvalidArgument: no lengths, or a length that is not a positive integer.
         """
         lengths = _check_lengths(lengths)
-        rollout = synthetic_rollout(lengths, vocab_size=self.vocab_size, critic=self.critic)
+        rollout = synthetic_rollout(
+            lengths,
+            vocab_size=self.vocab_size,
+            critic=self.critic,
+            response_fraction=self.response_fraction,
+            mask_dtype=torch.long if self.only_loss_tokens else torch.float32,
+        )
         cost = len(lengths) * max(lengths) if self.cost == "padded" else sum(lengths)
         plan = plan_micro_batches(lengths, token_budget=cost, cost=self.cost)
         (mb,) = iter_micro_batches(rollout, plan, 0, layout="packed" if self.cost == "packed" else "padded")
@@ -196,7 +212,7 @@ class TrainingStep:
 
     def run(self, mb: MicroBatch) -> None:
         """Copy ``mb``'s fields to the device and run the trainer's step on it (NOTE [ One micro-batch step ])."""
-        options = {"critic": self.critic, "head": self.logprobs}
+        options = {"critic": self.critic, "head": self.logprobs, "only_loss_tokens": self.only_loss_tokens}
         with self.backend.context(), _quiet_fsdp_views():
             mb, _held = _on_device(mb, self.backend)
             if self.forward_only:
@@ -220,23 +236,49 @@ class TrainingStep:
                 self.model.zero_grad(set_to_none=False)
 
 
-def synthetic_rollout(lengths: Sequence[int], *, vocab_size: int, critic: bool = False, seed: int = 0) -> dict[str, Any]:
+def check_response_fraction(fraction: Any, name: str = "response_fraction") -> float | None:
+    """``None``, or a share of response tokens in ``(0, 1]`` as a float.
+
+    Raises:
+        InvalidArgument: anything else, naming ``name``.
+    """
+    if fraction is None:
+        return None
+    return check_number(name, fraction, low=0.0, high=1.0, low_open=True)
+
+
+def synthetic_rollout(
+    lengths: Sequence[int],
+    *,
+    vocab_size: int,
+    critic: bool = False,
+    seed: int = 0,
+    response_fraction: float | None = None,
+    mask_dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
     """A rollout batch of one sequence per length in the prompt | response layout, on the host.
 
-    Each sequence is one prompt token and ``length − 1`` response tokens, right-padded to the
-    longest (``[n, W]`` ``input_ids`` and ``attention_mask``, ``W = max(lengths)``); the
-    response-width fields are ``[n, W − 1]`` (at least one column): ``loss_mask`` (1 on every
-    response token), ``weights`` (token mean), and ``advantages`` and ``old_log_probs`` for a
-    policy, ``returns`` and ``old_values`` for a critic. Random tokens from a seeded generator.
+    Each sequence of ``L`` tokens is a prompt and :func:`~batchfit.budget.probe.response_tokens` ``(L,
+    response_fraction)`` response tokens (one prompt token when ``response_fraction`` is
+    ``None``): prompts left-padded to the longest prompt, responses right-padded to the
+    longest response (``[n, W]`` ``input_ids`` and ``attention_mask``); the response-width
+    fields are ``[n, R]`` (at least one column): ``loss_mask`` (1 on every response token,
+    of ``mask_dtype``), ``weights`` (token mean), and ``advantages`` and ``old_log_probs``
+    for a policy, ``returns`` and ``old_values`` for a critic. Random tokens from a seeded
+    generator.
     """
-    width = max(lengths)
-    n, response = len(lengths), max(width - 1, 1)
+    n = len(lengths)
+    lens = torch.as_tensor(list(lengths))
+    responses = torch.as_tensor([response_tokens(length, response_fraction) for length in lengths])
+    prompts = lens - responses
+    prompt_width, response = int(prompts.max()), max(int(responses.max()), 1)
+    width = prompt_width + int(responses.max())
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (n, width), generator=generator)
     columns = torch.arange(width)
-    lens = torch.as_tensor(list(lengths))
-    attention_mask = (columns[None, :] < lens[:, None]).long()
-    loss_mask = (torch.arange(response)[None, :] < (lens - 1)[:, None]).float()
+    start = prompt_width - prompts  # left-padded prompts: each sequence starts here
+    attention_mask = ((columns[None, :] >= start[:, None]) & (columns[None, :] < (prompt_width + responses)[:, None])).long()
+    loss_mask = (torch.arange(response)[None, :] < responses[:, None]).to(mask_dtype)
     batch: dict[str, Any] = {
         "input_ids": ids * attention_mask,
         "attention_mask": attention_mask,
@@ -453,6 +495,8 @@ def causal_lm_step(
     logprobs: str = "full",
     cost: str = "padded",
     forward_only: bool = False,
+    only_loss_tokens: bool = False,
+    response_fraction: float | None = None,
 ) -> TrainingStep:
     """The budget's probe for ``model`` on ``backend``: a :class:`TrainingStep`, optimizer state initialised.
 
@@ -477,6 +521,11 @@ def causal_lm_step(
             no optimizer step. With an ``optimizer`` its state is created and registered all
             the same: the old-log-prob or value pass of a model being trained runs with that
             state resident; pass ``optimizer=None`` for a frozen reference.
+        only_loss_tokens: the policy's head runs only on the loss tokens
+            (:func:`batchfit.train.model_logprobs`'s ``only_loss_tokens``); ignored for a critic.
+        response_fraction: each probed sequence's share of response (loss) tokens, in
+            ``(0, 1]`` (:func:`~batchfit.budget.probe.response_tokens`); ``None``: every token but the first, the
+            most a sequence can have.
 
     Returns:
         A :class:`TrainingStep`; ``step.persistent`` is what to register with
@@ -485,7 +534,8 @@ def causal_lm_step(
     Raises:
         InvalidArgument: the model's tensors do not belong to ``backend`` (fake vs real,
             or another estimate backend's fake mode), an unknown optimizer, head or cost,
-            ``critic`` inconsistent with the model, a bad ``vocab_size``.
+            ``critic`` inconsistent with the model, a bad ``vocab_size`` or
+            ``response_fraction``.
     """
     chosen = resolve_backend(backend)
     if chosen is None:
@@ -509,6 +559,9 @@ def causal_lm_step(
     vocab_size = check_positive_int("vocab_size", vocab_size)
     logprobs = check_head("logprobs", logprobs)
     cost = check_choice("cost", cost, COSTS)
+    response_fraction = check_response_fraction(response_fraction)
+    if not isinstance(only_loss_tokens, bool):
+        raise InvalidArgument(f"only_loss_tokens must be True or False, but got only_loss_tokens={only_loss_tokens!r}")
     if isinstance(optimizer, str) and optimizer == "auto":
         optimizer = None if forward_only else "adamw"
     opt = _make_optimizer(model, optimizer, lr, chosen)
@@ -523,6 +576,8 @@ def causal_lm_step(
         logprobs=logprobs,
         cost=cost,
         forward_only=bool(forward_only),
+        only_loss_tokens=only_loss_tokens and not critic,
+        response_fraction=response_fraction,
     )
     if not forward_only:
         with chosen.context():

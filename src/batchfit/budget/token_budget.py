@@ -32,6 +32,8 @@ class BudgetPoint:
         breakdown: bytes per category at the peak of ``max_batch_size`` (one rank's).
         host_bytes: host bytes at that peak (CPU offload), not in ``peak_bytes``.
         max_tokens: a packed search's largest fitting token count, ``None`` for a padded one.
+        response_tokens: with a response-only head, the response (loss) tokens of the
+            largest fitting candidate; ``None`` otherwise.
     """
 
     seq_len: int
@@ -43,6 +45,7 @@ class BudgetPoint:
     breakdown: dict[str, int] = field(default_factory=dict, compare=False)
     host_bytes: int = 0
     max_tokens: int | None = None
+    response_tokens: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -61,6 +64,7 @@ class BudgetPoint:
             "capped": self.capped,
             "breakdown": dict(self.breakdown),
             "host_bytes": self.host_bytes,
+            "response_tokens": self.response_tokens,
         }
 
 
@@ -88,6 +92,11 @@ class TokenBudget:
         trials: every probe, in order.
         model_check: what checking the budget against the memory model found.
         parts: for a budget combined by :meth:`min`, the budgets it combines.
+        response_tokens: the second cap of a response-only head (NOTE [ A budget in two
+            dimensions ]): any micro-batch of cost ``<= tokens`` with ``<= response_tokens``
+            response (loss) tokens fits. ``None``: the head runs on every token, no second cap.
+        response_fraction: the share of response tokens the probes held (``None``: every
+            token but each sequence's first).
     """
 
     tokens: int
@@ -104,6 +113,8 @@ class TokenBudget:
     trials: tuple[Probe, ...] = ()
     model_check: str = ""
     parts: tuple[TokenBudget, ...] = field(default=())
+    response_tokens: int | None = None
+    response_fraction: float | None = None
 
     def max_batch_size(self, seq_len: int) -> int:
         """Sequences of ``seq_len`` tokens (padded) one micro-batch may hold: ``tokens // seq_len``.
@@ -138,6 +149,8 @@ class TokenBudget:
         """Everything as plain values (JSON-ready), parts included."""
         return {
             "tokens": self.tokens,
+            "response_tokens": self.response_tokens,
+            "response_fraction": self.response_fraction,
             "max_seq_len": self.max_seq_len,
             "cost": self.cost,
             "role": self.role,
@@ -158,7 +171,8 @@ class TokenBudget:
     def min(*budgets: TokenBudget) -> TokenBudget:
         """Combine budgets of several roles (policy, critic, reference…): the smallest wins.
 
-        The result has the smallest ``tokens`` and the smallest ``max_seq_len``; its points,
+        The result has the smallest ``tokens``, ``max_seq_len`` and ``response_tokens`` (of
+        the budgets that have one); its points,
         memory model and limits are those of the binding budget, ``probes`` is the total,
         ``role`` joins the roles with ``+`` and ``parts`` holds the inputs (a micro-batch
         size shared by every role must fit each of them — SkyRL #1060's critic OOM).
@@ -186,6 +200,7 @@ class TokenBudget:
             return budgets[0]
         binding = min(budgets, key=lambda b: (b.tokens, b.max_seq_len))
         roles = [b.role or f"#{i}" for i, b in enumerate(budgets)]
+        caps = [b.response_tokens for b in budgets if b.response_tokens is not None]
         return TokenBudget(
             tokens=binding.tokens,
             max_seq_len=min(b.max_seq_len for b in budgets),
@@ -201,6 +216,8 @@ class TokenBudget:
             trials=(),
             model_check=binding.model_check,
             parts=tuple(budgets),
+            response_tokens=min(caps) if caps else None,
+            response_fraction=binding.response_fraction,
         )
 
     @property

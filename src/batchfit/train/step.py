@@ -34,6 +34,7 @@ def micro_batch_outputs(
     head: str | FrameworkHead = "fused",
     chunk_size: int | str | None = "auto",
     temperature: float = 1.0,
+    only_loss_tokens: bool = False,
 ) -> torch.Tensor:
     """The per-token outputs of one micro-batch: token-aligned log-probs, or values for a critic.
 
@@ -42,8 +43,9 @@ def micro_batch_outputs(
             DDP or FSDP2.
         batch: a :class:`~batchfit.batches.MicroBatch` or its ``.batch`` mapping.
         critic: values (:func:`batchfit.train.model_values`) instead of log-probs.
-        head, chunk_size, temperature: as :func:`batchfit.train.model_logprobs` (ignored
-            for a critic).
+        head, chunk_size, temperature, only_loss_tokens: as :func:`batchfit.train.model_logprobs`
+            (ignored for a critic); ``only_loss_tokens`` runs the head only where the batch's
+            ``loss_mask`` is non-zero (NOTE [ Response-only head ]).
 
     Returns:
         ``[rows, T]`` fp32, token-aligned (NOTE [ Token-aligned log-probs ]).
@@ -54,7 +56,12 @@ def micro_batch_outputs(
     """
     if critic:
         return model_values(model, batch)
-    return cast(torch.Tensor, model_logprobs(model, batch, head=head, chunk_size=chunk_size, temperature=temperature))
+    return cast(
+        torch.Tensor,
+        model_logprobs(
+            model, batch, head=head, chunk_size=chunk_size, temperature=temperature, only_loss_tokens=only_loss_tokens
+        ),
+    )
 
 
 def micro_batch_loss(
@@ -69,6 +76,7 @@ def micro_batch_loss(
     clip_ratio_high: float | None = None,
     value_clip: float | None = None,
     scale: float = 1.0,
+    only_loss_tokens: bool = False,
 ) -> torch.Tensor:
     """The loss of one trained micro-batch, weighted exactly: ``micro_batch_loss(...).backward()``.
 
@@ -82,6 +90,9 @@ def micro_batch_loss(
             ``old_log_probs``, or ``returns`` (and ``old_values`` with ``value_clip``)).
         critic: the value loss of a value-head model instead of the policy loss.
         head, chunk_size, temperature: as :func:`batchfit.train.model_logprobs`.
+        only_loss_tokens: the head runs only on the loss tokens (NOTE [ Response-only head ]):
+            the same loss and gradients, with the head's memory and time scaling with the
+            response tokens.
         clip_ratio, clip_ratio_high: as :func:`batchfit.train.policy_loss`.
         value_clip: ``clip`` of :func:`batchfit.train.value_loss`.
         scale: the data-parallel size under DDP/FSDP2 (NOTE [ Accumulate, then sync once ]).
@@ -95,9 +106,15 @@ def micro_batch_loss(
     fields = _fields(batch)
     framework = None if critic else as_framework_head(head)
     if framework is not None:
-        return _framework_loss(model, batch, fields, framework, clip_ratio, clip_ratio_high, scale)
+        return _framework_loss(model, batch, fields, framework, clip_ratio, clip_ratio_high, scale, only_loss_tokens)
     outputs = micro_batch_outputs(
-        model, batch, critic=critic, head=head, chunk_size=chunk_size, temperature=temperature
+        model,
+        batch,
+        critic=critic,
+        head=head,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        only_loss_tokens=only_loss_tokens,
     )
     if critic:
         return value_loss(outputs, fields, clip=value_clip, scale=scale)
@@ -112,6 +129,7 @@ def _framework_loss(
     clip_ratio: float,
     clip_ratio_high: float | None,
     scale: float,
+    only_loss_tokens: bool = False,
 ) -> torch.Tensor:
     """The policy loss with a framework's head: its entropy a loss term, or a metric held with the loss.
 
@@ -120,7 +138,7 @@ def _framework_loss(
     until the micro-batch's backward is done; it rides on the loss (``loss.held_entropy``),
     which the caller drops after ``backward()``.
     """
-    logp, entropy = model_logprobs(model, batch, head=head, return_entropy=True)
+    logp, entropy = model_logprobs(model, batch, head=head, return_entropy=True, only_loss_tokens=only_loss_tokens)
     loss = policy_loss(logp, fields, clip_ratio=clip_ratio, clip_ratio_high=clip_ratio_high, scale=scale)
     if entropy is None:
         return loss
