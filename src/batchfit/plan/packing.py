@@ -44,13 +44,22 @@ from batchfit.validation import (
     short_repr,
 )
 
-__all__ = ["COSTS", "OVERSIZE", "PADDING_MICRO_BATCH_COST", "MicroBatchPlan", "plan_micro_batches"]
+__all__ = [
+    "COSTS",
+    "OVERSIZE",
+    "PADDING_MICRO_BATCH_COST",
+    "MicroBatchPlan",
+    "plan_micro_batches",
+    "split_chunks",
+]
 
 COSTS = ("padded", "packed")
 """``padded``: a micro-batch costs ``count × longest length``; ``packed``: the sum of lengths."""
 
-OVERSIZE = ("raise", "alone")
-"""What to do with a sequence longer than the budget: raise :class:`BudgetError`, or run it alone."""
+OVERSIZE = ("raise", "alone", "split")
+"""What to do with a sequence longer than the budget: raise :class:`BudgetError`, run it alone, or
+run it alone in chunks of at most the budget (NOTE [ Over-long sequences run in chunks ] in
+:mod:`batchfit.train.long_sequence`)."""
 
 PADDING_MICRO_BATCH_COST = 1
 # Longest sequence a plan accepts (2**40 tokens, far beyond any context length): bounds every
@@ -91,6 +100,9 @@ class MicroBatchPlan:
             ``response_lengths``.
         response_budget: the cap on ``response_costs`` the plan was made for, or ``None``.
         response_lengths: response (loss) tokens per sequence, in input order, or ``None``.
+        split: ``(index, chunks)`` of each sequence longer than ``token_budget`` in a plan made
+            with ``oversize="split"``: it runs alone, in ``chunks`` passes of at most
+            ``token_budget`` tokens (:func:`split_chunks`); also listed in ``oversize``.
 
     "Plan order" is rank-major: rank 0's micro-batches in order, each in its index order,
     then rank 1's, and so on; padding micro-batches contribute no sequence.
@@ -107,6 +119,26 @@ class MicroBatchPlan:
     response_costs: tuple[tuple[int, ...], ...] | None = None
     response_budget: int | None = None
     response_lengths: np.ndarray | None = field(default=None, compare=False, repr=False)
+    split: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def split_extra_forwards(self) -> int:
+        """What splitting costs: chunk forwards beyond one per split sequence, ``Σ (chunks − 1)``.
+
+        Each split sequence's chunks but the last run twice, once without gradients to keep
+        their keys and values and once with them (NOTE [ Over-long sequences run in chunks ]).
+        """
+        return sum(chunks - 1 for _, chunks in self.split)
+
+    def describe_split(self) -> str:
+        """``"k sequences split into n chunks (m extra forwards)"``, or ``""`` when nothing is split."""
+        if not self.split:
+            return ""
+        k, n = len(self.split), sum(chunks for _, chunks in self.split)
+        return (
+            f"{k} sequence{'s' if k != 1 else ''} split into {n} chunks "
+            f"({self.split_extra_forwards} extra forward{'s' if self.split_extra_forwards != 1 else ''})"
+        )
 
     @property
     def dp_size(self) -> int:
@@ -296,7 +328,40 @@ class MicroBatchPlan:
             response_costs=response_costs,
             response_budget=self.response_budget,
             response_lengths=self.response_lengths,
+            split=self.split,
         )
+
+
+def split_chunks(length: int, chunk_tokens: int, *, index: int | None = None) -> tuple[tuple[int, int], ...]:
+    """The token ranges ``[start, end)`` a sequence of ``length`` tokens runs in, no pass over ``chunk_tokens``.
+
+    NOTE [ Over-long sequences run in chunks ] (:mod:`batchfit.train.long_sequence`): every
+    pass but the last also runs the next chunk's first token as a label, so every chunk but
+    the last holds ``chunk_tokens − 1`` tokens and the last at most ``chunk_tokens``:
+    ``⌈(length − 1) / (chunk_tokens − 1)⌉`` chunks, one when the sequence fits.
+
+    Raises:
+        BudgetError: ``chunk_tokens < 2`` for a longer sequence (no pass could hold a token
+            and its label), naming the sequence (``index``) and the smallest budget holding it.
+        InvalidArgument: ``length`` or ``chunk_tokens`` is not a positive integer.
+
+    Example:
+        >>> split_chunks(8, 4)  # passes [0, 4), [3, 7), [6, 8): 4 + 4 + 2 tokens
+        ((0, 3), (3, 6), (6, 8))
+    """
+    length = check_int("length", length, minimum=1, maximum=MAX_LENGTH)
+    chunk_tokens = check_int("chunk_tokens", chunk_tokens, minimum=1, maximum=MAX_COUNT)
+    if length <= chunk_tokens:
+        return ((0, length),)
+    if chunk_tokens < 2:
+        name = "the sequence" if index is None else f"sequence {index}"
+        raise BudgetError(
+            f"{name} has {length} tokens and cannot run in chunks of chunk_tokens={chunk_tokens} (a pass runs "
+            f"a token and the next one's label); raise the token budget to at least 2 (at least {length} to run it unsplit)"
+        )
+    step = chunk_tokens - 1
+    count = -(-(length - 1) // step)
+    return tuple((j * step, (j + 1) * step if j < count - 1 else length) for j in range(count))
 
 
 def _exact_sum(values: np.ndarray) -> int:
@@ -1021,7 +1086,11 @@ def plan_micro_batches(
         balance: balance rank costs and align micro-batches across ranks (see above).
         oversize: ``"raise"`` (default) or ``"alone"``: a sequence longer than the budget
             (or with more response tokens than ``response_budget``) runs alone in its own
-            micro-batch and is listed in ``plan.oversize``.
+            micro-batch and is listed in ``plan.oversize``. ``"split"``: as ``"alone"``, and
+            each sequence longer than ``token_budget`` is listed in ``plan.split`` with the
+            chunks it runs in (:func:`split_chunks`; ``batchfit.train.micro_batch_backward``
+            runs them, NOTE [ Over-long sequences run in chunks ]); one over only the
+            response budget runs alone, whole.
         response_lengths: response (loss) tokens per sequence (``loss_mask.sum(-1)``), each in
             ``[0, lengths[i]]``; the plan reports ``response_costs``. ``None``: no response cost.
         response_budget: the largest response cost of a micro-batch (needs
@@ -1075,7 +1144,7 @@ def plan_micro_batches(
         raise BudgetError(
             f"sequence {i} has {int(lens[i])} tokens, more than token_budget={budget}{others}; raise "
             f"token_budget to at least {int(lens.max())}, truncate or drop the sequence, or pass "
-            "oversize='alone' to run it alone in a micro-batch over the budget"
+            "oversize='alone' to run it alone in a micro-batch over the budget (or 'split' to run it in chunks)"
         )
     if rbudget is not None:
         over_responses = resp > rbudget
@@ -1134,4 +1203,10 @@ def plan_micro_batches(
         response_costs=response_costs,
         response_budget=rbudget,
         response_lengths=frozen_resp,
+        split=_split(lens, budget) if oversize == "split" else (),
     )
+
+
+def _split(lens: np.ndarray, budget: int) -> tuple[tuple[int, int], ...]:
+    """``(index, chunks)`` of every sequence longer than ``budget`` (:func:`split_chunks`)."""
+    return tuple((int(i), len(split_chunks(int(lens[i]), budget, index=int(i)))) for i in np.flatnonzero(lens > budget))

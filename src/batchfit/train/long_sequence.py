@@ -1,0 +1,450 @@
+"""A sequence longer than the token budget, trained in chunks with the gradient of the whole sequence.
+
+NOTE [ Over-long sequences run in chunks ]
+A micro-batch holding one sequence of ``L`` tokens, more than the budget ``C``, runs in ``n``
+passes of at most ``C`` tokens, one after another, each attending to the keys and values
+(KV) of the tokens before it (:func:`split_loss_backward`):
+
+1. **Fill.** Every chunk but the last runs under ``torch.no_grad()`` with a
+   ``DynamicCache``: only the KV of the sequence is kept (and ``logits_to_keep=1``, no
+   ``[C, V]`` logits).
+2. **Back to front.** Chunk ``j`` (tokens ``[s, e)``) runs again, with gradients, on a cache
+   whose keys and values for ``[0, s)`` are *leaves* (detached views of step 1's KV that
+   require grad). Its loss is :func:`batchfit.train.micro_batch_loss` of a micro-batch of
+   its own tokens, so every head (``fused``, ``full``, ``only_loss_tokens``, the
+   frameworks') and the value loss run as for any micro-batch. One backward runs from that
+   loss *and* from the chunk's own KV outputs (``[s, e)``, every layer) with the gradient
+   the later chunks sent to those positions; the leaves' gradients are added to the slots
+   of ``[0, s)``. Chunks run last to first, so when chunk ``j`` runs, the slots of its
+   positions hold everything the later chunks' losses owe them.
+
+The losses are sums of per-token terms (:func:`batchfit.train.policy_loss`), and each token's
+log-prob belongs to exactly one chunk, so the chunks' losses sum to the unsplit loss and the
+parameters' gradients (accumulated in ``.grad`` chunk by chunk) to its gradient: equal to
+fp32 rounding (1e-5 on tiny Llama/Qwen2, ``tests/test_long_sequence.py``).
+
+Labels. Column ``c``'s log-prob comes from the hidden state of ``c - 1`` (NOTE
+[ Token-aligned log-probs ]), so the last token of chunk ``j`` predicts the first token of
+chunk ``j + 1``. Every pass but the last therefore runs one more token, the next chunk's
+first, which is only a label there (its own log-prob and KV are the next chunk's): a chunk
+but the last owns at most ``C - 1`` tokens and each pass runs at most ``C``
+(:func:`batchfit.plan.packing.split_chunks`). The passes run ``L + n - 1`` tokens with
+gradients and ``Σ`` of all but the last chunk without: ``n − 1`` extra chunk forwards
+(``plan.split_extra_forwards``).
+
+Memory. One chunk's activations (what the budget's probe measured at ``C`` tokens), plus
+the whole sequence's KV three times: step 1's KV, the slots of its gradient, and the
+``[0, e)`` keys and values each layer's attention holds for its backward (the cache
+concatenates past and new; the unsplit sequence holds these too). Under gradient
+checkpointing the decoder layers keep the cache (a checkpointed layer replays its forward
+in the backward; the cache here returns past + new without changing, so the replay reads
+what the forward read).
+
+Where it cannot be exact, :func:`split_loss_backward` raises :class:`~batchfit.errors.BudgetError`
+naming the sequence and the smallest budget that holds it unsplit (its length):
+
+- a cache layer that is not a plain full-attention ``DynamicLayer`` (sliding windows,
+  chunked or hybrid attention, linear attention): such a cache drops or transforms past KV;
+- a model whose forward takes no ``past_key_values``;
+- a sharded model (DDP, FSDP1, FSDP2): each pass is a collective round, and ranks whose
+  micro-batch is not split would not run as many (and the KV leaves would need the ranks'
+  agreement on the pass schedule), so the ranks would desynchronise.
+
+Dropout draws differently in the fill pass and the gradient pass; with dropout on, the
+gradient is that of one draw per pass, not of the unsplit sequence's draw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from batchfit.batches.microbatch import MicroBatch
+from batchfit.errors import BatchError, BudgetError
+from batchfit.plan.packing import split_chunks
+from batchfit.train.step import micro_batch_loss
+from batchfit.validation import check_int
+
+__all__ = ["micro_batch_backward", "split_loss_backward", "split_refusal"]
+
+#: Fields of a micro-batch that say where its tokens are (the chunks make their own).
+_LAYOUT_FIELDS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens", "max_length")
+
+#: Per-token fields zeroed at a chunk's first token (its log-prob belongs to the chunk before).
+_LOSS_FIELDS = ("loss_mask", "weights")
+
+
+def micro_batch_backward(
+    model: torch.nn.Module,
+    batch: Any,
+    *,
+    chunk_tokens: int | None = None,
+    **loss_options: Any,
+) -> torch.Tensor:
+    """Run one micro-batch's loss and its backward; a lone sequence longer than ``chunk_tokens`` runs in chunks.
+
+    The trainer's hook for plans made with ``oversize="split"``: ``micro_batch_loss(...).backward()``
+    for every micro-batch, except one that holds a single sequence of more than
+    ``chunk_tokens`` tokens, which runs :func:`split_loss_backward` (NOTE [ Over-long sequences
+    run in chunks ]) with the same gradient.
+
+    Args:
+        model: the trained model, bare (a split micro-batch); bare, DDP or FSDP2 otherwise.
+        batch: a :class:`~batchfit.batches.MicroBatch` (or its ``.batch`` mapping).
+        chunk_tokens: the most tokens one pass may run, the plan's ``token_budget``;
+            ``None`` never splits.
+        **loss_options: passed to :func:`batchfit.train.micro_batch_loss` (``head``,
+            ``scale``, ``critic``, ``clip_ratio``, ...).
+
+    Returns:
+        The micro-batch's loss, detached (0-dim fp32).
+
+    Raises:
+        BudgetError: the micro-batch must be split but cannot be exactly (:func:`split_refusal`).
+        BatchError, InvalidArgument: as :func:`batchfit.train.micro_batch_loss`.
+
+    Example:
+        >>> for mb in accumulate(model, iter_micro_batches(mini, plan), plan.num_micro_batches):  # doctest: +SKIP
+        ...     micro_batch_backward(model, mb, chunk_tokens=plan.token_budget, scale=dp)
+    """
+    if chunk_tokens is not None:
+        chunk_tokens = check_int("chunk_tokens", chunk_tokens, minimum=1)
+        fields = _fields(batch)
+        ids, mask = fields.get("input_ids"), fields.get("attention_mask")
+        if isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[0] == 1:
+            length = int((mask != 0).sum()) if isinstance(mask, torch.Tensor) else ids.shape[1]
+            if length > chunk_tokens:
+                return split_loss_backward(model, batch, chunk_tokens, **loss_options)
+    loss = micro_batch_loss(model, batch, **loss_options)
+    loss.backward()
+    return loss.detach()
+
+
+def split_refusal(model: torch.nn.Module, length: int, index: int | None = None) -> BudgetError | None:
+    """Why a sequence of ``length`` tokens cannot run in chunks under ``model`` with the unsplit gradient, or ``None``.
+
+    The one-line :class:`~batchfit.errors.BudgetError` names the sequence (``index`` in the
+    mini-batch), its length, the reason and the smallest budget that holds it unsplit (NOTE
+    [ Over-long sequences run in chunks ]); returned, not raised, so a runner can check a
+    plan's split sequences before the step.
+    """
+    reason = _why_not_exact(model)
+    if reason is None:
+        return None
+    name = f"sequence {index}" if index is not None else "the sequence"
+    return BudgetError(
+        f"{name} has {length} tokens, more than one pass may run, and cannot run in chunks with its exact "
+        f"gradient: {reason}; raise the token budget to at least {length}, truncate or drop the sequence"
+    )
+
+
+def _why_not_exact(model: torch.nn.Module) -> str | None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from batchfit.parallel.fsdp1 import is_fsdp1
+    from batchfit.parallel.shard import is_fsdp, unwrap
+
+    if isinstance(model, DistributedDataParallel) or is_fsdp(model) or is_fsdp1(model):
+        return (
+            f"the model is sharded ({type(model).__name__}): each chunk is a collective round and ranks "
+            "would run different numbers of them"
+        )
+    inner = unwrap(model)
+    if "past_key_values" not in inspect.signature(type(inner).forward).parameters:
+        return f"{type(inner).__name__}.forward takes no past_key_values (no KV cache)"
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        layers = DynamicCache(config=inner.config).layers
+    except Exception as exc:  # a model transformers cannot make a cache for: say why
+        return f"transformers makes no DynamicCache for {type(inner).__name__} ({type(exc).__name__}: {exc})"
+    odd = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+    if odd:
+        return (
+            f"its cache has {', '.join(odd)} layers (sliding-window, chunked, hybrid or linear attention "
+            "drop or transform past keys and values), only full-attention DynamicLayer ones run exactly"
+        )
+    return None
+
+
+def split_loss_backward(
+    model: torch.nn.Module,
+    batch: Any,
+    chunk_tokens: int,
+    **loss_options: Any,
+) -> torch.Tensor:
+    """The loss of a micro-batch holding one sequence, run in chunks of at most ``chunk_tokens`` tokens, and its backward.
+
+    NOTE [ Over-long sequences run in chunks ]: the parameters' ``.grad`` gain what
+    ``micro_batch_loss(model, batch, **loss_options).backward()`` would add (fp32 rounding
+    apart); peak memory is one chunk's activations plus three copies of the sequence's KV.
+
+    Args:
+        model: a transformers causal LM (or value model), bare or PEFT; its cache must be
+            full-attention ``DynamicLayer`` s.
+        batch: a :class:`~batchfit.batches.MicroBatch` of one sequence, a padded row (valid
+            tokens one span; response fields right-aligned) or a packed row, or its mapping.
+        chunk_tokens: the most tokens a pass runs (the plan's ``token_budget``), at least 2.
+        **loss_options: passed to :func:`batchfit.train.micro_batch_loss`.
+
+    Returns:
+        The loss, detached (0-dim fp32); the backward has run.
+
+    Raises:
+        BudgetError: the split cannot be exact for ``model`` (:func:`split_refusal`), or
+            ``chunk_tokens < 2`` for a sequence longer than it (one line, naming the sequence).
+        BatchError: more than one sequence, or a padded row whose valid tokens have holes.
+    """
+    from transformers.cache_utils import DynamicCache
+
+    index = batch.indices[0] if isinstance(batch, MicroBatch) and batch.indices else None
+    fields, ids = _sequence(batch)
+    length = ids.shape[1]
+    refusal = split_refusal(model, length, index)
+    if refusal is not None:
+        raise refusal
+    chunks = split_chunks(length, chunk_tokens, index=index)
+    if len(chunks) == 1:
+        loss = micro_batch_loss(model, batch, **loss_options)
+        loss.backward()
+        return loss.detach()
+    per_token = _per_token_fields(fields, batch)
+    config = _inner(model).config
+    with _layers_keep_cache(model):
+        fill = DynamicCache(config=config)
+        with torch.no_grad():
+            for start, end in chunks[:-1]:
+                with _runs_on_cache(model, fill, start):
+                    model(input_ids=ids[:, start:end], **_small_logits(model))
+        keys = [layer.keys for layer in fill.layers]
+        values = [layer.values for layer in fill.layers]
+        del fill
+        key_grads = [torch.zeros_like(k) for k in keys]
+        value_grads = [torch.zeros_like(v) for v in values]
+        total = torch.zeros((), dtype=torch.float32, device=ids.device)
+        for j in range(len(chunks) - 1, -1, -1):
+            start, end = chunks[j]
+            stop = min(end + 1, length)  # the next chunk's first token, as a label
+            cache, leaves = _past_as_leaves(config, keys, values, start)
+            chunk = {k: v[:, start:stop] for k, v in per_token.items()}
+            chunk["input_ids"] = ids[:, start:stop]
+            chunk["attention_mask"] = torch.ones_like(chunk["input_ids"])
+            for key in _LOSS_FIELDS:
+                if key in chunk:
+                    chunk[key] = torch.cat([torch.zeros_like(chunk[key][:, :1]), chunk[key][:, 1:]], 1)
+            with _runs_on_cache(model, cache, start):
+                loss = micro_batch_loss(model, chunk, **loss_options)
+            roots, grads = [loss], [torch.ones_like(loss)]
+            if j < len(chunks) - 1:
+                for layer, k_grad, v_grad in zip(cache.layers, key_grads, value_grads):
+                    own_keys, own_values = layer.output
+                    roots += [own_keys[..., start:end, :], own_values[..., start:end, :]]
+                    grads += [k_grad[..., start:end, :], v_grad[..., start:end, :]]
+            pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
+            if pairs:
+                torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+            for (k_leaf, v_leaf), k_grad, v_grad in zip(leaves, key_grads, value_grads):
+                if k_leaf.grad is not None:
+                    k_grad[..., :start, :] += k_leaf.grad
+                if v_leaf.grad is not None:
+                    v_grad[..., :start, :] += v_leaf.grad
+            total += loss.detach().float()
+            del cache, leaves, loss, roots, grads, pairs
+    return total
+
+
+def _fields(batch: Any) -> Mapping[str, Any]:
+    if isinstance(batch, MicroBatch):
+        return batch.batch
+    if not isinstance(batch, Mapping):
+        raise BatchError(
+            f"batch must be a MicroBatch or a mapping of per-sample fields, but got a {type(batch).__name__}"
+        )
+    return batch
+
+
+def _sequence(batch: Any) -> tuple[Mapping[str, Any], torch.Tensor]:
+    """The micro-batch's fields and its one sequence's valid tokens ``[1, L]``.
+
+    Raises:
+        BatchError: not one row, more than one packed sequence, or a padded row with holes.
+    """
+    fields = _fields(batch)
+    ids = fields.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] != 1:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise BatchError(
+            f"a micro-batch runs in chunks only when it holds one sequence (input_ids [1, L]), but got {shape}; "
+            "plan with oversize='split', which puts each over-long sequence alone"
+        )
+    mask = fields.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        valid = (mask[0] != 0).nonzero().flatten()
+        if valid.numel() == 0:
+            raise BatchError("the micro-batch's row has no valid token in attention_mask")
+        first, last = int(valid[0]), int(valid[-1]) + 1
+        if last - first != valid.numel():
+            raise BatchError(
+                f"a row runs in chunks only when its valid tokens are one span, but attention_mask has "
+                f"{valid.numel()} valid tokens over columns {first}..{last - 1}; run it with layout='packed'"
+            )
+        return fields, ids[:, first:last]
+    cu = fields.get("cu_seq_lens")
+    if isinstance(cu, torch.Tensor) and cu.numel() > 2:
+        raise BatchError(
+            f"a packed micro-batch runs in chunks only when it holds one sequence, but it packs {cu.numel() - 1}; "
+            "plan with oversize='split', which puts each over-long sequence alone"
+        )
+    return fields, ids
+
+
+def _per_token_fields(fields: Mapping[str, Any], batch: Any) -> dict[str, torch.Tensor]:
+    """The row's loss fields, one column per valid token (response-width fields right-aligned with the sequence)."""
+    ids = fields["input_ids"]
+    width = ids.shape[1]
+    mask = fields.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        valid = (mask[0] != 0).nonzero().flatten()
+        first, last = int(valid[0]), int(valid[-1]) + 1
+    else:
+        first, last = 0, width
+    out = {}
+    for key, value in fields.items():
+        if key in _LAYOUT_FIELDS or not isinstance(value, torch.Tensor) or value.ndim < 2 or value.shape[0] != 1:
+            continue
+        if value.shape[1] > width:
+            raise BatchError(
+                f"{key} is {value.shape[1]} columns wide, wider than the sequence ({width}); response fields "
+                "are right-aligned with the sequence (NOTE [ Sequence and response columns ])"
+            )
+        pad = [0, 0] * (value.ndim - 2) + [width - value.shape[1], 0]
+        out[key] = torch.nn.functional.pad(value, pad)[:, first:last]
+    return out
+
+
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    from batchfit.parallel.shard import unwrap
+
+    return unwrap(model)
+
+
+def _small_logits(model: torch.nn.Module) -> dict[str, Any]:
+    """``logits_to_keep=1`` where the model takes it: the fill passes need the KV only."""
+    params = inspect.signature(type(_inner(model)).forward).parameters
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+
+def _past_as_leaves(
+    config: Any, keys: list[torch.Tensor], values: list[torch.Tensor], start: int
+) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A cache whose past (``[0, start)``, every layer) is leaves that collect its gradient."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache(config=config)
+    leaves = [
+        (k[..., :start, :].detach().requires_grad_(start > 0), v[..., :start, :].detach().requires_grad_(start > 0))
+        for k, v in zip(keys, values)
+    ]
+    cache.layers = [_fixed_past(k, v) for k, v in leaves]
+    return cache, leaves
+
+
+@functools.cache
+def _fixed_past_layer() -> type:
+    from transformers.cache_utils import DynamicLayer
+
+    class FixedPast(DynamicLayer):
+        """A full-attention cache layer whose past never changes: ``update`` returns past + new.
+
+        ``output`` keeps the first pass's ``(keys, values)`` (past and the chunk's own KV),
+        the roots of the chunk's KV gradient. A replay (gradient checkpointing) reads the
+        same past and leaves ``output`` alone.
+        """
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+            super().__init__()
+            self.lazy_initialization(keys, values)
+            self.keys, self.values = keys, values
+            self.output: tuple[torch.Tensor, torch.Tensor] | None = None
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            out = (torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2))
+            if self.output is None:
+                self.output = out
+            return out
+
+    return FixedPast
+
+
+def _fixed_past(keys: torch.Tensor, values: torch.Tensor) -> Any:
+    """A ``FixedPast`` cache layer (the class is made on first use: transformers is imported only here)."""
+    return _fixed_past_layer()(keys, values)
+
+
+@contextlib.contextmanager
+def _runs_on_cache(model: torch.nn.Module, cache: Any, start: int) -> Iterator[None]:
+    """Inside the block, ``model(...)`` runs its tokens at positions ``start ..`` after ``cache``'s past.
+
+    The model's ``forward`` is replaced on the instance for the block (its hooks and wrappers
+    still run): the cache, ``use_cache=True``, the positions and an all-ones mask over past
+    and chunk (with it every attention implementation, batchfit's varlen one included, masks
+    causally from the chunk's offset).
+    """
+    had = "forward" in model.__dict__
+    saved = model.__dict__.get("forward")
+    original = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        count = ids.shape[1]
+        kwargs.update(
+            past_key_values=cache,
+            use_cache=True,
+            position_ids=torch.arange(start, start + count, device=ids.device)[None],
+            attention_mask=torch.ones(1, start + count, dtype=torch.long, device=ids.device),
+        )
+        return original(*args, **kwargs)
+
+    model.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had:
+            model.forward = saved  # type: ignore[method-assign]
+        else:
+            del model.forward
+
+
+@contextlib.contextmanager
+def _layers_keep_cache(model: torch.nn.Module) -> Iterator[None]:
+    """Checkpointed decoder layers keep the cache inside the block (transformers drops it otherwise).
+
+    ``GradientCheckpointingLayer`` drops ``past_key_values`` unless ``_can_checkpoint_with_cache``:
+    a replay would update a cache twice. The fill passes run without gradients (no replay)
+    and the gradient passes' cache does not change on update (:class:`FixedPast`), so the
+    replay reads what the forward read. Restored on exit.
+    """
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # an older transformers: layers keep their cache
+        yield
+        return
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    saved = [(m, "_can_checkpoint_with_cache" in m.__dict__, m.__dict__.get("_can_checkpoint_with_cache")) for m in layers]
+    for m in layers:
+        m._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for m, had, value in saved:
+            if had:
+                m._can_checkpoint_with_cache = value
+            else:
+                del m._can_checkpoint_with_cache
