@@ -130,15 +130,11 @@ class MicroBatchPlan:
         """
         return sum(chunks - 1 for _, chunks in self.split)
 
-    def describe_split(self) -> str:
-        """``"k sequences split into n chunks (m extra forwards)"``, or ``""`` when nothing is split."""
-        if not self.split:
-            return ""
-        k, n = len(self.split), sum(chunks for _, chunks in self.split)
-        return (
-            f"{k} sequence{'s' if k != 1 else ''} split into {n} chunks "
-            f"({self.split_extra_forwards} extra forward{'s' if self.split_extra_forwards != 1 else ''})"
-        )
+    def describe(self) -> str:
+        """A few lines of plain text: micro-batches, ranks, budget, use, and what was split (:func:`batchfit.plan.render.micro_batch_plan_text`)."""
+        from batchfit.plan.render import micro_batch_plan_text
+
+        return micro_batch_plan_text(self)
 
     @property
     def dp_size(self) -> int:

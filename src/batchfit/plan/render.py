@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from batchfit.plan.config import BatchPlan, RolePlan
+    from batchfit.plan.packing import MicroBatchPlan
 
 
 # How each framework of BatchConfig.framework is written in text.
@@ -72,4 +73,35 @@ def plan_tree_text(plan: BatchPlan) -> str:
         lines.extend(_role_lines(role, plan, last=i == len(roles) - 1 and not tail))
     for i, item in enumerate(tail):
         lines.append(f"{'└─ ' if i == len(tail) - 1 else '├─ '}{item}")
+    return "\n".join(lines)
+
+
+def split_text(plan: MicroBatchPlan) -> str:
+    """``"k sequences split into n chunks (m extra forwards)"`` of a plan made with ``oversize="split"``, or ``""``.
+
+    Example:
+        >>> from batchfit.plan.packing import plan_micro_batches
+        >>> split_text(plan_micro_batches([8, 3], 4, oversize="split"))  # 8 tokens: passes of 4, 4 and 2
+        '1 sequence split into 3 chunks (2 extra forwards)'
+    """
+    if not plan.split:
+        return ""
+    k, n, m = len(plan.split), sum(chunks for _, chunks in plan.split), plan.split_extra_forwards
+    return f"{k} sequence{'s' if k != 1 else ''} split into {n} chunks ({m} extra forward{'s' if m != 1 else ''})"
+
+
+def micro_batch_plan_text(plan: MicroBatchPlan) -> str:
+    """What ``MicroBatchPlan.describe()`` returns: counts, budget and use, one item a line."""
+    lines = [
+        f"{plan.num_micro_batches:,} micro-batches per rank × {plan.dp_size} rank{'s' if plan.dp_size != 1 else ''} "
+        f"for {plan.num_sequences:,} sequences (token budget {plan.token_budget:,}, {plan.cost} cost)",
+        f"├─ use of the budget: {plan.utilization:.1%}, lower bound {plan.lower_bound:,} micro-batches per rank",
+        f"├─ padding micro-batches: {plan.num_padding_micro_batches:,}",
+    ]
+    alone = len(plan.oversize) - len(plan.split)
+    if alone:
+        lines.append(f"├─ {alone:,} sequence{'s' if alone != 1 else ''} over the budget, each alone in a micro-batch")
+    if plan.split:
+        lines.append(f"├─ {split_text(plan)}")
+    lines[-1] = "└─" + lines[-1][2:]
     return "\n".join(lines)
