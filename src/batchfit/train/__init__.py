@@ -14,6 +14,9 @@
   bytes of the gradients kept between micro-batches (NOTE [ Accumulate, then sync once ]).
 - :func:`group_advantages`: GRPO's group-relative advantages (and RLOO's leave-one-out) from
   one reward per rollout.
+- :func:`micro_batch_backward`: a micro-batch's loss and backward; a lone sequence longer
+  than the budget (a plan made with ``oversize="split"``) runs in chunks with the unsplit
+  gradient (NOTE [ Over-long sequences run in chunks ]).
 - :class:`PeakTracker` / :class:`CollectiveBytes`: peak bytes per micro-batch (cpu tracker)
   and bytes of collectives per optimizer step.
 
@@ -39,6 +42,7 @@ from batchfit.train.accumulate import (
 from batchfit.train.advantages import ESTIMATORS, group_advantages, group_ids
 from batchfit.train.forward import forward_logprobs, forward_values
 from batchfit.train.logprobs import HEADS, fused_output_head, model_logprobs, model_values, next_token_labels
+from batchfit.train.long_sequence import micro_batch_backward, split_loss_backward
 from batchfit.train.loss import policy_loss, response_columns, value_loss
 from batchfit.train.measure import CollectiveBytes, PeakTracker
 from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state
@@ -61,6 +65,7 @@ __all__ = [
     "group_advantages",
     "group_ids",
     "initialize_optimizer_state",
+    "micro_batch_backward",
     "micro_batch_loss",
     "micro_batch_outputs",
     "model_logprobs",
@@ -68,5 +73,6 @@ __all__ = [
     "next_token_labels",
     "policy_loss",
     "response_columns",
+    "split_loss_backward",
     "value_loss",
 ]

@@ -315,7 +315,12 @@ def _per_token_fields(fields: Mapping[str, Any], batch: Any) -> dict[str, torch.
         first, last = 0, width
     out = {}
     for key, value in fields.items():
-        if key in _LAYOUT_FIELDS or not isinstance(value, torch.Tensor) or value.ndim < 2 or value.shape[0] != 1:
+        if (
+            key in _LAYOUT_FIELDS
+            or not isinstance(value, torch.Tensor)
+            or value.ndim < 2
+            or value.shape[0] != 1
+        ):
             continue
         if value.shape[1] > width:
             raise BatchError(
@@ -347,7 +352,10 @@ def _past_as_leaves(
 
     cache = DynamicCache(config=config)
     leaves = [
-        (k[..., :start, :].detach().requires_grad_(start > 0), v[..., :start, :].detach().requires_grad_(start > 0))
+        (
+            k[..., :start, :].detach().requires_grad_(start > 0),
+            v[..., :start, :].detach().requires_grad_(start > 0),
+        )
         for k, v in zip(keys, values)
     ]
     cache.layers = [_fixed_past(k, v) for k, v in leaves]
@@ -437,7 +445,10 @@ def _layers_keep_cache(model: torch.nn.Module) -> Iterator[None]:
         yield
         return
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    saved = [(m, "_can_checkpoint_with_cache" in m.__dict__, m.__dict__.get("_can_checkpoint_with_cache")) for m in layers]
+    saved = [
+        (m, "_can_checkpoint_with_cache" in m.__dict__, m.__dict__.get("_can_checkpoint_with_cache"))
+        for m in layers
+    ]
     for m in layers:
         m._can_checkpoint_with_cache = True
     try:
