@@ -195,6 +195,7 @@ class EstimateRow:
     limit_bytes: int | None
     seconds: float
     error: str = ""
+    activation_bytes: int | None = None
 
 
 def profile_estimate(
@@ -248,6 +249,7 @@ def profile_estimate(
                         peak_bytes=None if point is None else point.peak_bytes,
                         limit_bytes=budget.limit_bytes,
                         seconds=time.perf_counter() - start,
+                        activation_bytes=None if point is None else point.breakdown.get("activations", 0),
                     )
                 rows.append(row)
                 on_row(row)
@@ -293,7 +295,12 @@ def render_cpu(rows: Sequence[CpuRow]) -> str:
 
 
 def render_estimate(rows: Sequence[EstimateRow]) -> str:
-    """The estimate table; ``C vs all`` compares with the same length and head over every token."""
+    """The estimate table; ``C vs all`` compares with the same length and head over every token.
+
+    ``head GiB`` is the ``logprob_head`` category at the binding point's peak, ``trunk GiB`` the
+    ``activations`` one (the layers' activations and temporaries); the rest of the peak is the
+    rank's parameters, gradients, optimizer state, buffers and inputs.
+    """
     base = {(r.max_seq_len, r.head): r for r in rows if r.ratio is None}
     out = []
     for r in rows:
@@ -307,12 +314,13 @@ def render_estimate(rows: Sequence[EstimateRow]) -> str:
             "-" if r.response_tokens is None else f"{r.response_tokens:,}",
             "-" if r.binding_seq_len is None else f"{r.binding_seq_len:,}",
             "-" if r.head_bytes is None else f"{r.head_bytes / GIB:.1f}",
+            "-" if r.activation_bytes is None else f"{r.activation_bytes / GIB:.1f}",
             "-" if r.peak_bytes is None else f"{r.peak_bytes / GIB:.1f}",
             ratio,
             f"{r.seconds:.0f}",
         ])
     header = ["max_seq_len", "head", "head runs on", "C tokens", "resp cap", "binding len",
-              "head GiB", "peak GiB", "C vs all", "s"]
+              "head GiB", "trunk GiB", "peak GiB", "C vs all", "s"]
     return table(header, out)
 
 
