@@ -336,26 +336,38 @@ def test_a_row_with_holes_is_refused():
         split_loss_backward(model, batch, 4)
 
 
-def _ddp_rank(rank: int) -> str:
+def _ddp_split_rank(rank: int) -> float:
+    """Rank ``rank`` of 2 under DDP: a plan splitting one sequence on one rank gives the mini-batch's gradient."""
     from torch.nn.parallel import DistributedDataParallel
 
+    reference = tiny_lm()
+    batch = rollouts(reference, [5, 2, 9, 3, 1, 2], [3, 4, 12, 1, 3, 2], seed=8)
+    lengths = batch["attention_mask"].sum(-1)
+    whole_plan = plan_micro_batches(lengths, 64)
+    for mb in iter_micro_batches(batch, whole_plan):
+        micro_batch_loss(reference, mb).backward()
+    whole = gradients(reference)
     model = DistributedDataParallel(tiny_lm())
-    batch = {"input_ids": torch.arange(1, 21)[None], "attention_mask": torch.ones(1, 20, dtype=torch.long)}
-    batch.update(
-        loss_mask=torch.ones(1, 20),
-        weights=torch.ones(1, 20),
-        advantages=torch.ones(1, 20),
-        old_log_probs=torch.zeros(1, 20),
-    )
-    try:
-        micro_batch_backward(model, batch, chunk_tokens=8)
-    except BudgetError as error:
-        return one_line(error)
-    return "no error"
+    plan = plan_micro_batches(lengths, CHUNK, oversize="split", dp_size=2)
+    assert plan.split == ((2, 3),) and plan.num_micro_batches >= 2  # synced and unsynced micro-batches
+    # the split micro-batch (the largest, planned first) runs last: the one whose backward all-reduces
+    micro = list(iter_micro_batches(batch, plan, rank))[::-1]
+    long_one = [mb for mb in micro if mb.indices == (2,)]
+    for mb in long_one:  # without the plan the ranks cannot agree on the passes: refused before any
+        with pytest.raises(BudgetError) as info:
+            micro_batch_backward(model, mb, chunk_tokens=CHUNK)
+        assert re.fullmatch(
+            r"sequence 2 has 21 tokens, .*DistributedDataParallel and no plan was given.*plan=plan\); "
+            r"raise the token budget to at least 21, .*",
+            one_line(info.value),
+        )
+    for mb in accumulate(model, micro, plan.num_micro_batches):
+        micro_batch_backward(model, mb, plan=plan, scale=2)  # DDP averages: × dp sums
+    split = {n.removeprefix("module."): g for n, g in gradients(model).items()}
+    assert_same_gradients(split, whole)
+    return max((split[n] - g).abs().max().item() for n, g in whole.items())
 
 
-def test_a_sharded_model_is_refused_by_name():
-    (message,) = run_ranks(_ddp_rank, world=1, timeout=60).values()
-    assert re.fullmatch(
-        r"the sequence has 20 tokens, .*sharded \(DistributedDataParallel\).*at least 20, .*", message
-    )
+def test_ddp_ranks_run_the_split_passes_in_lockstep_with_the_mini_batch_gradient_and_need_the_plan():
+    errors = run_ranks(_ddp_split_rank, world=2, timeout=90)
+    assert sorted(errors) == [0, 1] and max(errors.values()) < 1e-5

@@ -35,7 +35,11 @@ gradients and ``Σ`` of all but the last chunk without: ``n − 1`` extra chunk 
 Memory. One chunk's activations (what the budget's probe measured at ``C`` tokens), plus
 the whole sequence's KV three times: step 1's KV, the slots of its gradient, and the
 ``[0, e)`` keys and values each layer's attention holds for its backward (the cache
-concatenates past and new; the unsplit sequence holds these too). Under gradient
+concatenates past and new; the unsplit sequence holds these too); and with ``eager`` or
+``sdpa`` attention the ``[chunk, past + chunk]`` mask transformers builds for a cached
+forward (the CPU's sdpa keeps a float copy per layer for the backward; flash-attention needs
+none). Measured on the cpu backend (``docs/packing.md``): a 2,048-token sequence split at
+1,024 peaks 78 MiB above an unsplit 1,024-token micro-batch on a 27 MiB model. Under gradient
 checkpointing the decoder layers keep the cache (a checkpointed layer replays its forward
 in the backward; the cache here returns past + new without changing, so the replay reads
 what the forward read).
@@ -46,9 +50,21 @@ naming the sequence and the smallest budget that holds it unsplit (its length):
 - a cache layer that is not a plain full-attention ``DynamicLayer`` (sliding windows,
   chunked or hybrid attention, linear attention): such a cache drops or transforms past KV;
 - a model whose forward takes no ``past_key_values``;
-- a sharded model (DDP, FSDP1, FSDP2): each pass is a collective round, and ranks whose
-  micro-batch is not split would not run as many (and the KV leaves would need the ranks'
-  agreement on the pass schedule), so the ranks would desynchronise.
+- a model under FSDP1 or FSDP2: each pass is a collective round, and a gradient that enters
+  a layer through its keys and values (not its output) would reach parameters FSDP has not
+  gathered for the backward;
+- a DDP model without the plan (``micro_batch_backward(..., plan=plan)``): the ranks could not
+  agree on the passes (NOTE [ Split passes in lockstep ]).
+
+NOTE [ Split passes in lockstep ]
+Under DDP each forward may broadcast buffers and each synchronising backward all-reduces, so
+every rank must run as many passes, of the same kinds, at each position of the plan. The plan
+is the same on every rank: :func:`micro_batch_backward` reads from it the most chunks ``n`` of
+any rank's micro-batch at this position (no collective) and every rank runs ``n − 1`` forwards
+without gradients and then ``n`` forwards with a backward, padding its own schedule with
+one-token passes of zero loss (every parameter in the graph, so DDP finds every gradient
+ready). In a synchronising micro-batch only the last pass all-reduces; the others run in
+``no_sync()``, so the gradient is all-reduced once, as for any micro-batch.
 
 Dropout draws differently in the fill pass and the gradient pass; with dropout on, the
 gradient is that of one draw per pass, not of the unsplit sequence's draw.
@@ -66,7 +82,7 @@ import torch
 
 from batchfit.batches.microbatch import MicroBatch
 from batchfit.errors import BatchError, BudgetError
-from batchfit.plan.packing import split_chunks
+from batchfit.plan.packing import MicroBatchPlan, split_chunks
 from batchfit.train.step import micro_batch_loss
 from batchfit.validation import check_int
 
@@ -84,6 +100,7 @@ def micro_batch_backward(
     batch: Any,
     *,
     chunk_tokens: int | None = None,
+    plan: MicroBatchPlan | None = None,
     **loss_options: Any,
 ) -> torch.Tensor:
     """Run one micro-batch's loss and its backward; a lone sequence longer than ``chunk_tokens`` runs in chunks.
@@ -91,13 +108,16 @@ def micro_batch_backward(
     The trainer's hook for plans made with ``oversize="split"``: ``micro_batch_loss(...).backward()``
     for every micro-batch, except one that holds a single sequence of more than
     ``chunk_tokens`` tokens, which runs :func:`split_loss_backward` (NOTE [ Over-long sequences
-    run in chunks ]) with the same gradient.
+    run in chunks ]) with the same gradient. Under DDP every rank runs the same passes at
+    each position of the plan (NOTE [ Split passes in lockstep ]): pass ``plan``.
 
     Args:
-        model: the trained model, bare (a split micro-batch); bare, DDP or FSDP2 otherwise.
+        model: the trained model: bare, or DDP with ``plan``; FSDP1/FSDP2 when nothing is split.
         batch: a :class:`~batchfit.batches.MicroBatch` (or its ``.batch`` mapping).
-        chunk_tokens: the most tokens one pass may run, the plan's ``token_budget``;
-            ``None`` never splits.
+        chunk_tokens: the most tokens one pass may run; default the ``plan``'s
+            ``token_budget``; ``None`` without a plan never splits.
+        plan: the :class:`~batchfit.plan.packing.MicroBatchPlan` ``batch`` comes from: under DDP
+            the passes of every rank's micro-batch at ``batch.position`` are read from it.
         **loss_options: passed to :func:`batchfit.train.micro_batch_loss` (``head``,
             ``scale``, ``critic``, ``clip_ratio``, ...).
 
@@ -106,34 +126,83 @@ def micro_batch_backward(
 
     Raises:
         BudgetError: the micro-batch must be split but cannot be exactly (:func:`split_refusal`).
-        BatchError, InvalidArgument: as :func:`batchfit.train.micro_batch_loss`.
+        BatchError, InvalidArgument: as :func:`batchfit.train.micro_batch_loss`; ``plan`` under DDP
+            with a ``batch`` that is not a :class:`~batchfit.batches.MicroBatch` of it.
 
     Example:
         >>> for mb in accumulate(model, iter_micro_batches(mini, plan), plan.num_micro_batches):  # doctest: +SKIP
-        ...     micro_batch_backward(model, mb, chunk_tokens=plan.token_budget, scale=dp)
+        ...     micro_batch_backward(model, mb, plan=plan, scale=dp)
     """
-    if chunk_tokens is not None:
-        chunk_tokens = check_int("chunk_tokens", chunk_tokens, minimum=1)
-        fields = _fields(batch)
-        ids, mask = fields.get("input_ids"), fields.get("attention_mask")
-        if isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[0] == 1:
-            length = int((mask != 0).sum()) if isinstance(mask, torch.Tensor) else ids.shape[1]
-            if length > chunk_tokens:
-                return split_loss_backward(model, batch, chunk_tokens, **loss_options)
+    if chunk_tokens is None and plan is not None:
+        chunk_tokens = plan.token_budget
+    if chunk_tokens is None:
+        return _whole(model, batch, loss_options)
+    chunk_tokens = check_int("chunk_tokens", chunk_tokens, minimum=1)
+    own = _own_chunks(batch, chunk_tokens)
+    passes = own
+    if plan is not None and _is_ddp(model):
+        passes = max(own, _most_chunks(plan, batch, chunk_tokens))
+    if own > 1:
+        return _split(model, batch, chunk_tokens, passes, plan is not None, loss_options)
+    if passes == 1:
+        return _whole(model, batch, loss_options)
+    # NOTE [ Split passes in lockstep ]: another rank splits at this position
+    sync = _syncs(model)
+    with torch.no_grad():
+        for _ in range(passes - 1):
+            _dummy_pass(model)
+    with _pass_sync(model, sync, last=False):
+        loss = _whole(model, batch, loss_options)
+    for j in range(passes - 1):
+        with _pass_sync(model, sync, last=j == passes - 2):
+            _dummy_pass(model).backward()
+    return loss
+
+
+def _whole(model: torch.nn.Module, batch: Any, loss_options: Mapping[str, Any]) -> torch.Tensor:
     loss = micro_batch_loss(model, batch, **loss_options)
     loss.backward()
     return loss.detach()
 
 
-def split_refusal(model: torch.nn.Module, length: int, index: int | None = None) -> BudgetError | None:
+def _own_chunks(batch: Any, chunk_tokens: int) -> int:
+    """Chunks this micro-batch runs in: 1 unless it holds one sequence longer than ``chunk_tokens``."""
+    fields = _fields(batch)
+    ids, mask = fields.get("input_ids"), fields.get("attention_mask")
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] != 1:
+        return 1
+    length = int((mask != 0).sum()) if isinstance(mask, torch.Tensor) else ids.shape[1]
+    return len(split_chunks(length, chunk_tokens)) if length > max(chunk_tokens, 1) else 1
+
+
+def _most_chunks(plan: MicroBatchPlan, batch: Any, chunk_tokens: int) -> int:
+    """The most chunks any rank's micro-batch at ``batch``'s position runs in (read from the plan: no collective)."""
+    if not isinstance(batch, MicroBatch) or not 0 <= batch.position < plan.num_micro_batches:
+        raise BatchError(
+            "micro_batch_backward(plan=...) under DDP needs a MicroBatch of that plan (iter_micro_batches(batch, plan, rank)), "
+            f"but got a {type(batch).__name__}"
+            + (f" at position {batch.position}" if isinstance(batch, MicroBatch) else "")
+        )
+    most = 1
+    for rank in plan.ranks:
+        indices = rank[batch.position]
+        if len(indices) == 1 and int(plan.lengths[indices[0]]) > chunk_tokens:
+            most = max(most, len(split_chunks(int(plan.lengths[indices[0]]), chunk_tokens, index=indices[0])))
+    return most
+
+
+def split_refusal(
+    model: torch.nn.Module, length: int, index: int | None = None, *, lockstep: bool = False
+) -> BudgetError | None:
     """Why a sequence of ``length`` tokens cannot run in chunks under ``model`` with the unsplit gradient, or ``None``.
 
     The one-line :class:`~batchfit.errors.BudgetError` names the sequence (``index`` in the
     mini-batch), its length, the reason and the smallest budget that holds it unsplit (NOTE
     [ Over-long sequences run in chunks ]); returned, not raised, so a runner can check a
-    plan's split sequences before the step.
+    plan's split sequences before the step. ``lockstep``: the ranks run the same passes (a DDP
+    model is then accepted, NOTE [ Split passes in lockstep ]).
     """
-    reason = _why_not_exact(model)
+    reason = _why_not_exact(model, lockstep)
     if reason is None:
         return None
     name = f"sequence {index}" if index is not None else "the sequence"
@@ -143,16 +212,19 @@ def split_refusal(model: torch.nn.Module, length: int, index: int | None = None)
     )
 
 
-def _why_not_exact(model: torch.nn.Module) -> str | None:
-    from torch.nn.parallel import DistributedDataParallel
-
+def _why_not_exact(model: torch.nn.Module, lockstep: bool) -> str | None:
     from batchfit.parallel.fsdp1 import is_fsdp1
     from batchfit.parallel.shard import is_fsdp, unwrap
 
-    if isinstance(model, DistributedDataParallel) or is_fsdp(model) or is_fsdp1(model):
+    if is_fsdp(model) or is_fsdp1(model):
         return (
-            f"the model is sharded ({type(model).__name__}): each chunk is a collective round and ranks "
-            "would run different numbers of them"
+            f"the model is sharded ({type(model).__name__}): each chunk is a collective round, and a "
+            "gradient entering a layer through its keys and values skips FSDP's pre-backward gather"
+        )
+    if _is_ddp(model) and not lockstep:
+        return (
+            "the model is DistributedDataParallel and no plan was given: each chunk is a collective round "
+            "and ranks would run different numbers of them; pass micro_batch_backward(..., plan=plan)"
         )
     inner = unwrap(model)
     if "past_key_values" not in inspect.signature(type(inner).forward).parameters:
@@ -200,19 +272,31 @@ def split_loss_backward(
             ``chunk_tokens < 2`` for a sequence longer than it (one line, naming the sequence).
         BatchError: more than one sequence, or a padded row whose valid tokens have holes.
     """
+    return _split(model, batch, chunk_tokens, None, False, loss_options)
+
+
+def _split(
+    model: torch.nn.Module,
+    batch: Any,
+    chunk_tokens: int,
+    passes: int | None,
+    lockstep: bool,
+    loss_options: Mapping[str, Any],
+) -> torch.Tensor:
+    """:func:`split_loss_backward`, padded to ``passes`` chunks with empty passes (NOTE [ Split passes in lockstep ])."""
     from transformers.cache_utils import DynamicCache
 
     index = batch.indices[0] if isinstance(batch, MicroBatch) and batch.indices else None
     fields, ids = _sequence(batch)
     length = ids.shape[1]
-    refusal = split_refusal(model, length, index)
+    refusal = split_refusal(model, length, index, lockstep=lockstep)
     if refusal is not None:
         raise refusal
     chunks = split_chunks(length, chunk_tokens, index=index)
     if len(chunks) == 1:
-        loss = micro_batch_loss(model, batch, **loss_options)
-        loss.backward()
-        return loss.detach()
+        return _whole(model, batch, loss_options)
+    extra = max(0, (passes or 0) - len(chunks))
+    sync = _syncs(model)
     per_token = _per_token_fields(fields, batch)
     config = _inner(model).config
     with _layers_keep_cache(model):
@@ -221,6 +305,8 @@ def split_loss_backward(
             for start, end in chunks[:-1]:
                 with _runs_on_cache(model, fill, start):
                     model(input_ids=ids[:, start:end], **_small_logits(model))
+            for _ in range(extra):
+                _dummy_pass(model)
         keys = [layer.keys for layer in fill.layers]
         values = [layer.values for layer in fill.layers]
         del fill
@@ -237,17 +323,18 @@ def split_loss_backward(
             for key in _LOSS_FIELDS:
                 if key in chunk:
                     chunk[key] = torch.cat([torch.zeros_like(chunk[key][:, :1]), chunk[key][:, 1:]], 1)
-            with _runs_on_cache(model, cache, start):
-                loss = micro_batch_loss(model, chunk, **loss_options)
-            roots, grads = [loss], [torch.ones_like(loss)]
-            if j < len(chunks) - 1:
-                for layer, k_grad, v_grad in zip(cache.layers, key_grads, value_grads):
-                    own_keys, own_values = layer.output
-                    roots += [own_keys[..., start:end, :], own_values[..., start:end, :]]
-                    grads += [k_grad[..., start:end, :], v_grad[..., start:end, :]]
-            pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
-            if pairs:
-                torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+            with _pass_sync(model, sync, last=j == 0 and not extra):
+                with _runs_on_cache(model, cache, start):
+                    loss = micro_batch_loss(model, chunk, **loss_options)
+                roots, grads = [loss], [torch.ones_like(loss)]
+                if j < len(chunks) - 1:
+                    for layer, k_grad, v_grad in zip(cache.layers, key_grads, value_grads):
+                        own_keys, own_values = layer.output
+                        roots += [own_keys[..., start:end, :], own_values[..., start:end, :]]
+                        grads += [k_grad[..., start:end, :], v_grad[..., start:end, :]]
+                pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
+                if pairs:
+                    torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
             for (k_leaf, v_leaf), k_grad, v_grad in zip(leaves, key_grads, value_grads):
                 if k_leaf.grad is not None:
                     k_grad[..., :start, :] += k_leaf.grad
@@ -255,7 +342,47 @@ def split_loss_backward(
                     v_grad[..., :start, :] += v_leaf.grad
             total += loss.detach().float()
             del cache, leaves, loss, roots, grads, pairs
+    for j in range(extra):
+        with _pass_sync(model, sync, last=j == extra - 1):
+            _dummy_pass(model).backward()
     return total
+
+
+def _is_ddp(model: torch.nn.Module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)
+
+
+def _syncs(model: torch.nn.Module) -> bool:
+    """Whether this micro-batch's backward synchronises DDP's gradients (outside ``no_sync()``)."""
+    return _is_ddp(model) and bool(getattr(model, "require_backward_grad_sync", True))
+
+
+@contextlib.contextmanager
+def _pass_sync(model: torch.nn.Module, sync: bool, *, last: bool) -> Iterator[None]:
+    """One pass of a split micro-batch: DDP all-reduces only in the last pass of a synchronising micro-batch.
+
+    NOTE [ Split passes in lockstep ]: every rank ends with the same pass, so the ranks run the
+    same all-reduce; the earlier passes accumulate locally (``no_sync()``), as
+    :func:`batchfit.train.accumulate` runs the micro-batches before the last.
+    """
+    if sync and not last:
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def _dummy_pass(model: torch.nn.Module) -> torch.Tensor:
+    """A pass of one token with a zero loss: the forward's (and, with gradients, the backward's) collectives, no gradient.
+
+    NOTE [ Split passes in lockstep ]. Every parameter is in its graph (the loss is ``0 ×`` the
+    sum of the outputs), so a synchronising DDP backward finds every gradient ready.
+    """
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device), use_cache=False)
+    return out.logits.float().sum() * 0.0
 
 
 def _fields(batch: Any) -> Mapping[str, Any]:
@@ -405,6 +532,8 @@ def _runs_on_cache(model: torch.nn.Module, cache: Any, start: int) -> Iterator[N
     and chunk (with it every attention implementation, batchfit's varlen one included, masks
     causally from the chunk's offset).
     """
+    if _is_ddp(model):  # DDP's own forward (its hooks and collectives) runs; the module inside gets the cache
+        model = model.module
     had = "forward" in model.__dict__
     saved = model.__dict__.get("forward")
     original = model.forward
