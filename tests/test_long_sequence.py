@@ -365,6 +365,20 @@ def _ddp_split_rank(rank: int) -> float:
         micro_batch_backward(model, mb, plan=plan, scale=2)  # DDP averages: × dp sums
     split = {n.removeprefix("module."): g for n, g in gradients(model).items()}
     assert_same_gradients(split, whole)
+    # FSDP2: every rank refuses the position where any rank would split, none left waiting
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = tiny_lm()
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    at = [mb for mb in micro if plan.ranks[0][mb.position] == (2,) or plan.ranks[1][mb.position] == (2,)]
+    with pytest.raises(BudgetError) as info:
+        micro_batch_backward(sharded, at[0], plan=plan)
+    assert re.fullmatch(r"sequence 2 has 21 tokens, .*sharded \(FSDP.*at least 21, .*", one_line(info.value))
+    assert all(p.grad is None for p in sharded.parameters())
     return max((split[n] - g).abs().max().item() for n, g in whole.items())
 
 

@@ -117,7 +117,8 @@ def micro_batch_backward(
         chunk_tokens: the most tokens one pass may run; default the ``plan``'s
             ``token_budget``; ``None`` without a plan never splits.
         plan: the :class:`~batchfit.plan.packing.MicroBatchPlan` ``batch`` comes from: under DDP
-            the passes of every rank's micro-batch at ``batch.position`` are read from it.
+            the passes of every rank's micro-batch at ``batch.position`` are read from it, and
+            under FSDP every rank raises when any rank's micro-batch there would split.
         **loss_options: passed to :func:`batchfit.train.micro_batch_loss` (``head``,
             ``scale``, ``critic``, ``clip_ratio``, ...).
 
@@ -140,8 +141,12 @@ def micro_batch_backward(
     chunk_tokens = check_int("chunk_tokens", chunk_tokens, minimum=1)
     own = _own_chunks(batch, chunk_tokens)
     passes = own
-    if plan is not None and _is_ddp(model):
-        passes = max(own, _most_chunks(plan, batch, chunk_tokens))
+    if plan is not None and _is_sharded(model):
+        most, index, length = _most_chunks(plan, batch, chunk_tokens)
+        refusal = split_refusal(model, length, index, lockstep=True) if most > 1 else None
+        if refusal is not None:  # on every rank, not only the one that splits: none is left waiting
+            raise refusal
+        passes = max(own, most)
     if own > 1:
         return _split(model, batch, chunk_tokens, passes, plan is not None, loss_options)
     if passes == 1:
@@ -175,19 +180,25 @@ def _own_chunks(batch: Any, chunk_tokens: int) -> int:
     return len(split_chunks(length, chunk_tokens)) if length > max(chunk_tokens, 1) else 1
 
 
-def _most_chunks(plan: MicroBatchPlan, batch: Any, chunk_tokens: int) -> int:
-    """The most chunks any rank's micro-batch at ``batch``'s position runs in (read from the plan: no collective)."""
+def _most_chunks(plan: MicroBatchPlan, batch: Any, chunk_tokens: int) -> tuple[int, int | None, int]:
+    """The most chunks any rank's micro-batch at ``batch``'s position runs in, with that sequence's index and length.
+
+    Read from the plan, the same on every rank: no collective. ``(1, None, 0)`` when none splits.
+    """
     if not isinstance(batch, MicroBatch) or not 0 <= batch.position < plan.num_micro_batches:
+        where = f" at position {batch.position}" if isinstance(batch, MicroBatch) else ""
         raise BatchError(
-            "micro_batch_backward(plan=...) under DDP needs a MicroBatch of that plan (iter_micro_batches(batch, plan, rank)), "
-            f"but got a {type(batch).__name__}"
-            + (f" at position {batch.position}" if isinstance(batch, MicroBatch) else "")
+            "micro_batch_backward(plan=...) of a sharded model needs a MicroBatch of that plan "
+            f"(iter_micro_batches(batch, plan, rank)), but got a {type(batch).__name__}{where}"
         )
-    most = 1
+    most: tuple[int, int | None, int] = (1, None, 0)
     for rank in plan.ranks:
         indices = rank[batch.position]
         if len(indices) == 1 and int(plan.lengths[indices[0]]) > chunk_tokens:
-            most = max(most, len(split_chunks(int(plan.lengths[indices[0]]), chunk_tokens, index=indices[0])))
+            length = int(plan.lengths[indices[0]])
+            chunks = len(split_chunks(length, chunk_tokens, index=indices[0]))
+            if chunks > most[0]:
+                most = (chunks, indices[0], length)
     return most
 
 
@@ -352,6 +363,14 @@ def _is_ddp(model: torch.nn.Module) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
     return isinstance(model, DistributedDataParallel)
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """DDP, FSDP1 or FSDP2: a model whose passes are collective rounds."""
+    from batchfit.parallel.fsdp1 import is_fsdp1
+    from batchfit.parallel.shard import is_fsdp
+
+    return _is_ddp(model) or is_fsdp(model) or is_fsdp1(model)
 
 
 def _syncs(model: torch.nn.Module) -> bool:
