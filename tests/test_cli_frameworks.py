@@ -361,6 +361,6 @@ def test_the_reports_budget_line_says_how_the_budget_was_found(backend, word):
 
     budget = types.SimpleNamespace(
         tokens=4096, cost="padded", max_seq_len=1024, backend=backend, limit_bytes=2**30, safety_margin=0.85,
-        usable_bytes=2**31, probes=5, memory_model=None, model_check="ok",
+        usable_bytes=2**31, probes=5, memory_model=None, model_check="ok", response_tokens=None,
     )  # fmt: skip
     assert budget_lines(budget)[0].startswith(f"token budget C = 4,096 tokens (padded), {word}: b sequences")

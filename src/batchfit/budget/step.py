@@ -213,6 +213,8 @@ class TrainingStep:
     def run(self, mb: MicroBatch) -> None:
         """Copy ``mb``'s fields to the device and run the trainer's step on it (NOTE [ One micro-batch step ])."""
         options = {"critic": self.critic, "head": self.logprobs, "only_loss_tokens": self.only_loss_tokens}
+        if self.only_loss_tokens:
+            _check_values_kept(mb, self.backend)
         with self.backend.context(), _quiet_fsdp_views():
             mb, _held = _on_device(mb, self.backend)
             if self.forward_only:
@@ -255,6 +257,7 @@ def synthetic_rollout(
     seed: int = 0,
     response_fraction: float | None = None,
     mask_dtype: torch.dtype = torch.float32,
+    response_lengths: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """A rollout batch of one sequence per length in the prompt | response layout, on the host.
 
@@ -265,11 +268,14 @@ def synthetic_rollout(
     fields are ``[n, R]`` (at least one column): ``loss_mask`` (1 on every response token,
     of ``mask_dtype``), ``weights`` (token mean), and ``advantages`` and ``old_log_probs``
     for a policy, ``returns`` and ``old_values`` for a critic. Random tokens from a seeded
-    generator.
+    generator. ``response_lengths`` (each in ``[0, L − 1]``) sets each sequence's response
+    tokens instead of ``response_fraction``.
     """
     n = len(lengths)
     lens = torch.as_tensor(list(lengths))
-    responses = torch.as_tensor([response_tokens(length, response_fraction) for length in lengths])
+    if response_lengths is None:
+        response_lengths = [response_tokens(length, response_fraction) for length in lengths]
+    responses = torch.as_tensor(list(response_lengths))
     prompts = lens - responses
     prompt_width, response = int(prompts.max()), max(int(responses.max()), 1)
     width = prompt_width + int(responses.max())
@@ -322,6 +328,25 @@ def _on_device(mb: MicroBatch, backend: Backend) -> tuple[MicroBatch, list[torch
         else:
             fields[key] = copy
     return dataclasses.replace(mb, batch=fields), held
+
+
+def _check_values_kept(mb: MicroBatch, backend: Backend) -> None:
+    """The estimate backend must keep the token ids' values for a response-only head to gather by them.
+
+    Raises:
+        InvalidArgument: the micro-batch's ``input_ids`` are larger than the values the
+            backend's fake mode keeps (:data:`batchfit.memory.shadow_values.SHADOW_LIMIT_BYTES`).
+    """
+    limit = getattr(getattr(backend, "fake_mode", None), "shadow_limit_bytes", None)
+    ids = mb.batch.get("input_ids")
+    if limit is None or not isinstance(ids, torch.Tensor):
+        return
+    if ids.numel() * ids.element_size() > limit:
+        raise InvalidArgument(
+            f"a response-only head gathers the rows its loss mask names, and the estimate backend keeps token values "
+            f"up to {limit // ids.element_size():,} tokens per micro-batch, but this probe holds {ids.numel():,} "
+            "(the budget is larger still); profile with less memory, a larger model, or the cpu backend"
+        )
 
 
 @contextlib.contextmanager

@@ -143,6 +143,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "verl, skyrl: the head that framework runs; with --config the framework's head as its keys set it)",
     )
     p.add_argument(
+        "--response-only",
+        action="store_true",
+        help="run the policy's and reference's head only on the loss (response) tokens "
+        "(batchfit.train.model_logprobs(only_loss_tokens=True)): the budget gets a second cap R on the "
+        "response tokens of a micro-batch",
+    )
+    p.add_argument(
+        "--response-fraction",
+        type=float,
+        metavar="F",
+        help="with --response-only: the share of a sequence's tokens that are response tokens, in (0, 1] "
+        "(4:1 prompt:response = 0.2; default the config's max response / (max prompt + max response), "
+        "else 1: every token)",
+    )
+    p.add_argument(
         "--cost",
         metavar="padded|packed",
         help="micro-batch cost (default padded; with --config packed when the framework removes padding)",
@@ -279,6 +294,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     check_roles(args.roles, "--roles")
     check_head("--logprobs", args.logprobs)
     check_cost(args.cost)
+    _check_response_flags(args)
     if args.dtype is not None:
         parse_dtype(args.dtype)
     if run is None:
@@ -515,6 +531,19 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
     if args.cost is None:
         args.cost = "padded"
     return run
+
+
+def _check_response_flags(args: argparse.Namespace) -> None:
+    """``--response-fraction`` needs ``--response-only`` and a share in ``(0, 1]``."""
+    from batchfit.budget.step import check_response_fraction
+
+    if args.response_fraction is None:
+        return
+    if not args.response_only:
+        raise InvalidArgument(
+            f"--response-fraction {args.response_fraction:g} is read only by the response-only head; add --response-only"
+        )
+    check_response_fraction(args.response_fraction, "--response-fraction")
 
 
 # the keys a config's node and GPU counts are read from, for messages
@@ -771,6 +800,8 @@ def _profile_options(args: argparse.Namespace, settings: dict[str, Any], progres
         depth_extrapolation=args.depth_extrapolation,
         progress=progress,
         lora=settings.get("lora"),
+        response_only=args.response_only,
+        response_fraction=args.response_fraction,
     )
 
 
@@ -778,7 +809,7 @@ def _run_config(
     args: argparse.Namespace, settings: dict[str, Any], console: Any, err: Any, show_progress: bool, rank: int
 ) -> int:
     """``--config``: profile every pass of the run; render it, or emit the framework's keys."""
-    from batchfit.frameworks.emit import emit_keys, provenance, render_keys
+    from batchfit.frameworks.emit import emit_keys, lost_notes, provenance, render_keys
     from batchfit.frameworks.older_torch import older_torch_notes
     from batchfit.frameworks.profile import profile_run
     from batchfit.memory import format_bytes
@@ -789,9 +820,10 @@ def _run_config(
     if rank != 0:
         return 0
     notes = list(getattr(args, "step_notes", [])) + older_torch_notes(result) + list(result.notes)
-    keys = None
+    keys, lost = None, []
     if args.emit is not None:
         keys = emit_keys(result, args.emit, max_seq_len=args.max_seq_len, margin=args.safety_margin)
+        lost = lost_notes(result, args.emit)
     if args.plot:
         from batchfit.cli.render_budget import plot_budget
 
@@ -806,13 +838,15 @@ def _run_config(
         data["warnings"] = list(run.warnings)  # what the config sets that the budgets do not model
         if keys is not None:
             data["emit"] = {k.path: k.value for k in keys if k.path}
+            data["emit_lost"] = lost
         json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     if keys is not None:
         target = settings["memory"] if settings["memory"] is not None else "the device"
         header = [
-            f"batchfit profile --config {args.config} --emit {args.emit}",
+            f"batchfit profile --config {args.config} --emit {args.emit}"
+            + (" --response-only" if args.response_only else ""),
             f"{', '.join(sorted(set(filter(None, run.models.values()))))}, max_seq_len {args.max_seq_len:,}, "
             f"{settings['sharding'].describe()}, {target} per GPU, safety margin {args.safety_margin:g}, "
             f"budgets {provenance(settings['backend'])} ({settings['backend']} backend)",
@@ -822,8 +856,11 @@ def _run_config(
             header.append(f"colocated models' state taken off each budget: {shared}")
         header += [f"note: {note}" for note in (*notes, *getattr(run, "notes", ()))]
         header += [f"warning: {warning}" for warning in run.warnings]
+        header += lost
         text = render_keys(keys, args.emit, header, args.emit_format)
         sys.stdout.write(text)
+        if args.emit_format == "overrides":  # overrides carry no comments: say what is lost on stderr
+            sys.stderr.write("".join(f"{line}\n" for line in lost))
         return 0
     console.print(
         f"config {args.config}: {run.vocabulary} vocabulary; models "

@@ -131,8 +131,20 @@ def budget_lines(budget: TokenBudget) -> list[str]:
         )
     from batchfit.frameworks.emit import provenance
 
+    lines = [f"token budget C = {budget.tokens:,} tokens ({budget.cost}), {provenance(budget.backend)}: {meaning}"]
+    if budget.response_tokens is not None:
+        share = (
+            "every token but each sequence's first"
+            if budget.response_fraction is None
+            else f"response share {budget.response_fraction:.3g}"
+        )
+        lines.append(
+            f"response cap R = {budget.response_tokens:,} response tokens per micro-batch (response-only head, "
+            f"probed at {share}): a micro-batch fits when it holds ≤ C tokens and ≤ R response tokens; "
+            "plan with plan_micro_batches(..., response_lengths=loss_mask.sum(-1), response_budget=R)"
+        )
     return [
-        f"token budget C = {budget.tokens:,} tokens ({budget.cost}), {provenance(budget.backend)}: {meaning}",
+        *lines,
         f"limit {format_bytes(budget.limit_bytes)} = safety margin {budget.safety_margin:g} × "
         f"{format_bytes(budget.usable_bytes)} usable; {budget.probes} probes",
         f"memory model: {memory_model_text(budget.memory_model)}",

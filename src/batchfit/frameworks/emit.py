@@ -132,6 +132,35 @@ def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: flo
     return _skyrl_keys(profile, budgets, max_seq_len, why)
 
 
+_NAMES = {"verl": "verl", "skyrl": "SkyRL", "openrlhf": "OpenRLHF", "slime": "slime"}
+
+
+def lost_notes(profile: RunProfile, target: str) -> list[str]:
+    """What ``target``'s keys cannot express of ``profile``'s budgets, one sentence each (empty: nothing).
+
+    A response-only head's budgets (NOTE [ A budget in two dimensions ] in
+    :mod:`batchfit.budget.find`) have a second cap, the response tokens of a micro-batch; no
+    framework has a key for it (verl, SkyRL, OpenRLHF and slime bound total tokens only), and
+    each runs its own head over every token unless its log-prob computation is replaced.
+
+    Example: ``lost_notes(profile, "verl")`` is ``[]`` for a profile without ``--response-only``.
+    """
+    capped = {role: b for role, b in profile.budgets.items() if b.response_tokens is not None}
+    if not capped:
+        return []
+    name = _NAMES.get(target, target)
+    caps = ", ".join(f"{role} {b.response_tokens:,}" for role, b in capped.items())
+    fractions = {b.response_fraction for b in capped.values()}
+    share = "every token" if fractions == {None} else f"{max(f or 1.0 for f in fractions):.3g}"
+    return [
+        f"lost: the response cap (response tokens per micro-batch: {caps}); {name} bounds total tokens only, so "
+        f"the token keys hold for micro-batches whose response share is at most the probed {share}; "
+        "--response-fraction 1 profiles a budget that holds at any share",
+        f"lost unless patched: {name} runs its head over every token; the budgets assume batchfit's "
+        "response-only head (batchfit.train.model_logprobs(..., only_loss_tokens=True)) in its log-prob computation",
+    ]
+
+
 def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], max_seq_len: int, why: Any) -> list[Key]:
     """SkyRL has one token key for every pass, and micro sizes validate_batch_sizes checks."""
     trained = min(budgets[r] for r in ("policy", "critic") if r in budgets)

@@ -82,7 +82,9 @@ def profile_run(run: RunConfig, options: ProfileOptions) -> RunProfile:
         run: from :func:`batchfit.frameworks.read_run_config`; ``run.models`` must name
             each model (override with ``run.replace(model=...)``).
         options: as for :func:`batchfit.budget.profile_model` (``dtype`` is the trained
-            models'; the reference is profiled in bf16 unless it is given).
+            models'; the reference is profiled in bf16 unless it is given). With
+            ``response_only`` and no ``response_fraction``, the share is the config's
+            (:attr:`~batchfit.frameworks.run.RunConfig.response_fraction`).
 
     Returns:
         A :class:`RunProfile`.
@@ -91,6 +93,8 @@ def profile_run(run: RunConfig, options: ProfileOptions) -> RunProfile:
         InvalidArgument: a model role without a model.
         DoesNotFitError: a pass does not fit one sequence of ``options.max_seq_len``.
     """
+    if options.response_only and options.response_fraction is None and run.response_fraction is not None:
+        options = options.replace(response_fraction=run.response_fraction)
     models = dict(run.models)
     for role, model in models.items():
         if not model:

@@ -27,6 +27,10 @@ class RunConfig:
         critic_model: the critic model, or ``None`` when the run has no critic.
         reference: the run computes reference log-probs (a KL term).
         max_seq_len: the longest sequence, prompt plus response, or ``None``.
+        max_response_len: the longest response (verl ``data.max_response_length``, SkyRL
+            ``generator.sampling_params.max_generate_length``, slime
+            ``--rollout-max-response-len``), or ``None``; :attr:`response_fraction` is read
+            from it.
         strategy: the training strategy as the config names it, or ``None``: verl
             ``fsdp`` (FSDP1, PyTorch's ``FullyShardedDataParallel``), ``fsdp2``
             (``fully_shard``) or ``megatron``; SkyRL ``fsdp`` (``fully_shard``; its
@@ -94,6 +98,7 @@ class RunConfig:
     critic_model: str | None = None
     reference: bool = False
     max_seq_len: int | None = None
+    max_response_len: int | None = None
     strategy: str | None = None
     offload: str = "none"
     gradient_checkpointing: bool | None = None
@@ -115,6 +120,17 @@ class RunConfig:
     warnings: tuple[str, ...] = ()
     source: dict[str, str] = field(default_factory=dict, compare=False)
     key_names: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def response_fraction(self) -> float | None:
+        """The longest sequence's share of response tokens, ``max_response_len / max_seq_len``, or ``None``.
+
+        What a response-only head's budget assumes of a micro-batch when no share is given
+        (NOTE [ A budget in two dimensions ] in :mod:`batchfit.budget.find`).
+        """
+        if not self.max_seq_len or not self.max_response_len or self.max_response_len > self.max_seq_len:
+            return None
+        return self.max_response_len / self.max_seq_len
 
     @property
     def models(self) -> dict[str, str | None]:

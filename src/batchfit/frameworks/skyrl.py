@@ -173,6 +173,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         critic_model=critic_model,
         reference=reference,
         max_seq_len=max_seq_len,
+        max_response_len=response if isinstance(response, int) else None,
         strategy=strategy,
         offload=offload,
         gradient_checkpointing=as_bool(flat.get(T + "gradient_checkpointing")),

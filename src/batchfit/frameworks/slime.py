@@ -147,6 +147,7 @@ def read(command: Command) -> FrameworkRun:
         critic_model=v["hf_checkpoint"] if critic else None,
         reference=False,
         max_seq_len=_max_seq_len(v),
+        max_response_len=v["rollout_max_response_len"] if _positive(v.get("rollout_max_response_len")) else None,
         strategy="megatron",
         gradient_checkpointing=v.get("recompute_granularity") == "full",
         remove_padding=True,  # megatron_utils validate_args: "always use varlen" (packed THD micro-batches)

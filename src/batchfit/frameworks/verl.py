@@ -209,6 +209,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         critic_model=flat.get(CRITIC + "model.path") if critic else None,
         reference=reference,
         max_seq_len=max_seq_len,
+        max_response_len=response if isinstance(response, int) else None,
         strategy=strategy,
         # engine_workers: offload_policy is FSDP2's CPUOffloadPolicy (the sharded state lives on the
         # host); param_offload / optimizer_offload move state to the host between phases only.
