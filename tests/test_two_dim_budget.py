@@ -210,3 +210,9 @@ def test_emit_says_what_a_framework_loses_of_a_response_cap():
         assert f"{name} bounds total tokens only" in cap and "at most the probed 0.2" in cap
         assert "--response-fraction 1" in cap
         assert head.startswith(f"lost unless patched: {name} runs its head over every token")
+
+
+def test_a_step_that_does_not_fit_names_the_response_only_head_as_a_remedy():
+    backend = get_backend("cpu")
+    assert any("--response-only" in r for r in _tiny_step(backend).remedies())
+    assert not any("--response-only" in r for r in _tiny_step(backend, only_loss_tokens=True).remedies())

@@ -161,6 +161,8 @@ class TrainingStep:
             out.append("enable gradient checkpointing")
         if self.logprobs in ("full", "chunked") and not self.critic:
             out.append("compute log-probs fused from the hidden states (logprobs='fused')")
+        if not self.only_loss_tokens and not self.critic:
+            out.append("run the head only on the loss tokens (response_only=True, --response-only)")
         if self.sharding.strategy != "fsdp2":
             out.append("shard the model over more ranks (fsdp2)")
         elif self.sharding.offload != "cpu":
