@@ -45,7 +45,7 @@ def rollouts(model, prompts, responses, seed: int = 0) -> dict:
     """Prompt (left-padded) | response (right-padded) rows, a loss mask with holes, old log-probs near the model's.
 
     Old log-probs are the model's own plus noise, so the ratios sit around 1 and some clip:
-    the gradient is neither zero nor unclipped everywhere.
+    the gradient is neither zero (the first response token's ratio is 1) nor unclipped everywhere.
     """
     g = torch.Generator().manual_seed(seed)
     prompt, response = torch.tensor(prompts), torch.tensor(responses)
@@ -64,7 +64,8 @@ def rollouts(model, prompts, responses, seed: int = 0) -> dict:
     batch.update(
         loss_mask=loss_mask,
         advantages=torch.randn(len(prompts), r, generator=g) * loss_mask,
-        old_log_probs=(logp + 0.2 * torch.randn(logp.shape, generator=g)) * loss_mask,
+        # exact at each row's first response token (ratio 1: never clipped), noisy after it
+        old_log_probs=(logp + 0.2 * torch.randn(logp.shape, generator=g) * (torch.arange(r) > 0)) * loss_mask,
         returns=torch.randn(len(prompts), r, generator=g) * loss_mask,
         old_values=torch.randn(len(prompts), r, generator=g) * loss_mask,
         weights=loss_weights(loss_mask, reduction="token_mean"),

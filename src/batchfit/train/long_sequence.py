@@ -36,10 +36,10 @@ Memory. One chunk's activations (what the budget's probe measured at ``C`` token
 the whole sequence's KV three times: step 1's KV, the slots of its gradient, and the
 ``[0, e)`` keys and values each layer's attention holds for its backward (the cache
 concatenates past and new; the unsplit sequence holds these too); and with ``eager`` or
-``sdpa`` attention the ``[chunk, past + chunk]`` mask transformers builds for a cached
-forward (the CPU's sdpa keeps a float copy per layer for the backward; flash-attention needs
-none). Measured on the cpu backend (``docs/packing.md``): a 2,048-token sequence split at
-1,024 peaks 78 MiB above an unsplit 1,024-token micro-batch on a 27 MiB model. Under gradient
+``sdpa`` attention one ``[chunk, past + chunk]`` float mask (:func:`_chunk_mask`;
+flash-attention needs none). Measured on the cpu backend (``docs/packing.md``): a
+2,048-token sequence split at 1,024 peaks 54 MiB above an unsplit 1,024-token micro-batch
+(209.6 MiB) on a 27 MiB model. Under gradient
 checkpointing the decoder layers keep the cache (a checkpointed layer replays its forward
 in the backward; the cache here returns past + new without changing, so the replay reads
 what the forward read).
