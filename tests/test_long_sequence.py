@@ -28,10 +28,12 @@ from batchfit.train import (
     accumulate,
     micro_batch_backward,
     micro_batch_loss,
+    micro_batch_outputs,
     model_logprobs,
     policy_loss,
     response_columns,
     split_loss_backward,
+    split_outputs,
 )
 from microbatch_helpers import tiny_lm
 from multirank import run_ranks
@@ -213,8 +215,30 @@ def test_the_value_loss_of_a_critic_keeps_the_unsplit_gradient():
         classifier_dropout=0.0,
     )
     critic = LlamaForTokenClassification(config)
+    use_varlen_attention(critic)
     batch = rollouts(tiny_lm(), [6, 2], [11, 3], seed=4)
     split_equals_whole(critic, the_long_one(batch, "padded"), critic=True, value_clip=0.5)
+    with torch.no_grad():  # the forward-only values (NOTE [ Over-long sequences run in chunks ])
+        mb = the_long_one(batch, "packed")
+        whole = micro_batch_outputs(critic, mb, critic=True)
+        torch.testing.assert_close(split_outputs(critic, mb, CHUNK, critic=True), whole, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_forward_only_outputs_in_chunks_equal_the_unsplit_ones(layout):
+    model = tiny_lm("qwen2")
+    use_varlen_attention(model)
+    batch = rollouts(model, [5, 2, 7], [4, 6, 14], seed=9)
+    with torch.no_grad():
+        for mb in iter_micro_batches(
+            batch,
+            plan_micro_batches(batch["attention_mask"].sum(-1), CHUNK, cost=layout, oversize="split"),
+            layout=layout,
+        ):
+            whole = micro_batch_outputs(model, mb)
+            split = split_outputs(model, mb, CHUNK)  # the long one in 3 chunks, the others whole
+            assert split.shape == whole.shape and whole.abs().max() > 0
+            torch.testing.assert_close(split, whole, atol=1e-5, rtol=0)
 
 
 @settings(max_examples=5, deadline=None)

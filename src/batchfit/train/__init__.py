@@ -16,7 +16,8 @@
   one reward per rollout.
 - :func:`micro_batch_backward`: a micro-batch's loss and backward; a lone sequence longer
   than the budget (a plan made with ``oversize="split"``) runs in chunks with the unsplit
-  gradient (NOTE [ Over-long sequences run in chunks ]).
+  gradient (NOTE [ Over-long sequences run in chunks ]); :func:`split_outputs` is its
+  forward-only counterpart (old log-probs, values).
 - :class:`PeakTracker` / :class:`CollectiveBytes`: peak bytes per micro-batch (cpu tracker)
   and bytes of collectives per optimizer step.
 
@@ -42,7 +43,7 @@ from batchfit.train.accumulate import (
 from batchfit.train.advantages import ESTIMATORS, group_advantages, group_ids
 from batchfit.train.forward import forward_logprobs, forward_values
 from batchfit.train.logprobs import HEADS, fused_output_head, model_logprobs, model_values, next_token_labels
-from batchfit.train.long_sequence import micro_batch_backward, split_loss_backward
+from batchfit.train.long_sequence import micro_batch_backward, split_loss_backward, split_outputs
 from batchfit.train.loss import policy_loss, response_columns, value_loss
 from batchfit.train.measure import CollectiveBytes, PeakTracker
 from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state
@@ -74,5 +75,6 @@ __all__ = [
     "policy_loss",
     "response_columns",
     "split_loss_backward",
+    "split_outputs",
     "value_loss",
 ]

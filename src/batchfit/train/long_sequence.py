@@ -86,7 +86,7 @@ from batchfit.plan.packing import MicroBatchPlan, split_chunks
 from batchfit.train.step import micro_batch_loss
 from batchfit.validation import check_int
 
-__all__ = ["micro_batch_backward", "split_loss_backward", "split_refusal"]
+__all__ = ["micro_batch_backward", "split_loss_backward", "split_outputs", "split_refusal"]
 
 #: Fields of a micro-batch that say where its tokens are (the chunks make their own).
 _LAYOUT_FIELDS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens", "max_length")
@@ -357,6 +357,67 @@ def _split(
         with _pass_sync(model, sync, last=j == extra - 1):
             _dummy_pass(model).backward()
     return total
+
+
+def split_outputs(
+    model: torch.nn.Module, batch: Any, chunk_tokens: int, **output_options: Any
+) -> torch.Tensor:
+    """Token-aligned outputs of a micro-batch, a lone sequence longer than ``chunk_tokens`` run in chunks; no gradients.
+
+    What :func:`batchfit.train.micro_batch_outputs` returns (log-probs, or values with
+    ``critic=True``), for the forward-only passes (old and reference log-probs, values) of a
+    plan made with ``oversize="split"``: a micro-batch that holds one sequence of more than
+    ``chunk_tokens`` tokens runs front to back in the chunks of
+    :func:`batchfit.plan.packing.split_chunks`, each on a cache of the tokens before it (NOTE
+    [ Over-long sequences run in chunks ]; the label token each pass also runs leaves the
+    cache again); any other micro-batch runs whole. Run it under ``torch.no_grad()``.
+
+    Args:
+        model: as :func:`batchfit.train.micro_batch_outputs`; bare when a micro-batch splits.
+        batch: a :class:`~batchfit.batches.MicroBatch` or its mapping.
+        chunk_tokens: the most tokens a pass runs (the forward plan's ``token_budget``).
+        **output_options: passed to :func:`batchfit.train.micro_batch_outputs`.
+
+    Returns:
+        ``[rows, W]`` fp32 at the batch's columns, equal to the unsplit outputs (fp32 rounding apart).
+
+    Raises:
+        BudgetError: as :func:`split_loss_backward` (a sharded model is refused when a
+            micro-batch splits).
+        BatchError, InvalidArgument: as :func:`batchfit.train.micro_batch_outputs`.
+    """
+    from transformers.cache_utils import DynamicCache
+
+    from batchfit.train.step import micro_batch_outputs
+
+    chunk_tokens = check_int("chunk_tokens", chunk_tokens, minimum=1)
+    if _own_chunks(batch, chunk_tokens) == 1:
+        return micro_batch_outputs(model, batch, **output_options)
+    index = batch.indices[0] if isinstance(batch, MicroBatch) and batch.indices else None
+    fields, ids = _sequence(batch)
+    length = ids.shape[1]
+    refusal = split_refusal(model, length, index)
+    if refusal is not None:
+        raise refusal
+    per_token = _per_token_fields(fields, batch)
+    out = torch.zeros(1, length, dtype=torch.float32, device=ids.device)
+    cache = DynamicCache(config=_inner(model).config)
+    with _layers_keep_cache(model):
+        for start, end in split_chunks(length, chunk_tokens, index=index):
+            stop = min(end + 1, length)  # the next chunk's first token, as a label
+            chunk = {k: v[:, start:stop] for k, v in per_token.items()}
+            chunk["input_ids"] = ids[:, start:stop]
+            chunk["attention_mask"] = torch.ones_like(chunk["input_ids"])
+            with _runs_on_cache(model, cache, start):
+                values = micro_batch_outputs(model, chunk, **output_options)
+            out[:, start + 1 : stop] = values[:, 1:].float()
+            if stop > end:
+                cache.crop(end - stop)  # the label token's KV belong to the next chunk
+    mask = fields.get("attention_mask")
+    if not isinstance(mask, torch.Tensor):
+        return out
+    first = int((mask[0] != 0).nonzero()[0])
+    return torch.nn.functional.pad(out, (first, mask.shape[1] - first - length))
 
 
 def _is_ddp(model: torch.nn.Module) -> bool:
