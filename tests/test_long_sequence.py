@@ -241,6 +241,19 @@ def test_forward_only_outputs_in_chunks_equal_the_unsplit_ones(layout):
             torch.testing.assert_close(split, whole, atol=1e-5, rtol=0)
 
 
+def test_lora_adapters_keep_the_unsplit_gradient():
+    from batchfit.models.lora import apply_lora, lora_spec, materialise_adapters, reset_adapters
+
+    model = apply_lora(tiny_lm(), lora_spec(rank=4))
+    materialise_adapters(model, "cpu")
+    reset_adapters(model)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # B starts at 0: give the adapters' A a gradient too
+            torch.nn.init.normal_(param, std=0.1)
+    batch = rollouts(model, [5, 2], [12, 3], seed=3)
+    split_equals_whole(model, the_long_one(batch, "padded"))
+
+
 @settings(max_examples=5, deadline=None)
 @given(
     prompt=st.integers(1, 12),
