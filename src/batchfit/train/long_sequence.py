@@ -244,8 +244,16 @@ def _why_not_exact(model: torch.nn.Module, lockstep: bool) -> str | None:
         from transformers.cache_utils import DynamicCache, DynamicLayer
 
         layers = DynamicCache(config=inner.config).layers
-    except Exception as exc:  # a model transformers cannot make a cache for: say why
-        return f"transformers makes no DynamicCache for {type(inner).__name__} ({type(exc).__name__}: {exc})"
+    except (
+        AttributeError,
+        KeyError,
+        TypeError,
+        ValueError,
+    ) as exc:  # a config transformers makes no cache for
+        first = (str(exc).splitlines() or [""])[0][:120]
+        return (
+            f"transformers makes no DynamicCache for {type(inner).__name__} ({type(exc).__name__}: {first})"
+        )
     odd = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
     if odd:
         return (
