@@ -375,7 +375,7 @@ def test_a_row_with_holes_is_refused():
 
 
 def _ddp_split_rank(rank: int) -> float:
-    """Rank ``rank`` of 2 under DDP: a plan splitting one sequence on one rank gives the mini-batch's gradient."""
+    """Rank ``rank`` of 2 under DDP, then FSDP2: a plan splitting one sequence on one rank gives the mini-batch's gradient."""
     from torch.nn.parallel import DistributedDataParallel
 
     reference = tiny_lm()
@@ -403,23 +403,26 @@ def _ddp_split_rank(rank: int) -> float:
         micro_batch_backward(model, mb, plan=plan, scale=2)  # DDP averages: × dp sums
     split = {n.removeprefix("module."): g for n, g in gradients(model).items()}
     assert_same_gradients(split, whole)
-    # FSDP2: every rank refuses the position where any rank would split, none left waiting
+    # FSDP2: the same passes on every rank (all-gathers in every forward, reduce-scatters in every backward)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     sharded = tiny_lm()
     mesh = init_device_mesh("cpu", (2,))
     for layer in sharded.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    at = [mb for mb in micro if plan.ranks[0][mb.position] == (2,) or plan.ranks[1][mb.position] == (2,)]
-    with pytest.raises(BudgetError) as info:
-        micro_batch_backward(sharded, at[0], plan=plan)
-    assert re.fullmatch(r"sequence 2 has 21 tokens, .*sharded \(FSDP.*at least 21, .*", one_line(info.value))
-    assert all(p.grad is None for p in sharded.parameters())
+    for mb in accumulate(sharded, micro, plan.num_micro_batches):
+        micro_batch_backward(sharded, mb, plan=plan, scale=2)
+    full = {
+        n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        for n, p in sharded.named_parameters()
+    }
+    assert_same_gradients(full, whole)
     return max((split[n] - g).abs().max().item() for n, g in whole.items())
 
 
-def test_ddp_ranks_run_the_split_passes_in_lockstep_with_the_mini_batch_gradient_and_need_the_plan():
+def test_ddp_and_fsdp2_ranks_run_the_split_passes_in_lockstep_with_the_mini_batch_gradient():
     errors = run_ranks(_ddp_split_rank, world=2, timeout=90)
     assert sorted(errors) == [0, 1] and max(errors.values()) < 1e-5

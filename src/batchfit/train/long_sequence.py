@@ -50,21 +50,23 @@ naming the sequence and the smallest budget that holds it unsplit (its length):
 - a cache layer that is not a plain full-attention ``DynamicLayer`` (sliding windows,
   chunked or hybrid attention, linear attention): such a cache drops or transforms past KV;
 - a model whose forward takes no ``past_key_values``;
-- a model under FSDP1 or FSDP2: each pass is a collective round, and a gradient that enters
-  a layer through its keys and values (not its output) would reach parameters FSDP has not
-  gathered for the backward;
-- a DDP model without the plan (``micro_batch_backward(..., plan=plan)``): the ranks could not
-  agree on the passes (NOTE [ Split passes in lockstep ]).
+- a DDP or FSDP2 model without the plan (``micro_batch_backward(..., plan=plan)``): the ranks
+  could not agree on the passes (NOTE [ Split passes in lockstep ]); an FSDP1 model (untested).
 
 NOTE [ Split passes in lockstep ]
-Under DDP each forward may broadcast buffers and each synchronising backward all-reduces, so
+Under DDP each forward may broadcast buffers and each synchronising backward all-reduces;
+under FSDP2 each forward all-gathers and each backward all-gathers and reduce-scatters. So
 every rank must run as many passes, of the same kinds, at each position of the plan. The plan
 is the same on every rank: :func:`micro_batch_backward` reads from it the most chunks ``n`` of
 any rank's micro-batch at this position (no collective) and every rank runs ``n − 1`` forwards
 without gradients and then ``n`` forwards with a backward, padding its own schedule with
 one-token passes of zero loss (every parameter in the graph, so DDP finds every gradient
-ready). In a synchronising micro-batch only the last pass all-reduces; the others run in
-``no_sync()``, so the gradient is all-reduced once, as for any micro-batch.
+ready). Under DDP, in a synchronising micro-batch only the last pass all-reduces; the others
+run in ``no_sync()``, so the gradient is all-reduced once, as for any micro-batch. Under FSDP2
+every pass reduce-scatters into the sharded gradient, as every micro-batch does (NOTE
+[ Accumulate, then sync once ]). The KV roots' gradient enters a layer below its output, but the
+layer's keys feed its own attention, whose gradient comes through the layer's output, so
+autograd runs FSDP2's pre-backward gather of the layer before it reaches the projections.
 
 Dropout draws differently in the fill pass and the gradient pass; with dropout on, the
 gradient is that of one draw per pass, not of the unsplit sequence's draw.
@@ -112,13 +114,13 @@ def micro_batch_backward(
     each position of the plan (NOTE [ Split passes in lockstep ]): pass ``plan``.
 
     Args:
-        model: the trained model: bare, or DDP with ``plan``; FSDP1/FSDP2 when nothing is split.
+        model: the trained model: bare, or DDP or FSDP2 with ``plan``; FSDP1 when nothing is split.
         batch: a :class:`~batchfit.batches.MicroBatch` (or its ``.batch`` mapping).
         chunk_tokens: the most tokens one pass may run; default the ``plan``'s
             ``token_budget``; ``None`` without a plan never splits.
         plan: the :class:`~batchfit.plan.packing.MicroBatchPlan` ``batch`` comes from: under DDP
-            the passes of every rank's micro-batch at ``batch.position`` are read from it, and
-            under FSDP every rank raises when any rank's micro-batch there would split.
+            and FSDP2 the passes of every rank's micro-batch at ``batch.position`` are read
+            from it; under FSDP1 every rank raises when any rank's micro-batch there would split.
         **loss_options: passed to :func:`batchfit.train.micro_batch_loss` (``head``,
             ``scale``, ``critic``, ``clip_ratio``, ...).
 
@@ -227,10 +229,11 @@ def _why_not_exact(model: torch.nn.Module, lockstep: bool) -> str | None:
     from batchfit.parallel.fsdp1 import is_fsdp1
     from batchfit.parallel.shard import is_fsdp, unwrap
 
-    if is_fsdp(model) or is_fsdp1(model):
+    if is_fsdp1(model) or (is_fsdp(model) and not lockstep):
         return (
-            f"the model is sharded ({type(model).__name__}): each chunk is a collective round, and a "
-            "gradient entering a layer through its keys and values skips FSDP's pre-backward gather"
+            f"the model is sharded ({type(model).__name__}): each chunk is a collective round and ranks "
+            "would run different numbers of them"
+            + ("" if is_fsdp1(model) else "; pass micro_batch_backward(..., plan=plan)")
         )
     if _is_ddp(model) and not lockstep:
         return (
