@@ -260,9 +260,10 @@ def test_lora_adapters_keep_the_unsplit_gradient():
     response=st.integers(2, 20),
     chunk=st.integers(2, 9),
     layout=st.sampled_from(["padded", "packed"]),
+    head=st.sampled_from(["fused", "chunked", "full"]),
     seed=st.integers(0, 2**16),
 )
-def test_any_length_and_chunk_keep_the_unsplit_gradient(prompt, response, chunk, layout, seed):
+def test_any_length_and_chunk_keep_the_unsplit_gradient(prompt, response, chunk, layout, head, seed):
     model = tiny_lm()
     use_varlen_attention(model)
     batch = rollouts(model, [prompt], [response], seed=seed)
@@ -273,7 +274,7 @@ def test_any_length_and_chunk_keep_the_unsplit_gradient(prompt, response, chunk,
             layout=layout,
         )
     )
-    split_equals_whole(model, mb, chunk=chunk)
+    split_equals_whole(model, mb, chunk=chunk, head=head)
 
 
 def test_a_split_plan_through_accumulate_gives_the_mini_batch_gradient():
