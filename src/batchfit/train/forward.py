@@ -21,6 +21,7 @@ from batchfit.parallel.collective_device import all_reduce_
 from batchfit.parallel.distributed import is_distributed
 from batchfit.plan.packing import MicroBatchPlan
 from batchfit.train.logprobs import span_starts
+from batchfit.train.long_sequence import split_outputs, split_refusal
 from batchfit.train.step import micro_batch_outputs
 
 __all__ = ["forward_logprobs", "forward_values"]
@@ -79,12 +80,40 @@ def forward_logprobs(
     Raises:
         InvalidArgument: ``plan.dp_size > 1`` without a process group of that size (the
             other ranks' rows would stay 0).
-        BatchError, BudgetError: as :func:`batchfit.batches.microbatch.iter_micro_batches`.
-    """
-    def run(mb: MicroBatch) -> torch.Tensor:
-        return micro_batch_outputs(model, mb, head=head, chunk_size=chunk_size, temperature=temperature)
+        BatchError, BudgetError: as :func:`batchfit.batches.microbatch.iter_micro_batches`;
+            ``BudgetError`` on every rank when a plan made with ``oversize="split"`` splits a
+            sequence of a DDP/FSDP model (a lone rank's chunks are no collective rounds of the
+            others) or of a model that cannot run in chunks exactly
+            (:func:`batchfit.train.long_sequence.split_refusal`).
 
+    A plan made with ``oversize="split"`` runs each over-long sequence in chunks of at most
+    ``plan.token_budget`` tokens on one KV cache (:func:`batchfit.train.long_sequence.split_outputs`).
+    """
+    run = _outputs(model, plan, head=head, chunk_size=chunk_size, temperature=temperature)
     return _forward(batch, plan, rank, run, layout, group, out, iter_options)
+
+
+def _outputs(model: torch.nn.Module, plan: MicroBatchPlan, **options: Any) -> Callable[[MicroBatch], torch.Tensor]:
+    """What runs one micro-batch of ``plan``: its outputs, over-long sequences in chunks (NOTE [ Over-long sequences run in chunks ])."""
+    _check_splits(model, plan)
+    if plan.split:
+        return lambda mb: split_outputs(model, mb, plan.token_budget, **options)
+    return lambda mb: micro_batch_outputs(model, mb, **options)
+
+
+def _check_splits(model: torch.nn.Module, plan: MicroBatchPlan) -> None:
+    """Refuse, on every rank alike (the plan is the same on each), a split a forward pass cannot run exactly.
+
+    A forward-only pass splits front to back on one rank's own cache; under DDP or FSDP its
+    chunks would be collective rounds the other ranks do not run.
+
+    Raises:
+        BudgetError: naming the first split sequence and the budget that holds it.
+    """
+    for index, _chunks in plan.split:
+        refusal = split_refusal(model, int(plan.lengths[index]), index)
+        if refusal is not None:
+            raise refusal
 
 
 def forward_values(
@@ -103,9 +132,7 @@ def forward_values(
     As :func:`forward_logprobs`, with :func:`batchfit.train.model_values` for each
     micro-batch (``micro_batch_outputs(..., critic=True)``).
     """
-    return _forward(
-        batch, plan, rank, lambda mb: micro_batch_outputs(model, mb, critic=True), layout, group, out, iter_options
-    )
+    return _forward(batch, plan, rank, _outputs(model, plan, critic=True), layout, group, out, iter_options)
 
 
 def _forward(
