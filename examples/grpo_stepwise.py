@@ -18,8 +18,9 @@ Every training step:
 3. per optimizer step (mini-batches of prompts × epochs: the batch plan's count, whatever the
    turns): mini-batch → data-parallel padding → exact loss weights → a token-budget plan →
    padding-free packed micro-batches → fused log-probs through the (FSDP2) model → clipped
-   surrogate (``micro_batch_loss``, the step the token budget's probe ran) → gradient
-   accumulation → ``optimizer.step()``.
+   surrogate and its backward (``micro_batch_backward``: ``micro_batch_loss``, the step the
+   token budget's probe ran; a lone sequence over the budget runs in chunks with the unsplit
+   gradient, every rank in lockstep) → gradient accumulation → ``optimizer.step()``.
 
 The token budgets are profiled on this machine, per rank for the sharding used; every
 micro-batch's peak memory is measured (cpu tracker) and printed beside the budget's limit.
@@ -62,7 +63,7 @@ from batchfit.train import (
     data_parallel_size,
     forward_logprobs,
     group_advantages,
-    micro_batch_loss,
+    micro_batch_backward,
     response_columns,
 )
 from batchfit.train.optim import initialize_optimizer_state
@@ -248,8 +249,8 @@ def train(
     def plan(lengths: torch.Tensor, tokens: int, fixed: int | None) -> MicroBatchPlan:
         if fixed is not None:  # SkyRL's micro-batching, for comparison (benchmarks/e2e.py)
             return fixed_size_plan(lengths, fixed, dp, s.max_prompt_len + s.max_response_len)
-        return plan_micro_batches(
-            lengths, tokens, dp_size=dp, cost="packed" if s.layout == "packed" else "padded"
+        return plan_micro_batches(  # a sequence over the budget runs alone, in chunks (exact gradient)
+            lengths, tokens, dp_size=dp, cost="packed" if s.layout == "packed" else "padded", oversize="split"
         )
 
     trim = s.micro_batch_size is None  # fixed micro-batches run full width, as SkyRL runs them
@@ -291,8 +292,7 @@ def train(
                     for mb in accumulate(model, micro_batches, mb_plan.num_micro_batches):
                         # fused log-probs through the (FSDP2) forward, then the clipped surrogate:
                         # the step the token budget's probe ran
-                        loss = micro_batch_loss(model, mb, clip_ratio=s.clip_ratio, scale=dp)
-                        loss.backward()
+                        loss = micro_batch_backward(model, mb, plan=mb_plan, clip_ratio=s.clip_ratio, scale=dp)
                         loss_sum += loss.item() / dp
                         computed += mb.batch["input_ids"].numel()
                         real += sum(int(lengths[i]) for i in mb.indices if i < hi - lo)  # not pad rows
