@@ -23,14 +23,15 @@ Without response-only the cpu rows are measured once per total and head as well,
 kind of probe batch (every token but the first a loss token).
 
 Usage:
-    python benchmarks/response_head.py --quick         # smoke run, ~30 s (tiny sizes, tiny model)
-    python benchmarks/response_head.py --part cpu      # the cpu table (~6 min on 2 busy cores)
-    python benchmarks/response_head.py --part estimate # the estimate table, 36 profiles
+    python benchmarks/response_head.py --quick         # smoke run, ~40 s (tiny sizes; 'tiny' preset, 64 MiB)
+    python benchmarks/response_head.py --part cpu      # the cpu table, ~5 min
+    python benchmarks/response_head.py --part estimate # the estimate table, 36 profiles, ~18 min
     python benchmarks/response_head.py                 # both
 
-Measured: the full estimate table (3 lengths × 3 heads × (1 + 3 ratios) = 36 profiles) took
-about 25 minutes on this 2-core machine at load ~2-3 (15-60 s per profile; see docs/logprobs.md,
-"Response-only head: figures").
+Measured 2026-11-24 on this 2-core machine with other jobs running: the full estimate table
+(3 lengths × 3 heads × (1 + 3 ratios) = 36 profiles) took 18 minutes at load 2.8-5.2 (14-54 s
+per profile); the cpu table 5 minutes at load 1.4-2.9. Output and reading: docs/logprobs.md,
+"Response-only head: figures".
 """
 
 from __future__ import annotations
