@@ -26,6 +26,7 @@ from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_ma
 from batchfit.budget.options import ProfileOptions
 from batchfit.budget.probe import BudgetStep, CallableStep, Probe
 from batchfit.budget.profile import ROLES, ModelProfile, profile_model
+from batchfit.budget.split import split_chunk_tokens, split_peak
 from batchfit.budget.step import TrainingStep, causal_lm_step
 from batchfit.budget.token_budget import COSTS, BudgetPoint, TokenBudget
 
@@ -55,4 +56,6 @@ __all__ = [
     "plan_confirm",
     "profile_model",
     "run_confirm",
+    "split_chunk_tokens",
+    "split_peak",
 ]

@@ -103,6 +103,10 @@ class MicroBatchPlan:
         split: ``(index, chunks)`` of each sequence longer than ``token_budget`` in a plan made
             with ``oversize="split"``: it runs alone, in ``chunks`` passes of at most
             ``token_budget`` tokens (:func:`split_chunks`); also listed in ``oversize``.
+        split_tokens: the most tokens one pass of a split sequence runs (``oversize="split"``):
+            ``token_budget`` unless the plan was given a smaller ``split_tokens`` (a split pass
+            also holds the whole sequence's keys and values: :func:`batchfit.budget.split_chunk_tokens`);
+            ``None`` for other plans.
 
     "Plan order" is rank-major: rank 0's micro-batches in order, each in its index order,
     then rank 1's, and so on; padding micro-batches contribute no sequence.
@@ -120,6 +124,7 @@ class MicroBatchPlan:
     response_budget: int | None = None
     response_lengths: np.ndarray | None = field(default=None, compare=False, repr=False)
     split: tuple[tuple[int, int], ...] = ()
+    split_tokens: int | None = None
 
     @property
     def split_extra_forwards(self) -> int:
@@ -325,6 +330,7 @@ class MicroBatchPlan:
             response_budget=self.response_budget,
             response_lengths=self.response_lengths,
             split=self.split,
+            split_tokens=self.split_tokens,
         )
 
 
@@ -1032,6 +1038,7 @@ def plan_micro_batches(
     oversize: str = "raise",
     response_lengths: Sequence[int] | np.ndarray | Any | None = None,
     response_budget: int | None = None,
+    split_tokens: int | None = None,
 ) -> MicroBatchPlan:
     """Plan micro-batches that never exceed ``token_budget``, as few as possible, equal over ranks.
 
@@ -1091,6 +1098,10 @@ def plan_micro_batches(
             ``[0, lengths[i]]``; the plan reports ``response_costs``. ``None``: no response cost.
         response_budget: the largest response cost of a micro-batch (needs
             ``response_lengths``); ``None``: no second cap, and the plan is the one-cap plan.
+        split_tokens: with ``oversize="split"``, the most tokens one pass of a split sequence
+            runs, in ``[2, token_budget]`` (default ``token_budget``): a split pass also holds
+            the sequence's keys and values, so its chunk must be smaller than the budget
+            (:func:`batchfit.budget.split_chunk_tokens` finds it).
 
     Returns:
         A :class:`MicroBatchPlan`; the same inputs always give the same plan.
@@ -1122,6 +1133,11 @@ def plan_micro_batches(
     balance = check_bool("balance", balance)
     resp = None if response_lengths is None else _as_response_lengths(response_lengths, lens)
     rbudget = None if response_budget is None else _check_response_budget(response_budget)
+    chunk = budget if split_tokens is None else check_int("split_tokens", split_tokens, minimum=2, maximum=budget)
+    if split_tokens is not None and oversize != "split":
+        raise InvalidArgument(
+            f"split_tokens={chunk} is read only when sequences are split; pass oversize='split' or drop split_tokens"
+        )
     if rbudget is not None and resp is None:
         raise InvalidArgument(
             f"response_budget={rbudget} needs response_lengths (response tokens per sequence, "
@@ -1199,10 +1215,11 @@ def plan_micro_batches(
         response_costs=response_costs,
         response_budget=rbudget,
         response_lengths=frozen_resp,
-        split=_split(lens, budget) if oversize == "split" else (),
+        split=_split(lens, budget, chunk) if oversize == "split" else (),
+        split_tokens=chunk if oversize == "split" else None,
     )
 
 
-def _split(lens: np.ndarray, budget: int) -> tuple[tuple[int, int], ...]:
-    """``(index, chunks)`` of every sequence longer than ``budget`` (:func:`split_chunks`)."""
-    return tuple((int(i), len(split_chunks(int(lens[i]), budget, index=int(i)))) for i in np.flatnonzero(lens > budget))
+def _split(lens: np.ndarray, budget: int, chunk: int) -> tuple[tuple[int, int], ...]:
+    """``(index, chunks)`` of every sequence longer than ``budget``, in passes of at most ``chunk`` tokens (:func:`split_chunks`)."""
+    return tuple((int(i), len(split_chunks(int(lens[i]), chunk, index=int(i)))) for i in np.flatnonzero(lens > budget))

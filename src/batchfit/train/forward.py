@@ -87,7 +87,7 @@ def forward_logprobs(
             (:func:`batchfit.train.long_sequence.split_refusal`).
 
     A plan made with ``oversize="split"`` runs each over-long sequence in chunks of at most
-    ``plan.token_budget`` tokens on one KV cache (:func:`batchfit.train.long_sequence.split_outputs`).
+    ``plan.split_tokens`` tokens on one KV cache (:func:`batchfit.train.long_sequence.split_outputs`).
     """
     run = _outputs(model, plan, head=head, chunk_size=chunk_size, temperature=temperature)
     return _forward(batch, plan, rank, run, layout, group, out, iter_options)
@@ -97,7 +97,7 @@ def _outputs(model: torch.nn.Module, plan: MicroBatchPlan, **options: Any) -> Ca
     """What runs one micro-batch of ``plan``: its outputs, over-long sequences in chunks (NOTE [ Over-long sequences run in chunks ])."""
     _check_splits(model, plan)
     if plan.split:
-        return lambda mb: split_outputs(model, mb, plan.token_budget, **options)
+        return lambda mb: split_outputs(model, mb, plan.split_tokens or plan.token_budget, over=plan.token_budget, **options)
     return lambda mb: micro_batch_outputs(model, mb, **options)
 
 

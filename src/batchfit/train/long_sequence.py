@@ -117,7 +117,7 @@ def micro_batch_backward(
         model: the trained model: bare, or DDP or FSDP2 with ``plan``; FSDP1 when nothing is split.
         batch: a :class:`~batchfit.batches.MicroBatch` (or its ``.batch`` mapping).
         chunk_tokens: the most tokens one pass may run; default the ``plan``'s
-            ``token_budget``; ``None`` without a plan never splits.
+            ``split_tokens`` (or ``token_budget``); ``None`` without a plan never splits.
         plan: the :class:`~batchfit.plan.packing.MicroBatchPlan` ``batch`` comes from: under DDP
             and FSDP2 the passes of every rank's micro-batch at ``batch.position`` are read
             from it; under FSDP1 every rank raises when any rank's micro-batch there would split.
@@ -137,14 +137,16 @@ def micro_batch_backward(
         ...     micro_batch_backward(model, mb, plan=plan, scale=dp)
     """
     if chunk_tokens is None and plan is not None:
-        chunk_tokens = plan.token_budget
+        chunk_tokens = plan.split_tokens or plan.token_budget
     if chunk_tokens is None:
         return _whole(model, batch, loss_options)
     chunk_tokens = check_int("chunk_tokens", chunk_tokens, minimum=1)
-    own = _own_chunks(batch, chunk_tokens)
+    # a plan splits the sequences over its budget, in passes of chunk_tokens (≤ the budget)
+    over = max(chunk_tokens, plan.token_budget) if plan is not None else chunk_tokens
+    own = _own_chunks(batch, chunk_tokens, over)
     passes = own
     if plan is not None and _is_sharded(model):
-        most, index, length = _most_chunks(plan, batch, chunk_tokens)
+        most, index, length = _most_chunks(plan, batch, chunk_tokens, over)
         refusal = split_refusal(model, length, index, lockstep=True) if most > 1 else None
         if refusal is not None:  # on every rank, not only the one that splits: none is left waiting
             raise refusal
@@ -172,17 +174,18 @@ def _whole(model: torch.nn.Module, batch: Any, loss_options: Mapping[str, Any]) 
     return loss.detach()
 
 
-def _own_chunks(batch: Any, chunk_tokens: int) -> int:
-    """Chunks this micro-batch runs in: 1 unless it holds one sequence longer than ``chunk_tokens``."""
+def _own_chunks(batch: Any, chunk_tokens: int, over: int | None = None) -> int:
+    """Chunks this micro-batch runs in: 1 unless it holds one sequence longer than ``over`` (default ``chunk_tokens``)."""
     fields = _fields(batch)
     ids, mask = fields.get("input_ids"), fields.get("attention_mask")
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] != 1:
         return 1
     length = int((mask != 0).sum()) if isinstance(mask, torch.Tensor) else ids.shape[1]
-    return len(split_chunks(length, chunk_tokens)) if length > max(chunk_tokens, 1) else 1
+    over = chunk_tokens if over is None else over
+    return len(split_chunks(length, chunk_tokens)) if length > max(over, 1) else 1
 
 
-def _most_chunks(plan: MicroBatchPlan, batch: Any, chunk_tokens: int) -> tuple[int, int | None, int]:
+def _most_chunks(plan: MicroBatchPlan, batch: Any, chunk_tokens: int, over: int) -> tuple[int, int | None, int]:
     """The most chunks any rank's micro-batch at ``batch``'s position runs in, with that sequence's index and length.
 
     Read from the plan, the same on every rank: no collective. ``(1, None, 0)`` when none splits.
@@ -196,7 +199,7 @@ def _most_chunks(plan: MicroBatchPlan, batch: Any, chunk_tokens: int) -> tuple[i
     most: tuple[int, int | None, int] = (1, None, 0)
     for rank in plan.ranks:
         indices = rank[batch.position]
-        if len(indices) == 1 and int(plan.lengths[indices[0]]) > chunk_tokens:
+        if len(indices) == 1 and int(plan.lengths[indices[0]]) > over:
             length = int(plan.lengths[indices[0]])
             chunks = len(split_chunks(length, chunk_tokens, index=indices[0]))
             if chunks > most[0]:
@@ -371,7 +374,7 @@ def _split(
 
 
 def split_outputs(
-    model: torch.nn.Module, batch: Any, chunk_tokens: int, **output_options: Any
+    model: torch.nn.Module, batch: Any, chunk_tokens: int, *, over: int | None = None, **output_options: Any
 ) -> torch.Tensor:
     """Token-aligned outputs of a micro-batch, a lone sequence longer than ``chunk_tokens`` run in chunks; no gradients.
 
@@ -386,7 +389,9 @@ def split_outputs(
     Args:
         model: as :func:`batchfit.train.micro_batch_outputs`; bare when a micro-batch splits.
         batch: a :class:`~batchfit.batches.MicroBatch` or its mapping.
-        chunk_tokens: the most tokens a pass runs (the forward plan's ``token_budget``).
+        chunk_tokens: the most tokens a pass runs (the forward plan's ``split_tokens``).
+        over: a lone sequence longer than this splits (the plan's ``token_budget``); default
+            ``chunk_tokens``.
         **output_options: passed to :func:`batchfit.train.micro_batch_outputs`.
 
     Returns:
@@ -402,7 +407,7 @@ def split_outputs(
     from batchfit.train.step import micro_batch_outputs
 
     chunk_tokens = check_int("chunk_tokens", chunk_tokens, minimum=1)
-    if _own_chunks(batch, chunk_tokens) == 1:
+    if _own_chunks(batch, chunk_tokens, over) == 1:
         return micro_batch_outputs(model, batch, **output_options)
     index = batch.indices[0] if isinstance(batch, MicroBatch) and batch.indices else None
     fields, ids = _sequence(batch)
