@@ -27,23 +27,24 @@ def tiny_model() -> torch.nn.Module:
     return tiny_lm("llama", "eager").double()
 
 
+def tiny_config(kind: str = "llama", **overrides):
+    """The config of :func:`tiny_lm`: 2 layers, hidden 32, 4 heads over 2 KV heads, vocabulary 64; ``overrides`` on top."""
+    from transformers import Qwen2Config
+
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    return config_cls(**{**sizes, **overrides})
+
+
 def tiny_lm(kind: str = "llama", attn: str = "sdpa") -> torch.nn.Module:
     """A 2-layer Llama or Qwen2 in float32 (grouped-query attention), the same weights on every call."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
-    config = config_cls(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    config = tiny_config(kind)
     config._attn_implementation = attn
-    return model_cls(config)
+    return {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}[kind](config)
 
 
 def make_batch(num_sequences: int = 8, seed: int = 1, reduction: str = "token_mean") -> dict:

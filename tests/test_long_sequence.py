@@ -35,7 +35,7 @@ from batchfit.train import (
     split_loss_backward,
     split_outputs,
 )
-from microbatch_helpers import tiny_lm
+from microbatch_helpers import tiny_config, tiny_lm
 from multirank import run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -201,20 +201,10 @@ def test_layouts_checkpointing_and_heads_keep_the_unsplit_gradient(layout, check
 
 
 def test_the_value_loss_of_a_critic_keeps_the_unsplit_gradient():
-    from transformers import LlamaConfig, LlamaForTokenClassification
+    from transformers import LlamaForTokenClassification
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_labels=1,
-        classifier_dropout=0.0,
-    )
-    critic = LlamaForTokenClassification(config)
+    critic = LlamaForTokenClassification(tiny_config(num_labels=1, classifier_dropout=0.0))
     use_varlen_attention(critic)
     batch = rollouts(tiny_lm(), [6, 2], [11, 3], seed=4)
     split_equals_whole(critic, the_long_one(batch, "padded"), critic=True, value_clip=0.5)
@@ -308,19 +298,9 @@ def one_line(error: BaseException) -> str:
 
 
 def test_a_sliding_window_model_is_refused_by_name_with_the_smallest_budget():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_sliding_window=True,
-        sliding_window=4,
-        max_window_layers=0,
-    )
+    config = tiny_config("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
     model = Qwen2ForCausalLM(config)
     batch = rollouts(tiny_lm("qwen2"), [3, 6], [2, 10], seed=6)
     mb = the_long_one(batch, "padded")

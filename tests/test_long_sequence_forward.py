@@ -9,7 +9,7 @@ from batchfit import BudgetError
 from batchfit.models.attention import use_varlen_attention
 from batchfit.plan.packing import plan_micro_batches
 from batchfit.train import forward_logprobs, forward_values
-from microbatch_helpers import tiny_lm
+from microbatch_helpers import tiny_config, tiny_lm
 from test_long_sequence import rollouts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,15 +38,10 @@ def test_a_split_forward_plan_gives_the_unsplit_log_probs(layout):
 
 
 def test_a_split_forward_plan_gives_the_unsplit_values():
-    from transformers import LlamaConfig, LlamaForTokenClassification
+    from transformers import LlamaForTokenClassification
 
     torch.manual_seed(0)
-    critic = LlamaForTokenClassification(
-        LlamaConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_labels=1, classifier_dropout=0.0,
-        )
-    ).eval()  # fmt: skip
+    critic = LlamaForTokenClassification(tiny_config(num_labels=1, classifier_dropout=0.0)).eval()
     batch = rollouts(tiny_lm("llama"), [3, 9], [2, 11], seed=2)
     lengths = batch["attention_mask"].sum(-1)
     with torch.no_grad():
@@ -57,14 +52,9 @@ def test_a_split_forward_plan_gives_the_unsplit_values():
 
 
 def test_a_model_that_cannot_split_is_refused_before_any_pass():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    model = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=0,
-        )
-    )  # fmt: skip
+    model = Qwen2ForCausalLM(tiny_config("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0))
     calls = []
     model.register_forward_pre_hook(lambda *_: calls.append(1))
     batch = rollouts(tiny_lm("qwen2"), [3, 6], [2, 10], seed=6)

@@ -85,6 +85,7 @@ import torch
 from batchfit.batches.microbatch import MicroBatch
 from batchfit.errors import BatchError, BudgetError
 from batchfit.plan.packing import MicroBatchPlan, split_chunks
+from batchfit.train.logprobs import _fields
 from batchfit.train.step import micro_batch_loss
 from batchfit.validation import check_int
 
@@ -479,16 +480,6 @@ def _dummy_pass(model: torch.nn.Module) -> torch.Tensor:
     device = next(model.parameters()).device
     out = model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device), use_cache=False)
     return out.logits.float().sum() * 0.0
-
-
-def _fields(batch: Any) -> Mapping[str, Any]:
-    if isinstance(batch, MicroBatch):
-        return batch.batch
-    if not isinstance(batch, Mapping):
-        raise BatchError(
-            f"batch must be a MicroBatch or a mapping of per-sample fields, but got a {type(batch).__name__}"
-        )
-    return batch
 
 
 def _sequence(batch: Any) -> tuple[Mapping[str, Any], torch.Tensor]:
