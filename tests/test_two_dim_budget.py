@@ -216,3 +216,23 @@ def test_a_step_that_does_not_fit_names_the_response_only_head_as_a_remedy():
     backend = get_backend("cpu")
     assert any("--response-only" in r for r in _tiny_step(backend).remedies())
     assert not any("--response-only" in r for r in _tiny_step(backend, only_loss_tokens=True).remedies())
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_forward_log_probs_of_the_loss_tokens_equal_the_full_heads(layout):
+    from batchfit.models.attention import use_varlen_attention
+    from batchfit.train import forward_logprobs, response_columns
+    from microbatch_helpers import tiny_lm
+
+    model = tiny_lm("llama")
+    if layout == "packed":
+        use_varlen_attention(model)
+    batch = synthetic_rollout([30, 17, 9, 24], vocab_size=64, response_fraction=0.4, mask_dtype=torch.long)
+    plan = plan_micro_batches(batch["attention_mask"].sum(-1), token_budget=48, cost="packed")
+    width = batch["loss_mask"].shape[1]
+    with torch.no_grad():
+        full = forward_logprobs(model, batch, plan, layout=layout)
+        only = forward_logprobs(model, batch, plan, layout=layout, only_loss_tokens=True)
+    mask = batch["loss_mask"] != 0
+    torch.testing.assert_close(response_columns(only, width)[mask], response_columns(full, width)[mask], atol=1e-5, rtol=1e-5)
+    assert only.count_nonzero() == mask.sum() < full.count_nonzero()  # the prompts' log-probs were not computed

@@ -37,6 +37,7 @@ def forward_logprobs(
     head: str = "fused",
     chunk_size: int | str | None = "auto",
     temperature: float = 1.0,
+    only_loss_tokens: bool = False,
     group: Any = None,
     out: torch.Tensor | None = None,
     **iter_options: Any,
@@ -60,6 +61,9 @@ def forward_logprobs(
         rank: this process' data-parallel rank.
         layout: ``"padded"`` or ``"packed"`` (:func:`batchfit.batches.microbatch.iter_micro_batches`).
         head, chunk_size, temperature: as :func:`batchfit.train.model_logprobs`.
+        only_loss_tokens: run the head only on the tokens of ``batch["loss_mask"]`` (NOTE
+            [ Response-only head ]); the other columns of the result are 0. The loss mask is
+            cut into micro-batches with the tokens.
         group: the data-parallel process group (``None`` = the default group).
         out: a float ``[N, W]`` tensor to write into (zeroed first), e.g. one kept in host
             memory (each micro-batch's values are copied to its device and dtype, and the
@@ -68,7 +72,8 @@ def forward_logprobs(
         **iter_options: passed to :func:`batchfit.batches.microbatch.iter_micro_batches` (``trim=False``
             runs full-width rows).
 
-    Only ``input_ids``, ``attention_mask`` and ``position_ids`` are cut into micro-batches;
+    Only ``input_ids``, ``attention_mask`` and ``position_ids`` (and ``loss_mask`` with
+    ``only_loss_tokens``) are cut into micro-batches;
     ``position_ids`` are left out when every row's valid tokens are one span (each sequence
     then has positions ``0 .. length − 1``, which the model makes itself).
 
@@ -89,8 +94,11 @@ def forward_logprobs(
     A plan made with ``oversize="split"`` runs each over-long sequence in chunks of at most
     ``plan.split_tokens`` tokens on one KV cache (:func:`batchfit.train.long_sequence.split_outputs`).
     """
-    run = _outputs(model, plan, head=head, chunk_size=chunk_size, temperature=temperature)
-    return _forward(batch, plan, rank, run, layout, group, out, iter_options)
+    run = _outputs(
+        model, plan, head=head, chunk_size=chunk_size, temperature=temperature, only_loss_tokens=only_loss_tokens
+    )
+    extra = ("loss_mask",) if only_loss_tokens else ()
+    return _forward(batch, plan, rank, run, layout, group, out, iter_options, extra)
 
 
 def _outputs(model: torch.nn.Module, plan: MicroBatchPlan, **options: Any) -> Callable[[MicroBatch], torch.Tensor]:
@@ -144,6 +152,7 @@ def _forward(
     group: Any,
     out: torch.Tensor | None,
     iter_options: Mapping[str, Any],
+    extra_keys: tuple[str, ...] = (),
 ) -> torch.Tensor:
     import torch.distributed as dist
 
@@ -154,7 +163,7 @@ def _forward(
         )
     ids = batch["input_ids"]
     # the forward needs the tokens and where they are; the other fields' rows are not copied
-    keys = ["input_ids", "attention_mask"]
+    keys = ["input_ids", "attention_mask", *extra_keys]
     if "position_ids" in batch and span_starts(batch.get("attention_mask")) is None:
         keys.append("position_ids")  # rows with holes: the positions matter
     inputs = {k: batch[k] for k in keys if k in batch}
