@@ -98,6 +98,7 @@ class Settings:
     seed: int = 0
     quiet: bool = False
     timing_only: bool = False  # no memory tracker or collective counter (they halve tokens/s)
+    response_only: bool = False  # the head on the loss tokens only; budgets C and R (docs/budget.md)
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts", "mini_batch", "samples", "epochs", "max_response_len"):
@@ -246,11 +247,18 @@ def train(
     dp = data_parallel_size(model)
     vocab_size = load_config(s.model).vocab_size
 
-    def plan(lengths: torch.Tensor, tokens: int, fixed: int | None) -> MicroBatchPlan:
+    def plan(lengths: torch.Tensor, tokens: int, fixed: int | None, responses: Any = None, cap: int | None = None) -> MicroBatchPlan:
         if fixed is not None:  # SkyRL's micro-batching, for comparison (benchmarks/e2e.py)
             return fixed_size_plan(lengths, fixed, dp, s.max_prompt_len + s.max_response_len)
         return plan_micro_batches(  # a sequence over the budget runs alone, in chunks (exact gradient)
-            lengths, tokens, dp_size=dp, cost="packed" if s.layout == "packed" else "padded", oversize="split"
+            lengths,
+            tokens,
+            dp_size=dp,
+            cost="packed" if s.layout == "packed" else "padded",
+            oversize="split",
+            # a response-only head's second cap: at most R loss tokens per micro-batch
+            response_lengths=None if cap is None else responses,
+            response_budget=cap,
         )
 
     trim = s.micro_batch_size is None  # fixed micro-batches run full width, as SkyRL runs them
@@ -260,11 +268,17 @@ def train(
         # old log-probs: forward only, under its own (larger) budget; every row on every rank
         start = time.perf_counter()
         forward_plan = plan(
-            batch["attention_mask"].sum(-1), budgets.forward, s.forward_micro_batch_size or s.micro_batch_size
+            batch["attention_mask"].sum(-1),
+            budgets.forward,
+            s.forward_micro_batch_size or s.micro_batch_size,
+            (batch["loss_mask"] != 0).sum(-1),
+            budgets.forward_responses,
         )
         old = torch.zeros(batch["input_ids"].shape)  # in host memory, like the rollouts
         with meters(s, model, optimizer, host=(batch, old)) as (comm, peaks):
-            forward_logprobs(model, batch, forward_plan, rank, layout=s.layout, trim=trim, out=old)
+            forward_logprobs(
+                model, batch, forward_plan, rank, layout=s.layout, trim=trim, out=old, only_loss_tokens=s.response_only
+            )
             peak = peaks.take()
         batch["old_log_probs"] = response_columns(old, s.max_response_len)  # the response columns
         result.forward.append(
@@ -285,14 +299,17 @@ def train(
                 # one weight per token over the whole mini-batch: any split gives its gradient
                 mini["weights"] = loss_weights(mini["loss_mask"], reduction="token_mean")
                 lengths = mini["attention_mask"].sum(-1)
-                mb_plan = plan(lengths, budgets.training, s.micro_batch_size)  # the same on every rank
+                responses = (mini["loss_mask"] != 0).sum(-1)
+                mb_plan = plan(lengths, budgets.training, s.micro_batch_size, responses, budgets.training_responses)
                 micro_batches = iter_micro_batches(mini, mb_plan, rank, layout=s.layout, trim=trim)
                 loss_sum, computed, real, peak = 0.0, 0, 0, 0
                 with meters(s, model, optimizer, host=mini) as (comm, peaks):
                     for mb in accumulate(model, micro_batches, mb_plan.num_micro_batches):
                         # fused log-probs through the (FSDP2) forward, then the clipped surrogate:
                         # the step the token budget's probe ran
-                        loss = micro_batch_backward(model, mb, plan=mb_plan, clip_ratio=s.clip_ratio, scale=dp)
+                        loss = micro_batch_backward(
+                            model, mb, plan=mb_plan, clip_ratio=s.clip_ratio, scale=dp, only_loss_tokens=s.response_only
+                        )
                         loss_sum += loss.item() / dp
                         computed += mb.batch["input_ids"].numel()
                         real += sum(int(lengths[i]) for i in mb.indices if i < hi - lo)  # not pad rows
@@ -337,6 +354,8 @@ class Budgets:
     forward: int
     training_limit: int | None = None
     forward_limit: int | None = None
+    training_responses: int | None = None  # the response cap R of a response-only head (None: no second cap)
+    forward_responses: int | None = None
 
 
 def token_budgets(s: Settings, sharding: Sharding, model: torch.nn.Module | None = None) -> Budgets:
@@ -361,6 +380,9 @@ def token_budgets(s: Settings, sharding: Sharding, model: torch.nn.Module | None
         logprobs="fused",
         cost="packed" if s.layout == "packed" else "padded",
         sharding=sharding,
+        response_only=s.response_only,
+        # the probes' share of loss tokens: the longest prompt and response's (docs/budget.md)
+        response_fraction=s.max_response_len / (s.max_prompt_len + s.max_response_len) if s.response_only else None,
     )
     train, forward = profile.train, profile.forward
     return Budgets(
@@ -368,6 +390,8 @@ def token_budgets(s: Settings, sharding: Sharding, model: torch.nn.Module | None
         s.forward_token_budget or forward.tokens,
         train.limit_bytes,
         forward.limit_bytes,
+        train.response_tokens,
+        forward.response_tokens,
     )
 
 
@@ -490,8 +514,11 @@ def run_with_progress(s: Settings) -> Result:
 
     def on_setup(result: Result) -> None:
         b = result.budgets
+        caps = "" if b.training_responses is None else (
+            f"; response-only head: at most {b.training_responses:,} / {b.forward_responses:,} loss tokens"
+        )
         console.print(
-            f"token budget per rank: {b.training:,} tokens (training), {b.forward:,} (forward only); "
+            f"token budget per rank: {b.training:,} tokens (training), {b.forward:,} (forward only){caps}; "
             f"layout {s.layout}, {s.memory} per rank, sharding {s.sharding}"
         )
         console.print(str(result.plan), markup=False)

@@ -76,6 +76,20 @@ def test_every_micro_batch_peak_is_under_the_budget_profiled_on_this_machine():
         assert log.peak_bytes <= log.limit_bytes, (log, log.peak_bytes / log.limit_bytes)
 
 
+def test_a_response_only_head_trains_the_same_steps_under_both_caps():
+    """The budget in two dimensions in the real loop: C and R profiled, both caps planned, every peak under its limit."""
+    common = {"steps": 1, "token_budget": None, "forward_token_budget": None, "memory": "8MiB"}
+    plain = example.train(small(**common))
+    only = example.train(small(**common, response_only=True))
+    b = only.budgets
+    assert b.training_responses is not None and b.forward_responses is not None
+    assert plain.budgets.training_responses is None
+    for log in [*only.steps, *only.forward]:
+        assert log.peak_bytes <= log.limit_bytes, (log, log.peak_bytes / log.limit_bytes)
+    # the head ran on the loss tokens only: the same clipped surrogate, step by step
+    np.testing.assert_allclose([s.loss for s in only.steps], [s.loss for s in plain.steps], rtol=1e-4, atol=1e-6)
+
+
 def test_batchfit_demo_runs_the_example_and_reports_bad_values_in_one_line(capsys):
     args = ["--steps", "1", "--max-prompt-len", "48", "--max-response-len", "32", "--token-budget", "256"]
     assert main(["demo", *args, "--forward-token-budget", "1024"]) == 0

@@ -54,6 +54,7 @@ OPTIONS: tuple[tuple[str, Any, str], ...] = (
     ("seed", int, "seed of the rollouts and the initial weights"),
     ("quiet", bool, "no output"),
     ("timing_only", bool, "no memory tracker or collective counter (they halve tokens/s)"),
+    ("response_only", bool, "run the head on the loss tokens only: budgets C and R, both caps planned"),
 )
 
 
