@@ -328,7 +328,7 @@ def test_a_model_without_a_kv_cache_is_refused_by_name():
     batch = {"input_ids": torch.arange(1, 11)[None], "attention_mask": torch.ones(1, 10, dtype=torch.long)}
     with pytest.raises(
         BudgetError,
-        match=r"^the sequence has 10 tokens, .*NoCache.forward takes no past_key_values.*at least 10",
+        match=r"^the sequence has 10 tokens, .*NoCache.forward takes no cache \(past_key_values\) argument.*at least 10",
     ):
         split_loss_backward(NoCache(), batch, 4)
 

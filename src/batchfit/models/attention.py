@@ -260,11 +260,12 @@ def check_packed_attention(model: torch.nn.Module, inputs: Mapping[str, Any]) ->
     use_cache = inputs.get("use_cache")
     if use_cache is None:
         use_cache = getattr(config, "use_cache", False)
-    cached = bool(use_cache) or inputs.get("past_key_values") is not None
-    if cached:
+    # the cache argument: ``cache`` from transformers 5.24, ``past_key_values`` before
+    given = next((key for key in ("cache", "past_key_values") if inputs.get(key) is not None), None)
+    if use_cache or given:
         raise InvalidArgument(
             f"a packed row run with attn_implementation={name!r} and a cache (use_cache={use_cache!r}"
-            f"{', past_key_values given' if inputs.get('past_key_values') is not None else ''}) attends across its sequences: "
+            f"{f', {given} given' if given else ''}) attends across its sequences: "
             "transformers splits packed rows only when no cache is made; pass use_cache=False "
             "(model(**mb.model_inputs()) does) or call batchfit.models.attention.use_varlen_attention(model) first"
         )

@@ -49,7 +49,7 @@ naming the sequence and the smallest budget that holds it unsplit (its length):
 
 - a cache layer that is not a plain full-attention ``DynamicLayer`` (sliding windows,
   chunked or hybrid attention, linear attention): such a cache drops or transforms past KV;
-- a model whose forward takes no ``past_key_values``;
+- a model whose forward takes no KV cache (``cache``, ``past_key_values`` before transformers 5.24);
 - a DDP or FSDP2 model without the plan (``micro_batch_backward(..., plan=plan)``): the ranks
   could not agree on the passes (NOTE [ Split passes in lockstep ]); an FSDP1 model (untested).
 
@@ -245,8 +245,8 @@ def _why_not_exact(model: torch.nn.Module, lockstep: bool) -> str | None:
             "and ranks would run different numbers of them; pass micro_batch_backward(..., plan=plan)"
         )
     inner = unwrap(model)
-    if "past_key_values" not in inspect.signature(type(inner).forward).parameters:
-        return f"{type(inner).__name__}.forward takes no past_key_values (no KV cache)"
+    if _cache_kwarg(inner) is None:
+        return f"{type(inner).__name__}.forward takes no cache (past_key_values) argument (no KV cache)"
     try:
         from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -622,6 +622,7 @@ def _runs_on_cache(model: torch.nn.Module, cache: Any, start: int) -> Iterator[N
     from batchfit.parallel.shard import unwrap
 
     inner = unwrap(model)
+    name = _cache_kwarg(inner) or "past_key_values"
     implementation = getattr(getattr(inner, "config", None), "_attn_implementation", None)
     dtype = next(inner.parameters()).dtype
     had = "forward" in model.__dict__
@@ -632,7 +633,7 @@ def _runs_on_cache(model: torch.nn.Module, cache: Any, start: int) -> Iterator[N
         ids = kwargs.get("input_ids", args[0] if args else None)
         count = ids.shape[1]
         kwargs.update(
-            past_key_values=cache,
+            {name: cache},
             use_cache=True,
             position_ids=torch.arange(start, start + count, device=ids.device)[None],
             attention_mask=_chunk_mask(implementation, start, count, dtype, ids.device),
@@ -647,6 +648,12 @@ def _runs_on_cache(model: torch.nn.Module, cache: Any, start: int) -> Iterator[N
             model.forward = saved  # type: ignore[method-assign]
         else:
             del model.forward
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str | None:
+    """The name ``model.forward`` takes its KV cache by: ``cache`` (transformers ≥ 5.24), ``past_key_values``, or ``None``."""
+    params = inspect.signature(type(model).forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
 def _chunk_mask(
