@@ -287,6 +287,7 @@ def _search(
         model = fit_memory_model(_completed(trials))
         check = f"{check}; probed seq_len={worst}: max batch {point.max_batch_size}"
 
+    response_budget = _response_budget(points)
     return TokenBudget(
         tokens=tokens,
         max_seq_len=max_seq_len,
@@ -301,8 +302,8 @@ def _search(
         role=role,
         trials=tuple(trials),
         model_check=check,
-        response_tokens=_response_budget(points),
-        response_fraction=getattr(measured, "response_fraction", None) if getattr(measured, "only_loss_tokens", False) else None,
+        response_tokens=response_budget,
+        response_fraction=None if response_budget is None else getattr(measured, "response_fraction", None),
     )
 
 
@@ -320,8 +321,8 @@ def _search(
 
 def _response_budget(points: Sequence[BudgetPoint]) -> int | None:
     """The smallest response cap of the points (NOTE [ A budget in two dimensions ]), ``None`` without one."""
-    caps = [p.response_tokens for p in points if p.response_tokens is not None]
-    return min(caps) if caps and len(caps) == len(points) else None
+    caps = [p.response_tokens for p in points]
+    return None if not caps or None in caps else min(c for c in caps if c is not None)
 
 
 # NOTE [ Packed budgets count tokens ]

@@ -20,7 +20,7 @@ fake tensors (equal to the cpu backend to the byte on the tiny preset).
 
 from __future__ import annotations
 
-from batchfit.budget.step import TrainingStep, _on_device
+from batchfit.budget.step import TrainingStep, on_device
 from batchfit.errors import BudgetError, InvalidArgument
 from batchfit.validation import check_positive_int
 
@@ -48,12 +48,11 @@ def split_peak(step: TrainingStep, longest: int, chunk_tokens: int) -> int:
     longest = check_positive_int("longest", longest)
     chunk_tokens = check_positive_int("chunk_tokens", chunk_tokens)
     mb = step.micro_batch([longest])
-    options = {"critic": step.critic, "head": step.logprobs, "only_loss_tokens": step.only_loss_tokens}
 
     def run() -> None:
         with step.backend.context():
-            batch, _held = _on_device(mb, step.backend)
-            micro_batch_backward(step.model, batch, chunk_tokens=chunk_tokens, **options)
+            batch, _held = on_device(mb, step.backend)
+            micro_batch_backward(step.model, batch, chunk_tokens=chunk_tokens, **step.loss_options)
             if step.optimizer is not None:
                 step.optimizer.step()
             step.model.zero_grad(set_to_none=False)

@@ -212,13 +212,18 @@ class TrainingStep:
         """Run the step once on a micro-batch of sequences of ``lengths`` tokens (unmeasured)."""
         self.run(self.micro_batch(lengths))
 
+    @property
+    def loss_options(self) -> dict[str, Any]:
+        """What the step passes :func:`batchfit.train.micro_batch_loss` besides the model and the micro-batch."""
+        return {"critic": self.critic, "head": self.logprobs, "only_loss_tokens": self.only_loss_tokens}
+
     def run(self, mb: MicroBatch) -> None:
         """Copy ``mb``'s fields to the device and run the trainer's step on it (NOTE [ One micro-batch step ])."""
-        options = {"critic": self.critic, "head": self.logprobs, "only_loss_tokens": self.only_loss_tokens}
+        options = self.loss_options
         if self.only_loss_tokens:
             _check_values_kept(mb, self.backend)
         with self.backend.context(), _quiet_fsdp_views():
-            mb, _held = _on_device(mb, self.backend)
+            mb, _held = on_device(mb, self.backend)
             if self.forward_only:
                 with torch.no_grad(), labels.phase(labels.FORWARD), _head_region(self._head):
                     labels.set_position(labels.EMBED)
@@ -309,7 +314,7 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
     return [check_positive_int(f"lengths[{i}]", n) for i, n in enumerate(lengths)]
 
 
-def _on_device(mb: MicroBatch, backend: Backend) -> tuple[MicroBatch, list[torch.Tensor]]:
+def on_device(mb: MicroBatch, backend: Backend) -> tuple[MicroBatch, list[torch.Tensor]]:
     """``mb`` with its tensors copied to ``backend.device`` (inside the measured call: the trainer's micro-batch bytes).
 
     Returns the micro-batch and the copies to hold alive beside it: on the estimate backend a
