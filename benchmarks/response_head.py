@@ -23,7 +23,7 @@ Without response-only the cpu rows are measured once per total and head as well,
 kind of probe batch (every token but the first a loss token).
 
 Usage:
-    python benchmarks/response_head.py --quick         # smoke run, ~40 s (tiny sizes; 'tiny' preset, 64 MiB)
+    python benchmarks/response_head.py --quick         # smoke run, ~20 s (tiny sizes; 'tiny' preset, 64 MiB; 19.5 s at load 1.6, 2026-11-24)
     python benchmarks/response_head.py --part cpu      # the cpu table, ~5 min
     python benchmarks/response_head.py --part estimate # the estimate table, 36 profiles, ~18 min
     python benchmarks/response_head.py                 # both
