@@ -452,6 +452,7 @@ def skyrl_schema(package: Package) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 VERL_GENERATED = "verl/trainer/config/_generated_ppo_trainer.yaml"
+VERL_MAIN = "verl/trainer/config/ppo_trainer.yaml"  # the Hydra config VERL_GENERATED is composed from
 
 
 def verl_schema(package: Package) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -487,6 +488,9 @@ def verl_schema(package: Package) -> tuple[dict[str, Any], dict[str, Any]]:
         "open": sorted(schema.open),
         "strict": dict(sorted(schema.strict.items())),
         "unresolved_defaults": dict(sorted(schema.unresolved.items())),
+        # the Hydra defaults list VERL_GENERATED is composed from: a user's file that carries the same
+        # list composes the same defaults (batchfit.frameworks.source.hydra_composed)
+        "hydra_defaults": yaml.safe_load(package.files[VERL_MAIN]).get("defaults", []),
     }
 
 

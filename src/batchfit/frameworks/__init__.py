@@ -25,7 +25,8 @@ from batchfit.frameworks.source import VOCABULARIES as _FILE_VOCABULARIES
 from batchfit.frameworks.source import (
     check_mapping,
     detect_vocabulary,
-    flatten,
+    given_keys,
+    hydra_composed,
     read_mapping,
     resolve,
 )
@@ -70,8 +71,9 @@ def read_run_config(
     data = source if isinstance(source, Mapping) else read_mapping(source)
     check_mapping(data)
     vocabulary = detect_vocabulary(data)
+    data = hydra_composed(data, vocabulary)
     resolved = resolve(data, vocabulary)
-    given = flatten(data)
+    given = given_keys(data, resolved)  # NOTE [ Interpolations resolve before the schema check ]
     if vocabulary == "skyrl":
         run = skyrl.read(resolved, given)
     elif vocabulary == "verl":

@@ -197,6 +197,70 @@ def resolve(data: Mapping[str, Any], vocabulary: str) -> dict[str, Any]:
     return _missing_as_none(resolved)
 
 
+def hydra_composed(data: Mapping[str, Any], vocabulary: str) -> Mapping[str, Any]:
+    """``data`` without its Hydra defaults list, which composes the framework's own defaults.
+
+    A config Hydra composes (verl's ``ppo_trainer.yaml``, or a user's file built on it) starts
+    with a top-level ``defaults:`` list of config groups. Hydra takes that list off and merges
+    the groups under the file; batchfit's defaults for the framework are that composition
+    (``defaults/<framework>.yaml``), so a file whose list is the framework's own is its keys
+    merged over them, as Hydra would.
+
+    Raises:
+        BatchConfigError: the list composes other groups than the framework's defaults do
+            (another ``model_engine``, another actor), naming the entries that differ.
+    """
+    listed = data.get("defaults") if vocabulary in ("skyrl", "verl") else None
+    if not isinstance(listed, list):
+        return data
+    schema = framework_schema(vocabulary)
+    own = list(schema.hydra_defaults)
+    if listed != own:
+        other = [entry for entry in listed if entry not in own] or [entry for entry in own if entry not in listed]
+        shown = ", ".join(short_repr(entry) for entry in other[:3])
+        if not own:
+            fault = f"defaults={short_repr(listed)}: {schema.title} composes its config without a Hydra defaults list; remove the 'defaults' key"
+        else:
+            fault = f"defaults={short_repr(listed)}: the Hydra defaults list composes other config groups ({shown}) than {schema.title}'s ppo_trainer.yaml, whose composition batchfit merges the file over; pass the config Hydra composes instead (python -m verl.trainer.main_ppo --config-name NAME --cfg job)"
+        raise BatchConfigError([fault])
+    return {key: value for key, value in data.items() if key != "defaults"}
+
+
+def given_keys(data: Mapping[str, Any], resolved: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys the user's file sets (flattened), each with its value after :func:`resolve`.
+
+    See NOTE [ Interpolations resolve before the schema check ]. A key whose interpolation
+    resolves to a section (verl's ``rollout.mtp: ${oc.select:actor_rollout_ref.model.mtp, null}``)
+    stands for the keys below it, as the framework's loader sees them.
+
+    Args:
+        data: the user's file, as read.
+        resolved: ``resolve(data, vocabulary)``.
+    """
+    flat = flatten(resolved)
+    out: dict[str, Any] = {}
+    for key, value in flatten(data).items():
+        if key in flat:
+            out[key] = flat[key]
+            continue
+        node: Any = resolved
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if isinstance(node, Mapping) and node:
+            out.update(flatten(node, key + "."))
+        else:
+            out[key] = value
+    return out
+
+
+# NOTE [ Interpolations resolve before the schema check ]
+# Hydra and OmegaConf resolve a framework's config before its dataclasses see it, so a key the
+# schema has as a section may hold an interpolation that resolves to a section (verl 0.9.1's
+# generated config: ``actor_rollout_ref.rollout.mtp: ${oc.select:actor_rollout_ref.model.mtp, null}``).
+# The keys judged against the schema (FrameworkSchema.check_keys) and compared with the defaults
+# are therefore the user's keys after resolution (given_keys), never the expressions as written.
+
+
 # NOTE [ Sections no rule reads ]
 # verl's defaults hold ~120 interpolations, most in its profiler sections; resolving them all
 # costs more than everything else a read does. These sections (top-level names, and any
@@ -263,6 +327,8 @@ class FrameworkSchema:
             ``model_config_kwargs``).
         strict: sections in which the framework refuses a key it does not know → the class
             that refuses it (SkyRL: every dataclass section; verl: the ``_target_`` sections).
+        hydra_defaults: the Hydra defaults list the framework's defaults are composed from
+            (verl: ``ppo_trainer.yaml``'s); empty when it has none (SkyRL 0.4.0).
     """
 
     framework: str
@@ -270,6 +336,7 @@ class FrameworkSchema:
     keys: frozenset[str]
     open: tuple[str, ...]
     strict: Mapping[str, str]
+    hydra_defaults: tuple[Any, ...] = ()
 
     @property
     def title(self) -> str:
@@ -363,6 +430,7 @@ def framework_schema(framework: str) -> FrameworkSchema:
         keys=frozenset(data["keys"]),
         open=tuple(data["open"]),
         strict=dict(data["strict"]),
+        hydra_defaults=tuple(data.get("hydra_defaults", ())),
     )
 
 
