@@ -60,9 +60,11 @@ def test_profile_config_emits_verl_keys_equal_to_the_budgets_and_the_merge_plans
     data = json.loads(capsys.readouterr().out)
     assert data["vocabulary"] == "verl" and data["max_seq_len"] == 256
     assert data["budget"] == "estimated"  # the estimate backend's budgets
-    assert set(data["tokens"]) == {"policy", "policy_forward", "reference", "critic", "critic_forward"}
+    # NOTE [ One name per figure ]: each pass's budget once, in its model's profile
+    tokens = {role: b["tokens"] for p in data["profiles"].values() for role, b in p["budgets"].items()}
+    assert set(tokens) == {"policy", "policy_forward", "reference", "critic", "critic_forward"}
+    assert "tokens" not in data and data["profiles"]["policy"]["budgets"]["policy_forward"]["pass"] == "old log-probs"
     assert data["colocated"] == ["policy", "reference", "critic"] and data["resident_bytes"]["policy"] > 0
-    tokens = data["tokens"]
     # verl's old-log-prob pass computes the full entropy its update does not: its budget is its own
     assert data["profiles"]["policy"]["logprobs"]["forward_entropy"] == "full"
     assert data["emit"]["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] == tokens["policy"]
@@ -113,8 +115,9 @@ def test_profile_config_emits_skyrl_keys_that_pass_plan_and_flags_override(tmp_p
     path.write_text(yaml.safe_dump(config))
     assert main(["profile", "--config", str(path), *FAST, "--max-seq-len", "128", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["max_seq_len"] == 256 and data["profiles"]["policy"]["roles"]["policy"]["max_seq_len"] == 128
-    assert set(data["tokens"]) == {"policy", "policy_forward"}  # no critic, no KL: no reference
+    assert data["max_seq_len"] == 256 and data["profiles"]["policy"]["budgets"]["policy"]["max_seq_len"] == 128
+    assert list(data["profiles"]) == ["policy"]  # no critic, no KL: no reference
+    assert list(data["profiles"]["policy"]["budgets"]) == ["policy", "policy_forward"]
     assert main(["profile", "--config", str(path), *FAST, "--emit", "skyrl"]) == 0
     out = capsys.readouterr().out
     emitted = yaml.safe_load(out)["trainer"]

@@ -302,17 +302,18 @@ def test_a_task_run_shows_one_progress_line_per_trial_when_stderr_is_no_terminal
 def test_profile_progress_is_a_line_per_probe_with_the_time_left(capsys):
     from types import SimpleNamespace
 
+    from batchfit.budget import Probe
     from batchfit.cli.profile import _progress
 
     console = SimpleNamespace(is_terminal=False)
-    probe = SimpleNamespace(seq_len=256, batch_size=4, fits=True)
+    probe = Probe(batch_size=4, seq_len=256, peak_bytes=1, fits=True)
     with _progress(console, True) as callback:
         callback(SimpleNamespace(role="policy", probe=probe, probes=1))
         callback(SimpleNamespace(role="policy", probe=None, length_index=0, n_lengths=4, seq_len=256, max_batch_size=4, probes=1))
         callback(SimpleNamespace(role="policy", probe=None, length_index=3, n_lengths=4, seq_len=32, max_batch_size=9, probes=4))
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0] == "batchfit profile: policy: probe 1: s=256 b=4 fits"
-    assert lines[1].startswith("batchfit profile: policy: length 1/4 done (s=256, largest batch 4); ")
+    assert lines[0] == "batchfit profile: policy: probe 1: 4×256 = 1,024 tokens fits"
+    assert lines[1].startswith("batchfit profile: policy: length 1/4 done (s=256, largest fitting 4×256 = 1,024 tokens); ")
     assert "left" in lines[1] and "left" not in lines[2]  # the last length leaves nothing to wait for
 
 

@@ -64,7 +64,7 @@ def test_cpu_confirm_matches_the_estimate_per_category_within_one_percent(cpu_co
 
 def test_the_confirm_runs_the_budgets_binding_shape(cpu_confirm):
     data, _ = cpu_confirm
-    policy, budget = data["confirm"]["roles"]["policy"], data["roles"]["policy"]
+    policy, budget = data["confirm"]["roles"]["policy"], data["budgets"]["policy"]
     binding = next(p for p in budget["points"] if p["tokens"] == budget["tokens"])
     assert policy["lengths"] == [binding["seq_len"]] * binding["max_batch_size"]  # padded: b rows of s
     assert policy["tokens"] == budget["tokens"]
@@ -74,7 +74,7 @@ def test_the_confirm_runs_the_budgets_binding_shape(cpu_confirm):
 
 def test_confirm_json_schema(cpu_confirm):
     data, path = cpu_confirm
-    assert {"model", "backend", "tokens", "roles", "per_rank", "confirm", "calibration"} <= set(data)
+    assert {"model", "backend", "budgets", "combined", "confirm", "calibration"} <= set(data)
     assert data["backend"] == "estimate"  # the profile is the estimate; the confirm says where it ran
     confirm = data["confirm"]
     assert set(confirm) == {
@@ -135,11 +135,11 @@ def test_calibration_round_trip_applies_its_reserve_and_margin(cpu_confirm):
     applied = json.loads(out)
     assert code == 0
     assert (applied["memory_limit"], applied["reserve_bytes"]) == (64 * MiB, 0)
-    assert applied["roles"]["policy"]["safety_margin"] == 0.98
-    assert applied["roles"]["policy"]["limit_bytes"] == int(0.98 * 64 * MiB)
+    assert applied["budgets"]["policy"]["safety_margin"] == 0.98
+    assert applied["budgets"]["policy"]["limit_bytes"] == int(0.98 * 64 * MiB)
     assert applied["calibration"]["path"] == str(path) and applied["calibration"]["safety_margin"] == 0.98
     # a larger margin than the default 0.9 buys a budget at least as large
-    assert applied["tokens"] >= data["tokens"]
+    assert applied["budgets"]["policy"]["tokens"] >= data["budgets"]["policy"]["tokens"]
     code, out, _ = _run([*argv, "--calibration", str(path)])
     assert code == 0 and f"calibration {path}: reserve 0 B" in out and "safety margin 0.98" in out
 
@@ -428,8 +428,8 @@ def test_cuda_confirm_writes_a_calibration_that_the_estimate_then_uses(fake_cuda
     data = json.loads(out)
     assert code == 0
     assert (data["memory_limit"], data["reserve_bytes"]) == (TOTAL, 2 * MiB)
-    assert data["roles"]["policy"]["safety_margin"] == 0.933
-    assert data["roles"]["policy"]["limit_bytes"] == int(0.933 * (TOTAL - 2 * MiB))
+    assert data["budgets"]["policy"]["safety_margin"] == 0.933
+    assert data["budgets"]["policy"]["limit_bytes"] == int(0.933 * (TOTAL - 2 * MiB))
 
 
 def test_a_cuda_confirm_that_does_not_fit_exits_1_with_the_message(fake_cuda):

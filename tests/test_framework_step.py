@@ -113,7 +113,8 @@ def test_profile_config_measures_the_frameworks_head_and_a_flag_overrides_it(tmp
     overridden = _profile_json(tmp_path, capsys, _verl(use_kl_loss=True), "--logprobs", "full")
     assert overridden["profiles"]["policy"]["logprobs"] == "full"
     # the kernel's head holds less than an fp32 log-softmax of the logits: a larger policy budget
-    assert data["tokens"]["policy"] > overridden["tokens"]["policy"]
+    update = data["profiles"]["policy"]["budgets"]["policy"]
+    assert update["tokens"] > overridden["profiles"]["policy"]["budgets"]["policy"]["tokens"]
 
 
 def test_verls_fsdp_strategy_is_profiled_as_fsdp1_and_skyrls_as_fsdp2():

@@ -68,12 +68,13 @@ def test_profile_reports_sharding_depth_and_the_per_rank_breakdown(four_ranks):
     }
     assert (data["dtype"], data["compute_dtype"]) == ("float32", "bfloat16")
     assert data["depth"] == 2 and data["measured_depths"] is None  # too shallow to extrapolate
-    breakdown = data["per_rank"]["breakdown"]
-    assert {"parameters", "optimizer_state", "activations", "logprob_head"} <= set(breakdown)
-    policy_point = data["roles"]["policy"]["points"][0]
+    policy = data["budgets"]["policy"]
+    assert {"parameters", "optimizer_state", "activations", "logprob_head"} <= set(policy["breakdown"])
+    policy_point = policy["points"][0]
     assert sum(policy_point["breakdown"].values()) == policy_point["peak_bytes"]
     # the reference runs forward only: no optimizer state, no gradients
-    assert "optimizer_state" not in data["roles"]["reference"]["breakdown"]
+    assert data["budgets"]["reference"]["pass"] == "reference log-probs"
+    assert "optimizer_state" not in data["budgets"]["reference"]["breakdown"]
 
 
 def test_cpu_offload_moves_the_state_to_the_host(wide, four_ranks):
@@ -89,12 +90,40 @@ def test_cpu_offload_moves_the_state_to_the_host(wide, four_ranks):
 def test_a_sequence_too_long_for_one_device_names_the_world_size_that_fits(wide):
     # 33 MiB usable: one 32-token sequence needs ~36 MB unsharded (bf16 state + AdamW)
     memory = GiB + 33 * MiB
-    with pytest.raises(DoesNotFitError, match=r"it fits with Sharding\('fsdp2', world_size=16\) and gradient checkpointing") as info:
+    fits = r"it fits with sharding=Sharding\('fsdp2', world_size=16\), gradient_checkpointing=True"
+    with pytest.raises(DoesNotFitError, match=fits) as info:
         _profile(wide, 1, strategy="none", memory=memory, max_seq_len=32)
     assert info.value.world_size_hint == 16
     assert _profile(wide, 16, memory=memory, max_seq_len=32, gradient_checkpointing=True).combined.tokens >= 32
     with pytest.raises(DoesNotFitError):  # the node below does not
         _profile(wide, 8, memory=memory, max_seq_len=32, gradient_checkpointing=True)
+
+
+def test_a_sequence_that_does_not_fit_gives_its_breakdown_and_names_keyword_arguments():
+    # tiny at 2048 on one device: 38.04 MiB for one sequence (the fp32 log-prob head 24.02 MiB of it), run to
+    # the end under 64 MiB; the limit is 0.3 × 64 MiB = 20,132,659 bytes (int(20,132,659.2)), no reserve
+    with pytest.raises(DoesNotFitError) as info:
+        profile_model(
+            "tiny", max_seq_len=2048, backend="estimate", memory_limit="64MiB", reserve_bytes=0, safety_margin=0.3,
+            progress=False, suggest_world_size=False,
+        )  # fmt: skip
+    error, text = info.value, str(info.value)
+    assert text.startswith(
+        "policy: one sequence of max_seq_len=2048 does not fit: its training step needs 38.04 MiB (logprob head "
+        "24.02 MiB, activations 12.29 MiB, optimizer state 887.50 KiB, parameters 438.50 KiB, gradients 438.50 KiB, "
+        "buffers 1.00 KiB) but the limit is 19.20 MiB = safety_margin=0.3 × 64.00 MiB usable (memory 64.00 MiB − "
+        "reserve 0 B); to make it fit: reduce max_seq_len; "
+    )
+    for keyword in ("(gradient_checkpointing=True)", "(logprobs='fused')", "(response_only=True)",
+                    "(sharding=Sharding('fsdp2', world_size=N))", "(memory_limit, safety_margin)"):  # fmt: skip
+        assert keyword in text
+    assert "--" not in text  # no command-line flags from the library (NOTE [ Messages in the caller's vocabulary ])
+    assert (error.available, error.usable_bytes, error.reserve_bytes) == (20_132_659, 64 * MiB, 0)
+    assert sum(error.breakdown.values()) == error.needed == 39_885_312  # 38.04 MiB, whole: nothing stopped it
+    assert error.to_dict()["remedies"][2] == {
+        "text": "compute log-probs fused from the hidden states (logprobs='fused')",
+        "change": ["logprobs='fused'"],
+    }
 
 
 def test_activations_that_never_fit_say_no_world_size_helps(wide):

@@ -162,7 +162,7 @@ TINY = ["--model", "tiny", "--max-seq-len", "256", "--backend", "estimate", "--m
 def test_the_cli_reports_the_response_cap():
     out = _cli(*TINY, "--response-only", "--response-fraction", "0.2", "--json")
     assert out.returncode == 0, out.stderr
-    policy = json.loads(out.stdout)["roles"]["policy"]
+    policy = json.loads(out.stdout)["budgets"]["policy"]
     assert policy["response_fraction"] == 0.2 and 0 < policy["response_tokens"] < policy["tokens"]
     text = _cli(*TINY, "--response-only", "--response-fraction", "0.2")
     assert text.returncode == 0, text.stderr
@@ -214,8 +214,8 @@ def test_emit_says_what_a_framework_loses_of_a_response_cap():
 
 def test_a_step_that_does_not_fit_names_the_response_only_head_as_a_remedy():
     backend = get_backend("cpu")
-    assert any("--response-only" in r for r in _tiny_step(backend).remedies())
-    assert not any("--response-only" in r for r in _tiny_step(backend, only_loss_tokens=True).remedies())
+    assert any("response_only=True" in str(r) for r in _tiny_step(backend).remedies())
+    assert not any("response_only=True" in str(r) for r in _tiny_step(backend, only_loss_tokens=True).remedies())
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])

@@ -97,11 +97,16 @@ class DepthExtrapolatedStep:
         return bool(getattr(self.steps[self.k1], "only_loss_tokens", False))
 
     @property
+    def forward_only(self) -> bool:
+        """The shallow steps' ``forward_only`` (a pass under ``no_grad``)."""
+        return bool(getattr(self.steps[self.k1], "forward_only", False))
+
+    @property
     def response_fraction(self) -> float | None:
         """The shallow steps' ``response_fraction``."""
         return getattr(self.steps[self.k1], "response_fraction", None)
 
-    def remedies(self) -> list[str]:
+    def remedies(self) -> list[Any]:
         """The shallow steps' remedies (they share the deep model's settings)."""
         return self.steps[self.k1].remedies()
 

@@ -23,7 +23,7 @@ from batchfit.budget.guard import RankLeftSearch, SearchGuard, guarded_search
 from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_max_batch
 from batchfit.budget.probe import BudgetStep, CallableStep, Probe, candidate_lengths, response_cap
 from batchfit.budget.token_budget import BudgetPoint, TokenBudget, check_cost
-from batchfit.errors import DoesNotFitError, InvalidArgument, ProbeAbandoned
+from batchfit.errors import DoesNotFitError, InvalidArgument, Phrase, ProbeAbandoned, Setting
 from batchfit.memory import BACKEND_NAMES, DEFAULT_SAFETY_MARGIN, Backend
 from batchfit.parallel.distributed import (
     agree,
@@ -571,7 +571,8 @@ def _log_progress(event: BudgetProgress) -> None:
     if event.probe is not None:
         p = event.probe
         verdict = "fits" if p.fits else "does not fit"
-        logger.info(f"seq_len={p.seq_len} batch_size={p.batch_size}: peak {p.peak_bytes} bytes, {verdict}")
+        # in tokens: packed probes at one length differ in tokens, not always in sequences
+        logger.info(f"seq_len={p.seq_len} {p.shape()}: peak {p.peak_bytes} bytes, {verdict}")
     else:
         logger.info(f"seq_len={event.seq_len}: max batch size {event.max_batch_size}")
 
@@ -723,14 +724,35 @@ def _point(seq_len: int, whole: int, tokens: int, at_length: Sequence[Probe], co
 
 
 def _does_not_fit(one: Probe, *, limit: int, usable: int, margin: float, step: BudgetStep) -> DoesNotFitError:
-    """The error for one sequence of ``max_seq_len`` (the probe ``one``) not fitting."""
+    """The error for one sequence of ``max_seq_len`` (the probe ``one``) not fitting.
+
+    It gives what the user needs to choose a remedy: the sequence's peak by category (one
+    rank's, largest first), the limit, the usable memory and the reserve it is taken from,
+    and the step's remedies, whose settings the caller's vocabulary writes (NOTE [ Messages
+    in the caller's vocabulary ] in :mod:`batchfit.errors`).
+    """
     at_least = "at least " if one.exceeded else ""
+    reserve = int(step.backend.reserve_bytes or 0)
+    pass_ = "forward pass (no_grad)" if getattr(step, "forward_only", False) else "training step"
+    parts = sorted(((b, c) for c, b in one.breakdown.items() if b > 0), reverse=True)
+    by_category = ", ".join(f"{c.replace('_', ' ')} {_fmt(b)}" for b, c in parts)
+    message = Phrase(
+        "one sequence of ",
+        Setting("max_seq_len", one.seq_len),
+        f" does not fit: its {pass_} needs {at_least}{_fmt(one.peak_bytes)}",
+        f" ({'where it was stopped: ' if one.exceeded else ''}{by_category})" if by_category else "",
+        f" but the limit is {_fmt(limit)} = ",
+        Setting("safety_margin", margin),
+        f" × {_fmt(usable)} usable (memory {_fmt(usable + reserve)} − reserve {_fmt(reserve)})",
+    )
     return DoesNotFitError(
-        f"one sequence of max_seq_len={one.seq_len} does not fit: its training step needs {at_least}"
-        f"{_fmt(one.peak_bytes)} but the limit is {_fmt(limit)} (safety_margin={margin} × {_fmt(usable)} "
-        f"usable); {', '.join(step.remedies())}",
+        message,
         needed=one.peak_bytes,
         available=limit,
+        breakdown=one.breakdown,
+        reserve_bytes=reserve,
+        usable_bytes=usable,
+        remedies=step.remedies(),
     )
 
 

@@ -14,10 +14,15 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Protocol, runtime_checkable
 
+from batchfit.errors import Phrase, Setting
 from batchfit.memory import Backend, MemoryMeasurement
 
-#: What any step's failure to fit one sequence can be helped by (a step names more of its own).
-GENERIC_REMEDIES = ("reduce max_seq_len", "or give more memory (memory_limit, safety_margin)")
+#: What any step's failure to fit one sequence can be helped by (a step names more of its own),
+#: naming settings (NOTE [ Messages in the caller's vocabulary ] in :mod:`batchfit.errors`).
+GENERIC_REMEDIES = (
+    Phrase("reduce ", Setting("max_seq_len")),
+    Phrase("give more memory (", Setting("memory_limit"), ", ", Setting("safety_margin"), ")"),
+)
 
 
 @runtime_checkable
@@ -34,8 +39,12 @@ class BudgetStep(Protocol):
         """The peak memory of one micro-batch of sequences of ``lengths`` tokens (``fits=False`` when it ran out)."""
         ...
 
-    def remedies(self) -> list[str]:
-        """What would make one longer sequence fit, the remedies already in use left out (for error messages)."""
+    def remedies(self) -> list[str | Phrase]:
+        """What would make one longer sequence fit, the remedies already in use left out (for error messages).
+
+        A :class:`~batchfit.errors.Phrase` names its settings by their keyword names, so the
+        error can be written in the caller's vocabulary (keyword arguments or CLI flags).
+        """
         ...
 
 
@@ -57,7 +66,7 @@ class CallableStep:
         lengths = list(lengths)
         return self.backend.measure(lambda: self.fn(lengths), register=self.register)
 
-    def remedies(self) -> list[str]:
+    def remedies(self) -> list[str | Phrase]:
         """Only :data:`GENERIC_REMEDIES`: nothing is known of the function."""
         return list(GENERIC_REMEDIES)
 
@@ -127,9 +136,10 @@ class Probe:
             :class:`batchfit.memory.MemoryMeasurement`); empty when unknown.
         host_bytes: host bytes at the peak (CPU offload), not in ``peak_bytes``.
         tokens: the tokens of every sequence (``batch_size × seq_len`` when ``None``).
-        predicted: not run: the measurements so far predicted it above the device's limit
-            (real ranks only, NOTE [ Only predicted fits on real ranks ]); ``peak_bytes`` is
-            that prediction.
+        predicted: not run: the probes measured before proved it does not fit, or (on a
+            device that cannot run past its limit) that it might run out (real ranks only,
+            NOTE [ Skipped only when proven ] in :mod:`batchfit.budget.find`); ``peak_bytes``
+            is the bound that decided it.
     """
 
     batch_size: int
@@ -146,6 +156,25 @@ class Probe:
     def total_tokens(self) -> int:
         """``tokens``, or ``batch_size × seq_len``."""
         return self.batch_size * self.seq_len if self.tokens is None else self.tokens
+
+    def shape(self) -> str:
+        """The candidate in tokens, as the sequences it is made of (for progress lines).
+
+        Whole sequences of ``seq_len`` and, for a packed candidate, one shorter remainder
+        (:func:`candidate_lengths`): two packed probes at one length with the same count of
+        sequences but different tokens read differently.
+
+        Example:
+            >>> Probe(4, 32768, 0, False, tokens=99538).shape(), Probe(3, 8192, 0, True).shape()
+            ('3×32,768 + 1,234 = 99,538 tokens', '3×8,192 = 24,576 tokens')
+        """
+        whole, rest = divmod(self.total_tokens, self.seq_len)
+        if self.batch_size != whole + (rest > 0):  # not sequences of seq_len and one remainder
+            return f"{self.batch_size:,} sequences ≤ {self.seq_len:,}, {self.total_tokens:,} tokens"
+        rows = f"{whole:,}×{self.seq_len:,}" if whole else ""
+        if not rest:
+            return f"{rows} = {self.total_tokens:,} tokens"
+        return f"{rows} + {rest:,} = {self.total_tokens:,} tokens" if whole else f"1×{rest:,} = {rest:,} tokens"
 
     def to_dict(self) -> dict[str, object]:
         """The fields as plain values (JSON-ready), ``tokens`` filled in."""

@@ -23,7 +23,7 @@ from batchfit.budget.depth import DEFAULT_DEPTHS, uniform_layers
 from batchfit.budget.find import find_token_budget
 from batchfit.budget.options import ProfileOptions
 from batchfit.budget.token_budget import TokenBudget
-from batchfit.errors import BudgetError, DoesNotFitError, InvalidArgument
+from batchfit.errors import BudgetError, DoesNotFitError, InvalidArgument, Phrase, Setting
 from batchfit.memory.estimate import EstimateBackend
 from batchfit.memory.untracked import UntrackedMemory, untracked_memory
 from batchfit.models.lora import LoraParameters, lora_parameters
@@ -38,6 +38,14 @@ ROLES = ("policy", "critic", "reference", "policy_forward", "critic_forward")
 ``reference`` (a frozen model, no optimizer), ``policy_forward`` (old log-probs) and
 ``critic_forward`` (values), whose models' training state (sharded parameters and AdamW
 state) stays resident, as it does between a framework's training steps."""
+#: What each role's pass is, in words: the name a report gives each budget beside its role.
+PASS_NAMES = {
+    "policy": "update",
+    "critic": "update",
+    "reference": "reference log-probs",
+    "policy_forward": "old log-probs",
+    "critic_forward": "values",
+}
 TRAINED_ROLES = ("policy", "critic")
 VALUE_ROLES = ("critic", "critic_forward")
 #: A real cpu search of a model this large is guided by the estimate of the same step (NOTE
@@ -102,7 +110,18 @@ class ModelProfile:
     lora: LoraParameters | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """Settings, each role's budget and the combined budget as plain values (JSON-ready)."""
+        """Settings, each role's budget and the combined budget as plain values (JSON-ready).
+
+        NOTE [ One name per figure ]
+        Each budget appears once, under ``budgets.<role>`` (``policy``, ``policy_forward``,
+        ``critic``, ``critic_forward``, ``reference``) with its ``pass`` in words
+        (:data:`PASS_NAMES`: update, old log-probs, values, reference log-probs), and
+        everything measured for it sits beside it: its ``tokens``, ``response_tokens``, the
+        binding peak's ``peak_bytes``, ``breakdown`` and ``host_bytes``, its limit, points and
+        probes. ``combined`` is the budget every role shares (:meth:`TokenBudget.min`): its
+        ``tokens`` (and ``response_tokens``), and ``binding_role``, the role whose budget
+        it is — the breakdown is that role's.
+        """
         return {
             "model": self.model,
             "dtype": self.dtype,
@@ -117,14 +136,12 @@ class ModelProfile:
             "sharding": self.sharding.to_dict(),
             "depth": self.depth,
             "measured_depths": None if self.measured_depths is None else list(self.measured_depths),
-            "tokens": self.combined.tokens,
-            "binding_role": self.combined.binding_role,
-            "per_rank": {
-                "breakdown": self.combined.breakdown,
-                "reserve_bytes": self.reserve_bytes,
-                "host_bytes": _host_bytes(self.combined),
+            "budgets": {role: {"pass": PASS_NAMES.get(role, role), **_budget_dict(b)} for role, b in self.budgets.items()},
+            "combined": {
+                "tokens": self.combined.tokens,
+                "response_tokens": self.combined.response_tokens,
+                "binding_role": self.combined.binding_role,
             },
-            "roles": {role: b.to_dict() for role, b in self.budgets.items()},
             "untracked": None if self.untracked is None else self.untracked.to_dict(),
             "torch": None if self.torch is None else self.torch.to_dict(),
             "lora": None if self.lora is None else self.lora.to_dict(),
@@ -164,11 +181,18 @@ class ModelProfile:
         return TokenBudget.min(*found)
 
 
-def _host_bytes(budget: TokenBudget) -> int:
+def _budget_dict(budget: TokenBudget) -> dict[str, Any]:
+    """One role's budget as plain values, its binding peak (bytes, breakdown, host bytes) beside its tokens."""
     point = budget.binding_point
-    if point is None and budget.parts:
-        point = min(budget.parts, key=lambda b: (b.tokens, b.max_seq_len)).binding_point
-    return 0 if point is None else point.host_bytes
+    out = budget.to_dict()
+    out.pop("parts")  # a role's own budget combines nothing
+    head = {key: out.pop(key) for key in ("tokens", "response_tokens", "response_fraction")}
+    peak = {
+        "peak_bytes": None if point is None else point.peak_bytes,
+        "breakdown": out.pop("breakdown"),
+        "host_bytes": 0 if point is None else point.host_bytes,
+    }
+    return {**head, **peak, **out}
 
 
 def check_roles(roles: str | Sequence[str], name: str = "roles") -> tuple[str, ...]:
@@ -300,7 +324,7 @@ def profile_model(
         role, exc = failed
         if opts.suggest_world_size and be.name == "estimate":
             raise _with_world_size_hint(exc, role, build, opts.max_seq_len) from None
-        raise exc
+        raise exc.replace(Phrase(f"{role}: ", *exc.message.parts)) from None
     return ModelProfile(
         model=model_name(model),
         dtype=_dtype_name(torch_dtype),
@@ -692,17 +716,19 @@ def _with_world_size_hint(exc: DoesNotFitError, role: str, build: RoleBuilder, s
     start = build.sharding.world_size if build.sharding.strategy == "fsdp2" else 1
     world = smallest_fitting_world_size(build, role, seq_len, limit, start=start)
     if world is None:
-        hint = (
-            f"no fsdp2 world size up to {_MAX_HINT_WORLD} fits it either (the activations of one sequence "
-            "alone are too large): reduce max_seq_len or compute log-probs fused (logprobs='fused')"
+        # a finding, not a remedy: the step's own remedies (a shorter sequence, a fused head) still apply
+        no_world = Phrase(
+            f"{role}: ", *exc.message.parts, f"; no fsdp2 world size up to {_MAX_HINT_WORLD} fits it either "
+            "(the activations of one sequence alone are too large)"
         )
+        unsharded = [r for r in exc.remedies if not any(getattr(p, "name", None) == "sharding" for p in r.parts)]
+        out = exc.replace(no_world, remedies=unsharded)
     else:
-        hint = (
-            f"it fits with Sharding('fsdp2', world_size={world}) and gradient checkpointing (one sequence "
-            "per rank; sequence parallelism splits longer ones)"
+        fits_with = Phrase(
+            "it fits with ",
+            (Setting("sharding", {"strategy": "fsdp2", "world_size": world}), Setting("gradient_checkpointing", True)),
+            " (one sequence per rank; sequence parallelism splits longer ones)",
         )
-    out = DoesNotFitError(
-        f"{role}: {exc}; {hint}", needed=exc.needed, available=exc.available
-    )
+        out = exc.replace(Phrase(f"{role}: ", *exc.message.parts), remedies=(fits_with, *exc.remedies))
     out.world_size_hint = world
     return out

@@ -48,7 +48,7 @@ from batchfit.batches.layout import CU_SEQ_LENS
 from batchfit.batches.microbatch import MicroBatch, iter_micro_batches
 from batchfit.batches.weights import loss_weights
 from batchfit.budget.probe import response_tokens
-from batchfit.errors import InvalidArgument
+from batchfit.errors import InvalidArgument, Phrase, Setting
 from batchfit.memory import Backend, MemoryMeasurement, labels
 from batchfit.memory.registration import (
     COMMUNICATION,
@@ -151,23 +151,31 @@ class TrainingStep:
         self._head = _head_module(unwrap(model))
         self._position_hooks = _install_position_hooks(unwrap(model))
 
-    def remedies(self) -> list[str]:
-        """What would make a longer sequence fit, leaving out what this step already does."""
+    def remedies(self) -> list[str | Phrase]:
+        """What would make a longer sequence fit, leaving out what this step already does.
+
+        Each names its settings by keyword (NOTE [ Messages in the caller's vocabulary ] in
+        :mod:`batchfit.errors`): the CLI writes them as its flags.
+        """
         model = unwrap(self.model)
         # transformers 5.x renamed is_gradient_checkpointing (now deprecated) to is_activation_checkpointing
         name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
-        out = ["reduce max_seq_len"]
-        if not getattr(model, name, False):
-            out.append("enable gradient checkpointing")
+        out: list[str | Phrase] = [Phrase("reduce ", Setting("max_seq_len"))]
+        if not self.forward_only and not getattr(model, name, False):  # no_grad keeps no activations to drop
+            out.append(Phrase("enable gradient checkpointing (", Setting("gradient_checkpointing", True), ")"))
         if self.logprobs in ("full", "chunked") and not self.critic:
-            out.append("compute log-probs fused from the hidden states (logprobs='fused')")
+            out.append(Phrase("compute log-probs fused from the hidden states (", Setting("logprobs", "fused"), ")"))
         if not self.only_loss_tokens and not self.critic:
-            out.append("run the head only on the loss tokens (response_only=True, --response-only)")
-        if self.sharding.strategy != "fsdp2":
-            out.append("shard the model over more ranks (fsdp2)")
-        elif self.sharding.offload != "cpu":
-            out.append("offload the sharded state to the CPU")
-        out.append("or give more memory (memory_limit, safety_margin)")
+            out.append(Phrase("run the head only on the loss tokens (", Setting("response_only", True), ")"))
+        sharding = self.sharding
+        if sharding.strategy != "fsdp2":
+            out.append(
+                Phrase("shard the model over more ranks (", Setting("sharding", {"strategy": "fsdp2", "world_size": None}), ")")
+            )
+        elif sharding.offload != "cpu":
+            state = {"strategy": "fsdp2", "world_size": sharding.world_size, "offload": "cpu"}
+            out.append(Phrase("offload the sharded state to the CPU (", Setting("sharding", state), ")"))
+        out.append(Phrase("give more memory (", Setting("memory_limit"), ", ", Setting("safety_margin"), ")"))
         return out
 
     def micro_batch(self, lengths: Sequence[int]) -> MicroBatch:

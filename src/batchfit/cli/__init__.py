@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from batchfit.errors import BatchConfigError, BatchfitError, TaskError
+from batchfit.errors import BatchConfigError, BatchfitError, DoesNotFitError, TaskError, Vocabulary
 
 # Subcommand modules, in the order `batchfit --help` lists them.
 COMMANDS = ("profile", "plan", "autobatch", "bench", "demo")
@@ -57,25 +57,35 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def _faults(exc: BaseException) -> list[str]:
+def _faults(exc: BaseException, vocabulary: Vocabulary | None = None) -> list[str]:
     if isinstance(exc, BatchConfigError):
         return list(exc.faults)
-    return [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    text = exc.say(vocabulary) if isinstance(exc, DoesNotFitError) else str(exc)
+    return [line.strip() for line in text.splitlines() if line.strip()] or [type(exc).__name__]
 
 
-def report_error(prog: str, exc: BaseException, *, as_json: bool = False) -> None:
+def report_error(
+    prog: str, exc: BaseException, *, as_json: bool = False, vocabulary: Vocabulary | None = None
+) -> None:
     """Print ``exc`` as one line per fault on stderr; with ``as_json`` also as a JSON document on stdout.
 
     The document is ``{"error": {"type": ..., "faults": [...]}}``, so a script reading
-    ``--json`` output gets JSON whatever happened. A stdout that cannot be written (full,
-    closed, a closed pipe) loses the document, never the lines on stderr.
+    ``--json`` output gets JSON whatever happened; a :class:`~batchfit.errors.DoesNotFitError`
+    adds its numbers (``needed_bytes``, ``limit_bytes``, ``reserve_bytes``, ``usable_bytes``,
+    the one sequence's ``breakdown``) and ``remedies`` (``text``, and the settings to ``change``).
+    Settings are named in ``vocabulary``, the command's flags (NOTE [ Messages in the caller's
+    vocabulary ] in :mod:`batchfit.errors`). A stdout that cannot be written (full, closed, a
+    closed pipe) loses the document, never the lines on stderr.
     """
-    faults = _faults(exc)
+    faults = _faults(exc, vocabulary)
     _say("".join(f"{prog}: error: {fault}\n" for fault in faults))
     if as_json:
+        error: dict[str, Any] = {"type": type(exc).__name__, "faults": faults}
+        if isinstance(exc, DoesNotFitError):
+            error.update(exc.to_dict(vocabulary))
         try:
             json.dump(
-                {"error": {"type": type(exc).__name__, "faults": faults}},
+                {"error": error},
                 sys.stdout,
                 indent=2,
                 ensure_ascii=False,
@@ -202,6 +212,8 @@ def _run(argv: Sequence[str] | None) -> int:
         return 2
     prog = f"batchfit {args.command}"
     as_json = bool(getattr(args, "json", False))
+    # the command's flags, which its errors name (set by its parser: NOTE [ Messages in the caller's vocabulary ])
+    vocabulary = getattr(args, "vocabulary", None)
     try:
         return int(args.func(args) or 0)
     except BatchfitError as exc:
@@ -211,7 +223,7 @@ def _run(argv: Sequence[str] | None) -> int:
                 traceback.print_exception(exc.__cause__, file=sys.stderr)
             elif not debug and exc.__cause__ is not None:
                 exc = TaskError(f"{exc}; add --debug for the traceback", exc.location)
-        report_error(prog, exc, as_json=as_json)
+        report_error(prog, exc, as_json=as_json, vocabulary=vocabulary)
         return 2 if isinstance(exc, ValueError) else 1
     except StdoutError:
         raise

@@ -23,7 +23,7 @@ import torch
 
 from batchfit.budget.profile import ROLES, check_roles
 from batchfit.cli._ranks import launched_world, process_group
-from batchfit.errors import InvalidArgument
+from batchfit.errors import InvalidArgument, Vocabulary
 from batchfit.memory import DEFAULT_ESTIMATE_TARGET, DEFAULT_SAFETY_MARGIN
 
 # The main job's default: a 7B policy at 8k on one 8-GPU node, sharded the way SkyRL and verl
@@ -36,6 +36,28 @@ DEFAULT_ESTIMATE_WORLD_SIZE = 8
 # The most ranks the estimate backend simulates (torch's process groups count ranks in a C int;
 # a million GPUs is beyond any run).
 MAX_ESTIMATE_WORLD_SIZE = 2**20
+
+#: The library's keyword names → this command's flags: the settings its errors name are written
+#: as these flags (NOTE [ Messages in the caller's vocabulary ] in :mod:`batchfit.errors`).
+FLAGS = {
+    "max_seq_len": "--max-seq-len",
+    "memory_limit": "--memory",
+    "reserve_bytes": "--reserve",
+    "safety_margin": "--safety-margin",
+    "backend": "--backend",
+    "sharding": "--sharding",
+    "world_size": "--world-size",
+    "offload": "--offload",
+    "mixed_precision": "--mixed-precision",
+    "dtype": "--dtype",
+    "gradient_checkpointing": "--gradient-checkpointing",
+    "roles": "--roles",
+    "logprobs": "--logprobs",
+    "response_only": "--response-only",
+    "response_fraction": "--response-fraction",
+    "cost": "--cost",
+    "depth_extrapolation": "--depth-extrapolation",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -212,7 +234,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_false",
         help="no progress (a bar on a terminal; else a line per probe on stderr)",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, vocabulary=Vocabulary(FLAGS))
 
 
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -677,7 +699,7 @@ def run(args: argparse.Namespace) -> int:
         show_progress = args.progress and not args.json and rank == 0  # a bar, or lines when not a terminal
         if settings["run"] is not None:
             return _run_config(args, settings, console, err, show_progress, rank)
-        with _progress(err, show_progress) as callback, _flag_hint():
+        with _progress(err, show_progress) as callback:
             profile = profile_model(args.model, _profile_options(args, settings, callback), roles=args.roles)
         if rank != 0:
             return 0
@@ -715,7 +737,7 @@ def _run_confirm(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     first = os.environ.get("RANK", "0") == "0"
     show_progress = args.progress and not args.json and first  # a bar, or lines when not a terminal
     _select_device(settings)  # cuda: plan_confirm reads this rank's device
-    with _progress(err, show_progress) as callback, _flag_hint():
+    with _progress(err, show_progress) as callback:
         plan = plan_confirm(args.model, _profile_options(args, settings, callback), roles=args.roles)
     with _process_group(settings) as rank:
         report = run_confirm(plan, check=False)
@@ -815,7 +837,7 @@ def _run_config(
     from batchfit.memory import format_bytes
 
     run = settings["run"]
-    with _progress(err, show_progress) as callback, _flag_hint():
+    with _progress(err, show_progress) as callback:
         result = profile_run(run, _profile_options(args, settings, callback))
     if rank != 0:
         return 0
@@ -885,24 +907,6 @@ def _run_config(
     return 0
 
 
-@contextlib.contextmanager
-def _flag_hint() -> Iterator[None]:
-    """Say the library's world-size hint in this command's flags."""
-    from batchfit.errors import DoesNotFitError
-
-    try:
-        yield
-    except DoesNotFitError as exc:
-        hint = exc.world_size_hint
-        if hint is None:
-            raise
-        said = f"Sharding('fsdp2', world_size={hint}) and gradient checkpointing"
-        flags = f"--sharding fsdp2 --world-size {hint} --gradient-checkpointing"
-        out = DoesNotFitError(str(exc).replace(said, flags), needed=exc.needed, available=exc.available)
-        out.world_size_hint = hint
-        raise out from None
-
-
 def _reserve(value: str | None) -> int | None:
     """``--reserve`` in bytes (``0`` allowed), ``None`` when not given (the backend's default)."""
     from batchfit.memory import parse_memory
@@ -933,7 +937,7 @@ def _select_device(settings: dict[str, Any]) -> None:
 
 
 def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse.Namespace) -> None:
-    from batchfit.cli.render_budget import breakdown_table, budget_lines, budget_table
+    from batchfit.cli.render_budget import breakdown_table, budget_lines, budget_table, pass_title
     from batchfit.memory import format_bytes
 
     target = settings["memory"] if settings["memory"] is not None else "the device"
@@ -984,7 +988,7 @@ def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse
         )
     for role, budget in profile.budgets.items():
         console.print()
-        console.print(budget_table(budget, title=f"{role}"))
+        console.print(budget_table(budget, title=pass_title(role)))
         for line in budget_lines(budget):
             console.print(line, highlight=False)
     console.print()
@@ -994,7 +998,7 @@ def _render(console: Any, profile: Any, settings: dict[str, Any], args: argparse
         console.print()
         console.print(
             f"combined budget (every role fits): C = {combined.tokens:,} tokens per rank, set by "
-            f"{combined.binding_role}",
+            f"{pass_title(combined.binding_role)}",
             highlight=False,
         )
     if args.plot:
@@ -1007,7 +1011,10 @@ class _progress:
     When stderr is not a terminal (a log file, a CI job, a pipe) each probe and each finished
     length is one flushed line on stderr, the finished lengths with the time so far and, from
     the first finished length on, the time left for that role (elapsed per length × lengths
-    left; lengths are probed longest first, so it errs long).
+    left; lengths are probed longest first, so it errs long). A probe is said in tokens, as the
+    sequences it holds (:meth:`~batchfit.budget.Probe.shape`: ``3×32,768 + 1,234 = 99,538
+    tokens``), so packed probes of one length never read as the same batch; a finished length
+    gives the largest probe measured to fit there.
     """
 
     def __init__(self, console: Any, enabled: bool):
@@ -1016,6 +1023,7 @@ class _progress:
         self.tasks: dict[Any, Any] = {}
         self.started: dict[Any, float] = {}
         self.last = 0.0
+        self.largest: dict[tuple[Any, int], Any] = {}  # (role, seq_len) -> the largest probe that fitted
 
     def __enter__(self) -> Any:
         if not self.enabled:
@@ -1055,20 +1063,31 @@ class _progress:
         start = self.started.setdefault(role, self.last)  # a role starts when the one before it ended
         self.last = now
         if event.probe is not None:
-            p = event.probe
-            verdict = "fits" if p.fits else "does not fit"
-            text = f"{role}: probe {event.probes}: s={p.seq_len:,} b={p.batch_size:,} {verdict}"
+            text = f"{role}: probe {event.probes}: {self._probe_text(event)}"
         else:
             done = event.length_index + 1
             total = max(event.n_lengths, done)
             elapsed = now - start
             left = elapsed / done * (total - done)
-            best = "" if event.max_batch_size is None else f", largest batch {event.max_batch_size:,}"
+            largest = self.largest.get((event.role, event.seq_len))
+            if largest is not None:
+                best = f", largest fitting {largest.shape()}"
+            else:
+                best = "" if event.max_batch_size is None else f", largest batch {event.max_batch_size:,}"
             eta = f", about {_duration(left)} left" if total > done else ""
             text = f"{role}: length {done}/{total} done (s={event.seq_len:,}{best}); {_duration(elapsed)} so far{eta}"
         with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr full or closed
             sys.stderr.write(f"batchfit profile: {text}\n")
             sys.stderr.flush()
+
+    def _probe_text(self, event: Any) -> str:
+        """``3×32,768 + 1,234 = 99,538 tokens does not fit``; remembers the largest probe that fitted at its length."""
+        p = event.probe
+        if p.fits:
+            key = (event.role, p.seq_len)
+            if key not in self.largest or p.total_tokens > self.largest[key].total_tokens:
+                self.largest[key] = p
+        return f"{p.shape()} {'fits' if p.fits else 'does not fit'}"
 
     def update(self, event: Any) -> None:
         key = event.role
@@ -1076,11 +1095,7 @@ class _progress:
             self.tasks[key] = self.bar.add_task(f"{key or 'probing'}", total=event.n_lengths)
         task = self.tasks[key]
         if event.probe is not None:
-            p = event.probe
-            verdict = "fits" if p.fits else "does not fit"
-            self.bar.update(
-                task, description=f"{key or 'probing'}: s={p.seq_len:,} b={p.batch_size:,} {verdict}"
-            )
+            self.bar.update(task, description=f"{key or 'probing'}: {self._probe_text(event)}")
         else:
             self.bar.update(
                 task, total=max(event.n_lengths, event.length_index + 1), completed=event.length_index + 1

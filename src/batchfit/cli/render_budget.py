@@ -40,6 +40,14 @@ def lora_text(profile: ModelProfile) -> str:
     )
 
 
+def pass_title(role: str | None, detail: str = "") -> str:
+    """A role and its pass, as ``--json`` names its budget: ``policy (update)``, ``policy_forward (old log-probs, 3×512)``."""
+    from batchfit.budget.profile import PASS_NAMES
+
+    words = [w for w in (PASS_NAMES.get(str(role), ""), detail) if w]
+    return f"{role} ({', '.join(words)})" if words else str(role)
+
+
 def budget_table(budget: TokenBudget, title: str | None = None) -> Table:
     """One row per probed length: max batch, tokens, peak, headroom to the limit, probes."""
     table = Table(title=title, title_justify="left")
@@ -108,10 +116,10 @@ def breakdown_table(profile: ModelProfile) -> Table:
         if point is None:
             at = ""
         elif point.max_tokens is not None:  # packed: whole sequences and a remainder
-            at = f" ({point.tokens:,} tokens ≤ {point.seq_len:,} each)"
+            at = f"{point.tokens:,} tokens ≤ {point.seq_len:,} each"
         else:
-            at = f" ({point.max_batch_size}×{point.seq_len:,})"
-        table.add_column(f"{role}{at}", justify="right")
+            at = f"{point.max_batch_size}×{point.seq_len:,}"
+        table.add_column(pass_title(role, at), justify="right")
     for label, values in breakdown_rows(profile):
         table.add_row(label, *("—" if v is None else format_bytes(v) for v in values))
     return table

@@ -55,7 +55,13 @@ class RunProfile:
         return {role: b for profile in self.profiles.values() for role, b in profile.budgets.items()}
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the vocabulary, what was read, each model's profile, the resident bytes."""
+        """JSON-ready: the vocabulary, what was read, each model's profile, the resident bytes.
+
+        Each pass's budget appears once, in its model's profile:
+        ``profiles.<model>.budgets.<role>`` (``profiles.policy.budgets.policy_forward.tokens``
+        is the old log-probs' budget), its breakdown beside it (NOTE [ One name per figure ]
+        in :mod:`batchfit.budget.profile`).
+        """
         run = self.run
         return {
             "vocabulary": run.vocabulary,
@@ -63,7 +69,6 @@ class RunProfile:
             "max_seq_len": run.max_seq_len,
             "colocated": list(run.colocated),
             "resident_bytes": self.resident,
-            "tokens": {role: b.tokens for role, b in self.budgets.items()},
             "profiles": {name: p.to_dict() for name, p in self.profiles.items()},
             "notes": list(self.notes),
         }
