@@ -277,8 +277,13 @@ def test_min_batch_size_over_target_says_by_how_much(cpu4):
     # 1 MiB per sample; the run is aborted at the 4 MiB limit, so the peak is a lower bound
     with pytest.raises(
         DoesNotFitError, match=r"even min_batch_size=5 does not fit in train mode: .* by at least"
-    ):
+    ) as info:
         find_batch_size(lambda b: torch.zeros(b, 1 << 18), backend=cpu4, min_batch_size=5, progress=False)
+    # the library names its keyword arguments (NOTE [ Messages in the caller's vocabulary ])
+    assert str(info.value).endswith(
+        "to make it fit: lower min_batch_size; raise target_memory_fraction or memory_limit; use a smaller model"
+    )
+    assert info.value.breakdown and info.value.usable_bytes == 4 * 1024**2
 
 
 def test_a_trial_error_is_raised_unchanged(cpu4):

@@ -259,14 +259,22 @@ def test_missing_config_file_exits_2(tmp_path, capsys):
     assert len(_errors(capsys)) == 1
 
 
-def test_nothing_fits_exits_1_and_says_by_how_much(capsys):
+def test_nothing_fits_exits_1_and_says_by_how_much_naming_the_flags(capsys):
     assert main([*BASE, "--memory", "16KiB"]) == 1  # the last --memory wins
     lines = _errors(capsys)
-    assert (
-        len(lines) == 1
-        and "even min_batch_size=1 does not fit in train mode" in lines[0]
-        and " by " in lines[0]
-    )
+    assert len(lines) == 1 and "even --min-bs 1 does not fit in train mode" in lines[0] and " by " in lines[0]
+    # NOTE [ Messages in the caller's vocabulary ]: the flags, not find_batch_size's keywords
+    assert "to make it fit: lower --min-bs; raise --fractions or --memory; use a smaller model" in lines[0]
+    assert "min_batch_size" not in lines[0] and "memory_limit" not in lines[0]
+
+
+def test_nothing_fits_in_json_carries_the_numbers_and_the_flags(capsys):
+    assert main([*BASE, "--memory", "16KiB", "--json"]) == 1
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["type"] == "DoesNotFitError" and error["limit_bytes"] == int(0.8 * 16 * 1024)  # 13,107
+    assert error["usable_bytes"] == 16 * 1024 and error["reserve_bytes"] == 0
+    assert error["needed_bytes"] > error["limit_bytes"] and error["breakdown"]  # where the trial was stopped
+    assert [c for r in error["remedies"] for c in r["change"]] == ["--min-bs", "--fractions", "--memory"]
 
 
 def _autobatch_rank(rank: int, memories: tuple[str, str]) -> dict:

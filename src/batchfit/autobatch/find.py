@@ -29,8 +29,8 @@ import torch
 
 from batchfit.autobatch.search import Trial, search_largest
 from batchfit.autobatch.task import MODES, TaskTrial, is_task
-from batchfit.errors import DoesNotFitError, InvalidArgument
-from batchfit.memory import Backend, get_backend
+from batchfit.errors import DoesNotFitError, InvalidArgument, Phrase, Setting
+from batchfit.memory import Backend, format_bytes, get_backend
 from batchfit.parallel.distributed import (
     agree,
     agreed_max,
@@ -319,6 +319,7 @@ def find_batch_size(
         try:
             m = be.measure(lambda: run(batch_size), register=persistent)
             peak, inexact = int(m.peak_bytes), bool(m.exceeded)
+            breakdowns[batch_size] = dict(m.breakdown)  # this rank's, for a does-not-fit error
             # cuda: the allocator's reservation counts too (real OOMs happen there)
             over = inexact or m.footprint_bytes > local_target
         except BaseException as exc:  # not an OOM (measure reports those), an interrupt too: agree, then re-raise
@@ -332,6 +333,7 @@ def find_batch_size(
         return measured
 
     probed: list[Trial] = []
+    breakdowns: dict[int, dict[str, int]] = {}
     try:
         found = search_largest(
             probe,
@@ -349,10 +351,28 @@ def find_batch_size(
             if world == 1
             else f"the smallest {fraction:g} × usable over {world} ranks"
         )
+        parts = sorted(((b, c) for c, b in breakdowns.get(low, {}).items() if b > 0), reverse=True)
+        by_category = ", ".join(f"{c.replace('_', ' ')} {format_bytes(b)}" for b, c in parts)
+        stopped = "where it was stopped: " if not first.exact else ""
+        # NOTE [ Messages in the caller's vocabulary ] (batchfit.errors): the CLI says --min-bs, --fractions, --memory
         raise DoesNotFitError(
-            f"even min_batch_size={low} does not fit in {mode} mode: its peak is {at_least}{first.peak_bytes:,} bytes, over the target {of} = {target:,} bytes by {at_least}{first.peak_bytes - target:,} bytes; lower min_batch_size, raise target_memory_fraction or memory_limit, or use a smaller model",
+            Phrase(
+                "even ",
+                Setting("min_batch_size", low),
+                f" does not fit in {mode} mode: its peak is {at_least}{first.peak_bytes:,} bytes",
+                f" ({stopped}{by_category})" if by_category else "",
+                f", over the target {of} = {target:,} bytes by {at_least}{first.peak_bytes - target:,} bytes",
+            ),
             needed=exc.needed,
             available=target,
+            breakdown=breakdowns.get(low, {}),
+            reserve_bytes=int(be.reserve_bytes or 0),
+            usable_bytes=limit,
+            remedies=[
+                Phrase("lower ", Setting("min_batch_size")),
+                Phrase("raise ", Setting("target_memory_fraction"), " or ", Setting("memory_limit")),
+                "use a smaller model",
+            ],
         ) from None
     return BatchSizeResult(
         batch_size=found.batch_size,

@@ -17,7 +17,7 @@ from batchfit.autobatch import BUILTIN_TASKS, MODES, check_report_path, report_r
 from batchfit.autobatch.search import Trial
 from batchfit.autobatch.sweep import check_fractions, check_modes
 from batchfit.autobatch.task import DEFAULT_TASK
-from batchfit.errors import InvalidArgument
+from batchfit.errors import InvalidArgument, Vocabulary
 from batchfit.memory import BACKEND_NAMES, DEFAULT_ESTIMATE_TARGET, backend_name
 from batchfit.validation import closest, is_int, short_repr
 
@@ -36,6 +36,19 @@ OPTIONS: dict[str, tuple[str, Any]] = {
     "reserve": ("--reserve", None),
     "backend": ("--backend", "auto"),
     "output": ("--output", None),
+}
+
+
+#: The library's keyword names → this command's flags: the settings its errors name are written
+#: as these flags (NOTE [ Messages in the caller's vocabulary ] in :mod:`batchfit.errors`).
+FLAGS = {
+    "target_memory_fraction": "--fractions",
+    "min_batch_size": "--min-bs",
+    "max_batch_size": "--max-bs",
+    "steps_per_trial": "--steps",
+    "memory_limit": "--memory",
+    "reserve_bytes": "--reserve",
+    "backend": "--backend",
 }
 
 
@@ -76,7 +89,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", metavar="FILE", help="write the rows to FILE.jsonl or FILE.csv")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress display")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, vocabulary=Vocabulary(FLAGS))
 
 
 def load_settings(config: str | None) -> dict[str, Any]:
