@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from batchfit.budget.probe import Probe
 from multirank import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
@@ -74,25 +75,25 @@ def test_a_rank_that_runs_out_after_the_last_collective_only_makes_that_candidat
     assert faulty[0][0] == faulty[1][0] and faulty[0][0].startswith("budget "), faulty  # the same answer on every rank
 
 
-# --------------------------------------------------------------------------- only predicted fits
+# --------------------------------------------------------------------------- skipped only when proven
 
 
-def test_the_bound_on_a_probes_peak_comes_from_the_measurements_so_far():
-    from batchfit.budget.find import _predicted_peak
-    from batchfit.budget.probe import Probe
+def test_a_real_rank_search_skips_only_what_its_probes_prove():
+    from batchfit.budget.find import _skipped_peak
 
-    one = [Probe(1, 100, 1_000, fits=True)]
-    # one probe: the line through the origin, 1,000 B per 100 tokens -> 3 × 100 tokens ≤ 3,000 B
-    assert _predicted_peak(one, [100, 100, 100], 100) == 3_000
-    two = [*one, Probe(2, 100, 1_500, fits=True)]
-    # two: the line through them, 500 B per 100 tokens -> 1,500 + 2 × 500 = 2,500 B
-    assert _predicted_peak(two, [100] * 4, 100) == 2_500
-    assert _predicted_peak(two, [100], 100) == 1_500  # no larger than what was measured above it
-    # a shorter length: bounded by a longer length's probe of at least as many tokens
-    assert _predicted_peak(two, [50, 50, 50, 50], 50) == 1_500
-    assert _predicted_peak(two, [50] * 5, 50) is None  # 250 tokens: nothing measured bounds it
-    aborted = [Probe(1, 100, 9_999, fits=False, exceeded=True)]
-    assert _predicted_peak(aborted, [100], 100) is None  # an aborted probe's peak is no measurement
+    state = {"parameters": 40_000, "optimizer_state": 40_000}
+    one = [Probe(1, 100, 100_000, fits=True, breakdown=state)]
+    # issue 28: the old rule scaled the whole peak with the tokens (2 × 100,000 > 180,000) and skipped
+    # 2 rows; the state is live throughout, so 2 rows need at most 80,000 + 2 × 20,000 = 120,000
+    assert _skipped_peak(one, 100, 200, cap=180_000, runs_past=False) is None
+    assert _skipped_peak(one, 100, 600, cap=180_000, runs_past=False) == 200_000  # 80,000 + 6 × 20,000: might run out
+    assert _skipped_peak(one, 100, 600, cap=180_000, runs_past=True) is None  # cpu runs it to the end: no proof
+    # a probe measured over the device proves nothing about smaller candidates, only about those holding it
+    over = [*one, Probe(50, 100, 900_000, fits=False)]
+    assert _skipped_peak(over, 100, 2_000, cap=180_000, runs_past=True) is None
+    # 51 rows hold the 50 measured, and the secant of 1 and 50 rows goes on: 900,000 + 800,000 / 49 = 916,326.5
+    assert _skipped_peak(over, 100, 5_100, cap=180_000, runs_past=True) == 916_326
+    assert _skipped_peak(over, 100, 2_000, cap=None, runs_past=False) is None  # one process: never skipped
 
 
 def _synthetic_search(rank: int) -> tuple[int, list[tuple[int, int]], list[bool]]:
@@ -129,3 +130,87 @@ def test_real_ranks_never_run_a_probe_predicted_above_the_device_and_find_the_sa
 
 
 # FSDP2 on 2, 3 and 4 ranks with uneven shards at a limit between their peaks: tests/test_no_hang.py
+
+
+# --------------------------------------------------------------------------- real ranks find what one process finds
+
+# A user's small Llama whose training state is most of one sequence's peak: the old rule (the whole
+# peak scaled with the tokens, a larger probe's peak put on smaller ones) skipped every candidate
+# past one sequence on real ranks and failed the model check's shorter length outright.
+_USER_LLAMA = dict(
+    num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
+    vocab_size=4096, max_position_embeddings=256,
+)
+_SEARCH = dict(memory_limit="40MiB", reserve_bytes=0, max_seq_len=128, seq_lens=[128, 32], progress=False)
+_COMBINATIONS = [("packed", "fused"), ("padded", "fused"), ("packed", "full"), ("padded", "full")]
+
+
+def _user_llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_USER_LLAMA, architectures=["LlamaForCausalLM"])
+
+
+def _profile_a_users_sharded_model(rank: int, combinations: list[tuple[str, str]]) -> dict[str, dict[str, int]]:
+    """Each rank: the user's own FSDP2 model (fully_shard per layer, then the root), profiled with profile_model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from batchfit.budget import profile_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_user_llama_config())
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    out = {}
+    for cost, head in combinations:
+        profile = profile_model(model, forward_too=True, backend="cpu", logprobs=head, cost=cost, **_SEARCH)
+        out[f"{cost}/{head}"] = {role: budget.tokens for role, budget in profile.budgets.items()}
+    return out
+
+
+def _one_process(combinations: list[tuple[str, str]]) -> dict[str, dict[str, int]]:
+    from batchfit.budget import profile_model
+    from batchfit.parallel import Sharding
+
+    sharding = Sharding("fsdp2", world_size=2, mixed_precision="none")
+    out = {}
+    for cost, head in combinations:
+        profile = profile_model(
+            _user_llama_config(), forward_too=True, backend="estimate", dtype="fp32", sharding=sharding,
+            logprobs=head, cost=cost, **_SEARCH,
+        )
+        out[f"{cost}/{head}"] = {role: budget.tokens for role, budget in profile.budgets.items()}
+    return out
+
+
+def _agree(ranks: dict[str, dict[str, int]], alone: dict[str, dict[str, int]]) -> None:
+    """Padded budgets count rows of 128: equal. Packed ones count tokens, and the estimate rounds every storage
+    to 512 B (a CUDA allocator's block) where the cpu backend counts exact bytes: about 22 KB, a few tokens."""
+    for name, budgets in alone.items():
+        for role, tokens in budgets.items():
+            got = ranks[name][role]
+            if name.startswith("padded"):
+                assert got == tokens, (name, role, got, tokens)
+            else:
+                assert abs(got - tokens) <= 8, (name, role, got, tokens)
+
+
+@pytest.mark.timeout(600)
+def test_two_real_ranks_find_the_budgets_one_process_estimates():
+    combination = _COMBINATIONS[:1]  # the case issue 28 measured: packed, fused head, training and forward
+    ranks = run_ranks(_profile_a_users_sharded_model, combination, timeout=480)
+    assert ranks[0] == ranks[1]
+    _agree(ranks[0], _one_process(combination))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_two_real_ranks_find_the_budgets_one_process_estimates_for_every_cost_and_head():
+    ranks = run_ranks(_profile_a_users_sharded_model, _COMBINATIONS, timeout=1000)
+    assert ranks[0] == ranks[1]
+    _agree(ranks[0], _one_process(_COMBINATIONS))

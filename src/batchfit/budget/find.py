@@ -234,9 +234,9 @@ def _search(
         before = len(trials)
 
         def probe(lengths: list[int], to_the_end: bool = False) -> Probe:
-            predicted = _predicted_peak(trials, lengths, seq_len) if cap is not None else None
-            if predicted is not None and predicted > cap:  # NOTE [ Only predicted fits on real ranks ]
-                result = Probe(len(lengths), seq_len, predicted, fits=False, exceeded=True, tokens=sum(lengths), predicted=True)
+            skipped = _skipped_peak(trials, seq_len, sum(lengths), cap, measured.backend.runs_past_limit)
+            if skipped is not None:  # NOTE [ Skipped only when proven ]
+                result = Probe(len(lengths), seq_len, skipped, fits=False, exceeded=True, tokens=sum(lengths), predicted=True)
             else:
                 result = probe_at(lengths, seq_len, to_the_end)
             trials.append(result)
@@ -649,35 +649,44 @@ def _make_probe(step: BudgetStep, limit: int, group: Any, guard: SearchGuard | N
     return probe
 
 
-def _predicted_peak(trials: Sequence[Probe], lengths: list[int], seq_len: int) -> int | None:
-    """An upper bound of the peak of ``lengths`` from the probes measured so far, ``None`` when they say nothing.
+def _skipped_peak(trials: Sequence[Probe], seq_len: int, tokens: int, cap: int | None, runs_past: bool) -> int | None:
+    """The bound for which a real-rank search leaves this candidate unmeasured, ``None`` when it must run.
 
-    NOTE [ Only predicted fits on real ranks ]
-    On real ranks a probe is only run when the measurements so far predict its peak within
-    the device's limit (:meth:`batchfit.memory.Backend.capped`), so that no rank runs out in
-    the middle of a step (NOTE [ One rank runs out ]); one that is not is recorded as
-    ``predicted`` not to fit, unmeasured. At this length: the line through the two largest
-    measured token counts (peak is affine in the tokens of whole rows), or from one, the line
-    through the origin (an upper bound: the base is not negative). With none here, a probe
-    of no more tokens than one that fitted at a longer length (the same tokens in shorter
-    sequences hold no more) is bounded by that one's peak. ``None`` for the first probe of
-    a search (one sequence) and for shapes nothing bounds: those run.
+    NOTE [ Skipped only when proven ]
+    On real ranks (``cap`` is the device's own limit, :meth:`batchfit.memory.Backend.capped`)
+    a candidate is recorded as not fitting without being run only when the probes measured so
+    far prove it (:mod:`batchfit.budget.bounds`, NOTE [ The shape of a step's peak ]):
+
+    - its **lower bound** exceeds the device by more than :data:`_PROOF_SLACK` (a probe it
+      contains, or a secant of whole rows extended to it, measured above): it cannot fit, on
+      any backend;
+    - on a backend that cannot run a step past its device (``cuda``: a rank that runs out in
+      the middle of a collective ends the search, NOTE [ One rank runs out ]), also when its
+      **upper bound** exceeds the device: it might run out. Bounds come from measured probes
+      and the state that is live throughout, never from the memory model's fit.
+
+    Everything else runs, to the end (tracked backends, NOTE [ Real ranks run their probes to
+    the end ]) or under the guard. A fit never ranks a larger probe's peak on a smaller
+    candidate, nor one line through the origin on a step whose state is most of its peak: both
+    once shrank budgets of real ranks 2.8× to 8.6× against one process (issue 28).
+    A candidate whose bounds say nothing (the first probe of a search) runs.
     """
-    tokens = sum(lengths)
-    here = sorted(
-        {p.total_tokens: p.peak_bytes for p in trials if p.seq_len == seq_len and not p.exceeded}.items()
-    )
-    if len(here) >= 2:
-        (t1, p1), (t2, p2) = here[-2:]
-        slope = max(0.0, (p2 - p1) / (t2 - t1))
-        return round(p2 + slope * (tokens - t2)) if tokens > t2 else p2
-    if here:
-        t1, p1 = here[0]
-        return round(p1 * tokens / t1) if tokens > t1 else p1
-    longer = [p.peak_bytes for p in trials if p.seq_len > seq_len and not p.exceeded and p.total_tokens >= tokens]
-    if longer:
-        return min(longer)
-    return None
+    if cap is None:
+        return None
+    from batchfit.budget.bounds import peak_lower_bound, peak_upper_bound
+
+    low = peak_lower_bound(trials, seq_len, tokens)
+    if low > cap * (1 + _PROOF_SLACK):
+        return low
+    if runs_past:
+        return None
+    high = peak_upper_bound(trials, seq_len, tokens)
+    return high if high is not None and high > cap else None
+
+
+#: How far beyond the device a lower bound must reach before it proves a misfit: allocators round
+#: each block (512 B on CUDA), so a step's bytes are affine in its rows only to within that.
+_PROOF_SLACK = 0.01
 
 
 def _completed(trials: Sequence[Probe]) -> list[tuple[float, int, int]]:

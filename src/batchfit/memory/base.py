@@ -125,6 +125,10 @@ class Backend(abc.ABC):
         finally:
             self._stop_bytes = before
 
+    #: Whether a step can be run past :attr:`limit_bytes` and judged afterwards (the tracked
+    #: backends count bytes, no device refuses them); ``cuda`` cannot: its device runs out.
+    runs_past_limit: bool = False
+
     @contextlib.contextmanager
     def running_to_the_end(self) -> Iterator[None]:
         """Inside, a tracked call is never aborted, whatever it holds: it runs to the end and is judged after.

@@ -32,6 +32,8 @@ class TrackedBackend(Backend):
     modules' parameters).
     """
 
+    runs_past_limit = True
+
     def _prepare(
         self,
         registered: list[tuple[torch.Tensor, str]],
