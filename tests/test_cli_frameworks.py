@@ -76,7 +76,10 @@ def test_profile_config_emits_verl_keys_equal_to_the_budgets_and_the_merge_plans
     out = render_yaml([Key(path, value) for path, value in data["emit"].items()], [])
     emitted = yaml.safe_load(out)
     actor = emitted["actor_rollout_ref"]["actor"]
-    assert actor == {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": tokens["policy"]}
+    assert actor["use_dynamic_bsz"] is True and actor["ppo_max_token_len_per_gpu"] == tokens["policy"]
+    # and what the budgets assume (tests/test_emit.py): FSDP2, no offload, fp32 parameters with bf16 compute
+    assert actor["strategy"] == "fsdp2" and actor["fsdp_config"]["offload_policy"] is False
+    assert actor["fsdp_config"]["mixed_precision"] == {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     assert emitted["actor_rollout_ref"]["model"]["use_remove_padding"] is True  # verl counts valid tokens
     assert emitted["critic"]["model"]["use_remove_padding"] is True
     assert (
@@ -341,17 +344,26 @@ def test_profile_emits_slime_flags_with_sharding_given(tmp_path, model_dir, caps
 
 
 def test_budgets_from_a_real_run_read_measured(tmp_path, model_dir, capsys):
-    # one GPU: the cpu backend runs the tiny model's real steps (no reference: init_coef 0)
+    # one GPU: the cpu backend runs the tiny model's real steps unsharded, in one dtype (no mixed precision): verl's
+    # keys can say so (model_dtype fp32, verl's, and mixed_precision fp32), OpenRLHF's cannot (DeepSpeed computes in
+    # bf16 or fp16 over fp32 master weights)
     path = _openrlhf_command(tmp_path, model_dir, "--algo.kl.init_coef 0")
     path.write_text(path.read_text().replace("--actor.num_gpus_per_node 2", "--actor.num_gpus_per_node 1"))
     argv = ["profile", "--config", str(path), "--backend", "cpu", "--memory", "64MiB", "--max-seq-len", "64"]
-    assert main([*argv, "--no-progress", "--emit", "openrlhf"]) == 0
+    assert main([*argv, "--no-progress", "--emit", "openrlhf"]) == 2
+    assert "--emit openrlhf cannot carry --mixed-precision none" in capsys.readouterr().err
+    path, _ = _verl_config(tmp_path, model_dir)
+    config = yaml.safe_load(path.read_text())
+    config["trainer"]["n_gpus_per_node"] = 1
+    config["actor_rollout_ref"]["actor"]["use_kl_loss"] = False  # no reference: one model
+    path.write_text(yaml.safe_dump(config))
+    argv[2] = str(path)
+    assert main([*argv, "--no-progress", "--emit", "verl"]) == 0
     out = capsys.readouterr().out
-    assert (
-        "budgets measured (cpu backend)" in out
-        and "set by policy: measured budget" in out
-        and "estimated" not in out
-    )
+    assert "budgets measured (cpu backend)" in out and "actor update: measured budget" in out
+    assert "estimated" not in out
+    engine = yaml.safe_load(out)["actor_rollout_ref"]["actor"]["fsdp_config"]
+    assert engine["model_dtype"] == "fp32" and engine["mixed_precision"]["param_dtype"] == "fp32"
 
 
 @pytest.mark.parametrize(

@@ -312,10 +312,31 @@ def test_a_flat_field_beside_a_frameworks_sections_is_no_unknown_key():
             id="verl-lora-exclude",
         ),
         pytest.param(
-            _set(_verl(), "actor_rollout_ref.actor.fsdp_config.model_dtype", "bf16"),
-            "actor_rollout_ref.actor.fsdp_config.model_dtype='bf16' (the verl 0.9.1 default is 'fp32')",
-            "stored in",
-            id="verl-model-dtype",
+            _set(_verl(), "actor_rollout_ref.actor.fsdp_config.model_dtype", "fp16"),
+            "actor_rollout_ref.actor.fsdp_config.model_dtype='fp16': batchfit stores parameters in fp32 or bf16",
+            "default dtype",
+            id="verl-model-dtype-fp16",
+        ),
+        pytest.param(
+            _set(_verl(), "actor_rollout_ref.actor.fsdp_config.mixed_precision", {"param_dtype": "fp16"}),
+            "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32, mixed_precision.param_dtype=fp16, reduce_dtype=fp32",
+            "param bf16 with reduce fp32, or none",
+            id="verl-mixed-precision-fp16",
+        ),
+        pytest.param(
+            _set(
+                _set(
+                    _set(_set(_verl(), "algorithm.adv_estimator", "gae"), "critic.model.path", "tiny"),
+                    "critic.ppo_micro_batch_size_per_gpu",
+                    2,
+                ),
+                "critic.fsdp.offload_policy",
+                True,
+            ),
+            "critic.fsdp.offload_policy=True differs from the actor's actor_rollout_ref.actor.fsdp_config.offload_policy="
+            "False: batchfit profiles the critic with the actor's setting",
+            "set them alike",
+            id="verl-critic-offload-differs",
         ),
         pytest.param(
             _set(_verl(), "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", 2),
@@ -343,10 +364,23 @@ def test_a_flat_field_beside_a_frameworks_sections_is_no_unknown_key():
             id="skyrl-wrap-policy",
         ),
         pytest.param(
-            _set(_skyrl(), "trainer.policy.fsdp_config.reshard_after_forward", False),
-            "trainer.policy.fsdp_config.reshard_after_forward=False (the SkyRL 0.4.0 default is True)",
-            "kept gathered",
-            id="skyrl-reshard",
+            _set(_skyrl(), "trainer.policy.fsdp_config.reshard_after_forward", 2),
+            "trainer.policy.fsdp_config.reshard_after_forward=2 reshards to a smaller group than every GPU",
+            "True or False only",
+            id="skyrl-reshard-to-a-group",
+        ),
+        pytest.param(
+            _set(_skyrl(), "trainer.policy.fsdp_config.mixed_precision", {"reduce_dtype": "bf16"}),
+            "trainer.policy.fsdp_config.mixed_precision param_dtype=bf16, reduce_dtype=bf16",
+            "param bf16 with reduce fp32, or none",
+            id="skyrl-mixed-precision-bf16-reduce",
+        ),
+        pytest.param(
+            _set(_skyrl(algorithm={"use_kl_loss": True}), "trainer.ref.fsdp_config.cpu_offload", True),
+            "trainer.ref.fsdp_config.cpu_offload=True differs from the policy's trainer.policy.fsdp_config.cpu_offload="
+            "False: batchfit profiles the reference with the policy's setting",
+            "set them alike",
+            id="skyrl-reference-offload-differs",
         ),
     ],
 )
@@ -369,6 +403,22 @@ def test_a_memory_key_set_to_its_default_warns_of_nothing():
         pytest.param(_verl(lora_rank=64, use_remove_padding=False, use_fused_kernels=True), id="verl"),
         pytest.param(
             _set(
+                _set(_verl(), "actor_rollout_ref.actor.fsdp_config.model_dtype", "bf16"),
+                "actor_rollout_ref.actor.fsdp_config.reshard_after_forward",
+                False,
+            ),
+            id="verl-dtype-reshard",
+        ),
+        pytest.param(
+            _set(
+                _set(_skyrl(bf16=False), "trainer.policy.fsdp_config.reshard_after_forward", False),
+                "trainer.policy.fsdp_config.mixed_precision",
+                {"param_dtype": "fp32", "reduce_dtype": "fp32"},
+            ),
+            id="skyrl-reshard-precision-reference-dtype",
+        ),
+        pytest.param(
+            _set(
                 _set(_skyrl(remove_microbatch_padding=False), "trainer.policy.model.lora.rank", 32),
                 "trainer.algorithm.use_entropy_loss",
                 True,
@@ -379,7 +429,8 @@ def test_a_memory_key_set_to_its_default_warns_of_nothing():
 )
 def test_memory_keys_that_profile_models_from_the_run_config_warn_of_nothing(config):
     # LoRA (RunConfig.lora), padding removal (the probe's cost), fused kernels and entropy
-    # (batchfit.frameworks.step) are read into RunConfig and modelled from there
+    # (batchfit.frameworks.step), dtypes, mixed precision and resharding (the sharding) are read
+    # into RunConfig and modelled from there
     assert read_run_config(config).warnings == ()
 
 

@@ -36,6 +36,7 @@ actor_rollout_ref:
     n: 4
     log_prob_micro_batch_size_per_gpu: 16
 critic:
+  strategy: fsdp2
   ppo_micro_batch_size_per_gpu: 8
   model:
     path: qwen2.5-0.5b

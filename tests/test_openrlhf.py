@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from batchfit.budget.options import ProfileOptions
 from batchfit.errors import BatchConfigError
 from batchfit.frameworks import read_run_config
 from batchfit.frameworks.emit import emit_keys, render_flags
 from batchfit.frameworks.flags import flag_spec
+from batchfit.frameworks.profile import role_options
+from batchfit.parallel.sharding import Sharding
 
 WHEEL = Path(
     os.environ.get("BATCHFIT_OPENRLHF_WHEEL", "/tmp/wheels/openrlhf-0.11.2-cp311-cp311-manylinux1_x86_64.whl")
@@ -288,9 +291,23 @@ def _budget(tokens, backend="estimate"):
     return types.SimpleNamespace(tokens=tokens, backend=backend, usable_bytes=70 * 2**30, cost="padded")
 
 
+def _profiled_as_cli(run):
+    """What ``profile --config … --emit`` profiles each model of ``run`` with: FSDP2 over its GPUs, packed rows."""
+    options = ProfileOptions(
+        max_seq_len=run.max_seq_len,
+        backend="estimate",
+        sharding=Sharding("fsdp2", world_size=run.world_size),
+        cost="packed",
+        gradient_checkpointing=bool(run.gradient_checkpointing),
+    )
+    return role_options(run, options)
+
+
 def _emitted(run, budgets, backend="estimate"):
     profile = types.SimpleNamespace(
-        run=run, budgets={role: _budget(t, backend) for role, t in budgets.items()}
+        run=run,
+        budgets={role: _budget(t, backend) for role, t in budgets.items()},
+        options=_profiled_as_cli(run),
     )
     return render_flags(emit_keys(profile, "openrlhf", max_seq_len=run.max_seq_len, margin=0.85), ["header"])
 

@@ -11,10 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from batchfit.budget.options import ProfileOptions
 from batchfit.errors import BatchConfigError
 from batchfit.frameworks import read_run_config
 from batchfit.frameworks.emit import emit_keys, render_flags
 from batchfit.frameworks.flags import flag_spec
+from batchfit.frameworks.profile import role_options
+from batchfit.parallel.sharding import Sharding
 
 SOURCE = Path(os.environ.get("BATCHFIT_SLIME_SOURCE", "/work/.mirror/THUDM+slime/repo"))
 COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
@@ -239,12 +242,21 @@ def test_profile_refuses_megatron_without_sharding_and_names_the_approximation(t
 
 
 def _emitted(run, budgets, backend="estimate"):
+    # what `profile --config … --sharding fsdp2 --emit slime` profiles: FSDP2 over its GPUs, packed rows
+    options = ProfileOptions(
+        max_seq_len=run.max_seq_len,
+        backend="estimate",
+        sharding=Sharding("fsdp2", world_size=run.world_size),
+        cost="packed",
+        gradient_checkpointing=bool(run.gradient_checkpointing),
+    )
     profile = types.SimpleNamespace(
         run=run,
         budgets={
             r: types.SimpleNamespace(tokens=t, backend=backend, usable_bytes=70 * 2**30, cost="padded")
             for r, t in budgets.items()
         },
+        options=role_options(run, options),
     )
     return render_flags(emit_keys(profile, "slime", max_seq_len=run.max_seq_len, margin=0.85), [])
 
@@ -258,13 +270,21 @@ def test_emitted_flags_are_accepted_by_slimes_parser_and_plan_when_added(tmp_pat
     run = read_run_config(_script(tmp_path, perf=""))
     text = _emitted(run, {"policy": 12_000, "policy_forward": 30_000})
     words = _words(text)
+    # one token flag (the smallest budget), then what the budget assumes: the GPUs, full recompute
+    megatron = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     assert words == [
         "--use-dynamic-batch-size",
         "--max-tokens-per-gpu",
         "12000",
-    ]  # one flag: the smallest budget
-    args = flag_spec("slime").parser().parse_args(["--rollout-batch-size", "32", *words])
-    assert args.use_dynamic_batch_size is True and args.max_tokens_per_gpu == 12_000
+        "--actor-num-nodes",
+        "1",
+        "--actor-num-gpus-per-node",
+        "8",
+        *megatron,
+    ]
+    # slime's own flags; the recompute flags are Megatron-LM's, whose parser slime's extends
+    args, unknown = flag_spec("slime").parser().parse_known_args(["--rollout-batch-size", "32", *words])
+    assert args.use_dynamic_batch_size is True and args.max_tokens_per_gpu == 12_000 and unknown == megatron
     assert "set by policy: estimated budget 12,000 tokens per GPU" in text
     merged = _script(tmp_path, perf=" ".join(words))
     assert read_run_config(merged).plan().config.max_tokens_per_micro_batch == 12_000
@@ -287,8 +307,10 @@ def test_emitted_flags_are_accepted_by_the_real_parser_of_that_commit(tmp_path):
     module, text, _ = _real_parser()
     parser = module.build_parser("slime", text)  # slime's own add_slime_arguments, run from its source
     run = read_run_config(_script(tmp_path, perf=""))
-    args = parser.parse_args(["--rollout-batch-size", "32", *_words(_emitted(run, {"policy": 12_000}))])
+    words = _words(_emitted(run, {"policy": 12_000}))
+    args, unknown = parser.parse_known_args(["--rollout-batch-size", "32", *words])
     assert args.max_tokens_per_gpu == 12_000 and args.use_dynamic_batch_size is True
+    assert unknown == ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 
 def test_the_shipped_flags_are_that_commits():

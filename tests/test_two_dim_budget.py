@@ -193,23 +193,17 @@ def test_framework_configs_give_their_response_share(tmp_path):
     assert skyrl.response_fraction == skyrl.max_response_len / skyrl.max_seq_len
 
 
-def test_emit_says_what_a_framework_loses_of_a_response_cap():
-    import types
+def test_emit_refuses_a_response_cap_no_framework_has_a_key_for(tmp_path):
+    # every framework bounds total tokens and runs its head over every token (tests/test_emit.py, response-share)
+    from batchfit.budget.options import ProfileOptions
+    from batchfit.frameworks import read_run_config
+    from batchfit.frameworks.emit import EmitError, check_emit
 
-    from batchfit.frameworks.emit import lost_notes
-
-    def budget(cap, fraction):
-        return types.SimpleNamespace(tokens=1000, response_tokens=cap, response_fraction=fraction)
-
-    plain = types.SimpleNamespace(budgets={"policy": budget(None, None), "critic": budget(None, None)})
-    assert lost_notes(plain, "verl") == []
-    capped = types.SimpleNamespace(budgets={"policy": budget(200, 0.2), "critic": budget(None, None)})
-    for target, name in (("verl", "verl"), ("skyrl", "SkyRL"), ("openrlhf", "OpenRLHF"), ("slime", "slime")):
-        cap, head = lost_notes(capped, target)
-        assert cap.startswith("lost: the response cap (response tokens per micro-batch: policy 200)")
-        assert f"{name} bounds total tokens only" in cap and "at most the probed 0.2" in cap
-        assert "--response-fraction 1" in cap
-        assert head.startswith(f"lost unless patched: {name} runs its head over every token")
+    run = read_run_config("examples/verl_grpo.yaml")
+    options = ProfileOptions(max_seq_len=4096, sharding="fsdp2", cost="packed", response_only=True)
+    for target in ("verl", "skyrl", "openrlhf", "slime"):
+        with pytest.raises(EmitError, match=f"--emit {target} cannot carry --response-only: .* response tokens"):
+            check_emit(run, options, target)
 
 
 def test_a_step_that_does_not_fit_names_the_response_only_head_as_a_remedy():

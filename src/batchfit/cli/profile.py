@@ -495,7 +495,7 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
             ``--emit``/``--emit-format``, a training strategy batchfit does not model.
         BatchConfigError: the config cannot be read (one line per fault).
     """
-    from batchfit.frameworks.emit import FLAG_TARGETS, FORMATS, TARGETS
+    from batchfit.frameworks.emit import FORMATS, TARGETS
     from batchfit.validation import check_choice
 
     check_choice("--emit-format", args.emit_format, FORMATS)
@@ -529,17 +529,27 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
             args.sharding = _strategy(run)
         if args.offload is None:
             args.offload = run.offload
+        if str(args.sharding).lower() in ("fsdp1", "fsdp2"):  # FSDP's options, as the config sets them
+            if args.mixed_precision is None:
+                args.mixed_precision = run.mixed_precision
+            if run.reshard_after_forward is False:
+                args.reshard_after_forward = False
         if args.gradient_checkpointing is None and run.gradient_checkpointing is not None:
             args.gradient_checkpointing = bool(run.gradient_checkpointing)
         step = framework_step(run)  # the head and layout of the framework's own micro-batch
-        if step is not None:
-            args.logprobs = step.head if args.logprobs is None else args.logprobs
-            args.step_notes = list(step.notes)
-            if args.emit in ("verl", "skyrl"):
-                _packed_for_emit(args, step.cost)
-            args.cost = step.cost if args.cost is None else args.cost
-        elif args.cost is None and (args.emit in FLAG_TARGETS or getattr(run, "remove_padding", False)):
-            args.cost = "packed"  # OpenRLHF (--ds.packing_samples, on with dynamic batches) and slime pack rows
+        args.step_notes = list(step.notes) if step is not None else []
+        if args.emit is not None and args.emit != run.vocabulary and args.logprobs is None:
+            from batchfit.frameworks.emit import target_head
+
+            args.logprobs = target_head(args.emit)  # the head the emitted run computes log-probs with
+            args.step_notes = [f"the budgets' probe runs {args.emit}'s log-prob head, the one the emitted run uses"]
+        if step is not None and args.logprobs is None:
+            args.logprobs = step.head
+        config_cost = step.cost if step is not None else ("packed" if getattr(run, "remove_padding", False) else "padded")
+        if args.emit is not None:
+            _packed_for_emit(args, config_cost)  # every framework counts a micro-batch's tokens
+        elif args.cost is None and (step is not None or config_cost == "packed"):
+            args.cost = config_cost  # OpenRLHF (--ds.packing_samples, on with dynamic batches) and slime pack rows
     if args.max_seq_len is None:
         args.max_seq_len = DEFAULT_MAX_SEQ_LEN
     if args.offload is None:
@@ -624,7 +634,7 @@ def _check_emit_plan(run: Any) -> None:
 
 
 def _packed_for_emit(args: argparse.Namespace, config_cost: str) -> None:
-    """``--emit verl|skyrl`` writes packed-row budgets: both count a micro-batch's valid tokens.
+    """``--emit`` writes packed-row budgets: verl and SkyRL count a micro-batch's valid tokens, OpenRLHF and slime pack.
 
     The emitted keys turn padding removal on (:mod:`batchfit.frameworks.emit`); a config that
     keeps padding is profiled packed and a note says so.
@@ -831,21 +841,22 @@ def _run_config(
     args: argparse.Namespace, settings: dict[str, Any], console: Any, err: Any, show_progress: bool, rank: int
 ) -> int:
     """``--config``: profile every pass of the run; render it, or emit the framework's keys."""
-    from batchfit.frameworks.emit import emit_keys, lost_notes, provenance, render_keys
+    from batchfit.frameworks.emit import FLAG_TARGETS, check_emit, emit_keys, provenance, render_keys
     from batchfit.frameworks.older_torch import older_torch_notes
     from batchfit.frameworks.profile import profile_run
     from batchfit.memory import format_bytes
 
     run = settings["run"]
+    if args.emit is not None:  # what the target cannot carry is refused before any probe
+        check_emit(run, _profile_options(args, settings, False), args.emit)
     with _progress(err, show_progress) as callback:
         result = profile_run(run, _profile_options(args, settings, callback))
     if rank != 0:
         return 0
     notes = list(getattr(args, "step_notes", [])) + older_torch_notes(result) + list(result.notes)
-    keys, lost = None, []
+    keys = None
     if args.emit is not None:
         keys = emit_keys(result, args.emit, max_seq_len=args.max_seq_len, margin=args.safety_margin)
-        lost = lost_notes(result, args.emit)
     if args.plot:
         from batchfit.cli.render_budget import plot_budget
 
@@ -859,8 +870,8 @@ def _run_config(
         data["run_notes"] = list(getattr(run, "notes", ()))
         data["warnings"] = list(run.warnings)  # what the config sets that the budgets do not model
         if keys is not None:
-            data["emit"] = {k.path: k.value for k in keys if k.path}
-            data["emit_lost"] = lost
+            data["emit"] = {k.path: list(k.value) if isinstance(k.value, tuple) else k.value for k in keys if k.path}
+            data["emit_notes"] = [k.comment for k in keys if not k.path]  # what no key can say
         json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -878,11 +889,10 @@ def _run_config(
             header.append(f"colocated models' state taken off each budget: {shared}")
         header += [f"note: {note}" for note in (*notes, *getattr(run, "notes", ()))]
         header += [f"warning: {warning}" for warning in run.warnings]
-        header += lost
         text = render_keys(keys, args.emit, header, args.emit_format)
         sys.stdout.write(text)
-        if args.emit_format == "overrides":  # overrides carry no comments: say what is lost on stderr
-            sys.stderr.write("".join(f"{line}\n" for line in lost))
+        if args.emit_format == "overrides" and args.emit not in FLAG_TARGETS:  # no comments: the notes on stderr
+            sys.stderr.write("".join(f"note: {k.comment}\n" for k in keys if not k.path))
         return 0
     console.print(
         f"config {args.config}: {run.vocabulary} vocabulary; models "

@@ -6,15 +6,33 @@ write SkyRL's and verl's keys, :func:`render_flags` OpenRLHF's and slime's comma
 :func:`render_keys` picks by target. The YAML merged into the profiled config, or the flags
 added to the launch command, pass ``batchfit plan`` on it. Each comment says whether its budget
 was **estimated** (the estimate backend) or **measured** (cpu, cuda): :func:`provenance`.
+Beside the token keys, every setting the budgets were profiled with is written as the target's
+key or flag, or refused (:mod:`batchfit.frameworks.assumptions`, NOTE [ Emitted keys carry every
+assumption ]).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from batchfit.errors import InvalidArgument
+from batchfit.frameworks.assumptions import EmitError, Key, check_emit, setting_keys
 from batchfit.frameworks.profile import RunProfile
+
+__all__ = [
+    "FLAG_TARGETS",
+    "TARGETS",
+    "EmitError",
+    "Key",
+    "check_emit",
+    "emit_keys",
+    "provenance",
+    "render_flags",
+    "render_keys",
+    "render_overrides",
+    "render_yaml",
+    "target_head",
+]
 
 TARGETS = ("verl", "skyrl", "openrlhf", "slime")
 FLAG_TARGETS = ("openrlhf", "slime")
@@ -52,19 +70,6 @@ VERL_KEYS = (
 FORMATS = ("yaml", "overrides")
 
 
-@dataclass(frozen=True)
-class Key:
-    """One key to set: its dotted path (or flag), value and why.
-
-    For flags, ``True`` is a switch given alone (``store_true``), and a key with an empty
-    ``path`` is a comment only.
-    """
-
-    path: str
-    value: int | bool
-    comment: str = ""
-
-
 # verl and SkyRL count a micro-batch's valid tokens (the attention mask's sum): a token budget
 # bounds packed rows only; with padding kept, a micro-batch is as wide as its longest row times
 # its rows, which no token count bounds.
@@ -72,6 +77,17 @@ _REMOVE_PADDING = (
     "the budgets bound packed rows, and {framework} counts valid tokens: without it every micro-batch "
     "is padded to its longest row, which no token budget bounds"
 )
+
+
+def target_head(target: str) -> str:
+    """The log-prob head ``target`` runs by default, for a profile of another framework's config emitted to it.
+
+    verl's and SkyRL's own heads (:data:`batchfit.train.HEADS` ``"verl"``, ``"skyrl"``: their
+    default configs'); OpenRLHF and slime take log-probs from the whole logits (``"full"``).
+    """
+    if target not in TARGETS:
+        raise InvalidArgument(f"--emit must be one of {', '.join(TARGETS)}, but got {target!r}")
+    return target if target in ("verl", "skyrl") else "full"
 
 
 def provenance(backend: str) -> str:
@@ -87,13 +103,30 @@ def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: flo
     """The keys (or flags, for :data:`FLAG_TARGETS`) that configure ``target`` with ``profile``'s budgets.
 
     Each key's comment names the pass it bounds and its budget, ``estimated`` or ``measured``
-    (:func:`provenance`), with the safety margin and the usable memory it came from.
+    (:func:`provenance`), with the safety margin and the usable memory it came from. The token
+    keys come first, then the keys of every setting the budgets assume
+    (:func:`~batchfit.frameworks.assumptions.setting_keys`, read from ``profile.options``).
 
     Raises:
-        InvalidArgument: ``target`` is not one of :data:`TARGETS`.
+        InvalidArgument: ``target`` is not one of :data:`TARGETS`, or ``profile`` does not say
+            what each model was profiled with (``profile.options``).
+        EmitError: a setting ``target`` cannot carry (NOTE [ Emitted keys carry every assumption ]).
     """
     if target not in TARGETS:
         raise InvalidArgument(f"--emit must be one of {', '.join(TARGETS)}, but got {target!r}")
+    options = getattr(profile, "options", None)
+    if not options:
+        raise InvalidArgument(
+            "profile.options is empty: emit_keys writes the settings each model was profiled with, so it needs the "
+            "RunProfile of profile_run (or options=role_options(run, options))"
+        )
+    settings = setting_keys(profile.run, options, target)
+    world = options["policy"].sharding.world_size
+    return _token_keys(profile, target, max_seq_len, margin, world) + settings
+
+
+def _token_keys(profile: RunProfile, target: str, max_seq_len: int, margin: float, world: int) -> list[Key]:
+    """The token budgets' keys of ``target`` (and the micro sizes and switches that go with them)."""
     budgets = {role: b.tokens for role, b in profile.budgets.items()}
 
     def why(role: str, what: str) -> str:
@@ -129,40 +162,11 @@ def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: flo
                 bound = "critic" if role == "critic_forward" and value == budgets.get("critic") else role
                 keys.append(Key(length, value, why(bound, what)))
         return keys
-    return _skyrl_keys(profile, budgets, max_seq_len, why)
+    return _skyrl_keys(profile, budgets, max_seq_len, why, world)
 
 
-_NAMES = {"verl": "verl", "skyrl": "SkyRL", "openrlhf": "OpenRLHF", "slime": "slime"}
-
-
-def lost_notes(profile: RunProfile, target: str) -> list[str]:
-    """What ``target``'s keys cannot express of ``profile``'s budgets, one sentence each (empty: nothing).
-
-    A response-only head's budgets (NOTE [ A budget in two dimensions ] in
-    :mod:`batchfit.budget.find`) have a second cap, the response tokens of a micro-batch; no
-    framework has a key for it (verl, SkyRL, OpenRLHF and slime bound total tokens only), and
-    each runs its own head over every token unless its log-prob computation is replaced.
-
-    Example: ``lost_notes(profile, "verl")`` is ``[]`` for a profile without ``--response-only``.
-    """
-    capped = {role: b for role, b in profile.budgets.items() if b.response_tokens is not None}
-    if not capped:
-        return []
-    name = _NAMES.get(target, target)
-    caps = ", ".join(f"{role} {b.response_tokens:,}" for role, b in capped.items())
-    fractions = {b.response_fraction for b in capped.values()}
-    share = "every token" if fractions == {None} else f"{max(f or 1.0 for f in fractions):.3g}"
-    return [
-        f"lost: the response cap (response tokens per micro-batch: {caps}); {name} bounds total tokens only, so "
-        f"the token keys hold for micro-batches whose response share is at most the probed {share}; "
-        "--response-fraction 1 profiles a budget that holds at any share",
-        f"lost unless patched: {name} runs its head over every token; the budgets assume batchfit's "
-        "response-only head (batchfit.train.model_logprobs(..., only_loss_tokens=True)) in its log-prob computation",
-    ]
-
-
-def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], max_seq_len: int, why: Any) -> list[Key]:
-    """SkyRL has one token key for every pass, and micro sizes validate_batch_sizes checks."""
+def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], max_seq_len: int, why: Any, world: int) -> list[Key]:
+    """SkyRL has one token key for every pass, and micro sizes validate_batch_sizes checks (over the profiled GPUs)."""
     trained = min(budgets[r] for r in ("policy", "critic") if r in budgets)
     forward = min(budgets[r] for r in ("policy_forward", "critic_forward", "reference") if r in budgets)
     binding = min(budgets, key=budgets.get)
@@ -174,8 +178,7 @@ def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], max_seq_len: int, 
         ),
         Key("trainer.remove_microbatch_padding", True, _REMOVE_PADDING.format(framework="SkyRL")),
     ]
-    run = profile.run
-    plan = run.batch.replace(max_tokens_per_micro_batch=None, micro_train_batch_size_per_gpu=1).plan()
+    plan = skyrl_plan(profile.run, world)
     if plan.samples_per_mini_batch_per_gpu is not None:
         # the micro sizes SkyRL validates even with the token key: divisors of the per-GPU mini-batch
         per_gpu = min(r.samples_per_mini_batch_per_gpu for r in plan.roles)
@@ -194,16 +197,25 @@ def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], max_seq_len: int, 
             f"sample-based fallback: forward passes of {max_seq_len:,}-token sequences",
         )
     )
-    if run.logprobs_chunk_size is not None:
-        keys.append(
-            Key(
-                "trainer.logprobs_chunk_size",
-                run.logprobs_chunk_size,
-                f"kept: the budgets were {provenance(profile.budgets[binding].backend)} with SkyRL's entropy "
-                "chunked by it",
-            )
-        )
     return keys
+
+
+def skyrl_plan(run: Any, world: int) -> Any:
+    """The batch plan SkyRL's micro sizes are derived from: ``run``'s sizes over ``world`` GPUs, sample micro-batches.
+
+    Raises:
+        BatchConfigError: the plan's faults in the config's own key names.
+    """
+    from batchfit.errors import BatchConfigError
+
+    batch = run.batch
+    nodes = batch.num_nodes if isinstance(batch.num_nodes, int) and batch.num_nodes > 0 else 1
+    if world != run.world_size and world % nodes == 0:
+        batch = batch.replace(world_size=None, num_nodes=nodes, gpus_per_node=world // nodes)
+    try:
+        return batch.replace(max_tokens_per_micro_batch=None, micro_train_batch_size_per_gpu=1).plan()
+    except BatchConfigError as exc:
+        raise BatchConfigError([run.in_own_words(f) for f in exc.faults]) from None
 
 
 def _smallest(budgets: dict[str, int], roles: tuple[str, ...]) -> str | None:
@@ -304,14 +316,15 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
 
 
 def render_yaml(keys: list[Key], header: list[str]) -> str:
-    """The keys as nested YAML, a ``# comment`` per key, ``header`` lines first.
+    """The keys as nested YAML, a ``# comment`` per key, ``header`` lines first (then keys without a path: comments).
 
     Keys of one section are written together, in the order the section first appears (a
     section written twice would be a duplicate YAML key, the second replacing the first).
     """
     lines = [f"# {line}" for line in header]
+    lines += [f"# {key.comment}" for key in keys if not key.path and key.comment]  # what no key can say
     open_path: list[str] = []
-    for key in _grouped(keys):
+    for key in _grouped([key for key in keys if key.path]):
         *sections, leaf = key.path.split(".")
         common = 0
         while common < min(len(sections), len(open_path)) and sections[common] == open_path[common]:
@@ -319,7 +332,7 @@ def render_yaml(keys: list[Key], header: list[str]) -> str:
         for depth in range(common, len(sections)):
             lines.append(f"{'  ' * depth}{sections[depth]}:")
         open_path = sections
-        value = str(key.value).lower() if isinstance(key.value, bool) else str(key.value)
+        value = _text(key.value, "yaml")
         comment = f"  # {key.comment}" if key.comment else ""
         lines.append(f"{'  ' * len(sections)}{leaf}: {value}{comment}")
     return "\n".join(lines) + "\n"
@@ -343,10 +356,18 @@ def _grouped(keys: list[Key]) -> list[Key]:
 
 def render_overrides(keys: list[Key]) -> str:
     """The keys as Hydra command-line overrides, one ``path=value`` per line."""
-    return (
-        "\n".join(f"{k.path}={str(k.value).lower() if isinstance(k.value, bool) else k.value}" for k in keys)
-        + "\n"
-    )
+    return "\n".join(f"{k.path}={_text(k.value, 'overrides')}" for k in keys if k.path) + "\n"
+
+
+def _text(value: Any, style: str) -> str:
+    """A key's value as YAML (``true``, ``[q_proj, v_proj]``), a Hydra override (``[q_proj,v_proj]``) or flag words."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        if style == "flags":
+            return " ".join(map(str, value))
+        return "[" + (", " if style == "yaml" else ",").join(map(str, value)) + "]"
+    return str(value)
 
 
 def render_flags(keys: list[Key], header: list[str]) -> str:
@@ -363,7 +384,7 @@ def render_flags(keys: list[Key], header: list[str]) -> str:
     lines = [f"# {line}" for line in header]
     lines += [f"# {k.path}: {k.comment}" if k.path else f"# {k.comment}" for k in keys if k.comment]
     flags = [
-        k.path if k.value is True else f"{k.path} {k.value}" for k in keys if k.path and k.value is not False
+        k.path if k.value is True else f"{k.path} {_text(k.value, 'flags')}" for k in keys if k.path and k.value is not False
     ]
     lines += [f"{flag} \\" for flag in flags[:-1]] + flags[-1:]
     return "\n".join(lines) + "\n"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchfit.budget.options import ProfileOptions
-from batchfit.budget.profile import ModelProfile, profile_model, resident_state_bytes
+from batchfit.budget.profile import ModelProfile, default_dtype, profile_model, resident_state_bytes
 from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import InvalidArgument
 from batchfit.frameworks.lora_keys import as_lora_spec
@@ -42,12 +42,15 @@ class RunProfile:
             model runs.
         notes: how the profile departs from the config's roles (a reference computed by the
             LoRA policy itself), one sentence each.
+        options: model role → the options it was profiled with (:func:`role_options`): what
+            its budgets assume, which :func:`batchfit.frameworks.emit.emit_keys` writes as keys.
     """
 
     run: RunConfig
     profiles: dict[str, ModelProfile]
     resident: dict[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    options: dict[str, ProfileOptions] = field(default_factory=dict, compare=False)
 
     @property
     def budgets(self) -> dict[str, TokenBudget]:
@@ -98,6 +101,38 @@ def profile_run(run: RunConfig, options: ProfileOptions) -> RunProfile:
         InvalidArgument: a model role without a model.
         DoesNotFitError: a pass does not fit one sequence of ``options.max_seq_len``.
     """
+    by_role, notes = _passes(run, options)
+    resident = {
+        role: resident_state_bytes(
+            run.models[role], PASSES[role][0], by_role[role], kinds=run.resident.get(role, ())
+        )
+        for role in by_role
+        if role in run.colocated and run.resident.get(role)
+    }
+    profiles = {}
+    for role, role_opts in by_role.items():
+        others = sum(b for other, b in resident.items() if other != role)
+        profiles[role] = profile_model(
+            run.models[role], role_opts, roles=PASSES[role], resident_bytes=others
+        )
+    return RunProfile(run=run, profiles=profiles, resident=resident, notes=tuple(notes), options=by_role)
+
+
+def role_options(run: RunConfig, options: ProfileOptions) -> dict[str, ProfileOptions]:
+    """The options :func:`profile_run` profiles each model role of ``run`` with (what the budgets assume).
+
+    Each model role the run profiles (a verl reference computed by the LoRA actor is not one)
+    → ``options`` with that role's LoRA, its parameter dtype (never ``None``: the command
+    line's, else the config's, else profile's default) and head.
+
+    Raises:
+        InvalidArgument: a model role without a model; a bad LoRA in the config.
+    """
+    return _passes(run, options)[0]
+
+
+def _passes(run: RunConfig, options: ProfileOptions) -> tuple[dict[str, ProfileOptions], list[str]]:
+    """Each model role → its options, and the notes on how the profile departs from the config's roles."""
     if options.response_only and options.response_fraction is None and run.response_fraction is not None:
         options = options.replace(response_fraction=run.response_fraction)
     models = dict(run.models)
@@ -126,30 +161,24 @@ def profile_run(run: RunConfig, options: ProfileOptions) -> RunProfile:
             "verl computes the reference log-probs with the LoRA actor, adapters disabled (ref_in_actor): "
             "no reference model is loaded, and those passes are the actor's forward ones (policy_forward)"
         )
-    resident = {
-        role: resident_state_bytes(
-            models[role], PASSES[role][0], _for_role(role, options, adapters), kinds=run.resident.get(role, ())
-        )
-        for role in models
-        if role in run.colocated and run.resident.get(role)
-    }
-    profiles = {}
-    for role, model in models.items():
-        others = sum(b for other, b in resident.items() if other != role)
-        profiles[role] = profile_model(
-            model, _for_role(role, options, adapters), roles=PASSES[role], resident_bytes=others
-        )
-    return RunProfile(run=run, profiles=profiles, resident=resident, notes=tuple(notes))
+    return {role: _for_role(role, options, adapters, run) for role in models}, notes
 
 
-def _for_role(role: str, options: ProfileOptions, adapters: dict[str, Any]) -> ProfileOptions:
-    """The options of one model role: its own LoRA (none for the reference); a frozen reference in bf16.
+def _for_role(role: str, options: ProfileOptions, adapters: dict[str, Any], run: RunConfig) -> ProfileOptions:
+    """The options of one model role: its own LoRA (none for the reference), its dtype; the reference's head.
 
-    A frozen reference is loaded in bf16 unless a dtype is given (verl fsdp_workers: fp32 only
-    for the actor), and its log-prob pass computes no entropy (verl ``_compute_ref_log_prob``).
+    The dtype is ``options.dtype`` when given (the command line's, for every model), else the
+    config's (:attr:`RunConfig.dtype` for trained models, :attr:`RunConfig.reference_dtype` for the
+    reference), else the default: fp32 master weights under bf16 mixed precision (bf16 without),
+    and bf16 for a frozen reference (verl fsdp_workers: fp32 only for the actor). A reference's
+    log-prob pass computes no entropy (verl ``_compute_ref_log_prob``).
     """
     options = options.replace(lora=adapters.get(role))
     if role == "reference" and isinstance(options.logprobs, FrameworkHead):
         # verl's and SkyRL's reference log-prob passes compute no entropy
         options = options.replace(logprobs=options.logprobs.replace(forward_entropy="none"))
-    return options.replace(dtype=REFERENCE_DTYPE) if role == "reference" and options.dtype is None else options
+    if options.dtype is not None:
+        return options
+    if role == "reference":
+        return options.replace(dtype=getattr(run, "reference_dtype", None) or REFERENCE_DTYPE)
+    return options.replace(dtype=getattr(run, "dtype", None) or default_dtype(options.sharding))

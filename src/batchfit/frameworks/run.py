@@ -36,6 +36,19 @@ class RunConfig:
             (``fully_shard``) or ``megatron``; SkyRL ``fsdp`` (``fully_shard``; its
             deprecated ``fsdp2`` means the same) or ``megatron``.
         offload: the sharded parameters live on the CPU (``none`` or ``cpu``).
+        reshard_after_forward: FSDP frees each layer's gathered parameters after its forward
+            (verl ``actor.fsdp_config.reshard_after_forward``, SkyRL
+            ``policy.fsdp_config.reshard_after_forward``), or ``None`` when not given.
+        mixed_precision: FSDP's mixed precision as :class:`~batchfit.parallel.Sharding` names it
+            (``bf16``: bf16 compute, fp32 reduction; ``none``: compute and reduction in the
+            parameters' dtype), read from the policy's ``mixed_precision`` keys (verl
+            ``actor.fsdp_config.mixed_precision``, SkyRL ``policy.fsdp_config.mixed_precision``),
+            or ``None`` when not given.
+        dtype: the dtype the trained models' parameters are stored in (verl
+            ``actor.fsdp_config.model_dtype``, fp32 by default; SkyRL always ``fp32``: its policy
+            and critic load in fp32 for training), or ``None`` for profile's default.
+        reference_dtype: the reference model's (verl ``ref.fsdp_config.model_dtype`` when given;
+            SkyRL ``trainer.bf16``), or ``None`` for profile's default (bf16).
         gradient_checkpointing: activation checkpointing, or ``None`` when not given.
         logprobs_chunk_size: SkyRL's ``trainer.logprobs_chunk_size`` (tokens along the
             sequence per log-prob and entropy chunk).
@@ -101,6 +114,10 @@ class RunConfig:
     max_response_len: int | None = None
     strategy: str | None = None
     offload: str = "none"
+    reshard_after_forward: bool | None = None
+    mixed_precision: str | None = None
+    dtype: str | None = None
+    reference_dtype: str | None = None
     gradient_checkpointing: bool | None = None
     logprobs_chunk_size: int | None = None
     remove_padding: bool | None = None
@@ -193,17 +210,25 @@ class RunConfig:
 def as_int(value: Any) -> Any:
     """``"1024"`` → 1024 (CLI overrides and YAML strings); other values unchanged.
 
-    A string of more digits than any count has (:data:`batchfit.fileio.MAX_INT_DIGITS`) stays a
-    string, for the plan to refuse by name (Python refuses to convert 4,300 digits).
+    The one place a config's or a flag's string becomes an integer: only an optional ``-`` and
+    ASCII digits (``_`` between digits, as Python writes ``1_024``) convert; anything else
+    (``"--5"``, ``"1e3"``, ``"٣"``) and a string of more digits than any count has
+    (:data:`batchfit.fileio.MAX_INT_DIGITS`; Python refuses to convert 4,300) stays a string,
+    for the plan to refuse by name.
+
+    >>> as_int("1_024"), as_int(" -3 "), as_int("--5"), as_int(7)
+    (1024, -3, '--5', 7)
     """
     from batchfit.fileio import MAX_INT_DIGITS
 
     if isinstance(value, str):
-        text = value.strip().replace("_", "")
-        digits = text.lstrip("-")
-        if digits.isdigit() and digits.isascii() and len(digits) <= MAX_INT_DIGITS:
+        text = value.strip()
+        if _INTEGER.fullmatch(text) and sum(c.isdigit() for c in text) <= MAX_INT_DIGITS:
             return int(text)
     return value
+
+
+_INTEGER = re.compile(r"-?[0-9]+(?:_[0-9]+)*")
 
 
 def size_faults(flat: Mapping[str, Any], suffixes: tuple[str, ...], title: str, what: str) -> list[str]:
@@ -229,6 +254,57 @@ def size_faults(flat: Mapping[str, Any], suffixes: tuple[str, ...], title: str, 
                 "or more"
             )
     return faults
+
+
+_DTYPE_NAMES = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+}
+
+
+def dtype_name(value: Any) -> str | None:
+    """A config's dtype as ``"fp32"``, ``"bf16"`` or ``"fp16"`` (verl's and SkyRL's ``PrecisionType`` spellings,
+    ``torch.`` prefix allowed); ``None`` for ``None`` or anything else.
+
+    >>> dtype_name("bfloat16"), dtype_name("torch.float32"), dtype_name(None)
+    ('bf16', 'fp32', None)
+    """
+    if not isinstance(value, str):
+        return None
+    return _DTYPE_NAMES.get(value.strip().lower().removeprefix("torch."))
+
+
+def differing_warnings(
+    flat: Mapping[str, Any], pairs: Mapping[str, str], who: str, whose: str, title: str
+) -> list[str]:
+    """One warning per key of another model whose value differs from the policy's key it pairs with.
+
+    batchfit profiles every model of a run with one sharding, precision and checkpointing
+    setting, the policy's; a critic or reference configured otherwise is not what was profiled.
+
+    Args:
+        flat: the resolved config, flattened (defaults merged).
+        pairs: the other model's key → the policy's key.
+        who: the other model, for the message (``"the critic"``).
+        whose: the policy's, for the message (``"the actor's"``).
+        title: the framework and version (``"verl 0.9.1"``).
+    """
+    out = []
+    for key, policy_key in pairs.items():
+        mine, theirs = flat.get(key), flat.get(policy_key)
+        if as_bool(mine) == as_bool(theirs) or (dtype_name(mine) is not None and dtype_name(mine) == dtype_name(theirs)):
+            continue
+        out.append(
+            f"{key}={short_repr(mine)} differs from {whose} {policy_key}={short_repr(theirs)}: batchfit profiles "
+            f"{who} with {whose} setting ({title}); set them alike, or confirm {who}'s on the device (profile --confirm)"
+        )
+    return out
 
 
 def as_bool(value: Any) -> Any:

@@ -13,7 +13,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from batchfit.frameworks.run import RunConfig, as_bool, as_int, every_fault, size_faults, unmodelled_warnings
+from batchfit.frameworks.run import (
+    RunConfig,
+    as_bool,
+    as_int,
+    differing_warnings,
+    dtype_name,
+    every_fault,
+    size_faults,
+    unmodelled_warnings,
+)
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
 from batchfit.plan.config import BatchConfig
 from batchfit.validation import short_repr
@@ -52,23 +61,22 @@ LORA = T + "policy.model.lora."
 # alpha and targets (RunConfig.lora, critic_lora), trainer.remove_microbatch_padding and its
 # alias (remove_padding: the probe's cost), trainer.logprobs_chunk_size and
 # trainer.algorithm.use_entropy_loss (the entropy fields: batchfit.frameworks.step), the
-# gradient checkpointing and cpu_offload of the policy (read into RunConfig).
+# gradient checkpointing, cpu_offload, reshard_after_forward (a bool) and mixed_precision of the
+# policy, trainer.bf16 (the reference's dtype) (read into RunConfig; a critic's or reference's
+# key of these that differs from the policy's is a warning of its own, OTHERS_SAME).
 _SAME_FOR_CRITIC = "the critic's, as the policy's"
 UNMODELLED: dict[str, str] = {
     LORA + "exclude_modules": "layers left without LoRA adapters (batchfit adapts every target module)",
     T + "critic.model.lora.exclude_modules": "the critic's layers left without LoRA adapters",
     T
     + "flash_attn": "False runs attention without flash-attention (SDPA or eager kernels keep other buffers)",
-    T + "bf16": "False computes in fp32 instead of bf16 autocast",
     T + "gradient_checkpointing_use_reentrant": "reentrant activation checkpointing (batchfit checkpoints "
     "non-reentrantly)",
     T + "policy.sequence_parallel_size": "Ulysses sequence parallelism splits each sequence over GPUs (the "
     "budgets hold whole sequences on one GPU)",
     T + "critic.sequence_parallel_size": "Ulysses sequence parallelism for the critic",
     T + "ref.sequence_parallel_size": "Ulysses sequence parallelism for the reference",
-    T + "policy.fsdp_config.reshard_after_forward": "parameters kept gathered between forward and backward",
     T + "policy.fsdp_config.fsdp_size": "hybrid sharding: state sharded over fsdp_size GPUs, not all of them",
-    T + "policy.fsdp_config.mixed_precision.*": "FSDP's mixed-precision dtypes (param, reduce, buffer)",
     T + "policy.fsdp_config.wrap_policy.*": "how the model is wrapped into FSDP units (batchfit wraps each "
     "decoder layer)",
     T + "policy.model_config_kwargs.*": "overrides of the model's Hugging Face config (batchfit profiles its "
@@ -76,14 +84,29 @@ UNMODELLED: dict[str, str] = {
     T
     + "policy.use_torch_compile": "torch.compile of the entropy computation (fuses its temporaries; measured "
     "eagerly)",
-    T + "critic.fsdp_config.cpu_offload": "the critic's parameters and optimizer state on the host",
-    T + "critic.fsdp_config.reshard_after_forward": _SAME_FOR_CRITIC,
     T + "critic.fsdp_config.fsdp_size": _SAME_FOR_CRITIC,
-    T + "critic.fsdp_config.mixed_precision.*": _SAME_FOR_CRITIC,
     T + "critic.model_config_kwargs.*": _SAME_FOR_CRITIC,
-    T + "ref.fsdp_config.cpu_offload": "the reference's parameters on the host",
-    T + "ref.fsdp_config.reshard_after_forward": "the reference's, as the policy's",
 }
+
+POLICY_FSDP = T + "policy.fsdp_config."
+# The critic's and reference's keys batchfit profiles with the policy's value (one Sharding for
+# every model of a run): one that differs gets a warning naming both.
+OTHERS_SAME = {
+    "critic": {
+        T + "critic.fsdp_config.cpu_offload": POLICY_FSDP + "cpu_offload",
+        T + "critic.fsdp_config.reshard_after_forward": POLICY_FSDP + "reshard_after_forward",
+        T + "critic.fsdp_config.mixed_precision.param_dtype": POLICY_FSDP + "mixed_precision.param_dtype",
+        T + "critic.fsdp_config.mixed_precision.reduce_dtype": POLICY_FSDP + "mixed_precision.reduce_dtype",
+    },
+    "reference": {
+        T + "ref.fsdp_config.cpu_offload": POLICY_FSDP + "cpu_offload",
+        T + "ref.fsdp_config.reshard_after_forward": POLICY_FSDP + "reshard_after_forward",
+    },
+}
+# skyrl/backends/skyrl_train/workers/fsdp/fsdp_worker.py: the policy loads with
+# HFModelWrapper(bf16=policy.inference_only_init), false when it trains, and the critic with
+# bf16=False: trained models store fp32 parameters; the reference loads with bf16=trainer.bf16.
+TRAINED_DTYPE = "fp32"
 
 
 def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
@@ -166,6 +189,18 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     defaults = framework_defaults("skyrl")
     defaults = {**defaults, REMOVE_PADDING_ALIAS: defaults.get(REMOVE_PADDING_KEY)}
     warnings += unmodelled_warnings(given, defaults, UNMODELLED, schema.title)
+    reshard = as_bool(flat.get(POLICY_FSDP + "reshard_after_forward"))
+    if not isinstance(reshard, bool):
+        warnings.append(
+            f"{POLICY_FSDP}reshard_after_forward={short_repr(reshard)} reshards to a smaller group than every GPU, which "
+            "batchfit's budgets do not model (True or False only); profile with True or False, or confirm this "
+            "setting on the device (profile --confirm)"
+        )
+    mixed_precision = _precision(flat, given, warnings)
+    used = {"critic": bool(critic_model), "reference": reference}
+    for role, pairs in OTHERS_SAME.items():
+        if used[role]:
+            warnings += differing_warnings(flat, pairs, f"the {role}", "the policy's", schema.title)
     run = RunConfig(
         vocabulary="skyrl",
         batch=BatchConfig(**values, framework="skyrl"),
@@ -176,6 +211,10 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         max_response_len=response if isinstance(response, int) else None,
         strategy=strategy,
         offload=offload,
+        reshard_after_forward=reshard if isinstance(reshard, bool) else None,
+        mixed_precision=mixed_precision,
+        dtype=TRAINED_DTYPE,
+        reference_dtype="fp32" if as_bool(flat.get(T + "bf16")) is False else "bf16",
         gradient_checkpointing=as_bool(flat.get(T + "gradient_checkpointing")),
         logprobs_chunk_size=chunk,
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
@@ -208,6 +247,31 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     if misspelt:
         every_fault(run, misspelt)
     return run
+
+
+def _precision(flat: dict[str, Any], given: dict[str, Any], warnings: list[str]) -> str | None:
+    """The policy's mixed precision in :class:`~batchfit.parallel.Sharding`'s terms, ``None`` when not given.
+
+    SkyRL 0.4.0 ``FSDPStrategy._fsdp_init_model`` (``distributed/fsdp_strategy.py``) wraps with
+    ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` from ``fsdp_config.mixed_precision``
+    (``MixedPrecisionConfig``: bf16 / fp32 by default; ``None`` is the same). On fp32 parameters
+    (:data:`TRAINED_DTYPE`) bf16 / fp32 is batchfit's ``bf16``, fp32 / fp32 its ``none``.
+    """
+    keys = [POLICY_FSDP + "mixed_precision.param_dtype", POLICY_FSDP + "mixed_precision.reduce_dtype"]
+    if not any(k in given for k in keys):
+        return None
+    param = dtype_name(flat.get(keys[0])) or "bf16"
+    reduce = dtype_name(flat.get(keys[1])) or "fp32"
+    if (param, reduce) == ("bf16", "fp32"):
+        return "bf16"
+    if param == reduce == TRAINED_DTYPE:
+        return "none"
+    warnings.append(
+        f"{POLICY_FSDP}mixed_precision param_dtype={param}, reduce_dtype={reduce}: batchfit models FSDP mixed precision "
+        "as param bf16 with reduce fp32, or none (fp32, the parameters' dtype); the budgets keep its default (bf16 "
+        "compute, fp32 reduce)"
+    )
+    return None
 
 
 def _gpus(flat: dict[str, Any], role: str) -> Any:

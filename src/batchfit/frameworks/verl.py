@@ -19,7 +19,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchfit.frameworks.run import RunConfig, as_bool, as_int, every_fault, size_faults, unmodelled_warnings
+from batchfit.frameworks.run import (
+    RunConfig,
+    as_bool,
+    as_int,
+    differing_warnings,
+    dtype_name,
+    every_fault,
+    size_faults,
+    unmodelled_warnings,
+)
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
 from batchfit.plan.config import BatchConfig
 from batchfit.validation import short_repr
@@ -56,8 +65,10 @@ KEY_NAMES = {
 # LoRA keys lora_rank, lora_alpha, target_modules (RunConfig.lora, critic_lora),
 # use_remove_padding (remove_padding: the probe's cost), use_fused_kernels and the entropy keys
 # calculate_entropy, entropy_coeff, entropy_from_logits_with_chunking, *_chunk_size,
-# entropy_checkpointing (the entropy fields: batchfit.frameworks.step), the actor's offload
-# and gradient checkpointing (read into RunConfig).
+# entropy_checkpointing (the entropy fields: batchfit.frameworks.step), the actor's offload,
+# reshard_after_forward, model_dtype and mixed_precision, gradient checkpointing (read into
+# RunConfig; a critic key of these that differs from the actor's is a warning of its own,
+# CRITIC_SAME), the reference's model_dtype.
 _SAME = "as for the actor"
 UNMODELLED: dict[str, str] = {
     MODEL + "exclude_modules": "layers left without LoRA adapters (batchfit adapts every target module)",
@@ -78,27 +89,36 @@ UNMODELLED: dict[str, str] = {
     ACTOR
     + "use_torch_compile": "torch.compile of the entropy (fuses its [tokens, vocab] temporaries; measured "
     "eagerly)",
-    ENGINE + "model_dtype": "the dtype parameters are stored in (profile's --dtype; fp32 under FSDP2 mixed "
-    "precision by default)",
     ENGINE + "dtype": "the compute (autocast) dtype",
-    REF + "fsdp_config.model_dtype": "the reference's stored dtype",
-    CRITIC_ENGINE + "model_dtype": "the critic's stored dtype",
     ACTOR
     + "ulysses_sequence_parallel_size": "Ulysses sequence parallelism splits each sequence over GPUs (the "
     "budgets hold whole sequences on one GPU)",
     ENGINE + "ulysses_sequence_parallel_size": "Ulysses sequence parallelism splits each sequence over GPUs",
     CRITIC_ENGINE + "ulysses_sequence_parallel_size": "Ulysses sequence parallelism for the critic",
-    ENGINE + "reshard_after_forward": "parameters kept gathered between forward and backward",
     ENGINE + "fsdp_size": "hybrid sharding: state sharded over fsdp_size GPUs, not all of them",
     ENGINE + "forward_prefetch": "the next unit's parameters gathered while one computes",
     ENGINE + "wrap_policy.*": "how the model is wrapped into FSDP units (batchfit wraps each decoder layer)",
-    ENGINE + "mixed_precision.*": "FSDP's mixed-precision dtypes",
     ENGINE + "pad_to_length": "packed micro-batches padded up to a bucket of tokens",
     ACTOR + "pad_to_length": "packed micro-batches padded up to a bucket of tokens",
-    CRITIC_ENGINE + "offload_policy": "the critic's sharded state on the host",
-    CRITIC_ENGINE + "reshard_after_forward": _SAME,
     CRITIC_ENGINE + "fsdp_size": _SAME,
 }
+
+# The critic's keys batchfit profiles with the actor's value (one Sharding and one checkpointing
+# setting for every model of a run): a critic that differs gets a warning naming both.
+CRITIC_SAME = {
+    CRITIC + "strategy": ACTOR + "strategy",
+    CRITIC_ENGINE + "offload_policy": ENGINE + "offload_policy",
+    CRITIC_ENGINE + "reshard_after_forward": ENGINE + "reshard_after_forward",
+    CRITIC_ENGINE + "model_dtype": ENGINE + "model_dtype",
+    CRITIC_ENGINE + "mixed_precision.param_dtype": ENGINE + "mixed_precision.param_dtype",
+    CRITIC_ENGINE + "mixed_precision.reduce_dtype": ENGINE + "mixed_precision.reduce_dtype",
+    CRITIC + "model.enable_gradient_checkpointing": MODEL + "enable_gradient_checkpointing",
+}
+# verl/workers/config/engine.py FSDPEngineConfig.model_dtype, and the mixed precision
+# FSDPEngine._build_fsdp_module uses when the config's mixed_precision leaves a dtype out
+# (verl/workers/engine/fsdp/transformer_impl.py: param bf16, reduce fp32, buffer fp32).
+DEFAULT_MODEL_DTYPE = "fp32"
+DEFAULT_PARAM_DTYPE, DEFAULT_REDUCE_DTYPE = "bf16", "fp32"
 
 
 def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
@@ -201,6 +221,9 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     entropy, forward_entropy, chunk = _entropy(flat, remove_padding)
     entropy_in_loss = _number(flat.get(ACTOR + "entropy_coeff")) != 0
     warnings += unmodelled_warnings(given, framework_defaults("verl"), UNMODELLED, schema.title)
+    mixed_precision, dtype = _precision(flat, given, warnings)
+    if critic:
+        warnings += differing_warnings(flat, CRITIC_SAME, "the critic", "the actor's", schema.title)
     roles = ["policy", *(["reference"] if reference else []), *(["critic"] if critic else [])]
     run = RunConfig(
         vocabulary="verl",
@@ -214,6 +237,12 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         # engine_workers: offload_policy is FSDP2's CPUOffloadPolicy (the sharded state lives on the
         # host); param_offload / optimizer_offload move state to the host between phases only.
         offload="cpu" if as_bool(flat.get(ENGINE + "offload_policy")) is True else "none",
+        reshard_after_forward=_bool_or_none(flat.get(ENGINE + "reshard_after_forward")),
+        mixed_precision=mixed_precision,
+        dtype=dtype,
+        reference_dtype=dtype_name(flat.get(REF + "fsdp_config.model_dtype"))
+        if REF + "fsdp_config.model_dtype" in given
+        else None,
         gradient_checkpointing=as_bool(flat.get(MODEL + "enable_gradient_checkpointing")),
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=as_bool(flat.get(CRITIC + "model.use_remove_padding")) if critic else None,
@@ -249,6 +278,46 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     if misspelt:
         every_fault(run, misspelt)
     return run
+
+
+def _precision(flat: dict[str, Any], given: dict[str, Any], warnings: list[str]) -> tuple[str | None, str | None]:
+    """The actor's mixed precision and parameter dtype in :class:`~batchfit.parallel.Sharding`'s terms.
+
+    verl 0.9.1 loads the actor in ``fsdp_config.model_dtype`` (default fp32,
+    ``FSDPEngine._build_module``) and wraps it with ``MixedPrecisionPolicy(param_dtype,
+    reduce_dtype)`` from ``fsdp_config.mixed_precision`` (default bf16 / fp32,
+    ``_build_fsdp_module``; FSDP1's ``MixedPrecision`` the same). batchfit's ``bf16`` is
+    param bf16 with reduce fp32; ``none`` is both in the parameters' dtype (a policy that casts
+    nothing). ``(None, dtype)`` when no mixed-precision key is given; another combination is a
+    warning naming it, and profile's default is kept.
+    """
+    dtype = dtype_name(flat.get(ENGINE + "model_dtype")) or DEFAULT_MODEL_DTYPE
+    if dtype not in ("fp32", "bf16"):
+        warnings.append(
+            f"{ENGINE}model_dtype={flat.get(ENGINE + 'model_dtype')!r}: batchfit stores parameters in fp32 or bf16; the "
+            "budgets keep profile's default dtype"
+        )
+        return None, None
+    keys = [ENGINE + "mixed_precision.param_dtype", ENGINE + "mixed_precision.reduce_dtype"]
+    if not any(k in given for k in keys):
+        return None, dtype
+    param = dtype_name(flat.get(keys[0])) or DEFAULT_PARAM_DTYPE
+    reduce = dtype_name(flat.get(keys[1])) or DEFAULT_REDUCE_DTYPE
+    if (param, reduce) == ("bf16", "fp32"):
+        return "bf16", dtype
+    if param == reduce == dtype:
+        return "none", dtype
+    warnings.append(
+        f"{ENGINE}model_dtype={dtype}, mixed_precision.param_dtype={param}, reduce_dtype={reduce}: batchfit models "
+        "FSDP mixed precision as param bf16 with reduce fp32, or none (both in the parameters' dtype, fp32 or bf16); "
+        "the budgets keep its default (bf16 compute, fp32 reduce)"
+    )
+    return None, None
+
+
+def _bool_or_none(value: Any) -> bool | None:
+    value = as_bool(value)
+    return value if isinstance(value, bool) else None
 
 
 def _number(value: Any) -> Any:
