@@ -84,6 +84,15 @@ def junk(tmp_path):
         ),
     ):
         (tmp_path / name).write_text(yaml.safe_dump(_merge(base, change)))
+    for name, base, change in (  # issue 28: a string where a count goes, a list where a section goes
+        ("n_verl.yaml", verl, _nested("actor_rollout_ref.rollout.n", "--8")),
+        ("trainer_list_skyrl.yaml", skyrl, {"trainer": [1, 2]}),
+        ("policy_list_skyrl.yaml", skyrl, _nested("trainer.policy", ["a"])),
+    ):
+        (tmp_path / name).write_text(yaml.safe_dump(_merge(base, change)))
+    (tmp_path / "dashdash.yaml").write_text("train_batch_size: --5\npolicy_mini_batch_size: 2\n")
+    (tmp_path / "nul.yaml").write_text("train_batch_size: 4\npolicy_mini_batch_size: 2\x00\n")
+    (tmp_path / "nul_skyrl.yaml").write_text(SKYRL.replace("trainer:", "trainer:\x00", 1))
     (tmp_path / "output_int.yaml").write_text("output: 5\n")
     os.mkfifo(tmp_path / "fifo.yaml")  # no writer: opening it would block forever
     (tmp_path / "autobatch_bomb.yaml").write_text(_bomb(9).replace("train_batch_size: 4\npolicy_mini_batch_size: 2\n", ""))
@@ -96,6 +105,20 @@ def junk(tmp_path):
     }.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({**config, **change}))
+    (tmp_path / "bert").mkdir()  # a masked-LM encoder, as transformers writes its config.json
+    (tmp_path / "bert" / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["BertForMaskedLM"],
+                "model_type": "bert",
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "intermediate_size": 128,
+                "vocab_size": 1000,
+            }
+        )
+    )
     (tmp_path / "bigintmodel").mkdir()
     text = json.dumps(config)
     (tmp_path / "bigintmodel" / "config.json").write_text(text[:-1] + f', "x": {"9" * 5000}}}')
@@ -173,6 +196,35 @@ CASES = [
     (["profile", "--model", "{d}/headdim0"], 2, "config field head_dim must be a positive integer"),
     (["profile", "--model", "{d}/headdimneg"], 2, "but got head_dim=-8"),
     (["profile", "--world-size", str(2**40)], 2, "--world-size must be an integer <= 1,048,576"),
+    # issue 28: bytes YAML refuses, strings that are no integer, lists where sections go, no causal LM
+    (["plan", "{d}/nul.yaml"], 2, "is not valid YAML (could not be parsed: unacceptable character #x0000"),
+    # examples/skyrl_ppo.yaml: four lines of comments, then "trainer:"
+    (["profile", "--config", "{d}/nul_skyrl.yaml"], 2, "special characters are not allowed at line 5)"),
+    (["autobatch", "--config", "{d}/nul.yaml"], 2, "unacceptable character #x0000"),
+    (["plan", "{d}/dashdash.yaml"], 2, "train_batch_size='--5' must be an integer >= 1, not a str"),
+    (["plan", "{d}/n_verl.yaml"], 2, "actor_rollout_ref.rollout.n='--8' must be an integer >= 1, not a str"),
+    (
+        ["plan", "--train-batch-size=--5", "--policy-mini-batch-size", "2"],
+        2,
+        "train_batch_size='--5' must be an integer >= 1, not a str",
+    ),
+    (
+        ["plan", "{d}/trainer_list_skyrl.yaml"],
+        2,
+        "trainer=[1, 2]: 'trainer' is a section of SkyRL 0.4.0's config, not a list; set the keys below it",
+    ),
+    (
+        ["profile", "--config", "{d}/policy_list_skyrl.yaml"],
+        2,
+        "trainer.policy=['a']: 'trainer.policy' is a section of SkyRL 0.4.0's config, not a list",
+    ),
+    (
+        ["profile", "--model", "{d}/bert", "--backend", "estimate", "--reserve", "0"],
+        2,
+        "architectures=['BertForMaskedLM'] (model_type='bert') is not a causal language model (bert is an encoder "
+        "or encoder-decoder family); batchfit builds decoder-only causal LMs with transformers' "
+        "AutoModelForCausalLM, such as LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+    ),
     # a default named as a default (item 8)
     (["profile", "--memory", "300MiB", "--world-size", "1"], 2, "leaves nothing once the default reserve of 337.75 MiB"),
     (
@@ -372,6 +424,100 @@ def test_a_report_replaces_the_old_one_and_keeps_its_permissions(tmp_path):
 def test_replacing_writes_through_to_a_device(tmp_path):
     with replacing(os.devnull) as path:
         assert str(path) == os.devnull  # /dev/null is written, never replaced
+
+
+# ---- Ctrl-C: the report is the old one, untouched, or the new one, complete, and the line says which ----
+
+
+def _interrupted(capsys, argv) -> str:
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("batchfit: interrupted; ") and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.timeout(120)
+def test_an_interrupt_while_the_report_is_written_leaves_the_old_one_and_says_so(tasks, capsys, monkeypatch):
+    from batchfit.autobatch import report
+
+    old = tasks / "old.csv"
+    old.write_bytes(b"the user's old report\r\n")
+    calls, real = [], report.trial_log_text
+
+    def interrupted(log):
+        calls.append(log)
+        if len(calls) == 2:  # the first row is written, Ctrl-C comes in the second
+            raise KeyboardInterrupt
+        return real(log)
+
+    monkeypatch.setattr(report, "trial_log_text", interrupted)
+    argv = ["autobatch", "--task", "tasks.py:ok", *TASK_ARGS, "--modes", "train,val", "--no-progress"]
+    err = _interrupted(capsys, [*argv, "--output", str(old)])
+    assert f"--output {str(old)!r} was not written: the file there before is unchanged" in err
+    assert len(calls) == 2 and old.read_bytes() == b"the user's old report\r\n"
+    assert sorted(p.name for p in tasks.iterdir() if p.name.startswith(".old")) == []  # no partial file
+    new = tasks / "new.csv"
+    calls.clear()
+    err = _interrupted(capsys, [*argv, "--output", str(new)])
+    assert f"--output {str(new)!r} was not written (no file, and no partial file, is there)" in err
+    assert not new.exists()
+
+
+@pytest.mark.timeout(120)
+def test_an_interrupt_after_the_report_replaced_the_old_one_says_it_is_the_new_one(tasks, capsys, monkeypatch):
+    import batchfit.fileio
+
+    old = tasks / "old.csv"
+    old.write_text("the user's old report\n")
+    real = os.replace
+
+    def then_interrupted(src, dst):
+        real(src, dst)
+        raise KeyboardInterrupt  # the report is in place; Ctrl-C comes before the table is printed
+
+    monkeypatch.setattr(batchfit.fileio.os, "replace", then_interrupted)
+    argv = ["autobatch", "--task", "tasks.py:ok", *TASK_ARGS, "--no-progress", "--output", str(old)]
+    err = _interrupted(capsys, argv)
+    assert f"--output {str(old)!r} holds the new, complete report (written before the interrupt)" in err
+    monkeypatch.setattr(batchfit.fileio.os, "replace", real)
+    rows = old.read_text().splitlines()
+    assert rows[0].split(",")[:2] == ["mode", "memory_fraction"] and len(rows) == 2  # header + train @ 0.8
+
+
+SIGINT_AFTER_FIRST_TRIAL = """
+import signal, subprocess, sys
+argv = [sys.executable, "-m", "batchfit", "autobatch", *sys.argv[1:]]
+child = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+first = child.stderr.readline()  # a progress line: the search has started, the report is next
+child.send_signal(signal.SIGINT)
+print(child.wait(), first.strip(), child.stderr.read().strip(), sep="\\n")
+"""
+
+
+@pytest.mark.timeout(240)
+def test_sigint_during_autobatch_leaves_the_old_report_or_the_new_complete_one_as_the_line_says(tmp_path):
+    old = tmp_path / "old.csv"
+    old.write_bytes(b"the user's old report\n")
+    argv = ["--task", "causal-lm", "--backend", "cpu", "--memory", "64MiB", "--output", str(old)]
+    done = subprocess.run(
+        [sys.executable, "-c", SIGINT_AFTER_FIRST_TRIAL, *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=scaled(200),
+    )
+    code, first, said = done.stdout.rstrip("\n").split("\n", 2)
+    assert first.startswith("batchfit autobatch: causal-lm: "), done.stdout + done.stderr
+    if code == "0":  # the search ended before the signal came: the new report, whole
+        assert said == "" and old.read_text().startswith("mode,memory_fraction,")
+    else:
+        assert code == "130" and said.count("\n") == 0 and "Traceback" not in said, said
+        if "was not written: the file there before is unchanged" in said:
+            assert old.read_bytes() == b"the user's old report\n"
+        else:
+            assert "holds the new, complete report" in said, said
+            assert old.read_text().startswith("mode,memory_fraction,")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.csv"]
 
 
 WRITE_UNDER_LIMIT = """

@@ -327,6 +327,28 @@ def test_an_fsdp2_confirm_on_two_gloo_ranks_matches_the_estimate_per_category():
     assert reports[0]["roles"]["policy"]["max_rank_bytes"] == reports[1]["roles"]["policy"]["max_rank_bytes"]
 
 
+def test_a_calibration_save_replaces_the_file_whole_or_leaves_it(tmp_path, monkeypatch):
+    import batchfit.fileio
+
+    cal = Calibration(
+        backend="cuda", device="gpu", device_total_bytes=80 * 1024**3, untracked_bytes=600 * MiB,
+        allocator_overhead_bytes=2 * 1024**3, allocator_overhead_fraction=0.10, estimate_ratio=1.05,
+    )  # fmt: skip
+    path = tmp_path / "cal.json"
+    path.write_text("the old calibration\n")
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(batchfit.fileio.os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        cal.save(path)
+    assert path.read_text() == "the old calibration\n" and [p.name for p in tmp_path.iterdir()] == ["cal.json"]
+    monkeypatch.undo()
+    cal.save(path)  # NOTE [ Writes replace, never truncate ]
+    assert load_calibration(path) == cal and [p.name for p in tmp_path.iterdir()] == ["cal.json"]
+
+
 def test_calibrated_limits_take_each_term_at_its_worst():
     cal = Calibration(
         backend="cuda", device="gpu", device_total_bytes=80 * 1024**3, untracked_bytes=600 * MiB,

@@ -15,7 +15,9 @@ and the fix.
 # NOTE [ Writes replace, never truncate ]
 :func:`replacing` writes into a temporary file beside the target and ``os.replace``-s it in
 only when the write ended: a write that fails (disk full, file-size limit, Ctrl-C) leaves the
-old file as it was and no partial file behind.
+old file as it was and no partial file behind. The file at the path is therefore either the
+old one, untouched, or the new one, complete; :func:`said_on_interrupt` tells which after a
+Ctrl-C (the move gives the path a new inode), for the one line the CLI prints.
 """
 
 from __future__ import annotations
@@ -169,9 +171,11 @@ def parse_yaml(text: str, what: str) -> Any:
     """
     import yaml
 
-    loader = _bounded_loader()(text)
-    loader.what = what
+    loader = None
     try:
+        # the reader refuses a NUL or another control character as the loader is built
+        loader = _bounded_loader()(text)
+        loader.what = what
         return loader.get_single_data()
     except InvalidArgument:
         raise
@@ -179,9 +183,12 @@ def parse_yaml(text: str, what: str) -> Any:
         raise InvalidArgument(_too_deep(what)) from None
     except yaml.YAMLError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, yaml.reader.ReaderError):  # its message gives a character offset, not a line
+            first += f" at line {text.count(chr(10), 0, exc.position) + 1}"
         raise InvalidArgument(f"{what} is not valid YAML (could not be parsed: {first})") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 _LOADER: Any = None
@@ -304,6 +311,48 @@ def _mode_for(target: Path) -> int:
         umask = os.umask(0)
         os.umask(umask)
         return 0o666 & ~umask
+
+
+def _identity(path: Path) -> tuple[int, ...] | None:
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+@contextlib.contextmanager
+def said_on_interrupt(path: str | os.PathLike[str] | None, flag: str, what: str) -> Iterator[None]:
+    """Ctrl-C inside the block is re-raised as a ``KeyboardInterrupt`` whose message says what ``path`` holds.
+
+    The block writes ``path`` through :func:`replacing` (NOTE [ Writes replace, never truncate ]),
+    so the path holds either the file that was there before, untouched, or the new one,
+    complete; which one is read from the file itself (its inode, size and time), not from how
+    far the block got. ``None`` (nothing to write) or a target that is not a regular file
+    (``/dev/null``) passes the interrupt on as it was.
+
+    Args:
+        path: the file the block writes.
+        flag: how messages name it, e.g. ``"--output"``.
+        what: what the new file holds, e.g. ``"report"``.
+    """
+    target = Path(os.path.realpath(path)) if path is not None else None
+    if target is not None and target.exists() and not target.is_file():
+        target = None
+    before = _identity(target) if target is not None else None
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        if target is None:
+            raise
+        named = f"{flag} {str(path)!r}"
+        if _identity(target) != before:
+            note = f"{named} holds the new, complete {what} (written before the interrupt)"
+        elif before is None:
+            note = f"{named} was not written (no file, and no partial file, is there)"
+        else:
+            note = f"{named} was not written: the file there before is unchanged"
+        raise KeyboardInterrupt(note) from exc
 
 
 def write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -155,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchfit`` console script; returns the exit code.
 
     Ctrl-C at any point, the imports that building the parser triggers included, exits 130
-    with ``batchfit: interrupted`` and no traceback. A stdout that cannot be written exits
+    with ``batchfit: interrupted`` and no traceback; a command that writes a file adds, on the
+    same line, whether the file is the old one, untouched, or the new one, complete. A stdout that cannot be written exits
     :data:`EXIT_OUTPUT` (2) with one line on stderr (0 and nothing for a pipe its reader
     closed, as ``batchfit plan --json | head``), never a traceback.
     """
@@ -169,8 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if guard.broken:  # the error report's JSON was lost; its lines on stderr said it all
             _silence(real)
         return code
-    except KeyboardInterrupt:
-        _say("batchfit: interrupted\n")
+    except KeyboardInterrupt as exc:
+        # a command may say what its output file holds (batchfit.fileio.said_on_interrupt)
+        _say(f"batchfit: interrupted; {exc}\n" if str(exc) else "batchfit: interrupted\n")
         return 130
     except StdoutError as exc:
         guard.broken = True

@@ -209,9 +209,17 @@ def run(args: argparse.Namespace) -> int:
     Under torchrun the command joins the ranks, checks they were given the same flags, and
     rank 0 alone prints and writes; the search's verdicts are agreed across ranks.
     """
-    from batchfit.cli._ranks import check_same_flags, process_group
+    from batchfit.fileio import said_on_interrupt
 
     s = resolve(args)
+    # Ctrl-C: the line says whether --output is the old file, untouched, or the new report, whole
+    with said_on_interrupt(s["output"], "--output", "report"):
+        return _run(args, s)
+
+
+def _run(args: argparse.Namespace, s: dict[str, Any]) -> int:
+    from batchfit.cli._ranks import check_same_flags, process_group
+
     kwargs = dict(
         fractions=s["fractions"],
         modes=s["modes"],

@@ -168,11 +168,17 @@ def resolve(data: Mapping[str, Any], vocabulary: str) -> dict[str, Any]:
 
     Raises:
         BatchConfigError: an interpolation that refers to a missing key, is circular, or
-            uses a resolver OmegaConf does not have (names the key and the expression).
+            uses a resolver OmegaConf does not have (names the key and the expression); a
+            list where the framework's config has a section, or a section where it has a list
+            (every such key, before OmegaConf's merge refuses the first with a bare TypeError).
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    if vocabulary in ("skyrl", "verl"):
+        clashes = _container_clashes(data, _defaults_tree(vocabulary), framework_schema(vocabulary).title)
+        if clashes:
+            raise BatchConfigError(clashes)
     step = "merge"
     try:
         config = OmegaConf.create(_plain(data))
@@ -295,15 +301,47 @@ def _without_unread(tree: dict[str, Any], names: tuple[str, ...], top: bool = Tr
     return out
 
 
+def _container_clashes(data: Mapping[str, Any], defaults: Mapping[str, Any], title: str, where: str = "") -> list[str]:
+    """One fault per key of ``data`` that is a list where ``defaults`` has a section, or a section where it has a list.
+
+    OmegaConf merges anything else (a value over a section is judged later by
+    :meth:`FrameworkSchema.check_keys`), but refuses these two with ``TypeError: Cannot merge
+    incompatible container types``, naming no key.
+    """
+    faults = []
+    for key, value in data.items():
+        name = f"{where}.{key}" if where else str(key)
+        default = defaults.get(key)
+        if isinstance(default, Mapping) and isinstance(value, list):
+            below = f" (such as {name}.{next(iter(default))})" if default else ""
+            faults.append(
+                f"{name}={short_repr(value)}: {name!r} is a section of {title}'s config, not a list; set the keys below it instead{below}"
+            )
+        elif isinstance(default, list) and isinstance(value, Mapping):
+            faults.append(
+                f"{name}={short_repr(value)}: {name!r} is a list in {title}'s config, not a section; write it as a list ([...])"
+            )
+        elif isinstance(default, Mapping) and isinstance(value, Mapping):
+            faults.extend(_container_clashes(value, default, title, name))
+    return faults
+
+
+@functools.cache
+def _defaults_tree(vocabulary: str) -> dict[str, Any]:
+    """The framework's defaults file as plain data, read once (never modified)."""
+    import yaml
+
+    text = resources.files("batchfit.frameworks").joinpath("defaults", f"{vocabulary}.yaml").read_text()
+    return yaml.safe_load(text)
+
+
 @functools.cache
 def _defaults_config(vocabulary: str, pruned: bool = False) -> Any:
     """The framework's defaults as an OmegaConf config, read once (merging does not change it);
     ``pruned``: without the sections of NOTE [ Sections no rule reads ]."""
-    import yaml
     from omegaconf import OmegaConf
 
-    text = resources.files("batchfit.frameworks").joinpath("defaults", f"{vocabulary}.yaml").read_text()
-    tree = yaml.safe_load(text)
+    tree = _defaults_tree(vocabulary)
     if pruned and vocabulary in _UNREAD:
         tree = _without_unread(tree, _UNREAD[vocabulary])
     return OmegaConf.create(tree)

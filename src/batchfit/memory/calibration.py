@@ -110,14 +110,16 @@ class Calibration:
         return {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, **data}
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write :meth:`to_dict` as JSON to ``path`` (replaced if it exists).
+        """Write :meth:`to_dict` as JSON to ``path``: a file there is replaced whole or left as it was.
+
+        NOTE [ Writes replace, never truncate ] in :mod:`batchfit.fileio`.
 
         Raises:
-            OSError: the file cannot be written.
+            OSError: the file cannot be written (``path`` is then as it was).
         """
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
+        from batchfit.fileio import write_text
+
+        write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def from_dict(cls, data: Any, *, where: str = "calibration", fix: str | None = None) -> Calibration:

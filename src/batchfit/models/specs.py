@@ -149,13 +149,60 @@ def _known_model_types() -> tuple[str, ...]:
 _POSITIVE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
+@cache
+def _causal_lm_families() -> tuple[dict[str, Any], frozenset[str]]:
+    """transformers' model types with a causal-LM class (type → class), and the encoder families among them.
+
+    An encoder (BERT, RoBERTa, ...) or encoder-decoder family (BART, mBART) has a masked-LM or
+    sequence-to-sequence class too; its causal class is a decoder bolted on (``is_decoder=True``).
+    """
+    from transformers.models.auto import modeling_auto
+
+    causal = dict(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    encoders = set(modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    encoders |= set(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+    return causal, frozenset(encoders)
+
+
+@cache
+def built_architectures() -> tuple[str, ...]:
+    """The causal-LM classes of the presets' model types: what batchfit builds and is tested on."""
+    causal, _ = _causal_lm_families()
+    types = {preset_info(name)["config"]["model_type"] for name in list_presets()}
+    return tuple(sorted({str(causal.get(t, t)) for t in types}))
+
+
+def _not_a_causal_lm(config: Any, spec: Any) -> str | None:
+    """Why ``config`` is no decoder-only causal LM (batchfit builds it with ``AutoModelForCausalLM``), or ``None``.
+
+    A model type transformers has no causal-LM class for, or an encoder or encoder-decoder
+    family (a masked-LM head such as ``BertForMaskedLM`` profiled as a causal LM would exit 0
+    with numbers for a model nobody trains this way). A decoder's value or reward head
+    (``LlamaForTokenClassification``, ``Qwen2ForSequenceClassification``) is its own family.
+    """
+    model_type = getattr(config, "model_type", None)
+    if not model_type:  # a bare PretrainedConfig: nothing to judge
+        return None
+    causal, encoders = _causal_lm_families()
+    if model_type in causal and model_type not in encoders and not getattr(config, "is_encoder_decoder", False):
+        return None
+    architectures = getattr(config, "architectures", None) or []
+    what = f"architectures={short_repr(list(architectures))} (model_type={model_type!r})" if architectures else f"model_type={model_type!r}"
+    why = f"{model_type} is an encoder or encoder-decoder family" if model_type in causal else f"transformers has no causal-LM class for {model_type}"
+    return f"spec={spec_name(spec)}: {what} is not a causal language model ({why}); batchfit builds decoder-only causal LMs with transformers' AutoModelForCausalLM, such as {', '.join(built_architectures())}: point spec at such a model's config"
+
+
 def check_config(config: Any, spec: Any) -> Any:
     """Reject configs a model cannot be built from, naming the field (before any tensor is made).
 
     Raises:
-        InvalidArgument: a size field that is not a positive integer, or attention heads that
-            do not divide the hidden size (without an explicit ``head_dim``).
+        InvalidArgument: no decoder-only causal LM (a BERT ``config.json``: names the
+            architectures batchfit builds), a size field that is not a positive integer, or
+            attention heads that do not divide the hidden size (without an explicit ``head_dim``).
     """
+    refusal = _not_a_causal_lm(config, spec)
+    if refusal is not None:
+        raise InvalidArgument(refusal)
     for name in _POSITIVE_FIELDS:
         value = getattr(config, name, None)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
