@@ -194,6 +194,15 @@ def test_verls_hydra_config_reads_as_the_config_it_composes(verl_files, model_di
     assert composed.replace(reference_dtype=None) == dumped.replace(reference_dtype=None)
 
 
+def test_verls_default_critic_path_is_named_when_model_replaces_the_policys_only(verl_files, model_dir, tmp_path, capsys):
+    config = _set(yaml.safe_load(yaml.safe_dump(verl_files["_generated_ppo_trainer.yaml"])), VERL_REQUIRED)
+    path = _write(tmp_path, "verl.yaml", config)
+    assert main(["profile", "--config", str(path), "--model", str(model_dir), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "spec='~/models/deepseek-llm-7b-chat'" in err, err
+    assert "(read from the critic's model path in the config; --model sets the policy's model only" in err
+
+
 @pytest.mark.slow  # 4 roles (verl trains a critic by default) over 8 FSDP1 ranks: 14-20 s each at load 1 per core
 @pytest.mark.parametrize(
     ("target", "extra"),

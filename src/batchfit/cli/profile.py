@@ -691,8 +691,11 @@ def _check_config_model(role: str, model: Any, run: Any) -> None:
     try:
         load_config(model)
     except InvalidArgument as exc:
-        key = run.source.get("model", "the config") if role != "critic" else "the critic's model path"
-        raise InvalidArgument(f"{exc} (read from {key}; --model overrides it)") from None
+        if role == "critic":  # --model replaces the policy's model (and so the reference's) only
+            where = "read from the critic's model path in the config; --model sets the policy's model only: set the critic's path there"
+        else:
+            where = f"read from {run.source.get('model', 'the config')}; --model overrides it"
+        raise InvalidArgument(f"{exc} ({where})") from None
 
 
 def run(args: argparse.Namespace) -> int:
