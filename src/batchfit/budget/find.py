@@ -25,6 +25,7 @@ from batchfit.budget.probe import BudgetStep, CallableStep, Probe, candidate_len
 from batchfit.budget.token_budget import BudgetPoint, TokenBudget, check_cost
 from batchfit.errors import DoesNotFitError, InvalidArgument, Phrase, ProbeAbandoned, Setting
 from batchfit.memory import BACKEND_NAMES, DEFAULT_SAFETY_MARGIN, Backend
+from batchfit.memory.registration import BUFFERS, GRADIENTS, OPTIMIZER_STATE, PARAMETERS
 from batchfit.parallel.distributed import (
     agree,
     agreed_max,
@@ -252,11 +253,12 @@ def _search(
 
         hint = (hints or {}).get(seq_len)
         rows_hint, rest_hint = (hint, None) if hint is None or cost == "padded" else divmod(hint, seq_len)
-        if cost == "packed" and hint is None and points:
-            # shorter sequences usually fit as many tokens (varlen attention): try that first
-            previous = points[-1].tokens
-            if _confirmed(probe, previous, seq_len):
-                return finish(_point(seq_len, previous // seq_len, previous, trials[before:], cost))
+        if points:  # NOTE [ A length that does not bind ]
+            so_far = min(p.tokens for p in points)
+            whole = so_far // seq_len
+            tokens = so_far if cost == "packed" else whole * seq_len
+            if whole >= 1 and probe(candidate_lengths(tokens, seq_len, "packed")).fits:
+                return finish(_point(seq_len, whole, tokens, trials[before:], cost, largest=False))
         rows = _search_rows(probe, trials, seq_len, limit, rows_hint, _warm_start(points, seq_len))
         tokens = rows.batch_size * seq_len
         if cost == "packed" and rows.batch_size >= 1:
@@ -265,7 +267,14 @@ def _search(
             tokens += 0 if rest is None else rest.batch_size
         return finish(_point(seq_len, rows.batch_size, tokens, trials[before:], cost))
 
-    for index, seq_len in enumerate(lengths):
+    # NOTE [ Lengths the probes already decide ]: the longest and the shortest first, then the rest
+    order = [*lengths[:1], *lengths[-1:][: len(lengths) > 1], *lengths[1:-1]]
+    for index, seq_len in enumerate(order):
+        point = _proven_point(measured, trials, points, seq_len, limit, cost) if index >= 2 else None
+        if point is not None:
+            points.append(point)
+            notify(BudgetProgress(role, seq_len, index, planned, None, point.max_batch_size, len(trials), limit))
+            continue
         point = run_length(seq_len, index, planned)
         if point.max_batch_size == 0:
             one = next(p for p in reversed(trials) if p.seq_len == seq_len and p.total_tokens == seq_len)
@@ -354,7 +363,7 @@ def _search_rows(
             return hint + 0.5  # probe the hint, then the size above it
         # a remainder probe here is not a row count: the rows' secant takes whole rows only
         whole = [p for p in trials if p.seq_len != seq_len or p.total_tokens % seq_len == 0]
-        return guess_max_batch(_completed(whole), seq_len, limit)
+        return guess_max_batch(_completed(whole), seq_len, limit, _resident_state(trials))
 
     def rows(size: int) -> Trial:
         return _trial(size, probe([seq_len] * size))
@@ -697,6 +706,19 @@ def _completed(trials: Sequence[Probe]) -> list[tuple[float, int, int]]:
     return [(p.total_tokens / p.seq_len, p.seq_len, p.peak_bytes) for p in trials if not p.exceeded]
 
 
+def _resident_state(trials: Sequence[Probe]) -> int:
+    """The bytes a step holds whatever its batch (parameters, resident gradients, optimizer state), from a probe's breakdown.
+
+    A guess's intercept before two lengths give one (:func:`guess_max_batch`), not a bound:
+    a line from it through one probe predicted qwen2.5-7b's 3 × 8,192 on the first guess where
+    a line from the origin predicted 2 and cost one more probe.
+    """
+    first = next((p for p in trials if p.breakdown and not p.exceeded), None)
+    if first is None:
+        return 0
+    return sum(first.breakdown.get(c, 0) for c in (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, BUFFERS))
+
+
 def _warm_start(points: Sequence[BudgetPoint], seq_len: int) -> int:
     """Without a model guess: the token count of the previous length in sequences of ``seq_len`` (fits if ``q >= 0``)."""
     if not points:
@@ -704,15 +726,62 @@ def _warm_start(points: Sequence[BudgetPoint], seq_len: int) -> int:
     return max(1, points[-1].tokens // seq_len)
 
 
-def _confirmed(probe: Callable[..., Probe], tokens: int, seq_len: int) -> bool:
-    """``tokens`` measured to fit at ``seq_len`` and ``tokens + 1`` measured not to (two probes at most)."""
-    if tokens < seq_len or not probe(candidate_lengths(tokens, seq_len, "packed")).fits:
-        return False
-    return not probe(candidate_lengths(tokens + 1, seq_len, "packed")).fits
+def _proven_point(
+    step: BudgetStep, trials: Sequence[Probe], points: Sequence[BudgetPoint], seq_len: int, limit: int, cost: str
+) -> BudgetPoint | None:
+    """The budget so far at ``seq_len``, when the probes measured prove it fits there; ``None`` when it must be probed.
+
+    NOTE [ Lengths the probes already decide ]
+    Between the longest and the shortest length, both measured, a length whose candidate of
+    the budget so far (C // s rows padded, C tokens packed) can be cut out of a candidate
+    measured to fit at a longer length is bounded by that candidate's peak (NOTE [ The shape
+    of a step's peak ], :func:`batchfit.budget.bounds.peak_upper_bound`): it is not probed when
+    that bound stays 1% below the limit (per-sequence bytes are not in the argument). Its point
+    says so (``measured=False``, the bound as its peak), and the memory model's check still
+    covers every length. A response-only head is always probed: cut sequences each keep their
+    own response share. The main job's padded 4,096 and 2,048 are decided this way: with NOTE
+    [ A length that does not bind ] it takes 4 probes, 10 before issue 28.
+    """
+    from batchfit.budget.bounds import peak_upper_bound
+
+    if not points or response_cap(step, [seq_len]) is not None:
+        return None
+    so_far = min(p.tokens for p in points)
+    whole = so_far // seq_len
+    tokens = so_far if cost == "packed" else whole * seq_len
+    bound = peak_upper_bound(trials, seq_len, tokens) if whole >= 1 else None
+    if bound is None or bound > limit * (1 - _PROOF_SLACK):
+        return None
+    return BudgetPoint(
+        seq_len=seq_len,
+        max_batch_size=whole,
+        peak_bytes=bound,
+        next_peak_bytes=None,
+        probes=0,
+        max_tokens=tokens if cost == "packed" else None,
+        largest=False,
+        measured=False,
+    )
 
 
-def _point(seq_len: int, whole: int, tokens: int, at_length: Sequence[Probe], cost: str) -> BudgetPoint:
-    """The verified answer at ``seq_len``: ``whole`` sequences of it, ``tokens`` in all (packed: plus a remainder)."""
+# NOTE [ A length that does not bind ]
+# The budget is the least, over the probed lengths, of what fits at each. Once a length has been
+# searched, the budget so far is C; at a shorter length s only one question is left: do C tokens
+# fit there (C // s rows padded, C tokens packed)? One probe answers it. When they fit, s
+# cannot lower the budget, and how much more would fit there changes nothing: its point is
+# that fit (BudgetPoint.largest is False, shown as "≥") and the search moves on; the memory
+# model still gets a measured point at s. When they do not, s binds and is searched in full.
+# The main job (qwen2.5-7b at 8192) spent 2 probes at each shorter length; it spends one, or none
+# (NOTE [ Lengths the probes already decide ]).
+
+
+def _point(
+    seq_len: int, whole: int, tokens: int, at_length: Sequence[Probe], cost: str, largest: bool = True
+) -> BudgetPoint:
+    """The verified answer at ``seq_len``: ``whole`` sequences of it, ``tokens`` in all (packed: plus a remainder).
+
+    ``largest=False``: measured to fit, nothing larger tried (NOTE [ A length that does not bind ]).
+    """
 
     def measured(total: int) -> Probe | None:
         return next((p for p in reversed(at_length) if p.total_tokens == total and p.batch_size >= 1), None)
@@ -729,6 +798,7 @@ def _point(seq_len: int, whole: int, tokens: int, at_length: Sequence[Probe], co
         breakdown={} if best is None else dict(best.breakdown),
         host_bytes=0 if best is None else best.host_bytes,
         max_tokens=tokens if cost == "packed" else None,
+        largest=largest,
     )
 
 

@@ -155,7 +155,9 @@ def _secant(at_len: Sequence[tuple[float, int]]) -> tuple[float, float] | None:
     return p2 - slope * b2, slope
 
 
-def guess_max_batch(points: Iterable[Point], seq_len: int, limit_bytes: float) -> float | None:
+def guess_max_batch(
+    points: Iterable[Point], seq_len: int, limit_bytes: float, state_bytes: float = 0.0
+) -> float | None:
     """Predict the largest batch size at ``seq_len`` whose peak stays within ``limit_bytes``.
 
     The guess of the budget search (:func:`batchfit.plan.search.largest_fitting`), from
@@ -165,7 +167,7 @@ def guess_max_batch(points: Iterable[Point], seq_len: int, limit_bytes: float) -
        (near the limit, where activations dominate; small batches can sit on a plateau set by
        the optimizer step);
     2. one probe at ``seq_len``: the line from the base (the intercepts of the other lengths'
-       secants, else 0) through it;
+       secants, else ``state_bytes``, the state the step holds whatever its batch) through it;
     3. none: the model fitted on each other length's two largest probes when they span two
        lengths; with one other length ``s0``, its per-sequence slope scaled by ``s/s0`` (for
        ``s < s0``; this over-estimates the slope because ``q >= 0``, so the guess errs small)
@@ -188,7 +190,7 @@ def guess_max_batch(points: Iterable[Point], seq_len: int, limit_bytes: float) -
     if line is not None:
         return _solve_line(*line, limit_bytes)
     intercepts = [ln[0] for s, ln in lines.items() if ln is not None and s != seq_len]
-    base = max(0.0, min(intercepts)) if intercepts else 0.0
+    base = max(0.0, min(intercepts)) if intercepts else max(0.0, float(state_bytes))
     if here:
         b, p = here[-1]
         slope = (p - base) / b if p > base else p / b

@@ -14,12 +14,15 @@ from batchfit.validation import check_choice, check_positive_int
 
 @dataclass(frozen=True)
 class BudgetPoint:
-    """The verified largest micro-batch at one probed sequence length.
+    """The verified largest micro-batch at one probed sequence length, or a verified fit at a length that does not bind.
 
     A padded search counts sequences: ``max_batch_size`` rows of ``seq_len`` fit and one row
     more does not. A packed search counts tokens (NOTE [ Packed budgets count tokens ] in
     :mod:`batchfit.budget.find`): ``max_tokens`` tokens fit (sequences of ``seq_len`` and one
-    shorter remainder) and one token more does not.
+    shorter remainder) and one token more does not. At a length shorter than one already
+    searched, the budget found so far is measured once; when it fits there, that length
+    cannot lower the budget and is not searched further (``largest`` is ``False``, NOTE [ A
+    length that does not bind ]).
 
     Attributes:
         seq_len: the probed length.
@@ -34,6 +37,11 @@ class BudgetPoint:
         max_tokens: a packed search's largest fitting token count, ``None`` for a padded one.
         response_tokens: with a response-only head, the response (loss) tokens of the
             largest fitting candidate; ``None`` otherwise.
+        largest: ``max_batch_size`` (``max_tokens``) is the largest that fits, the next size
+            measured not to; ``False``: it was measured to fit and nothing larger was tried.
+        measured: ``False`` when the point was not probed but proven to fit by the probes of a
+            longer length (NOTE [ Lengths the probes already decide ]); ``peak_bytes`` is then
+            that proof's upper bound.
     """
 
     seq_len: int
@@ -46,6 +54,8 @@ class BudgetPoint:
     host_bytes: int = 0
     max_tokens: int | None = None
     response_tokens: int | None = None
+    largest: bool = True
+    measured: bool = True
 
     @property
     def tokens(self) -> int:
@@ -65,6 +75,8 @@ class BudgetPoint:
             "breakdown": dict(self.breakdown),
             "host_bytes": self.host_bytes,
             "response_tokens": self.response_tokens,
+            "largest": self.largest,
+            "measured": self.measured,
         }
 
 
@@ -222,8 +234,9 @@ class TokenBudget:
 
     @property
     def binding_point(self) -> BudgetPoint | None:
-        """The probed length that sets ``tokens`` (the longest one if several do)."""
-        return next((p for p in self.points if p.tokens == self.tokens), None)
+        """The probed length that sets ``tokens`` (the longest one if several do; a searched one first)."""
+        setting = [p for p in self.points if p.tokens == self.tokens]
+        return next((p for p in setting if p.largest), setting[0] if setting else None)
 
     @property
     def breakdown(self) -> dict[str, int]:

@@ -57,9 +57,9 @@ def budget_table(budget: TokenBudget, title: str | None = None) -> Table:
         headroom = budget.limit_bytes - p.peak_bytes
         table.add_row(
             f"{p.seq_len:,}",
-            f"{p.max_batch_size:,}" + (" (cap)" if p.capped else ""),
-            f"{p.tokens:,}" + (" ◀" if p.tokens == budget.tokens else ""),
-            format_bytes(p.peak_bytes),
+            ("" if p.largest else "≥ ") + f"{p.max_batch_size:,}" + (" (cap)" if p.capped else ""),
+            ("" if p.largest else "≥ ") + f"{p.tokens:,}" + (" ◀" if p.largest and p.tokens == budget.tokens else ""),
+            ("" if p.measured else "≤ ") + format_bytes(p.peak_bytes),
             format_bytes(headroom),
             str(p.probes),
         )
