@@ -12,24 +12,8 @@ import torch
 from multirank import TIMEOUT_SCALE_ENV, scaled, timeout_scale
 
 
-def _load_scale() -> float:
-    """The machine's load per core (1-minute average), at least 1: how much slower than unloaded it runs."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return 1.0
-    return max(1.0, round(load / cores, 1))
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    # once per session, before anything spawns: children and subprocesses inherit the same factor
-    if not os.environ.get(TIMEOUT_SCALE_ENV, "").strip():
-        os.environ[TIMEOUT_SCALE_ENV] = str(_load_scale())
-    timeout_scale()  # a bad value stops the session here, with its name
+    timeout_scale()  # a bad BATCHFIT_TEST_TIMEOUT_SCALE stops the session here, with its name
     # One intra-op thread for the session, and for spawned ranks and subprocesses (they read
     # OMP_NUM_THREADS): the tests' models are tiny, and two threads on a shared 2-core machine
     # only contend -- a tiny profile took twice the CPU time with two.
@@ -38,30 +22,33 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"timeouts: x{timeout_scale():g} ({TIMEOUT_SCALE_ENV}; the machine's load per core when unset)"
+    how = "given" if os.environ.get(TIMEOUT_SCALE_ENV, "").strip() else "twice the load per core, read at each test's start"
+    return f"timeouts: x{timeout_scale():g} now ({TIMEOUT_SCALE_ENV}: {how})"
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Scale pytest-timeout's limits: each ``@pytest.mark.timeout(s)`` and the ini ``timeout`` for the rest.
-
-    A ``--timeout`` on the command line is taken as given for tests without a marker.
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Scale pytest-timeout's limit of ``item`` as it starts (before pytest-timeout reads it): its
+    ``@pytest.mark.timeout(s)``, or the ini ``timeout``; a ``--timeout`` on the command line is taken
+    as given for tests without a marker.
     """
-    if not config.pluginmanager.hasplugin("timeout"):
-        return
-    base = float(config.getini("timeout") or 0)
-    explicit = config.getoption("timeout", None) is not None
-    for item in items:
+    config = item.config
+    if config.pluginmanager.hasplugin("timeout"):
+        base = float(config.getini("timeout") or 0)
+        explicit = config.getoption("timeout", None) is not None
         marker = item.get_closest_marker("timeout")
-        if marker is not None:
-            kwargs = dict(marker.kwargs)
-            seconds = marker.args[0] if marker.args else kwargs.pop("timeout", None)
-            if seconds is None or float(seconds) <= 0:
-                continue
-            item.add_marker(
-                pytest.mark.timeout(scaled(float(seconds)), *marker.args[1:], **kwargs), append=False
-            )
+        original = item.stash.setdefault(_BASE_TIMEOUT, marker)
+        if original is not None:
+            kwargs = dict(original.kwargs)
+            seconds = original.args[0] if original.args else kwargs.pop("timeout", None)
+            if seconds is not None and float(seconds) > 0:
+                item.add_marker(pytest.mark.timeout(scaled(float(seconds)), *original.args[1:], **kwargs), append=False)
         elif base > 0 and not explicit:
             item.add_marker(pytest.mark.timeout(scaled(base)), append=False)
+    yield
+
+
+_BASE_TIMEOUT = pytest.StashKey()
 
 
 @pytest.fixture(scope="module")

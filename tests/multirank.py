@@ -3,11 +3,11 @@
 A rank that hangs (stuck in a collective) makes the test fail instead of stalling CI; an
 exception on a rank is reported back as ``("error", repr(exc))`` instead of hanging the parent.
 
-Every timeout in the tests derives from one setting (:func:`scaled`): the environment
-variable ``BATCHFIT_TEST_TIMEOUT_SCALE`` multiplies the base seconds written in the tests
-(pytest-timeout's per-test limit, the queue wait here, the gloo process-group timeout,
-subprocess timeouts). conftest.py sets it once per session, from the machine's load when
-it is not given, so a loaded machine waits longer instead of failing.
+Every timeout in the tests derives from one setting (:func:`scaled`): it multiplies the base
+seconds written in the tests (pytest-timeout's per-test limit, the queue wait here, the gloo
+process-group timeout, subprocess timeouts) by :func:`timeout_scale`, read when each timeout
+is set: ``BATCHFIT_TEST_TIMEOUT_SCALE`` when given, else twice the machine's load per core at
+that moment, so a machine that gets busier during the run waits longer instead of failing.
 """
 
 from __future__ import annotations
@@ -29,11 +29,35 @@ TIMEOUT_SCALE_ENV = "BATCHFIT_TEST_TIMEOUT_SCALE"
 GROUP_TIMEOUT = 60.0
 
 
+#: Every timeout is at least this many times its base: a timeout only catches hangs, so it can be
+#: generous by construction; the load term covers a machine that gets busier during the run.
+MIN_SCALE = 2.0
+
+
+def load_per_core() -> float:
+    """The machine's load per core now (1-minute average), at least 1: how much slower than unloaded it runs."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return 1.0
+    return max(1.0, load / cores)
+
+
 def timeout_scale() -> float:
-    """The factor from ``BATCHFIT_TEST_TIMEOUT_SCALE`` (1 when unset); a bad value is a usage error."""
+    """The factor every timeout is multiplied by, read when the timeout is set, not once per session.
+
+    ``BATCHFIT_TEST_TIMEOUT_SCALE`` when given (a positive number; a bad value is a usage error);
+    otherwise :data:`MIN_SCALE` × the load per core at this moment, so a test started while
+    another CPU-heavy job runs beside the suite waits longer (issue 28: a scale read at the start,
+    x1, timed out a test once the load rose to 4-7).
+    """
     raw = os.environ.get(TIMEOUT_SCALE_ENV, "").strip()
     if not raw:
-        return 1.0
+        return round(MIN_SCALE * load_per_core(), 1)
     try:
         scale = float(raw)
     except ValueError:

@@ -44,6 +44,7 @@ def test_default_run_answers_a_7b_fsdp2_node(capsys):
     assert "reserve (CUDA context, NCCL, workspaces)" in out
 
 
+@pytest.mark.slow
 def test_the_default_jobs_packed_budget_counts_tokens_and_exceeds_the_padded_one(capsys):
     # NOTE [ Packed budgets count tokens ]: 3 whole sequences of 8192 and 3,132 tokens more fit,
     # where rounding down to whole sequences gave the padded 24,576
@@ -123,6 +124,7 @@ def test_under_torchrun_every_rank_measures_and_rank_0_prints_one_json_document(
     assert data["sharding"]["strategy"] == "fsdp2" and data["budgets"]["policy"]["tokens"] > 0
 
 
+@pytest.mark.slow
 def test_reference_role_is_forward_only_and_fits_more_tokens(capsys):
     assert main(["profile", *FAST, "--roles", "policy,reference", "--logprobs", "fused", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -168,11 +170,6 @@ def test_policy_and_critic_are_combined_by_the_smaller(capsys, tmp_path):
         pytest.param(["--plot", "no/such/dir/b.png"], "the folder 'no/such/dir' does not exist", id="plot-folder"),
         pytest.param(["--memory", "300MiB"], "--memory 300MiB (300.00 MiB) leaves nothing once the default reserve of 593.75 MiB is taken off", id="memory-below-reserve"),
         pytest.param(["--reserve", "lots"], "--reserve is not a memory size", id="bad-reserve"),
-        pytest.param(
-            ["--backend", "cpu", "--memory", "1GiB", "--sharding", "fsdp2"],
-            "--sharding fsdp2 with --backend cpu runs on real ranks: launch with torchrun",
-            id="cpu-fsdp2-without-torchrun",
-        ),
     ],
 )
 def test_bad_values_give_one_line_errors_and_exit_2(capsys, argv, message):
@@ -180,6 +177,16 @@ def test_bad_values_give_one_line_errors_and_exit_2(capsys, argv, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert err.startswith("batchfit profile: error: ") and message in err
+
+
+def test_one_rank_of_fsdp2_runs_on_the_cpu_without_torchrun(capsys):
+    # FSDP2 over one rank never communicates: a one-GPU framework run (still FSDP, bf16 compute) profiles in
+    # this process, with the framework's mixed precision
+    argv = ["profile", "--backend", "cpu", "--model", "tiny", "--memory", "1GiB", "--max-seq-len", "64"]
+    assert main([*argv, "--sharding", "fsdp2", "--json", "--no-progress"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["sharding"]["strategy"] == "fsdp2" and data["sharding"]["world_size"] == 1
+    assert data["sharding"]["mixed_precision"] == "bf16" and data["budgets"]["policy"]["tokens"] > 0
 
 
 def test_reserve_zero_gives_the_whole_memory(capsys):

@@ -310,6 +310,7 @@ def _confirm_rank(rank: int, plan) -> dict:
     return report.to_dict()
 
 
+@pytest.mark.slow
 def test_an_fsdp2_confirm_on_two_gloo_ranks_matches_the_estimate_per_category():
     # the estimate simulates 2 ranks before any process group exists; the ranks then run it for real
     sharding = Sharding("fsdp2", world_size=2)

@@ -56,6 +56,7 @@ def test_extrapolation_equals_the_full_depth_estimate_for_the_tiny_model(strateg
             assert predicted.breakdown == full.breakdown, depth
 
 
+@pytest.mark.slow
 def test_extrapolation_equals_the_full_depth_estimate_for_qwen_0_5b(one_thread):
     # 24 layers, fsdp2 over 8 simulated ranks, checkpointing, 1 × 1024 tokens
     with simulated_world(8):

@@ -383,7 +383,7 @@ def micro_model(tmp_path):
     ("framework", "flags"),
     [
         # the case: SkyRL's budget held only with CPU offload, which its keys did not set
-        pytest.param("skyrl", ["--offload", "cpu"], id="skyrl-offload-cpu"),
+        pytest.param("skyrl", ["--offload", "cpu"], id="skyrl-offload-cpu", marks=pytest.mark.slow),
         pytest.param("openrlhf", ["--gradient-checkpointing"], id="openrlhf-checkpointing"),
     ],
 )

@@ -250,7 +250,7 @@ def test_skyrls_default_config_plans(skyrl_default, model_dir, tmp_path, capsys)
 @pytest.mark.parametrize(
     ("target", "extra"),
     [
-        ("skyrl", []),
+        pytest.param("skyrl", [], marks=pytest.mark.slow),
         pytest.param("verl", [], marks=pytest.mark.slow),
         # the flags their refusals name: DeepSpeed and Megatron train bf16 over fp32 master parameters
         pytest.param("openrlhf", ["--sharding", "fsdp2", "--mixed-precision", "bf16"], marks=pytest.mark.slow),

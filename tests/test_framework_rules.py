@@ -303,6 +303,7 @@ maybe_micro = st.one_of(st.none(), st.integers(1, 6))
     critic_micro=maybe_micro,
     c_sp=st.sampled_from([1, 1, 2]),
 )
+@pytest.mark.slow
 def test_batchfit_faults_a_verl_config_iff_verl_refuses_it(**c):
     assert batchfit_refuses(verl_config(c)) == verl_refuses(c)
 

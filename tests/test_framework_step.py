@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from batchfit.cli import main
@@ -104,6 +105,7 @@ def _profile_json(tmp_path, capsys, config: dict, *flags: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_profile_config_measures_the_frameworks_head_and_a_flag_overrides_it(tmp_path, capsys):
     data = _profile_json(tmp_path, capsys, _verl(use_kl_loss=True))
     policy, reference = data["profiles"]["policy"], data["profiles"]["reference"]
@@ -134,6 +136,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+@pytest.mark.slow
 def test_emit_verl_turns_padding_removal_on_even_when_the_config_keeps_padding(tmp_path, capsys):
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_verl(model={"use_remove_padding": False})))

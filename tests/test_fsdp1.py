@@ -219,6 +219,7 @@ def _real_rank(rank: int) -> dict:
     return _rank_cases(get_backend("cpu"), dist.get_world_size())
 
 
+@pytest.mark.slow
 def test_the_estimate_equals_real_gloo_ranks_to_the_byte():
     real = run_ranks(_real_rank, world=WORLD, timeout=240)
     with simulated_world(WORLD):
@@ -321,6 +322,7 @@ def _referee_rank(rank: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_tracked_peak_and_breakdown_equal_memtrackers_on_two_gloo_ranks():
     results = run_ranks(_referee_rank, world=WORLD, timeout=180)
     # this rank's halves of AdamW's two fp32 moments and 3 fp32 step counters (one per unit)

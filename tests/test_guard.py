@@ -68,6 +68,7 @@ def test_a_rank_that_runs_out_inside_a_sharded_forward_stops_every_rank_with_one
     assert "timed out" not in first and "timeout" not in first.lower(), got
 
 
+@pytest.mark.slow
 def test_a_rank_that_runs_out_after_the_last_collective_only_makes_that_candidate_not_fit():
     clean = run_ranks(_search_with_an_oom, "optimizer", 0, timeout=180)  # probe 0 never comes: no fault
     faulty = run_ranks(_search_with_an_oom, "optimizer", 2, timeout=180)
@@ -200,6 +201,7 @@ def _agree(ranks: dict[str, dict[str, int]], alone: dict[str, dict[str, int]]) -
                 assert abs(got - tokens) <= 8, (name, role, got, tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_real_ranks_find_the_budgets_one_process_estimates():
     combination = _COMBINATIONS[:1]  # the case issue 28 measured: packed, fused head, training and forward

@@ -288,6 +288,7 @@ def _estimated(world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_estimate_equals_real_fsdp2_gloo_ranks_to_the_byte():
     real = run_ranks(_real_rank, world=2, timeout=240)
     assert real[0] == _estimated(2)
@@ -299,6 +300,7 @@ def test_estimate_equals_real_fsdp2_gloo_ranks_to_the_byte():
 FAST = ["--model", "tiny", "--max-seq-len", "256", "--backend", "estimate", "--memory", "1GiB", "--no-progress"]
 
 
+@pytest.mark.slow
 def test_profile_names_lora_in_its_header_and_json(capsys):
     assert main(["profile", *FAST, "--world-size", "2", "--lora-rank", "8", "--lora-alpha", "32"]) == 0
     out = capsys.readouterr().out
@@ -499,6 +501,7 @@ def _verl_lora_config(tmp_path, **model) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_a_verl_config_with_lora_rank_gets_a_larger_policy_budget_and_no_reference_model(tmp_path):
     from batchfit.frameworks import read_run_config
     from batchfit.frameworks.lora_keys import read_lora

@@ -175,7 +175,10 @@ def four_ranks() -> dict[int, dict[str, object]]:
     return _run(4)
 
 
-@pytest.mark.parametrize("ranks", ["two_ranks", "three_ranks", "four_ranks"])
+@pytest.mark.parametrize(
+    "ranks",
+    ["two_ranks", pytest.param("three_ranks", marks=pytest.mark.slow), pytest.param("four_ranks", marks=pytest.mark.slow)],
+)
 def test_fsdp2_ranks_with_uneven_shards_end_with_the_same_budget_when_the_limit_falls_between_their_peaks(
     ranks, request
 ):

@@ -87,6 +87,7 @@ def test_cpu_offload_moves_the_state_to_the_host(wide, four_ranks):
     assert offloaded.combined.tokens >= on_device.tokens
 
 
+@pytest.mark.slow
 def test_a_sequence_too_long_for_one_device_names_the_world_size_that_fits(wide):
     # 33 MiB usable: one 32-token sequence needs ~36 MB unsharded (bf16 state + AdamW)
     memory = GiB + 33 * MiB

@@ -68,8 +68,8 @@ def _estimate(world: int, names: list[str]) -> dict:
 @pytest.mark.parametrize(
     ("world", "names"),
     [
-        pytest.param(2, [c[0] for c in CASES], id="2-ranks-every-option"),
-        pytest.param(4, FOUR_RANK_CASES, id="4-ranks"),
+        pytest.param(2, [c[0] for c in CASES], id="2-ranks-every-option", marks=pytest.mark.slow),
+        pytest.param(4, FOUR_RANK_CASES, id="4-ranks", marks=pytest.mark.slow),
     ],
 )
 def test_estimate_equals_the_largest_real_gloo_rank_to_the_byte(world, names):

@@ -23,6 +23,7 @@ def probe():
     return step, find_token_budget(step, max_seq_len=256, cost="padded", seq_lens=[256])
 
 
+@pytest.mark.slow
 def test_a_chunk_of_the_full_budget_runs_over_it_and_the_measured_chunk_fits(probe):
     step, budget = probe
     longest = 2 * budget.tokens

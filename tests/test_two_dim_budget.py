@@ -159,6 +159,7 @@ TINY = ["--model", "tiny", "--max-seq-len", "256", "--backend", "estimate", "--m
         "--sharding", "none", "--no-progress"]
 
 
+@pytest.mark.slow
 def test_the_cli_reports_the_response_cap():
     out = _cli(*TINY, "--response-only", "--response-fraction", "0.2", "--json")
     assert out.returncode == 0, out.stderr

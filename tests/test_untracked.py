@@ -73,7 +73,7 @@ def test_measured_b200_rows_are_reproduced_and_fit(vocab, seq, chunk, measured):
     assert largest <= bench.limit_bytes()
 
 
-@pytest.mark.parametrize("chunk", [32, 1024, 16_384, None])
+@pytest.mark.parametrize("chunk", [pytest.param(32, marks=pytest.mark.slow), 1024, 16_384, None])
 def test_rows_that_ran_out_on_the_b200_do_not_fit_under_the_default_margin(chunk):
     bench = _bench()
     assert bench.TABLE[(128_000, 131_072)][bench.CHUNKS.index(chunk)] is None  # OOM on the B200

@@ -561,11 +561,22 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def simulated_world_for(backend: Any, sharding: Sharding) -> Any:
-    """The process group a sharded estimate needs: simulated ranks (nothing for cpu/cuda)."""
-    if backend.name == "estimate" and sharding.distributed:
-        from batchfit.parallel.distributed import simulated_world
+    """The process group a sharded profile needs without real ranks: simulated ranks (estimate), or one rank (cpu).
 
+    FSDP2, FSDP1 or DDP over one rank never communicates, so a one-rank cpu profile (a framework
+    config for one GPU, which the framework still wraps in FSDP with mixed precision) runs in
+    this process over a simulated group of one. Real ranks (torchrun) bring their own group.
+    """
+    import torch.distributed as dist
+
+    from batchfit.parallel.distributed import simulated_world
+
+    if not sharding.distributed:
+        return contextlib.nullcontext()
+    if backend.name == "estimate":
         return simulated_world(sharding.world_size)
+    if backend.name == "cpu" and sharding.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
+        return simulated_world(1)
     return contextlib.nullcontext()
 
 

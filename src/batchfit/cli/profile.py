@@ -302,7 +302,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         mixed_precision=args.mixed_precision,
         offload=args.offload,
     )
-    if strategy != "none" and backend != "estimate" and world == 1 and launched == 1:
+    if strategy != "none" and backend == "cuda" and world == 1 and launched == 1:
         raise InvalidArgument(
             f"--sharding {strategy} with --backend {backend} runs on real ranks: launch with torchrun "
             f"--nproc-per-node N batchfit profile ..., or use --backend estimate --world-size N"
@@ -523,6 +523,13 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
             run = run.replace(model=args.model)
         if args.max_seq_len is None:
             args.max_seq_len = run.max_seq_len
+        elif run.max_seq_len and args.max_seq_len < run.max_seq_len:
+            # budgets for shorter sequences than the config's own: its plan refuses them as they are
+            run = run.replace(warnings=(*run.warnings, (
+                f"--max-seq-len {args.max_seq_len:,} is below the config's longest sequence ({run.max_seq_len:,} "
+                "tokens, prompt and response): the budgets hold sequences up to the former, so the config's plan "
+                "refuses them as they are; drop --max-seq-len, or lower the config's prompt and response lengths"
+            )))
         if args.world_size is None and backend == "estimate":
             args.world_size = run.world_size
         if args.sharding is None:
@@ -539,9 +546,10 @@ def _apply_config(args: argparse.Namespace, backend: str) -> Any:
         step = framework_step(run)  # the head and layout of the framework's own micro-batch
         args.step_notes = list(step.notes) if step is not None else []
         if args.emit is not None and args.emit != run.vocabulary and args.logprobs is None:
-            from batchfit.frameworks.emit import target_head
+            from batchfit.frameworks.emit import target_head, target_reference_dtype
 
             args.logprobs = target_head(args.emit)  # the head the emitted run computes log-probs with
+            run = run.replace(reference_dtype=target_reference_dtype(args.emit))  # and the reference it loads
             args.step_notes = [f"the budgets' probe runs {args.emit}'s log-prob head, the one the emitted run uses"]
         if step is not None and args.logprobs is None:
             args.logprobs = step.head
@@ -661,8 +669,7 @@ def _strategy(run: Any) -> str | None:
 
     strategy = (run.strategy or "fsdp").lower()
     if strategy in ("fsdp", "fsdp2"):
-        if run.world_size <= 1:
-            return "none"
+        # one GPU too: the framework still wraps the model (fp32 master weights, bf16 compute)
         if strategy == "fsdp" and run.vocabulary == "verl":  # FullyShardedDataParallel
             if "fsdp1" in STRATEGIES:
                 return "fsdp1"

@@ -238,8 +238,7 @@ def _check_precision(target: str, a: Assumptions, why: str) -> None:
             target,
             f"--mixed-precision {a.sharding.mixed_precision}",
             why,
-            "profile with --sharding fsdp2 --mixed-precision bf16 --dtype fp32 (fsdp2 over one rank for one GPU, "
-            "with --backend estimate)",
+            "profile with --sharding fsdp2 --mixed-precision bf16 --dtype fp32 (fsdp2 over one rank for one GPU)",
         )
     if a.trained_dtype != "fp32":
         raise _refuse(target, f"--dtype {a.trained_dtype}", why, "pass --dtype fp32")

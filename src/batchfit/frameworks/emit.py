@@ -90,6 +90,18 @@ def target_head(target: str) -> str:
     return target if target in ("verl", "skyrl") else "full"
 
 
+def target_reference_dtype(target: str) -> str:
+    """The dtype ``target`` loads its reference model in by default, for a profile of another framework's config.
+
+    verl composes the reference's engine from ``engine/fsdp.yaml`` (``model_dtype: fp32``);
+    SkyRL (``trainer.bf16: true``), OpenRLHF (``--ds.param_dtype bf16``, ``launcher.py``) and
+    slime load it in bf16.
+    """
+    if target not in TARGETS:
+        raise InvalidArgument(f"--emit must be one of {', '.join(TARGETS)}, but got {target!r}")
+    return "fp32" if target == "verl" else "bf16"
+
+
 def provenance(backend: str) -> str:
     """``"estimated"`` for a budget from the estimate backend, ``"measured"`` for one from cpu or cuda.
 

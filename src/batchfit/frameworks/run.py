@@ -47,8 +47,8 @@ class RunConfig:
         dtype: the dtype the trained models' parameters are stored in (verl
             ``actor.fsdp_config.model_dtype``, fp32 by default; SkyRL always ``fp32``: its policy
             and critic load in fp32 for training), or ``None`` for profile's default.
-        reference_dtype: the reference model's (verl ``ref.fsdp_config.model_dtype`` when given;
-            SkyRL ``trainer.bf16``), or ``None`` for profile's default (bf16).
+        reference_dtype: the reference model's (verl ``ref.fsdp_config.model_dtype``, fp32 by
+            default; SkyRL ``trainer.bf16``), or ``None`` for profile's default (bf16).
         gradient_checkpointing: activation checkpointing, or ``None`` when not given.
         logprobs_chunk_size: SkyRL's ``trainer.logprobs_chunk_size`` (tokens along the
             sequence per log-prob and entropy chunk).

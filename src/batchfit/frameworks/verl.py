@@ -240,9 +240,9 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         reshard_after_forward=_bool_or_none(flat.get(ENGINE + "reshard_after_forward")),
         mixed_precision=mixed_precision,
         dtype=dtype,
-        reference_dtype=dtype_name(flat.get(REF + "fsdp_config.model_dtype"))
-        if REF + "fsdp_config.model_dtype" in given
-        else None,
+        # the reference's engine is composed from the same engine/fsdp.yaml (model_dtype: fp32) whether
+        # the file sets the key (a dumped config) or leaves it to its group (ppo_trainer.yaml)
+        reference_dtype=dtype_name(flat.get(REF + "fsdp_config.model_dtype")) or DEFAULT_MODEL_DTYPE,
         gradient_checkpointing=as_bool(flat.get(MODEL + "enable_gradient_checkpointing")),
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=as_bool(flat.get(CRITIC + "model.use_remove_padding")) if critic else None,

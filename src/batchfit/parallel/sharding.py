@@ -122,7 +122,7 @@ class Sharding:
         if self.strategy == "none":
             return "none (one device)"
         if self.strategy == "ddp":
-            return f"ddp over {self.world_size} ranks (full replica + gradient buckets)"
+            return f"ddp over {self._ranks()} (full replica + gradient buckets)"
         parts = [
             "fp32 params, bf16 compute, fp32 reduce"
             if self.mixed_precision == "bf16"
@@ -134,7 +134,10 @@ class Sharding:
             parts.append("no reshard after forward")
         if self.offload == "cpu":
             parts.append("CPU offload")
-        return f"{self.strategy} over {self.world_size} ranks ({', '.join(parts)})"
+        return f"{self.strategy} over {self._ranks()} ({', '.join(parts)})"
+
+    def _ranks(self) -> str:
+        return "1 rank" if self.world_size == 1 else f"{self.world_size} ranks"
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values (JSON-ready)."""
