@@ -209,7 +209,7 @@ def test_bad_values_give_one_line_errors_and_exit_2(capsys, argv, message):
 def test_one_rank_of_fsdp2_runs_on_the_cpu_without_torchrun(capsys):
     # FSDP2 over one rank never communicates: a one-GPU framework run (still FSDP, bf16 compute) profiles in
     # this process, with the framework's mixed precision
-    argv = ["profile", "--backend", "cpu", "--model", "tiny", "--memory", "1GiB", "--max-seq-len", "64"]
+    argv = ["profile", "--backend", "cpu", "--model", "tiny", "--memory", "24MiB", "--max-seq-len", "64"]
     assert main([*argv, "--sharding", "fsdp2", "--json", "--no-progress"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["sharding"]["strategy"] == "fsdp2" and data["sharding"]["world_size"] == 1

@@ -302,7 +302,9 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         mixed_precision=args.mixed_precision,
         offload=args.offload,
     )
-    if strategy != "none" and backend == "cuda" and world == 1 and launched == 1:
+    # a one-rank cpu profile runs over a simulated group of one (budget.profile.simulated_world_for);
+    # cuda, and a confirm's real step, need the ranks torchrun starts
+    if strategy != "none" and backend != "estimate" and world == 1 and launched == 1 and (backend == "cuda" or args.confirm):
         raise InvalidArgument(
             f"--sharding {strategy} with --backend {backend} runs on real ranks: launch with torchrun "
             f"--nproc-per-node N batchfit profile ..., or use --backend estimate --world-size N"
