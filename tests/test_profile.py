@@ -127,6 +127,18 @@ def test_a_sequence_that_does_not_fit_gives_its_breakdown_and_names_keyword_argu
     }
 
 
+def test_a_sequence_above_the_whole_device_still_gets_its_whole_breakdown_from_the_estimate():
+    # the same 38.04 MiB step under a 16 MiB device: the estimate holds no memory, so the one-sequence
+    # check runs past the device to the end (a cpu run stops there and says "at least")
+    with pytest.raises(DoesNotFitError) as info:
+        profile_model(
+            "tiny", max_seq_len=2048, backend="estimate", memory_limit="16MiB", reserve_bytes=0, progress=False,
+            suggest_world_size=False,
+        )  # fmt: skip
+    assert "needs 38.04 MiB (logprob head 24.02 MiB" in str(info.value) and "at least" not in str(info.value)
+    assert sum(info.value.breakdown.values()) == info.value.needed == 39_885_312
+
+
 def test_activations_that_never_fit_say_no_world_size_helps(wide):
     # 4,096 tokens of a 16k vocabulary: fp32 logits and log-softmax alone exceed 60 MiB
     with pytest.raises(DoesNotFitError, match=r"no fsdp2 world size up to 4096 fits it either") as info:

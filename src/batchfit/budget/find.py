@@ -615,9 +615,14 @@ def _make_probe(step: BudgetStep, limit: int, group: Any, guard: SearchGuard | N
                 # NOTE [ Stop at the search's limit ]: a candidate above it is stopped there; the
                 # one-sequence check runs to the end (its peak says how much is missing), and so
                 # does a remainder candidate (within one sequence of the limit, its exact peak
-                # guides the next guess)
-                to_the_end = to_the_end or len(lengths) == 1
-                with contextlib.nullcontext() if to_the_end else step.backend.stopping_above(limit):
+                # guides the next guess). A backend that holds no memory (the estimate) runs the
+                # one sequence past the device too, so a "does not fit" names every category
+                one = len(lengths) == 1
+                with contextlib.ExitStack() as limits:
+                    if one and not step.backend.holds_memory:
+                        limits.enter_context(step.backend.running_to_the_end())
+                    elif not (to_the_end or one):
+                        limits.enter_context(step.backend.stopping_above(limit))
                     m = step.measure(lengths)
                 peak, exceeded = int(m.peak_bytes), bool(m.exceeded)
                 fits = m.fits and not exceeded and m.footprint_bytes <= limit

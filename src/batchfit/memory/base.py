@@ -128,6 +128,9 @@ class Backend(abc.ABC):
     #: Whether a step can be run past :attr:`limit_bytes` and judged afterwards (the tracked
     #: backends count bytes, no device refuses them); ``cuda`` cannot: its device runs out.
     runs_past_limit: bool = False
+    #: Whether a measured step really allocates what it measures (cpu, cuda); the estimate's
+    #: fake tensors hold nothing, so running one past the limit costs only its time.
+    holds_memory: bool = True
 
     @contextlib.contextmanager
     def running_to_the_end(self) -> Iterator[None]:

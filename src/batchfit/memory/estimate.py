@@ -61,6 +61,7 @@ class EstimateBackend(TrackedBackend):
     """
 
     name = "estimate"
+    holds_memory = False
 
     def __init__(self, *, memory_limit: Any = None, reserve_bytes: Any = None, round_to: int | None = None):
         self._device = memory_limit if isinstance(memory_limit, str) else None
