@@ -184,6 +184,22 @@ def _report(
         )
 
 
+
+@dataclass(frozen=True)
+class _Checked:
+    """:func:`find_batch_size`'s arguments once checked, and the step each trial runs."""
+
+    mode: str
+    fraction: float
+    low: int
+    high: int
+    steps: int
+    backend: Backend
+    wrap: Callable[[], contextlib.AbstractContextManager[None]]
+    step: Callable[[int], Any]
+    persistent: Any
+
+
 def find_batch_size(
     trial: Any,
     *,
@@ -250,10 +266,9 @@ def find_batch_size(
         512
     """
 
-    def setup() -> tuple[Any, ...]:
-        # every name the search needs; anything here may fail on one rank only
-        nonlocal mode
-        mode = check_choice("mode", mode, MODES)
+    def setup() -> _Checked:
+        # everything the search needs; anything here may fail on one rank only
+        checked_mode = check_choice("mode", mode, MODES)
         fraction = check_number(
             "target_memory_fraction", target_memory_fraction, low=0.0, high=1.0, low_open=True
         )
@@ -266,33 +281,33 @@ def find_batch_size(
         if progress is not None and not isinstance(progress, bool) and not callable(progress):
             raise InvalidArgument(f"progress must be a bool or a callable, but got progress={progress!r}")
         be = limited_backend(backend, memory_limit, reserve_bytes)
-        limit = be.limit_bytes
 
         wrap: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
         if isinstance(trial, TaskTrial):
-            if trial.mode != mode:
+            if trial.mode != checked_mode:
                 raise InvalidArgument(
-                    f"trial was built for mode={trial.mode!r}, but got mode={mode!r}; build a TaskTrial for {mode!r}"
+                    f"trial was built for mode={trial.mode!r}, but got mode={checked_mode!r}; build a TaskTrial for {checked_mode!r}"
                 )
             step = trial
             persistent = trial.persistent if register is None else register
         elif is_task(trial):
-            step = TaskTrial(trial, mode)
+            step = TaskTrial(trial, checked_mode)
             persistent = step.persistent if register is None else register
         else:
             step = trial
             persistent = getattr(trial, "persistent", ()) if register is None else register
             modules = _modules_in(persistent)
-            wrap = (lambda: _evaluating(modules)) if mode == "val" else contextlib.nullcontext
+            wrap = (lambda: _evaluating(modules)) if checked_mode == "val" else contextlib.nullcontext
         if isinstance(step, TaskTrial):
             with be.context():
                 step.prepare()
-        return mode, fraction, low, high, steps, be, limit, wrap, step, persistent
+        return _Checked(checked_mode, fraction, low, high, steps, be, wrap, step, persistent)
 
     # NOTE [ Ranks agree or say why ]: a rank whose arguments, backend or task fail raises everywhere
-    mode, fraction, low, high, steps, be, limit, wrap, step, persistent = agree(
-        setup, group=group, what="find_batch_size's setup"
-    )
+    checked = agree(setup, group=group, what="find_batch_size's setup")
+    mode, fraction, low, high, steps = checked.mode, checked.fraction, checked.low, checked.high, checked.steps
+    be, wrap, step, persistent = checked.backend, checked.wrap, checked.step, checked.persistent
+    limit = be.limit_bytes
     check_same_arguments(
         {
             "mode": mode,

@@ -176,56 +176,88 @@ def find_token_budget(
         >>> step = causal_lm_step(build_causal_lm("qwen2.5-0.5b", backend=be), backend=be)  # doctest: +SKIP
         >>> find_token_budget(step, max_seq_len=8192).tokens                # doctest: +SKIP
     """
-    def setup() -> tuple[Any, ...]:
+    def setup() -> _Checked:
         checked_len = check_max_seq_len(max_seq_len)
-        margin = check_number("safety_margin", safety_margin, low=0.0, high=1.0, low_open=True)
-        chosen_cost = check_cost(cost)
-        lens = _check_seq_lens(seq_lens, checked_len)
-        sink = _progress_sink(progress)
         measured = _budget_step(step, backend, memory_limit, register)
-        usable_bytes = _usable_bytes(measured.backend, memory_limit)
-        return checked_len, margin, chosen_cost, lens, sink, measured, usable_bytes
+        return _Checked(
+            max_seq_len=checked_len,
+            safety_margin=check_number("safety_margin", safety_margin, low=0.0, high=1.0, low_open=True),
+            cost=check_cost(cost),
+            lengths=_check_seq_lens(seq_lens, checked_len),
+            notify=_progress_sink(progress),
+            step=measured,
+            usable=_usable_bytes(measured.backend, memory_limit),
+        )
 
     # NOTE [ One rank runs out ] (batchfit.budget.guard): on real ranks every rank joins the
     # same search first, and a way out of it that the others do not share is announced to them
     with guarded_search(f"find_token_budget(role={role!r})", group) as guard:
         # NOTE [ Ranks agree or say why ]: a rank whose arguments or backend fail raises on every rank
-        max_seq_len, safety_margin, cost, lengths, notify, measured, usable = agree(
-            setup, group=group, what="find_token_budget's setup"
-        )
+        checked = agree(setup, group=group, what="find_token_budget's setup")
         check_same_arguments(
-            {"max_seq_len": max_seq_len, "seq_lens": lengths, "cost": cost, "safety_margin": safety_margin, "role": role},
+            {
+                "max_seq_len": checked.max_seq_len,
+                "seq_lens": checked.lengths,
+                "cost": checked.cost,
+                "safety_margin": checked.safety_margin,
+                "role": role,
+            },
             group=group,
             what="find_token_budget",
         )
-        limit = all_reduce_min(int(safety_margin * usable), group)
+        limit = all_reduce_min(int(checked.safety_margin * checked.usable), group)
+        measured = checked.step
         # real ranks run every probe to the end, under the same cap on every device, guarded,
         # and only probe what is predicted to fit
-        cap = measured.backend.limit_bytes if guard is not None else None
-        probe_at = _make_probe(measured, limit, group, guard)
+        run = _Search(
+            checked=checked,
+            probe_at=_make_probe(measured, limit, group, guard),
+            cap=measured.backend.limit_bytes if guard is not None else None,
+            limit=limit,
+            role=role,
+            hints=hints,
+        )
         with contextlib.ExitStack() as search:
             if guard is not None:
                 search.enter_context(measured.backend.running_to_the_end())
                 search.enter_context(measured.backend.capped())
-            return _search(
-                measured, probe_at, cap, limit, usable, max_seq_len, safety_margin, cost, lengths, notify, role, hints
-            )
+            return _search(run)
 
-def _search(
-    measured: BudgetStep,
-    probe_at: Callable[..., Probe],
-    cap: int | None,
-    limit: int,
-    usable: int,
-    max_seq_len: int,
-    safety_margin: float,
-    cost: str,
-    lengths: list[int],
-    notify: Callable[[BudgetProgress], None],
-    role: str | None,
-    hints: Mapping[int, int] | None,
-) -> TokenBudget:
+
+@dataclass(frozen=True)
+class _Checked:
+    """:func:`find_token_budget`'s arguments once checked, on every rank alike."""
+
+    max_seq_len: int
+    safety_margin: float
+    cost: str
+    lengths: list[int]
+    notify: Callable[[BudgetProgress], None]
+    step: BudgetStep
+    usable: int
+
+
+@dataclass(frozen=True)
+class _Search:
+    """One search's fixed inputs: its checked arguments, how it probes, the limit and the cap.
+
+    ``cap`` is the device's limit on real ranks (a probe past it is skipped when proven not
+    to fit, NOTE [ Skipped only when proven ]), ``None`` where a probe may run past it.
+    """
+
+    checked: _Checked
+    probe_at: Callable[..., Probe]
+    cap: int | None
+    limit: int
+    role: str | None
+    hints: Mapping[int, int] | None
+
+
+def _search(run: _Search) -> TokenBudget:
     """The search of :func:`find_token_budget` once its arguments are checked and agreed on."""
+    checked = run.checked
+    measured, cost, lengths, notify = checked.step, checked.cost, checked.lengths, checked.notify
+    limit, role = run.limit, run.role
 
     trials: list[Probe] = []
     points: list[BudgetPoint] = []
@@ -235,11 +267,11 @@ def _search(
         before = len(trials)
 
         def probe(lengths: list[int], to_the_end: bool = False) -> Probe:
-            skipped = _skipped_peak(trials, seq_len, sum(lengths), cap, measured.backend.runs_past_limit)
+            skipped = _skipped_peak(trials, seq_len, sum(lengths), run.cap, measured.backend.runs_past_limit)
             if skipped is not None:  # NOTE [ Skipped only when proven ]
                 result = Probe(len(lengths), seq_len, skipped, fits=False, exceeded=True, tokens=sum(lengths), predicted=True)
             else:
-                result = probe_at(lengths, seq_len, to_the_end)
+                result = run.probe_at(lengths, seq_len, to_the_end)
             trials.append(result)
             notify(BudgetProgress(role, seq_len, index, n_lengths, result, None, len(trials), limit))
             return result
@@ -251,7 +283,7 @@ def _search(
             notify(BudgetProgress(role, seq_len, index, n_lengths, None, point.max_batch_size, len(trials), limit))
             return point
 
-        hint = (hints or {}).get(seq_len)
+        hint = (run.hints or {}).get(seq_len)
         rows_hint, rest_hint = (hint, None) if hint is None or cost == "padded" else divmod(hint, seq_len)
         if points:  # NOTE [ A length that does not bind ]
             so_far = min(p.tokens for p in points)
@@ -279,14 +311,14 @@ def _search(
         if point.max_batch_size == 0:
             one = next(p for p in reversed(trials) if p.seq_len == seq_len and p.total_tokens == seq_len)
             # the same probes and verdicts on every rank: raised on every rank alike
-            raise mark_agreed(_does_not_fit(one, limit=limit, usable=usable, margin=safety_margin, step=measured))
+            raise mark_agreed(_does_not_fit(one, limit=limit, usable=checked.usable, margin=checked.safety_margin, step=measured))
         points.append(point)
 
     tokens = min(p.tokens for p in points)
     model = fit_memory_model(_completed(trials))
     check = ""
     for extra in range(_MAX_EXTRA_LENGTHS + 1):
-        worst, check = _check_against_model(model, tokens, max_seq_len, limit, cost)
+        worst, check = _check_against_model(model, tokens, checked.max_seq_len, limit, cost)
         probed = {p.seq_len for p in points}
         if worst is None or worst < 2 or worst in probed or extra == _MAX_EXTRA_LENGTHS:
             break
@@ -299,14 +331,14 @@ def _search(
     response_budget = _response_budget(points)
     return TokenBudget(
         tokens=tokens,
-        max_seq_len=max_seq_len,
+        max_seq_len=checked.max_seq_len,
         cost=cost,
         points=tuple(sorted(points, key=lambda p: -p.seq_len)),
         memory_model=model,
         probes=len(trials),
         limit_bytes=limit,
-        usable_bytes=usable,
-        safety_margin=safety_margin,
+        usable_bytes=checked.usable,
+        safety_margin=checked.safety_margin,
         backend=measured.backend.name,
         role=role,
         trials=tuple(trials),
