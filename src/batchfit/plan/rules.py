@@ -1,8 +1,10 @@
 """The batch rules of each framework: what it refuses (a fault) and what it runs with waste (a warning).
 
-:func:`role_layout` lays out one trained model (``policy`` or ``critic``) under
-``cfg.framework``'s rules, :func:`step_rules` checks the whole step. Each rule names the
-framework code it mirrors, at the version batchfit's schemas are generated from
+A framework's rules are one :class:`BatchRules` object: :attr:`BatchRules.role` lays out one
+trained model (``policy`` or ``critic``), :attr:`BatchRules.step` checks the whole step.
+:meth:`BatchConfig.plan <batchfit.plan.config.BatchConfig.plan>` takes the object that
+:func:`batch_rules` finds under ``cfg.framework``. Each rule names the framework code it
+mirrors, at the version batchfit's schemas are generated from
 (``scripts/gen_framework_schemas.py``):
 
 - ``batchfit``: exact splits, nothing padded or floored.
@@ -19,13 +21,11 @@ reader (:mod:`batchfit.frameworks`) rewrites them in the framework's keys.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from batchfit.plan.arith import divisors, multiples_near, nearest, or_list
-
-if TYPE_CHECKING:
-    from batchfit.plan.config import BatchConfig
 
 ROLE_FIELDS = {"policy": "policy_mini_batch_size", "critic": "critic_mini_batch_size"}
 
@@ -48,6 +48,31 @@ VERL_UPSAMPLE = (
 VERL_MESH = "verl 0.9.1 verl/workers/engine/fsdp/transformer_impl.py builds the (dp, sp) device mesh"
 
 
+class BatchSizes(Protocol):
+    """The fields of a :class:`~batchfit.plan.config.BatchConfig` that the rules read.
+
+    A Protocol, so that the rules need not import :mod:`batchfit.plan.config` (which imports
+    them). The mini-batch fields are read by name through :data:`ROLE_FIELDS`.
+    """
+
+    @property
+    def train_batch_size(self) -> int: ...
+    @property
+    def policy_mini_batch_size(self) -> int: ...
+    @property
+    def critic_mini_batch_size(self) -> int | None: ...
+    @property
+    def n_samples_per_prompt(self) -> int: ...
+    @property
+    def micro_train_batch_size_per_gpu(self) -> int: ...
+    @property
+    def micro_forward_batch_size_per_gpu(self) -> int: ...
+    @property
+    def max_tokens_per_micro_batch(self) -> int | None: ...
+    @property
+    def step_wise(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class RoleLayout:
     """The numbers of one trained model's layout (``None`` where step-wise counts vary)."""
@@ -59,16 +84,74 @@ class RoleLayout:
     accumulation: int | None
 
 
+#: ``(role, field, cfg, dp, bad, faults, warnings, padded)`` → the role's layout, or ``None``
+#: when a fault was found or a field it needs is invalid (:func:`role_layout` documents the arguments).
+RoleRule = Callable[
+    [str, str, BatchSizes, int | None, frozenset[str], list[str], list[str], int | None], "RoleLayout | None"
+]
+#: ``(cfg, world, dps, bad, faults, warnings, padded)``: the whole step's rules (:func:`step_rules`).
+StepRule = Callable[[BatchSizes, int, dict[str, int], frozenset[str], list[str], list[str], int | None], None]
+#: ``(cfg, dp, bad)`` → the samples of a step after the framework's padding rows, or ``None``.
+PaddedSamples = Callable[[BatchSizes, int | None, frozenset[str]], int | None]
+
+
+def _no_step_rules(
+    cfg: BatchSizes,
+    world: int,
+    dps: dict[str, int],
+    bad: frozenset[str],
+    faults: list[str],
+    warnings: list[str],
+    padded: int | None,
+) -> None:
+    del cfg, world, dps, bad, faults, warnings, padded
+
+
+def _no_padding(cfg: BatchSizes, dp: int | None, bad: frozenset[str]) -> int | None:
+    del cfg, dp, bad
+    return None
+
+
+@dataclass(frozen=True)
+class BatchRules:
+    """One framework's batch rules, as :meth:`BatchConfig.plan <batchfit.plan.config.BatchConfig.plan>` applies them.
+
+    Faults go to the ``faults`` list each rule is given, waste the framework runs with to
+    ``warnings``; every rule among valid fields runs (``bad`` names the invalid fields), so
+    one fault does not hide another.
+
+    Attributes:
+        name: the value of :attr:`BatchConfig.framework` that selects these rules.
+        role: the layout of one trained model (:data:`RoleRule`).
+        step: the rules of a whole step, run once every model's dp size is known (:data:`StepRule`).
+        padded_samples: the samples of a step after the framework's padding rows
+            (:data:`PaddedSamples`); ``None`` from it when the framework adds none.
+        mesh: why the framework refuses a world size the model-parallel size does not divide
+            (``"; <code> and fails"``), appended to that fault; ``""`` for none.
+        step_wise_note: a sentence appended to the plan's step-wise note.
+        critic_note: a note when a critic is batched by samples (no token budget).
+    """
+
+    name: str
+    role: RoleRule
+    step: StepRule = _no_step_rules
+    padded_samples: PaddedSamples = _no_padding
+    mesh: str = ""
+    step_wise_note: str = ""
+    critic_note: str = ""
+
+
 def role_layout(
+    rules: BatchRules,
     role: str,
-    cfg: BatchConfig,
+    cfg: BatchSizes,
     dp: int | None,
     bad: frozenset[str],
     faults: list[str],
     warnings: list[str],
     padded: int | None = None,
 ) -> RoleLayout | None:
-    """The layout of ``role`` (``policy``/``critic``) under ``cfg.framework``'s rules.
+    """The layout of ``role`` (``policy``/``critic``) under ``rules``.
 
     Every rule among valid fields is checked (``bad`` names the invalid fields), so one
     fault does not hide another. Faults go to ``faults``, waste the framework runs with to
@@ -76,8 +159,8 @@ def role_layout(
 
     Args:
         dp: the role's data-parallel size, ``None`` when it cannot be known.
-        padded: verl only: the samples of a step after verl's padding rows
-            (:func:`verl_padded_samples`).
+        padded: the samples of a step after the framework's padding rows
+            (:attr:`BatchRules.padded_samples`), or ``None``.
 
     Returns:
         The layout, or ``None`` when a fault was found or a field it needs is invalid.
@@ -85,8 +168,7 @@ def role_layout(
     name = ROLE_FIELDS[role]
     if name in bad or "train_batch_size" in bad or "framework" in bad:
         return None
-    rules = {"skyrl": _skyrl_role, "verl": _verl_role}.get(cfg.framework, _batchfit_role)
-    return rules(role, name, cfg, dp, bad, faults, warnings, padded)
+    return rules.role(role, name, cfg, dp, bad, faults, warnings, padded)
 
 
 # ------------------------------------------------------------------ shared wording
@@ -144,7 +226,7 @@ def _micro_fault(role: str, micro: int, per_gpu: int, how: str, why: str) -> str
 def _batchfit_role(
     role: str,
     name: str,
-    cfg: BatchConfig,
+    cfg: BatchSizes,
     dp: int | None,
     bad: frozenset[str],
     faults: list[str],
@@ -196,7 +278,7 @@ def _batchfit_role(
 def _skyrl_role(
     role: str,
     name: str,
-    cfg: BatchConfig,
+    cfg: BatchSizes,
     dp: int | None,
     bad: frozenset[str],
     faults: list[str],
@@ -272,7 +354,7 @@ def _skyrl_role(
 # ------------------------------------------------------------------ verl 0.9.1 (V1 trainer)
 
 
-def verl_padded_samples(cfg: BatchConfig, dp: int | None, bad: frozenset[str]) -> int | None:
+def verl_padded_samples(cfg: BatchSizes, dp: int | None, bad: frozenset[str]) -> int | None:
     """The samples of a verl step after its padding rows, or ``None`` when a field it needs is invalid.
 
     verl 0.9.1's V1 trainer pads each step's ``train_batch_size × n`` samples up to a
@@ -290,7 +372,7 @@ def verl_padded_samples(cfg: BatchConfig, dp: int | None, bad: frozenset[str]) -
 def _verl_role(
     role: str,
     name: str,
-    cfg: BatchConfig,
+    cfg: BatchSizes,
     dp: int | None,
     bad: frozenset[str],
     faults: list[str],
@@ -351,7 +433,8 @@ def _verl_role(
 
 
 def step_rules(
-    cfg: BatchConfig,
+    rules: BatchRules,
+    cfg: BatchSizes,
     world: int,
     dps: dict[str, int],
     bad: frozenset[str],
@@ -359,21 +442,44 @@ def step_rules(
     warnings: list[str],
     padded: int | None = None,
 ) -> None:
-    """The rules of a whole step (not of one model), under ``cfg.framework``.
+    """The rules of a whole step (not of one model), under ``rules``.
 
     Args:
         world: the policy's GPUs.
         dps: model role (``policy``, ``critic``, ``reference``) → its data-parallel size,
             for the models that run.
-        padded: verl only: :func:`verl_padded_samples`.
+        padded: :attr:`BatchRules.padded_samples`.
     """
     if bad & {"train_batch_size", "n_samples_per_prompt", "max_tokens_per_micro_batch"}:
         return
-    train, n = cfg.train_batch_size, cfg.n_samples_per_prompt
-    if cfg.framework == "skyrl":
-        _skyrl_step(train, n, dps, faults)
-    elif cfg.framework == "verl":
-        _verl_step(cfg, world, dps["policy"], bad, faults, warnings, padded)
+    rules.step(cfg, world, dps, bad, faults, warnings, padded)
+
+
+def skyrl_step(
+    cfg: BatchSizes,
+    world: int,
+    dps: dict[str, int],
+    bad: frozenset[str],
+    faults: list[str],
+    warnings: list[str],
+    padded: int | None,
+) -> None:
+    """SkyRL 0.4.0's rules of a whole step: ``validate_batch_sizes``' lcm and the trainer's tail prompts."""
+    del world, bad, warnings, padded
+    _skyrl_step(cfg.train_batch_size, cfg.n_samples_per_prompt, dps, faults)
+
+
+def verl_step(
+    cfg: BatchSizes,
+    world: int,
+    dps: dict[str, int],
+    bad: frozenset[str],
+    faults: list[str],
+    warnings: list[str],
+    padded: int | None,
+) -> None:
+    """verl 0.9.1's rules of a whole step: ``validate_config``, the padding rows, the log-prob pass's micro size."""
+    _verl_step(cfg, world, dps["policy"], bad, faults, warnings, padded)
 
 
 def _skyrl_step(train: int, n: int, dps: dict[str, int], faults: list[str]) -> None:
@@ -405,7 +511,7 @@ def _skyrl_step(train: int, n: int, dps: dict[str, int], faults: list[str]) -> N
 
 
 def _verl_step(
-    cfg: BatchConfig,
+    cfg: BatchSizes,
     world: int,
     dp: int,
     bad: frozenset[str],
@@ -446,9 +552,65 @@ def _verl_step(
             )
 
 
-def _verl_multiple(cfg: BatchConfig, dp: int) -> int:
+def _verl_multiple(cfg: BatchSizes, dp: int) -> int:
     n = cfg.n_samples_per_prompt
     minis = [cfg.policy_mini_batch_size] + (
         [cfg.critic_mini_batch_size] if cfg.critic_mini_batch_size else []
     )
     return math.lcm(dp, *(m * n for m in minis))
+
+
+# ------------------------------------------------------------------ the rules by name
+
+BATCHFIT = BatchRules("batchfit", role=_batchfit_role)
+"""batchfit's own rules: exact splits, nothing padded or floored."""
+
+SKYRL = BatchRules(
+    "skyrl",
+    role=_skyrl_role,
+    step=skyrl_step,
+    mesh=f"; {SKYRL_MESH} and fails",
+    step_wise_note=" SkyRL still asserts its per-GPU sizes with the nominal n_samples_per_prompt.",
+)
+"""SkyRL 0.4.0's rules."""
+
+VERL = BatchRules(
+    "verl",
+    role=_verl_role,
+    step=verl_step,
+    padded_samples=verl_padded_samples,
+    mesh=f"; {VERL_MESH} and fails",
+    critic_note=(
+        "verl 0.9.1's critic batches by tokens whatever its micro sizes (trainer_base.py gives its engine only "
+        "critic.ppo_infer_max_token_len_per_gpu; EngineConfig.use_dynamic_bsz defaults to true)."
+    ),
+)
+"""verl 0.9.1's rules (its V1 trainer)."""
+
+_REGISTERED: dict[str, BatchRules] = {}
+
+
+def register_batch_rules(rules: BatchRules) -> None:
+    """Make ``rules`` the rules of ``BatchConfig(framework=rules.name)``; registering a name again replaces it."""
+    _REGISTERED[rules.name] = rules
+
+
+def framework_names() -> tuple[str, ...]:
+    """The names :attr:`BatchConfig.framework` accepts, in the order they were registered."""
+    return tuple(_REGISTERED)
+
+
+def batch_rules(name: str) -> BatchRules:
+    """The rules registered as ``name``.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message names it and the choices).
+    """
+    try:
+        return _REGISTERED[name]
+    except KeyError:
+        raise ValueError(f"framework={name!r} has no batch rules; choices: {', '.join(_REGISTERED)}") from None
+
+
+for _rules in (BATCHFIT, SKYRL, VERL):
+    register_batch_rules(_rules)
