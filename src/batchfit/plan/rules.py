@@ -174,7 +174,8 @@ def role_layout(
 # ------------------------------------------------------------------ shared wording
 
 
-def _exceeds(name: str, mini: int, train: int, why: str) -> str:
+def exceeds_fault(name: str, mini: int, train: int, why: str) -> str:
+    """The fault of a mini-batch (field ``name``) larger than the step; ``why`` cites the code that refuses it."""
     return (
         f"{name}={mini} exceeds train_batch_size={train} (both count prompts): a mini-batch cannot hold more "
         f"prompts than a training step{why}; set {name} to at most {train} (a divisor such as "
@@ -182,7 +183,8 @@ def _exceeds(name: str, mini: int, train: int, why: str) -> str:
     )
 
 
-def _not_multiple_fix(name: str, mini: int, train: int) -> str:
+def not_multiple_fix(name: str, mini: int, train: int) -> str:
+    """The fix when ``train`` is not a multiple of the mini-batch ``mini``: the nearest divisors or multiples."""
     trains = [t for t in ((train // mini) * mini, (train // mini + 1) * mini) if t > 0]
     return f"set {name} to {or_list(nearest(divisors(train), mini))} or train_batch_size to {or_list(trains)}"
 
@@ -211,7 +213,9 @@ def _skyrl_mini_fix(name: str, train: int, n: int, dp: int, mini: int) -> str:
     return f"no divisor of train_batch_size={train} works; change n_samples_per_prompt or the GPU count"
 
 
-def _micro_fault(role: str, micro: int, per_gpu: int, how: str, why: str) -> str:
+def micro_fault(role: str, micro: int, per_gpu: int, how: str, why: str) -> str:
+    """The fault of a micro size that exceeds or does not divide the per-GPU mini-batch ``per_gpu`` (``how``
+    shows its arithmetic, ``why`` cites the code)."""
     rule = "exceeds" if micro > per_gpu else "does not divide"
     return (
         f"micro_train_batch_size_per_gpu={micro} {rule} the {role}'s samples per GPU per mini-batch = {how} = "
@@ -237,11 +241,11 @@ def _batchfit_role(
     mini, train, n = getattr(cfg, name), cfg.train_batch_size, cfg.n_samples_per_prompt
     start = len(faults)
     if mini > train:
-        faults.append(_exceeds(name, mini, train, ""))
+        faults.append(exceeds_fault(name, mini, train, ""))
     elif train % mini:
         faults.append(
             f"train_batch_size={train} is not a multiple of {name}={mini} (prompts): the last mini-batch "
-            f"would be partial; {_not_multiple_fix(name, mini, train)}"
+            f"would be partial; {not_multiple_fix(name, mini, train)}"
         )
     if bad & {"n_samples_per_prompt", "step_wise"}:
         return None
@@ -264,7 +268,7 @@ def _batchfit_role(
             if not tokens and not bad & {"micro_train_batch_size_per_gpu", "max_tokens_per_micro_batch"}:
                 micro = cfg.micro_train_batch_size_per_gpu
                 if per_gpu % micro:
-                    faults.append(_micro_fault(role, micro, per_gpu, f"{mini} × {n} / {dp}", ""))
+                    faults.append(micro_fault(role, micro, per_gpu, f"{mini} × {n} / {dp}", ""))
                 else:
                     accumulation = per_gpu // micro
     if len(faults) > start:
@@ -298,11 +302,11 @@ def _skyrl_role(
     start = len(faults)
     why = f" ({SKYRL_VALIDATE} asserts it)"
     if mini > train:
-        faults.append(_exceeds(name, mini, train, why))
+        faults.append(exceeds_fault(name, mini, train, why))
     elif train % mini:
         faults.append(
             f"train_batch_size={train} is not a multiple of {name}={mini} (prompts){why}: the last mini-batch "
-            f"would be partial; {_not_multiple_fix(name, mini, train)}"
+            f"would be partial; {not_multiple_fix(name, mini, train)}"
         )
     if bad & {"n_samples_per_prompt", "step_wise"}:
         return None
@@ -319,7 +323,7 @@ def _skyrl_role(
             if "micro_train_batch_size_per_gpu" not in bad and per % micro:
                 how = f"{name} × n_samples_per_prompt // dp_size = {mini} × {n} // {dp}"
                 faults.append(
-                    _micro_fault(role, micro, per, how, f" ({SKYRL_VALIDATE} floors it and asserts)")
+                    micro_fault(role, micro, per, how, f" ({SKYRL_VALIDATE} floors it and asserts)")
                 )
             train_per = train * n // dp
             if train_per % per:
@@ -396,7 +400,7 @@ def _verl_role(
     if mini > train and not dynamic:
         cls = "ActorConfig" if role == "policy" else "CriticConfig"
         why = f" ({VERL_CONFIG_VALIDATE.format(role='actor' if role == 'policy' else 'critic', cls=cls)} refuses it)"
-        faults.append(_exceeds(name, mini, train, why))
+        faults.append(exceeds_fault(name, mini, train, why))
     if bad & {"n_samples_per_prompt", "step_wise"}:
         return None
     steps = -(-train // mini)
@@ -419,7 +423,7 @@ def _verl_role(
             micro = cfg.micro_train_batch_size_per_gpu
             if per_gpu % micro:
                 how = f"{name} × n_samples_per_prompt / dp_size = {mini} × {n} / {dp}"
-                faults.append(_micro_fault(role, micro, per_gpu, how, f" ({VERL_MICRO} asserts it divides)"))
+                faults.append(micro_fault(role, micro, per_gpu, how, f" ({VERL_MICRO} asserts it divides)"))
             else:
                 accumulation = per_gpu // micro
     if len(faults) > start:
