@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.errors import BatchConfigError, InvalidArgument
-from batchfit.frameworks import openrlhf, skyrl, slime, verl
+from batchfit.frameworks import openrlhf, skyrl, skyrl_rules, slime, verl, verl_rules
 from batchfit.frameworks.flags import FLAG_FRAMEWORKS, detect_framework, is_command_file, read_command
 from batchfit.frameworks.run import RunConfig, as_bool, as_int
 from batchfit.frameworks.source import VOCABULARIES as _FILE_VOCABULARIES
@@ -31,6 +31,7 @@ from batchfit.frameworks.source import (
     resolve,
 )
 from batchfit.plan.config import BatchConfig
+from batchfit.plan.rules import register_batch_rules
 from batchfit.validation import closest
 
 __all__ = ["VOCABULARIES", "RunConfig", "coerce", "read_run_config", "strategy_refusal"]
@@ -39,6 +40,8 @@ VOCABULARIES = (*_FILE_VOCABULARIES, *FLAG_FRAMEWORKS)
 """Every vocabulary a config can be written in: batchfit's flat names, SkyRL's, verl's (YAML/JSON),
 OpenRLHF's and slime's (launch commands)."""
 _COMMAND_READERS = {"openrlhf": openrlhf.read, "slime": slime.read}
+for _rules in (skyrl_rules.SKYRL, verl_rules.VERL):  # NOTE [ Rules registered from above ] in batchfit.plan.rules
+    register_batch_rules(_rules)
 
 
 def read_run_config(

@@ -3,8 +3,8 @@
 Mirrors SkyRL 0.4.0: the config dataclasses of ``skyrl/train/config/config.py`` (defaults
 and key vocabulary, generated into ``defaults/skyrl.yaml`` and ``defaults/skyrl_schema.json``
 by ``scripts/gen_framework_schemas.py``), ``skyrl/train/utils/utils.py`` (``validate_cfg``,
-``validate_batch_sizes``: the batch rules live in :mod:`batchfit.plan.rules`, framework
-``"skyrl"``), ``TrainerConfig.__post_init__`` and ``trainer.py`` (``build_models``,
+``validate_batch_sizes``: the batch rules live in :mod:`batchfit.frameworks.skyrl_rules`,
+framework ``"skyrl"``), ``TrainerConfig.__post_init__`` and ``trainer.py`` (``build_models``,
 ``_remove_tail_data``).
 """
 

@@ -9,7 +9,7 @@ sections build (defaults and key vocabulary, generated into ``defaults/verl.yaml
 workers that replaced ``fsdp_workers.py`` (``verl/workers/engine_workers.py``,
 ``verl/workers/engine/fsdp/transformer_impl.py``, ``verl/workers/engine/utils.py``,
 ``verl/utils/seqlen_balancing.py``) and ``verl/trainer/ppo/v1/trainer_base.py``. The batch
-rules live in :mod:`batchfit.plan.rules` (framework ``"verl"``).
+rules live in :mod:`batchfit.frameworks.verl_rules` (framework ``"verl"``).
 
 Units: verl counts ``train_batch_size`` and ``ppo_mini_batch_size`` in prompts (the trainer
 multiplies by ``rollout.n``), micro sizes in samples per GPU, token lengths per GPU.
