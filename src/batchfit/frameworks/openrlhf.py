@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
+from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.plan.config import BatchConfig
 
 # The trainer's dest names batchfit reads (an unresolved shell value for one is a fault).
@@ -382,3 +383,10 @@ def _product(a: Any, b: Any) -> Any:
 
 def _divisor_near(n: int, target: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), d))
+
+
+SPEC = FrameworkSpec(
+    name="openrlhf", title="OpenRLHF 0.11.2", read_command=read, strategy_refusal=strategy_refusal
+)
+"""OpenRLHF in :mod:`batchfit.frameworks.registry`: its rules apply at ``FrameworkRun.plan``; the whole logits' log-probs;
+a bf16 reference (``--ds.param_dtype bf16``, ``launcher.py``)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     RunConfig,
     as_bool,
@@ -23,6 +24,7 @@ from batchfit.frameworks.run import (
     size_faults,
     unmodelled_warnings,
 )
+from batchfit.frameworks.skyrl_rules import SKYRL
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
 from batchfit.plan.config import BatchConfig
 from batchfit.validation import short_repr
@@ -440,3 +442,7 @@ def _key_names(megatron: bool) -> dict[str, str]:
             else T + "ref.sequence_parallel_size"
         ),
     }
+
+
+SPEC = FrameworkSpec(name="skyrl", title="SkyRL 0.4.0", read_config=read, batch_rules=SKYRL, head="skyrl")
+"""SkyRL in :mod:`batchfit.frameworks.registry` (its reference loads in bf16: ``trainer.bf16: true``)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     RunConfig,
     as_bool,
@@ -30,6 +31,7 @@ from batchfit.frameworks.run import (
     unmodelled_warnings,
 )
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
+from batchfit.frameworks.verl_rules import VERL
 from batchfit.plan.config import BatchConfig
 from batchfit.validation import short_repr
 
@@ -553,3 +555,9 @@ def _entropy(flat: dict[str, Any], remove_padding: Any) -> tuple[str, str, int |
     bypass = as_bool(flat.get("algorithm.rollout_correction.bypass_mode")) is True
     chunk = as_int(flat.get(ENGINE + "entropy_from_logits_chunk_size")) if mode == "chunked" else None
     return (mode if in_update else "none"), ("none" if bypass else mode), chunk
+
+
+SPEC = FrameworkSpec(
+    name="verl", title="verl 0.9.1", read_config=read, batch_rules=VERL, head="verl", reference_dtype="fp32"
+)
+"""verl in :mod:`batchfit.frameworks.registry` (its reference loads in fp32: ``engine/fsdp.yaml`` ``model_dtype``)."""

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from batchfit.errors import InvalidArgument
 from batchfit.plan.arith import divisors, nearest, or_list
 
 ROLE_FIELDS = {"policy": "policy_mini_batch_size", "critic": "critic_mini_batch_size"}
@@ -292,20 +293,20 @@ def register_batch_rules(rules: BatchRules) -> None:
 
 
 def framework_names() -> tuple[str, ...]:
-    """The names :attr:`BatchConfig.framework` accepts, in the order they were registered."""
-    return tuple(_REGISTERED)
+    """The names :attr:`BatchConfig.framework` accepts, sorted (the order of registration does not show)."""
+    return tuple(sorted(_REGISTERED))
 
 
 def batch_rules(name: str) -> BatchRules:
     """The rules registered as ``name``.
 
     Raises:
-        ValueError: ``name`` is not registered (the message names it and the choices).
+        InvalidArgument: (a ``ValueError``) ``name`` is not registered; the message names it and the choices.
     """
     try:
         return _REGISTERED[name]
     except KeyError:
-        raise ValueError(f"framework={name!r} has no batch rules; choices: {', '.join(_REGISTERED)}") from None
+        raise InvalidArgument(f"framework={name!r} has no batch rules; choices: {', '.join(framework_names())}") from None
 
 
 register_batch_rules(BATCHFIT)
