@@ -13,6 +13,7 @@ and ``--rollout.micro_batch_size`` samples per GPU, ``--train.max_tokens_per_gpu
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
@@ -382,7 +383,20 @@ def _product(a: Any, b: Any) -> Any:
 
 
 def _divisor_near(n: int, target: int) -> int:
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), d))
+    """The divisor of ``n`` (≥ 1) closest to ``target``, the smaller on a tie.
+
+    O(√n): the divisors come in pairs ``(i, n // i)`` with ``i ≤ √n``.
+
+    >>> _divisor_near(12, 5), _divisor_near(35, 6)
+    (4, 5)
+    """
+    best = 1
+    for i in range(1, math.isqrt(n) + 1):
+        if n % i == 0:
+            for d in (i, n // i):
+                if (abs(d - target), d) < (abs(best - target), best):
+                    best = d
+    return best
 
 
 SPEC = FrameworkSpec(
