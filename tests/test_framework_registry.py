@@ -59,3 +59,11 @@ def test_a_specs_batch_rules_are_what_batch_config_plans_under_its_name():
 )
 def test_each_target_declares_its_head_and_reference_dtype(target, head, dtype):
     assert (target_head(target), target_reference_dtype(target)) == (head, dtype)
+
+
+def test_each_config_framework_names_its_gpu_keys_and_what_its_fsdp_means():
+    verl, skyrl = get_framework("verl"), get_framework("skyrl")
+    assert (verl.fsdp, skyrl.fsdp, get_framework("openrlhf").fsdp) == ("fsdp1", "fsdp2", "fsdp2")
+    assert verl.gpu_keys == {"num_nodes": "trainer.nnodes", "gpus_per_node": "trainer.n_gpus_per_node"}
+    assert skyrl.gpu_keys["gpus_per_node"] == "trainer.placement.policy_num_gpus_per_node"
+    assert [spec.name for spec in SPECS if spec.emit_needs_plan] == ["skyrl"]

@@ -13,8 +13,8 @@ This module imports nothing that imports torch: a spec holds what reading and pl
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchfit.errors import InvalidArgument
@@ -47,6 +47,13 @@ class FrameworkSpec:
         reference_dtype: the dtype its reference model loads in by default (``fp32``, ``bf16``).
         strategy_refusal: ``run → why profile cannot model the run's training strategy`` (with
             the flags that can), or ``None`` when the CLI judges the strategy itself.
+        fsdp: the :class:`~batchfit.parallel.Sharding` strategy the config's strategy name
+            ``fsdp`` means: ``"fsdp1"`` for verl (``FullyShardedDataParallel``), ``"fsdp2"``
+            (``fully_shard``) for SkyRL, whose ``fsdp`` and ``fsdp2`` are the same.
+        gpu_keys: the :class:`~batchfit.plan.config.BatchConfig` fields ``num_nodes`` and
+            ``gpus_per_node`` → the config keys they are read from (for messages).
+        emit_needs_plan: ``--emit`` derives keys from the config's batch plan (SkyRL's micro
+            sizes), so the plan must hold before any probe.
 
     Raises:
         InvalidArgument: not exactly one reader.
@@ -60,6 +67,9 @@ class FrameworkSpec:
     head: str = "full"
     reference_dtype: str = "bf16"
     strategy_refusal: Callable[[Any], str | None] | None = None
+    fsdp: str = "fsdp2"
+    gpu_keys: Mapping[str, str] = field(default_factory=dict, compare=False)
+    emit_needs_plan: bool = False
 
     def __post_init__(self) -> None:
         if (self.read_config is None) == (self.read_command is None):

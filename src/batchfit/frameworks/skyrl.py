@@ -444,5 +444,16 @@ def _key_names(megatron: bool) -> dict[str, str]:
     }
 
 
-SPEC = FrameworkSpec(name="skyrl", title="SkyRL 0.4.0", read_config=read, batch_rules=SKYRL, head="skyrl")
+SPEC = FrameworkSpec(
+    name="skyrl",
+    title="SkyRL 0.4.0",
+    read_config=read,
+    batch_rules=SKYRL,
+    head="skyrl",
+    gpu_keys={
+        "num_nodes": "trainer.placement.policy_num_nodes",
+        "gpus_per_node": "trainer.placement.policy_num_gpus_per_node",
+    },
+    emit_needs_plan=True,
+)
 """SkyRL in :mod:`batchfit.frameworks.registry` (its reference loads in bf16: ``trainer.bf16: true``)."""

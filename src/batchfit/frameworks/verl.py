@@ -558,6 +558,13 @@ def _entropy(flat: dict[str, Any], remove_padding: Any) -> tuple[str, str, int |
 
 
 SPEC = FrameworkSpec(
-    name="verl", title="verl 0.9.1", read_config=read, batch_rules=VERL, head="verl", reference_dtype="fp32"
+    name="verl",
+    title="verl 0.9.1",
+    read_config=read,
+    batch_rules=VERL,
+    head="verl",
+    reference_dtype="fp32",
+    fsdp="fsdp1",
+    gpu_keys={"num_nodes": "trainer.nnodes", "gpus_per_node": "trainer.n_gpus_per_node"},
 )
 """verl in :mod:`batchfit.frameworks.registry` (its reference loads in fp32: ``engine/fsdp.yaml`` ``model_dtype``)."""
