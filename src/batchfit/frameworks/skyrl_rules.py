@@ -40,9 +40,6 @@ def _skyrl_mini_fix(name: str, train: int, n: int, dp: int, mini: int) -> str:
     return f"no divisor of train_batch_size={train} works; change n_samples_per_prompt or the GPU count"
 
 
-# ------------------------------------------------------------------ SkyRL 0.4.0
-
-
 def _skyrl_role(
     role: str,
     name: str,

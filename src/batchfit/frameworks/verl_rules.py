@@ -31,9 +31,6 @@ VERL_UPSAMPLE = (
 VERL_MESH = "verl 0.9.1 verl/workers/engine/fsdp/transformer_impl.py builds the (dp, sp) device mesh"
 
 
-# ------------------------------------------------------------------ verl 0.9.1 (V1 trainer)
-
-
 def verl_padded_samples(cfg: BatchSizes, dp: int | None, bad: frozenset[str]) -> int | None:
     """The samples of a verl step after its padding rows, or ``None`` when a field it needs is invalid.
 

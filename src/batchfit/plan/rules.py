@@ -32,8 +32,6 @@ from batchfit.plan.arith import divisors, nearest, or_list
 
 ROLE_FIELDS = {"policy": "policy_mini_batch_size", "critic": "critic_mini_batch_size"}
 
-# The code each rule mirrors (quoted in its message).
-
 
 class BatchSizes(Protocol):
     """The fields of a :class:`~batchfit.plan.config.BatchConfig` that the rules read.
@@ -275,8 +273,6 @@ def step_rules(
     if bad & {"train_batch_size", "n_samples_per_prompt", "max_tokens_per_micro_batch"}:
         return
     rules.step(cfg, world, dps, bad, faults, warnings, padded)
-
-
 
 
 # ------------------------------------------------------------------ the rules by name
