@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from batchfit import BatchConfig
@@ -67,3 +70,13 @@ def test_each_config_framework_names_its_gpu_keys_and_what_its_fsdp_means():
     assert verl.gpu_keys == {"num_nodes": "trainer.nnodes", "gpus_per_node": "trainer.n_gpus_per_node"}
     assert skyrl.gpu_keys["gpus_per_node"] == "trainer.placement.policy_num_gpus_per_node"
     assert [spec.name for spec in SPECS if spec.emit_needs_plan] == ["skyrl"]
+
+
+def test_the_registry_is_full_after_import_batchfit_without_torch():
+    # the package root imports batchfit.frameworks (NOTE [ Rules registered from above ]): it must stay light
+    code = (
+        "import sys, batchfit; from batchfit.plan.rules import framework_names; "
+        "print(framework_names(), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "('batchfit', 'skyrl', 'verl') False"
