@@ -369,3 +369,17 @@ def test_the_documented_example_plans():
     example = Path(__file__).parents[1] / "examples" / "openrlhf_grpo.sh"
     plan = read_run_config(example).plan()  # docs/frameworks.md, "Worked example: OpenRLHF"
     assert plan.optimizer_steps_per_step == 4 and plan.gradient_accumulation_steps == 8
+
+
+def test_the_divisor_near_a_size_is_the_closest_the_smaller_on_a_tie():
+    from batchfit.frameworks.openrlhf import _divisor_near
+
+    # 12: divisors 1 2 3 4 6 12; 5 is 1 from 4 and from 6 → 4; 35: 1 5 7 35, 6 → 5; a prime → 1 or itself
+    assert [_divisor_near(12, 5), _divisor_near(35, 6), _divisor_near(97, 40), _divisor_near(97, 60)] == [4, 5, 1, 97]
+    # the same as the closest of every integer up to n that divides it (the O(n) definition)
+    for n in range(1, 400):
+        every = [d for d in range(1, n + 1) if n % d == 0]
+        for target in (1, 2, 3, n // 3 + 1, n // 2, n - 1, n + 5):
+            assert _divisor_near(n, target) == min(every, key=lambda d: (abs(d - target), d))
+    # O(√n): 10**12 + 39 is prime, so √n ≈ 10**6 trials, not 10**12
+    assert _divisor_near(10**12 + 39, 10**6) == 1

@@ -24,6 +24,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# registers the frameworks' batch rules (NOTE [ Rules registered from above ] in batchfit.plan.rules)
+import batchfit.frameworks  # noqa: F401
 from batchfit.errors import (
     BatchConfigError,
     BatchError,

@@ -8,6 +8,26 @@ checkpointing, roles). Any other file is a launch command (a shell script or a f
 arguments, :mod:`batchfit.frameworks.flags`): OpenRLHF's or slime's, told from the command
 and read by :mod:`~batchfit.frameworks.openrlhf` or :mod:`~batchfit.frameworks.slime`.
 :mod:`batchfit.frameworks.emit` writes the keys (or flags) back.
+
+Each framework is one :class:`~batchfit.frameworks.registry.FrameworkSpec`, registered by name
+in :mod:`batchfit.frameworks.registry` when this package is imported; callers ask
+:func:`~batchfit.frameworks.registry.get_framework` and never branch on a framework's name.
+
+Adding a framework means adding one module, ``batchfit/frameworks/<name>.py``, and registering it:
+
+- a reader: ``read(resolved, given) → RunConfig`` for a YAML/JSON config (its defaults and schema
+  in ``defaults/``, its keys told apart by :func:`~batchfit.frameworks.source.detect_vocabulary`),
+  or ``read(command) → FrameworkRun`` for a launch command (its flags in
+  ``defaults/<name>_flags.json``, its launcher in :data:`~batchfit.frameworks.flags.LAUNCHERS`);
+- its batch rules: a :class:`~batchfit.plan.rules.BatchRules` that ``BatchConfig.plan`` applies
+  under ``framework=<name>`` (a rules module beside it, as ``verl_rules.py``), or rules of the run
+  (``FrameworkRun.rules``, as OpenRLHF's and slime's) over batchfit's exact splits;
+- its log-prob head by name (a head of :data:`batchfit.train.HEADS`; a new head is defined in
+  :mod:`batchfit.train.framework_heads`, NOTE [ Heads stay in train ] there), the dtype of its
+  reference, and why ``profile`` cannot model a training strategy it runs, if any;
+- ``SPEC = FrameworkSpec(...)`` holding them, added to :data:`SPECS` below;
+- for ``--emit``: its token keys in :mod:`batchfit.frameworks.emit` and the keys of every
+  profiled setting in :mod:`batchfit.frameworks.assumptions` (tables keyed by its name).
 """
 
 from __future__ import annotations
@@ -20,6 +40,7 @@ from typing import Any
 from batchfit.errors import BatchConfigError, InvalidArgument
 from batchfit.frameworks import openrlhf, skyrl, slime, verl
 from batchfit.frameworks.flags import FLAG_FRAMEWORKS, detect_framework, is_command_file, read_command
+from batchfit.frameworks.registry import FrameworkSpec, framework_names, get_framework, register_framework
 from batchfit.frameworks.run import RunConfig, as_bool, as_int
 from batchfit.frameworks.source import VOCABULARIES as _FILE_VOCABULARIES
 from batchfit.frameworks.source import (
@@ -33,12 +54,26 @@ from batchfit.frameworks.source import (
 from batchfit.plan.config import BatchConfig
 from batchfit.validation import closest
 
-__all__ = ["VOCABULARIES", "RunConfig", "coerce", "read_run_config", "strategy_refusal"]
+__all__ = [
+    "SPECS",
+    "VOCABULARIES",
+    "FrameworkSpec",
+    "RunConfig",
+    "coerce",
+    "framework_names",
+    "get_framework",
+    "read_run_config",
+    "strategy_refusal",
+]
+
+SPECS = (verl.SPEC, skyrl.SPEC, openrlhf.SPEC, slime.SPEC)
+"""The frameworks batchfit speaks, registered in this order (the order ``--emit`` lists them in)."""
+for _spec in SPECS:
+    register_framework(_spec)
 
 VOCABULARIES = (*_FILE_VOCABULARIES, *FLAG_FRAMEWORKS)
 """Every vocabulary a config can be written in: batchfit's flat names, SkyRL's, verl's (YAML/JSON),
 OpenRLHF's and slime's (launch commands)."""
-_COMMAND_READERS = {"openrlhf": openrlhf.read, "slime": slime.read}
 
 
 def read_run_config(
@@ -66,7 +101,7 @@ def read_run_config(
         _check_size(source)
     if not isinstance(source, Mapping) and is_command_file(source):
         command = read_command(source)
-        run = _COMMAND_READERS[detect_framework(command)](command)
+        run = get_framework(detect_framework(command)).read_command(command)
         return _apply_flat(run, {}, overrides or {}, top_level_only=True)
     data = source if isinstance(source, Mapping) else read_mapping(source)
     check_mapping(data)
@@ -74,10 +109,8 @@ def read_run_config(
     data = hydra_composed(data, vocabulary)
     resolved = resolve(data, vocabulary)
     given = given_keys(data, resolved)  # NOTE [ Interpolations resolve before the schema check ]
-    if vocabulary == "skyrl":
-        run = skyrl.read(resolved, given)
-    elif vocabulary == "verl":
-        run = verl.read(resolved, given)
+    if vocabulary != "flat":
+        run = get_framework(vocabulary).read_config(resolved, given)
     else:
         run = RunConfig(
             vocabulary="flat", batch=BatchConfig(train_batch_size=None, policy_mini_batch_size=None)
@@ -158,8 +191,7 @@ def strategy_refusal(run: RunConfig) -> str | None:
 
     ``None`` when batchfit models it, or for SkyRL, verl and flat configs (the CLI judges those).
     """
-    if run.vocabulary == "openrlhf":
-        return openrlhf.strategy_refusal(run)
-    if run.vocabulary == "slime":
-        return slime.strategy_refusal(run)
-    return None
+    if run.vocabulary not in framework_names():  # batchfit's flat vocabulary
+        return None
+    refusal = get_framework(run.vocabulary).strategy_refusal
+    return None if refusal is None else refusal(run)

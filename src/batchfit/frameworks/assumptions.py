@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfit.errors import InvalidArgument
+from batchfit.frameworks.registry import get_framework
 from batchfit.frameworks.run import RunConfig, dtype_name
 from batchfit.models.lora import LoraSpec
 from batchfit.parallel.sharding import Sharding
@@ -176,7 +177,7 @@ def setting_keys(run: RunConfig, by_role: Mapping[str, Any], target: str) -> lis
         raise _refuse(
             target,
             "--response-only",
-            f"{_NAMES[target]} runs its log-prob head over every token and bounds total tokens only (no framework "
+            f"{get_framework(target).title} runs its log-prob head over every token and bounds total tokens only (no framework "
             "has a key for the response tokens of a micro-batch), so budgets of batchfit's response-only head do not "
             "hold there",
             "profile without --response-only",
@@ -185,14 +186,11 @@ def setting_keys(run: RunConfig, by_role: Mapping[str, Any], target: str) -> lis
         raise _refuse(
             target,
             f"--cost {a.cost}",
-            f"{_NAMES[target]} counts a micro-batch's tokens, which bound packed rows only, and the emitted keys pack "
+            f"{get_framework(target).title} counts a micro-batch's tokens, which bound packed rows only, and the emitted keys pack "
             "them",
             "drop --cost padded (emit profiles packed rows)",
         )
     return _WRITERS[target](run, a, run.vocabulary == target)
-
-
-_NAMES = {"verl": "verl 0.9.1", "skyrl": "SkyRL 0.4.0", "openrlhf": "OpenRLHF 0.11.2", "slime": "slime 624b824a"}
 
 
 def _refuse(target: str, setting: str, why: str, fix: str) -> EmitError:
@@ -224,7 +222,7 @@ def _check_strategy(target: str, a: Assumptions, allowed: tuple[str, ...], why: 
         raise _refuse(
             target,
             f"--sharding none over {s.world_size} GPUs",
-            f"{_NAMES[target]} shards every model over its GPUs",
+            f"{get_framework(target).title} shards every model over its GPUs",
             f"pass --sharding {allowed[-1]}",
         )
     if s.strategy not in (*allowed, "none"):

@@ -13,11 +13,13 @@ assumption ]).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from batchfit.errors import InvalidArgument
 from batchfit.frameworks.assumptions import EmitError, Key, check_emit, setting_keys
 from batchfit.frameworks.profile import RunProfile
+from batchfit.frameworks.registry import framework_names, get_framework
 
 __all__ = [
     "FLAG_TARGETS",
@@ -34,9 +36,10 @@ __all__ = [
     "target_head",
 ]
 
-TARGETS = ("verl", "skyrl", "openrlhf", "slime")
-FLAG_TARGETS = ("openrlhf", "slime")
-"""Targets configured by command-line flags (rendered by :func:`render_flags`)."""
+TARGETS = framework_names()
+"""Every framework of :mod:`batchfit.frameworks.registry`: ``verl``, ``skyrl``, ``openrlhf``, ``slime``."""
+FLAG_TARGETS = tuple(name for name in TARGETS if get_framework(name).reads_command)
+"""Targets configured by command-line flags (rendered by :func:`render_flags`): ``openrlhf``, ``slime``."""
 # verl: each pass → the key that turns token-length micro-batching on, its length key, and what runs.
 VERL_KEYS = (
     (
@@ -83,11 +86,12 @@ def target_head(target: str) -> str:
     """The log-prob head ``target`` runs by default, for a profile of another framework's config emitted to it.
 
     verl's and SkyRL's own heads (:data:`batchfit.train.HEADS` ``"verl"``, ``"skyrl"``: their
-    default configs'); OpenRLHF and slime take log-probs from the whole logits (``"full"``).
+    default configs'); OpenRLHF and slime take log-probs from the whole logits (``"full"``):
+    :attr:`FrameworkSpec.head <batchfit.frameworks.registry.FrameworkSpec.head>`.
     """
     if target not in TARGETS:
         raise InvalidArgument(f"--emit must be one of {', '.join(TARGETS)}, but got {target!r}")
-    return target if target in ("verl", "skyrl") else "full"
+    return get_framework(target).head
 
 
 def target_reference_dtype(target: str) -> str:
@@ -95,11 +99,12 @@ def target_reference_dtype(target: str) -> str:
 
     verl composes the reference's engine from ``engine/fsdp.yaml`` (``model_dtype: fp32``);
     SkyRL (``trainer.bf16: true``), OpenRLHF (``--ds.param_dtype bf16``, ``launcher.py``) and
-    slime load it in bf16.
+    slime load it in bf16 (:attr:`FrameworkSpec.reference_dtype
+    <batchfit.frameworks.registry.FrameworkSpec.reference_dtype>`).
     """
     if target not in TARGETS:
         raise InvalidArgument(f"--emit must be one of {', '.join(TARGETS)}, but got {target!r}")
-    return "fp32" if target == "verl" else "bf16"
+    return get_framework(target).reference_dtype
 
 
 def provenance(backend: str) -> str:
@@ -148,36 +153,33 @@ def _token_keys(profile: RunProfile, target: str, max_seq_len: int, margin: floa
             f"{b.usable_bytes / 2**30:.1f} GiB usable)"
         )
 
-    if target in FLAG_TARGETS:
-        return (
-            _openrlhf_keys(profile, budgets, why)
-            if target == "openrlhf"
-            else _slime_keys(profile, budgets, why)
-        )
-
-    if target == "verl":
-        keys = [
-            Key("actor_rollout_ref.actor.use_dynamic_bsz", True, "micro-batches by the token lengths below"),
-            Key("actor_rollout_ref.model.use_remove_padding", True, _REMOVE_PADDING.format(framework="verl")),
-        ]
-        if "critic" in budgets:
-            keys.append(Key("critic.model.use_remove_padding", True, "the critic's micro-batches packed too"))
-        for role, switch, length, what in VERL_KEYS:
-            if role in budgets:
-                if all(k.path != switch for k in keys):
-                    keys.append(Key(switch, True))
-                value = (
-                    min(budgets[role], budgets.get("critic", budgets[role]))
-                    if role == "critic_forward"
-                    else budgets[role]
-                )
-                bound = "critic" if role == "critic_forward" and value == budgets.get("critic") else role
-                keys.append(Key(length, value, why(bound, what)))
-        return keys
-    return _skyrl_keys(profile, budgets, max_seq_len, why, world)
+    return _TOKEN_KEYS[target](profile, budgets, why, max_seq_len, world)
 
 
-def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], max_seq_len: int, why: Any, world: int) -> list[Key]:
+def _verl_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
+    """verl has a switch and a token length per pass (:data:`VERL_KEYS`)."""
+    del profile, max_seq_len, world
+    keys = [
+        Key("actor_rollout_ref.actor.use_dynamic_bsz", True, "micro-batches by the token lengths below"),
+        Key("actor_rollout_ref.model.use_remove_padding", True, _REMOVE_PADDING.format(framework="verl")),
+    ]
+    if "critic" in budgets:
+        keys.append(Key("critic.model.use_remove_padding", True, "the critic's micro-batches packed too"))
+    for role, switch, length, what in VERL_KEYS:
+        if role in budgets:
+            if all(k.path != switch for k in keys):
+                keys.append(Key(switch, True))
+            value = (
+                min(budgets[role], budgets.get("critic", budgets[role]))
+                if role == "critic_forward"
+                else budgets[role]
+            )
+            bound = "critic" if role == "critic_forward" and value == budgets.get("critic") else role
+            keys.append(Key(length, value, why(bound, what)))
+    return keys
+
+
+def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
     """SkyRL has one token key for every pass, and micro sizes validate_batch_sizes checks (over the profiled GPUs)."""
     trained = min(budgets[r] for r in ("policy", "critic") if r in budgets)
     forward = min(budgets[r] for r in ("policy_forward", "critic_forward", "reference") if r in budgets)
@@ -243,13 +245,14 @@ def _cost_note(profile: RunProfile, framework: str) -> str:
     return f"padded rows; {framework} packs samples into one row (varlen): --cost packed profiles that"
 
 
-def _openrlhf_keys(profile: RunProfile, budgets: dict[str, int], why: Any) -> list[Key]:
+def _openrlhf_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
     """OpenRLHF 0.11.2: one token flag for the actor and critic updates, one for the experience passes.
 
     ``--train.max_tokens_per_gpu`` bounds the training micro-batches of the actor and the critic
     (replay_buffer.setup_dynamic_batch); ``--rollout.max_tokens_per_gpu`` the forward passes that
     make experience: old log-probs, reference log-probs, values (experience_maker).
     """
+    del max_seq_len, world
     trained = _smallest(budgets, ("policy", "critic"))
     forward = _smallest(budgets, ("policy_forward", "reference", "critic_forward"))
     values = getattr(profile.run, "values", {})
@@ -296,7 +299,7 @@ def _openrlhf_keys(profile: RunProfile, budgets: dict[str, int], why: Any) -> li
     return keys
 
 
-def _slime_keys(profile: RunProfile, budgets: dict[str, int], why: Any) -> list[Key]:
+def _slime_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
     """slime (624b824a): one token flag for every pass; log-probs and values run the training micro-batches.
 
     ``build_dp_schedule`` cuts each step into micro-batches of at most ``--max-tokens-per-gpu``
@@ -304,6 +307,7 @@ def _slime_keys(profile: RunProfile, budgets: dict[str, int], why: Any) -> list[
     that schedule, so the flag takes the smallest budget. ``--log-probs-max-tokens-per-gpu`` is
     parsed but not read at that commit, so it is not emitted.
     """
+    del max_seq_len, world
     binding = _smallest(budgets, tuple(budgets))
     keys = [
         Key("--use-dynamic-batch-size", True, "micro-batches by the token count below (build_dp_schedule)")
@@ -321,6 +325,15 @@ def _slime_keys(profile: RunProfile, budgets: dict[str, int], why: Any) -> list[
         )
     keys.append(Key("", False, f"the budget counts {_cost_note(profile, 'slime')}"))
     return keys
+
+
+# Each target's token keys, ``(profile, budgets, why, max_seq_len, world) → keys``.
+_TOKEN_KEYS: dict[str, Callable[[RunProfile, dict[str, int], Any, int, int], list[Key]]] = {
+    "verl": _verl_keys,
+    "skyrl": _skyrl_keys,
+    "openrlhf": _openrlhf_keys,
+    "slime": _slime_keys,
+}
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:

@@ -80,10 +80,6 @@ class FlagSpec:
         """``dest`` → the trainer's default."""
         return {entry["dest"]: entry["default"] for entry in self.flags}
 
-    def flag_of(self, dest: str) -> str:
-        """The first option string of ``dest`` (``train.batch_size`` → ``--train.batch_size``)."""
-        return next(entry["flags"][0] for entry in self.flags if entry["dest"] == dest)
-
     def parser(
         self, extra: tuple[dict[str, Any], ...] = (), *, suppress_defaults: bool = False
     ) -> argparse.ArgumentParser:

@@ -13,9 +13,11 @@ and ``--rollout.micro_batch_size`` samples per GPU, ``--train.max_tokens_per_gpu
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
+from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.plan.config import BatchConfig
 
 # The trainer's dest names batchfit reads (an unresolved shell value for one is a fault).
@@ -381,4 +383,24 @@ def _product(a: Any, b: Any) -> Any:
 
 
 def _divisor_near(n: int, target: int) -> int:
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), d))
+    """The divisor of ``n`` (≥ 1) closest to ``target``, the smaller on a tie.
+
+    O(√n): the divisors come in pairs ``(i, n // i)`` with ``i ≤ √n``.
+
+    >>> _divisor_near(12, 5), _divisor_near(35, 6)
+    (4, 5)
+    """
+    best = 1
+    for i in range(1, math.isqrt(n) + 1):
+        if n % i == 0:
+            for d in (i, n // i):
+                if (abs(d - target), d) < (abs(best - target), best):
+                    best = d
+    return best
+
+
+SPEC = FrameworkSpec(
+    name="openrlhf", title="OpenRLHF 0.11.2", read_command=read, strategy_refusal=strategy_refusal
+)
+"""OpenRLHF in :mod:`batchfit.frameworks.registry`: its rules apply at ``FrameworkRun.plan``; the whole logits' log-probs;
+a bf16 reference (``--ds.param_dtype bf16``, ``launcher.py``)."""

@@ -3,8 +3,8 @@
 Mirrors SkyRL 0.4.0: the config dataclasses of ``skyrl/train/config/config.py`` (defaults
 and key vocabulary, generated into ``defaults/skyrl.yaml`` and ``defaults/skyrl_schema.json``
 by ``scripts/gen_framework_schemas.py``), ``skyrl/train/utils/utils.py`` (``validate_cfg``,
-``validate_batch_sizes``: the batch rules live in :mod:`batchfit.plan.rules`, framework
-``"skyrl"``), ``TrainerConfig.__post_init__`` and ``trainer.py`` (``build_models``,
+``validate_batch_sizes``: the batch rules live in :mod:`batchfit.frameworks.skyrl_rules`,
+framework ``"skyrl"``), ``TrainerConfig.__post_init__`` and ``trainer.py`` (``build_models``,
 ``_remove_tail_data``).
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     RunConfig,
     as_bool,
@@ -23,6 +24,7 @@ from batchfit.frameworks.run import (
     size_faults,
     unmodelled_warnings,
 )
+from batchfit.frameworks.skyrl_rules import SKYRL
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
 from batchfit.plan.config import BatchConfig
 from batchfit.validation import short_repr
@@ -440,3 +442,18 @@ def _key_names(megatron: bool) -> dict[str, str]:
             else T + "ref.sequence_parallel_size"
         ),
     }
+
+
+SPEC = FrameworkSpec(
+    name="skyrl",
+    title="SkyRL 0.4.0",
+    read_config=read,
+    batch_rules=SKYRL,
+    head="skyrl",
+    gpu_keys={
+        "num_nodes": "trainer.placement.policy_num_nodes",
+        "gpus_per_node": "trainer.placement.policy_num_gpus_per_node",
+    },
+    emit_needs_plan=True,
+)
+"""SkyRL in :mod:`batchfit.frameworks.registry` (its reference loads in bf16: ``trainer.bf16: true``)."""

@@ -19,6 +19,7 @@ import difflib
 from typing import Any
 
 from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
+from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.plan.config import BatchConfig
 
 # Megatron-LM flags slime reads (Megatron's parser, not slime's file): ModelParallelConfig's
@@ -347,3 +348,8 @@ def _product(a: Any, b: Any) -> Any:
     """``a × b`` for two ints (a zero or negative product is reported by the rules), else ``None``."""
     ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b))
     return a * b if ints else None
+
+
+SPEC = FrameworkSpec(name="slime", title="slime 624b824a", read_command=read, strategy_refusal=strategy_refusal)
+"""slime in :mod:`batchfit.frameworks.registry`: its rules apply at ``FrameworkRun.plan``; the whole logits' log-probs;
+a bf16 reference."""

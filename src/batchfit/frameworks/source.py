@@ -175,14 +175,14 @@ def resolve(data: Mapping[str, Any], vocabulary: str) -> dict[str, Any]:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    if vocabulary in ("skyrl", "verl"):
+    if vocabulary != "flat":  # a framework's config, merged over its defaults
         clashes = _container_clashes(data, _defaults_tree(vocabulary), framework_schema(vocabulary).title)
         if clashes:
             raise BatchConfigError(clashes)
     step = "merge"
     try:
         config = OmegaConf.create(_plain(data))
-        if vocabulary in ("skyrl", "verl"):
+        if vocabulary != "flat":
             pruned = not _mentions_unread(data, vocabulary)
             config = OmegaConf.merge(_defaults_config(vocabulary, pruned), config)
         step = "resolve"
@@ -191,7 +191,7 @@ def resolve(data: Mapping[str, Any], vocabulary: str) -> dict[str, Any]:
         key = getattr(exc, "full_key", None)
         message = " ".join(str(exc).split("\n")[0].split())
         where = f" at {key!r}" if key else ""
-        if step == "merge" and vocabulary in ("skyrl", "verl"):
+        if step == "merge" and vocabulary != "flat":
             name = framework_schema(vocabulary).title
             raise BatchConfigError(
                 [
@@ -216,7 +216,7 @@ def hydra_composed(data: Mapping[str, Any], vocabulary: str) -> Mapping[str, Any
         BatchConfigError: the list composes other groups than the framework's defaults do
             (another ``model_engine``, another actor), naming the entries that differ.
     """
-    listed = data.get("defaults") if vocabulary in ("skyrl", "verl") else None
+    listed = data.get("defaults") if vocabulary != "flat" else None
     if not isinstance(listed, list):
         return data
     schema = framework_schema(vocabulary)

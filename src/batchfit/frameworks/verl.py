@@ -9,7 +9,7 @@ sections build (defaults and key vocabulary, generated into ``defaults/verl.yaml
 workers that replaced ``fsdp_workers.py`` (``verl/workers/engine_workers.py``,
 ``verl/workers/engine/fsdp/transformer_impl.py``, ``verl/workers/engine/utils.py``,
 ``verl/utils/seqlen_balancing.py``) and ``verl/trainer/ppo/v1/trainer_base.py``. The batch
-rules live in :mod:`batchfit.plan.rules` (framework ``"verl"``).
+rules live in :mod:`batchfit.frameworks.verl_rules` (framework ``"verl"``).
 
 Units: verl counts ``train_batch_size`` and ``ppo_mini_batch_size`` in prompts (the trainer
 multiplies by ``rollout.n``), micro sizes in samples per GPU, token lengths per GPU.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     RunConfig,
     as_bool,
@@ -30,6 +31,7 @@ from batchfit.frameworks.run import (
     unmodelled_warnings,
 )
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
+from batchfit.frameworks.verl_rules import VERL
 from batchfit.plan.config import BatchConfig
 from batchfit.validation import short_repr
 
@@ -553,3 +555,16 @@ def _entropy(flat: dict[str, Any], remove_padding: Any) -> tuple[str, str, int |
     bypass = as_bool(flat.get("algorithm.rollout_correction.bypass_mode")) is True
     chunk = as_int(flat.get(ENGINE + "entropy_from_logits_chunk_size")) if mode == "chunked" else None
     return (mode if in_update else "none"), ("none" if bypass else mode), chunk
+
+
+SPEC = FrameworkSpec(
+    name="verl",
+    title="verl 0.9.1",
+    read_config=read,
+    batch_rules=VERL,
+    head="verl",
+    reference_dtype="fp32",
+    fsdp="fsdp1",
+    gpu_keys={"num_nodes": "trainer.nnodes", "gpus_per_node": "trainer.n_gpus_per_node"},
+)
+"""verl in :mod:`batchfit.frameworks.registry` (its reference loads in fp32: ``engine/fsdp.yaml`` ``model_dtype``)."""

@@ -6,7 +6,9 @@ or raises one :class:`~batchfit.errors.BatchConfigError` listing every fault wit
 
 Units: ``train_batch_size`` and the ``*_mini_batch_size`` fields count **prompts**; the
 ``micro_*_per_gpu`` fields count **samples** (sequences); ``max_tokens_per_micro_batch``
-counts tokens. One rule set per framework serves policy and critic (:mod:`batchfit.plan.rules`).
+counts tokens. One rule set per framework serves policy and critic: a
+:class:`~batchfit.plan.rules.BatchRules` object, found by :attr:`BatchConfig.framework`
+(:func:`~batchfit.plan.rules.batch_rules`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,6 @@ from batchfit.plan import rules
 from batchfit.plan.arith import divisors, multiples_near, nearest, or_list
 from batchfit.plan.render import plan_tree_text
 from batchfit.validation import MAX_COUNT, check_bool, closest, is_int, short_repr
-
-FRAMEWORKS = ("batchfit", "skyrl", "verl")
-"""Whose batch rules a plan follows (:attr:`BatchConfig.framework`)."""
 
 
 @dataclass(frozen=True)
@@ -59,10 +58,11 @@ class BatchConfig:
             ``None`` = no such reference.
         reference_model_parallel: the reference's model-parallel size (SkyRL's
             ``trainer.ref.sequence_parallel_size``); ``None`` = the policy's.
-        framework: whose rules the plan follows, one of :data:`FRAMEWORKS`: ``"batchfit"``
-            (exact splits), ``"skyrl"`` (SkyRL 0.4.0) or ``"verl"`` (verl 0.9.1, its V1
-            trainer): what that framework runs, even with waste, is a warning; what it
-            refuses is a fault (:mod:`batchfit.plan.rules` cites the code of each rule).
+        framework: whose rules the plan follows, a name of
+            :func:`~batchfit.plan.rules.framework_names`: ``"batchfit"`` (exact splits),
+            ``"skyrl"`` (SkyRL 0.4.0) or ``"verl"`` (verl 0.9.1, its V1 trainer): what that
+            framework runs, even with waste, is a warning; what it refuses is a fault (each
+            rule cites the framework's code it mirrors).
     """
 
     train_batch_size: int
@@ -263,10 +263,11 @@ def _type_faults(cfg: BatchConfig) -> tuple[list[str], set[str]]:
     if not isinstance(cfg.step_wise, bool):
         faults.append(f"step_wise={short_repr(cfg.step_wise)} must be true or false")
         bad.add("step_wise")
-    if not isinstance(cfg.framework, str) or cfg.framework not in FRAMEWORKS:
-        hint = closest(cfg.framework, FRAMEWORKS) if isinstance(cfg.framework, str) else None
+    names = rules.framework_names()
+    if not isinstance(cfg.framework, str) or cfg.framework not in names:
+        hint = closest(cfg.framework, names) if isinstance(cfg.framework, str) else None
         faults.append(
-            f"framework={short_repr(cfg.framework)} must be one of {', '.join(FRAMEWORKS)}"
+            f"framework={short_repr(cfg.framework)} must be one of {', '.join(names)}"
             + (f"; did you mean {hint!r}?" if hint else "")
         )
         bad.add("framework")
@@ -295,7 +296,7 @@ def _world_size(cfg: BatchConfig, faults: list[str]) -> int | None:
     return by_nodes if by_nodes is not None else 1
 
 
-def _dp_size(cfg: BatchConfig, world: int, faults: list[str]) -> int | None:
+def _dp_size(cfg: BatchConfig, world: int, faults: list[str], mesh: str) -> int | None:
     names = ("tensor_parallel", "pipeline_parallel", "context_parallel", "sequence_parallel")
     mp = math.prod(getattr(cfg, name) for name in names)
     if world % mp == 0:
@@ -306,18 +307,14 @@ def _dp_size(cfg: BatchConfig, world: int, faults: list[str]) -> int | None:
     parts = parts if "×" not in parts else f"{parts} = {mp}"
     faults.append(
         f"world_size={world} is not a multiple of the model-parallel size, {parts} (dp_size would be "
-        f"{world / mp:.4g}{_MESH.get(cfg.framework, '')}): set world_size to {world_fix}, or model-parallel sizes "
+        f"{world / mp:.4g}{mesh}): set world_size to {world_fix}, or model-parallel sizes "
         f"whose product divides {world} (one of {or_list(nearest(divisors(world), mp, 3))})"
     )
     return None
 
 
-# Where a framework refuses a world size its model-parallel size does not divide.
-_MESH = {"skyrl": f"; {rules.SKYRL_MESH} and fails", "verl": f"; {rules.VERL_MESH} and fails"}
-
-
 def _model_dp(
-    cfg: BatchConfig, role: str, dp: int | None, bad: frozenset[str], faults: list[str]
+    cfg: BatchConfig, role: str, dp: int | None, bad: frozenset[str], faults: list[str], mesh: str
 ) -> int | None:
     """The data-parallel size of the critic or the reference, from its own GPUs and model-parallel size.
 
@@ -340,7 +337,7 @@ def _model_dp(
         what = mp_field if own_mp is not None else "the policy's model-parallel size"
         faults.append(
             f"{world_field}={world} is not a multiple of {what} = {mp} (the {role}'s dp_size would be "
-            f"{world / mp:.4g}{_MESH.get(cfg.framework, '')}): set {world_field} to a multiple of {mp} "
+            f"{world / mp:.4g}{mesh}): set {world_field} to a multiple of {mp} "
             f"({or_list(multiples_near(mp, world))})"
         )
         return None
@@ -363,24 +360,25 @@ def _build_plan(cfg: BatchConfig, strict: bool = False) -> BatchPlan:
     bad = frozenset(invalid)
     if "framework" in bad:  # the other rules still run (batchfit's), on a framework they can compare
         cfg = dataclasses.replace(cfg, framework="batchfit")
+    own = rules.batch_rules(cfg.framework)
     warnings: list[str] = []
     # every relationship among valid fields is checked, even when another field is invalid
     world = None if bad & {"world_size", "num_nodes", "gpus_per_node"} else _world_size(cfg, faults)
     parallel = {"tensor_parallel", "pipeline_parallel", "context_parallel", "sequence_parallel"}
-    dp = _dp_size(cfg, world, faults) if world is not None and not bad & parallel else None
+    dp = _dp_size(cfg, world, faults, own.mesh) if world is not None and not bad & parallel else None
     has_critic = cfg.critic_mini_batch_size is not None
-    critic_dp = _model_dp(cfg, "critic", dp, bad, faults) if has_critic else None
-    reference_dp = _model_dp(cfg, "reference", dp, bad, faults)
-    padded = rules.verl_padded_samples(cfg, dp, bad) if cfg.framework == "verl" else None
-    policy = rules.role_layout("policy", cfg, dp, bad, faults, warnings, padded)
+    critic_dp = _model_dp(cfg, "critic", dp, bad, faults, own.mesh) if has_critic else None
+    reference_dp = _model_dp(cfg, "reference", dp, bad, faults, own.mesh)
+    padded = own.padded_samples(cfg, dp, bad)
+    policy = rules.role_layout(own, "policy", cfg, dp, bad, faults, warnings, padded)
     critic = (
-        rules.role_layout("critic", cfg, critic_dp, bad, faults, warnings, padded) if has_critic else None
+        rules.role_layout(own, "critic", cfg, critic_dp, bad, faults, warnings, padded) if has_critic else None
     )
     dps = {"policy": dp, "critic": critic_dp, "reference": reference_dp}
     dps = {role: size for role, size in dps.items() if size is not None}
     complete = dp is not None and (critic_dp is not None or not has_critic)
     if world is not None and complete and "framework" not in bad:
-        rules.step_rules(cfg, world, dps, bad, faults, warnings, padded)
+        rules.step_rules(own, cfg, world, dps, bad, faults, warnings, padded)
     if strict:
         faults.extend(f"{w} (a warning; --strict makes it a fault)" for w in warnings)
     if faults or world is None or dp is None or policy is None or (has_critic and critic is None):
@@ -395,16 +393,12 @@ def _build_plan(cfg: BatchConfig, strict: bool = False) -> BatchPlan:
             "mini-batch and GPU vary; sample-level divisibility is not checked. Cut mini-batches "
             "at prompt boundaries (batchfit.batches.minibatch.mini_batch_boundaries) and pad each for data "
             "parallelism (pad_for_data_parallel); the optimizer-step count does not depend on turns."
-            + (
-                " SkyRL still asserts its per-GPU sizes with the nominal n_samples_per_prompt."
-                if cfg.framework == "skyrl"
-                else ""
-            )
+            + own.step_wise_note
         )
         samples = per_gpu_step = forward = None
     else:
         samples = trajectories
-        if padded is not None:  # verl's padding rows
+        if padded is not None:  # the framework's padding rows (verl's)
             per_gpu_step = padded // dp
         elif policy.samples % dp:  # SkyRL's padded mini-batches
             per_gpu_step = policy.steps_per_epoch * policy.per_gpu
@@ -416,11 +410,8 @@ def _build_plan(cfg: BatchConfig, strict: bool = False) -> BatchPlan:
             f"micro-batches are bounded by max_tokens_per_micro_batch={cfg.max_tokens_per_micro_batch} "
             "tokens (batchfit.plan.packing.plan_micro_batches); micro_*_batch_size_per_gpu are not used."
         )
-    if cfg.framework == "verl" and has_critic and not tokens:
-        notes.append(
-            "verl 0.9.1's critic batches by tokens whatever its micro sizes (trainer_base.py gives its engine only "
-            "critic.ppo_infer_max_token_len_per_gpu; EngineConfig.use_dynamic_bsz defaults to true)."
-        )
+    if own.critic_note and has_critic and not tokens:
+        notes.append(own.critic_note)
     return BatchPlan(
         config=cfg,
         world_size=world,

@@ -28,12 +28,27 @@ backward. What is not reproduced: verl compiles its entropy function
 (``use_torch_compile``), which fuses the ``[n, V]`` temporaries away, so the eager entropy
 measured here is an upper bound; without flash-attn both frameworks fall back to a
 row-by-row ``log_softmax`` loop (``logprobs_from_logits_v2``), which is not modelled.
+
+NOTE [ Heads stay in train ]
+Every other fact about verl and SkyRL lives in :mod:`batchfit.frameworks`, but their heads stay
+here. A head is torch code run inside the budget's probe, and the budget selects it by name
+(``ProfileOptions(logprobs="verl")``, ``causal_lm_step(head="skyrl")``, :data:`batchfit.train.HEADS`):
+``budget`` and ``train`` sit below ``frameworks`` and may not import it, and a registry filled
+from above would leave ``logprobs="verl"`` unknown to a caller that never imported
+:mod:`batchfit.frameworks`. So this module holds :class:`FrameworkHead`, each framework's head
+as one :class:`_HeadKind` (its defaults and what it does differently, no branch on its name),
+and the lookup by name (:func:`as_framework_head`); a framework's module in
+:mod:`batchfit.frameworks` declares the head it runs by that name
+(:attr:`FrameworkSpec.head <batchfit.frameworks.registry.FrameworkSpec.head>`), and
+:mod:`batchfit.frameworks.step` fills in the fields its config sets. A new framework with a
+head of its own adds one entry to :data:`_KINDS`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,10 +60,27 @@ from batchfit.validation import check_choice
 
 __all__ = ["ENTROPY_MODES", "FRAMEWORK_HEADS", "FrameworkHead", "as_framework_head", "framework_logprobs"]
 
-#: The frameworks whose head :class:`FrameworkHead` runs.
-FRAMEWORK_HEADS = ("verl", "skyrl")
 #: How a pass computes entropy over the vocabulary.
 ENTROPY_MODES = ("none", "full", "chunked", "checkpointed")
+
+
+@dataclass(frozen=True)
+class _HeadKind:
+    """What one framework's head does (NOTE [ Heads stay in train ]).
+
+    Attributes:
+        defaults: the :class:`FrameworkHead` fields of the framework's default config.
+        temperature_in_place: the logits are divided by the temperature in place (SkyRL),
+            else out of place and only when it is not 1 (verl).
+        backward_always_in_place: the cross-entropy's backward always writes over the logits
+            (SkyRL), else only when no entropy reads them (verl).
+        entropy: ``(mode, logits, chunk) → entropy`` for a pass that computes one.
+    """
+
+    defaults: dict[str, Any]
+    temperature_in_place: bool
+    backward_always_in_place: bool
+    entropy: Callable[[str, torch.Tensor, int], torch.Tensor] = field(compare=False)
 
 
 @dataclass(frozen=True)
@@ -100,9 +132,7 @@ class FrameworkHead:
         """The framework's head under its default config (verl: no entropy in the update, entropy
         in the old-log-prob pass; SkyRL: chunked entropy without gradients, chunks of 1024)."""
         check_choice("framework", framework, FRAMEWORK_HEADS)
-        if framework == "verl":
-            return cls("verl", forward_entropy="full")
-        return cls("skyrl", entropy="chunked", entropy_grad=False, entropy_chunk_size=1024)
+        return cls(framework, **_KINDS[framework].defaults)
 
     def describe(self) -> str:
         """One line: the framework and what its entropy does (for reports)."""
@@ -156,25 +186,25 @@ def framework_logprobs(
     """
     training = torch.is_grad_enabled()
     mode = head.entropy if training else head.forward_entropy
-    if head.framework == "skyrl":
+    kind = _KINDS[head.framework]
+    if kind.temperature_in_place:
         logits.div_(head.temperature)
     elif head.temperature != 1.0:
         logits = logits / head.temperature
     entropy = None
     if mode != "none":
         with torch.enable_grad() if training and head.entropy_grad else torch.no_grad():
-            entropy = _entropy(head, mode, logits)
+            entropy = kind.entropy(mode, logits, head.entropy_chunk_size)
     # verl writes the gradient over the logits only when no entropy reads them; SkyRL always
-    inplace = head.framework == "skyrl" or entropy is None
+    inplace = kind.backward_always_in_place or entropy is None
     logprobs = kernel_logprobs(logits, labels, inplace_backward=inplace, ignore_index=IGNORE_INDEX)
     return logprobs, entropy
 
 
-def _entropy(head: FrameworkHead, mode: str, logits: torch.Tensor) -> torch.Tensor:
-    if head.framework == "skyrl":
-        return _skyrl_chunked_entropy(logits, head.entropy_chunk_size)
+def _verl_entropy_of_mode(mode: str, logits: torch.Tensor, chunk: int) -> torch.Tensor:
+    """verl's entropy in ``mode`` (``full``, ``chunked``, ``checkpointed``)."""
     if mode == "chunked":
-        return _verl_chunked_entropy(logits, head.entropy_chunk_size)
+        return _verl_chunked_entropy(logits, chunk)
     if mode == "checkpointed" and torch.is_grad_enabled():
         # verl calls checkpoint() without use_reentrant: the reentrant implementation
         return torch.utils.checkpoint.checkpoint(_verl_entropy, logits, use_reentrant=True)
@@ -198,6 +228,12 @@ def _verl_chunked_entropy(logits: torch.Tensor, chunk: int) -> torch.Tensor:
     return out.view(logits.shape[:-1])
 
 
+def _skyrl_entropy_of_mode(mode: str, logits: torch.Tensor, chunk: int) -> torch.Tensor:
+    """SkyRL's entropy: always chunked along the sequence, whatever ``mode`` says."""
+    del mode
+    return _skyrl_chunked_entropy(logits, chunk)
+
+
 def _skyrl_chunked_entropy(logits: torch.Tensor, chunk: int) -> torch.Tensor:
     """``−Σ p·log p`` from ``log_softmax``, ``chunk`` tokens of the sequence at a time, in the logits' dtype."""
     out = torch.zeros(logits.shape[:-1], dtype=logits.dtype, device=logits.device)
@@ -205,3 +241,24 @@ def _skyrl_chunked_entropy(logits: torch.Tensor, chunk: int) -> torch.Tensor:
         logp = torch.log_softmax(logits[:, start : start + chunk], dim=-1)
         out[:, start : start + chunk] = -(logp.exp() * logp).sum(-1)
     return out
+
+
+# Each framework's head, by the name :class:`FrameworkHead` and the budget's options take
+# (NOTE [ Heads stay in train ]); verl 0.9.1 and SkyRL 0.4.0, the code cited in the module's
+# NOTE [ The framework's head, not ours ].
+_KINDS: dict[str, _HeadKind] = {
+    "verl": _HeadKind(
+        defaults={"forward_entropy": "full"},
+        temperature_in_place=False,
+        backward_always_in_place=False,
+        entropy=_verl_entropy_of_mode,
+    ),
+    "skyrl": _HeadKind(
+        defaults={"entropy": "chunked", "entropy_grad": False, "entropy_chunk_size": 1024},
+        temperature_in_place=True,
+        backward_always_in_place=True,
+        entropy=_skyrl_entropy_of_mode,
+    ),
+}
+#: The frameworks whose head :class:`FrameworkHead` runs.
+FRAMEWORK_HEADS = tuple(_KINDS)

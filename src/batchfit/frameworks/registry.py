@@ -1,0 +1,123 @@
+"""The frameworks batchfit speaks, one :class:`FrameworkSpec` each, registered by name.
+
+Callers ask :func:`get_framework` by name and never branch on a framework's name (STYLE.md
+item 11, after torchtitan's ``TrainSpec``). :mod:`batchfit.frameworks` registers SkyRL's,
+verl's, OpenRLHF's and slime's specs when it is imported; the package root imports it, so the
+registry is full before any caller can ask (NOTE [ Rules registered from above ] in
+:mod:`batchfit.plan.rules`). Registering a spec also registers its batch rules with the plan.
+
+This module imports nothing that imports torch: a spec holds what reading and planning need
+(``import batchfit`` stays light); the modules that emit keys (:mod:`batchfit.frameworks.emit`,
+:mod:`batchfit.frameworks.assumptions`) keep their writers in tables keyed by the same names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchfit.errors import InvalidArgument
+from batchfit.plan.rules import BatchRules, register_batch_rules
+from batchfit.validation import closest
+
+__all__ = ["FrameworkSpec", "framework_names", "get_framework", "register_framework"]
+
+
+@dataclass(frozen=True)
+class FrameworkSpec:
+    """Everything batchfit knows of one framework that is not tied to torch.
+
+    Attributes:
+        name: the framework's vocabulary name (``"verl"``), the key of the registry, the value
+            of ``RunConfig.vocabulary`` for its configs and of ``--emit``.
+        title: the framework and the version batchfit mirrors, for messages (``"verl 0.9.1"``).
+        read_config: its YAML/JSON config reader, ``(resolved, given) → RunConfig`` (verl,
+            SkyRL), or ``None``.
+        read_command: its launch-command reader, ``Command → RunConfig`` (OpenRLHF, slime), or
+            ``None``. Exactly one of the two readers is set.
+        batch_rules: the batch rules :meth:`BatchConfig.plan` applies under
+            ``framework=name`` (:class:`~batchfit.plan.rules.BatchRules`), or ``None`` when its
+            runs take batchfit's exact splits and check their own rules
+            (:class:`~batchfit.frameworks.flags.FrameworkRun`).
+        head: the log-prob head it runs by default, a name of :data:`batchfit.train.HEADS`
+            (``"verl"``, ``"skyrl"``: :class:`~batchfit.train.framework_heads.FrameworkHead`;
+            ``"full"``: log-probs from the whole logits). NOTE [ Heads stay in train ] in
+            :mod:`batchfit.train.framework_heads`.
+        reference_dtype: the dtype its reference model loads in by default (``fp32``, ``bf16``).
+        strategy_refusal: ``run → why profile cannot model the run's training strategy`` (with
+            the flags that can), or ``None`` when the CLI judges the strategy itself.
+        fsdp: the :class:`~batchfit.parallel.Sharding` strategy the config's strategy name
+            ``fsdp`` means: ``"fsdp1"`` for verl (``FullyShardedDataParallel``), ``"fsdp2"``
+            (``fully_shard``) for SkyRL, whose ``fsdp`` and ``fsdp2`` are the same.
+        gpu_keys: the :class:`~batchfit.plan.config.BatchConfig` fields ``num_nodes`` and
+            ``gpus_per_node`` → the config keys they are read from (for messages).
+        emit_needs_plan: ``--emit`` derives keys from the config's batch plan (SkyRL's micro
+            sizes), so the plan must hold before any probe.
+
+    Raises:
+        InvalidArgument: not exactly one reader.
+    """
+
+    name: str
+    title: str
+    read_config: Callable[[dict[str, Any], dict[str, Any]], Any] | None = None
+    read_command: Callable[[Any], Any] | None = None
+    batch_rules: BatchRules | None = None
+    head: str = "full"
+    reference_dtype: str = "bf16"
+    strategy_refusal: Callable[[Any], str | None] | None = None
+    fsdp: str = "fsdp2"
+    gpu_keys: Mapping[str, str] = field(default_factory=dict, compare=False)
+    emit_needs_plan: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.read_config is None) == (self.read_command is None):
+            raise InvalidArgument(
+                f"FrameworkSpec {self.name!r} must set exactly one of read_config (a YAML/JSON config reader) and "
+                "read_command (a launch-command reader)"
+            )
+
+    @property
+    def reads_command(self) -> bool:
+        """The framework is configured by a launch command (its flags), not a YAML/JSON file."""
+        return self.read_command is not None
+
+
+_SPECS: dict[str, FrameworkSpec] = {}
+
+
+def register_framework(spec: FrameworkSpec) -> None:
+    """Register ``spec`` under ``spec.name`` (and its batch rules with the plan).
+
+    Raises:
+        InvalidArgument: another spec is registered under that name.
+    """
+    known = _SPECS.get(spec.name)
+    if known is not None and known is not spec:
+        raise InvalidArgument(f"framework {spec.name!r} is registered already; register each framework once")
+    _SPECS[spec.name] = spec
+    if spec.batch_rules is not None:
+        register_batch_rules(spec.batch_rules)
+
+
+def framework_names() -> tuple[str, ...]:
+    """The registered frameworks' names, in the order they were registered."""
+    return tuple(_SPECS)
+
+
+def get_framework(name: str) -> FrameworkSpec:
+    """The spec registered as ``name``.
+
+    Raises:
+        InvalidArgument: (a ``ValueError``) ``name`` is not registered; the message names it, the
+            choices and the closest one.
+    """
+    spec = _SPECS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        hint = closest(name, tuple(_SPECS)) if isinstance(name, str) else None
+        raise InvalidArgument(
+            f"framework={name!r} is not one batchfit knows; choices: {', '.join(_SPECS)}"
+            + (f"; did you mean {hint!r}?" if hint else "")
+        )
+    return spec
