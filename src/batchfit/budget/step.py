@@ -331,7 +331,7 @@ def on_device(mb: MicroBatch, backend: Backend) -> tuple[MicroBatch, list[torch.
     packed row's ``cu_seq_lens`` stays the host tensor in the micro-batch (varlen attention
     reads its values, which fake tensors do not have) while its fake copy holds its bytes.
     """
-    fake = getattr(backend, "fake_mode", None) is not None
+    fake = backend.simulated
     fields: dict[str, Any] = {}
     held: list[torch.Tensor] = []
     for key, value in mb.batch.items():
@@ -354,7 +354,7 @@ def _check_values_kept(mb: MicroBatch, backend: Backend) -> None:
         InvalidArgument: the micro-batch's ``input_ids`` are larger than the values the
             backend's fake mode keeps (:data:`batchfit.memory.shadow_values.SHADOW_LIMIT_BYTES`).
     """
-    limit = getattr(getattr(backend, "fake_mode", None), "shadow_limit_bytes", None)
+    limit = backend.kept_values_bytes
     ids = mb.batch.get("input_ids")
     if limit is None or not isinstance(ids, torch.Tensor):
         return
@@ -523,7 +523,7 @@ def _check_model_on_backend(model: torch.nn.Module, backend: Backend) -> None:
     if param is None:
         return
     param = next(plain_tensors(param))  # a sharded parameter's local shard
-    fake_mode = getattr(backend, "fake_mode", None)
+    fake_mode = backend.fake_mode
     if fake_mode is not None:
         if not isinstance(param, FakeTensor) or param.fake_mode is not fake_mode:
             raise InvalidArgument(
