@@ -24,6 +24,7 @@ from batchfit.budget.find import find_token_budget
 from batchfit.budget.options import ProfileOptions
 from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import BudgetError, DoesNotFitError, InvalidArgument, Phrase, Setting
+from batchfit.memory.base import Backend
 from batchfit.memory.untracked import UntrackedMemory, untracked_memory
 from batchfit.models.lora import LoraParameters, lora_parameters
 from batchfit.parallel.behaviour import TorchBehaviours, torch_behaviours
@@ -417,14 +418,14 @@ def model_name(model: Any) -> str:
     return str(name) if name else type(model).__name__
 
 
-def depth_plan(config: Any, backend: Any, depth_extrapolation: bool | None) -> tuple[int, bool]:
+def depth_plan(config: Any, backend: Backend, depth_extrapolation: bool | None) -> tuple[int, bool]:
     """The model's depth, and whether it is extrapolated from two shallow copies (default: when estimating)."""
     depth = int(config.num_hidden_layers)
     wanted = backend.extrapolates_depth if depth_extrapolation is None else bool(depth_extrapolation)
     return depth, wanted and uniform_layers(config) and depth > max(DEFAULT_DEPTHS)
 
 
-def _take_resident(backend: Any, resident: int) -> None:
+def _take_resident(backend: Backend, resident: int) -> None:
     """Count ``resident`` bytes (other models' state on the device) like the reserve."""
     from batchfit.memory import format_bytes
 
@@ -556,7 +557,7 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def simulated_world_for(backend: Any, sharding: Sharding) -> Any:
+def simulated_world_for(backend: Backend, sharding: Sharding) -> Any:
     """The process group a sharded profile needs without real ranks: simulated ranks (estimate), or one rank (cpu).
 
     FSDP2, FSDP1 or DDP over one rank never communicates, so a one-rank cpu profile (a framework
@@ -579,7 +580,7 @@ def simulated_world_for(backend: Any, sharding: Sharding) -> Any:
 class RoleBuilder:
     """Builds the probe of one role: full depth, or two shallow copies to extrapolate from."""
 
-    def __init__(self, config: Any, backend: Any, dtype: Any, options: ProfileOptions, extrapolate: bool, depth: int):
+    def __init__(self, config: Any, backend: Backend, dtype: Any, options: ProfileOptions, extrapolate: bool, depth: int):
         self.config, self.backend, self.dtype, self.options = config, backend, dtype, options
         self.extrapolate, self.depth = extrapolate, depth
 
@@ -593,7 +594,7 @@ class RoleBuilder:
             self.config, self.backend, self.dtype, self.options.replace(**changes), self.extrapolate, self.depth
         )
 
-    def with_backend(self, backend: Any) -> RoleBuilder:
+    def with_backend(self, backend: Backend) -> RoleBuilder:
         """The same builder on another backend."""
         return RoleBuilder(self.config, backend, self.dtype, self.options, self.extrapolate, self.depth)
 
@@ -717,7 +718,7 @@ def _world_below(n: int) -> int:
 
 def _with_world_size_hint(exc: DoesNotFitError, role: str, build: RoleBuilder, seq_len: int) -> DoesNotFitError:
     limit = exc.available if exc.available is not None else 0
-    untracked = getattr(build.backend, "untracked", None)
+    untracked = build.backend.untracked
     if untracked is not None and not untracked.nccl_bytes:  # the suggested world has NCCL's buffers too
         limit -= untracked_memory(world_size=2).nccl_bytes
     start = build.sharding.world_size if build.sharding.strategy == "fsdp2" else 1
