@@ -13,6 +13,10 @@ a module is replaced by an :class:`AttributePatch`; several independent uses of 
 attribute share one patch, each registering a layer of its one wrapper
 (:class:`LayeredPatch`: ``Work.wait``).
 
+One patch is not made here: FSDP1's pinning of host memory (``torch.Tensor.pin_memory``,
+:mod:`batchfit.parallel.fsdp1`), since ``parallel`` is a layer below ``memory`` and cannot
+import this module.
+
 NOTE [ Shared and counted ]
 - The first :meth:`SharedChange.acquire` installs the change, the last :meth:`SharedChange.release`
   removes it, whatever the order in which users (blocks, threads) leave; a change that fails
@@ -22,14 +26,14 @@ NOTE [ Shared and counted ]
   ``finally``: an exception in the block propagates after the change is undone.
 
 NOTE [ Patched once, restored exactly ]
-- **Once.** The first tracker entered installs the wrapper, the last one to exit removes it;
-  nested trackers and trackers on other threads share it (a count under a lock). The
-  wrapper is one module-level function per attribute, recognised by identity: it is never
+- **Once.** The first user (a tracker, an estimate context, a guarded search) installs the
+  wrapper, the last one to exit removes it; nested users and users on other threads share
+  it (NOTE [ Shared and counted ]). The wrapper is one module-level function per attribute, recognised by identity: it is never
   installed over itself, nor over a wrapper that already calls it (followed through
   ``__wrapped__``, which ``functools.wraps`` sets, as ``MemTracker`` does). A chain that calls
   it again without saying so (a wrapper without ``__wrapped__``) is cut by a per-thread
   guard: re-entered on the same thread, it calls the bottom of the chain (the C method).
-- **Exactly.** Installing remembers the attribute's own entry in the class ``__dict__``;
+- **Exactly.** Installing remembers the attribute's own entry in the class (or module) ``__dict__``;
   removing puts that entry back, or deletes ours when there was none (``resize_`` is
   inherited from ``torch._C.StorageBase``: assigning the C method instead would leave a copy
   in ``torch.UntypedStorage.__dict__``). It is removed only if it is still on top: if
