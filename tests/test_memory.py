@@ -92,6 +92,40 @@ def test_backend_defaults_and_limit_arithmetic():
     assert get_backend(cpu) is cpu
 
 
+_CAPABILITIES = (
+    "runs_past_limit",
+    "holds_memory",
+    "simulated",
+    "host_memory",
+    "estimate_is_exact",
+    "simulates_one_rank",
+    "extrapolates_depth",
+    "suggests_world_sizes",
+)
+
+
+@pytest.mark.parametrize(
+    ("backend", "declared"),
+    [
+        # runs past, holds, simulated, host, exact estimate, one rank, depth, world sizes
+        (CpuBackend, (True, True, False, True, True, True, False, False)),
+        (EstimateBackend, (True, False, True, False, False, False, True, True)),
+        (CudaBackend, (False, True, False, False, False, False, False, False)),
+    ],
+    ids=["cpu", "estimate", "cuda"],
+)
+def test_each_backend_declares_what_it_can_do(backend, declared):
+    # NOTE [ Backends say what they can do ]: callers ask these, never the name
+    assert tuple(getattr(backend, name) for name in _CAPABILITIES) == declared
+
+
+def test_a_simulated_backend_keeps_integer_values_up_to_its_fake_modes_limit_and_a_real_one_any():
+    est, cpu = get_backend("estimate"), get_backend("cpu")
+    assert est.fake_mode is not None and est.kept_values_bytes == est.fake_mode.shadow_limit_bytes
+    assert (cpu.fake_mode, cpu.kept_values_bytes, cpu.untracked) == (None, None, None)
+    assert est.untracked is not None  # the default reserve's terms
+
+
 @pytest.mark.parametrize(
     ("name", "kwargs", "match"),
     [

@@ -53,6 +53,39 @@ def test_persistent_holds_model_and_optimizer():
     assert causal_lm_step(model, backend=backend, optimizer=None).persistent == (model,)
 
 
+def _module_hooks(model: torch.nn.Module) -> int:
+    """Forward, pre-forward and backward hooks on every module of ``model``."""
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) + len(m._backward_pre_hooks)
+        for m in model.modules()
+    )
+
+
+@pytest.mark.parametrize("name", ["cpu", "estimate"])
+def test_a_step_leaves_no_hooks_on_the_model_after_it_ran_ran_out_or_raised(name, monkeypatch):
+    # NOTE [ A step leaves no hooks ]
+    backend = get_backend(name, memory_limit="64MiB", reserve_bytes=0)
+    model = build_causal_lm("tiny", backend=backend)
+    before = _module_hooks(model)
+    assert before == 0  # a plain model: any hook left would be the step's
+    step = causal_lm_step(model, backend=backend)
+    assert _module_hooks(model) == before  # made, not run
+    assert step.measure([16, 16]).fits
+    assert _module_hooks(model) == before  # ran
+    assert not step.measure([4096] * 16).fits  # stopped at the limit inside the forward
+    assert _module_hooks(model) == before
+    seen = []
+
+    def failing(*args, **kwargs):
+        seen.append(_module_hooks(model))  # inside the step: its hooks are there
+        raise RuntimeError("a bug in the step")
+
+    monkeypatch.setattr("batchfit.budget.step.micro_batch_loss", failing)
+    with pytest.raises(RuntimeError, match="a bug in the step"):
+        step([16, 16])
+    assert seen[0] > before and _module_hooks(model) == before  # raised
+
+
 @pytest.fixture(scope="module")
 def cpu_model():
     backend = get_backend("cpu")

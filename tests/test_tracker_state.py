@@ -284,6 +284,44 @@ def test_resize_is_restored_by_removing_our_class_attribute_when_it_was_inherite
     assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_
 
 
+def test_the_tracker_and_a_guarded_search_share_one_wait_patch_restored_by_the_last():
+    # NOTE [ Shared and counted ] (batchfit/memory/patches.py): Work.wait is patched once, the
+    # tracker's layer outside the search guard's polling one
+    import batchfit.budget.guard  # noqa: F401 - registers the guard's layer
+    from batchfit.memory.tracker import WORK_WAIT
+
+    assert [layer.__name__ for layer in WORK_WAIT._layers] == ["_untracked_wait", "_polling_wait"]
+    before = _class_entries()
+    with WORK_WAIT.active():  # what a guarded search holds while it runs
+        with MemoryTracker():
+            assert dist.Work.__dict__["wait"] is WORK_WAIT.wrapper and WORK_WAIT.users == 2
+        assert dist.Work.__dict__["wait"] is WORK_WAIT.wrapper and WORK_WAIT.users == 1
+        with pytest.raises(ValueError, match="inside"), MemoryTracker():
+            raise ValueError("inside")
+        assert WORK_WAIT.users == 1
+    assert _class_entries() == before and WORK_WAIT.users == 0
+
+
+def test_a_shared_change_is_installed_once_by_nested_blocks_and_undone_by_the_last_also_on_errors():
+    from batchfit.memory.patches import SharedChange
+
+    calls = []
+
+    class Change(SharedChange):
+        def _install(self) -> None:
+            calls.append("install")
+
+        def _uninstall(self) -> None:
+            calls.append("uninstall")
+
+    change = Change()
+    with change.active(), change.active():  # nested on one thread
+        assert change.users == 2
+    with pytest.raises(ValueError, match="in the block"), change.active():
+        raise ValueError("in the block")
+    assert calls == ["install", "uninstall", "install", "uninstall"] and change.users == 0
+
+
 # --------------------------------------------------------------------------- patches: composition
 
 

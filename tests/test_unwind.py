@@ -22,7 +22,7 @@ import torch.utils._python_dispatch as dispatch
 from batchfit.memory import CpuBackend, MemoryTracker, heap, labels
 from batchfit.memory import fake_patches as fp
 from batchfit.memory import tracker as tracker_module
-from batchfit.memory.patches import ClassPatch, undo_all
+from batchfit.memory.patches import AttributePatch, undo_all
 from multirank import scaled
 
 _ABSENT = object()
@@ -92,7 +92,7 @@ def test_undo_all_runs_every_step_and_raises_the_first_failure_with_the_others_a
 _ENTRY_STEPS = {
     "labels pushed": (labels, "_push"),
     "resize_ patched": (tracker_module._RESIZE, "acquire"),
-    "wait patched": (tracker_module._WAIT, "acquire"),
+    "wait patched": (tracker_module.WORK_WAIT, "acquire"),
     "dispatch mode pushed": (dispatch.TorchDispatchMode, "__enter__"),
 }
 
@@ -114,7 +114,7 @@ def test_a_failed_tracker_entry_leaves_no_mode_no_patch_and_no_labels(monkeypatc
 
 _EXIT_STEPS = {
     "dispatch mode popped": (dispatch.TorchDispatchMode, "__exit__"),
-    "wait restored": (tracker_module._WAIT, "release"),
+    "wait restored": (tracker_module.WORK_WAIT, "release"),
     "resize_ restored": (tracker_module._RESIZE, "release"),
     "labels popped": (labels, "_pop"),
 }
@@ -162,7 +162,7 @@ def test_an_exit_without_an_entry_is_refused():
         t.__exit__(None, None, None)
 
 
-# --------------------------------------------------------------------------- ClassPatch
+# --------------------------------------------------------------------------- AttributePatch
 
 
 class _Touchy(type):
@@ -193,7 +193,7 @@ class _Owner(_Base, metaclass=_Touchy):
 @pytest.fixture
 def toy_patch(monkeypatch):
     monkeypatch.setattr(_Touchy, "refuse", False)
-    patch = ClassPatch(lambda: _Owner, "method")
+    patch = AttributePatch(lambda: _Owner, "method")
 
     @patch.bind
     def wrapper(self: Any) -> str:
@@ -273,7 +273,7 @@ def test_a_hook_that_fails_to_register_removes_the_hooks_registered_before_it(mo
 def test_a_failed_tracker_entry_in_a_measurement_removes_the_hooks(monkeypatch):
     model = torch.nn.Linear(4, 4)
     before, state = _hook_counts(model), _process_state()
-    monkeypatch.setattr(tracker_module._WAIT, "acquire", _raising)
+    monkeypatch.setattr(tracker_module.WORK_WAIT, "acquire", _raising)
     with pytest.raises(Injected):
         CpuBackend().measure(lambda: model(torch.ones(1, 4)), register=model)
     monkeypatch.undo()
@@ -340,9 +340,7 @@ def libc(monkeypatch):
     fake = FakeLibc()
     monkeypatch.setattr(heap, "_glibc", lambda: fake)
     monkeypatch.setattr(heap, "_startup_environment", dict)
-    monkeypatch.setattr(heap, "_users", 0)
-    monkeypatch.setattr(heap, "_libc", None)
-    monkeypatch.setattr(heap, "_restore", None)
+    monkeypatch.setattr(heap, "_HEAP", heap._RetainedHeap())
     return fake
 
 
@@ -353,7 +351,7 @@ def test_mallopt_is_raised_inside_and_given_back_the_defaults_after(libc):
             pass
         assert libc.values == {MMAP: RETAIN, TRIM: RETAIN}
     assert libc.values == {MMAP: DEFAULT, TRIM: DEFAULT} and libc.calls[-1] == ("malloc_trim", 0)
-    assert len(libc.calls) == 5 and heap._users == 0
+    assert len(libc.calls) == 5 and heap._HEAP.users == 0
 
 
 def test_the_thresholds_the_process_started_with_are_put_back(libc, monkeypatch):
@@ -380,7 +378,7 @@ def test_a_mallopt_that_raises_while_setting_undoes_what_was_set(libc, fail_at):
     with pytest.raises(Injected), heap.retain_freed_memory():
         pytest.fail("the block must not run")  # pragma: no cover
     expected = {MMAP: "start", TRIM: "start"} if fail_at == 1 else {MMAP: DEFAULT, TRIM: "start"}
-    assert libc.values == expected and heap._users == 0
+    assert libc.values == expected and heap._HEAP.users == 0
     libc.fail_at = ()
     with heap.retain_freed_memory():
         assert libc.values == {MMAP: RETAIN, TRIM: RETAIN}
@@ -400,7 +398,7 @@ def test_a_restoring_call_that_raises_does_not_stop_the_others(libc, fail_at):
     with pytest.raises(Injected, match=f"call {fail_at}"), heap.retain_freed_memory():
         pass
     assert libc.calls[2:] == [("mallopt", TRIM, DEFAULT), ("mallopt", MMAP, DEFAULT), ("malloc_trim", 0)]
-    assert heap._users == 0
+    assert heap._HEAP.users == 0
 
 
 def test_concurrent_blocks_restore_when_the_last_one_exits(libc):
@@ -437,7 +435,7 @@ def test_the_transformers_patch_is_restored_by_the_last_block_whatever_the_exit_
     assert mu.find_packed_sequence_indices is original
     with contextlib.suppress(Injected), fp.transformers_fake_patches():
         raise Injected("in the block")
-    assert mu.find_packed_sequence_indices is original and fp._users == 0
+    assert mu.find_packed_sequence_indices is original and fp._PATCH.users == 0
 
 
 def test_fsdp1_fake_patches_exited_out_of_order_leave_torch_as_found():

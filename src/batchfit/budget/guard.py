@@ -70,12 +70,12 @@ import datetime
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from batchfit.errors import BatchfitError
 from batchfit.memory.base import RankRanOutOfMemory
-from batchfit.memory.patches import ClassPatch
+from batchfit.memory.tracker import WORK_WAIT
 from batchfit.parallel.distributed import gather_through_store, is_agreed, mark_agreed
 from batchfit.parallel.shard import model_groups
 
@@ -90,27 +90,22 @@ class RankLeftSearch(BatchfitError):
     """Another rank left the search without the others (an error of its own, an interrupt): this rank stops too."""
 
 
-def _work_class() -> type | None:
-    import torch.distributed as dist
+@WORK_WAIT.layer
+def _polling_wait(call: Callable[..., Any], work: Any, timeout: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """``Work.wait`` that, inside a guarded search, gives up when another rank ran out or left (NOTE above).
 
-    return getattr(dist, "Work", None) if dist.is_available() else None
-
-
-_WAIT = ClassPatch(_work_class, "wait")
-
-
-@_WAIT.bind
-def _polling_wait(work: Any, timeout: Any = None, *args: Any, **kwargs: Any) -> Any:
-    """``Work.wait`` that, inside a guarded search, gives up when another rank ran out or left (NOTE above)."""
+    A layer of the one ``Work.wait`` patch (:data:`batchfit.memory.tracker.WORK_WAIT`), inside
+    the tracker's: the polling wait's allocations are the backend's, as the whole wait's are.
+    """
     guard = getattr(_active, "guard", None)
     if guard is None or args or kwargs:
-        return _WAIT.call_below(work, *(() if timeout is None else (timeout,)), *args, **kwargs)
+        return call(work, *(() if timeout is None else (timeout,)), *args, **kwargs)
     given = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 0.0
     deadline = time.monotonic() + given if given > 0 else None
     step = datetime.timedelta(seconds=POLL_SECONDS)
     while True:
         try:
-            return _WAIT.call_below(work, step)
+            return call(work, step)
         except RuntimeError as exc:
             if "timed out" not in str(exc).lower():
                 raise
@@ -205,17 +200,16 @@ class SearchGuard:
     @contextlib.contextmanager
     def running(self) -> Iterator[SearchGuard]:
         """The search's body: waits poll the store; a way out that is not agreed is announced (NOTE above)."""
-        _WAIT.acquire()
-        outer, _active.guard = getattr(_active, "guard", None), self
-        try:
-            yield self
-        except BaseException as exc:
-            if not _agreed(exc):
-                self.leave(exc)
-            raise
-        finally:
-            _active.guard = outer
-            _WAIT.release()
+        with WORK_WAIT.active():
+            outer, _active.guard = getattr(_active, "guard", None), self
+            try:
+                yield self
+            except BaseException as exc:
+                if not _agreed(exc):
+                    self.leave(exc)
+                raise
+            finally:
+                _active.guard = outer
 
     # ----------------------------------------------------------------- probes
     @contextlib.contextmanager

@@ -24,7 +24,7 @@ from batchfit.budget.find import find_token_budget
 from batchfit.budget.options import ProfileOptions
 from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import BudgetError, DoesNotFitError, InvalidArgument, Phrase, Setting
-from batchfit.memory.estimate import EstimateBackend
+from batchfit.memory.base import Backend
 from batchfit.memory.untracked import UntrackedMemory, untracked_memory
 from batchfit.models.lora import LoraParameters, lora_parameters
 from batchfit.parallel.behaviour import TorchBehaviours, torch_behaviours
@@ -265,7 +265,6 @@ def profile_model(
         True
     """
     from batchfit.memory import get_backend
-    from batchfit.memory.heap import retain_freed_memory
     from batchfit.models import load_config, parse_dtype
 
     opts = resolve_options(options, {**module_settings(model, options, settings), **settings})
@@ -279,12 +278,11 @@ def profile_model(
     torch_dtype = parse_dtype(default_dtype(plan) if opts.dtype is None else opts.dtype)
     config = load_config(model)  # a bad spec fails here, before any backend work
     be = get_backend(opts.backend, memory_limit=opts.memory_limit, reserve_bytes=opts.reserve_bytes)
-    if isinstance(be, EstimateBackend):
-        be.expect_world_size(plan.world_size)  # NCCL's buffers on a sharded device
+    be.expect_world_size(plan.world_size)  # NCCL's buffers on a sharded simulated device
     resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
     if resident_bytes:
         _take_resident(be, resident_bytes)
-    parameters = check_host_memory(config, model_name(model)) if be.name == "cpu" else 0
+    parameters = check_host_memory(config, model_name(model)) if be.host_memory else 0
     behaviours = torch_behaviours() if plan.strategy == "fsdp2" else None  # before any simulated world
     adapters = None
     if opts.lora is not None and opts.lora.enabled and set(chosen_roles) != {"reference"}:
@@ -295,11 +293,10 @@ def profile_model(
     budgets: dict[str, TokenBudget] = {}
     failed: tuple[str, DoesNotFitError] | None = None
     # NOTE [ Probing reuses host pages ]: real cpu probes refault gigabytes each time otherwise
-    host_heap = retain_freed_memory() if be.name == "cpu" else contextlib.nullcontext()
-    with simulated_world_for(be, plan), host_heap:
+    with simulated_world_for(be, plan), be.probing():
         for role in chosen_roles:
             lengths, hints = opts.seq_lens, None
-            if be.name == "cpu" and not plan.distributed and parameters >= ESTIMATE_HINTS_FROM_PARAMETERS:
+            if be.estimate_is_exact and not plan.distributed and parameters >= ESTIMATE_HINTS_FROM_PARAMETERS:
                 lengths, hints = _estimated_hints(build, role, opts)
             # NOTE [ Ranks agree or say why ]: a build that fails on one rank raises on all
             step = agree(lambda role=role: build.step(role), what=f"building the {role} model")
@@ -322,7 +319,7 @@ def profile_model(
                 gc.collect()
     if failed is not None:
         role, exc = failed
-        if opts.suggest_world_size and be.name == "estimate":
+        if opts.suggest_world_size and be.suggests_world_sizes:
             raise _with_world_size_hint(exc, role, build, opts.max_seq_len) from None
         raise exc.replace(Phrase(f"{role}: ", *exc.message.parts)) from None
     return ModelProfile(
@@ -340,7 +337,7 @@ def profile_model(
         compute_dtype=_dtype_name(compute_dtype(plan, torch_dtype)),
         depth=depth,
         measured_depths=tuple(DEFAULT_DEPTHS) if extrapolate else None,
-        untracked=getattr(be, "untracked", None),
+        untracked=be.untracked,
         torch=behaviours,
         lora=adapters,
     )
@@ -421,14 +418,14 @@ def model_name(model: Any) -> str:
     return str(name) if name else type(model).__name__
 
 
-def depth_plan(config: Any, backend: Any, depth_extrapolation: bool | None) -> tuple[int, bool]:
+def depth_plan(config: Any, backend: Backend, depth_extrapolation: bool | None) -> tuple[int, bool]:
     """The model's depth, and whether it is extrapolated from two shallow copies (default: when estimating)."""
     depth = int(config.num_hidden_layers)
-    wanted = backend.name == "estimate" if depth_extrapolation is None else bool(depth_extrapolation)
+    wanted = backend.extrapolates_depth if depth_extrapolation is None else bool(depth_extrapolation)
     return depth, wanted and uniform_layers(config) and depth > max(DEFAULT_DEPTHS)
 
 
-def _take_resident(backend: Any, resident: int) -> None:
+def _take_resident(backend: Backend, resident: int) -> None:
     """Count ``resident`` bytes (other models' state on the device) like the reserve."""
     from batchfit.memory import format_bytes
 
@@ -560,7 +557,7 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def simulated_world_for(backend: Any, sharding: Sharding) -> Any:
+def simulated_world_for(backend: Backend, sharding: Sharding) -> Any:
     """The process group a sharded profile needs without real ranks: simulated ranks (estimate), or one rank (cpu).
 
     FSDP2, FSDP1 or DDP over one rank never communicates, so a one-rank cpu profile (a framework
@@ -573,9 +570,9 @@ def simulated_world_for(backend: Any, sharding: Sharding) -> Any:
 
     if not sharding.distributed:
         return contextlib.nullcontext()
-    if backend.name == "estimate":
+    if backend.simulated:
         return simulated_world(sharding.world_size)
-    if backend.name == "cpu" and sharding.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
+    if backend.simulates_one_rank and sharding.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
         return simulated_world(1)
     return contextlib.nullcontext()
 
@@ -583,7 +580,7 @@ def simulated_world_for(backend: Any, sharding: Sharding) -> Any:
 class RoleBuilder:
     """Builds the probe of one role: full depth, or two shallow copies to extrapolate from."""
 
-    def __init__(self, config: Any, backend: Any, dtype: Any, options: ProfileOptions, extrapolate: bool, depth: int):
+    def __init__(self, config: Any, backend: Backend, dtype: Any, options: ProfileOptions, extrapolate: bool, depth: int):
         self.config, self.backend, self.dtype, self.options = config, backend, dtype, options
         self.extrapolate, self.depth = extrapolate, depth
 
@@ -597,7 +594,7 @@ class RoleBuilder:
             self.config, self.backend, self.dtype, self.options.replace(**changes), self.extrapolate, self.depth
         )
 
-    def with_backend(self, backend: Any) -> RoleBuilder:
+    def with_backend(self, backend: Backend) -> RoleBuilder:
         """The same builder on another backend."""
         return RoleBuilder(self.config, backend, self.dtype, self.options, self.extrapolate, self.depth)
 
@@ -721,7 +718,7 @@ def _world_below(n: int) -> int:
 
 def _with_world_size_hint(exc: DoesNotFitError, role: str, build: RoleBuilder, seq_len: int) -> DoesNotFitError:
     limit = exc.available if exc.available is not None else 0
-    untracked = getattr(build.backend, "untracked", None)
+    untracked = build.backend.untracked
     if untracked is not None and not untracked.nccl_bytes:  # the suggested world has NCCL's buffers too
         limit -= untracked_memory(world_size=2).nccl_bytes
     start = build.sharding.world_size if build.sharding.strategy == "fsdp2" else 1

@@ -50,6 +50,7 @@ from batchfit.batches.weights import loss_weights
 from batchfit.budget.probe import response_tokens
 from batchfit.errors import InvalidArgument, Phrase, Setting
 from batchfit.memory import Backend, MemoryMeasurement, labels
+from batchfit.memory.patches import undo_all
 from batchfit.memory.registration import (
     COMMUNICATION,
     GRADIENTS,
@@ -149,7 +150,7 @@ class TrainingStep:
         self.categories: tuple[str | None, ...] = (None,) * len(state) + (COMMUNICATION,) * len(comm)
         self.host_categories: tuple[str, ...] = HOST_CATEGORIES if self.sharding.offload == "cpu" else ()
         self._head = _head_module(unwrap(model))
-        self._position_hooks = _install_position_hooks(unwrap(model))
+        self._layers = _layer_stack(unwrap(model))
 
     def remedies(self) -> list[str | Phrase]:
         """What would make a longer sequence fit, leaving out what this step already does.
@@ -230,7 +231,8 @@ class TrainingStep:
         options = self.loss_options
         if self.only_loss_tokens:
             _check_values_kept(mb, self.backend)
-        with self.backend.context(), _quiet_fsdp_views():
+        # NOTE [ A step leaves no hooks ]
+        with self.backend.context(), _quiet_fsdp_views(), _position_hooks(self._layers):
             mb, _held = on_device(mb, self.backend)
             if self.forward_only:
                 with torch.no_grad(), labels.phase(labels.FORWARD), _head_region(self._head):
@@ -329,7 +331,7 @@ def on_device(mb: MicroBatch, backend: Backend) -> tuple[MicroBatch, list[torch.
     packed row's ``cu_seq_lens`` stays the host tensor in the micro-batch (varlen attention
     reads its values, which fake tensors do not have) while its fake copy holds its bytes.
     """
-    fake = getattr(backend, "fake_mode", None) is not None
+    fake = backend.simulated
     fields: dict[str, Any] = {}
     held: list[torch.Tensor] = []
     for key, value in mb.batch.items():
@@ -352,7 +354,7 @@ def _check_values_kept(mb: MicroBatch, backend: Backend) -> None:
         InvalidArgument: the micro-batch's ``input_ids`` are larger than the values the
             backend's fake mode keeps (:data:`batchfit.memory.shadow_values.SHADOW_LIMIT_BYTES`).
     """
-    limit = getattr(getattr(backend, "fake_mode", None), "shadow_limit_bytes", None)
+    limit = backend.kept_values_bytes
     ids = mb.batch.get("input_ids")
     if limit is None or not isinstance(ids, torch.Tensor):
         return
@@ -431,21 +433,31 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return getattr(value, "last_hidden_state", None)
 
 
-def _install_position_hooks(model: torch.nn.Module) -> list[Any]:
-    """Label each op with its position in the layer stack (NOTE [ Phases and regions ]).
+def _layer_stack(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model``'s decoder layers, ``[]`` for a model without a layer list (it gets no positions)."""
+    try:
+        return list(decoder_layers(model))
+    except InvalidArgument:
+        return []
+
+
+@contextlib.contextmanager
+def _position_hooks(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Label each op with its position in the layer stack while inside (NOTE [ Phases and regions ]).
 
     Forward: a layer's pre-hook sets its position. Backward: a hook on each layer's output
     gradient sets the layer's position when its backward starts, and one on the first
     layer's input gradient sets ``embed``. Recomputation under activation checkpointing
-    runs in the backward phase and leaves the labels alone. Models without a layer list
-    get no positions.
+    runs in the backward phase and leaves the labels alone.
+
+    NOTE [ A step leaves no hooks ]
+    The module hooks a step needs are registered for one run of it and removed when it
+    ends, also when it raises (a probe out of memory, an interrupt): the model a user
+    passed to :func:`causal_lm_step` has the hooks it had before, between calls and after
+    the step is dropped. The gradient hooks go on tensors of that run, which die with it.
     """
-    try:
-        layers = decoder_layers(model)
-    except InvalidArgument:
-        return []
     depth = len(layers)
-    handles = []
+    handles: list[Any] = []
 
     def on_grad(position: str) -> Any:
         def hook(grad: torch.Tensor) -> None:
@@ -453,27 +465,30 @@ def _install_position_hooks(model: torch.nn.Module) -> list[Any]:
 
         return hook
 
-    for index, layer in enumerate(layers):
-        position = _layer_position(index, depth)
+    try:
+        for index, layer in enumerate(layers):
+            position = _layer_position(index, depth)
 
-        def pre(module: torch.nn.Module, args: tuple, position: str = position, index: int = index) -> None:
-            if labels.coarse_phase() != labels.FORWARD:
-                return
-            labels.set_position(position)
-            first = _first_tensor(args)
-            if index == 0 and first is not None and first.requires_grad:
-                first.register_hook(on_grad(labels.EMBED))
+            def pre(module: torch.nn.Module, args: tuple, position: str = position, index: int = index) -> None:
+                if labels.coarse_phase() != labels.FORWARD:
+                    return
+                labels.set_position(position)
+                first = _first_tensor(args)
+                if index == 0 and first is not None and first.requires_grad:
+                    first.register_hook(on_grad(labels.EMBED))
 
-        def post(module: torch.nn.Module, args: tuple, out: Any, position: str = position) -> None:
-            if labels.coarse_phase() != labels.FORWARD:
-                return
-            first = _first_tensor(out)
-            if first is not None and first.requires_grad:
-                first.register_hook(on_grad(position))
+            def post(module: torch.nn.Module, args: tuple, out: Any, position: str = position) -> None:
+                if labels.coarse_phase() != labels.FORWARD:
+                    return
+                first = _first_tensor(out)
+                if first is not None and first.requires_grad:
+                    first.register_hook(on_grad(position))
 
-        handles.append(layer.register_forward_pre_hook(pre))
-        handles.append(layer.register_forward_hook(post))
-    return handles
+            handles.append(layer.register_forward_pre_hook(pre))
+            handles.append(layer.register_forward_hook(post))
+        yield
+    finally:
+        undo_all(handle.remove for handle in reversed(handles))
 
 
 def _make_optimizer(
@@ -508,7 +523,7 @@ def _check_model_on_backend(model: torch.nn.Module, backend: Backend) -> None:
     if param is None:
         return
     param = next(plain_tensors(param))  # a sharded parameter's local shard
-    fake_mode = getattr(backend, "fake_mode", None)
+    fake_mode = backend.fake_mode
     if fake_mode is not None:
         if not isinstance(param, FakeTensor) or param.fake_mode is not fake_mode:
             raise InvalidArgument(

@@ -50,24 +50,24 @@ def framework_step(run: RunConfig) -> FrameworkStep | None:
     if framework not in _DEFAULT_CHUNK:
         return None
     notes: list[str] = []
-    remove_padding = bool(getattr(run, "remove_padding", False))
+    remove_padding = bool(run.remove_padding)
     cost = "packed" if remove_padding else "padded"
-    if getattr(run, "fused_kernels", False):
+    if run.fused_kernels:
         notes.append(
             f"{framework}'s fused kernels compute log-probs from the hidden states: probed with batchfit's fused "
             "head (logprobs_from_hidden), which never builds the logits either; its chunking is batchfit's"
         )
         return FrameworkStep(head="fused", cost=cost, notes=tuple(notes))
-    entropy = getattr(run, "entropy", "none")
-    forward_entropy = getattr(run, "forward_entropy", "none")
+    entropy = run.entropy
+    forward_entropy = run.forward_entropy
     head = FrameworkHead(
         framework,
         entropy=entropy,
-        entropy_grad=bool(getattr(run, "entropy_grad", False)),
-        entropy_in_loss=bool(getattr(run, "entropy_in_loss", False)),
-        entropy_chunk_size=getattr(run, "entropy_chunk_size", None) or _DEFAULT_CHUNK[framework],
+        entropy_grad=bool(run.entropy_grad),
+        entropy_in_loss=bool(run.entropy_in_loss),
+        entropy_chunk_size=run.entropy_chunk_size or _DEFAULT_CHUNK[framework],
         forward_entropy=forward_entropy,
-        temperature=float(getattr(run, "temperature", None) or 1.0),
+        temperature=float(run.temperature or 1.0),
     )
     layout = "packed rows: it removes padding" if remove_padding else "padded rows: it keeps padding"
     notes.append(f"the budgets' probe runs {head.describe()}; micro-batches as {layout}")

@@ -16,6 +16,7 @@ from batchfit.memory.isolation import isolate
 from batchfit.memory.measurement import MemoryMeasurement
 from batchfit.memory.registration import registered_tensors, trainable_parameters
 from batchfit.memory.sizes import parse_memory
+from batchfit.memory.untracked import UntrackedMemory
 from batchfit.validation import check_positive_int, is_int
 
 # Messages of allocation failures that surface as a plain RuntimeError: library workspaces on
@@ -75,6 +76,8 @@ class Backend(abc.ABC):
     """
 
     name: str = ""
+    _stop_bytes: int | None = None  # NOTE [ Stop at the search's limit ]: set inside stopping_above
+    _to_the_end: bool = False  # NOTE [ Real ranks run their probes to the end ]: set inside running_to_the_end
 
     def __init__(self, *, memory_limit: Any = None, reserve_bytes: Any = 0, round_to: int = 1):
         self.memory_limit = None if memory_limit is None else parse_memory(memory_limit, name="memory_limit")
@@ -118,12 +121,17 @@ class Backend(abc.ABC):
         ``exceeded`` and ``fits=False``, its peak a lower bound. cuda runs the step to the end
         (a device cannot be told to fail early). ``None`` changes nothing.
         """
-        before = getattr(self, "_stop_bytes", None)
+        before = self._stop_bytes
         self._stop_bytes = stop_bytes
         try:
             yield
         finally:
             self._stop_bytes = before
+
+    # NOTE [ Backends say what they can do ]
+    # Code outside batchfit.memory asks a backend what it can do through the capabilities
+    # below, never by its name or its type: a new backend declares its own and every caller
+    # follows.
 
     #: Whether a step can be run past :attr:`limit_bytes` and judged afterwards (the tracked
     #: backends count bytes, no device refuses them); ``cuda`` cannot: its device runs out.
@@ -131,6 +139,55 @@ class Backend(abc.ABC):
     #: Whether a measured step really allocates what it measures (cpu, cuda); the estimate's
     #: fake tensors hold nothing, so running one past the limit costs only its time.
     holds_memory: bool = True
+    #: Whether a step runs on fake tensors (estimate): shapes without memory, and without
+    #: values but for the integer ones the backend keeps (:attr:`kept_values_bytes`); models,
+    #: optimizers and inputs are made inside :meth:`context`, and a sharded step runs over
+    #: simulated ranks in this process, any number of them.
+    simulated: bool = False
+    #: The ``FakeTensorMode`` of a simulated backend's tensors, ``None`` for real ones.
+    fake_mode: Any = None
+    #: Whether the device is this host's memory (cpu): a real step there must fit the host,
+    #: which a caller checks before building a large model.
+    host_memory: bool = False
+    #: Whether the estimate backend predicts this backend's peaks to the byte (the cpu
+    #: backend: the same tracker on real tensors), so that a slow real search can be guided by
+    #: a quick estimate (NOTE [ Estimates guide real cpu searches ] in :mod:`batchfit.budget.profile`).
+    estimate_is_exact: bool = False
+    #: Whether a sharded step of one rank runs in this process over a simulated group of one
+    #: (cpu); cuda's collectives need real ranks (torchrun) even for one. A :attr:`simulated`
+    #: backend simulates any number of ranks.
+    simulates_one_rank: bool = False
+    #: Whether a profile measures a deep model's peak on two shallow copies and extrapolates
+    #: it by default (NOTE [ Peak memory is affine in depth ] in :mod:`batchfit.budget.depth`): where probes cost seconds at
+    #: any size (estimate); a real backend measures the model as built unless asked.
+    extrapolates_depth: bool = False
+    #: Whether a failed profile may name the smallest world size that would fit: probing other
+    #: world sizes costs seconds on simulated ranks (estimate).
+    suggests_world_sizes: bool = False
+    #: The terms of the default reserve (what no tracker sees on the device), ``None`` when the
+    #: reserve was given or the backend sees the device itself.
+    untracked: UntrackedMemory | None = None
+
+    @property
+    def kept_values_bytes(self) -> int | None:
+        """The largest integer tensor, in bytes, whose values a step can read; ``None``: any (real tensors).
+
+        A simulated backend keeps the values of integer tensors made from host data up to a
+        limit (NOTE [ Integer tensors keep their values ] in :mod:`batchfit.memory.shadow_values`).
+        """
+        return None
+
+    def expect_world_size(self, world_size: int) -> None:
+        """Prepare to measure one rank of ``world_size`` ranks (a simulated device reserves what NCCL adds); nothing by default."""
+        return None
+
+    def probing(self) -> contextlib.AbstractContextManager[None]:
+        """Around a search's probes, one after another: what makes the next probe cheaper (nothing by default).
+
+        The cpu backend keeps freed host pages in the heap between its probes (NOTE [ Probing
+        reuses host pages ] in :mod:`batchfit.memory.heap`).
+        """
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def running_to_the_end(self) -> Iterator[None]:
@@ -145,7 +202,7 @@ class Backend(abc.ABC):
         with the limit afterwards; every rank then enters every collective. ``cuda`` cannot
         be told either way: its out-of-memory errors are handled by :mod:`batchfit.budget.guard`.
         """
-        before = getattr(self, "_to_the_end", False)
+        before = self._to_the_end
         self._to_the_end = True
         try:
             yield
@@ -164,9 +221,9 @@ class Backend(abc.ABC):
 
     def _abort_bytes(self) -> int | None:
         """Where a tracked call is aborted: the device's limit, a lower search limit, or never (:meth:`running_to_the_end`)."""
-        if getattr(self, "_to_the_end", False):
+        if self._to_the_end:
             return None
-        stop, limit = getattr(self, "_stop_bytes", None), self.limit_bytes
+        stop, limit = self._stop_bytes, self.limit_bytes
         if stop is None:
             return limit
         return stop if limit is None else min(stop, limit)

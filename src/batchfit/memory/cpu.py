@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
+from batchfit.memory.heap import retain_freed_memory
 from batchfit.memory.tracked import TrackedBackend
 
 
@@ -48,6 +50,9 @@ class CpuBackend(TrackedBackend):
     """
 
     name = "cpu"
+    host_memory = True
+    estimate_is_exact = True
+    simulates_one_rank = True
 
     def __init__(self, *, memory_limit: Any = None, reserve_bytes: Any = None, round_to: int | None = None):
         super().__init__(
@@ -55,3 +60,7 @@ class CpuBackend(TrackedBackend):
             reserve_bytes=0 if reserve_bytes is None else reserve_bytes,
             round_to=1 if round_to is None else round_to,
         )
+
+    def probing(self) -> contextlib.AbstractContextManager[None]:
+        """Keep freed host pages in the heap between probes (NOTE [ Probing reuses host pages ])."""
+        return retain_freed_memory()

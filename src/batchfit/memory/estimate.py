@@ -62,6 +62,9 @@ class EstimateBackend(TrackedBackend):
 
     name = "estimate"
     holds_memory = False
+    simulated = True
+    extrapolates_depth = True
+    suggests_world_sizes = True
 
     def __init__(self, *, memory_limit: Any = None, reserve_bytes: Any = None, round_to: int | None = None):
         self._device = memory_limit if isinstance(memory_limit, str) else None
@@ -75,10 +78,15 @@ class EstimateBackend(TrackedBackend):
         self.expect_world_size(1)
         # NOTE [ Integer tensors keep their values ]: masks, lengths and indices made from host
         # data keep real values, so remove-padding and masked log-probs run (floats stay fake)
-        self.fake_mode = ShadowFakeTensorMode(allow_non_fake_inputs=True)
+        self.fake_mode: ShadowFakeTensorMode = ShadowFakeTensorMode(allow_non_fake_inputs=True)
         fake_mode = self.fake_mode
         fake_mode.__deepcopy__ = lambda memo: fake_mode  # NOTE [ Deep copies of fake tensors ]
         self._depth = 0
+
+    @property
+    def kept_values_bytes(self) -> int | None:
+        """The largest integer tensor whose values the fake mode keeps (NOTE [ Integer tensors keep their values ])."""
+        return self.fake_mode.shadow_limit_bytes
 
     def expect_world_size(self, world_size: int) -> None:
         """Reserve what no tracker sees on one rank of ``world_size`` (NCCL's buffers when > 1).

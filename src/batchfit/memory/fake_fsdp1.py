@@ -37,16 +37,14 @@ freed at the end of backward under the estimate as on real tensors.
 from __future__ import annotations
 
 import contextlib
-import threading
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-_lock = threading.Lock()
-_users = 0  # blocks inside now (any thread): the first installs, the last restores
-_installed: list[tuple[Any, str, Any, Any]] = []  # (module, name, original, replacement)
+from batchfit.memory.patches import AttributePatch
 
 
 def _local(tensor: Any) -> Any:
@@ -73,75 +71,60 @@ def storage_allocated(tensor: torch.Tensor) -> bool:
     return _local(tensor).untyped_storage().nbytes() > 0
 
 
+def _module(name: str) -> Any:
+    """``torch.distributed.fsdp.<name>``, ``None`` on a torch without distributed."""
+    try:
+        return importlib.import_module(f"torch.distributed.fsdp.{name}")
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+
+
+# NOTE [ Shared and counted ] in batchfit.memory.patches: looked up at the first estimate
+# (importing FSDP costs time); an attribute that moved is left alone
+_CATCH_ALL = AttributePatch(lambda: _module("_runtime_utils"), "_catch_all_reshard", lazy=True)
+_SAME_STORAGE = AttributePatch(lambda: _module("_flat_param"), "_same_storage", lazy=True)
+_ALLOCATED = AttributePatch(lambda: _module("_flat_param"), "_data_ptr_allocated", lazy=True)
+_PATCHES = (_CATCH_ALL, _SAME_STORAGE, _ALLOCATED)
+
+
+@_CATCH_ALL.bind
+def _catch_all_reshard(state: Any) -> None:
+    handle = state._handle
+    if not handle or not is_fake(handle.flat_param):
+        return _CATCH_ALL.call_below(state)
+    from torch.distributed.fsdp import _runtime_utils
+
+    flat_param = handle.flat_param
+    # torch 2.13's body, with the data-pointer test made for fake tensors
+    if same_address(flat_param, flat_param._local_shard) and not handle._skipped_use_sharded_views:
+        return None
+    free = _runtime_utils._should_free_in_backward(state, handle)
+    _runtime_utils._reshard(state, handle, free)
+    return None
+
+
+@_SAME_STORAGE.bind
+def _same_storage(a: Any, b: Any) -> bool:
+    if is_fake(_local(a)) or is_fake(_local(b)):
+        return same_storage(a, b)
+    return _SAME_STORAGE.call_below(a, b)
+
+
+@_ALLOCATED.bind
+def _data_ptr_allocated(tensor: Any) -> bool:
+    return storage_allocated(tensor) if is_fake(_local(tensor)) else _ALLOCATED.call_below(tensor)
+
+
 @contextlib.contextmanager
 def fsdp1_fake_patches() -> Iterator[None]:
     """Apply NOTE [ FSDP1 compares data pointers ] while inside; restore on exit (also on error).
 
     A no-op when torch has no FSDP1 (no ``torch.distributed``) or the functions moved.
+    Nested and concurrent blocks share one installation (NOTE [ Shared and counted ] in
+    :mod:`batchfit.memory.patches`): the last to exit puts back each original still replaced
+    by ours, whatever the order the blocks exit in.
     """
-    try:
-        from torch.distributed.fsdp import _flat_param, _runtime_utils
-    except ImportError:  # pragma: no cover - torch without distributed
+    with contextlib.ExitStack() as stack:
+        for patch in _PATCHES:
+            stack.enter_context(patch.active())
         yield
-        return
-    names = (
-        (_runtime_utils, "_catch_all_reshard"),
-        (_flat_param, "_same_storage"),
-        (_flat_param, "_data_ptr_allocated"),
-    )
-    if not all(callable(getattr(module, name, None)) for module, name in names):  # pragma: no cover
-        yield
-        return
-    originals = [getattr(module, name) for module, name in names]
-    catch_all, same, allocated = originals
-
-    def _catch_all_reshard(state: Any) -> None:
-        handle = state._handle
-        if not handle or not is_fake(handle.flat_param):
-            return catch_all(state)
-        flat_param = handle.flat_param
-        # torch 2.13's body, with the data-pointer test made for fake tensors
-        if same_address(flat_param, flat_param._local_shard) and not handle._skipped_use_sharded_views:
-            return None
-        free = _runtime_utils._should_free_in_backward(state, handle)
-        _runtime_utils._reshard(state, handle, free)
-        return None
-
-    def _same_storage(a: Any, b: Any) -> bool:
-        if is_fake(_local(a)) or is_fake(_local(b)):
-            return same_storage(a, b)
-        return same(a, b)
-
-    def _data_ptr_allocated(tensor: Any) -> bool:
-        return storage_allocated(tensor) if is_fake(_local(tensor)) else allocated(tensor)
-
-    replacements = (_catch_all_reshard, _same_storage, _data_ptr_allocated)
-    _acquire([(module, name, original, fn) for (module, name), original, fn in zip(names, originals, replacements)])
-    try:
-        yield
-    finally:
-        _release()
-
-
-def _acquire(patches: list[tuple[Any, str, Any, Any]]) -> None:
-    """One more block inside; the first installs ``patches`` (later blocks share them, whatever their order)."""
-    global _users
-    with _lock:
-        if _users == 0:
-            for module, name, _, fn in patches:
-                setattr(module, name, fn)
-            _installed[:] = patches
-        _users += 1
-
-
-def _release() -> None:
-    """One block less; the last puts back each original still replaced by our function."""
-    global _users
-    with _lock:
-        _users -= 1
-        if _users:
-            return
-        for module, name, original, fn in _installed:
-            if getattr(module, name, None) is fn:  # code that replaced it since keeps its replacement
-                setattr(module, name, original)
-        _installed.clear()

@@ -19,24 +19,32 @@ ids whose values are not known are reported "not packed", as before.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from batchfit.memory.patches import AttributePatch
 from batchfit.memory.shadow_values import shadow_of
 
-_NAME = "find_packed_sequence_indices"
-_lock = threading.Lock()
-_users = 0  # blocks inside now (any thread): the first installs, the last restores
-_below: Any = None  # the function the wrapper calls (transformers' own)
+
+def _masking_utils() -> Any:
+    try:
+        import transformers.masking_utils as masking_utils
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    return masking_utils
 
 
+# NOTE [ Shared and counted ] in batchfit.memory.patches: nested and concurrent blocks share it
+_PATCH = AttributePatch(_masking_utils, "find_packed_sequence_indices", lazy=True)
+
+
+@_PATCH.bind
 def _find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
     """transformers' ``find_packed_sequence_indices``, deciding on fake tensors as the real run does (NOTE)."""
-    result = _below(position_ids)
+    result = _PATCH.call_below(position_ids)
     if result is not None and isinstance(result, FakeTensor):
         if shadow_of(result) is None:
             return None  # values unknown: assume the ordinary positions
@@ -55,41 +63,5 @@ def transformers_fake_patches() -> Iterator[None]:
     own function (the same object), in whatever order the blocks exit. Code that replaced
     the attribute since keeps its replacement.
     """
-    try:
-        import transformers.masking_utils as masking_utils
-    except ImportError:  # pragma: no cover - transformers is a dependency
+    with _PATCH.active():
         yield
-        return
-    if not _acquire(masking_utils):
-        yield
-        return
-    try:
-        yield
-    finally:
-        _release(masking_utils)
-
-
-def _acquire(module: Any) -> bool:
-    """One more user; the first installs the wrapper. False when there is nothing to patch."""
-    global _users, _below
-    with _lock:
-        if _users:
-            _users += 1
-            return True
-        original = module.__dict__.get(_NAME)
-        if original is None:  # pragma: no cover - other transformers versions
-            return False
-        if original is not _find_packed_sequence_indices:  # else put back by code that saved it: take it over
-            setattr(module, _NAME, _find_packed_sequence_indices)
-            _below = original
-        _users = 1
-        return True
-
-
-def _release(module: Any) -> None:
-    """One user less; the last puts the original back if the wrapper is still there."""
-    global _users
-    with _lock:
-        _users -= 1
-        if _users == 0 and module.__dict__.get(_NAME) is _find_packed_sequence_indices:
-            setattr(module, _NAME, _below)

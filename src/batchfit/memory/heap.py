@@ -39,11 +39,10 @@ import ctypes
 import ctypes.util
 import functools
 import sys
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from batchfit.memory.patches import undo_all
+from batchfit.memory.patches import SharedChange, undo_all
 
 # mallopt parameters (malloc.h) and glibc's defaults.
 _M_TRIM_THRESHOLD = -1
@@ -56,11 +55,6 @@ _PARAMETERS = (
     (_M_MMAP_THRESHOLD, "glibc.malloc.mmap_threshold", "MALLOC_MMAP_THRESHOLD_"),
     (_M_TRIM_THRESHOLD, "glibc.malloc.trim_threshold", "MALLOC_TRIM_THRESHOLD_"),
 )
-
-_lock = threading.Lock()
-_users = 0  # blocks inside now (any thread)
-_libc: Any = None  # the libc the first user changed
-_restore: dict[int, int] | None = None  # the values put back by the last exit (None: not known yet)
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -117,42 +111,43 @@ def _thresholds_before(env: Mapping[str, str]) -> dict[int, int] | None:
     return before
 
 
-def _enter() -> bool:
-    """One more user; the first sets the thresholds. False when the heap is left alone."""
-    global _users, _libc, _restore
-    with _lock:
-        if _users:
-            _users += 1
-            return True
+class _RetainedHeap(SharedChange):
+    """glibc's thresholds raised while at least one block is inside (NOTE [ Probing reuses host pages ]).
+
+    Attributes:
+        users: blocks inside now (any thread).
+        restore: the thresholds put back by the last exit (``None``: not known yet).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.restore: dict[int, int] | None = None
+        self._libc: Any = None  # the libc the first user changed; None: the heap is left alone
+
+    def _install(self) -> None:
+        """Raise both thresholds, or leave the heap alone (no glibc, unreadable start-up values, a refused call)."""
         libc = _glibc()
         if libc is None:
-            return False
-        restore = _restore if _restore is not None else _thresholds_before(_startup_environment())
+            return
+        restore = self.restore if self.restore is not None else _thresholds_before(_startup_environment())
         if restore is None:
-            return False  # set at start-up to something unreadable: leave it as it is
+            return  # set at start-up to something unreadable: leave it as it is
         undo: list[Callable[[], object]] = []
         try:
             for parameter, _, _ in _PARAMETERS:
                 if not libc.mallopt(parameter, _RETAIN):  # refused: that call changed nothing
                     undo_all(reversed(undo))
-                    return False
+                    return
                 undo.append(functools.partial(libc.mallopt, parameter, restore[parameter]))
         except BaseException as exc:
             undo_all(reversed(undo), exc)
             raise
-        _users, _libc, _restore = 1, libc, restore
-        return True
+        self._libc, self.restore = libc, restore
 
-
-def _exit() -> None:
-    """One user less; the last puts the thresholds back and trims the heap."""
-    global _users, _libc
-    with _lock:
-        _users -= 1
-        if _users:
-            return
-        libc, restore, _libc = _libc, _restore, None
-        if libc is None or restore is None:  # pragma: no cover - both set by the first user
+    def _uninstall(self) -> None:
+        """Put the thresholds back and trim the heap, every call even when one raises."""
+        libc, restore, self._libc = self._libc, self.restore, None
+        if libc is None or restore is None:  # the heap was left alone
             return
         steps: list[Callable[[], object]] = [
             functools.partial(libc.mallopt, parameter, restore[parameter])
@@ -160,6 +155,10 @@ def _exit() -> None:
         ]
         steps.append(functools.partial(libc.malloc_trim, 0))
         undo_all(steps)
+
+
+# NOTE [ Shared and counted ] in batchfit.memory.patches
+_HEAP = _RetainedHeap()
 
 
 @contextlib.contextmanager
@@ -173,10 +172,5 @@ def retain_freed_memory() -> Iterator[None]:
     Raises:
         Whatever a ``mallopt`` call raises (``ctypes``), after undoing what was set.
     """
-    if not _enter():
+    with _HEAP.active():
         yield
-        return
-    try:
-        yield
-    finally:
-        _exit()

@@ -1,21 +1,39 @@
-"""Class attributes the live-storage tracker replaces while it is active, installed once and restored exactly.
+"""The one way batchfit changes process-wide state: a shared change, counted, restored exactly.
 
-The tracker must see two calls that no dispatch mode sees: ``torch.UntypedStorage.resize_``
-(FSDP2 allocates and frees unsharded parameters with it) and ``torch.distributed.Work.wait``
-(what a backend allocates while completing a collective is not counted). Both are class
-attributes, so replacing them is process-wide; :class:`ClassPatch` does it so that it
-composes with the other code that patches the same attribute, above all PyTorch's
-``torch.distributed._tools.mem_tracker.MemTracker`` and ``FSDPMemTracker``.
+batchfit patches torch, transformers and the C library while it measures: the live-storage
+tracker wraps ``torch.UntypedStorage.resize_`` and ``torch.distributed.Work.wait`` (what no
+dispatch mode sees), a guarded search makes ``Work.wait`` poll for ranks that left, the
+estimate backend makes transformers and FSDP1 decide on fake tensors as on real ones
+(:mod:`batchfit.memory.fake_patches`, :mod:`batchfit.memory.fake_fsdp1`), and a cpu-backend
+search keeps freed host memory in glibc's heap (:mod:`batchfit.memory.heap`). Every one of
+them is a :class:`SharedChange`: one reference count under a lock, one install by the first
+user and one restore path by the last, used as ``with change.active():`` (nested, re-entrant
+on one thread, concurrent on several, and undone on exceptions). An attribute of a class or
+a module is replaced by an :class:`AttributePatch`; several independent uses of one
+attribute share one patch, each registering a layer of its one wrapper
+(:class:`LayeredPatch`: ``Work.wait``).
+
+One patch is not made here: FSDP1's pinning of host memory (``torch.Tensor.pin_memory``,
+:mod:`batchfit.parallel.fsdp1`), since ``parallel`` is a layer below ``memory`` and cannot
+import this module.
+
+NOTE [ Shared and counted ]
+- The first :meth:`SharedChange.acquire` installs the change, the last :meth:`SharedChange.release`
+  removes it, whatever the order in which users (blocks, threads) leave; a change that fails
+  to install leaves the count and the process as they were; a change that fails to uninstall
+  has lost its user all the same (the error propagates, the next first user starts again).
+- :meth:`SharedChange.active` is the context manager over the two, which releases in
+  ``finally``: an exception in the block propagates after the change is undone.
 
 NOTE [ Patched once, restored exactly ]
-- **Once.** The first tracker entered installs the wrapper, the last one to exit removes it;
-  nested trackers and trackers on other threads share it (a count under a lock). The
-  wrapper is one module-level function per attribute, recognised by identity: it is never
+- **Once.** The first user (a tracker, an estimate context, a guarded search) installs the
+  wrapper, the last one to exit removes it; nested users and users on other threads share
+  it (NOTE [ Shared and counted ]). The wrapper is one module-level function per attribute, recognised by identity: it is never
   installed over itself, nor over a wrapper that already calls it (followed through
   ``__wrapped__``, which ``functools.wraps`` sets, as ``MemTracker`` does). A chain that calls
   it again without saying so (a wrapper without ``__wrapped__``) is cut by a per-thread
   guard: re-entered on the same thread, it calls the bottom of the chain (the C method).
-- **Exactly.** Installing remembers the attribute's own entry in the class ``__dict__``;
+- **Exactly.** Installing remembers the attribute's own entry in the class (or module) ``__dict__``;
   removing puts that entry back, or deletes ours when there was none (``resize_`` is
   inherited from ``torch._C.StorageBase``: assigning the C method instead would leave a copy
   in ``torch.UntypedStorage.__dict__``). It is removed only if it is still on top: if
@@ -36,7 +54,7 @@ NOTE [ Patched once, restored exactly ]
   method: the attribute is deleted), so the leftover is cleaned at the next measurement.
 - **The limit.** A ``MemTracker`` constructed *before* our block and entered inside it
   installs a wrapper over the C method that bypasses ours, and its exit removes ours. The
-  tracker then calls :meth:`ClassPatch.ensure` before every op it sees, which finds the
+  tracker then calls :meth:`AttributePatch.ensure` before every op it sees, which finds the
   attribute changed (one ``__dict__`` lookup) and installs ours on top again. Resizes
   between that change and the next op are missed by our tracker; FSDP2's resize is followed
   by the all-gather that writes into the storage, whose output the tracker sees and
@@ -47,9 +65,10 @@ NOTE [ Patched once, restored exactly ]
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 _ABSENT = object()  # no entry of that name in the class __dict__
@@ -113,40 +132,126 @@ def _bottom(fn: Any) -> Any:
     return fn
 
 
-class ClassPatch:
-    """``owner.name`` replaced by ``wrapper`` while at least one tracker uses it (NOTE [ Patched once, restored exactly ]).
+class SharedChange:
+    """A process-wide change installed by its first user and undone by its last (NOTE [ Shared and counted ]).
 
-    ``wrapper`` calls :meth:`call_below` to run what it replaced. ``owner`` is a function
-    returning the class (``None`` when it does not exist, e.g. torch without distributed).
+    Subclasses say what the change is: :meth:`_install` makes it (and undoes what it made
+    before raising), :meth:`_uninstall` undoes it (running every undo step, NOTE [ Every
+    undo step runs ]). Both run under the lock, only for the first and the last user.
+
+    Attributes:
+        users: the users inside now (any thread).
+
+    Example:
+        >>> class Flag(SharedChange):
+        ...     on = False
+        ...     def _install(self): Flag.on = True
+        ...     def _uninstall(self): Flag.on = False
+        >>> flag = Flag()
+        >>> with flag.active(), flag.active():
+        ...     Flag.on
+        True
+        >>> Flag.on, flag.users
+        (False, 0)
+    """
+
+    def __init__(self) -> None:
+        self.users = 0
+        self._lock = threading.RLock()  # re-entrant: a user may enter again from inside (nested blocks)
+
+    def acquire(self) -> None:
+        """One more user; the first installs the change.
+
+        Raises:
+            Whatever installing raises; the count and the process are then as they were.
+        """
+        with self._lock:
+            self.users += 1
+            if self.users == 1:
+                try:
+                    self._install()
+                except BaseException:
+                    self.users -= 1
+                    raise
+
+    def release(self) -> None:
+        """One user less; the last undoes the change (a release without a user does nothing).
+
+        Raises:
+            Whatever undoing raises; the user is gone all the same.
+        """
+        with self._lock:
+            if self.users == 0:
+                return
+            self.users -= 1
+            if self.users == 0:
+                self._uninstall()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The change is in force inside (shared with every other user); undone after the last, also on errors."""
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def _install(self) -> None:
+        raise NotImplementedError
+
+    def _uninstall(self) -> None:
+        raise NotImplementedError
+
+
+class AttributePatch(SharedChange):
+    """``owner.name`` replaced by ``wrapper`` while at least one user uses it (NOTE [ Patched once, restored exactly ]).
+
+    ``owner`` is a class or a module, given as a function returning it (``None`` when it does
+    not exist, e.g. torch without distributed, or an optional library); an owner without the
+    attribute is left alone. ``wrapper`` calls :meth:`call_below` to run what it replaced.
+
+    Args:
+        owner: returns the class or module; called once.
+        name: the attribute.
+        lazy: look the owner up at the first use instead of now (a module costly to import).
+            A class attribute is looked up now, before any wrapper of another library, so
+            that the bottom of the chain is the original (the recursion guard calls it).
 
     Attributes:
         name: the attribute.
-        users: trackers using the patch now (any thread).
+        wrapper: the function installed.
+        users: users of the patch now (any thread).
     """
 
-    def __init__(self, owner: Callable[[], type | None], name: str) -> None:
+    def __init__(self, owner: Callable[[], Any], name: str, *, lazy: bool = False) -> None:
+        super().__init__()
         self._owner = functools.cache(owner)
         self.name = name
         self.wrapper: Callable[..., Any] | None = None
-        self.users = 0
-        self._lock = threading.RLock()
         self._below: Any = None  # what the wrapper calls; kept after removal (NOTE)
-        # the C method at the bottom of every chain, for the recursion guard: taken before any
+        # the original at the bottom of every chain, for the recursion guard: taken before any
         # tracker runs (at import), so that a wrapper installed later is never mistaken for it
-        cls = self._owner()
-        self._base: Any = None if cls is None else _bottom(getattr(cls, name))
+        self._base: Any = _NOTHING
         self._restore: Any = _NOTHING  # the __dict__ entry to put back, _ABSENT to delete ours
         self._seen: Any = _NOTHING  # the __dict__ entry after our last look
         self._guard = threading.local()
+        if not lazy:
+            self._find_base()
 
     def bind(self, wrapper: Callable[..., Any]) -> Callable[..., Any]:
         """Set the wrapper (used as a decorator on the module-level wrapper function)."""
         self.wrapper = wrapper
         return wrapper
 
+    def _find_base(self) -> None:
+        if self._base is _NOTHING:
+            owner = self._owner()
+            current = None if owner is None else getattr(owner, self.name, None)
+            self._base = None if current is None else _bottom(current)
+
     # ----------------------------------------------------------------- calls through the wrapper
     def call_below(self, *args: Any, **kwargs: Any) -> Any:
-        """Call what the wrapper replaced; re-entered on the same thread, call the C method (NOTE)."""
+        """Call what the wrapper replaced; re-entered on the same thread, call the original (NOTE)."""
         guard = self._guard
         if getattr(guard, "inside", False):
             return self._base(*args, **kwargs)
@@ -157,33 +262,6 @@ class ClassPatch:
             guard.inside = False
 
     # ----------------------------------------------------------------- install / remove
-    def acquire(self) -> None:
-        """One more user; the first installs the wrapper.
-
-        When installing raises, the count and the attribute are as they were before the call.
-        """
-        with self._lock:
-            self.users += 1
-            if self.users == 1:
-                try:
-                    self._establish()
-                except BaseException:
-                    self.users -= 1
-                    raise
-
-    def release(self) -> None:
-        """One user less; the last removes the wrapper if it is still on top.
-
-        When removing raises, the user is gone all the same and the wrapper stays installed,
-        remembered as ours: the next first user takes it over and the next last one removes it.
-        """
-        with self._lock:
-            if self.users == 0:
-                return
-            self.users -= 1
-            if self.users == 0:
-                self._withdraw()
-
     def ensure(self) -> None:
         """Re-establish the wrapper if something replaced the attribute since our last look (cheap when not)."""
         owner = self._owner()
@@ -191,12 +269,13 @@ class ClassPatch:
             return
         with self._lock:
             if self.users:
-                self._establish()
+                self._install()
 
-    def _establish(self) -> None:
+    def _install(self) -> None:
         owner = self._owner()
-        if owner is None:
+        if owner is None or not hasattr(owner, self.name):
             return
+        self._find_base()
         entry = owner.__dict__.get(self.name, _ABSENT)
         current = getattr(owner, self.name)
         if current is self.wrapper:
@@ -217,7 +296,8 @@ class ClassPatch:
         if self._base is None:
             self._base = _bottom(current)
 
-    def _withdraw(self) -> None:
+    def _uninstall(self) -> None:
+        """Put the attribute back if ours is still on top (a failed delattr/setattr leaves it installed and remembered)."""
         owner = self._owner()
         restore = self._restore
         if (
@@ -225,8 +305,7 @@ class ClassPatch:
             and restore is not _NOTHING
             and owner.__dict__.get(self.name, _ABSENT) is self.wrapper
         ):
-            # still ours on top (else whoever replaced it restores what it saved); a failed
-            # delattr/setattr leaves it installed and remembered (see release)
+            # still ours on top (else whoever replaced it restores what it saved)
             if restore is _ABSENT:
                 delattr(owner, self.name)
             else:
@@ -236,7 +315,44 @@ class ClassPatch:
     def _entry_for(self, value: Any) -> Any:
         """The ``__dict__`` entry that makes ``owner.name`` be ``value``: none if the base classes give it."""
         owner = self._owner()
-        for klass in owner.__mro__[1:]:
+        for klass in getattr(owner, "__mro__", (owner,))[1:]:  # a module has no bases
             if self.name in klass.__dict__:
                 return _ABSENT if getattr(klass, self.name) is value else value
         return value
+
+
+#: A layer of a :class:`LayeredPatch`: called with the next layer (or what the patch
+#: replaced) and the call's arguments.
+Layer = Callable[..., Any]
+
+
+class LayeredPatch(AttributePatch):
+    """One wrapper of ``owner.name`` for several independent uses: each registers a layer.
+
+    The wrapper calls the layers in the order they were registered, each around the ones
+    registered after it: ``layer(call, *args, **kwargs)``, where ``call(*args, **kwargs)`` runs
+    the next layer, the last one what the patch replaced. A layer that has nothing to do for
+    the calling context calls ``call`` with the arguments it got. One count: the attribute is
+    patched while any user of any layer is inside.
+    """
+
+    def __init__(self, owner: Callable[[], Any], name: str, *, lazy: bool = False) -> None:
+        super().__init__(owner, name, lazy=lazy)
+        self._layers: list[Layer] = []
+        patch = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return patch._through(0, args, kwargs)
+
+        wrapper.__name__ = wrapper.__qualname__ = f"layered_{name}"
+        self.bind(wrapper)
+
+    def layer(self, fn: Layer) -> Layer:
+        """Register ``fn`` as the innermost layer so far (used as a decorator); returns it."""
+        self._layers.append(fn)
+        return fn
+
+    def _through(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if index == len(self._layers):
+            return self.call_below(*args, **kwargs)
+        return self._layers[index](lambda *a, **k: self._through(index + 1, a, k), *args, **kwargs)

@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten
 
 from batchfit.memory import labels
-from batchfit.memory.patches import ClassPatch, undo_all
+from batchfit.memory.patches import AttributePatch, LayeredPatch, undo_all
 from batchfit.memory.registration import (
     ACTIVATIONS,
     COMMUNICATION,
@@ -163,9 +163,13 @@ def _work_type() -> Any:
 
 # NOTE [ Patched once, restored exactly ] in batchfit.memory.patches: installed while any
 # tracker is active, acting for the trackers of the calling context only.
-_RESIZE = ClassPatch(lambda: torch.UntypedStorage, "resize_")
-_WAIT = ClassPatch(_work_type, "wait")
-_PATCHES = (_RESIZE, _WAIT)
+_RESIZE = AttributePatch(lambda: torch.UntypedStorage, "resize_")
+#: ``torch.distributed.Work.wait``, patched once for every use (NOTE [ Shared and counted ] in
+#: :mod:`batchfit.memory.patches`): the tracker's layer (NOTE [ Inside the communication
+#: backend ]) is the outermost, a guarded search's polling wait
+#: (:mod:`batchfit.budget.guard`) runs inside it.
+WORK_WAIT = LayeredPatch(_work_type, "wait")
+_PATCHES = (_RESIZE, WORK_WAIT)
 
 
 @_RESIZE.bind
@@ -177,16 +181,16 @@ def _tracked_resize(storage: Any, size: int) -> Any:
     return out
 
 
-@_WAIT.bind
-def _untracked_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+@WORK_WAIT.layer
+def _untracked_wait(call: Callable[..., Any], work: Any, *args: Any, **kwargs: Any) -> Any:
     context = labels._in_context()
     if not context:
-        return _WAIT.call_below(work, *args, **kwargs)
+        return call(work, *args, **kwargs)
     before = [mine.region for mine in context]
     for mine in context:
         mine.region = _BACKEND_INTERNAL
     try:
-        return _WAIT.call_below(work, *args, **kwargs)
+        return call(work, *args, **kwargs)
     finally:
         for mine, region in zip(context, before):
             mine.region = region
@@ -475,7 +479,7 @@ class MemoryTracker(TorchDispatchMode):
             # let DTensor desugar into local ops, which come back here (NOTE above)
             return NotImplemented
         _RESIZE.ensure()  # NOTE [ Patched once, restored exactly ]: the limit
-        _WAIT.ensure()
+        WORK_WAIT.ensure()
         out = func(*args, **(kwargs or {}))
         if _fake_mode() is not self._entry_fake_mode:
             return out  # DTensor's sharding propagation, not memory
