@@ -95,7 +95,7 @@ def test_the_cycle_finder_finds_a_cycle():
 # package and the layers below it, never one above (nor one beside it on the same layer).
 LAYERS = (
     ("errors",),
-    ("validation", "dtypes", "fileio"),
+    ("validation", "dtypes", "fileio", "patching"),
     ("plan",),
     ("batches",),
     ("parallel",),

@@ -1,7 +1,7 @@
 """The tracker's state belongs to the tracker: labels per context, patches installed once and restored exactly.
 
 NOTE [ Phases and regions ] (batchfit/memory/labels.py) and NOTE [ Patched once,
-restored exactly ] (batchfit/memory/patches.py) state what these tests hold: a tracker reads
+restored exactly ] (batchfit/patching.py) state what these tests hold: a tracker reads
 only its own labels, a resize or a ``Work.wait()`` on another thread changes nothing for the
 measured thread, ``UntypedStorage.resize_`` and ``Work.wait`` are what they were after every
 tracker exits, and PyTorch's own ``MemTracker``/``FSDPMemTracker`` and batchfit's tracker
@@ -285,7 +285,7 @@ def test_resize_is_restored_by_removing_our_class_attribute_when_it_was_inherite
 
 
 def test_the_tracker_and_a_guarded_search_share_one_wait_patch_restored_by_the_last():
-    # NOTE [ Shared and counted ] (batchfit/memory/patches.py): Work.wait is patched once, the
+    # NOTE [ Shared and counted ] (batchfit/patching.py): Work.wait is patched once, the
     # tracker's layer outside the search guard's polling one
     import batchfit.budget.guard  # noqa: F401 - registers the guard's layer
     from batchfit.memory.tracker import WORK_WAIT
@@ -303,7 +303,7 @@ def test_the_tracker_and_a_guarded_search_share_one_wait_patch_restored_by_the_l
 
 
 def test_a_shared_change_is_installed_once_by_nested_blocks_and_undone_by_the_last_also_on_errors():
-    from batchfit.memory.patches import SharedChange
+    from batchfit.patching import SharedChange
 
     calls = []
 

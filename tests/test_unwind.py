@@ -1,6 +1,6 @@
 """Context managers unwind on every failure; process-wide settings are put back on exit (issue 21).
 
-NOTE [ Every undo step runs ] (batchfit/memory/patches.py), NOTE [ Trackers exit out of
+NOTE [ Every undo step runs ] (batchfit/patching.py), NOTE [ Trackers exit out of
 order ] (batchfit/memory/tracker.py) and NOTE [ What the heap is given back ]
 (batchfit/memory/heap.py) state what these tests hold: a failure injected at any step of a
 setup leaves no dispatch mode on the stack, no patched attribute, no hook and no changed
@@ -22,7 +22,7 @@ import torch.utils._python_dispatch as dispatch
 from batchfit.memory import CpuBackend, MemoryTracker, heap, labels
 from batchfit.memory import fake_patches as fp
 from batchfit.memory import tracker as tracker_module
-from batchfit.memory.patches import AttributePatch, undo_all
+from batchfit.patching import AttributePatch, undo_all
 from multirank import scaled
 
 _ABSENT = object()

@@ -50,7 +50,7 @@ from batchfit.batches.weights import loss_weights
 from batchfit.budget.probe import response_tokens
 from batchfit.errors import InvalidArgument, Phrase, Setting
 from batchfit.memory import Backend, MemoryMeasurement, labels
-from batchfit.memory.patches import undo_all
+from batchfit.patching import undo_all
 from batchfit.memory.registration import (
     COMMUNICATION,
     GRADIENTS,

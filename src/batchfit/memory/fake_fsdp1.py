@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from batchfit.memory.patches import AttributePatch
+from batchfit.patching import AttributePatch
 
 
 def _local(tensor: Any) -> Any:
@@ -79,7 +79,7 @@ def _module(name: str) -> Any:
         return None
 
 
-# NOTE [ Shared and counted ] in batchfit.memory.patches: looked up at the first estimate
+# NOTE [ Shared and counted ] in batchfit.patching: looked up at the first estimate
 # (importing FSDP costs time); an attribute that moved is left alone
 _CATCH_ALL = AttributePatch(lambda: _module("_runtime_utils"), "_catch_all_reshard", lazy=True)
 _SAME_STORAGE = AttributePatch(lambda: _module("_flat_param"), "_same_storage", lazy=True)
@@ -121,7 +121,7 @@ def fsdp1_fake_patches() -> Iterator[None]:
 
     A no-op when torch has no FSDP1 (no ``torch.distributed``) or the functions moved.
     Nested and concurrent blocks share one installation (NOTE [ Shared and counted ] in
-    :mod:`batchfit.memory.patches`): the last to exit puts back each original still replaced
+    :mod:`batchfit.patching`): the last to exit puts back each original still replaced
     by ours, whatever the order the blocks exit in.
     """
     with contextlib.ExitStack() as stack:

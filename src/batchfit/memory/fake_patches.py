@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from batchfit.memory.patches import AttributePatch
+from batchfit.patching import AttributePatch
 from batchfit.memory.shadow_values import shadow_of
 
 
@@ -37,7 +37,7 @@ def _masking_utils() -> Any:
     return masking_utils
 
 
-# NOTE [ Shared and counted ] in batchfit.memory.patches: nested and concurrent blocks share it
+# NOTE [ Shared and counted ] in batchfit.patching: nested and concurrent blocks share it
 _PATCH = AttributePatch(_masking_utils, "find_packed_sequence_indices", lazy=True)
 
 

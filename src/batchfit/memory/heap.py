@@ -29,7 +29,7 @@ the values above instead of rising; and a ``mallopt`` call by other code of the 
 Nested and concurrent blocks share one change (a count under a lock): the first entered
 sets the thresholds, the last to exit restores them. A failure while setting them undoes
 what was set before the exception propagates; on exit every restoring call runs even when
-one raises (NOTE [ Every undo step runs ] in :mod:`batchfit.memory.patches`).
+one raises (NOTE [ Every undo step runs ] in :mod:`batchfit.patching`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from batchfit.memory.patches import SharedChange, undo_all
+from batchfit.patching import SharedChange, undo_all
 
 # mallopt parameters (malloc.h) and glibc's defaults.
 _M_TRIM_THRESHOLD = -1
@@ -157,7 +157,7 @@ class _RetainedHeap(SharedChange):
         undo_all(steps)
 
 
-# NOTE [ Shared and counted ] in batchfit.memory.patches
+# NOTE [ Shared and counted ] in batchfit.patching
 _HEAP = _RetainedHeap()
 
 

@@ -74,7 +74,7 @@ from typing import Any
 
 import torch
 
-from batchfit.memory.patches import undo_all
+from batchfit.patching import undo_all
 
 # A value of the optimizer's state that is not a tensor (a step count as a Python number):
 # left as the probe left it (values are not restored).
@@ -473,7 +473,7 @@ class ProbeSnapshot:
             that the backend's caches are worth releasing.
         """
         # every step runs even when one raises; the first failure is raised at the end
-        # (NOTE [ Every undo step runs ] in batchfit.memory.patches)
+        # (NOTE [ Every undo step runs ] in batchfit.patching)
         changed = False
         revived: dict[int, torch.Tensor] = {}
 

@@ -10,7 +10,7 @@ import torch
 
 from batchfit.memory.base import Backend
 from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.memory.patches import undo_all
+from batchfit.patching import undo_all
 from batchfit.memory.registration import GRADIENTS
 from batchfit.memory.tracker import MemoryLimitExceeded, MemoryTracker
 

@@ -24,7 +24,7 @@ a wrapper by the plain tensors it wraps; (2) ignores ops run under another fake 
 than the one active when it started (DTensor's sharding propagation); (3) wraps
 ``UntypedStorage.resize_`` while it is active, and accounts a resize for the trackers of
 the calling context only (NOTE [ Patched once, restored exactly ] in
-:mod:`batchfit.memory.patches`); (4) names the buffers of FSDP's
+:mod:`batchfit.patching`); (4) names the buffers of FSDP's
 collectives: an all-gather's input and output are ``gathered_parameters``, a
 reduce-scatter's input ``communication`` and its output (the sharded gradient)
 ``gradients``.
@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten
 
 from batchfit.memory import labels
-from batchfit.memory.patches import AttributePatch, LayeredPatch, undo_all
+from batchfit.patching import AttributePatch, LayeredPatch, undo_all
 from batchfit.memory.registration import (
     ACTIVATIONS,
     COMMUNICATION,
@@ -161,11 +161,11 @@ def _work_type() -> Any:
     return getattr(dist, "Work", None) if dist.is_available() else None
 
 
-# NOTE [ Patched once, restored exactly ] in batchfit.memory.patches: installed while any
+# NOTE [ Patched once, restored exactly ] in batchfit.patching: installed while any
 # tracker is active, acting for the trackers of the calling context only.
 _RESIZE = AttributePatch(lambda: torch.UntypedStorage, "resize_")
 #: ``torch.distributed.Work.wait``, patched once for every use (NOTE [ Shared and counted ] in
-#: :mod:`batchfit.memory.patches`): the tracker's layer (NOTE [ Inside the communication
+#: :mod:`batchfit.patching`): the tracker's layer (NOTE [ Inside the communication
 #: backend ]) is the outermost, a guarded search's polling wait
 #: (:mod:`batchfit.budget.guard`) runs inside it.
 WORK_WAIT = LayeredPatch(_work_type, "wait")
@@ -423,7 +423,7 @@ class MemoryTracker(TorchDispatchMode):
         self.phase_breakdowns = {}
 
     def __enter__(self) -> MemoryTracker:
-        # NOTE [ Every undo step runs ] in batchfit.memory.patches: a failure at any step
+        # NOTE [ Every undo step runs ] in batchfit.patching: a failure at any step
         # undoes the steps before it, in reverse order, and propagates
         undo: list[Callable[[], object]] = []
         try:

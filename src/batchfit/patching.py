@@ -13,9 +13,9 @@ a module is replaced by an :class:`AttributePatch`; several independent uses of 
 attribute share one patch, each registering a layer of its one wrapper
 (:class:`LayeredPatch`: ``Work.wait``).
 
-One patch is not made here: FSDP1's pinning of host memory (``torch.Tensor.pin_memory``,
-:mod:`batchfit.parallel.fsdp1`), since ``parallel`` is a layer below ``memory`` and cannot
-import this module.
+The module is on the ground floor (it imports only the standard library), so every layer
+patches through it: ``memory`` for measuring, ``parallel`` for FSDP1's pinning of host memory
+(``torch.Tensor.pin_memory``, :mod:`batchfit.parallel.fsdp1`).
 
 NOTE [ Shared and counted ]
 - The first :meth:`SharedChange.acquire` installs the change, the last :meth:`SharedChange.release`
