@@ -95,16 +95,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from batchfit.errors import InvalidArgument
 from batchfit.parallel.sharding import Sharding
-
-_pin_lock = threading.RLock()  # re-entrant: a nested block on one thread restores what it found
+from batchfit.patching import AttributePatch
 
 
 def is_fsdp1(model: torch.nn.Module) -> bool:
@@ -204,26 +202,21 @@ def _can_pin() -> bool:
     return torch.cuda.is_available()  # pragma: no cover - torch before torch.accelerator
 
 
-@contextlib.contextmanager
-def _pinning_where_possible() -> Iterator[None]:
-    """Inside, ``Tensor.pin_memory()`` of a fake tensor, or on a torch without an accelerator, returns the tensor itself."""
+#: ``Tensor.pin_memory`` while FSDP1 initialises (NOTE [ Patched once, restored exactly ] in
+#: :mod:`batchfit.patching`): a fake tensor, or any tensor on a torch without an accelerator,
+#: is returned as it is (host memory all the same, NOTE [ FSDP1 initialised at the wrap ]).
+_PIN = AttributePatch(lambda: torch.Tensor, "pin_memory")
+
+
+@_PIN.bind
+def _pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     from torch._subclasses.fake_tensor import is_fake
 
-    original = torch.Tensor.pin_memory
-    own = torch.Tensor.__dict__.get("pin_memory")  # None: inherited from the C base class
-    can_pin = _can_pin()
+    if is_fake(self) or not _can_pin():
+        return self
+    return _PIN.call_below(self, *args, **kwargs)
 
-    def pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if is_fake(self) or not can_pin:
-            return self  # host memory all the same (NOTE [ FSDP1 initialised at the wrap ])
-        return original(self, *args, **kwargs)
 
-    with _pin_lock:
-        torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            if own is None:
-                del torch.Tensor.pin_memory  # the C method is inherited again
-            else:
-                torch.Tensor.pin_memory = own  # type: ignore[method-assign]
+def _pinning_where_possible() -> contextlib.AbstractContextManager[None]:
+    """Inside, ``Tensor.pin_memory()`` of a fake tensor, or on a torch without an accelerator, returns the tensor itself."""
+    return _PIN.active()
