@@ -50,7 +50,6 @@ from batchfit.batches.weights import loss_weights
 from batchfit.budget.probe import response_tokens
 from batchfit.errors import InvalidArgument, Phrase, Setting
 from batchfit.memory import Backend, MemoryMeasurement, labels
-from batchfit.patching import undo_all
 from batchfit.memory.registration import (
     COMMUNICATION,
     GRADIENTS,
@@ -65,6 +64,7 @@ from batchfit.models.build import resolve_backend
 from batchfit.parallel.distributed import is_distributed
 from batchfit.parallel.shard import decoder_layers, unwrap
 from batchfit.parallel.sharding import Sharding
+from batchfit.patching import undo_all
 from batchfit.plan.packing import COSTS, plan_micro_batches
 from batchfit.train.logprobs import HEADS, check_head
 from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state

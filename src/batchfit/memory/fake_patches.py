@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from batchfit.patching import AttributePatch
 from batchfit.memory.shadow_values import shadow_of
+from batchfit.patching import AttributePatch
 
 
 def _masking_utils() -> Any:

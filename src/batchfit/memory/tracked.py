@@ -10,9 +10,9 @@ import torch
 
 from batchfit.memory.base import Backend
 from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.patching import undo_all
 from batchfit.memory.registration import GRADIENTS
 from batchfit.memory.tracker import MemoryLimitExceeded, MemoryTracker
+from batchfit.patching import undo_all
 
 
 @dataclass

@@ -54,7 +54,6 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten
 
 from batchfit.memory import labels
-from batchfit.patching import AttributePatch, LayeredPatch, undo_all
 from batchfit.memory.registration import (
     ACTIVATIONS,
     COMMUNICATION,
@@ -63,6 +62,7 @@ from batchfit.memory.registration import (
     categorized_tensors,
     plain_tensors,
 )
+from batchfit.patching import AttributePatch, LayeredPatch, undo_all
 
 
 class MemoryLimitExceeded(Exception):
