@@ -46,7 +46,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import time
@@ -71,7 +70,7 @@ from batchfit.budget.profile import (
     simulated_world_for,
 )
 from batchfit.errors import DoesNotFitError, InvalidArgument
-from batchfit.memory import DEFAULT_ROUND_TO, backend_name, format_bytes, get_backend
+from batchfit.memory import DEFAULT_ROUND_TO, backend_class, backend_name, format_bytes, get_backend
 from batchfit.memory.calibration import Calibration, ConfirmedRun
 from batchfit.memory.registration import (
     ACTIVATIONS,
@@ -391,7 +390,7 @@ class ConfirmReport:
     def _failure(self, r: RoleConfirmation) -> str:
         needed = r.footprint_bytes
         if r.exceeded:
-            stop = "was stopped at the limit" if self.backend == "cpu" else "ran out of memory"
+            stop = "ran out of memory" if backend_class(self.backend).reads_device else "was stopped at the limit"
             ran = f"{stop} after {format_bytes(needed)}"
         elif (r.reserved_bytes or 0) > r.measured_peak_bytes:
             ran = f"reserved {format_bytes(needed)} ({format_bytes(r.measured_peak_bytes)} allocated)"
@@ -575,7 +574,7 @@ def plan_confirm(
     config = load_config(model)
     name = model_name(model)
     dtype = parse_dtype(default_dtype(sharding) if opts.dtype is None else opts.dtype)
-    if backend == "cpu":
+    if backend_class(backend).host_memory:
         if opts.memory_limit is None:
             raise InvalidArgument(
                 "memory_limit must be given for a cpu confirm (the host has no device limit to fit), but got "
@@ -584,7 +583,7 @@ def plan_confirm(
         check_host_memory(config, name)  # the cpu run builds the real model
     device = get_backend(backend, memory_limit=opts.memory_limit, reserve_bytes=opts.reserve_bytes)
     memory, reserve, round_to = int(device.memory_limit), int(device.reserve_bytes), int(device.round_to)
-    untracked = _untracked_bytes(device) if backend == "cuda" else None
+    untracked = _untracked_bytes(device) if device.reads_device else None
     del device
     quiet = opts.replace(progress=False)
     if profile is None:
@@ -679,15 +678,9 @@ def run_confirm(plan: ConfirmPlan, *, check: bool = True) -> ConfirmReport:
     device = get_backend(plan.backend, memory_limit=plan.memory_limit, reserve_bytes=plan.reserve_bytes)
     depth = int(plan.config.num_hidden_layers)
     builder = RoleBuilder(plan.config, device, plan.dtype, plan.options, False, depth)
-    tracked = plan.backend != "cuda"
+    tracked = not device.reads_device
     results: dict[str, RoleConfirmation] = {}
-    if plan.backend == "cpu":
-        from batchfit.memory.heap import retain_freed_memory
-
-        heap: Any = retain_freed_memory()  # NOTE [ Probing reuses host pages ]
-    else:
-        heap = contextlib.nullcontext()
-    with heap:
+    with device.probing():  # NOTE [ Probing reuses host pages ]
         for role, point in plan.points.items():
             step = agree(lambda role=role: builder.step(role), what=f"building the {role} model")
             error: BaseException | None = None
@@ -724,7 +717,7 @@ def run_confirm(plan: ConfirmPlan, *, check: bool = True) -> ConfirmReport:
                 seconds=measured.seconds,
             )
     untracked = plan.untracked_bytes
-    if plan.backend == "cuda":
+    if device.reads_device:
         after = _untracked_bytes(device)
         (after,) = agreed_max([after], None, what="reading the device's memory")
         untracked = max(untracked or 0, after)
@@ -756,7 +749,7 @@ def _check_profile(
         raise InvalidArgument(
             f"profile must be a ModelProfile, but got a {type(profile).__name__}; pass profile_model(...)'s result"
         )
-    if profile.backend != "estimate":
+    if not backend_class(profile.backend).simulated:
         raise InvalidArgument(
             f"a confirm compares an estimate with a real run, but the profile was measured on "
             f"backend={profile.backend!r}; profile with backend='estimate' (or pass no profile)"
@@ -832,7 +825,7 @@ def _batchfit_version() -> str:
 
 
 def _device_name(device: Any) -> str:
-    if device.name == "cuda":
+    if device.reads_device:
         return str(torch.cuda.get_device_name(device.device))
     return "cpu"
 
@@ -844,7 +837,7 @@ def _differences(plan: ConfirmPlan) -> tuple[str, ...]:
         f"both sides use the device's memory {format_bytes(plan.memory_limit)} and reserve "
         f"{format_bytes(plan.reserve_bytes)}"
     )
-    if plan.backend == "cpu":
+    if not backend_class(plan.backend).reads_device:
         out.append(
             f"estimate and run share one tracker; the estimate is compared at the cpu run's rounding "
             f"({plan.round_to} B), the budget search rounded storages to {DEFAULT_ROUND_TO} B (its peak beside "

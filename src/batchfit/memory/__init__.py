@@ -27,7 +27,14 @@ from batchfit.memory.estimate import (
     EstimateBackend,
 )
 from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.memory.registry import BACKEND_NAMES, BACKENDS, backend_name, get_backend, measure_peak
+from batchfit.memory.registry import (
+    BACKEND_NAMES,
+    BACKENDS,
+    backend_class,
+    backend_name,
+    get_backend,
+    measure_peak,
+)
 from batchfit.memory.sizes import DEVICE_MEMORY, format_bytes, parse_memory
 from batchfit.memory.tracker import MemoryLimitExceeded, MemoryTracker
 from batchfit.memory.untracked import DEFAULT_SAFETY_MARGIN, UntrackedMemory, untracked_memory
@@ -47,6 +54,7 @@ __all__ = [
     "MemoryMeasurement",
     "MemoryTracker",
     "UntrackedMemory",
+    "backend_class",
     "backend_name",
     "format_bytes",
     "get_backend",

@@ -164,6 +164,10 @@ class Backend(abc.ABC):
     #: Whether a failed profile may name the smallest world size that would fit: probing other
     #: world sizes costs seconds on simulated ranks (estimate).
     suggests_world_sizes: bool = False
+    #: Whether the backend reads the device's own allocator (cuda): its peaks come from the
+    #: device's statistics, which see only what torch's allocator holds, and the memory outside
+    #: it is read from the device after a run; the other backends track every storage themselves.
+    reads_device: bool = False
     #: The terms of the default reserve (what no tracker sees on the device), ``None`` when the
     #: reserve was given or the backend sees the device itself.
     untracked: UntrackedMemory | None = None

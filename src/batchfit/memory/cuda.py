@@ -53,6 +53,7 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
+    reads_device = True
 
     def __init__(
         self,

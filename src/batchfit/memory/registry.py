@@ -32,6 +32,18 @@ def backend_name(name: str) -> str:
     return name
 
 
+def backend_class(name: str) -> type[Backend]:
+    """The class of the backend ``name`` stands for, whose capabilities say what it can do before one is made.
+
+    NOTE [ Backends say what they can do ] in :mod:`batchfit.memory.base`: a caller holding a
+    backend's name reads ``backend_class(name).host_memory`` and the like, never the name.
+
+    Raises:
+        InvalidArgument: ``name`` is not one of :data:`BACKEND_NAMES`.
+    """
+    return BACKENDS[backend_name(name)]
+
+
 def get_backend(
     name: str | Backend = "auto",
     *,
