@@ -26,7 +26,8 @@ import time
 
 import numpy as np
 
-from batchfit.plan.packing import BEST_FIT_MAX_DISTINCT, plan_micro_batches
+from batchfit.plan.packing import plan_micro_batches
+from batchfit.plan.single_cap import BEST_FIT_MAX_DISTINCT
 
 
 def lengths_for(kind: str, n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
@@ -197,7 +198,7 @@ def exact_count(lengths: list[int], budget: int, limit: int = 2_000_000) -> int 
 
 def small_plans(seed: int, cases: int = 1000) -> None:
     """Counts on random small instances (one rank's share): batchfit vs best fit alone vs verl vs the optimum."""
-    import batchfit.plan.packing as packing
+    import batchfit.plan.single_cap as single_cap
 
     rng = np.random.default_rng(seed)
     tally = {"batchfit": [0, 0, 0], "best fit alone": [0, 0, 0]}  # [= optimum, +1, +2 or more]
@@ -217,12 +218,12 @@ def small_plans(seed: int, cases: int = 1000) -> None:
         start = time.perf_counter()
         ours = plan_micro_batches(lengths, budget, cost="packed").num_micro_batches
         times.append(time.perf_counter() - start)
-        saved = packing.SMALL_PLAN_MAX_SEQUENCES
-        packing.SMALL_PLAN_MAX_SEQUENCES = 0
+        saved = single_cap.SMALL_PLAN_MAX_SEQUENCES
+        single_cap.SMALL_PLAN_MAX_SEQUENCES = 0
         try:
             alone = plan_micro_batches(lengths, budget, cost="packed").num_micro_batches
         finally:
-            packing.SMALL_PLAN_MAX_SEQUENCES = saved
+            single_cap.SMALL_PLAN_MAX_SEQUENCES = saved
         for name, count in (("batchfit", ours), ("best fit alone", alone)):
             tally[name][min(count - optimum, 2)] += 1
         verl = min(n, -(-sum(lengths) // budget))  # verl's count: ⌈Σ/C⌉, micro-batches may exceed C
