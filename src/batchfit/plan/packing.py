@@ -30,6 +30,7 @@ import numpy as np
 
 from batchfit.errors import BudgetError, InvalidArgument
 from batchfit.plan.dealing import Indices, _candidate_key, _deal_micro_batches, _deal_sequences
+from batchfit.plan.render import micro_batch_plan_text
 from batchfit.plan.single_cap import _packer
 from batchfit.plan.two_caps import _two_cap_packer
 from batchfit.validation import (
@@ -135,8 +136,6 @@ class MicroBatchPlan:
 
     def describe(self) -> str:
         """A few lines of plain text: micro-batches, ranks, budget, use, and what was split (:func:`batchfit.plan.render.micro_batch_plan_text`)."""
-        from batchfit.plan.render import micro_batch_plan_text
-
         return micro_batch_plan_text(self)
 
     @property
