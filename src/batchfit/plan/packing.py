@@ -436,11 +436,33 @@ def _check_budget(token_budget: Any) -> int:
     return int(token_budget)
 
 
+def _int_array(values: Any) -> np.ndarray | None:
+    """``values`` as int64 if it is a 1-D integer array or host tensor in ``[0, MAX_LENGTH]``, else ``None``.
+
+    The fast path of :func:`_as_response_lengths`: whole-array checks instead of one per item
+    (20,000 items took 0.05 s); ``None`` sends anything else through the item-by-item check.
+    """
+    if hasattr(values, "detach"):
+        try:
+            values = values.numpy()
+        except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16): the checked path refuses it
+            return None
+    if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype == np.bool_:
+        return None
+    if not np.issubdtype(values.dtype, np.integer):
+        return None
+    if values.size and (int(values.min()) < 0 or int(values.max()) > MAX_LENGTH):
+        return None
+    return values.astype(np.int64)
+
+
 def _as_response_lengths(response_lengths: Any, lens: np.ndarray) -> np.ndarray:
     """``response_lengths`` as int64, one per sequence, each in ``[0, lengths[i]]``."""
     if hasattr(response_lengths, "detach"):  # a tensor, possibly on an accelerator
         response_lengths = response_lengths.detach().cpu().resolve_conj().resolve_neg()
-    values = check_int_sequence("response_lengths", response_lengths, minimum=0, maximum=MAX_LENGTH)
+    values = _int_array(response_lengths)
+    if values is None:  # anything else is checked item by item (its error names the item)
+        values = check_int_sequence("response_lengths", response_lengths, minimum=0, maximum=MAX_LENGTH)
     if len(values) != len(lens):
         raise InvalidArgument(
             f"response_lengths must have one entry per sequence ({len(lens)}, as lengths), but got "

@@ -38,10 +38,8 @@ from batchfit.plan.single_cap import (
 #   longest first (then largest response), into the micro-batch with the least response room
 #   that holds it and has a free row (every open micro-batch is at least as wide as the
 #   sequence, so rows are the only token constraint), else a new one of ``C // length`` rows.
-#   Each best fit scans the open micro-batches sorted by room from the first that is large
-#   enough to the first where the other cap holds too: O(log m) when one cap dominates, O(m)
-#   per sequence at worst (packed, dp 8: about 0.03 s for 2,048 rollouts, 0.7–1.4 s for
-#   20,000; padded 0.07 s: benchmarks/packing_two_caps.py);
+#   Each best fit finds its micro-batch in O(log m) plus the shorter of two scans (NOTE [ Least
+#   room where both fit ]): 20,000 rollouts plan in about 0.1 s (benchmarks/packing.py);
 # - then, for at most SMALL_PLAN_MAX_SEQUENCES sequences above the lower bound (the larger of
 #   the response bound ``⌈Σ responses / R⌉`` and ``⌈Σ lengths / C⌉``, packed, or the one-cap
 #   optimum, padded), the depth-first search of NOTE [ Small plans are searched ] with both
@@ -65,13 +63,53 @@ def _two_cap_order(lens: np.ndarray, resps: np.ndarray, budget: int, rbudget: in
     return np.argsort(-size, kind="stable")
 
 
-def _find_fit(rooms: list[tuple[int, int]], need: int, other: list[int], other_need: int) -> int:
-    """The first micro-batch in ``rooms`` (sorted (room, id)) with room >= need whose other room fits, or -1."""
-    for k in range(bisect.bisect_left(rooms, (need, -1)), len(rooms)):
-        b = rooms[k][1]
-        if other[b] >= other_need:
-            return b
-    return -1
+# NOTE [ Least room where both fit ]
+# A packed best fit asks, for each sequence, for the micro-batch with the least room in one
+# dimension D (the least ``(room_D, id)``) among the open ones whose rooms hold the sequence in
+# both dimensions, D and the other, O. The open micro-batches are kept twice as sorted keys
+# ``room << shift | id`` (one int each, so bisection and insertion run in C; ``key & mask`` is
+# the id): ``by_D`` sorted by room in D, ``by_O`` by room in O. Bisection counts the ``nx``
+# with room for the sequence in D and the ``ny`` with room in O; the answer is among both, so
+# either scan finds it:
+# - along ``by_D`` from the least room: the first whose O room holds the sequence. It stops at
+#   the answer, at once when D binds;
+# - across the ``ny`` of ``by_O``: the least D key among those whose D room holds it. It reads
+#   all ``ny``, few when O binds (when responses bind, nearly every micro-batch has token room
+#   and few have response room).
+# A few steps along ``by_D``, then the shorter of the two: O(log m + min(nx, ny)) steps per
+# sequence, plus list insertions (a memmove in C). A micro-batch whose room in either dimension
+# is below every sequence still to place (the least length and the least response after this
+# step) holds nothing more and leaves both lists. Neither changes the choice: before issue 29 the
+# scan ran along ``by_D`` alone, to the answer or the end, O(m) per sequence when O binds (6.8 s
+# for 20,000 rollouts); tests/packing_two_caps_oracle.py keeps it, and the tests compare.
+
+LEAST_ROOM_FIRST_STEPS = 4
+"""Steps along the micro-batches sorted by room before scanning the other dimension (NOTE [ Least room where both fit ])."""
+
+
+def _least_room_fit(
+    by_d: list[int], key_d: list[int], need_d: int, by_o: list[int], key_o: list[int], need_o: int, mask: int
+) -> int:
+    """The micro-batch with the least key in ``by_d`` that is at least ``need_d`` and whose key in
+    ``key_o`` is at least ``need_o``, or -1 (NOTE [ Least room where both fit ]).
+
+    Keys are ``room << shift | id`` with ``mask = (1 << shift) - 1``, and ``need_*`` are needed rooms
+    shifted the same way; ``by_*`` are the sorted keys of the open micro-batches, ``key_*[id]`` the
+    current key of each.
+    """
+    kx = bisect.bisect_left(by_d, need_d)
+    ky = bisect.bisect_left(by_o, need_o)
+    ny = len(by_o) - ky
+    if not ny:
+        return -1
+    nx = len(by_d) - kx
+    for k in by_d[kx : kx + (nx if nx <= ny else LEAST_ROOM_FIRST_STEPS)]:
+        if key_o[k & mask] >= need_o:
+            return k & mask
+    if nx <= ny:  # all nx scanned
+        return -1
+    least = min([key for k in by_o[ky:] if (key := key_d[k & mask]) >= need_d], default=-1)
+    return least & mask if least >= 0 else -1
 
 
 def _best_fit_padded(ls: list[int], rs: list[int], order: list[int], budget: int, rbudget: int) -> list[list[int]]:
@@ -101,36 +139,61 @@ def _best_fit_packed(
 ) -> list[list[int]]:
     """Packed: each sequence into the micro-batch with the least room in ``dimension``
     (``"tokens"``, ``"responses"``, or ``"tighter"``: the sequence's larger normalised size)
-    among those where both fit, else a new one; an oversize sequence runs alone."""
-    shortest = min(ls, default=1)
+    among those where both fit, else a new one; an oversize sequence runs alone.
+
+    Ties go to the micro-batch opened first. O(log m + min(nx, ny)) per sequence (NOTE [ Least
+    room where both fit ]).
+    """
+    shift = max(len(ls), 1).bit_length()  # ids < 2**shift
+    mask = (1 << shift) - 1
+    # the least length and response still to place after each step (shifted as keys): a micro-batch
+    # with less room than that in either dimension holds nothing more and leaves the lists
+    rest_l, rest_r = _least_after(ls, order, shift), _least_after(rs, order, shift)
     groups: list[list[int]] = []
-    room_l: list[int] = []
-    room_r: list[int] = []
-    by_l: list[tuple[int, int]] = []  # (token room, micro-batch) of micro-batches that hold a sequence more
-    by_r: list[tuple[int, int]] = []  # (response room, micro-batch), the same micro-batches
-    for p in order:
+    key_l: list[int] = []  # token room << shift | micro-batch, per micro-batch
+    key_r: list[int] = []  # response room << shift | micro-batch
+    by_l: list[int] = []  # sorted key_l of micro-batches that may hold a sequence more
+    by_r: list[int] = []  # sorted key_r of the same micro-batches
+    for p, open_l, open_r in zip(order, rest_l, rest_r):
         length, r = ls[p], rs[p]
         b = -1
         if length <= budget and r <= rbudget:
-            tokens = dimension == "tokens" or (dimension == "tighter" and length * rbudget >= r * budget)
-            b = _find_fit(by_l, length, room_r, r) if tokens else _find_fit(by_r, r, room_l, length)
+            if dimension == "tokens" or (dimension == "tighter" and length * rbudget >= r * budget):
+                b = _least_room_fit(by_l, key_l, length << shift, by_r, key_r, r << shift, mask)
+            else:
+                b = _least_room_fit(by_r, key_r, r << shift, by_l, key_l, length << shift, mask)
         if b >= 0:
-            del by_l[bisect.bisect_left(by_l, (room_l[b], b))]
-            del by_r[bisect.bisect_left(by_r, (room_r[b], b))]
+            kl, kr = key_l[b], key_r[b]
+            del by_l[bisect.bisect_left(by_l, kl)]
+            del by_r[bisect.bisect_left(by_r, kr)]
             groups[b].append(p)
-            room_l[b] -= length
-            room_r[b] -= r
+            kl -= length << shift
+            kr -= r << shift
+            key_l[b], key_r[b] = kl, kr
         else:
             b = len(groups)
             groups.append([p])
-            room_l.append(budget - length)
-            room_r.append(rbudget - r)
             if length > budget or r > rbudget:  # oversize: alone
+                key_l.append(-1)
+                key_r.append(-1)
                 continue
-        if room_l[b] >= shortest:
-            bisect.insort(by_l, (room_l[b], b))
-            bisect.insort(by_r, (room_r[b], b))
+            kl = (budget - length) << shift | b
+            kr = (rbudget - r) << shift | b
+            key_l.append(kl)
+            key_r.append(kr)
+        if kl >= open_l and kr >= open_r:
+            bisect.insort(by_l, kl)
+            bisect.insort(by_r, kr)
     return groups
+
+
+def _least_after(values: list[int], order: list[int], shift: int) -> list[int]:
+    """Per step of ``order``, the least of ``values`` over the steps after it, shifted left by ``shift``
+    (0 after the last step: nothing is placed after it)."""
+    if not order:
+        return []
+    least = np.minimum.accumulate(np.asarray(values, dtype=np.int64)[order][::-1])[::-1].tolist()
+    return [v << shift for v in least[1:]] + [0]
 
 
 TWO_CAP_PACKED_VARIANTS = (("length", "tokens"), ("length", "responses"), ("size", "tighter"))
