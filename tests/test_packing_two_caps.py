@@ -217,6 +217,13 @@ def test_the_packed_best_fit_puts_every_sequence_where_the_old_scan_did(inputs):
     assert new == old_best_fit_packed(lengths, responses, order, budget, rbudget, dimension)
 
 
+def test_the_least_still_to_place_is_exact_beyond_int64_keys():
+    # rooms are shifted left past the micro-batch ids: 2**40 << 30 no longer fits an int64
+    assert two_caps._least_after([2**40, 5, 2**40], [0, 1, 2], 30) == [5 << 30, 2**40 << 30, 0]
+    assert two_caps._least_after([7, 5, 9], [2, 0, 1], 3) == [5 << 3, 5 << 3, 0]
+    assert two_caps._least_after([], [], 1) == []
+
+
 @pytest.mark.parametrize("dp_size", [1, 4])
 def test_rl_rollout_plans_equal_the_old_scan_plans(dp_size, monkeypatch):
     lengths, responses = rl_rollouts(3000, 8192, seed=5)

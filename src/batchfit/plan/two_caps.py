@@ -68,48 +68,56 @@ def _two_cap_order(lens: np.ndarray, resps: np.ndarray, budget: int, rbudget: in
 # dimension D (the least ``(room_D, id)``) among the open ones whose rooms hold the sequence in
 # both dimensions, D and the other, O. The open micro-batches are kept twice as sorted keys
 # ``room << shift | id`` (one int each, so bisection and insertion run in C; ``key & mask`` is
-# the id): ``by_D`` sorted by room in D, ``by_O`` by room in O. Bisection counts the ``nx``
-# with room for the sequence in D and the ``ny`` with room in O; the answer is among both, so
-# either scan finds it:
+# the id): ``by_D`` sorted by room in D, each beside its key in O, and ``by_O`` sorted by room
+# in O, each beside its key in D. Bisection finds the ``nx`` with room for the sequence in D and
+# the ``ny`` with room in O; the answer is among both, so either scan finds it:
 # - along ``by_D`` from the least room: the first whose O room holds the sequence. It stops at
 #   the answer, at once when D binds;
-# - across the ``ny`` of ``by_O``: the least D key among those whose D room holds it. It reads
-#   all ``ny``, few when O binds (when responses bind, nearly every micro-batch has token room
-#   and few have response room).
+# - across the ``ny`` of ``by_O``: the least D key among them (``min`` in C) that holds the
+#   sequence. It reads all ``ny``, few when O binds (when responses bind, nearly every
+#   micro-batch has token room and few have response room).
 # A few steps along ``by_D``, then the shorter of the two: O(log m + min(nx, ny)) steps per
 # sequence, plus list insertions (a memmove in C). A micro-batch whose room in either dimension
 # is below every sequence still to place (the least length and the least response after this
-# step) holds nothing more and leaves both lists. Neither changes the choice: before issue 29 the
+# step) holds nothing more and leaves the lists. Neither changes the choice: before issue 29 the
 # scan ran along ``by_D`` alone, to the answer or the end, O(m) per sequence when O binds (6.8 s
 # for 20,000 rollouts); tests/packing_two_caps_oracle.py keeps it, and the tests compare.
 
 LEAST_ROOM_FIRST_STEPS = 4
-"""Steps along the micro-batches sorted by room before scanning the other dimension (NOTE [ Least room where both fit ])."""
+"""Steps along the micro-batches sorted by room before counting the other dimension (NOTE [ Least room where both fit ])."""
 
 
-def _least_room_fit(
-    by_d: list[int], key_d: list[int], need_d: int, by_o: list[int], key_o: list[int], need_o: int, mask: int
-) -> int:
-    """The micro-batch with the least key in ``by_d`` that is at least ``need_d`` and whose key in
-    ``key_o`` is at least ``need_o``, or -1 (NOTE [ Least room where both fit ]).
+def _least_room_fit(by_d: list[int], o_of_d: list[int], need_d: int, by_o: list[int], d_of_o: list[int], need_o: int) -> int:
+    """The position in ``by_d`` of the least key that is at least ``need_d`` and whose key in the
+    other dimension is at least ``need_o``, or -1 (NOTE [ Least room where both fit ]).
 
-    Keys are ``room << shift | id`` with ``mask = (1 << shift) - 1``, and ``need_*`` are needed rooms
-    shifted the same way; ``by_*`` are the sorted keys of the open micro-batches, ``key_*[id]`` the
-    current key of each.
+    ``by_d`` and ``by_o`` are the sorted keys of the open micro-batches in each dimension;
+    ``o_of_d[i]`` is the other key of ``by_d[i]``, and ``d_of_o[i]`` that of ``by_o[i]``.
     """
     kx = bisect.bisect_left(by_d, need_d)
+    i = kx
+    for key in o_of_d[kx : kx + LEAST_ROOM_FIRST_STEPS]:
+        if key >= need_o:
+            return i
+        i += 1
+    if i == len(by_d):  # all nx read
+        return -1
     ky = bisect.bisect_left(by_o, need_o)
-    ny = len(by_o) - ky
-    if not ny:
+    if len(by_d) - kx <= len(by_o) - ky:  # nx <= ny: the rest along by_d
+        for key in o_of_d[i:]:
+            if key >= need_o:
+                return i
+            i += 1
         return -1
-    nx = len(by_d) - kx
-    for k in by_d[kx : kx + (nx if nx <= ny else LEAST_ROOM_FIRST_STEPS)]:
-        if key_o[k & mask] >= need_o:
-            return k & mask
-    if nx <= ny:  # all nx scanned
+    keys = d_of_o[ky:]
+    if not keys:
         return -1
-    least = min([key for k in by_o[ky:] if (key := key_d[k & mask]) >= need_d], default=-1)
-    return least & mask if least >= 0 else -1
+    least = min(keys)
+    if least < need_d:  # some lack room in D: the least of those that have it
+        least = min([key for key in keys if key >= need_d], default=-1)
+        if least < 0:
+            return -1
+    return bisect.bisect_left(by_d, least, kx)
 
 
 def _best_fit_padded(ls: list[int], rs: list[int], order: list[int], budget: int, rbudget: int) -> list[list[int]]:
@@ -150,40 +158,44 @@ def _best_fit_packed(
     # with less room than that in either dimension holds nothing more and leaves the lists
     rest_l, rest_r = _least_after(ls, order, shift), _least_after(rs, order, shift)
     groups: list[list[int]] = []
-    key_l: list[int] = []  # token room << shift | micro-batch, per micro-batch
-    key_r: list[int] = []  # response room << shift | micro-batch
-    by_l: list[int] = []  # sorted key_l of micro-batches that may hold a sequence more
-    by_r: list[int] = []  # sorted key_r of the same micro-batches
+    by_l: list[int] = []  # sorted keys (token room << shift | micro-batch) of the open micro-batches
+    r_of_l: list[int] = []  # the response key of each, aligned with by_l
+    by_r: list[int] = []  # sorted keys (response room << shift | micro-batch) of the same
+    l_of_r: list[int] = []  # the token key of each, aligned with by_r
     for p, open_l, open_r in zip(order, rest_l, rest_r):
         length, r = ls[p], rs[p]
-        b = -1
+        i = -1
         if length <= budget and r <= rbudget:
             if dimension == "tokens" or (dimension == "tighter" and length * rbudget >= r * budget):
-                b = _least_room_fit(by_l, key_l, length << shift, by_r, key_r, r << shift, mask)
+                i = _least_room_fit(by_l, r_of_l, length << shift, by_r, l_of_r, r << shift)
+                if i >= 0:
+                    kl, kr = by_l.pop(i), r_of_l.pop(i)
+                    j = bisect.bisect_left(by_r, kr)
+                    del by_r[j], l_of_r[j]
             else:
-                b = _least_room_fit(by_r, key_r, r << shift, by_l, key_l, length << shift, mask)
-        if b >= 0:
-            kl, kr = key_l[b], key_r[b]
-            del by_l[bisect.bisect_left(by_l, kl)]
-            del by_r[bisect.bisect_left(by_r, kr)]
-            groups[b].append(p)
+                i = _least_room_fit(by_r, l_of_r, r << shift, by_l, r_of_l, length << shift)
+                if i >= 0:
+                    kr, kl = by_r.pop(i), l_of_r.pop(i)
+                    j = bisect.bisect_left(by_l, kl)
+                    del by_l[j], r_of_l[j]
+        if i >= 0:
+            groups[kl & mask].append(p)
             kl -= length << shift
             kr -= r << shift
-            key_l[b], key_r[b] = kl, kr
         else:
             b = len(groups)
             groups.append([p])
             if length > budget or r > rbudget:  # oversize: alone
-                key_l.append(-1)
-                key_r.append(-1)
                 continue
             kl = (budget - length) << shift | b
             kr = (rbudget - r) << shift | b
-            key_l.append(kl)
-            key_r.append(kr)
         if kl >= open_l and kr >= open_r:
-            bisect.insort(by_l, kl)
-            bisect.insort(by_r, kr)
+            j = bisect.bisect_left(by_l, kl)
+            by_l.insert(j, kl)
+            r_of_l.insert(j, kr)
+            j = bisect.bisect_left(by_r, kr)
+            by_r.insert(j, kr)
+            l_of_r.insert(j, kl)
     return groups
 
 
@@ -192,8 +204,13 @@ def _least_after(values: list[int], order: list[int], shift: int) -> list[int]:
     (0 after the last step: nothing is placed after it)."""
     if not order:
         return []
-    least = np.minimum.accumulate(np.asarray(values, dtype=np.int64)[order][::-1])[::-1].tolist()
-    return [v << shift for v in least[1:]] + [0]
+    least = np.minimum.accumulate(np.asarray(values, dtype=np.int64)[order][::-1])[::-1]
+    if int(least[-1]) < 1 << (62 - shift):  # least[-1] is the largest: shifted in int64 exactly
+        shifted = (least[1:] << shift).tolist()
+    else:
+        shifted = [v << shift for v in least[1:].tolist()]
+    shifted.append(0)
+    return shifted
 
 
 TWO_CAP_PACKED_VARIANTS = (("length", "tokens"), ("length", "responses"), ("size", "tighter"))
