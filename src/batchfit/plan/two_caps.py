@@ -39,7 +39,7 @@ from batchfit.plan.single_cap import (
 #   that holds it and has a free row (every open micro-batch is at least as wide as the
 #   sequence, so rows are the only token constraint), else a new one of ``C // length`` rows.
 #   Each best fit finds its micro-batch in O(log m) plus the shorter of two scans (NOTE [ Least
-#   room where both fit ]): 20,000 rollouts plan in about 0.1 s (benchmarks/packing.py);
+#   room where both fit ]): 20,000 rollouts in 0.22 s of CPU (`benchmarks/packing.py --two-caps`);
 # - then, for at most SMALL_PLAN_MAX_SEQUENCES sequences above the lower bound (the larger of
 #   the response bound ``⌈Σ responses / R⌉`` and ``⌈Σ lengths / C⌉``, packed, or the one-cap
 #   optimum, padded), the depth-first search of NOTE [ Small plans are searched ] with both
