@@ -26,7 +26,7 @@ def _snake(n: int, dp_size: int) -> np.ndarray:
     return np.where(rnd % 2 == 0, col, dp_size - 1 - col)
 
 
-def _deal_micro_batches(
+def deal_micro_batches(
     groups: list[list[int]], costs: list[int], dp_size: int, balance: bool
 ) -> tuple[list[list[Indices]], list[list[int]]]:
     """Assign whole micro-batches to ranks: at most ``⌈M / dp_size⌉`` each."""
@@ -40,7 +40,7 @@ def _deal_micro_batches(
     return ranks, rank_costs
 
 
-def _deal_sequences(
+def deal_sequences(
     lens: np.ndarray, idx: np.ndarray, budget: int, dp_size: int, packer: Packer
 ) -> tuple[list[list[Indices]], list[list[int]]]:
     """Assign sequences to ranks (boustrophedon over descending lengths), then pack each rank."""
@@ -55,6 +55,7 @@ def _deal_sequences(
     return ranks, rank_costs
 
 
-def _candidate_key(candidate: tuple[list[list[Indices]], list[list[int]]]) -> tuple[int, int]:
+def candidate_key(candidate: tuple[list[list[Indices]], list[list[int]]]) -> tuple[int, int]:
+    """How a dealt candidate ranks (lower is better): micro-batches per rank, then the largest rank cost."""
     ranks, costs = candidate
     return max(len(r) for r in ranks), max(sum(c) for c in costs)

@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 
 from batchfit.errors import BudgetError, InvalidArgument
-from batchfit.plan.dealing import Indices, _candidate_key, _deal_micro_batches, _deal_sequences
+from batchfit.plan.dealing import Indices, candidate_key, deal_micro_batches, deal_sequences
 from batchfit.plan.render import micro_batch_plan_text
-from batchfit.plan.single_cap import _packer
-from batchfit.plan.two_caps import _two_cap_packer
+from batchfit.plan.single_cap import packer_for
+from batchfit.plan.two_caps import two_cap_packer
 from batchfit.validation import (
     MAX_COUNT,
     MAX_RANKS,
@@ -645,17 +645,17 @@ def plan_micro_batches(
 
     order = np.argsort(-lens, kind="stable")  # longest first, ties by index
     sorted_lens = lens[order]
-    packer = _packer(cost, sorted_lens)
+    packer = packer_for(cost, sorted_lens)
     if rbudget is not None:
-        packer = _two_cap_packer(packer, resp, rbudget, cost == "padded")
+        packer = two_cap_packer(packer, resp, rbudget, cost == "padded")
     groups, costs = packer(sorted_lens, order, budget)
     if dp_size == 1:
         ranks, rank_costs = [[tuple(g) for g in groups]], [costs]
     else:
-        chosen = _deal_micro_batches(groups, costs, dp_size, balance)
+        chosen = deal_micro_batches(groups, costs, dp_size, balance)
         if balance:
-            by_sequence = _deal_sequences(sorted_lens, order, budget, dp_size, packer)
-            if _candidate_key(by_sequence) <= _candidate_key(chosen):
+            by_sequence = deal_sequences(sorted_lens, order, budget, dp_size, packer)
+            if candidate_key(by_sequence) <= candidate_key(chosen):
                 chosen = by_sequence
         ranks, rank_costs = chosen
     if balance:

@@ -1,7 +1,7 @@
 """Packers under one cap: sequences sorted longest first into micro-batches of at most a token budget.
 
 Each packer takes lengths sorted in descending order, their input indices and the budget, and
-returns groups of input indices with their costs (:data:`Packer`); :func:`_packer` picks one per
+returns groups of input indices with their costs (:data:`Packer`); :func:`packer_for` picks one per
 plan. Pure functions of the lengths (numpy only); :func:`batchfit.plan.packing.plan_micro_batches`
 is the public entry.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 
-def _pack_padded(lens: np.ndarray, idx: np.ndarray, budget: int) -> tuple[list[list[int]], list[int]]:
+def pack_padded(lens: np.ndarray, idx: np.ndarray, budget: int) -> tuple[list[list[int]], list[int]]:
     """Greedy consecutive runs over lengths sorted in descending order (``padded`` cost).
 
     A run led by length ``L`` takes the next ``max(1, C // L)`` sequences. This is optimal
@@ -190,8 +190,8 @@ SMALL_PLAN_NODE_LIMIT = 20_000
 """Search nodes per attempt (about 20–50 ms of Python at most); past it the best-fit plan stays."""
 
 
-class _SearchLimit(Exception):
-    pass
+class SearchLimit(Exception):
+    """A small-plan search ran past :data:`SMALL_PLAN_NODE_LIMIT` nodes (caught where it runs; never leaves the planner)."""
 
 
 # NOTE [ Small plans are searched ]
@@ -227,7 +227,7 @@ def _fewer_micro_batches(lens: list[int], budget: int, count: int) -> list[list[
             return False
         nodes += 1
         if nodes > SMALL_PLAN_NODE_LIMIT:
-            raise _SearchLimit
+            raise SearchLimit
         length = lens[i]
         tried: set[int] = set()
         for b in range(count):
@@ -245,7 +245,7 @@ def _fewer_micro_batches(lens: list[int], budget: int, count: int) -> list[list[
 
     try:
         return groups if place(0, count * budget) else None
-    except _SearchLimit:
+    except SearchLimit:
         return None
 
 
@@ -274,10 +274,10 @@ def _pack_best_fit_then_search(
     return [[order[i] for i in g] for g in best], [sum(values[i] for i in g) for g in best]
 
 
-def _packer(cost: str, lengths: np.ndarray) -> Packer:
+def packer_for(cost: str, lengths: np.ndarray) -> Packer:
     """The packer for ``cost``, chosen once per plan (by the distinct ``lengths``, sorted, of all sequences)."""
     if cost == "padded":
-        return _pack_padded
+        return pack_padded
     # lengths are sorted, so the distinct count is one more than the number of changes
     distinct = 1 + int(np.count_nonzero(lengths[1:] != lengths[:-1])) if len(lengths) else 0
     return _pack_best_fit_then_search if distinct <= BEST_FIT_MAX_DISTINCT else _pack_packed

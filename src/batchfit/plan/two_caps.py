@@ -15,8 +15,8 @@ from batchfit.plan.single_cap import (
     SMALL_PLAN_MAX_SEQUENCES,
     SMALL_PLAN_NODE_LIMIT,
     Packer,
-    _pack_padded,
-    _SearchLimit,
+    SearchLimit,
+    pack_padded,
 )
 
 # NOTE [ Two caps ]
@@ -261,7 +261,7 @@ def _fewer_two_caps(
             return False
         nodes += 1
         if nodes > SMALL_PLAN_NODE_LIMIT:
-            raise _SearchLimit
+            raise SearchLimit
         length, r = lens[i], resps[i]
         tried: set[tuple[int, int, int]] = set()
         for b in range(count):
@@ -290,7 +290,7 @@ def _fewer_two_caps(
 
     try:
         return groups if place(0, count * budget, count * rbudget) else None
-    except _SearchLimit:
+    except SearchLimit:
         return None
 
 
@@ -303,7 +303,7 @@ def _pack_two_caps_then_search(
     oversize = any(length > budget for length in ls) or any(r > rbudget for r in rs)
     if 0 < len(ls) <= SMALL_PLAN_MAX_SEQUENCES and not oversize:
         if padded:
-            bound = len(_pack_padded(lens, idx, budget)[0])  # the one-cap optimum
+            bound = len(pack_padded(lens, idx, budget)[0])  # the one-cap optimum
         else:
             bound = -(-sum(ls) // budget)
         bound = max(bound, -(-sum(rs) // rbudget))
@@ -321,7 +321,7 @@ def _pack_two_caps_then_search(
     return [[positions[p] for p in g] for g in groups], _group_costs(ls, groups, padded)
 
 
-def _two_cap_packer(packer: Packer, resp: np.ndarray, rbudget: int, padded: bool) -> Packer:
+def two_cap_packer(packer: Packer, resp: np.ndarray, rbudget: int, padded: bool) -> Packer:
     """``packer``'s plan when it holds the response cap, else the two-cap packer (NOTE [ Two caps ]).
 
     ``resp`` is indexed by input index (the packers see input indices in ``idx``).
