@@ -549,7 +549,10 @@ def plan_micro_batches(
     Complexity: O(n log n) numpy work for the sort and the output. Python steps: padded,
     one per micro-batch; packed, best fit: a few per distinct length (at most one per
     sequence), largest-first: O(log n) per micro-batch. 100k sequences of at most 4096
-    tokens plan in about 0.03 s (dp_size 1) to 0.1 s (dp_size 8, two candidates).
+    tokens plan in about 0.03 s (dp_size 1) to 0.1 s (dp_size 8, two candidates). Two caps,
+    when the one-cap plan breaks the response cap: padded, O(log m) per sequence; packed,
+    three best fits of O(log m + min(nx, ny)) each per sequence (NOTE [ Least room where both
+    fit ] in :mod:`batchfit.plan.two_caps`): 20,000 RL rollouts in about 0.2 s of CPU.
 
     Args:
         lengths: valid tokens per sequence (list, numpy array or 1-D tensor), each >= 1.

@@ -87,7 +87,9 @@ LEAST_ROOM_FIRST_STEPS = 4
 """Steps along the micro-batches sorted by room before counting the other dimension (NOTE [ Least room where both fit ])."""
 
 
-def _least_room_fit(by_d: list[int], o_of_d: list[int], need_d: int, by_o: list[int], d_of_o: list[int], need_o: int) -> int:
+def _least_room_fit(
+    by_d: list[int], o_of_d: list[int], need_d: int, by_o: list[int], d_of_o: list[int], need_o: int
+) -> int:
     """The position in ``by_d`` of the least key that is at least ``need_d`` and whose key in the
     other dimension is at least ``need_o``, or -1 (NOTE [ Least room where both fit ]).
 
