@@ -217,6 +217,20 @@ def test_the_packed_best_fit_puts_every_sequence_where_the_old_scan_did(inputs):
     assert new == old_best_fit_packed(lengths, responses, order, budget, rbudget, dimension)
 
 
+@pytest.mark.parametrize("dimension", ["tokens", "responses", "tighter"])
+def test_a_sequence_that_fits_no_micro_batch_in_both_dimensions_opens_one(dimension):
+    # budgets 100 and 100: six micro-batches of one (95 tokens, 5 responses) have 5 tokens and 95
+    # responses left, six of one (50, 96) have 50 and 4 left; (10, 10) fits neither kind, so the
+    # scan along either dimension (six candidates, no more than the other's six) reads to its end
+    lengths = [95] * 6 + [50] * 6 + [10, 1]
+    responses = [5] * 6 + [96] * 6 + [10, 1]
+    order = list(range(14))
+    groups = two_caps._best_fit_packed(lengths, responses, order, 100, 100, dimension)
+    assert groups == old_best_fit_packed(lengths, responses, order, 100, 100, dimension)
+    assert [12] in groups  # alone in a new micro-batch
+    assert len(groups) == 13  # the last, 1 token with 1 response, joins one of the twelve
+
+
 def test_the_least_still_to_place_is_exact_beyond_int64_keys():
     # rooms are shifted left past the micro-batch ids: 2**40 << 30 no longer fits an int64
     assert two_caps._least_after([2**40, 5, 2**40], [0, 1, 2], 30) == [5 << 30, 2**40 << 30, 0]
