@@ -1,11 +1,14 @@
 """Quality and speed of batchfit.plan.packing against two baselines.
 
-    python benchmarks/packing.py [--n 10000] [--dp 8] [--max-len 4096] [--seed 0]
+    python benchmarks/packing.py [--n 10000] [--dp 8] [--max-len 4096] [--seed 0] [--two-caps]
+
+(``--two-caps``: the two-cap planning time alone.)
 
 For three length distributions and budgets of 2×–16× the longest sequence, prints per
 planner: micro-batches per rank ÷ lower bound, utilization (Σ cost / (count × budget)),
 padding fraction (pad tokens / Σ cost, padded cost only), rank imbalance (max / mean rank
-cost) and cap violations; then planning time for 1k, 10k and 100k sequences; then small plans
+cost) and cap violations; then planning time for 1k, 10k and 100k sequences; then planning time
+under two caps (20,000 RL rollouts, issue 29's bar of 0.2 s); then small plans
 (2..40 sequences, one rank's share) against an exact solver, best fit alone and verl's count;
 then the time and peak of a padded micro-batch against the same sequences packed in one row,
 through sdpa (a T × T mask) and through batchfit's varlen attention.
@@ -26,7 +29,8 @@ import time
 
 import numpy as np
 
-from batchfit.plan.packing import BEST_FIT_MAX_DISTINCT, plan_micro_batches
+from batchfit.plan.packing import plan_micro_batches
+from batchfit.plan.single_cap import BEST_FIT_MAX_DISTINCT
 
 
 def lengths_for(kind: str, n: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
@@ -162,6 +166,46 @@ def timing_distinct(dp: int, seed: int) -> None:
         )
 
 
+def timing_two_caps(seed: int) -> None:
+    """Two caps over 20,000 RL rollouts (issue 29's bar: 0.2 s), beside one cap over 100k sequences.
+
+    Best of 5, wall and CPU seconds (on a loaded machine the CPU time is nearer what a quiet one takes).
+    """
+    import os
+
+    from packing_two_caps import rollouts  # benchmarks/ is on the path when this file runs
+
+    def best_wall_cpu(*args, **kwargs) -> tuple[float, float]:
+        wall = cpu = float("inf")
+        for _ in range(5):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            plan_micro_batches(*args, **kwargs)
+            wall = min(wall, time.perf_counter() - start)
+            cpu = min(cpu, time.process_time() - start_cpu)
+        return wall, cpu
+
+    lens, resp = rollouts(20_000, 8192, np.random.default_rng(seed))
+    kwargs = dict(cost="packed", response_lengths=resp, response_budget=8192)
+    plan = plan_micro_batches(lens, 32768, **kwargs)
+    two = best_wall_cpu(lens, 32768, **kwargs)
+    one = best_wall_cpu(
+        lengths_for("long-tail", 100_000, 4096, np.random.default_rng(seed)), 16384, cost="packed"
+    )
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print()
+    print(
+        "Two caps: plan_micro_batches(lengths, 32768, cost='packed', response_lengths=..., response_budget=8192)"
+    )
+    print(
+        f"  20,000 rollouts (benchmarks/packing_two_caps.py, longest 8192): {two[0]:.3f} s ({two[1]:.3f} s CPU), "
+        f"best of 5; {plan.num_micro_batches} micro-batches, lower bound {plan.lower_bound}"
+    )
+    print(
+        f"  one cap, 100,000 long-tail sequences, budget 4× longest, packed: {one[0]:.3f} s ({one[1]:.3f} s CPU)"
+    )
+    print(f"  load average (1, 5, 15 min) after: {load}")
+
+
 def exact_count(lengths: list[int], budget: int, limit: int = 2_000_000) -> int | None:
     """The fewest micro-batches (exhaustive branch and bound), ``None`` past ``limit`` nodes."""
     items = sorted(lengths, reverse=True)
@@ -197,7 +241,7 @@ def exact_count(lengths: list[int], budget: int, limit: int = 2_000_000) -> int 
 
 def small_plans(seed: int, cases: int = 1000) -> None:
     """Counts on random small instances (one rank's share): batchfit vs best fit alone vs verl vs the optimum."""
-    import batchfit.plan.packing as packing
+    import batchfit.plan.single_cap as single_cap
 
     rng = np.random.default_rng(seed)
     tally = {"batchfit": [0, 0, 0], "best fit alone": [0, 0, 0]}  # [= optimum, +1, +2 or more]
@@ -217,12 +261,12 @@ def small_plans(seed: int, cases: int = 1000) -> None:
         start = time.perf_counter()
         ours = plan_micro_batches(lengths, budget, cost="packed").num_micro_batches
         times.append(time.perf_counter() - start)
-        saved = packing.SMALL_PLAN_MAX_SEQUENCES
-        packing.SMALL_PLAN_MAX_SEQUENCES = 0
+        saved = single_cap.SMALL_PLAN_MAX_SEQUENCES
+        single_cap.SMALL_PLAN_MAX_SEQUENCES = 0
         try:
             alone = plan_micro_batches(lengths, budget, cost="packed").num_micro_batches
         finally:
-            packing.SMALL_PLAN_MAX_SEQUENCES = saved
+            single_cap.SMALL_PLAN_MAX_SEQUENCES = saved
         for name, count in (("batchfit", ours), ("best fit alone", alone)):
             tally[name][min(count - optimum, 2)] += 1
         verl = min(n, -(-sum(lengths) // budget))  # verl's count: ⌈Σ/C⌉, micro-batches may exceed C
@@ -301,11 +345,16 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=8, help="data-parallel ranks")
     parser.add_argument("--max-len", type=int, default=4096, help="longest sequence, in tokens")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--two-caps", action="store_true", help="only the two-cap planning time")
     args = parser.parse_args()
+    if args.two_caps:
+        timing_two_caps(args.seed)
+        return
     quality(args.n, 1, args.max_len, args.seed)
     quality(args.n, args.dp, args.max_len, args.seed)
     timing(args.dp, args.max_len, args.seed)
     timing_distinct(args.dp, args.seed)
+    timing_two_caps(args.seed)
     small_plans(args.seed)
     packed_vs_padded(args.seed)
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfit import BudgetError, InvalidArgument
-from batchfit.plan import packing
+from batchfit.plan import single_cap
 from batchfit.plan.packing import MicroBatchPlan, plan_micro_batches
 from microbatch_helpers import fewest_groups
 
@@ -83,7 +83,7 @@ def test_many_distinct_lengths_use_the_vectorised_packer_with_the_same_guarantee
     # above BEST_FIT_MAX_DISTINCT distinct lengths: largest first, then the shortest that fit
     plan = plan_micro_batches([100, 30, 70, 40], token_budget=140, cost="packed")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(packing, "BEST_FIT_MAX_DISTINCT", 0)
+        patch.setattr(single_cap, "BEST_FIT_MAX_DISTINCT", 0)
         fast = plan_micro_batches([100, 30, 70, 40], token_budget=140, cost="packed")
     assert fast.ranks == (((0, 1), (2, 3)),)  # 100 + 30 = 130, then 70 + 40 = 110
     assert fast.num_micro_batches == plan.num_micro_batches == 2
@@ -94,7 +94,7 @@ def test_many_distinct_lengths_use_the_vectorised_packer_with_the_same_guarantee
 def test_vectorised_packed_plan_keeps_every_index_once_under_the_cap(inputs):
     lengths, budget, dp_size, _, balance = inputs
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(packing, "BEST_FIT_MAX_DISTINCT", 0)
+        patch.setattr(single_cap, "BEST_FIT_MAX_DISTINCT", 0)
         plan = plan_micro_batches(
             lengths, budget, dp_size=dp_size, cost="packed", balance=balance, oversize="alone"
         )
@@ -125,7 +125,7 @@ def test_best_fit_by_distinct_length_equals_per_sequence_best_fit(lengths, budge
     # NOTE [ Best fit by distinct length ]: same count and same multiset of costs (without the
     # small-plan search, which may improve on best fit)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(packing, "SMALL_PLAN_MAX_SEQUENCES", 0)
+        patch.setattr(single_cap, "SMALL_PLAN_MAX_SEQUENCES", 0)
         plan = plan_micro_batches(lengths, budget, cost="packed", oversize="alone")
     assert sorted(plan.costs[0]) == best_fit_decreasing_costs(lengths, budget)
     searched = plan_micro_batches(lengths, budget, cost="packed", oversize="alone")
@@ -143,7 +143,7 @@ def test_large_long_tailed_packed_plan_is_within_one_percent_of_the_lower_bound(
     for dp_size in (1, 8):
         plan = plan_micro_batches(lengths, budget, dp_size=dp_size, cost="packed")
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(packing, "BEST_FIT_MAX_DISTINCT", 0)
+            patch.setattr(single_cap, "BEST_FIT_MAX_DISTINCT", 0)
             vectorised = plan_micro_batches(lengths, budget, dp_size=dp_size, cost="packed")
         assert plan.num_micro_batches <= 1.01 * plan.lower_bound
         assert plan.num_micro_batches <= vectorised.num_micro_batches
@@ -377,7 +377,7 @@ def test_the_search_finds_the_plan_best_fit_decreasing_misses():
     # 20 tokens, budget 10: best fit puts 5+4 (room 1, nothing fits), 4+3+2 (room 1), 2 -> 3
     # micro-batches; the search finds 5+3+2 and 4+4+2, both exactly full
     lengths, budget = [4, 2, 5, 2, 3, 4], 10
-    groups, _ = packing._pack_best_fit(np.array(sorted(lengths, reverse=True)), np.arange(6), budget)
+    groups, _ = single_cap._pack_best_fit(np.array(sorted(lengths, reverse=True)), np.arange(6), budget)
     plan = plan_micro_batches(lengths, budget, cost="packed")
     assert len(groups) == 3
     assert plan.ranks == (((2, 4, 1), (0, 5, 3)),) and plan.costs == ((10, 10),)

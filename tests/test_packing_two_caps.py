@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 from batchfit import BudgetError, InvalidArgument
 from batchfit.batches.microbatch import iter_micro_batches
+from batchfit.plan import two_caps
 from batchfit.plan.packing import MicroBatchPlan, plan_micro_batches
 from microbatch_helpers import fewest_groups, make_batch
+from packing_two_caps_oracle import best_fit_packed as old_best_fit_packed
 
 
 def token_cost(lengths, indices, cost):
@@ -186,6 +188,101 @@ def test_rl_rollouts_plan_close_to_the_lower_bound(cost, dp_size):
         # padded: the one-cap count is optimal under the token cap alone, so also a bound
         bound = max(plan.lower_bound, one.num_micro_batches if cost == "padded" else 0)
         assert plan.num_micro_batches <= 1.12 * bound, (budget, rbudget, plan.num_micro_batches, bound)
+
+
+# ---------------------------------------------------------------- the fast best fit (NOTE [ Least room where both fit ])
+
+
+@st.composite
+def best_fit_inputs(draw):
+    """Sequences in any order; lengths and responses from a few values (ties) or a range, and
+    budgets where either cap, or both, bind."""
+    n = draw(st.integers(0, 120))
+    values = st.sampled_from([1, 5, 40, 64, 100, 250]) if draw(st.booleans()) else st.integers(1, 400)
+    lengths = draw(st.lists(values, min_size=n, max_size=n))
+    responses = [draw(st.integers(0, length)) for length in lengths]
+    order = draw(st.permutations(range(n)))
+    budget = draw(st.integers(1, 1200))
+    rbudget = draw(st.integers(1, 800))
+    dimension = draw(st.sampled_from(["tokens", "responses", "tighter"]))
+    return lengths, responses, list(order), budget, rbudget, dimension
+
+
+@settings(max_examples=400, deadline=None)
+@given(best_fit_inputs())
+def test_the_packed_best_fit_puts_every_sequence_where_the_old_scan_did(inputs):
+    # the old scan (tests/packing_two_caps_oracle.py, verbatim): same groups, same order
+    lengths, responses, order, budget, rbudget, dimension = inputs
+    new = two_caps._best_fit_packed(lengths, responses, order, budget, rbudget, dimension)
+    assert new == old_best_fit_packed(lengths, responses, order, budget, rbudget, dimension)
+
+
+@pytest.mark.parametrize("dimension", ["tokens", "responses", "tighter"])
+def test_a_sequence_that_fits_no_micro_batch_in_both_dimensions_opens_one(dimension):
+    # budgets 100 and 100: six micro-batches of one (95 tokens, 5 responses) have 5 tokens and 95
+    # responses left, six of one (50, 96) have 50 and 4 left; (10, 10) fits neither kind, so the
+    # scan along either dimension (six candidates, no more than the other's six) reads to its end
+    lengths = [95] * 6 + [50] * 6 + [10, 1]
+    responses = [5] * 6 + [96] * 6 + [10, 1]
+    order = list(range(14))
+    groups = two_caps._best_fit_packed(lengths, responses, order, 100, 100, dimension)
+    assert groups == old_best_fit_packed(lengths, responses, order, 100, 100, dimension)
+    assert [12] in groups  # alone in a new micro-batch
+    assert len(groups) == 13  # the last, 1 token with 1 response, joins one of the twelve
+
+
+def test_the_least_still_to_place_is_exact_beyond_int64_keys():
+    # rooms are shifted left past the micro-batch ids: 2**40 << 30 no longer fits an int64
+    assert two_caps._least_after([2**40, 5, 2**40], [0, 1, 2], 30) == [5 << 30, 2**40 << 30, 0]
+    assert two_caps._least_after([7, 5, 9], [2, 0, 1], 3) == [5 << 3, 5 << 3, 0]
+    assert two_caps._least_after([], [], 1) == []
+
+
+@pytest.mark.parametrize("dp_size", [1, 4])
+def test_rl_rollout_plans_equal_the_old_scan_plans(dp_size, monkeypatch):
+    lengths, responses = rl_rollouts(3000, 8192, seed=5)
+    for budget, rbudget in ((32768, 8192), (16384, 8192), (16384, 4096 + 2048), (32768, 19660)):
+        kwargs = dict(
+            dp_size=dp_size, cost="packed", oversize="alone", response_lengths=responses, response_budget=rbudget
+        )
+        new = plan_micro_batches(lengths, budget, **kwargs)
+        with monkeypatch.context() as patch:
+            patch.setattr(two_caps, "_best_fit_packed", old_best_fit_packed)
+            old = plan_micro_batches(lengths, budget, **kwargs)
+        assert new == old and new.response_costs == old.response_costs
+
+
+@pytest.mark.slow
+def test_the_20k_rollout_plan_of_the_speed_bar_equals_the_old_scan_plan(monkeypatch):
+    # issue 29's bar (0.2 s, docs/packing.md); the old scan took 6.8 s on it
+    lengths, responses = rl_rollouts(20_000, 8192, seed=0)
+    kwargs = dict(cost="packed", response_lengths=responses, response_budget=8192)
+    new = plan_micro_batches(lengths, 32768, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(two_caps, "_best_fit_packed", old_best_fit_packed)
+        old = plan_micro_batches(lengths, 32768, **kwargs)
+    assert new == old
+
+
+@pytest.mark.timeout(10)  # about 0.1 s quiet; the old O(m) scan took 6.8 s (limits scale with the load)
+def test_20k_rl_rollouts_plan_quickly_under_both_caps():
+    lengths, responses = rl_rollouts(20_000, 8192, seed=0)
+    plan = plan_micro_batches(lengths, 32768, cost="packed", response_lengths=responses, response_budget=8192)
+    check_two_cap_plan(plan, lengths.tolist(), responses.tolist(), 32768, 8192, 1, "packed")
+    assert plan.num_micro_batches <= 1.01 * plan.lower_bound
+
+
+def test_integer_arrays_take_the_whole_array_check_and_others_the_item_check():
+    lengths = [10, 20, 30]
+    for responses in ([1, 2, 3], np.array([1, 2, 3], dtype=np.int32), torch.tensor([1, 2, 3]), np.array([1, 2, 3], dtype=np.uint8)):
+        plan = plan_micro_batches(lengths, 100, response_lengths=responses, response_budget=5)
+        assert plan.response_lengths.dtype == np.int64 and plan.response_lengths.tolist() == [1, 2, 3]
+    with pytest.raises(InvalidArgument, match=r"response_lengths must hold integers in \[0, .*response_lengths\[1\]=-1"):
+        plan_micro_batches(lengths, 100, response_lengths=np.array([1, -1, 2]), response_budget=5)
+    with pytest.raises(InvalidArgument, match=r"1-D integer tensor or a list of ints, but got a Tensor of shape \(3,\) and dtype torch.bool"):
+        plan_micro_batches(lengths, 100, response_lengths=torch.tensor([True, False, True]), response_budget=5)
+    with pytest.raises(InvalidArgument, match=r"dtype torch.bfloat16"):
+        plan_micro_batches(lengths, 100, response_lengths=torch.tensor([1, 2, 3], dtype=torch.bfloat16), response_budget=5)
 
 
 # ---------------------------------------------------------------- errors

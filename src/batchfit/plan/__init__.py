@@ -3,7 +3,9 @@
 - :mod:`~batchfit.plan.config`: :class:`BatchConfig` → :class:`BatchPlan` (train / mini / micro
   batch sizes, epochs, data-parallel layout; every fault in one :class:`~batchfit.BatchConfigError`).
 - :mod:`~batchfit.plan.packing`: :func:`plan_micro_batches`, token-budget micro-batch plans equal
-  on every rank.
+  on every rank; its packers are :mod:`~batchfit.plan.single_cap` (one cap),
+  :mod:`~batchfit.plan.two_caps` (tokens and response tokens) and :mod:`~batchfit.plan.dealing`
+  (over data-parallel ranks).
 - :mod:`~batchfit.plan.search`: :func:`largest_fitting`, the bracket search over a probe
   (``probe(candidate) -> fits``) that the token budget and AutoBatch share.
 

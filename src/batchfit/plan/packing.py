@@ -21,10 +21,7 @@ Guarantees of :func:`plan_micro_batches`:
 
 from __future__ import annotations
 
-import bisect
-import heapq
-import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -32,6 +29,10 @@ from typing import Any
 import numpy as np
 
 from batchfit.errors import BudgetError, InvalidArgument
+from batchfit.plan.dealing import Indices, candidate_key, deal_micro_batches, deal_sequences
+from batchfit.plan.render import micro_batch_plan_text
+from batchfit.plan.single_cap import packer_for
+from batchfit.plan.two_caps import two_cap_packer
 from batchfit.validation import (
     MAX_COUNT,
     MAX_RANKS,
@@ -69,8 +70,6 @@ MAX_LENGTH = 2**40
 
 MAX_PADDING_MICRO_BATCHES = 2**24
 """Most padding micro-batches :meth:`MicroBatchPlan.pad_to` appends over all ranks (each is a tuple in memory)."""
-
-Indices = tuple[int, ...]
 
 
 def _is_container(outputs: Any) -> bool:
@@ -137,8 +136,6 @@ class MicroBatchPlan:
 
     def describe(self) -> str:
         """A few lines of plain text: micro-batches, ranks, budget, use, and what was split (:func:`batchfit.plan.render.micro_batch_plan_text`)."""
-        from batchfit.plan.render import micro_batch_plan_text
-
         return micro_batch_plan_text(self)
 
     @property
@@ -439,11 +436,33 @@ def _check_budget(token_budget: Any) -> int:
     return int(token_budget)
 
 
+def _int_array(values: Any) -> np.ndarray | None:
+    """``values`` as int64 if it is a 1-D integer array or host tensor in ``[0, MAX_LENGTH]``, else ``None``.
+
+    The fast path of :func:`_as_response_lengths`: whole-array checks instead of one per item
+    (20,000 items took 0.05 s); ``None`` sends anything else through the item-by-item check.
+    """
+    if hasattr(values, "detach"):
+        try:
+            values = values.numpy()
+        except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16): the checked path refuses it
+            return None
+    if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype == np.bool_:
+        return None
+    if not np.issubdtype(values.dtype, np.integer):
+        return None
+    if values.size and (int(values.min()) < 0 or int(values.max()) > MAX_LENGTH):
+        return None
+    return values.astype(np.int64)
+
+
 def _as_response_lengths(response_lengths: Any, lens: np.ndarray) -> np.ndarray:
     """``response_lengths`` as int64, one per sequence, each in ``[0, lengths[i]]``."""
     if hasattr(response_lengths, "detach"):  # a tensor, possibly on an accelerator
         response_lengths = response_lengths.detach().cpu().resolve_conj().resolve_neg()
-    values = check_int_sequence("response_lengths", response_lengths, minimum=0, maximum=MAX_LENGTH)
+    values = _int_array(response_lengths)
+    if values is None:  # anything else is checked item by item (its error names the item)
+        values = check_int_sequence("response_lengths", response_lengths, minimum=0, maximum=MAX_LENGTH)
     if len(values) != len(lens):
         raise InvalidArgument(
             f"response_lengths must have one entry per sequence ({len(lens)}, as lengths), but got "
@@ -470,521 +489,6 @@ def _check_response_budget(response_budget: Any) -> int:
     return int(response_budget)
 
 
-def _pack_padded(lens: np.ndarray, idx: np.ndarray, budget: int) -> tuple[list[list[int]], list[int]]:
-    """Greedy consecutive runs over lengths sorted in descending order (``padded`` cost).
-
-    A run led by length ``L`` takes the next ``max(1, C // L)`` sequences. This is optimal
-    for the count: some micro-batch holds the longest sequence, so it has at most ``C // L0``
-    members, and swapping them for the next-longest ones never raises any other micro-batch's
-    cost (induction on the rest). O(number of micro-batches) Python steps.
-    """
-    lens, idx = lens.tolist(), idx.tolist()
-    groups: list[list[int]] = []
-    costs: list[int] = []
-    i, n = 0, len(lens)
-    while i < n:
-        j = min(n, i + max(1, budget // lens[i]))
-        groups.append(idx[i:j])
-        costs.append((j - i) * lens[i])
-        i = j
-    return groups, costs
-
-
-def _pack_packed(lens: np.ndarray, idx: np.ndarray, budget: int) -> tuple[list[list[int]], list[int]]:
-    """Largest-first, smallest-fill over lengths sorted in descending order (``packed`` cost).
-
-    Each micro-batch takes the longest remaining sequences while they fit, then fills the rest
-    with the shortest remaining ones while they fit. Prefix sums and bisection make each
-    micro-batch O(log n), so the Python loop runs once per micro-batch, not per sequence.
-    Bound: a micro-batch closes only when the shortest remaining sequence ``s`` does not fit,
-    so every micro-batch but the last holds more than ``C − s`` tokens; with sequences of at
-    most ``C / k`` tokens the count is at most ``⌈Σ / ((1 − 1/k)·C)⌉ + 1``. Used only when
-    there are more than :data:`BEST_FIT_MAX_DISTINCT` distinct lengths.
-    """
-    lens, idx = lens.tolist(), idx.tolist()
-    prefix = [0]
-    for length in lens:
-        prefix.append(prefix[-1] + length)
-    groups: list[list[int]] = []
-    costs: list[int] = []
-    lo, hi = 0, len(lens)
-    while lo < hi:
-        # front: the longest remaining while they fit (at least one: an oversize sequence runs alone)
-        j = max(lo + 1, min(hi, bisect.bisect_right(prefix, prefix[lo] + budget) - 1))
-        load = prefix[j] - prefix[lo]
-        room = budget - load
-        # back: the shortest remaining while they fit: the largest t with prefix[hi] - prefix[hi - t] <= room
-        back = hi if room <= 0 else max(j, bisect.bisect_left(prefix, prefix[hi] - room, j, hi + 1))
-        groups.append(idx[lo:j] + idx[back:hi])
-        costs.append(load + prefix[hi] - prefix[back])
-        lo, hi = j, back
-    return groups, costs
-
-
-# NOTE [ Best fit by distinct length ]
-# Best-fit decreasing (BFD) puts each sequence, longest first, into the open micro-batch with
-# the least room that still holds it. Two facts let it run once per distinct length instead of
-# once per sequence:
-# - Equal lengths fill one micro-batch before the next: after ``L`` goes into the tightest room
-#   ``r >= L``, the room ``r - L`` is the tightest one left if it still holds ``L``. So a room
-#   ``r`` takes ``⌊r / L⌋`` sequences of length ``L`` in one step (fewer if they run out), and
-#   micro-batches with the same room take them in turn.
-# - Lengths only decrease, so the rooms that can hold the current length form a stack, tightest
-#   on top: a room left after taking ``L`` is below ``L`` and waits (bucketed by room, a heap of
-#   the waiting room values) until the length drops to it; rooms released when the length
-#   drops from ``L`` to ``L' < L`` lie in ``[L', L)``, below every room already on the stack.
-# Micro-batches with the same room are interchangeable for every later choice, so the count and
-# the multiset of costs are those of per-sequence BFD whatever the ties (the tests compare with
-# a per-sequence reference). Each step of the loop moves a list of micro-batches at C speed;
-# sequence positions are then assigned to micro-batches by one ``np.repeat`` (each step takes
-# the next sequences of its length in sorted order).
-
-
-def _pack_best_fit(lens: np.ndarray, idx: np.ndarray, budget: int) -> tuple[list[list[int]], list[int]]:
-    """Best-fit decreasing over lengths sorted in descending order (``packed`` cost).
-
-    Each sequence goes to the open micro-batch with the least room that still holds it, else
-    opens a new one; an oversize sequence runs alone. Bound: at most ``11/9·OPT + 4``
-    micro-batches (Johnson, 1973); on the benchmark's distributions within 0.4% of the lower
-    bound ``⌈Σ / C⌉``. Runs per distinct length (NOTE [ Best fit by distinct length ]): O(n log n)
-    numpy work, plus a Python loop of one step per distinct length and one per (room, length)
-    pair that takes sequences, never more than one per sequence, and in practice a few per
-    distinct length (about 0.02 s for 100k sequences of at most 4096 tokens). Deterministic:
-    micro-batches with equal rooms are taken in the order they got that room.
-    """
-    n = len(lens)
-    if n == 0:
-        return [], []
-    starts = np.flatnonzero(np.r_[True, lens[1:] != lens[:-1]])
-    values = lens[starts].tolist()
-    counts = np.diff(np.r_[starts, n]).tolist()
-    ready: list[tuple[int, list[int]]] = []  # (room, micro-batches): rooms >= length, tightest on top
-    waiting: dict[int, list[int]] = {}  # room < length -> micro-batches with that room
-    heap: list[int] = []  # -room for every key of waiting
-    step_batches: list[int] = []  # per step, the micro-batch that takes sequences ...
-    step_takes: list[int] = []  # ... and how many (consecutive in sorted order)
-    opened = 0
-
-    for length, m in zip(values, counts):
-        while heap and -heap[0] >= length:  # rooms that now hold the length: tightest on top
-            room = -heapq.heappop(heap)
-            ready.append((room, waiting.pop(room)))
-        while m and ready:
-            room, batches = ready[-1]
-            k = room // length  # >= 1: ready rooms hold the length
-            if m >= k * len(batches):  # every micro-batch with this room takes k
-                ready.pop()
-                full = batches
-                m -= k * len(batches)
-            else:  # the first q take k, the next takes r and stays ready (tighter, on top)
-                q, r = divmod(m, k)
-                full = batches[:q]
-                rest = batches[q + 1 :] if r else batches[q:]
-                if rest:
-                    ready[-1] = (room, rest)
-                else:
-                    ready.pop()
-                if r:
-                    step_batches.append(batches[q])
-                    step_takes.append(r)
-                    ready.append((room - r * length, [batches[q]]))
-                m = 0
-            if full:
-                step_batches += full
-                step_takes += [k] * len(full)
-                left = room - k * length  # < length: waits until the length drops to it
-                if left in waiting:
-                    waiting[left] += full
-                elif left:
-                    waiting[left] = full
-                    heapq.heappush(heap, -left)
-        if m:  # nothing open holds it: new micro-batches of k each (oversize: k = 1, alone)
-            k = max(1, budget // length)
-            q, r = divmod(m, k)
-            full = list(range(opened, opened + q))
-            opened += q
-            step_batches += full
-            step_takes += [k] * q
-            left = budget - k * length
-            if q and left > 0:
-                if left in waiting:
-                    waiting[left] += full
-                else:
-                    waiting[left] = full
-                    heapq.heappush(heap, -left)
-            if r:
-                step_batches.append(opened)
-                step_takes.append(r)
-                ready.append((budget - r * length, [opened]))
-                opened += 1
-    batch_of = np.repeat(np.asarray(step_batches, dtype=np.int64), np.asarray(step_takes, dtype=np.int64))
-    perm = np.argsort(batch_of, kind="stable")  # by micro-batch, longest first inside
-    sizes = np.bincount(batch_of, minlength=opened)
-    bounds = np.r_[0, np.cumsum(sizes)]
-    costs = np.add.reduceat(lens[perm], bounds[:-1]).tolist()
-    flat = idx[perm].tolist()
-    edges = bounds.tolist()
-    return [flat[a:b] for a, b in itertools.pairwise(edges)], costs
-
-
-BEST_FIT_MAX_DISTINCT = 32_768
-"""Up to this many distinct lengths, ``packed`` plans use best-fit decreasing (about 0.02 s
-per 100k sequences of at most a few thousand tokens, 0.07 s with 32k distinct lengths); above
-it, the vectorised largest-first/smallest-fill packer (about 0.05–0.1 s per 100k sequences,
-but a few percent more micro-batches)."""
-
-
-Packer = Callable[[np.ndarray, np.ndarray, int], tuple[list[list[int]], list[int]]]
-
-SMALL_PLAN_MAX_SEQUENCES = 64
-"""Up to this many sequences, a packed plan above the lower bound is searched for one with fewer
-micro-batches (NOTE [ Small plans are searched ])."""
-
-SMALL_PLAN_NODE_LIMIT = 20_000
-"""Search nodes per attempt (about 20–50 ms of Python at most); past it the best-fit plan stays."""
-
-
-class _SearchLimit(Exception):
-    pass
-
-
-# NOTE [ Small plans are searched ]
-# Best-fit decreasing is within 11/9 of the optimum, which for the few to few dozen
-# sequences one rank holds means one micro-batch too many in about 1.5% of random cases, and
-# one extra step out of five is 20% more time. So when a small plan has more micro-batches
-# than the lower bound ⌈Σ lengths / C⌉, a depth-first search tries one fewer: sequences longest
-# first, each into a micro-batch with room (micro-batches of equal load are interchangeable,
-# so only the first of each load is tried, which also opens at most one empty micro-batch),
-# pruned when the tokens left exceed the room left. Found: try one fewer again, down to the
-# lower bound. Not found within SMALL_PLAN_NODE_LIMIT nodes: keep what is known. The cap is
-# never relaxed (verl's ⌈Σ/C⌉ count reaches the bound by letting micro-batches exceed C).
-
-
-def _fewer_micro_batches(lens: list[int], budget: int, count: int) -> list[list[int]] | None:
-    """Positions of ``lens`` (descending) in ``count`` micro-batches of at most ``budget``, or ``None``.
-
-    ``None`` when no such plan exists or the search ran past :data:`SMALL_PLAN_NODE_LIMIT`.
-    """
-    n = len(lens)
-    suffix = [0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        suffix[i] = suffix[i + 1] + lens[i]
-    loads = [0] * count
-    groups: list[list[int]] = [[] for _ in range(count)]
-    nodes = 0
-
-    def place(i: int, room: int) -> bool:
-        nonlocal nodes
-        if i == n:
-            return True
-        if suffix[i] > room:
-            return False
-        nodes += 1
-        if nodes > SMALL_PLAN_NODE_LIMIT:
-            raise _SearchLimit
-        length = lens[i]
-        tried: set[int] = set()
-        for b in range(count):
-            load = loads[b]
-            if load in tried or load + length > budget:
-                continue
-            tried.add(load)
-            loads[b] = load + length
-            groups[b].append(i)
-            if place(i + 1, room - length):
-                return True
-            loads[b] = load
-            groups[b].pop()
-        return False
-
-    try:
-        return groups if place(0, count * budget) else None
-    except _SearchLimit:
-        return None
-
-
-def _pack_best_fit_then_search(
-    lens: np.ndarray, idx: np.ndarray, budget: int
-) -> tuple[list[list[int]], list[int]]:
-    """Best-fit decreasing; for at most :data:`SMALL_PLAN_MAX_SEQUENCES` sequences then NOTE [ Small plans are searched ]."""
-    groups, costs = _pack_best_fit(lens, idx, budget)
-    if len(lens) > SMALL_PLAN_MAX_SEQUENCES:
-        return groups, costs
-    values = lens.tolist()
-    if not values or values[0] > budget:  # an oversize sequence runs alone: keep best fit
-        return groups, costs
-    bound = -(-sum(values) // budget)
-    best = None
-    count = len(groups) - 1
-    while count >= bound:
-        found = _fewer_micro_batches(values, budget, count)
-        if found is None:
-            break
-        best = [g for g in found if g]
-        count = len(best) - 1
-    if best is None:
-        return groups, costs
-    order = idx.tolist()
-    return [[order[i] for i in g] for g in best], [sum(values[i] for i in g) for g in best]
-
-
-# NOTE [ Two caps ]
-# With a response-only head (``model_logprobs(only_loss_tokens=True)``) a micro-batch's peak
-# has two parts: the trunk pays for its tokens (``token_budget``: rows × longest for padded
-# rows, the sum of lengths packed) and the head for its response (loss) tokens. The head
-# gathers the loss positions before the projection in both layouts, so a micro-batch's
-# response cost is the sum of its sequences' response lengths, padded or packed. A plan with
-# a ``response_budget`` is a 2-D vector bin packing:
-# - first the one-cap plan; if every micro-batch of it holds the response cap, it is the plan
-#   (a response cap that never binds changes nothing but the reported ``response_costs``);
-# - else best fit in two dimensions (:func:`_pack_two_caps`). ``packed``: three best fits, the
-#   one with fewest micro-batches wins (TWO_CAP_PACKED_VARIANTS): longest first, into the
-#   micro-batch with the least token room where both fit; longest first, least response
-#   room; largest normalised size ``max(length / C, response / R)`` first, least room in the
-#   sequence's own tighter dimension. No single rule wins on every length distribution (RL
-#   rollouts where long sequences have long responses favour the first; mixtures of
-#   long-prompt/short-answer and short-prompt/long-answer rollouts the second). ``padded``:
-#   longest first (then largest response), into the micro-batch with the least response room
-#   that holds it and has a free row (every open micro-batch is at least as wide as the
-#   sequence, so rows are the only token constraint), else a new one of ``C // length`` rows.
-#   Each best fit scans the open micro-batches sorted by room from the first that is large
-#   enough to the first where the other cap holds too: O(log m) when one cap dominates, O(m)
-#   per sequence at worst (packed, dp 8: about 0.03 s for 2,048 rollouts, 0.7–1.4 s for
-#   20,000; padded 0.07 s: benchmarks/packing_two_caps.py);
-# - then, for at most SMALL_PLAN_MAX_SEQUENCES sequences above the lower bound (the larger of
-#   the response bound ``⌈Σ responses / R⌉`` and ``⌈Σ lengths / C⌉``, packed, or the one-cap
-#   optimum, padded), the depth-first search of NOTE [ Small plans are searched ] with both
-#   caps (:func:`_fewer_two_caps`).
-# Both caps are hard; an oversize sequence (over either cap, ``oversize="alone"``) runs alone.
-
-def _group_costs(lens: list[int], groups: list[list[int]], padded: bool) -> list[int]:
-    """Token cost of each group of positions of ``lens``."""
-    if padded:
-        return [len(g) * max(lens[p] for p in g) for g in groups]
-    return [sum(lens[p] for p in g) for g in groups]
-
-
-def _two_cap_order(lens: np.ndarray, resps: np.ndarray, budget: int, rbudget: int, by: str) -> np.ndarray:
-    """Positions, largest first by ``by`` (``"length"``, then the larger response; or ``"size"``,
-    ``max(length / C, response / R)``); ties by position (lens is sorted descending, ties by index)."""
-    if by == "length":
-        return np.lexsort((np.arange(len(lens)), -resps, -lens))
-    size = np.maximum(lens / budget, resps / rbudget)
-    return np.argsort(-size, kind="stable")
-
-
-def _find_fit(rooms: list[tuple[int, int]], need: int, other: list[int], other_need: int) -> int:
-    """The first micro-batch in ``rooms`` (sorted (room, id)) with room >= need whose other room fits, or -1."""
-    for k in range(bisect.bisect_left(rooms, (need, -1)), len(rooms)):
-        b = rooms[k][1]
-        if other[b] >= other_need:
-            return b
-    return -1
-
-
-def _best_fit_padded(ls: list[int], rs: list[int], order: list[int], budget: int, rbudget: int) -> list[list[int]]:
-    """Padded rows: each sequence (longest first) into the micro-batch with the least response room
-    that holds it and has a free row (then fewest free rows, then oldest), else a new one."""
-    groups: list[list[int]] = []
-    open_: list[tuple[int, int, int]] = []  # (response room, free rows, micro-batch), rows > 0
-    for p in order:
-        length, r = ls[p], rs[p]
-        fits = length <= budget and r <= rbudget
-        if fits:
-            pos = bisect.bisect_left(open_, (r, 0, 0))
-            if pos < len(open_):
-                room, free, b = open_.pop(pos)
-                groups[b].append(p)
-                if free > 1:
-                    bisect.insort(open_, (room - r, free - 1, b))
-                continue
-        groups.append([p])
-        if fits and budget // length > 1:
-            bisect.insort(open_, (rbudget - r, budget // length - 1, len(groups) - 1))
-    return groups
-
-
-def _best_fit_packed(
-    ls: list[int], rs: list[int], order: list[int], budget: int, rbudget: int, dimension: str
-) -> list[list[int]]:
-    """Packed: each sequence into the micro-batch with the least room in ``dimension``
-    (``"tokens"``, ``"responses"``, or ``"tighter"``: the sequence's larger normalised size)
-    among those where both fit, else a new one; an oversize sequence runs alone."""
-    shortest = min(ls, default=1)
-    groups: list[list[int]] = []
-    room_l: list[int] = []
-    room_r: list[int] = []
-    by_l: list[tuple[int, int]] = []  # (token room, micro-batch) of micro-batches that hold a sequence more
-    by_r: list[tuple[int, int]] = []  # (response room, micro-batch), the same micro-batches
-    for p in order:
-        length, r = ls[p], rs[p]
-        b = -1
-        if length <= budget and r <= rbudget:
-            tokens = dimension == "tokens" or (dimension == "tighter" and length * rbudget >= r * budget)
-            b = _find_fit(by_l, length, room_r, r) if tokens else _find_fit(by_r, r, room_l, length)
-        if b >= 0:
-            del by_l[bisect.bisect_left(by_l, (room_l[b], b))]
-            del by_r[bisect.bisect_left(by_r, (room_r[b], b))]
-            groups[b].append(p)
-            room_l[b] -= length
-            room_r[b] -= r
-        else:
-            b = len(groups)
-            groups.append([p])
-            room_l.append(budget - length)
-            room_r.append(rbudget - r)
-            if length > budget or r > rbudget:  # oversize: alone
-                continue
-        if room_l[b] >= shortest:
-            bisect.insort(by_l, (room_l[b], b))
-            bisect.insort(by_r, (room_r[b], b))
-    return groups
-
-
-TWO_CAP_PACKED_VARIANTS = (("length", "tokens"), ("length", "responses"), ("size", "tighter"))
-"""(order, best-fit dimension) of the packed two-cap best fits; the one with fewest micro-batches wins."""
-
-
-def _pack_two_caps(
-    lens: np.ndarray, idx: np.ndarray, budget: int, resps: np.ndarray, rbudget: int, padded: bool
-) -> list[list[int]]:
-    """Best fit under both caps (NOTE [ Two caps ]); groups of positions of ``lens`` (sorted descending)."""
-    ls, rs = lens.tolist(), resps.tolist()
-    if padded:
-        return _best_fit_padded(ls, rs, _two_cap_order(lens, resps, budget, rbudget, "length").tolist(), budget, rbudget)
-    best: list[list[int]] | None = None
-    for by, dimension in TWO_CAP_PACKED_VARIANTS:
-        order = _two_cap_order(lens, resps, budget, rbudget, by).tolist()
-        groups = _best_fit_packed(ls, rs, order, budget, rbudget, dimension)
-        if best is None or len(groups) < len(best):
-            best = groups
-    return best or []
-
-
-def _fewer_two_caps(
-    lens: list[int], resps: list[int], budget: int, rbudget: int, count: int, padded: bool
-) -> list[list[int]] | None:
-    """Positions of ``lens`` in ``count`` micro-batches under both caps, or ``None`` (NOTE [ Two caps ]).
-
-    ``lens`` is sorted descending for ``padded`` (a micro-batch's first sequence sets its width).
-    ``None`` when no such plan exists or the search ran past :data:`SMALL_PLAN_NODE_LIMIT`.
-    """
-    n = len(lens)
-    suffix_l = [0] * (n + 1)
-    suffix_r = [0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        suffix_l[i] = suffix_l[i + 1] + lens[i]
-        suffix_r[i] = suffix_r[i + 1] + resps[i]
-    loads = [0] * count  # tokens (packed) or rows (padded)
-    widths = [0] * count
-    rloads = [0] * count
-    groups: list[list[int]] = [[] for _ in range(count)]
-    nodes = 0
-
-    def place(i: int, room: int, rroom: int) -> bool:
-        nonlocal nodes
-        if i == n:
-            return True
-        if suffix_r[i] > rroom or (not padded and suffix_l[i] > room):
-            return False
-        nodes += 1
-        if nodes > SMALL_PLAN_NODE_LIMIT:
-            raise _SearchLimit
-        length, r = lens[i], resps[i]
-        tried: set[tuple[int, int, int]] = set()
-        for b in range(count):
-            key = (loads[b], widths[b], rloads[b])
-            if key in tried or rloads[b] + r > rbudget:
-                continue
-            if padded:
-                width = widths[b] or length
-                if (loads[b] + 1) * width > budget:
-                    continue
-            elif loads[b] + length > budget:
-                continue
-            tried.add(key)
-            old_width = widths[b]
-            loads[b] += 1 if padded else length
-            widths[b] = widths[b] or length
-            rloads[b] += r
-            groups[b].append(i)
-            if place(i + 1, room - length, rroom - r):
-                return True
-            loads[b] -= 1 if padded else length
-            widths[b] = old_width
-            rloads[b] -= r
-            groups[b].pop()
-        return False
-
-    try:
-        return groups if place(0, count * budget, count * rbudget) else None
-    except _SearchLimit:
-        return None
-
-
-def _pack_two_caps_then_search(
-    lens: np.ndarray, idx: np.ndarray, budget: int, resps: np.ndarray, rbudget: int, padded: bool
-) -> tuple[list[list[int]], list[int]]:
-    """Two-cap best fit, then for small plans the search (NOTE [ Two caps ]); groups of input indices."""
-    groups = _pack_two_caps(lens, idx, budget, resps, rbudget, padded)
-    ls, rs = lens.tolist(), resps.tolist()
-    oversize = any(length > budget for length in ls) or any(r > rbudget for r in rs)
-    if 0 < len(ls) <= SMALL_PLAN_MAX_SEQUENCES and not oversize:
-        if padded:
-            bound = len(_pack_padded(lens, idx, budget)[0])  # the one-cap optimum
-        else:
-            bound = -(-sum(ls) // budget)
-        bound = max(bound, -(-sum(rs) // rbudget))
-        order = _two_cap_order(lens, resps, budget, rbudget, "length" if padded else "size").tolist()
-        count = len(groups) - 1
-        while count >= bound:
-            found = _fewer_two_caps([ls[p] for p in order], [rs[p] for p in order], budget, rbudget, count, padded)
-            if found is None:
-                break
-            groups = [[order[q] for q in g] for g in found if g]
-            count = len(groups) - 1
-    # inside a micro-batch, longest first (then by position: the sorted order, ties by index)
-    groups = [sorted(g) for g in groups]
-    positions = idx.tolist()
-    return [[positions[p] for p in g] for g in groups], _group_costs(ls, groups, padded)
-
-
-def _two_cap_packer(packer: Packer, resp: np.ndarray, rbudget: int, padded: bool) -> Packer:
-    """``packer``'s plan when it holds the response cap, else the two-cap packer (NOTE [ Two caps ]).
-
-    ``resp`` is indexed by input index (the packers see input indices in ``idx``).
-    """
-
-    def pack(lens: np.ndarray, idx: np.ndarray, budget: int) -> tuple[list[list[int]], list[int]]:
-        groups, costs = packer(lens, idx, budget)
-        if all(len(g) == 1 or int(resp[g].sum()) <= rbudget for g in groups):
-            return groups, costs
-        return _pack_two_caps_then_search(lens, idx, budget, resp[idx], rbudget, padded)
-
-    return pack
-
-
-def _packer(cost: str, lengths: np.ndarray) -> Packer:
-    """The packer for ``cost``, chosen once per plan (by the distinct ``lengths``, sorted, of all sequences)."""
-    if cost == "padded":
-        return _pack_padded
-    # lengths are sorted, so the distinct count is one more than the number of changes
-    distinct = 1 + int(np.count_nonzero(lengths[1:] != lengths[:-1])) if len(lengths) else 0
-    return _pack_best_fit_then_search if distinct <= BEST_FIT_MAX_DISTINCT else _pack_packed
-
-
-def _snake(n: int, dp_size: int) -> np.ndarray:
-    """Rank of each of ``n`` items dealt boustrophedon: 0..d-1, d-1..0, 0..d-1, ...
-
-    Over items sorted in descending order, the spread of the rank sums is at most the
-    largest item minus the smallest: each forward/backward pair of rounds shifts any two
-    ranks apart by at most that round's range, and the ranges telescope.
-    """
-    pos = np.arange(n, dtype=np.int64)
-    rnd, col = np.divmod(pos, dp_size)
-    return np.where(rnd % 2 == 0, col, dp_size - 1 - col)
-
-
 def _pad_ranks(
     ranks: list[list[Indices]], costs: list[list[int]], count: int
 ) -> tuple[tuple[tuple[Indices, ...], ...], tuple[tuple[int, ...], ...]]:
@@ -992,40 +496,6 @@ def _pad_ranks(
     out_r = tuple(tuple(r) + ((),) * (count - len(r)) for r in ranks)
     out_c = tuple(tuple(c) + (PADDING_MICRO_BATCH_COST,) * (count - len(c)) for c in costs)
     return out_r, out_c
-
-
-def _deal_micro_batches(
-    groups: list[list[int]], costs: list[int], dp_size: int, balance: bool
-) -> tuple[list[list[Indices]], list[list[int]]]:
-    """Assign whole micro-batches to ranks: at most ``⌈M / dp_size⌉`` each."""
-    order = sorted(range(len(groups)), key=lambda g: (-costs[g], g)) if balance else list(range(len(groups)))
-    rank_of = _snake(len(order), dp_size) if balance else np.arange(len(order)) % dp_size
-    ranks: list[list[Indices]] = [[] for _ in range(dp_size)]
-    rank_costs: list[list[int]] = [[] for _ in range(dp_size)]
-    for g, r in zip(order, rank_of.tolist()):
-        ranks[r].append(tuple(groups[g]))
-        rank_costs[r].append(costs[g])
-    return ranks, rank_costs
-
-
-def _deal_sequences(
-    lens: np.ndarray, idx: np.ndarray, budget: int, dp_size: int, packer: Packer
-) -> tuple[list[list[Indices]], list[list[int]]]:
-    """Assign sequences to ranks (boustrophedon over descending lengths), then pack each rank."""
-    rank_of = _snake(len(idx), dp_size)
-    ranks: list[list[Indices]] = []
-    rank_costs: list[list[int]] = []
-    for r in range(dp_size):
-        mask = rank_of == r
-        groups, costs = packer(lens[mask], idx[mask], budget)
-        ranks.append([tuple(g) for g in groups])
-        rank_costs.append(costs)
-    return ranks, rank_costs
-
-
-def _candidate_key(candidate: tuple[list[list[Indices]], list[list[int]]]) -> tuple[int, int]:
-    ranks, costs = candidate
-    return max(len(r) for r in ranks), max(sum(c) for c in costs)
 
 
 def plan_micro_batches(
@@ -1059,7 +529,7 @@ def plan_micro_batches(
     - ``cost="packed"`` (cost = sum of lengths): best-fit decreasing (at most
       ``11/9·OPT + 4``; within 0.4% of the lower bound on the benchmark's distributions,
       100k sequences included), run once per distinct length rather than per sequence (NOTE
-      [ Best fit by distinct length ]). Above :data:`BEST_FIT_MAX_DISTINCT` distinct lengths,
+      [ Best fit by distinct length ]). Above :data:`~batchfit.plan.single_cap.BEST_FIT_MAX_DISTINCT` distinct lengths,
       largest-first then fill with the shortest (every micro-batch but the last holds more
       than ``C −`` the shortest sequence left), which bounds the time.
     - ``dp_size > 1``: two candidate plans, the one with fewer micro-batches per rank wins (then
@@ -1079,7 +549,10 @@ def plan_micro_batches(
     Complexity: O(n log n) numpy work for the sort and the output. Python steps: padded,
     one per micro-batch; packed, best fit: a few per distinct length (at most one per
     sequence), largest-first: O(log n) per micro-batch. 100k sequences of at most 4096
-    tokens plan in about 0.03 s (dp_size 1) to 0.1 s (dp_size 8, two candidates).
+    tokens plan in about 0.03 s (dp_size 1) to 0.1 s (dp_size 8, two candidates). Two caps,
+    when the one-cap plan breaks the response cap: padded, O(log m) per sequence; packed,
+    three best fits of O(log m + min(nx, ny)) each per sequence (NOTE [ Least room where both
+    fit ] in :mod:`batchfit.plan.two_caps`): 20,000 RL rollouts in about 0.2 s of CPU.
 
     Args:
         lengths: valid tokens per sequence (list, numpy array or 1-D tensor), each >= 1.
@@ -1175,17 +648,17 @@ def plan_micro_batches(
 
     order = np.argsort(-lens, kind="stable")  # longest first, ties by index
     sorted_lens = lens[order]
-    packer = _packer(cost, sorted_lens)
+    packer = packer_for(cost, sorted_lens)
     if rbudget is not None:
-        packer = _two_cap_packer(packer, resp, rbudget, cost == "padded")
+        packer = two_cap_packer(packer, resp, rbudget, cost == "padded")
     groups, costs = packer(sorted_lens, order, budget)
     if dp_size == 1:
         ranks, rank_costs = [[tuple(g) for g in groups]], [costs]
     else:
-        chosen = _deal_micro_batches(groups, costs, dp_size, balance)
+        chosen = deal_micro_batches(groups, costs, dp_size, balance)
         if balance:
-            by_sequence = _deal_sequences(sorted_lens, order, budget, dp_size, packer)
-            if _candidate_key(by_sequence) <= _candidate_key(chosen):
+            by_sequence = deal_sequences(sorted_lens, order, budget, dp_size, packer)
+            if candidate_key(by_sequence) <= candidate_key(chosen):
                 chosen = by_sequence
         ranks, rank_costs = chosen
     if balance:

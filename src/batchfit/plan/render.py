@@ -1,12 +1,120 @@
-"""Plain-text renderings of library results (no terminal styling; the CLI adds that)."""
+"""Plain-text renderings of library results (no terminal styling; the CLI adds that).
+
+NOTE [ Rendering reads views ]: the plans render themselves (``str(BatchPlan)``,
+``MicroBatchPlan.describe()``) through this module, so it must not import them back, not even
+for type hints (an import circle, tests/test_imports.py). Each function takes a read-only view
+(a :class:`~typing.Protocol`) naming exactly the fields it reads; the plans' frozen dataclasses
+satisfy them.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from batchfit.plan.config import BatchPlan, RolePlan
-    from batchfit.plan.packing import MicroBatchPlan
+
+class ConfigView(Protocol):
+    """What :func:`plan_tree_text` reads of a :class:`~batchfit.plan.config.BatchConfig`."""
+
+    @property
+    def train_batch_size(self) -> int: ...
+    @property
+    def n_samples_per_prompt(self) -> int: ...
+    @property
+    def step_wise(self) -> bool: ...
+    @property
+    def update_epochs_per_batch(self) -> int: ...
+    @property
+    def micro_forward_batch_size_per_gpu(self) -> int: ...
+    @property
+    def max_tokens_per_micro_batch(self) -> int | None: ...
+    @property
+    def tensor_parallel(self) -> int: ...
+    @property
+    def pipeline_parallel(self) -> int: ...
+    @property
+    def context_parallel(self) -> int: ...
+    @property
+    def sequence_parallel(self) -> int: ...
+    @property
+    def framework(self) -> str: ...
+
+
+class RoleView(Protocol):
+    """What :func:`plan_tree_text` reads of a :class:`~batchfit.plan.config.RolePlan`."""
+
+    @property
+    def role(self) -> str: ...
+    @property
+    def mini_batch_size(self) -> int: ...
+    @property
+    def mini_batches_per_epoch(self) -> int: ...
+    @property
+    def optimizer_steps_per_step(self) -> int: ...
+    @property
+    def samples_per_mini_batch(self) -> int | None: ...
+    @property
+    def samples_per_mini_batch_per_gpu(self) -> int | None: ...
+    @property
+    def micro_batch_size_per_gpu(self) -> int | None: ...
+    @property
+    def gradient_accumulation_steps(self) -> int | None: ...
+
+
+class BatchPlanView(Protocol):
+    """What :func:`plan_tree_text` reads of a :class:`~batchfit.plan.config.BatchPlan`."""
+
+    @property
+    def config(self) -> ConfigView: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def dp_size(self) -> int: ...
+    @property
+    def model_parallel_size(self) -> int: ...
+    @property
+    def trajectories_per_step(self) -> int: ...
+    @property
+    def samples_per_step(self) -> int | None: ...
+    @property
+    def samples_per_step_per_gpu(self) -> int | None: ...
+    @property
+    def forward_micro_batches_per_gpu(self) -> int | None: ...
+    @property
+    def micro_batching(self) -> str: ...
+    @property
+    def roles(self) -> Sequence[RoleView]: ...
+    @property
+    def notes(self) -> Sequence[str]: ...
+    @property
+    def warnings(self) -> Sequence[str]: ...
+
+
+class MicroBatchPlanView(Protocol):
+    """What :func:`micro_batch_plan_text` and :func:`split_text` read of a :class:`~batchfit.plan.packing.MicroBatchPlan`."""
+
+    @property
+    def num_micro_batches(self) -> int: ...
+    @property
+    def dp_size(self) -> int: ...
+    @property
+    def num_sequences(self) -> int: ...
+    @property
+    def token_budget(self) -> int: ...
+    @property
+    def cost(self) -> str: ...
+    @property
+    def utilization(self) -> float: ...
+    @property
+    def lower_bound(self) -> int: ...
+    @property
+    def num_padding_micro_batches(self) -> int: ...
+    @property
+    def oversize(self) -> Sequence[int]: ...
+    @property
+    def split(self) -> Sequence[tuple[int, int]]: ...
+    @property
+    def split_extra_forwards(self) -> int: ...
 
 
 # How each framework of BatchConfig.framework is written in text.
@@ -17,7 +125,7 @@ def _varies(value: int | None) -> str:
     return "varies (step-wise)" if value is None else f"{value:,}"
 
 
-def _role_lines(role: RolePlan, plan: BatchPlan, last: bool) -> list[str]:
+def _role_lines(role: RoleView, plan: BatchPlanView, last: bool) -> list[str]:
     cfg = plan.config
     lead, pad = ("└─ ", "   ") if last else ("├─ ", "│  ")
     lines = [f"{lead}{role.role}: mini-batch of {role.mini_batch_size:,} prompts"]
@@ -47,7 +155,7 @@ def _role_lines(role: RolePlan, plan: BatchPlan, last: bool) -> list[str]:
     return lines
 
 
-def plan_tree_text(plan: BatchPlan) -> str:
+def plan_tree_text(plan: BatchPlanView) -> str:
     """A readable tree of a :class:`~batchfit.plan.config.BatchPlan` (what ``str(plan)`` returns)."""
     cfg = plan.config
     mp = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.context_parallel, cfg.sequence_parallel)
@@ -76,7 +184,7 @@ def plan_tree_text(plan: BatchPlan) -> str:
     return "\n".join(lines)
 
 
-def split_text(plan: MicroBatchPlan) -> str:
+def split_text(plan: MicroBatchPlanView) -> str:
     """``"k sequences split into n chunks (m extra forwards)"`` of a plan made with ``oversize="split"``, or ``""``.
 
     Example:
@@ -90,7 +198,7 @@ def split_text(plan: MicroBatchPlan) -> str:
     return f"{k} sequence{'s' if k != 1 else ''} split into {n} chunks ({m} extra forward{'s' if m != 1 else ''})"
 
 
-def micro_batch_plan_text(plan: MicroBatchPlan) -> str:
+def micro_batch_plan_text(plan: MicroBatchPlanView) -> str:
     """What ``MicroBatchPlan.describe()`` returns: counts, budget and use, one item a line."""
     lines = [
         f"{plan.num_micro_batches:,} micro-batches per rank × {plan.dp_size} rank{'s' if plan.dp_size != 1 else ''} "
