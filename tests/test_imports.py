@@ -90,16 +90,10 @@ def test_the_package_has_no_import_cycles():
     assert _cycles(graph) == []
 
 
-# Cycles made only by imports under TYPE_CHECKING that another change of issue 29 removes (the
-# framework rules leave plan/rules.py, which then no longer names BatchConfig). Strict: once a
-# cycle is gone, the test fails until it is struck from this list.
-KNOWN_TYPE_ONLY_CYCLES = [["batchfit.plan.config", "batchfit.plan.rules"]]
-
-
 def test_the_package_has_no_import_cycles_counting_type_only_imports():
     modules = _module_names()
     graph = {name: _imports(path, modules, type_checking=True) - {name} for name, path in modules.items()}
-    assert _cycles(graph) == KNOWN_TYPE_ONLY_CYCLES
+    assert _cycles(graph) == []
 
 
 def test_the_cycle_finder_finds_a_cycle():
