@@ -22,6 +22,7 @@ from batchfit.budget.profile import ROLES
 from batchfit.cli.profile_request import (
     DEFAULT_CPU_MODEL,
     DEFAULT_ESTIMATE_WORLD_SIZE,
+    DEFAULT_GRADIENT_CHECKPOINTING,
     DEFAULT_MAX_SEQ_LEN,
     DEFAULT_MODEL,
     FLAGS,
@@ -103,6 +104,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--no-reshard-after-forward",
         dest="reshard_after_forward",
         action="store_false",
+        default=None,
         help="fsdp2: keep every layer's gathered parameters from forward to backward",
     )
     p.add_argument(
@@ -124,7 +126,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--gradient-checkpointing",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="activation checkpointing of every layer (default on, or the config's)",
+        help=f"activation checkpointing of every layer (default {'on' if DEFAULT_GRADIENT_CHECKPOINTING else 'off'}, "
+        "or the config's)",
     )
     p.add_argument(
         "--roles",

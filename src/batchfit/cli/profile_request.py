@@ -1,25 +1,39 @@
-"""``batchfit profile``'s flags checked and resolved: defaults, ``--config``, ``--calibration``.
+"""``batchfit profile``'s request: its flags checked once and resolved (defaults, ``--config``, ``--calibration``).
 
-:func:`resolve_settings` fails fast on bad values, before any model is built.
+:func:`request_from_args` builds one frozen :class:`ProfileRequest` from argparse's namespace
+(which it never changes), failing fast on bad values before any model is built. The settings
+that reach the library are checked by the library, named in this command's flags (:data:`FLAGS`);
+what only the command line knows (torchrun's ranks, which flags go together, the files it
+reads) is checked here.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from batchfit.budget.options import ProfileOptions
 from batchfit.budget.profile import check_roles
 from batchfit.cli._ranks import launched_world
-from batchfit.errors import InvalidArgument
-from batchfit.memory import DEFAULT_ESTIMATE_TARGET, DEFAULT_SAFETY_MARGIN
+from batchfit.errors import InvalidArgument, Vocabulary
+from batchfit.frameworks.options import ProfileChoices
+from batchfit.frameworks.run import RunConfig
+from batchfit.memory import DEFAULT_ESTIMATE_TARGET
 
-# The main job's default: a 7B policy at 8k on one 8-GPU node, sharded the way SkyRL and verl
+if TYPE_CHECKING:
+    from batchfit.memory.calibration import CalibratedLimits
+    from batchfit.models.lora import LoraSpec
+
 # train it (FSDP2, fp32 master weights with bf16 compute, activation checkpointing).
 DEFAULT_MODEL = "qwen2.5-7b"
 # The cpu backend really runs the model on this host: its default is the toy preset.
 DEFAULT_CPU_MODEL = "tiny"
 DEFAULT_MAX_SEQ_LEN = 8192
 DEFAULT_ESTIMATE_WORLD_SIZE = 8
+# The command line checkpoints every layer unless told not to (or the config says otherwise), as
+# the frameworks' 7B recipes do; the library's ProfileOptions leaves it off unless asked.
+DEFAULT_GRADIENT_CHECKPOINTING = True
 # The most ranks the estimate backend simulates (torch's process groups count ranks in a C int;
 # a million GPUs is beyond any run).
 MAX_ESTIMATE_WORLD_SIZE = 2**20
@@ -44,27 +58,80 @@ FLAGS = {
     "response_fraction": "--response-fraction",
     "cost": "--cost",
     "depth_extrapolation": "--depth-extrapolation",
+    "emit": "--emit",
 }
 
 
-def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Backend, memory, world and sharding after defaults; fails fast on bad values (before building models).
+@dataclass(frozen=True)
+class ProfileRequest:
+    """One ``batchfit profile`` command, its flags checked and resolved: what to profile, how, and how to show it.
+
+    Attributes:
+        model: the model profiled without ``--config`` (a preset, directory or hub id); with
+            it, ``run.models`` names each role's.
+        roles: the passes profiled without ``--config`` (with it, every pass the run makes).
+        options: what the library profiles with (its ``progress`` off: each run mode sets its own).
+        run: the ``--config`` run as profiled, or ``None``.
+        notes: how the profile models the framework's step (``--config``), one sentence each.
+        config: the ``--config`` path, or ``None``.
+        emit: the framework whose keys ``--emit`` writes, or ``None``.
+        emit_format: ``yaml`` or ``overrides``.
+        confirm: ``--confirm``: run the real step at each estimated budget.
+        calibration_path: ``--calibration FILE``, written with ``--confirm``, else read.
+        calibration: the limits read from ``calibration_path`` (without ``--confirm``), or ``None``.
+        memory_defaulted: the estimate's target device is the default (no ``--memory``).
+        launched: the ranks torchrun launched (1 without it).
+        json: print the result as JSON.
+        plot: the ``--plot`` file, or ``None``.
+        progress: show progress (when not ``--json`` and on rank 0).
+    """
+
+    model: str
+    roles: tuple[str, ...]
+    options: ProfileOptions
+    run: RunConfig | None = None
+    notes: tuple[str, ...] = ()
+    config: str | None = None
+    emit: str | None = None
+    emit_format: str = "yaml"
+    confirm: bool = False
+    calibration_path: str | None = None
+    calibration: CalibratedLimits | None = None
+    memory_defaulted: bool = False
+    launched: int = 1
+    json: bool = False
+    plot: str | None = None
+    progress: bool = True
+
+    @property
+    def backend(self) -> str:
+        """The backend profiled on (``auto`` resolved)."""
+        return self.options.backend
+
+    @property
+    def memory(self) -> int | str | None:
+        """The device memory per rank as given (a size or a preset), calibrated (bytes), or ``None`` (the device's)."""
+        return self.options.memory_limit
+
+
+def request_from_args(args: argparse.Namespace) -> ProfileRequest:
+    """The :class:`ProfileRequest` of ``batchfit profile``'s parsed flags (``args`` is left as it is).
 
     Raises:
         InvalidArgument: bad backend, memory, world size, sharding, roles or dtype (one
             line each, exit 2), or a world size that is not the torchrun group's.
+        BatchConfigError: the ``--config`` cannot be read (one line per fault).
     """
-    from batchfit.budget.token_budget import check_cost
+    from batchfit.frameworks.emit import FORMATS
     from batchfit.memory import BACKEND_NAMES, backend_name, parse_memory
     from batchfit.models import load_config, parse_dtype
-    from batchfit.parallel.sharding import STRATEGIES, Sharding
-    from batchfit.train.logprobs import check_head
-    from batchfit.validation import check_choice, check_int, check_number, check_positive_int
+    from batchfit.validation import check_choice, check_int
 
     for flag, value in (("--memory", args.memory), ("--reserve", args.reserve)):
         check_size_text(flag, value)
     backend = backend_name(check_choice("--backend", args.backend, BACKEND_NAMES))
-    run = _apply_config(args, backend)
+    check_choice("--emit-format", args.emit_format, FORMATS)
+    run = _read_config(args)
     limits = _calibration(args, backend)
     memory = args.memory
     if memory is None and limits is not None:
@@ -80,8 +147,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             "--memory is required with --backend cpu (the host has no device limit to fit), but got no "
             "--memory; pass e.g. --memory 2GiB, or use --backend estimate to predict a GPU"
         )
-    if args.model is None:
-        args.model = DEFAULT_CPU_MODEL if backend == "cpu" else DEFAULT_MODEL
+    model = args.model if args.model is not None else DEFAULT_CPU_MODEL if backend == "cpu" else DEFAULT_MODEL
     launched = launched_world()
     if backend == "estimate":
         if launched > 1:
@@ -89,69 +155,105 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
                 f"--backend estimate simulates --world-size ranks in one process, but this process is one of "
                 f"WORLD_SIZE={launched} torchrun ranks; run it without torchrun, or use --backend cpu or cuda"
             )
-        world = DEFAULT_ESTIMATE_WORLD_SIZE if args.world_size is None else args.world_size
-        check_int("--world-size", world, minimum=1, maximum=MAX_ESTIMATE_WORLD_SIZE)
+        world = args.world_size  # else the config's, else the default
+        default_world = DEFAULT_ESTIMATE_WORLD_SIZE
     else:
-        world = launched if args.world_size is None else check_positive_int("--world-size", args.world_size)
-        if world != launched:
-            raise InvalidArgument(
-                f"--world-size must equal the number of launched ranks with --backend {backend} "
-                f"(WORLD_SIZE={launched}), but got --world-size {world}; launch with torchrun --nproc-per-node "
-                f"{world} (or drop --world-size), or use --backend estimate to simulate {world} ranks"
-            )
-    strategy = args.sharding
-    if strategy is None:
-        strategy = "fsdp2" if backend == "estimate" or world > 1 else "none"
-    strategy = check_choice("--sharding", strategy, STRATEGIES)
-    if memory is not None:
-        check_reserve_fits(memory, reserve, backend, world if strategy != "none" else 1)
-    sharding = Sharding(
-        strategy,
+        world = launched if args.world_size is None else args.world_size  # never the config's: the group's
+        default_world = launched
+    _check_response_flags(args)
+    chosen = ProfileChoices(
+        max_seq_len=args.max_seq_len,
+        backend=backend,
+        memory_limit=memory,
+        reserve_bytes=reserve,
+        dtype=args.dtype,
+        gradient_checkpointing=args.gradient_checkpointing,
+        logprobs=args.logprobs,
+        cost=args.cost,
+        safety_margin=args.safety_margin if limits is None else limits.safety_margin,
+        depth_extrapolation=args.depth_extrapolation,
+        response_only=args.response_only,
+        response_fraction=args.response_fraction,
+        strategy=args.sharding,
         world_size=world,
         reshard_after_forward=args.reshard_after_forward,
         mixed_precision=args.mixed_precision,
         offload=args.offload,
     )
+    defaults = ProfileChoices(
+        max_seq_len=DEFAULT_MAX_SEQ_LEN,
+        gradient_checkpointing=DEFAULT_GRADIENT_CHECKPOINTING,
+        world_size=default_world,
+        # with --config the config's strategy; else FSDP2 wherever there are ranks to shard over
+        strategy="fsdp2" if backend == "estimate" or (world or default_world) > 1 else "none",
+    )
+    vocabulary = Vocabulary(FLAGS)
+    notes: tuple[str, ...] = ()
+    if run is None:
+        options = chosen.or_(defaults).options(vocabulary)
+    else:
+        from batchfit.frameworks.options import run_profile_options
+
+        config = run_profile_options(run, chosen, defaults, emit=args.emit, vocabulary=vocabulary)
+        run, options, notes = config.run, config.options, config.notes
+    sharding = options.sharding
+    if backend == "estimate":
+        check_int("--world-size", sharding.world_size, minimum=1, maximum=MAX_ESTIMATE_WORLD_SIZE)
+    elif sharding.world_size != launched:
+        raise InvalidArgument(
+            f"--world-size must equal the number of launched ranks with --backend {backend} "
+            f"(WORLD_SIZE={launched}), but got --world-size {sharding.world_size}; launch with torchrun --nproc-per-node "
+            f"{sharding.world_size} (or drop --world-size), or use --backend estimate to simulate {sharding.world_size} ranks"
+        )
+    if memory is not None:
+        check_reserve_fits(memory, reserve, backend, sharding.world_size if sharding.strategy != "none" else 1)
     # a one-rank cpu profile runs over a simulated group of one (budget.profile.simulated_world_for);
     # cuda, and a confirm's real step, need the ranks torchrun starts
-    if strategy != "none" and backend != "estimate" and world == 1 and launched == 1 and (backend == "cuda" or args.confirm):
+    if (
+        sharding.strategy != "none"
+        and backend != "estimate"
+        and sharding.world_size == 1
+        and launched == 1
+        and (backend == "cuda" or args.confirm)
+    ):
         raise InvalidArgument(
-            f"--sharding {strategy} with --backend {backend} runs on real ranks: launch with torchrun "
+            f"--sharding {sharding.strategy} with --backend {backend} runs on real ranks: launch with torchrun "
             f"--nproc-per-node N batchfit profile ..., or use --backend estimate --world-size N"
         )
-    from batchfit.budget.find import check_max_seq_len
-
-    check_max_seq_len(args.max_seq_len, "--max-seq-len")
-    if args.safety_margin is None:
-        args.safety_margin = DEFAULT_SAFETY_MARGIN if limits is None else limits.safety_margin
-    check_number("--safety-margin", args.safety_margin, low=0.0, high=1.0, low_open=True)
-    check_roles(args.roles, "--roles")
-    check_head("--logprobs", args.logprobs)
-    check_cost(args.cost)
-    _check_response_flags(args)
+    # profile_model checks its roles too, in its keywords' words
+    roles = check_roles(args.roles, "--roles") if args.roles is not None else ("policy",)
     if args.dtype is not None:
         parse_dtype(args.dtype)
     if run is None:
-        load_config(args.model)
+        load_config(model)
     else:
-        for role, model in run.models.items():
-            _check_config_model(role, model, run)
-    lora = _lora(args, run)
+        for role, role_model in run.models.items():
+            _check_config_model(role, role_model, run)
+    lora = _lora(args, model if run is None else run.models.get("policy"))
+    if lora is not None:
+        options = options.replace(lora=lora)
     if args.plot:
         from batchfit.cli.render_budget import require_matplotlib
 
         require_matplotlib(args.plot)
-    return {
-        "backend": backend,
-        "memory": memory,
-        "reserve": reserve,
-        "memory_defaulted": defaulted,
-        "sharding": sharding,
-        "launched": launched,
-        "run": run,
-        "calibration": limits,
-        "lora": lora,
-    }
+    return ProfileRequest(
+        model=model,
+        roles=roles,
+        options=options,
+        run=run,
+        notes=notes,
+        config=args.config,
+        emit=args.emit,
+        emit_format=args.emit_format,
+        confirm=args.confirm,
+        calibration_path=args.calibration,
+        calibration=limits,
+        memory_defaulted=defaulted,
+        launched=launched,
+        json=args.json,
+        plot=args.plot,
+        progress=args.progress,
+    )
 
 
 MAX_SIZE_TEXT = 64
@@ -209,7 +311,7 @@ def check_reserve_fits(memory: Any, reserve: int | None, backend: str, world: in
         )
 
 
-def _lora(args: argparse.Namespace, run: Any) -> Any:
+def _lora(args: argparse.Namespace, model: Any) -> LoraSpec | None:
     """``--lora-rank/--lora-alpha/--lora-targets`` as a :class:`~batchfit.models.lora.LoraSpec` (``None`` without them).
 
     The targets are checked against the policy's model now (built on the meta device), before
@@ -232,12 +334,11 @@ def _lora(args: argparse.Namespace, run: Any) -> Any:
     names = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora-targets"}
     spec = lora_spec(args.lora_rank, args.lora_alpha, args.lora_targets, names=names)
     if spec.enabled:
-        model = args.model if run is None else run.models.get("policy")
         lora_parameters(load_config(model), spec, name="--lora-targets")
     return spec
 
 
-def _calibration(args: argparse.Namespace, backend: str) -> Any:
+def _calibration(args: argparse.Namespace, backend: str) -> CalibratedLimits | None:
     """Check ``--confirm`` and ``--calibration``; read the calibration when profiling with it.
 
     Returns:
@@ -296,93 +397,27 @@ def _calibration(args: argparse.Namespace, backend: str) -> Any:
     return limits
 
 
-def _apply_config(args: argparse.Namespace, backend: str) -> Any:
-    """Fill the flags the user left out from ``--config`` (a :class:`RunConfig`), then the defaults.
-
-    Returns:
-        The :class:`~batchfit.frameworks.RunConfig`, or ``None`` without ``--config``.
+def _read_config(args: argparse.Namespace) -> RunConfig | None:
+    """The ``--config`` run (``--model`` replacing its policy's model), or ``None`` without ``--config``.
 
     Raises:
-        InvalidArgument: ``--emit`` without ``--config``, ``--roles`` with it, a bad
-            ``--emit``/``--emit-format``, a training strategy batchfit does not model.
+        InvalidArgument: ``--emit`` without ``--config``, ``--roles`` with it.
         BatchConfigError: the config cannot be read (one line per fault).
     """
-    from batchfit.frameworks.emit import FORMATS, TARGETS
-    from batchfit.validation import check_choice
-
-    check_choice("--emit-format", args.emit_format, FORMATS)
-    run = None
     if args.config is None:
         if args.emit is not None:
             raise InvalidArgument(
                 "--emit needs --config (the framework config whose keys to write); pass --config FILE"
             )
-    else:
-        from batchfit.frameworks import read_run_config
-        from batchfit.frameworks.step import framework_step
+        return None
+    from batchfit.frameworks import read_run_config
 
-        if args.emit is not None:
-            check_choice("--emit", args.emit, TARGETS)
-        if args.roles is not None:
-            raise InvalidArgument(
-                "--roles cannot be combined with --config: the config says which models run (drop --roles)"
-            )
-        run = read_run_config(args.config)
-        _check_run_settings(run)
-        if args.emit == "skyrl":
-            _check_emit_plan(run)
-        if args.model is not None:
-            run = run.replace(model=args.model)
-        if args.max_seq_len is None:
-            args.max_seq_len = run.max_seq_len
-        elif run.max_seq_len and args.max_seq_len < run.max_seq_len:
-            # budgets for shorter sequences than the config's own: its plan refuses them as they are
-            run = run.replace(warnings=(*run.warnings, (
-                f"--max-seq-len {args.max_seq_len:,} is below the config's longest sequence ({run.max_seq_len:,} "
-                "tokens, prompt and response): the budgets hold sequences up to the former, so the config's plan "
-                "refuses them as they are; drop --max-seq-len, or lower the config's prompt and response lengths"
-            )))
-        if args.world_size is None and backend == "estimate":
-            args.world_size = run.world_size
-        if args.sharding is None:
-            args.sharding = _strategy(run)
-        if args.offload is None:
-            args.offload = run.offload
-        if str(args.sharding).lower() in ("fsdp1", "fsdp2"):  # FSDP's options, as the config sets them
-            if args.mixed_precision is None:
-                args.mixed_precision = run.mixed_precision
-            if run.reshard_after_forward is False:
-                args.reshard_after_forward = False
-        if args.gradient_checkpointing is None and run.gradient_checkpointing is not None:
-            args.gradient_checkpointing = bool(run.gradient_checkpointing)
-        step = framework_step(run)  # the head and layout of the framework's own micro-batch
-        args.step_notes = list(step.notes) if step is not None else []
-        if args.emit is not None and args.emit != run.vocabulary and args.logprobs is None:
-            from batchfit.frameworks.emit import target_head, target_reference_dtype
-
-            args.logprobs = target_head(args.emit)  # the head the emitted run computes log-probs with
-            run = run.replace(reference_dtype=target_reference_dtype(args.emit))  # and the reference it loads
-            args.step_notes = [f"the budgets' probe runs {args.emit}'s log-prob head, the one the emitted run uses"]
-        if step is not None and args.logprobs is None:
-            args.logprobs = step.head
-        config_cost = step.cost if step is not None else ("packed" if getattr(run, "remove_padding", False) else "padded")
-        if args.emit is not None:
-            _packed_for_emit(args, config_cost)  # every framework counts a micro-batch's tokens
-        elif args.cost is None and (step is not None or config_cost == "packed"):
-            args.cost = config_cost  # OpenRLHF (--ds.packing_samples, on with dynamic batches) and slime pack rows
-    if args.max_seq_len is None:
-        args.max_seq_len = DEFAULT_MAX_SEQ_LEN
-    if args.offload is None:
-        args.offload = "none"
-    if args.gradient_checkpointing is None:
-        args.gradient_checkpointing = True
-    if args.roles is None:
-        args.roles = "policy"
-    if args.logprobs is None:
-        args.logprobs = "full"
-    if args.cost is None:
-        args.cost = "padded"
-    return run
+    if args.roles is not None:
+        raise InvalidArgument(
+            "--roles cannot be combined with --config: the config says which models run (drop --roles)"
+        )
+    run = read_run_config(args.config)
+    return run if args.model is None else run.replace(model=args.model)
 
 
 def _check_response_flags(args: argparse.Namespace) -> None:
@@ -396,109 +431,6 @@ def _check_response_flags(args: argparse.Namespace) -> None:
             f"--response-fraction {args.response_fraction:g} is read only by the response-only head; add --response-only"
         )
     check_response_fraction(args.response_fraction, "--response-fraction")
-
-
-# the keys a config's node and GPU counts are read from, for messages
-_GPU_KEYS = {
-    "verl": {"num_nodes": "trainer.nnodes", "gpus_per_node": "trainer.n_gpus_per_node"},
-    "skyrl": {
-        "num_nodes": "trainer.placement.policy_num_nodes",
-        "gpus_per_node": "trainer.placement.policy_num_gpus_per_node",
-    },
-}
-
-
-def _check_run_settings(run: Any) -> None:
-    """The config's values profile reads (GPUs, strategy) must be of their kind, checked before they are used.
-
-    ``plan`` judges a config's batch sizes; ``profile`` needs fewer keys but needs them right:
-    a GPU count of ``"x"`` or a strategy of ``-1`` is named here with its key, not met as a
-    TypeError later.
-
-    Raises:
-        InvalidArgument: a node or GPU count that is set but not an integer >= 1, or a strategy
-            that is not a name (one line each, naming the config's key).
-    """
-    from batchfit.validation import is_int, short_repr
-
-    batch = run.batch
-    names = {**_GPU_KEYS.get(run.vocabulary, {}), **(getattr(run, "key_names", {}) or {})}
-    for field in ("world_size", "num_nodes", "gpus_per_node"):
-        value = getattr(batch, field, None)
-        if value is not None and not (is_int(value) and value >= 1):
-            key = names.get(field, field)
-            raise InvalidArgument(
-                f"the config's {key}={short_repr(value)} must be an integer >= 1 (GPUs and nodes count from 1); "
-                "fix it in the config"
-            )
-    if run.strategy is not None and not isinstance(run.strategy, str):
-        raise InvalidArgument(
-            f"the config's training strategy={short_repr(run.strategy)} must be a name (fsdp, fsdp2, megatron, ...); "
-            "fix it in the config, or pass --sharding fsdp2"
-        )
-
-
-def _check_emit_plan(run: Any) -> None:
-    """The batch plan ``--emit skyrl`` derives its micro sizes from must hold, checked before any probe.
-
-    Raises:
-        BatchConfigError: the plan's faults in the config's own key names (e.g. ``update_epochs_per_batch:
-            null``), now rather than after minutes of probing.
-    """
-    from batchfit.errors import BatchConfigError
-
-    try:
-        run.batch.replace(max_tokens_per_micro_batch=None, micro_train_batch_size_per_gpu=1).plan()
-    except BatchConfigError as exc:
-        raise BatchConfigError([run.in_own_words(f) for f in exc.faults]) from None
-
-
-def _packed_for_emit(args: argparse.Namespace, config_cost: str) -> None:
-    """``--emit`` writes packed-row budgets: verl and SkyRL count a micro-batch's valid tokens, OpenRLHF and slime pack.
-
-    The emitted keys turn padding removal on (:mod:`batchfit.frameworks.emit`); a config that
-    keeps padding is profiled packed and a note says so.
-
-    Raises:
-        InvalidArgument: ``--cost padded`` with it.
-    """
-    if args.cost == "padded":
-        raise InvalidArgument(
-            f"--emit {args.emit} writes token budgets {args.emit} counts in valid tokens, which bound packed rows "
-            "only (the emitted keys turn padding removal on): drop --cost padded"
-        )
-    if config_cost == "padded":
-        args.step_notes.append(
-            "the config keeps each micro-batch's padding, which no token budget bounds: the keys below turn "
-            "padding removal on, and the budgets are for packed rows"
-        )
-    args.cost = "packed"
-
-
-def _strategy(run: Any) -> str | None:
-    """The sharding that models the config's training strategy: verl's ``fsdp`` is FSDP1, SkyRL's ``fsdp`` FSDP2."""
-    from batchfit.parallel.sharding import STRATEGIES
-
-    strategy = (run.strategy or "fsdp").lower()
-    if strategy in ("fsdp", "fsdp2"):
-        # one GPU too: the framework still wraps the model (fp32 master weights, bf16 compute)
-        if strategy == "fsdp" and run.vocabulary == "verl":  # FullyShardedDataParallel
-            if "fsdp1" in STRATEGIES:
-                return "fsdp1"
-            raise InvalidArgument(
-                "the config trains with verl's strategy=fsdp (FSDP1, FullyShardedDataParallel), which batchfit "
-                "does not model: set actor_rollout_ref.actor.strategy=fsdp2, or pass --sharding fsdp2 to profile it as FSDP2"
-            )
-        return "fsdp2"
-    from batchfit.frameworks import strategy_refusal
-
-    refusal = strategy_refusal(run)  # OpenRLHF's DeepSpeed stages, slime's Megatron: the framework's own hint
-    if refusal is not None:
-        raise InvalidArgument(refusal)
-    raise InvalidArgument(
-        f"the config trains with strategy={run.strategy!r}, which batchfit does not model; pass "
-        "--sharding fsdp2 to profile it as FSDP2 (an upper bound for tensor/pipeline parallelism)"
-    )
 
 
 def _check_config_model(role: str, model: Any, run: Any) -> None:

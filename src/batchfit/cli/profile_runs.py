@@ -1,7 +1,7 @@
 """``batchfit profile``'s run modes: a plain profile, ``--config`` (and ``--emit``), ``--confirm``.
 
-Each takes the parsed flags and :func:`~batchfit.cli.profile_request.resolve_settings`' settings,
-makes its library call and renders the result.
+:func:`run` builds the command's :class:`~batchfit.cli.profile_request.ProfileRequest` once; each
+mode makes its library call with the request's options and renders the result.
 """
 
 from __future__ import annotations
@@ -18,48 +18,49 @@ import torch
 
 from batchfit.cli._ranks import process_group
 from batchfit.cli.probe_progress import ProbeProgress
-from batchfit.cli.profile_request import resolve_settings
+from batchfit.cli.profile_request import ProfileRequest, request_from_args
 from batchfit.cli.render_profile import render_profile
 
 
 def run(args: argparse.Namespace) -> int:
+    """``batchfit profile``: the request from the flags, then its run mode; the exit code."""
     from rich.console import Console
 
     from batchfit.budget.profile import profile_model
 
-    settings = resolve_settings(args)
-    if args.confirm:
-        return _run_confirm(args, settings)
-    with _process_group(settings) as rank:
+    request = request_from_args(args)
+    if request.confirm:
+        return _run_confirm(request)
+    with _process_group(request) as rank:
         console = Console(soft_wrap=True)
         err = Console(stderr=True)
-        show_progress = args.progress and not args.json and rank == 0  # a bar, or lines when not a terminal
-        if settings["run"] is not None:
-            return _run_config(args, settings, console, err, show_progress, rank)
+        show_progress = request.progress and not request.json and rank == 0  # a bar, or lines when not a terminal
+        if request.run is not None:
+            return _run_config(request, console, err, show_progress, rank)
         with ProbeProgress(err, show_progress) as callback:
-            profile = profile_model(args.model, _profile_options(args, settings, callback), roles=args.roles)
+            profile = profile_model(request.model, request.options.replace(progress=callback), roles=request.roles)
         if rank != 0:
             return 0
-        if args.plot:
+        if request.plot:
             from batchfit.cli.render_budget import plot_budget
 
-            plot_budget(profile.budgets, args.plot)
-        if args.json:
+            plot_budget(profile.budgets, request.plot)
+        if request.json:
             from batchfit.frameworks.emit import provenance
 
             data = profile.to_dict()
-            data["memory_defaulted"] = settings["memory_defaulted"]
+            data["memory_defaulted"] = request.memory_defaulted
             data["budget"] = provenance(profile.backend)  # estimated (estimate backend) or measured
-            if settings["calibration"] is not None:
-                data["calibration"] = {"path": args.calibration, **settings["calibration"].to_dict()}
+            if request.calibration is not None:
+                data["calibration"] = {"path": request.calibration_path, **request.calibration.to_dict()}
             json.dump(data, sys.stdout, indent=2)
             sys.stdout.write("\n")
             return 0
-        render_profile(console, profile, settings, args)
+        render_profile(console, profile, request)
     return 0
 
 
-def _run_confirm(args: argparse.Namespace, settings: dict[str, Any]) -> int:
+def _run_confirm(request: ProfileRequest) -> int:
     """``--confirm``: estimate (before joining any ranks), run the real step at each budget, render, save the calibration.
 
     The estimate simulates the ranks, so under torchrun it runs before the process group is
@@ -72,31 +73,31 @@ def _run_confirm(args: argparse.Namespace, settings: dict[str, Any]) -> int:
 
     err = Console(stderr=True)
     first = os.environ.get("RANK", "0") == "0"
-    show_progress = args.progress and not args.json and first  # a bar, or lines when not a terminal
-    _select_device(settings)  # cuda: plan_confirm reads this rank's device
+    show_progress = request.progress and not request.json and first  # a bar, or lines when not a terminal
+    _select_device(request)  # cuda: plan_confirm reads this rank's device
     with ProbeProgress(err, show_progress) as callback:
-        plan = plan_confirm(args.model, _profile_options(args, settings, callback), roles=args.roles)
-    with _process_group(settings) as rank:
+        plan = plan_confirm(request.model, request.options.replace(progress=callback), roles=request.roles)
+    with _process_group(request) as rank:
         report = run_confirm(plan, check=False)
     error = report.error()
     if rank != 0:
         return 0 if error is None else 1
-    calibration = report.calibration() if args.calibration else None
+    calibration = report.calibration() if request.calibration_path else None
     if calibration is not None:
         from batchfit.fileio import replacing
 
-        with replacing(args.calibration) as tmp:  # NOTE [ Writes replace, never truncate ]
+        with replacing(request.calibration_path) as tmp:  # NOTE [ Writes replace, never truncate ]
             calibration.save(tmp)
-    if args.plot:
+    if request.plot:
         from batchfit.cli.render_budget import plot_budget
 
-        plot_budget(report.profile.budgets, args.plot)
-    if args.json:
+        plot_budget(report.profile.budgets, request.plot)
+    if request.json:
         data = report.profile.to_dict()
-        data["memory_defaulted"] = settings["memory_defaulted"]
+        data["memory_defaulted"] = request.memory_defaulted
         data["confirm"] = report.to_dict()
-        if args.calibration:
-            data["calibration"] = {"path": args.calibration, "written": calibration is not None}
+        if request.calibration_path:
+            data["calibration"] = {"path": request.calibration_path, "written": calibration is not None}
             if calibration is not None:
                 data["calibration"].update(calibration.to_dict())
         if error is not None:
@@ -110,7 +111,7 @@ def _run_confirm(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     from batchfit.cli.render_budget import confirm_lines, confirm_table
 
     console = Console(soft_wrap=True)
-    render_profile(console, report.profile, settings, args)
+    render_profile(console, report.profile, request)
     console.print()
     head, *rest = confirm_lines(report)
     console.print(head, highlight=False)
@@ -121,19 +122,19 @@ def _run_confirm(args: argparse.Namespace, settings: dict[str, Any]) -> int:
         console.print(confirm_table(confirmation, report.backend))
         for line in confirm_lines(report, role):
             console.print(line, highlight=False)
-    if args.calibration:
+    if request.calibration_path:
         console.print()
         if calibration is None:
             console.print(
-                f"no calibration written to {args.calibration}: no confirm run ran to the end",
+                f"no calibration written to {request.calibration_path}: no confirm run ran to the end",
                 highlight=False,
             )
         else:
             from batchfit.memory.calibration import calibrated_limits
 
-            console.print(f"calibration written to {args.calibration}", highlight=False)
+            console.print(f"calibration written to {request.calibration_path}", highlight=False)
             console.print(
-                f"  profiling with it (--calibration {args.calibration}): {calibrated_limits(calibration).describe()}",
+                f"  profiling with it (--calibration {request.calibration_path}): {calibrated_limits(calibration).describe()}",
                 highlight=False,
             )
     if error is not None:
@@ -141,31 +142,8 @@ def _run_confirm(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     return 0
 
 
-def _profile_options(args: argparse.Namespace, settings: dict[str, Any], progress: Any) -> Any:
-    """The :class:`~batchfit.budget.ProfileOptions` of this run, from the flags and resolved settings."""
-    from batchfit.budget.options import ProfileOptions
-
-    return ProfileOptions(
-        max_seq_len=args.max_seq_len,
-        sharding=settings["sharding"],
-        backend=settings["backend"],
-        memory_limit=settings["memory"],
-        reserve_bytes=settings["reserve"],
-        dtype=args.dtype,
-        gradient_checkpointing=args.gradient_checkpointing,
-        logprobs=args.logprobs,
-        cost=args.cost,
-        safety_margin=args.safety_margin,
-        depth_extrapolation=args.depth_extrapolation,
-        progress=progress,
-        lora=settings.get("lora"),
-        response_only=args.response_only,
-        response_fraction=args.response_fraction,
-    )
-
-
 def _run_config(
-    args: argparse.Namespace, settings: dict[str, Any], console: Any, err: Any, show_progress: bool, rank: int
+    request: ProfileRequest, console: Any, err: Any, show_progress: bool, rank: int
 ) -> int:
     """``--config``: profile every pass of the run; render it, or emit the framework's keys."""
     from batchfit.frameworks.emit import FLAG_TARGETS, check_emit, emit_keys, provenance, render_keys
@@ -173,27 +151,27 @@ def _run_config(
     from batchfit.frameworks.profile import profile_run
     from batchfit.memory import format_bytes
 
-    run = settings["run"]
-    if args.emit is not None:  # what the target cannot carry is refused before any probe
-        check_emit(run, _profile_options(args, settings, False), args.emit)
+    run = request.run
+    if request.emit is not None:  # what the target cannot carry is refused before any probe
+        check_emit(run, request.options, request.emit)
     with ProbeProgress(err, show_progress) as callback:
-        result = profile_run(run, _profile_options(args, settings, callback))
+        result = profile_run(run, request.options.replace(progress=callback))
     if rank != 0:
         return 0
-    notes = list(getattr(args, "step_notes", [])) + older_torch_notes(result) + list(result.notes)
+    notes = list(request.notes) + older_torch_notes(result) + list(result.notes)
     keys = None
-    if args.emit is not None:
-        keys = emit_keys(result, args.emit, max_seq_len=args.max_seq_len, margin=args.safety_margin)
-    if args.plot:
+    if request.emit is not None:
+        keys = emit_keys(result, request.emit, max_seq_len=request.options.max_seq_len, margin=request.options.safety_margin)
+    if request.plot:
         from batchfit.cli.render_budget import plot_budget
 
-        plot_budget(result.budgets, args.plot)
-    if args.json:
+        plot_budget(result.budgets, request.plot)
+    if request.json:
         data = result.to_dict()
-        data["memory_defaulted"] = settings["memory_defaulted"]
+        data["memory_defaulted"] = request.memory_defaulted
         data["older_torch"] = older_torch_notes(result)
         data["notes"] = notes  # the framework step's, the older torch's and the run's
-        data["budget"] = provenance(settings["backend"])  # estimated (estimate backend) or measured
+        data["budget"] = provenance(request.backend)  # estimated (estimate backend) or measured
         data["run_notes"] = list(getattr(run, "notes", ()))
         data["warnings"] = list(run.warnings)  # what the config sets that the budgets do not model
         if keys is not None:
@@ -203,26 +181,26 @@ def _run_config(
         sys.stdout.write("\n")
         return 0
     if keys is not None:
-        target = settings["memory"] if settings["memory"] is not None else "the device"
+        target = request.memory if request.memory is not None else "the device"
         header = [
-            f"batchfit profile --config {args.config} --emit {args.emit}"
-            + (" --response-only" if args.response_only else ""),
-            f"{', '.join(sorted(set(filter(None, run.models.values()))))}, max_seq_len {args.max_seq_len:,}, "
-            f"{settings['sharding'].describe()}, {target} per GPU, safety margin {args.safety_margin:g}, "
-            f"budgets {provenance(settings['backend'])} ({settings['backend']} backend)",
+            f"batchfit profile --config {request.config} --emit {request.emit}"
+            + (" --response-only" if request.options.response_only else ""),
+            f"{', '.join(sorted(set(filter(None, run.models.values()))))}, max_seq_len {request.options.max_seq_len:,}, "
+            f"{request.options.sharding.describe()}, {target} per GPU, safety margin {request.options.safety_margin:g}, "
+            f"budgets {provenance(request.backend)} ({request.backend} backend)",
         ]
         if result.resident:
             shared = ", ".join(f"{role} {format_bytes(b)}" for role, b in result.resident.items())
             header.append(f"colocated models' state taken off each budget: {shared}")
         header += [f"note: {note}" for note in (*notes, *getattr(run, "notes", ()))]
         header += [f"warning: {warning}" for warning in run.warnings]
-        text = render_keys(keys, args.emit, header, args.emit_format)
+        text = render_keys(keys, request.emit, header, request.emit_format)
         sys.stdout.write(text)
-        if args.emit_format == "overrides" and args.emit not in FLAG_TARGETS:  # no comments: the notes on stderr
+        if request.emit_format == "overrides" and request.emit not in FLAG_TARGETS:  # no comments: the notes on stderr
             sys.stderr.write("".join(f"note: {k.comment}\n" for k in keys if not k.path))
         return 0
     console.print(
-        f"config {args.config}: {run.vocabulary} vocabulary; models "
+        f"config {request.config}: {run.vocabulary} vocabulary; models "
         + ", ".join(f"{role} {model}" for role, model in run.models.items())
         + (f"; colocated {', '.join(run.colocated)}" if run.colocated else ""),
         highlight=False,
@@ -234,7 +212,7 @@ def _run_config(
     for role, profile in result.profiles.items():
         console.print()
         console.rule(f"{role} model", style="dim")
-        render_profile(console, profile, settings, args)
+        render_profile(console, profile, request)
         if profile.resident_bytes:
             console.print(
                 f"colocated models keep {format_bytes(profile.resident_bytes)} per GPU on the device; "
@@ -245,18 +223,18 @@ def _run_config(
 
 
 @contextlib.contextmanager
-def _process_group(settings: dict[str, Any]) -> Iterator[int]:
+def _process_group(request: ProfileRequest) -> Iterator[int]:
     """Under torchrun with cpu/cuda: join the ranks (gloo/nccl) for the run; yields this rank."""
     import torch.distributed as dist
 
-    if settings["launched"] == 1 or settings["backend"] == "estimate" or dist.is_initialized():
+    if request.launched == 1 or request.backend == "estimate" or dist.is_initialized():
         yield dist.get_rank() if dist.is_initialized() else 0
         return
-    with process_group(settings["backend"]) as rank:  # LOCAL_RANK's GPU for cuda; the one collective timeout
+    with process_group(request.backend) as rank:  # LOCAL_RANK's GPU for cuda; the one collective timeout
         yield rank
 
 
-def _select_device(settings: dict[str, Any]) -> None:
+def _select_device(request: ProfileRequest) -> None:
     """Under torchrun with cuda: this rank's GPU (``LOCAL_RANK``) becomes the current device."""
-    if settings["backend"] == "cuda" and settings["launched"] > 1:
+    if request.backend == "cuda" and request.launched > 1:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

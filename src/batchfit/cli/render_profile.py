@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
+from batchfit.cli.profile_request import ProfileRequest
 
-def render_profile(console: Any, profile: Any, settings: dict[str, Any], args: argparse.Namespace) -> None:
+
+def render_profile(console: Any, profile: Any, request: ProfileRequest) -> None:
+    """The settings ``profile`` ran with, each pass's budget table and lines, the breakdown (and the combined budget)."""
     from batchfit.cli.render_budget import breakdown_table, budget_lines, budget_table, pass_title
     from batchfit.memory import format_bytes
 
-    target = settings["memory"] if settings["memory"] is not None else "the device"
+    target = request.memory if request.memory is not None else "the device"
     if isinstance(target, int):  # the calibrated device's bytes
         target = format_bytes(target)
-    if settings["memory_defaulted"]:
+    if request.memory_defaulted:
         target = f"{target} (default target without a GPU; set --memory)"
     limit = f"{format_bytes(profile.memory_limit)}" if profile.memory_limit else "device total"
     depth = f"{profile.depth} layers"
@@ -27,7 +29,7 @@ def render_profile(console: Any, profile: Any, settings: dict[str, Any], args: a
     console.print(
         f"batchfit profile: model {profile.model} ({depth}; {precision}"
         f"{', gradient checkpointing' if profile.gradient_checkpointing else ''}, AdamW, "
-        f"{profile.logprobs} log-probs), max_seq_len {args.max_seq_len:,}, cost {args.cost}",
+        f"{profile.logprobs} log-probs), max_seq_len {request.options.max_seq_len:,}, cost {request.options.cost}",
         highlight=False,
     )
     if profile.lora is not None:
@@ -43,16 +45,16 @@ def render_profile(console: Any, profile: Any, settings: dict[str, Any], args: a
     terms = "" if profile.untracked is None else f" ({profile.untracked.describe()})"
     console.print(
         f"backend {profile.backend} → {target} per rank: {limit}, reserve {format_bytes(profile.reserve_bytes)}{terms}, "
-        f"safety margin {args.safety_margin:g}",
+        f"safety margin {request.options.safety_margin:g}",
         highlight=False,
     )
-    if settings.get("calibration") is not None:
+    if request.calibration is not None:
         console.print(
-            f"calibration {args.calibration}: {settings['calibration'].describe()}", highlight=False
+            f"calibration {request.calibration_path}: {request.calibration.describe()}", highlight=False
         )
-    if args.confirm:
+    if request.confirm:
         console.print(
-            f"--confirm: the budgets estimated against the {settings['backend']} device's memory and reserve; "
+            f"--confirm: the budgets estimated against the {request.backend} device's memory and reserve; "
             "its real runs follow",
             highlight=False,
         )
@@ -71,5 +73,5 @@ def render_profile(console: Any, profile: Any, settings: dict[str, Any], args: a
             f"{pass_title(combined.binding_role)}",
             highlight=False,
         )
-    if args.plot:
-        console.print(f"plot written to {args.plot}", highlight=False)
+    if request.plot:
+        console.print(f"plot written to {request.plot}", highlight=False)
