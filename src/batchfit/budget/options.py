@@ -40,7 +40,8 @@ class ProfileOptions:
             :func:`batchfit.memory.get_backend`); ``None`` = the backend's default.
         dtype: the dtype parameters are stored in (``bf16``, ``fp32``, …); ``None``: fp32
             under ``fsdp2`` mixed precision (fp32 master weights, bf16 compute), else bf16.
-        gradient_checkpointing: non-reentrant activation checkpointing of every layer.
+        gradient_checkpointing: non-reentrant activation checkpointing of every layer (off unless
+            asked; ``batchfit profile`` asks by default, ``--no-gradient-checkpointing`` not).
         logprobs: the policy's log-prob head, one of :data:`batchfit.train.HEADS` or a
             :class:`~batchfit.train.framework_heads.FrameworkHead` (``full``
             fp32 ``log_softmax`` of the whole logits, ``chunked``, ``fused``).
