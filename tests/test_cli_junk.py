@@ -355,11 +355,11 @@ def test_profile_progress_is_a_line_per_probe_with_the_time_left(capsys):
     from types import SimpleNamespace
 
     from batchfit.budget import Probe
-    from batchfit.cli.profile import _progress
+    from batchfit.cli.probe_progress import ProbeProgress
 
     console = SimpleNamespace(is_terminal=False)
     probe = Probe(batch_size=4, seq_len=256, peak_bytes=1, fits=True)
-    with _progress(console, True) as callback:
+    with ProbeProgress(console, True) as callback:
         callback(SimpleNamespace(role="policy", probe=probe, probes=1))
         callback(SimpleNamespace(role="policy", probe=None, length_index=0, n_lengths=4, seq_len=256, max_batch_size=4, probes=1))
         callback(SimpleNamespace(role="policy", probe=None, length_index=3, n_lengths=4, seq_len=32, max_batch_size=9, probes=4))

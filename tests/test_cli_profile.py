@@ -308,7 +308,7 @@ def test_the_table_names_each_budget_as_the_json_does(capsys):
 
 def test_packed_progress_lines_say_tokens_so_one_shape_never_reads_twice(capsys):
     from batchfit.budget import Probe
-    from batchfit.cli.profile import _progress
+    from batchfit.cli.probe_progress import ProbeProgress
 
     def event(probe, n, **done):
         return types.SimpleNamespace(role="policy", probe=probe, probes=n, **done)
@@ -319,7 +319,7 @@ def test_packed_progress_lines_say_tokens_so_one_shape_never_reads_twice(capsys)
         Probe(3, 32_768, 70, fits=True, tokens=2 * 32_768 + 1_234),
         Probe(3, 32_768, 80, fits=False, tokens=2 * 32_768 + 1_235),
     ]
-    with _progress(types.SimpleNamespace(is_terminal=False), True) as callback:
+    with ProbeProgress(types.SimpleNamespace(is_terminal=False), True) as callback:
         for n, probe in enumerate(probes, start=3):
             callback(event(probe, n))
         callback(event(None, 5, length_index=0, n_lengths=2, seq_len=32_768, max_batch_size=2))

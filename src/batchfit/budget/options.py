@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from batchfit.budget.find import check_max_seq_len
 from batchfit.budget.step import check_response_fraction
-from batchfit.budget.token_budget import check_cost
-from batchfit.errors import InvalidArgument
+from batchfit.errors import KEYWORDS, InvalidArgument, Setting, Vocabulary
 from batchfit.memory import BACKEND_NAMES
 from batchfit.memory.untracked import DEFAULT_SAFETY_MARGIN
 from batchfit.models.lora import LoraSpec, as_lora
 from batchfit.parallel.sharding import Sharding, as_sharding
+from batchfit.plan import COSTS
 from batchfit.train.framework_heads import FrameworkHead
 from batchfit.train.logprobs import check_head
 from batchfit.validation import check_choice, check_number
@@ -40,7 +40,8 @@ class ProfileOptions:
             :func:`batchfit.memory.get_backend`); ``None`` = the backend's default.
         dtype: the dtype parameters are stored in (``bf16``, ``fp32``, …); ``None``: fp32
             under ``fsdp2`` mixed precision (fp32 master weights, bf16 compute), else bf16.
-        gradient_checkpointing: non-reentrant activation checkpointing of every layer.
+        gradient_checkpointing: non-reentrant activation checkpointing of every layer (off unless
+            asked; ``batchfit profile`` asks by default, ``--no-gradient-checkpointing`` not).
         logprobs: the policy's log-prob head, one of :data:`batchfit.train.HEADS` or a
             :class:`~batchfit.train.framework_heads.FrameworkHead` (``full``
             fp32 ``log_softmax`` of the whole logits, ``chunked``, ``fused``).
@@ -70,8 +71,13 @@ class ProfileOptions:
             response (loss) tokens, in ``(0, 1]`` (a 4:1 prompt:response ratio is 0.2);
             ``None``: every token but the first (the most there can be).
 
+    Args:
+        vocabulary: how a bad value's message names its setting (not a field): ``None``
+            writes the keyword (``max_seq_len``), the command line passes its flags
+            (``--max-seq-len``; NOTE [ Messages in the caller's vocabulary ] in :mod:`batchfit.errors`).
+
     Raises:
-        InvalidArgument: a bad value, naming the field, the value and the fix.
+        InvalidArgument: a bad value, naming the field (in ``vocabulary``), the value and the fix.
 
     Example:
         >>> ProfileOptions(max_seq_len=8192, sharding="fsdp2").sharding.strategy
@@ -95,17 +101,21 @@ class ProfileOptions:
     lora: LoraSpec | None = None
     response_only: bool = False
     response_fraction: float | None = None
+    vocabulary: InitVar[Vocabulary | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, vocabulary: Vocabulary | None) -> None:
+        # each value is validated here, where it enters the library, named as the caller writes it
+        name = (KEYWORDS if vocabulary is None else vocabulary).say
         set_ = object.__setattr__  # frozen: normalise once, here
-        set_(self, "max_seq_len", check_max_seq_len(self.max_seq_len))
-        set_(self, "backend", check_choice("backend", self.backend, BACKEND_NAMES))
-        set_(self, "logprobs", check_head("logprobs", self.logprobs))
-        set_(self, "cost", check_cost(self.cost))
-        set_(self, "safety_margin", check_number("safety_margin", self.safety_margin, low=0.0, high=1.0, low_open=True))
+        set_(self, "max_seq_len", check_max_seq_len(self.max_seq_len, name(Setting("max_seq_len"))))
+        set_(self, "backend", check_choice(name(Setting("backend")), self.backend, BACKEND_NAMES))
+        set_(self, "logprobs", check_head(name(Setting("logprobs")), self.logprobs))
+        set_(self, "cost", check_choice(name(Setting("cost")), self.cost, COSTS))
+        margin = check_number(name(Setting("safety_margin")), self.safety_margin, low=0.0, high=1.0, low_open=True)
+        set_(self, "safety_margin", margin)
         set_(self, "sharding", as_sharding(self.sharding))
         set_(self, "lora", as_lora(self.lora))
-        set_(self, "response_fraction", check_response_fraction(self.response_fraction))
+        set_(self, "response_fraction", check_response_fraction(self.response_fraction, name(Setting("response_fraction"))))
         for name in ("gradient_checkpointing", "suggest_world_size", "response_only"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")

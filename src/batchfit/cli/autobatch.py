@@ -170,7 +170,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
             f"--steps must be at most {MAX_STEPS:,} (each trial runs that many steps; the peak is reached in the "
             f"first two), but got steps={settings['steps']:,}; use the default 2"
         )
-    from batchfit.cli.profile import check_size_text
+    from batchfit.cli.profile_request import check_size_text
 
     for key in ("memory", "reserve"):
         check_size_text(OPTIONS[key][0], settings[key])
@@ -186,7 +186,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
             "--memory is required with --backend cpu (the host has no device limit to take a fraction of), but got no --memory; pass e.g. --memory 2GiB, or use --backend estimate to predict a GPU"
         )
     if settings["memory"] is not None:
-        from batchfit.cli.profile import check_reserve_fits
+        from batchfit.cli.profile_request import check_reserve_fits
         from batchfit.memory import parse_memory
 
         reserve = settings["reserve"]

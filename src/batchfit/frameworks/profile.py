@@ -133,8 +133,7 @@ def role_options(run: RunConfig, options: ProfileOptions) -> dict[str, ProfileOp
 
 def _passes(run: RunConfig, options: ProfileOptions) -> tuple[dict[str, ProfileOptions], list[str]]:
     """Each model role → its options, and the notes on how the profile departs from the config's roles."""
-    if options.response_only and options.response_fraction is None and run.response_fraction is not None:
-        options = options.replace(response_fraction=run.response_fraction)
+    options = with_run_fraction(run, options)
     models = dict(run.models)
     for role, model in models.items():
         if not model:
@@ -162,6 +161,17 @@ def _passes(run: RunConfig, options: ProfileOptions) -> tuple[dict[str, ProfileO
             "no reference model is loaded, and those passes are the actor's forward ones (policy_forward)"
         )
     return {role: _for_role(role, options, adapters, run) for role in models}, notes
+
+
+def with_run_fraction(run: RunConfig, options: ProfileOptions) -> ProfileOptions:
+    """``options`` with the config's response share when a response-only head is profiled without one.
+
+    The share is :attr:`RunConfig.response_fraction` (the longest response over the longest
+    sequence); ``options`` is returned as it is when it sets one, or computes every token.
+    """
+    if options.response_only and options.response_fraction is None and run.response_fraction is not None:
+        return options.replace(response_fraction=run.response_fraction)
+    return options
 
 
 def _for_role(role: str, options: ProfileOptions, adapters: dict[str, Any], run: RunConfig) -> ProfileOptions:

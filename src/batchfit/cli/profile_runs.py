@@ -1,0 +1,240 @@
+"""``batchfit profile``'s run modes: a plain profile, ``--config`` (and ``--emit``), ``--confirm``.
+
+:func:`run` builds the command's :class:`~batchfit.cli.profile_request.ProfileRequest` once; each
+mode makes its library call with the request's options and renders the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from batchfit.cli._ranks import process_group
+from batchfit.cli.probe_progress import ProbeProgress
+from batchfit.cli.profile_request import ProfileRequest, request_from_args
+from batchfit.cli.render_profile import render_profile
+
+
+def run(args: argparse.Namespace) -> int:
+    """``batchfit profile``: the request from the flags, then its run mode; the exit code."""
+    from rich.console import Console
+
+    from batchfit.budget.profile import profile_model
+
+    request = request_from_args(args)
+    if request.confirm:
+        return _run_confirm(request)
+    with _process_group(request) as rank:
+        console = Console(soft_wrap=True)
+        err = Console(stderr=True)
+        show_progress = request.progress and not request.json and rank == 0  # a bar, or lines when not a terminal
+        if request.run is not None:
+            return _run_config(request, console, err, show_progress, rank)
+        with ProbeProgress(err, show_progress) as callback:
+            profile = profile_model(request.model, request.options.replace(progress=callback), roles=request.roles)
+        if rank != 0:
+            return 0
+        if request.plot:
+            from batchfit.cli.render_budget import plot_budget
+
+            plot_budget(profile.budgets, request.plot)
+        if request.json:
+            from batchfit.frameworks.emit import provenance
+
+            data = profile.to_dict()
+            data["memory_defaulted"] = request.memory_defaulted
+            data["budget"] = provenance(profile.backend)  # estimated (estimate backend) or measured
+            if request.calibration is not None:
+                data["calibration"] = {"path": request.calibration_path, **request.calibration.to_dict()}
+            json.dump(data, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+            return 0
+        render_profile(console, profile, request)
+    return 0
+
+
+def _run_confirm(request: ProfileRequest) -> int:
+    """``--confirm``: estimate (before joining any ranks), run the real step at each budget, render, save the calibration.
+
+    The estimate simulates the ranks, so under torchrun it runs before the process group is
+    joined (:func:`~batchfit.budget.confirm.plan_confirm`); the runs then happen on the real
+    ranks (:func:`~batchfit.budget.confirm.run_confirm`), and rank 0 prints.
+    """
+    from rich.console import Console
+
+    from batchfit.budget.confirm import plan_confirm, run_confirm
+
+    err = Console(stderr=True)
+    first = os.environ.get("RANK", "0") == "0"
+    show_progress = request.progress and not request.json and first  # a bar, or lines when not a terminal
+    _select_device(request)  # cuda: plan_confirm reads this rank's device
+    with ProbeProgress(err, show_progress) as callback:
+        plan = plan_confirm(request.model, request.options.replace(progress=callback), roles=request.roles)
+    with _process_group(request) as rank:
+        report = run_confirm(plan, check=False)
+    error = report.error()
+    if rank != 0:
+        return 0 if error is None else 1
+    calibration = report.calibration() if request.calibration_path else None
+    if calibration is not None:
+        from batchfit.fileio import replacing
+
+        with replacing(request.calibration_path) as tmp:  # NOTE [ Writes replace, never truncate ]
+            calibration.save(tmp)
+    if request.plot:
+        from batchfit.cli.render_budget import plot_budget
+
+        plot_budget(report.profile.budgets, request.plot)
+    if request.json:
+        data = report.profile.to_dict()
+        data["memory_defaulted"] = request.memory_defaulted
+        data["confirm"] = report.to_dict()
+        if request.calibration_path:
+            data["calibration"] = {"path": request.calibration_path, "written": calibration is not None}
+            if calibration is not None:
+                data["calibration"].update(calibration.to_dict())
+        if error is not None:
+            data["error"] = {"type": type(error).__name__, "faults": [str(error)]}
+        json.dump(data, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        if error is not None:
+            sys.stderr.write(f"batchfit profile: error: {error}\n")
+            return 1
+        return 0
+    from batchfit.cli.render_budget import confirm_lines, confirm_table
+
+    console = Console(soft_wrap=True)
+    render_profile(console, report.profile, request)
+    console.print()
+    head, *rest = confirm_lines(report)
+    console.print(head, highlight=False)
+    for line in rest:
+        console.print(f"  {line}", highlight=False)
+    for role, confirmation in report.roles.items():
+        console.print()
+        console.print(confirm_table(confirmation, report.backend))
+        for line in confirm_lines(report, role):
+            console.print(line, highlight=False)
+    if request.calibration_path:
+        console.print()
+        if calibration is None:
+            console.print(
+                f"no calibration written to {request.calibration_path}: no confirm run ran to the end",
+                highlight=False,
+            )
+        else:
+            from batchfit.memory.calibration import calibrated_limits
+
+            console.print(f"calibration written to {request.calibration_path}", highlight=False)
+            console.print(
+                f"  profiling with it (--calibration {request.calibration_path}): {calibrated_limits(calibration).describe()}",
+                highlight=False,
+            )
+    if error is not None:
+        raise error
+    return 0
+
+
+def _run_config(
+    request: ProfileRequest, console: Any, err: Any, show_progress: bool, rank: int
+) -> int:
+    """``--config``: profile every pass of the run; render it, or emit the framework's keys."""
+    from batchfit.frameworks.emit import FLAG_TARGETS, check_emit, emit_keys, provenance, render_keys
+    from batchfit.frameworks.older_torch import older_torch_notes
+    from batchfit.frameworks.profile import profile_run
+    from batchfit.memory import format_bytes
+
+    run = request.run
+    if request.emit is not None:  # what the target cannot carry is refused before any probe
+        check_emit(run, request.options, request.emit)
+    with ProbeProgress(err, show_progress) as callback:
+        result = profile_run(run, request.options.replace(progress=callback))
+    if rank != 0:
+        return 0
+    notes = list(request.notes) + older_torch_notes(result) + list(result.notes)
+    keys = None
+    if request.emit is not None:
+        keys = emit_keys(result, request.emit, max_seq_len=request.options.max_seq_len, margin=request.options.safety_margin)
+    if request.plot:
+        from batchfit.cli.render_budget import plot_budget
+
+        plot_budget(result.budgets, request.plot)
+    if request.json:
+        data = result.to_dict()
+        data["memory_defaulted"] = request.memory_defaulted
+        data["older_torch"] = older_torch_notes(result)
+        data["notes"] = notes  # the framework step's, the older torch's and the run's
+        data["budget"] = provenance(request.backend)  # estimated (estimate backend) or measured
+        data["run_notes"] = list(getattr(run, "notes", ()))
+        data["warnings"] = list(run.warnings)  # what the config sets that the budgets do not model
+        if keys is not None:
+            data["emit"] = {k.path: list(k.value) if isinstance(k.value, tuple) else k.value for k in keys if k.path}
+            data["emit_notes"] = [k.comment for k in keys if not k.path]  # what no key can say
+        json.dump(data, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    if keys is not None:
+        target = request.memory if request.memory is not None else "the device"
+        header = [
+            f"batchfit profile --config {request.config} --emit {request.emit}"
+            + (" --response-only" if request.options.response_only else ""),
+            f"{', '.join(sorted(set(filter(None, run.models.values()))))}, max_seq_len {request.options.max_seq_len:,}, "
+            f"{request.options.sharding.describe()}, {target} per GPU, safety margin {request.options.safety_margin:g}, "
+            f"budgets {provenance(request.backend)} ({request.backend} backend)",
+        ]
+        if result.resident:
+            shared = ", ".join(f"{role} {format_bytes(b)}" for role, b in result.resident.items())
+            header.append(f"colocated models' state taken off each budget: {shared}")
+        header += [f"note: {note}" for note in (*notes, *getattr(run, "notes", ()))]
+        header += [f"warning: {warning}" for warning in run.warnings]
+        text = render_keys(keys, request.emit, header, request.emit_format)
+        sys.stdout.write(text)
+        if request.emit_format == "overrides" and request.emit not in FLAG_TARGETS:  # no comments: the notes on stderr
+            sys.stderr.write("".join(f"note: {k.comment}\n" for k in keys if not k.path))
+        return 0
+    console.print(
+        f"config {request.config}: {run.vocabulary} vocabulary; models "
+        + ", ".join(f"{role} {model}" for role, model in run.models.items())
+        + (f"; colocated {', '.join(run.colocated)}" if run.colocated else ""),
+        highlight=False,
+    )
+    for note in (*notes, *getattr(run, "notes", ())):
+        console.print(f"note: {note}", highlight=False)
+    for warning in run.warnings:
+        console.print(f"warning: {warning}", highlight=False)
+    for role, profile in result.profiles.items():
+        console.print()
+        console.rule(f"{role} model", style="dim")
+        render_profile(console, profile, request)
+        if profile.resident_bytes:
+            console.print(
+                f"colocated models keep {format_bytes(profile.resident_bytes)} per GPU on the device; "
+                "taken off the usable memory above",
+                highlight=False,
+            )
+    return 0
+
+
+@contextlib.contextmanager
+def _process_group(request: ProfileRequest) -> Iterator[int]:
+    """Under torchrun with cpu/cuda: join the ranks (gloo/nccl) for the run; yields this rank."""
+    import torch.distributed as dist
+
+    if request.launched == 1 or request.backend == "estimate" or dist.is_initialized():
+        yield dist.get_rank() if dist.is_initialized() else 0
+        return
+    with process_group(request.backend) as rank:  # LOCAL_RANK's GPU for cuda; the one collective timeout
+        yield rank
+
+
+def _select_device(request: ProfileRequest) -> None:
+    """Under torchrun with cuda: this rank's GPU (``LOCAL_RANK``) becomes the current device."""
+    if request.backend == "cuda" and request.launched > 1:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -1,0 +1,77 @@
+"""``batchfit profile``'s text output: the settings a profile ran with, its budget tables and breakdown."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchfit.cli.profile_request import ProfileRequest
+
+
+def render_profile(console: Any, profile: Any, request: ProfileRequest) -> None:
+    """The settings ``profile`` ran with, each pass's budget table and lines, the breakdown (and the combined budget)."""
+    from batchfit.cli.render_budget import breakdown_table, budget_lines, budget_table, pass_title
+    from batchfit.memory import format_bytes
+
+    target = request.memory if request.memory is not None else "the device"
+    if isinstance(target, int):  # the calibrated device's bytes
+        target = format_bytes(target)
+    if request.memory_defaulted:
+        target = f"{target} (default target without a GPU; set --memory)"
+    limit = f"{format_bytes(profile.memory_limit)}" if profile.memory_limit else "device total"
+    depth = f"{profile.depth} layers"
+    if profile.measured_depths:
+        depth += f", extrapolated from {profile.measured_depths[0]} and {profile.measured_depths[1]}"
+    precision = (
+        f"{profile.dtype} params, {profile.compute_dtype} compute"
+        if profile.compute_dtype != profile.dtype
+        else profile.dtype
+    )
+    console.print(
+        f"batchfit profile: model {profile.model} ({depth}; {precision}"
+        f"{', gradient checkpointing' if profile.gradient_checkpointing else ''}, AdamW, "
+        f"{profile.logprobs} log-probs), max_seq_len {request.options.max_seq_len:,}, cost {request.options.cost}",
+        highlight=False,
+    )
+    if profile.lora is not None:
+        from batchfit.cli.render_budget import lora_text
+
+        console.print(lora_text(profile), highlight=False)
+    console.print(f"sharding: {profile.sharding.describe()}", highlight=False)
+    if profile.torch is not None:
+        for b in profile.torch.behaviours:
+            console.print(
+                f"torch {profile.torch.torch_version} ({b.detected_by}): {b.meaning}", highlight=False
+            )
+    terms = "" if profile.untracked is None else f" ({profile.untracked.describe()})"
+    console.print(
+        f"backend {profile.backend} → {target} per rank: {limit}, reserve {format_bytes(profile.reserve_bytes)}{terms}, "
+        f"safety margin {request.options.safety_margin:g}",
+        highlight=False,
+    )
+    if request.calibration is not None:
+        console.print(
+            f"calibration {request.calibration_path}: {request.calibration.describe()}", highlight=False
+        )
+    if request.confirm:
+        console.print(
+            f"--confirm: the budgets estimated against the {request.backend} device's memory and reserve; "
+            "its real runs follow",
+            highlight=False,
+        )
+    for role, budget in profile.budgets.items():
+        console.print()
+        console.print(budget_table(budget, title=pass_title(role)))
+        for line in budget_lines(budget):
+            console.print(line, highlight=False)
+    console.print()
+    console.print(breakdown_table(profile))
+    if len(profile.budgets) > 1:
+        combined = profile.combined
+        console.print()
+        console.print(
+            f"combined budget (every role fits): C = {combined.tokens:,} tokens per rank, set by "
+            f"{pass_title(combined.binding_role)}",
+            highlight=False,
+        )
+    if request.plot:
+        console.print(f"plot written to {request.plot}", highlight=False)

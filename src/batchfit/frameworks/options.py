@@ -1,0 +1,303 @@
+"""A framework config's profile: :func:`run_profile_options` turns a :class:`RunConfig` into :class:`ProfileOptions`.
+
+A caller (the command line) says which settings it chose (:class:`ProfileChoices`, ``None`` for
+none); the config sets the rest as its framework runs them (the sharding its training strategy
+means, the offload, FSDP's options, checkpointing, the framework's own log-prob head and
+micro-batch cost); the caller's defaults fill what neither sets. Every fact about how a
+framework's config reads as a profile lives here: which sharding models a training strategy
+(:func:`sharding_strategy`), the keys its GPU counts come from (:data:`GPU_KEYS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from batchfit.budget.options import ProfileOptions
+from batchfit.errors import KEYWORDS, BatchConfigError, InvalidArgument, Phrase, Setting, Vocabulary
+from batchfit.frameworks.profile import with_run_fraction
+from batchfit.frameworks.run import RunConfig
+from batchfit.models.lora import LoraSpec
+from batchfit.parallel.sharding import STRATEGIES, Sharding
+from batchfit.train.framework_heads import FrameworkHead
+from batchfit.validation import check_choice, check_positive_int, is_int, short_repr
+
+__all__ = [
+    "GPU_KEYS",
+    "ProfileChoices",
+    "RunOptions",
+    "check_emit_plan",
+    "check_run_settings",
+    "run_profile_options",
+    "sharding_strategy",
+]
+
+#: Framework → batchfit's term → the config key a node or GPU count is read from (for messages).
+GPU_KEYS = {
+    "verl": {"num_nodes": "trainer.nnodes", "gpus_per_node": "trainer.n_gpus_per_node"},
+    "skyrl": {
+        "num_nodes": "trainer.placement.policy_num_nodes",
+        "gpus_per_node": "trainer.placement.policy_num_gpus_per_node",
+    },
+}
+
+#: The shardings whose FSDP options (mixed precision, resharding) a config sets.
+FSDP_STRATEGIES = ("fsdp1", "fsdp2")
+
+
+@dataclass(frozen=True)
+class ProfileChoices:
+    """The profile settings a caller chose, each ``None`` where it chose none.
+
+    The fields of :class:`~batchfit.budget.ProfileOptions` a caller sets (same meaning), the
+    :class:`~batchfit.parallel.Sharding`'s spread out (``strategy``, ``world_size``,
+    ``reshard_after_forward``, ``mixed_precision``, ``offload``). A framework config fills
+    what is ``None`` (:func:`run_profile_options`); :meth:`options` leaves what is still ``None``
+    to :class:`ProfileOptions`' and :class:`Sharding`'s defaults.
+    """
+
+    max_seq_len: int | None = None
+    backend: str | None = None
+    memory_limit: int | str | None = None
+    reserve_bytes: int | str | None = None
+    dtype: str | None = None
+    gradient_checkpointing: bool | None = None
+    logprobs: str | FrameworkHead | None = None
+    cost: str | None = None
+    safety_margin: float | None = None
+    depth_extrapolation: bool | None = None
+    lora: LoraSpec | None = None
+    response_only: bool | None = None
+    response_fraction: float | None = None
+    strategy: str | None = None
+    world_size: int | None = None
+    reshard_after_forward: bool | None = None
+    mixed_precision: str | None = None
+    offload: str | None = None
+
+    def or_(self, other: ProfileChoices) -> ProfileChoices:
+        """These choices, each one not made taken from ``other``."""
+        mine = vars(self)
+        return dataclasses.replace(self, **{k: v for k, v in vars(other).items() if mine[k] is None and v is not None})
+
+    def options(self, vocabulary: Vocabulary | None = None) -> ProfileOptions:
+        """The :class:`ProfileOptions` of these choices (the defaults where none was made).
+
+        Args:
+            vocabulary: how a bad value's message names its setting (``None``: keywords).
+
+        Raises:
+            InvalidArgument: a bad value, named in ``vocabulary``.
+        """
+        name = (KEYWORDS if vocabulary is None else vocabulary).say
+        sharding = {
+            "strategy": None if self.strategy is None else check_choice(name(Setting("sharding")), self.strategy, STRATEGIES),
+            "world_size": None if self.world_size is None else check_positive_int(name(Setting("world_size")), self.world_size),
+            "reshard_after_forward": self.reshard_after_forward,
+            "mixed_precision": self.mixed_precision,
+            "offload": self.offload,
+        }
+        # what was chosen (max_seq_len has no default: a missing one is named by ProfileOptions)
+        settings = {k: v for k, v in vars(self).items() if k not in _SHARDING and (v is not None or k == "max_seq_len")}
+        settings["sharding"] = Sharding(**{k: v for k, v in sharding.items() if v is not None})
+        return ProfileOptions(**settings, vocabulary=vocabulary)
+
+
+# the ProfileChoices fields that make the Sharding (the others are ProfileOptions fields as they are)
+_SHARDING = frozenset({"strategy", "world_size", "reshard_after_forward", "mixed_precision", "offload"})
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What :func:`run_profile_options` makes of a config.
+
+    Attributes:
+        run: the config as profiled: a warning added when the choices' ``max_seq_len`` is
+            below its own, the reference dtype of an ``emit`` target that loads it otherwise.
+        options: the options to profile it with (:func:`batchfit.frameworks.profile.profile_run`).
+        notes: how the profile models the framework's step, one sentence each, to show
+            beside the result.
+    """
+
+    run: RunConfig
+    options: ProfileOptions
+    notes: tuple[str, ...] = ()
+
+
+def run_profile_options(
+    run: RunConfig,
+    chosen: ProfileChoices,
+    defaults: ProfileChoices | None = None,
+    *,
+    emit: str | None = None,
+    vocabulary: Vocabulary | None = None,
+) -> RunOptions:
+    """The options to profile ``run`` with: the caller's choices, the config's settings for the rest, then ``defaults``.
+
+    From the config: ``max_seq_len``, ``world_size``, the sharding its training strategy
+    means (:func:`sharding_strategy`), ``offload``, FSDP's mixed precision and resharding,
+    gradient checkpointing, the framework step's head and cost
+    (:func:`~batchfit.frameworks.step.framework_step`). With ``emit`` (a target of
+    :data:`batchfit.frameworks.emit.TARGETS`), the head and reference dtype of that
+    framework when it is not the config's, and packed rows: every target counts a
+    micro-batch's valid tokens.
+
+    Args:
+        run: from :func:`batchfit.frameworks.read_run_config`.
+        chosen: what the caller set; a framework config never overrides it.
+        defaults: what neither the caller nor the config sets (``None``: the library's).
+        emit: the framework whose keys will be written, or ``None``.
+        vocabulary: how messages name settings (NOTE [ Messages in the caller's vocabulary ]).
+
+    Returns:
+        A :class:`RunOptions`: the run, its options and the notes to show.
+
+    Raises:
+        InvalidArgument: a GPU count or strategy of the wrong kind in the config, a training
+            strategy batchfit does not model, ``cost="padded"`` with ``emit``, or a bad value.
+        BatchConfigError: with ``emit="skyrl"``, the batch plan its micro sizes come from breaks.
+    """
+    from batchfit.frameworks.emit import TARGETS, target_head, target_reference_dtype
+    from batchfit.frameworks.step import framework_step
+
+    say = KEYWORDS if vocabulary is None else vocabulary
+    if emit is not None:
+        check_choice(say.say(Setting("emit")), emit, TARGETS)
+    check_run_settings(run, say)
+    if emit == "skyrl":
+        check_emit_plan(run)
+    if chosen.max_seq_len is not None and run.max_seq_len and chosen.max_seq_len < run.max_seq_len:
+        # budgets for shorter sequences than the config's own: its plan refuses them as they are
+        warning = Phrase(
+            Setting("max_seq_len"),
+            f" {chosen.max_seq_len:,} is below the config's longest sequence ({run.max_seq_len:,} tokens, prompt and "
+            "response): the budgets hold sequences up to the former, so the config's plan refuses them as they are; "
+            "drop ",
+            Setting("max_seq_len"),
+            ", or lower the config's prompt and response lengths",
+        )
+        run = run.replace(warnings=(*run.warnings, warning.say(say)))
+    strategy = chosen.strategy if chosen.strategy is not None else sharding_strategy(run, say)
+    fsdp = str(strategy).lower() in FSDP_STRATEGIES  # FSDP's options, as the config sets them
+    step = framework_step(run)  # the head and layout of the framework's own micro-batch
+    notes = list(step.notes) if step is not None else []
+    logprobs = chosen.logprobs
+    if emit is not None and emit != run.vocabulary and logprobs is None:
+        logprobs = target_head(emit)  # the head the emitted run computes log-probs with
+        run = run.replace(reference_dtype=target_reference_dtype(emit))  # and the reference it loads
+        notes = [f"the budgets' probe runs {emit}'s log-prob head, the one the emitted run uses"]
+    if step is not None and logprobs is None:
+        logprobs = step.head
+    config_cost = step.cost if step is not None else ("packed" if run.remove_padding else "padded")
+    cost = chosen.cost
+    if emit is not None:  # every framework counts a micro-batch's tokens
+        if cost == "padded":
+            raise InvalidArgument(
+                Phrase(
+                    Setting("emit", emit),
+                    f" writes token budgets {emit} counts in valid tokens, which bound packed rows only (the emitted "
+                    "keys turn padding removal on): drop ",
+                    Setting("cost", "padded"),
+                ).say(say)
+            )
+        if config_cost == "padded":
+            notes.append(
+                "the config keeps each micro-batch's padding, which no token budget bounds: the keys below turn "
+                "padding removal on, and the budgets are for packed rows"
+            )
+        cost = "packed"
+    elif cost is None and (step is not None or config_cost == "packed"):
+        cost = config_cost  # OpenRLHF (--ds.packing_samples, on with dynamic batches) and slime pack rows
+    from_config = ProfileChoices(
+        max_seq_len=run.max_seq_len,
+        world_size=run.world_size,
+        strategy=strategy,
+        offload=run.offload,
+        mixed_precision=run.mixed_precision if fsdp else None,
+        reshard_after_forward=False if fsdp and run.reshard_after_forward is False else None,
+        gradient_checkpointing=None if run.gradient_checkpointing is None else bool(run.gradient_checkpointing),
+        logprobs=logprobs,
+        cost=cost,
+    )
+    filled = chosen.or_(from_config).or_(defaults or ProfileChoices())
+    return RunOptions(run=run, options=with_run_fraction(run, filled.options(vocabulary)), notes=tuple(notes))
+
+
+def check_run_settings(run: RunConfig, vocabulary: Vocabulary | None = None) -> None:
+    """The config's values a profile reads (GPUs, strategy) must be of their kind, checked before they are used.
+
+    ``plan`` judges a config's batch sizes; ``profile`` needs fewer keys but needs them right:
+    a GPU count of ``"x"`` or a strategy of ``-1`` is named here with its key, not met as a
+    TypeError later.
+
+    Raises:
+        InvalidArgument: a node or GPU count that is set but not an integer >= 1, or a strategy
+            that is not a name (one line each, naming the config's key).
+    """
+    batch = run.batch
+    names = {**GPU_KEYS.get(run.vocabulary, {}), **(run.key_names or {})}
+    for name, value in (("world_size", batch.world_size), ("num_nodes", batch.num_nodes), ("gpus_per_node", batch.gpus_per_node)):
+        if value is not None and not (is_int(value) and value >= 1):
+            key = names.get(name, name)
+            raise InvalidArgument(
+                f"the config's {key}={short_repr(value)} must be an integer >= 1 (GPUs and nodes count from 1); "
+                "fix it in the config"
+            )
+    if run.strategy is not None and not isinstance(run.strategy, str):
+        raise InvalidArgument(
+            Phrase(
+                f"the config's training strategy={short_repr(run.strategy)} must be a name (fsdp, fsdp2, megatron, "
+                "...); fix it in the config, or pass ",
+                Setting("sharding", {"strategy": "fsdp2"}),
+            ).say(vocabulary)
+        )
+
+
+def check_emit_plan(run: RunConfig) -> None:
+    """The batch plan SkyRL's emitted keys derive their micro sizes from must hold, checked before any probe.
+
+    Raises:
+        BatchConfigError: the plan's faults in the config's own key names (e.g. ``update_epochs_per_batch:
+            null``), now rather than after minutes of probing.
+    """
+    try:
+        run.batch.replace(max_tokens_per_micro_batch=None, micro_train_batch_size_per_gpu=1).plan()
+    except BatchConfigError as exc:
+        raise BatchConfigError([run.in_own_words(f) for f in exc.faults]) from None
+
+
+def sharding_strategy(run: RunConfig, vocabulary: Vocabulary | None = None) -> str:
+    """The sharding that models the config's training strategy: verl's ``fsdp`` is FSDP1, SkyRL's ``fsdp`` FSDP2.
+
+    Raises:
+        InvalidArgument: a strategy batchfit does not model (OpenRLHF's DeepSpeed stages below 3,
+            slime's Megatron: the framework's own hint), naming the sharding to profile it as instead.
+    """
+    from batchfit.frameworks import strategy_refusal
+
+    fsdp2 = Setting("sharding", {"strategy": "fsdp2"})
+    strategy = (run.strategy or "fsdp").lower()
+    if strategy in ("fsdp", "fsdp2"):
+        # one GPU too: the framework still wraps the model (fp32 master weights, bf16 compute)
+        if strategy == "fsdp" and run.vocabulary == "verl":  # FullyShardedDataParallel
+            if "fsdp1" in STRATEGIES:
+                return "fsdp1"
+            raise InvalidArgument(
+                Phrase(
+                    "the config trains with verl's strategy=fsdp (FSDP1, FullyShardedDataParallel), which batchfit "
+                    "does not model: set actor_rollout_ref.actor.strategy=fsdp2, or pass ",
+                    fsdp2,
+                    " to profile it as FSDP2",
+                ).say(vocabulary)
+            )
+        return "fsdp2"
+    refusal = strategy_refusal(run)  # OpenRLHF's DeepSpeed stages, slime's Megatron: the framework's own hint
+    if refusal is not None:
+        raise InvalidArgument(refusal)
+    raise InvalidArgument(
+        Phrase(
+            f"the config trains with strategy={run.strategy!r}, which batchfit does not model; pass ",
+            fsdp2,
+            " to profile it as FSDP2 (an upper bound for tensor/pipeline parallelism)",
+        ).say(vocabulary)
+    )
