@@ -40,7 +40,13 @@ from typing import Any
 from batchfit.errors import BatchConfigError, InvalidArgument
 from batchfit.frameworks import openrlhf, skyrl, slime, verl
 from batchfit.frameworks.flags import FLAG_FRAMEWORKS, detect_framework, is_command_file, read_command
-from batchfit.frameworks.registry import FrameworkSpec, framework_names, get_framework, register_framework
+from batchfit.frameworks.registry import (
+    FrameworkSpec,
+    framework_names,
+    framework_of,
+    get_framework,
+    register_framework,
+)
 from batchfit.frameworks.run import RunConfig, as_bool, as_int
 from batchfit.frameworks.source import VOCABULARIES as _FILE_VOCABULARIES
 from batchfit.frameworks.source import (
@@ -61,6 +67,7 @@ __all__ = [
     "RunConfig",
     "coerce",
     "framework_names",
+    "framework_of",
     "get_framework",
     "read_run_config",
     "strategy_refusal",

@@ -5,7 +5,7 @@ none); the config sets the rest as its framework runs them (the sharding its tra
 means, the offload, FSDP's options, checkpointing, the framework's own log-prob head and
 micro-batch cost); the caller's defaults fill what neither sets. Every fact about how a
 framework's config reads as a profile lives here: which sharding models a training strategy
-(:func:`sharding_strategy`), the keys its GPU counts come from (:data:`GPU_KEYS`).
+(:func:`sharding_strategy`), the keys its GPU counts come from (its spec's ``gpu_keys``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from batchfit.budget.options import ProfileOptions
 from batchfit.errors import KEYWORDS, BatchConfigError, InvalidArgument, Phrase, Setting, Vocabulary
 from batchfit.frameworks.profile import with_run_fraction
+from batchfit.frameworks.registry import framework_of, get_framework
 from batchfit.frameworks.run import RunConfig
 from batchfit.models.lora import LoraSpec
 from batchfit.parallel.sharding import STRATEGIES, Sharding
@@ -23,7 +24,6 @@ from batchfit.train.framework_heads import FrameworkHead
 from batchfit.validation import check_choice, check_positive_int, is_int, short_repr
 
 __all__ = [
-    "GPU_KEYS",
     "ProfileChoices",
     "RunOptions",
     "check_emit_plan",
@@ -31,15 +31,6 @@ __all__ = [
     "run_profile_options",
     "sharding_strategy",
 ]
-
-#: Framework → batchfit's term → the config key a node or GPU count is read from (for messages).
-GPU_KEYS = {
-    "verl": {"num_nodes": "trainer.nnodes", "gpus_per_node": "trainer.n_gpus_per_node"},
-    "skyrl": {
-        "num_nodes": "trainer.placement.policy_num_nodes",
-        "gpus_per_node": "trainer.placement.policy_num_gpus_per_node",
-    },
-}
 
 #: The shardings whose FSDP options (mixed precision, resharding) a config sets.
 FSDP_STRATEGIES = ("fsdp1", "fsdp2")
@@ -164,7 +155,7 @@ def run_profile_options(
     if emit is not None:
         check_choice(say.say(Setting("emit")), emit, TARGETS)
     check_run_settings(run, say)
-    if emit == "skyrl":
+    if emit is not None and get_framework(emit).emit_needs_plan:
         check_emit_plan(run)
     if chosen.max_seq_len is not None and run.max_seq_len and chosen.max_seq_len < run.max_seq_len:
         # budgets for shorter sequences than the config's own: its plan refuses them as they are
@@ -235,7 +226,8 @@ def check_run_settings(run: RunConfig, vocabulary: Vocabulary | None = None) -> 
             that is not a name (one line each, naming the config's key).
     """
     batch = run.batch
-    names = {**GPU_KEYS.get(run.vocabulary, {}), **(run.key_names or {})}
+    spec = framework_of(run.vocabulary)
+    names = {**(spec.gpu_keys if spec is not None else {}), **(run.key_names or {})}
     for name, value in (("world_size", batch.world_size), ("num_nodes", batch.num_nodes), ("gpus_per_node", batch.gpus_per_node)):
         if value is not None and not (is_int(value) and value >= 1):
             key = names.get(name, name)
@@ -279,7 +271,8 @@ def sharding_strategy(run: RunConfig, vocabulary: Vocabulary | None = None) -> s
     strategy = (run.strategy or "fsdp").lower()
     if strategy in ("fsdp", "fsdp2"):
         # one GPU too: the framework still wraps the model (fp32 master weights, bf16 compute)
-        if strategy == "fsdp" and run.vocabulary == "verl":  # FullyShardedDataParallel
+        spec = framework_of(run.vocabulary)
+        if strategy == "fsdp" and spec is not None and spec.fsdp == "fsdp1":  # FullyShardedDataParallel
             if "fsdp1" in STRATEGIES:
                 return "fsdp1"
             raise InvalidArgument(

@@ -18,6 +18,7 @@ from batchfit.budget.profile import ModelProfile, default_dtype, profile_model, 
 from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import InvalidArgument
 from batchfit.frameworks.lora_keys import as_lora_spec
+from batchfit.frameworks.registry import framework_of
 from batchfit.frameworks.run import RunConfig
 from batchfit.train.framework_heads import FrameworkHead
 
@@ -154,12 +155,11 @@ def _passes(run: RunConfig, options: ProfileOptions) -> tuple[dict[str, ProfileO
                 "slightly smaller, safe budget)"
             )
     policy_lora = adapters["policy"]
-    if run.vocabulary == "verl" and "reference" in models and policy_lora is not None and policy_lora.enabled:
-        del models["reference"]  # verl ray_trainer: ref_in_actor when lora_rank > 0
-        notes.append(
-            "verl computes the reference log-probs with the LoRA actor, adapters disabled (ref_in_actor): "
-            "no reference model is loaded, and those passes are the actor's forward ones (policy_forward)"
-        )
+    spec = framework_of(run.vocabulary)
+    in_actor = None if spec is None else spec.lora_reference
+    if in_actor is not None and "reference" in models and policy_lora is not None and policy_lora.enabled:
+        del models["reference"]
+        notes.append(in_actor)
     return {role: _for_role(role, options, adapters, run) for role in models}, notes
 
 

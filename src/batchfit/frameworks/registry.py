@@ -54,6 +54,11 @@ class FrameworkSpec:
             ``gpus_per_node`` → the config keys they are read from (for messages).
         emit_needs_plan: ``--emit`` derives keys from the config's batch plan (SkyRL's micro
             sizes), so the plan must hold before any probe.
+        lora_reference: with a LoRA policy, the framework computes the reference log-probs with
+            the actor, adapters disabled, and loads no reference model: the note that says so
+            (verl's ``ref_in_actor``); ``None`` when a reference model is loaded all the same.
+        compiled_entropy: the framework compiles its full entropy, which the probe runs eagerly
+            (an upper bound): the note that says so; ``None`` when it runs eagerly too.
 
     Raises:
         InvalidArgument: not exactly one reader.
@@ -70,6 +75,8 @@ class FrameworkSpec:
     fsdp: str = "fsdp2"
     gpu_keys: Mapping[str, str] = field(default_factory=dict, compare=False)
     emit_needs_plan: bool = False
+    lora_reference: str | None = None
+    compiled_entropy: str | None = None
 
     def __post_init__(self) -> None:
         if (self.read_config is None) == (self.read_command is None):
@@ -99,6 +106,11 @@ def register_framework(spec: FrameworkSpec) -> None:
     _SPECS[spec.name] = spec
     if spec.batch_rules is not None:
         register_batch_rules(spec.batch_rules)
+
+
+def framework_of(vocabulary: str) -> FrameworkSpec | None:
+    """The spec of the framework whose vocabulary a config is written in; ``None`` for batchfit's own (``"flat"``)."""
+    return _SPECS.get(vocabulary)
 
 
 def framework_names() -> tuple[str, ...]:

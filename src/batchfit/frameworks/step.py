@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batchfit.frameworks.registry import get_framework
 from batchfit.frameworks.run import RunConfig
-from batchfit.train.framework_heads import FrameworkHead
+from batchfit.train.framework_heads import FRAMEWORK_HEADS, FrameworkHead
 
 __all__ = ["FrameworkStep", "framework_step"]
-
-#: The entropy chunk each framework uses when its config names none.
-_DEFAULT_CHUNK = {"verl": 2048, "skyrl": 1024}
-
 
 @dataclass(frozen=True)
 class FrameworkStep:
@@ -47,7 +44,7 @@ def framework_step(run: RunConfig) -> FrameworkStep | None:
         A :class:`FrameworkStep` for a verl or SkyRL config, else ``None``.
     """
     framework = run.vocabulary
-    if framework not in _DEFAULT_CHUNK:
+    if framework not in FRAMEWORK_HEADS:  # its own log-prob head: the budgets probe it
         return None
     notes: list[str] = []
     remove_padding = bool(run.remove_padding)
@@ -65,15 +62,13 @@ def framework_step(run: RunConfig) -> FrameworkStep | None:
         entropy=entropy,
         entropy_grad=bool(run.entropy_grad),
         entropy_in_loss=bool(run.entropy_in_loss),
-        entropy_chunk_size=run.entropy_chunk_size or _DEFAULT_CHUNK[framework],
+        entropy_chunk_size=run.entropy_chunk_size or FrameworkHead.default(framework).entropy_chunk_size,
         forward_entropy=forward_entropy,
         temperature=float(run.temperature or 1.0),
     )
     layout = "packed rows: it removes padding" if remove_padding else "padded rows: it keeps padding"
     notes.append(f"the budgets' probe runs {head.describe()}; micro-batches as {layout}")
-    if framework == "verl" and "full" in (entropy, forward_entropy):
-        notes.append(
-            "verl compiles its entropy (use_torch_compile), which fuses its tokens × vocabulary temporaries away: "
-            "run eagerly, an upper bound"
-        )
+    compiled = get_framework(framework).compiled_entropy
+    if compiled is not None and "full" in (entropy, forward_entropy):
+        notes.append(compiled)
     return FrameworkStep(head=head, cost=cost, notes=tuple(notes))

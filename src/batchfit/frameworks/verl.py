@@ -566,5 +566,14 @@ SPEC = FrameworkSpec(
     reference_dtype="fp32",
     fsdp="fsdp1",
     gpu_keys={"num_nodes": "trainer.nnodes", "gpus_per_node": "trainer.n_gpus_per_node"},
+    # verl ray_trainer: ref_in_actor when lora_rank > 0
+    lora_reference=(
+        "verl computes the reference log-probs with the LoRA actor, adapters disabled (ref_in_actor): "
+        "no reference model is loaded, and those passes are the actor's forward ones (policy_forward)"
+    ),
+    compiled_entropy=(
+        "verl compiles its entropy (use_torch_compile), which fuses its tokens × vocabulary temporaries away: "
+        "run eagerly, an upper bound"
+    ),
 )
 """verl in :mod:`batchfit.frameworks.registry` (its reference loads in fp32: ``engine/fsdp.yaml`` ``model_dtype``)."""
