@@ -18,7 +18,7 @@ from batchfit.autobatch.search import Trial
 from batchfit.autobatch.sweep import check_fractions, check_modes
 from batchfit.autobatch.task import DEFAULT_TASK
 from batchfit.errors import InvalidArgument, Vocabulary
-from batchfit.memory import BACKEND_NAMES, DEFAULT_ESTIMATE_TARGET, backend_name
+from batchfit.memory import BACKEND_NAMES, DEFAULT_ESTIMATE_TARGET, backend_class, backend_name
 from batchfit.validation import closest, is_int, short_repr
 
 MAX_STEPS = 1000
@@ -178,10 +178,10 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         if isinstance(settings[key], str) and settings[key].strip().isdigit():
             settings[key] = int(settings[key])
     backend = backend_name(settings["backend"])
-    settings["memory_defaulted"] = settings["memory"] is None and backend == "estimate"
+    settings["memory_defaulted"] = settings["memory"] is None and backend_class(backend).simulated
     if settings["memory_defaulted"]:
         settings["memory"] = DEFAULT_ESTIMATE_TARGET
-    elif settings["memory"] is None and backend == "cpu":
+    elif settings["memory"] is None and backend_class(backend).host_memory:
         raise InvalidArgument(
             "--memory is required with --backend cpu (the host has no device limit to take a fraction of), but got no --memory; pass e.g. --memory 2GiB, or use --backend estimate to predict a GPU"
         )
@@ -230,7 +230,7 @@ def _run(args: argparse.Namespace, s: dict[str, Any]) -> int:
         reserve_bytes=s["reserve"],
         backend=s["backend"],
     )
-    with process_group("cuda" if backend_name(s["backend"]) == "cuda" else "cpu") as rank:
+    with process_group("cuda" if backend_class(s["backend"]).reads_device else "cpu") as rank:
         # under torchrun: ranks agree on the flags or all say which differ (NOTE [ Ranks agree or say why ])
         check_same_flags(args, _AGREED_FLAGS, "autobatch")
         progress = args.progress and not args.json and rank == 0

@@ -15,7 +15,7 @@ from typing import Any
 
 from batchfit.dtypes import DTYPES
 from batchfit.logprobs.bench import METHODS, STARTS, LogprobsBench, run_logprobs_bench
-from batchfit.memory import BACKEND_NAMES, backend_name
+from batchfit.memory import BACKEND_NAMES, backend_class, backend_name
 from batchfit.memory.sizes import MiB
 
 # Default grids: what the CPU runs in about a minute, and what the estimate backend is for.
@@ -106,7 +106,7 @@ def run_logprobs(args: argparse.Namespace) -> int:
     backend = backend_name(args.backend)
     vocabs, seqs, chunks = DEFAULT_GRID[backend]
     chunks = args.chunk if args.chunk is not None else chunks
-    dtype = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
+    dtype = args.dtype or ("float32" if backend_class(backend).host_memory else "bfloat16")
     stop, say = _progress() if args.progress else (None, None)
     try:
         result = run_logprobs_bench(
@@ -201,7 +201,7 @@ def render_logprobs(result: LogprobsBench, console: Any = None) -> None:
         "time(chunk none) / time (> 1 faster); saved vs naive = naive extra / extra."
     ]
     if any(r.oom for r in result.rows):
-        where = "the host's available memory" if result.backend == "cpu" else "the device"
+        where = "the host's available memory" if backend_class(result.backend).host_memory else "the device"
         notes.append(
             f"OOM: the case needs more than {where} ({format_bytes(result.limit_bytes)}); "
             "--backend estimate sizes it without allocating."

@@ -19,7 +19,7 @@ from batchfit.cli._ranks import launched_world
 from batchfit.errors import InvalidArgument, Vocabulary
 from batchfit.frameworks.options import ProfileChoices
 from batchfit.frameworks.run import RunConfig
-from batchfit.memory import DEFAULT_ESTIMATE_TARGET
+from batchfit.memory import DEFAULT_ESTIMATE_TARGET, backend_class
 
 if TYPE_CHECKING:
     from batchfit.memory.calibration import CalibratedLimits
@@ -136,20 +136,20 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
     memory = args.memory
     if memory is None and limits is not None:
         memory = limits.memory_limit  # the calibrated device
-    defaulted = memory is None and backend == "estimate"
+    defaulted = memory is None and backend_class(backend).simulated
     if defaulted:
         memory = DEFAULT_ESTIMATE_TARGET
     reserve = _reserve(args.reserve) if limits is None else limits.reserve_bytes
     if memory is not None:
         parse_memory(memory, name="--memory")
-    elif backend == "cpu":
+    elif backend_class(backend).host_memory:
         raise InvalidArgument(
             "--memory is required with --backend cpu (the host has no device limit to fit), but got no "
             "--memory; pass e.g. --memory 2GiB, or use --backend estimate to predict a GPU"
         )
-    model = args.model if args.model is not None else DEFAULT_CPU_MODEL if backend == "cpu" else DEFAULT_MODEL
+    model = args.model if args.model is not None else DEFAULT_CPU_MODEL if backend_class(backend).host_memory else DEFAULT_MODEL
     launched = launched_world()
-    if backend == "estimate":
+    if backend_class(backend).simulated:
         if launched > 1:
             raise InvalidArgument(
                 f"--backend estimate simulates --world-size ranks in one process, but this process is one of "
@@ -185,7 +185,7 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
         gradient_checkpointing=DEFAULT_GRADIENT_CHECKPOINTING,
         world_size=default_world,
         # with --config the config's strategy; else FSDP2 wherever there are ranks to shard over
-        strategy="fsdp2" if backend == "estimate" or (world or default_world) > 1 else "none",
+        strategy="fsdp2" if backend_class(backend).simulated or (world or default_world) > 1 else "none",
     )
     vocabulary = Vocabulary(FLAGS)
     notes: tuple[str, ...] = ()
@@ -197,7 +197,7 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
         config = run_profile_options(run, chosen, defaults, emit=args.emit, vocabulary=vocabulary)
         run, options, notes = config.run, config.options, config.notes
     sharding = options.sharding
-    if backend == "estimate":
+    if backend_class(backend).simulated:
         check_int("--world-size", sharding.world_size, minimum=1, maximum=MAX_ESTIMATE_WORLD_SIZE)
     elif sharding.world_size != launched:
         raise InvalidArgument(
@@ -211,10 +211,10 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
     # cuda, and a confirm's real step, need the ranks torchrun starts
     if (
         sharding.strategy != "none"
-        and backend != "estimate"
+        and not backend_class(backend).simulated
         and sharding.world_size == 1
         and launched == 1
-        and (backend == "cuda" or args.confirm)
+        and (backend_class(backend).reads_device or args.confirm)
     ):
         raise InvalidArgument(
             f"--sharding {sharding.strategy} with --backend {backend} runs on real ranks: launch with torchrun "
@@ -299,7 +299,7 @@ def check_reserve_fits(memory: Any, reserve: int | None, backend: str, world: in
                 "--memory or lower --reserve (e.g. --reserve 0)"
             )
         return
-    if backend != "estimate":
+    if not backend_class(backend).simulated:
         return  # cpu: no reserve; cuda: measured on the device
     untracked = untracked_memory(str(memory), world_size=world, total_bytes=total)
     if untracked.reserve_bytes >= total:
@@ -361,7 +361,7 @@ def _calibration(args: argparse.Namespace, backend: str) -> CalibratedLimits | N
                 "--confirm runs one model's step and cannot be combined with --config; confirm each model with "
                 "--model and the config's settings as flags"
             )
-        if backend not in ("cpu", "cuda"):
+        if backend_class(backend).simulated:
             chose = " (auto chose estimate: no GPU here)" if args.backend == "auto" else ""
             raise InvalidArgument(
                 f"--confirm runs the real step on a device, but got --backend {args.backend}{chose}; use "

@@ -20,6 +20,7 @@ from batchfit.cli._ranks import process_group
 from batchfit.cli.probe_progress import ProbeProgress
 from batchfit.cli.profile_request import ProfileRequest, request_from_args
 from batchfit.cli.render_profile import render_profile
+from batchfit.memory import backend_class
 
 
 def run(args: argparse.Namespace) -> int:
@@ -227,7 +228,7 @@ def _process_group(request: ProfileRequest) -> Iterator[int]:
     """Under torchrun with cpu/cuda: join the ranks (gloo/nccl) for the run; yields this rank."""
     import torch.distributed as dist
 
-    if request.launched == 1 or request.backend == "estimate" or dist.is_initialized():
+    if request.launched == 1 or backend_class(request.backend).simulated or dist.is_initialized():
         yield dist.get_rank() if dist.is_initialized() else 0
         return
     with process_group(request.backend) as rank:  # LOCAL_RANK's GPU for cuda; the one collective timeout
@@ -236,5 +237,5 @@ def _process_group(request: ProfileRequest) -> Iterator[int]:
 
 def _select_device(request: ProfileRequest) -> None:
     """Under torchrun with cuda: this rank's GPU (``LOCAL_RANK``) becomes the current device."""
-    if request.backend == "cuda" and request.launched > 1:
+    if backend_class(request.backend).reads_device and request.launched > 1:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -20,6 +20,7 @@ from batchfit.errors import InvalidArgument
 from batchfit.frameworks.assumptions import EmitError, Key, check_emit, setting_keys
 from batchfit.frameworks.profile import RunProfile
 from batchfit.frameworks.registry import framework_names, get_framework
+from batchfit.memory import backend_class
 
 __all__ = [
     "FLAG_TARGETS",
@@ -113,7 +114,7 @@ def provenance(backend: str) -> str:
     >>> provenance("estimate"), provenance("cuda")
     ('estimated', 'measured')
     """
-    return "estimated" if backend == "estimate" else "measured"
+    return "estimated" if backend_class(backend).simulated else "measured"
 
 
 def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: float) -> list[Key]:
