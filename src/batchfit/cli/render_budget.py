@@ -12,7 +12,7 @@ from batchfit.memory import format_bytes
 
 if TYPE_CHECKING:
     from batchfit.budget import MemoryModel, TokenBudget
-    from batchfit.budget.confirm import ConfirmReport, RoleConfirmation
+    from batchfit.budget.confirm_report import ConfirmReport, RoleConfirmation
     from batchfit.budget.profile import ModelProfile
 
 
