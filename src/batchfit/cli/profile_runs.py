@@ -173,7 +173,7 @@ def _run_config(
         data["older_torch"] = older_torch_notes(result)
         data["notes"] = notes  # the framework step's, the older torch's and the run's
         data["budget"] = provenance(request.backend)  # estimated (estimate backend) or measured
-        data["run_notes"] = list(getattr(run, "notes", ()))
+        data["run_notes"] = list(run.notes)
         data["warnings"] = list(run.warnings)  # what the config sets that the budgets do not model
         if keys is not None:
             data["emit"] = {k.path: list(k.value) if isinstance(k.value, tuple) else k.value for k in keys if k.path}
@@ -193,7 +193,7 @@ def _run_config(
         if result.resident:
             shared = ", ".join(f"{role} {format_bytes(b)}" for role, b in result.resident.items())
             header.append(f"colocated models' state taken off each budget: {shared}")
-        header += [f"note: {note}" for note in (*notes, *getattr(run, "notes", ()))]
+        header += [f"note: {note}" for note in (*notes, *run.notes)]
         header += [f"warning: {warning}" for warning in run.warnings]
         text = render_keys(keys, request.emit, header, request.emit_format)
         sys.stdout.write(text)
@@ -206,7 +206,7 @@ def _run_config(
         + (f"; colocated {', '.join(run.colocated)}" if run.colocated else ""),
         highlight=False,
     )
-    for note in (*notes, *getattr(run, "notes", ())):
+    for note in (*notes, *run.notes):
         console.print(f"note: {note}", highlight=False)
     for warning in run.warnings:
         console.print(f"warning: {warning}", highlight=False)

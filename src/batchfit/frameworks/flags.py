@@ -480,12 +480,10 @@ class FrameworkRun(RunConfig):
     Attributes:
         rules: the framework's rules, a function of the run.
         values: every flag's value (``dest`` → value), for the rules.
-        notes: what reading the file assumed (shell variables, flags not seen).
     """
 
     rules: Callable[[FrameworkRun], Verdict] | None = field(default=None, compare=False)
     values: dict[str, Any] = field(default_factory=dict, compare=False)
-    notes: tuple[str, ...] = ()
 
     def plan(self, *, strict: bool = False) -> BatchPlan:
         """The batch plan under the framework's rules.

@@ -142,12 +142,12 @@ def _passes(run: RunConfig, options: ProfileOptions) -> tuple[dict[str, ProfileO
                 f"the config names no {role} model; pass --model PRESET|DIR (a preset, or a directory with config.json)"
             )
     adapters = {
-        "policy": options.lora if options.lora is not None else as_lora_spec(getattr(run, "lora", None), "run.lora"),
-        "critic": as_lora_spec(getattr(run, "critic_lora", None), "run.critic_lora"),
+        "policy": options.lora if options.lora is not None else as_lora_spec(run.lora, "run.lora"),
+        "critic": as_lora_spec(run.critic_lora, "run.critic_lora"),
     }
     notes: list[str] = []
     for role, key in (("policy", "lora"), ("critic", "critic_lora")):
-        given = None if role == "policy" and options.lora is not None else getattr(run, key, None)
+        given = None if role == "policy" and options.lora is not None else getattr(run, key)
         excluded = given.get("exclude_modules") if isinstance(given, Mapping) else None
         if excluded and adapters[role] is not None:
             notes.append(
@@ -190,5 +190,5 @@ def _for_role(role: str, options: ProfileOptions, adapters: dict[str, Any], run:
     if options.dtype is not None:
         return options
     if role == "reference":
-        return options.replace(dtype=getattr(run, "reference_dtype", None) or REFERENCE_DTYPE)
-    return options.replace(dtype=getattr(run, "dtype", None) or default_dtype(options.sharding))
+        return options.replace(dtype=run.reference_dtype or REFERENCE_DTYPE)
+    return options.replace(dtype=run.dtype or default_dtype(options.sharding))

@@ -100,6 +100,7 @@ class RunConfig:
         warnings: what the config sets that batchfit does not model or the framework would
             refuse outside its batch rules (keys not in the framework's schema, settings that
             change memory); :meth:`plan` adds them to the plan's warnings.
+        notes: what reading the config assumed (a launch script's shell variables, flags not seen).
         source: batchfit's terms → the config keys they were read from (for messages).
         key_names: :class:`BatchConfig` field → the framework's key, so that the plan's
             faults and warnings name the keys the user wrote.
@@ -135,6 +136,7 @@ class RunConfig:
     resident: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
     source: dict[str, str] = field(default_factory=dict, compare=False)
     key_names: dict[str, str] = field(default_factory=dict, compare=False)
 
