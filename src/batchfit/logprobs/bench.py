@@ -33,7 +33,7 @@ import torch
 from batchfit.dtypes import DTYPES
 from batchfit.errors import InvalidArgument
 from batchfit.logprobs import logprobs_from_hidden, logprobs_from_logits
-from batchfit.logprobs._common import check_temperature
+from batchfit.logprobs.chunks import check_temperature
 from batchfit.memory import Backend, EstimateBackend, backend_name, get_backend
 from batchfit.memory.cpu import host_available_bytes
 from batchfit.memory.sizes import MAX_BYTES
