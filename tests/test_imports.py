@@ -158,3 +158,50 @@ def test_the_core_does_not_import_torch_distributed():
         if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in _imported_names(path))
     )
     assert offenders == []
+
+
+# The README's "Layout": the core (CORE above) holds no device code and talks to no other rank, so
+# every rank computes the same plan alone; it measures nothing either (measuring lives above it).
+_NOT_IN_THE_CORE = ("torch.cuda", "torch.distributed", "batchfit.memory", "batchfit.parallel")
+
+
+def _reaches(name: str) -> str | None:
+    return next((banned for banned in _NOT_IN_THE_CORE if name == banned or name.startswith(f"{banned}.")), None)
+
+
+def _device_and_rank_code(path: Path) -> list[str]:
+    """Each import of, or attribute path into, ``_NOT_IN_THE_CORE`` in ``path`` (function bodies included)."""
+    found: set[tuple[int, str]] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            names = [f"{node.value.id}.{node.attr}"]  # torch.cuda.synchronize(), torch.distributed.get_rank()
+        found.update((node.lineno, hit) for hit in map(_reaches, names) if hit)
+    return [f"line {line}: {hit}" for line, hit in sorted(found)]
+
+
+def test_the_core_has_no_device_rank_or_measuring_code():
+    offenders = {
+        name: hits
+        for name, path in sorted(_module_names().items())
+        if name not in _ENTRY_POINTS and name.split(".")[1] in CORE and (hits := _device_and_rank_code(path))
+    }
+    assert offenders == {}
+
+
+def test_the_core_check_finds_device_code(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        "import torch\nfrom torch import distributed\nfrom batchfit.memory.sizes import MiB\n"
+        "def f():\n    from batchfit import parallel\n    torch.cuda.synchronize()\n"
+    )
+    assert _device_and_rank_code(module) == [
+        "line 2: torch.distributed",
+        "line 3: batchfit.memory",
+        "line 5: batchfit.parallel",
+        "line 6: torch.cuda",
+    ]
