@@ -3,7 +3,7 @@
 NOTE [ Probes are isolated ] (:mod:`batchfit.memory.isolation`): a probe after an aborted
 probe measures what a probe on the fresh model does. These helpers abort one (at a limit, or
 with the device's out-of-memory error in a layer's forward or backward) and give the figures
-two probes are compared by.
+two probes are compared by, and what a probe must leave in place.
 """
 
 from __future__ import annotations
@@ -65,6 +65,13 @@ def aborted_probe(
         m = backend.measure(step, register=(model, optimizer))
     assert oom.fired
     return m
+
+
+def held(model: torch.nn.Module, optimizer: Any) -> tuple[list, dict]:
+    """The gradient tensors and the optimizer's state tensors, by identity: what a probe must leave in place."""
+    grads = [p.grad for p in model.parameters()]
+    state = {id(p): dict(s) for p, s in optimizer.state.items()}
+    return grads, state
 
 
 def figures(m) -> tuple[int, dict[str, int], int]:

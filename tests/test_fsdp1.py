@@ -24,7 +24,7 @@ from batchfit.models import build_causal_lm
 from batchfit.parallel import Sharding, simulated_world
 from batchfit.parallel.fsdp1 import is_fsdp1
 from batchfit.parallel.shard import decoder_layers, shard_model, unwrap
-from isolation_helpers import ABORTS, OutOfMemoryAt, aborted_probe
+from isolation_helpers import ABORTS, OutOfMemoryAt, aborted_probe, held
 from isolation_helpers import figures as _figures  # the name the assertions use
 from multirank import run_ranks
 
@@ -498,12 +498,6 @@ def _tree_is_fresh(model: torch.nn.Module) -> None:
         assert flat.grad is not None and flat.grad.shape == flat.shape  # the resident sharded gradient
 
 
-def _held(model, optimizer) -> tuple[list, dict]:
-    grads = [p.grad for p in model.parameters()]
-    state = {id(p): dict(s) for p, s in optimizer.state.items()}
-    return grads, state
-
-
 def _holds_the_same(model, optimizer, before: tuple[list, dict]) -> None:
     grads, state = before
     # FSDP1 sets a gradient aside as grad.data (a new tensor on the same storage): the same allocation
@@ -526,7 +520,7 @@ def test_a_probe_after_an_aborted_probe_equals_a_probe_on_a_fresh_model(backend_
         model, optimizer = _fresh(backend, sharding, build)
         step = _train(model, optimizer, backend)
         fresh = backend.measure(step, register=(model, optimizer))
-        before = _held(model, optimizer)
+        before = held(model, optimizer)
         aborted = _aborted(backend, model, optimizer, abort, fresh.peak_bytes)
         assert (aborted.fits, aborted.exceeded) == (False, True)
         _tree_is_fresh(model)

@@ -22,7 +22,7 @@ from batchfit.memory import CpuBackend, CudaBackend, get_backend
 from batchfit.memory.isolation import isolate
 from batchfit.models import build_causal_lm
 from batchfit.parallel import Sharding, simulated_world
-from isolation_helpers import ABORTS, OutOfMemoryAt, aborted_probe
+from isolation_helpers import ABORTS, OutOfMemoryAt, aborted_probe, held
 from isolation_helpers import figures as _figures  # the name the assertions use
 
 pytestmark = [
@@ -128,13 +128,6 @@ def _fsdp_tree_is_fresh(model: torch.nn.Module) -> None:
     assert all(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
-def _held(model, optimizer) -> tuple[list, dict]:
-    """The gradient tensors and the optimizer's state tensors, by identity."""
-    grads = [p.grad for p in model.parameters()]
-    state = {id(p): {k: v for k, v in s.items()} for p, s in optimizer.state.items()}
-    return grads, state
-
-
 def _holds_the_same(model, optimizer, before: tuple[list, dict]) -> None:
     grads, state = before
     assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
@@ -156,7 +149,7 @@ def test_a_probe_after_an_aborted_probe_equals_a_probe_on_a_fresh_model(backend_
         model, optimizer = _fresh(backend, sharding, build)
         step = _train_step(model, optimizer, backend, backend.device)
         fresh = backend.measure(step, register=(model, optimizer))
-        before = _held(model, optimizer)
+        before = held(model, optimizer)
         aborted = _aborted_probe(backend, model, optimizer, abort, fresh.peak_bytes)
         assert (aborted.fits, aborted.exceeded) == (False, True)
         _fsdp_tree_is_fresh(model)
@@ -175,7 +168,7 @@ def test_a_probe_after_a_finished_forward_only_probe_equals_a_probe_on_a_fresh_m
         train = _train_step(model, optimizer, backend, backend.device)
         forward = _forward_step(model, backend, backend.device)
         fresh = backend.measure(train, register=(model, optimizer))
-        before = _held(model, optimizer)
+        before = held(model, optimizer)
         first = backend.measure(forward, register=(model, optimizer))
         assert first.fits
         # FSDP2 leaves the layers gathered after a no_grad forward without resharding: reset
@@ -397,7 +390,7 @@ def test_on_cuda_a_probe_resets_fsdp2_keeps_the_state_and_releases_the_cache(
     with simulated_world(2):
         backend = CudaBackend()
         model, optimizer = _fresh(backend, sharding, build)
-        before = _held(model, optimizer)
+        before = held(model, optimizer)
         calls = fake_cuda.empty_cache_calls
         if probe == "forward-only":
             m = backend.measure(_forward_step(model, backend, CPU), register=(model, optimizer))
