@@ -18,7 +18,7 @@ import sys
 
 from batchfit.cli import main as cli_main
 from batchfit.cli.bench import render_logprobs
-from batchfit.logprobs.bench import run_logprobs_bench
+from batchfit.train.logprobs_bench import run_logprobs_bench
 
 
 def targets() -> int:

@@ -1,4 +1,5 @@
-"""Shared by tests/test_microbatch.py and its 2-rank gloo workers: a tiny causal LM and its data.
+"""A tiny causal LM and its data: tests/test_microbatch.py and its 2-rank gloo workers, and every test file
+that needs a tiny model (:func:`tiny_lm`, :func:`tiny_config`).
 
 Importable by spawned processes (torch.multiprocessing pickles ``ddp_worker`` by reference,
 and the children inherit ``sys.path``).

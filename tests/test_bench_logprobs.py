@@ -1,4 +1,4 @@
-"""Tests of batchfit.logprobs.bench and the ``batchfit bench logprobs`` command (tiny grids)."""
+"""Tests of batchfit.train.logprobs_bench and the ``batchfit bench logprobs`` command (tiny grids)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from batchfit.cli import main
 from batchfit.cli.bench import render_logprobs
 from batchfit.errors import InvalidArgument
-from batchfit.logprobs import bench
-from batchfit.logprobs.bench import run_logprobs_bench
+from batchfit.train import logprobs_bench as bench
+from batchfit.train.logprobs_bench import run_logprobs_bench
 
 TINY = {"vocabs": [512], "seqs": [64], "chunk_sizes": [None, 16], "hidden": 16}
 

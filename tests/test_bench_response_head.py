@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from script_helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "response_head.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("response_head", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["response_head"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "response_head", register=True)  # dataclasses look their module up there
 
 
 def test_quick_cpu_table_shows_every_head_and_the_response_only_head_peaks_lower(capsys):

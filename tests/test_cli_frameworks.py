@@ -15,6 +15,7 @@ from batchfit.memory import format_bytes
 from batchfit.models import preset_info
 from batchfit.parallel.behaviour import ROOT_RESHARD, Behaviour, TorchBehaviours
 from batchfit.parallel.sharding import Sharding
+from script_helpers import flag_words
 
 FAST = ["--backend", "estimate", "--memory", "64MiB", "--reserve", "0", "--no-progress"]
 
@@ -262,13 +263,6 @@ def _openrlhf_command(tmp_path, model_dir, *extra):
     return path
 
 
-def _flags(text: str) -> list[str]:
-    import shlex
-
-    lines = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
-    return shlex.split(lines.replace("\\\n", " "))
-
-
 @pytest.mark.slow
 def test_profile_emits_openrlhf_flags_that_its_parser_takes_and_the_command_plans(
     tmp_path, model_dir, capsys
@@ -285,7 +279,7 @@ def test_profile_emits_openrlhf_flags_that_its_parser_takes_and_the_command_plan
     assert "# colocated models' state taken off each budget: policy" in out  # --train.colocate_actor_ref
     assert "# note: DeepSpeed ZeRO-3 (--ds.zero_stage 3) is profiled as FSDP2" in out
     assert "# the budgets count packed rows, as OpenRLHF runs them" in out  # dynamic batches pack samples
-    flags = _flags(out)
+    flags = flag_words(out)
     args = flag_spec("openrlhf").parser().parse_args(flags)  # OpenRLHF 0.11.2's parser, from the shipped data
     train, rollout = getattr(args, "train.max_tokens_per_gpu"), getattr(args, "rollout.max_tokens_per_gpu")
     assert getattr(args, "train.dynamic_batch_enable") and 0 < train < rollout  # a no_grad pass fits more
@@ -335,7 +329,7 @@ def test_profile_emits_slime_flags_with_sharding_given(tmp_path, model_dir, caps
         "fsdp2 over 2 ranks" in out
         and "note: slime trains with Megatron-LM, which batchfit does not profile" in out
     )
-    words = _flags(out)
+    words = flag_words(out)
     assert words[:2] == ["--use-dynamic-batch-size", "--max-tokens-per-gpu"] and int(words[2]) > 0
     assert (
         "# --max-tokens-per-gpu: every pass (slime runs log-probs and values over the training micro-batches)"

@@ -24,6 +24,7 @@ from batchfit.cli import main
 from batchfit.errors import BatchfitError, InvalidArgument
 from batchfit.frameworks import read_run_config
 from batchfit.frameworks.emit import EmitError, Key, emit_keys, render_flags, render_overrides, render_yaml
+from script_helpers import flag_words
 
 FAST = ["--backend", "estimate", "--memory", "64MiB", "--reserve", "0", "--no-progress", "--max-seq-len", "32"]
 FLAG_TARGETS = ("openrlhf", "slime")
@@ -213,8 +214,7 @@ def recorder(monkeypatch):
 def _emitted(text: str, target: str):
     """The emitted keys: the YAML mapping (verl, SkyRL) or the flags (OpenRLHF, slime)."""
     if target in FLAG_TARGETS:
-        lines = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
-        return shlex.split(lines.replace("\\\n", " "))
+        return flag_words(text)
     return yaml.safe_load(text)
 
 

@@ -31,6 +31,7 @@ from batchfit import BatchConfigError
 from batchfit.cli import main
 from batchfit.frameworks import read_run_config
 from batchfit.models import preset_info
+from script_helpers import flag_words
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = Path(os.environ.get("BATCHFIT_WHEELS", "/tmp/wheels"))
@@ -154,7 +155,7 @@ def _verl_file(verl_files, name, model_dir, tmp_path, *, required=True) -> tuple
 
 def _emitted_tokens(out: str) -> dict[str, int]:
     """``--flag N`` lines of a launch-command emit, the token flags only."""
-    words = shlex.split("\n".join(line for line in out.splitlines() if not line.startswith("#")).replace("\\\n", " "))
+    words = flag_words(out)
     return {w: int(words[i + 1]) for i, w in enumerate(words[:-1]) if w.endswith("max_tokens_per_gpu") or w == "--max-tokens-per-gpu"}
 
 

@@ -24,8 +24,9 @@ from batchfit.models import build_causal_lm
 from batchfit.parallel import Sharding, simulated_world
 from batchfit.parallel.fsdp1 import is_fsdp1
 from batchfit.parallel.shard import decoder_layers, shard_model, unwrap
+from isolation_helpers import ABORTS, OutOfMemoryAt, aborted_probe, held
+from isolation_helpers import figures as _figures  # the name the assertions use
 from multirank import run_ranks
-from test_isolation import _OutOfMemoryAt
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -419,7 +420,6 @@ def test_a_frozen_root_is_freed_at_the_end_of_backward_under_the_estimate_as_on_
 # --------------------------------------------------------------------------- NOTE [ Probes are isolated ]
 
 BATCH, SEQ, VOCAB = 2, 64, 1024
-ABORTS = ["limit", "oom-in-forward", "oom-in-backward"]
 OPTIONS = [
     pytest.param({}, {}, id="full-shard"),
     pytest.param({"reshard_after_forward": False}, {}, id="shard-grad-op"),
@@ -472,18 +472,7 @@ def _fresh(backend: Any, sharding: dict, build: dict):
 
 
 def _aborted(backend: Any, model, optimizer, abort: str, fresh_peak: int):
-    step = _train(model, optimizer, backend)
-    if abort == "limit":
-        with backend.stopping_above(int(0.8 * fresh_peak)):
-            return backend.measure(step, register=(model, optimizer))
-    with _OutOfMemoryAt(model, abort) as oom:
-        m = backend.measure(step, register=(model, optimizer))
-    assert oom.fired
-    return m
-
-
-def _figures(m) -> tuple[int, dict[str, int], int]:
-    return m.peak_bytes, dict(m.breakdown), m.host_bytes
+    return aborted_probe(backend, _train(model, optimizer, backend), model, optimizer, abort, fresh_peak)
 
 
 def _tree_is_fresh(model: torch.nn.Module) -> None:
@@ -509,12 +498,6 @@ def _tree_is_fresh(model: torch.nn.Module) -> None:
         assert flat.grad is not None and flat.grad.shape == flat.shape  # the resident sharded gradient
 
 
-def _held(model, optimizer) -> tuple[list, dict]:
-    grads = [p.grad for p in model.parameters()]
-    state = {id(p): dict(s) for p, s in optimizer.state.items()}
-    return grads, state
-
-
 def _holds_the_same(model, optimizer, before: tuple[list, dict]) -> None:
     grads, state = before
     # FSDP1 sets a gradient aside as grad.data (a new tensor on the same storage): the same allocation
@@ -537,7 +520,7 @@ def test_a_probe_after_an_aborted_probe_equals_a_probe_on_a_fresh_model(backend_
         model, optimizer = _fresh(backend, sharding, build)
         step = _train(model, optimizer, backend)
         fresh = backend.measure(step, register=(model, optimizer))
-        before = _held(model, optimizer)
+        before = held(model, optimizer)
         aborted = _aborted(backend, model, optimizer, abort, fresh.peak_bytes)
         assert (aborted.fits, aborted.exceeded) == (False, True)
         _tree_is_fresh(model)
@@ -611,7 +594,7 @@ def test_no_sync_accumulation_from_before_the_probe_is_kept():
             unsharded = [flat.grad for flat in flats]
             assert all(g.numel() > s.numel() for g, s in zip(unsharded, set_aside, strict=True))
             first = backend.measure(forward_backward, register=(model, optimizer))
-            with _OutOfMemoryAt(model, "oom-in-backward"):
+            with OutOfMemoryAt(model, "oom-in-backward"):
                 assert backend.measure(forward_backward, register=(model, optimizer)).exceeded
             assert all(flat._saved_grad_shard is s for flat, s in zip(flats, set_aside, strict=True))
             assert all(flat.grad is g for flat, g in zip(flats, unsharded, strict=True))

@@ -14,6 +14,7 @@ import torch
 
 from batchfit.budget.probe import Probe
 from multirank import run_ranks
+from sharded_helpers import fully_shard_layers
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -154,19 +155,13 @@ def _user_llama_config():
 
 def _profile_a_users_sharded_model(rank: int, combinations: list[tuple[str, str]]) -> dict[str, dict[str, int]]:
     """Each rank: the user's own FSDP2 model (fully_shard per layer, then the root), profiled with profile_model."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
     from batchfit.budget import profile_model
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_user_llama_config())
-    mesh = init_device_mesh("cpu", (2,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fully_shard_layers(AutoModelForCausalLM.from_config(_user_llama_config()))
     out = {}
     for cost, head in combinations:
         profile = profile_model(model, forward_too=True, backend="cpu", logprobs=head, cost=cost, **_SEARCH)

@@ -178,13 +178,6 @@ def _package(module: str, path: Path) -> str:
     return module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
 
 
-# Imports of another package's private module that other changes of issue 29 remove (train/
-# reaches into logprobs._common). Strict: an import that is gone must be struck from this list.
-KNOWN_PRIVATE_IMPORTS = [
-    "batchfit.train.logprobs -> batchfit.logprobs._common",
-]
-
-
 def test_no_module_imports_a_private_module_of_another_package():
     # batchfit's own modules (torch's private modules, e.g. torch._subclasses, are the only home of
     # what the memory layer needs); imports under TYPE_CHECKING count too
@@ -195,7 +188,7 @@ def test_no_module_imports_a_private_module_of_another_package():
         for target in _imports(path, modules, type_checking=True)
         if _is_private(target) and target.rsplit(".", 1)[0] != _package(name, path)
     )
-    assert offenders == KNOWN_PRIVATE_IMPORTS
+    assert offenders == []
 
 
 def test_a_private_module_is_one_named_with_an_underscore():
@@ -203,3 +196,50 @@ def test_a_private_module_is_one_named_with_an_underscore():
     assert not _is_private("batchfit.logprobs.chunked")
     assert _package("batchfit.logprobs", SRC / "batchfit" / "logprobs" / "__init__.py") == "batchfit.logprobs"
     assert _package("batchfit.train.step", SRC / "batchfit" / "train" / "step.py") == "batchfit.train"
+
+
+# The README's "Layout": the core (CORE above) holds no device code and talks to no other rank, so
+# every rank computes the same plan alone; it measures nothing either (measuring lives above it).
+_NOT_IN_THE_CORE = ("torch.cuda", "torch.distributed", "batchfit.memory", "batchfit.parallel")
+
+
+def _reaches(name: str) -> str | None:
+    return next((banned for banned in _NOT_IN_THE_CORE if name == banned or name.startswith(f"{banned}.")), None)
+
+
+def _device_and_rank_code(path: Path) -> list[str]:
+    """Each import of, or attribute path into, ``_NOT_IN_THE_CORE`` in ``path`` (function bodies included)."""
+    found: set[tuple[int, str]] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            names = [f"{node.value.id}.{node.attr}"]  # torch.cuda.synchronize(), torch.distributed.get_rank()
+        found.update((node.lineno, hit) for hit in map(_reaches, names) if hit)
+    return [f"line {line}: {hit}" for line, hit in sorted(found)]
+
+
+def test_the_core_has_no_device_rank_or_measuring_code():
+    offenders = {
+        name: hits
+        for name, path in sorted(_module_names().items())
+        if name not in _ENTRY_POINTS and name.split(".")[1] in CORE and (hits := _device_and_rank_code(path))
+    }
+    assert offenders == {}
+
+
+def test_the_core_check_finds_device_code(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        "import torch\nfrom torch import distributed\nfrom batchfit.memory.sizes import MiB\n"
+        "def f():\n    from batchfit import parallel\n    torch.cuda.synchronize()\n"
+    )
+    assert _device_and_rank_code(module) == [
+        "line 2: torch.distributed",
+        "line 3: batchfit.memory",
+        "line 5: batchfit.parallel",
+        "line 6: torch.cuda",
+    ]

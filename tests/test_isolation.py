@@ -22,7 +22,8 @@ from batchfit.memory import CpuBackend, CudaBackend, get_backend
 from batchfit.memory.isolation import isolate
 from batchfit.models import build_causal_lm
 from batchfit.parallel import Sharding, simulated_world
-from batchfit.parallel.shard import unwrap
+from isolation_helpers import ABORTS, OutOfMemoryAt, aborted_probe, held
+from isolation_helpers import figures as _figures  # the name the assertions use
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -42,7 +43,6 @@ OPTIONS = [
         {"reshard_after_forward": False}, {"gradient_checkpointing": True}, id="no-reshard-checkpointing"
     ),
 ]
-ABORTS = ["limit", "oom-in-forward", "oom-in-backward"]
 
 
 # --------------------------------------------------------------------------- steps of our own
@@ -95,50 +95,8 @@ def _fresh(backend: Any, sharding: dict, build: dict):
     return model, optimizer
 
 
-class _OutOfMemoryAt:
-    """Raise the device's out-of-memory error once, in the forward of layer 1 or the backward of layer 0.
-
-    ``model`` may be wrapped (FSDP1, DDP, PEFT): test_fsdp1 uses this too.
-    """
-
-    def __init__(self, model: torch.nn.Module, where: str):
-        self.fired = False
-        layers = unwrap(model).model.layers
-        if where == "oom-in-forward":
-            self.handle = layers[1].register_forward_hook(lambda m, args, out: self._raise())
-        else:
-            # the gradient of layer 0's output arrives once layer 1's backward has run
-            self.handle = layers[0].register_forward_hook(self._on_output)
-
-    def _on_output(self, module, args, out):
-        if torch.is_grad_enabled() and out.requires_grad and not self.fired:
-            out.register_hook(lambda grad: self._raise())
-
-    def _raise(self):
-        if not self.fired:
-            self.fired = True
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.handle.remove()
-
-
 def _aborted_probe(backend: Any, model, optimizer, abort: str, fresh_peak: int):
-    step = _train_step(model, optimizer, backend, CPU)
-    if abort == "limit":
-        with backend.stopping_above(int(0.8 * fresh_peak)):
-            return backend.measure(step, register=(model, optimizer))
-    with _OutOfMemoryAt(model, abort) as oom:
-        m = backend.measure(step, register=(model, optimizer))
-    assert oom.fired
-    return m
-
-
-def _figures(m) -> tuple[int, dict[str, int], int]:
-    return m.peak_bytes, dict(m.breakdown), m.host_bytes
+    return aborted_probe(backend, _train_step(model, optimizer, backend, CPU), model, optimizer, abort, fresh_peak)
 
 
 # --------------------------------------------------------------------------- what a fresh step starts from
@@ -170,13 +128,6 @@ def _fsdp_tree_is_fresh(model: torch.nn.Module) -> None:
     assert all(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
-def _held(model, optimizer) -> tuple[list, dict]:
-    """The gradient tensors and the optimizer's state tensors, by identity."""
-    grads = [p.grad for p in model.parameters()]
-    state = {id(p): {k: v for k, v in s.items()} for p, s in optimizer.state.items()}
-    return grads, state
-
-
 def _holds_the_same(model, optimizer, before: tuple[list, dict]) -> None:
     grads, state = before
     assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
@@ -198,7 +149,7 @@ def test_a_probe_after_an_aborted_probe_equals_a_probe_on_a_fresh_model(backend_
         model, optimizer = _fresh(backend, sharding, build)
         step = _train_step(model, optimizer, backend, backend.device)
         fresh = backend.measure(step, register=(model, optimizer))
-        before = _held(model, optimizer)
+        before = held(model, optimizer)
         aborted = _aborted_probe(backend, model, optimizer, abort, fresh.peak_bytes)
         assert (aborted.fits, aborted.exceeded) == (False, True)
         _fsdp_tree_is_fresh(model)
@@ -217,7 +168,7 @@ def test_a_probe_after_a_finished_forward_only_probe_equals_a_probe_on_a_fresh_m
         train = _train_step(model, optimizer, backend, backend.device)
         forward = _forward_step(model, backend, backend.device)
         fresh = backend.measure(train, register=(model, optimizer))
-        before = _held(model, optimizer)
+        before = held(model, optimizer)
         first = backend.measure(forward, register=(model, optimizer))
         assert first.fits
         # FSDP2 leaves the layers gathered after a no_grad forward without resharding: reset
@@ -288,7 +239,7 @@ def test_partial_gradients_of_an_aborted_backward_are_dropped():
         step = _train_step(model, optimizer, backend, backend.device)
         fresh = backend.measure(step, register=(model, optimizer))
         assert all(p.grad is None for p in model.parameters())  # the finished probe's are dropped too
-        with _OutOfMemoryAt(model, "oom-in-backward"):
+        with OutOfMemoryAt(model, "oom-in-backward"):
             assert backend.measure(step, register=(model, optimizer)).exceeded
         assert all(p.grad is None for p in model.parameters())
         _fsdp_tree_is_fresh(model)  # the unsharded gradients of layer 0 included
@@ -333,7 +284,7 @@ def test_gradient_accumulation_state_from_before_the_probe_is_kept():
         accumulated = [param.unsharded_accumulated_grad for param in params]
         assert len(accumulated) == 21 and all(a is not None for a in accumulated)
         first = backend.measure(forward_backward, register=(model, optimizer))
-        with _OutOfMemoryAt(model, "oom-in-backward"):
+        with OutOfMemoryAt(model, "oom-in-backward"):
             assert backend.measure(forward_backward, register=(model, optimizer)).exceeded
         assert all(p.unsharded_accumulated_grad is a for p, a in zip(params, accumulated, strict=True))
         assert _figures(backend.measure(forward_backward, register=(model, optimizer))) == _figures(first)
@@ -439,13 +390,13 @@ def test_on_cuda_a_probe_resets_fsdp2_keeps_the_state_and_releases_the_cache(
     with simulated_world(2):
         backend = CudaBackend()
         model, optimizer = _fresh(backend, sharding, build)
-        before = _held(model, optimizer)
+        before = held(model, optimizer)
         calls = fake_cuda.empty_cache_calls
         if probe == "forward-only":
             m = backend.measure(_forward_step(model, backend, CPU), register=(model, optimizer))
             assert (m.fits, model.training) == (True, True)
         else:
-            with _OutOfMemoryAt(model, probe):
+            with OutOfMemoryAt(model, probe):
                 m = backend.measure(_train_step(model, optimizer, backend, CPU), register=(model, optimizer))
             assert (m.fits, m.exceeded) == (False, True)
         assert resets == [model]  # the root, once, after the probe

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from batchfit import BatchError, BudgetError, InvalidArgument
 from batchfit.batches.microbatch import iter_micro_batches
-from batchfit.batches.weights import loss_weights
 from batchfit.models.attention import use_varlen_attention
 from batchfit.models.build import enable_activation_checkpointing
 from batchfit.plan.packing import plan_micro_batches, split_chunks
@@ -31,48 +30,17 @@ from batchfit.train import (
     micro_batch_outputs,
     model_logprobs,
     policy_loss,
-    response_columns,
     split_loss_backward,
     split_outputs,
 )
 from microbatch_helpers import tiny_config, tiny_lm
 from multirank import run_ranks
+from rollout_helpers import rollouts
+from sharded_helpers import data_parallel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CHUNK = 8
-
-
-def rollouts(model, prompts, responses, seed: int = 0) -> dict:
-    """Prompt (left-padded) | response (right-padded) rows, a loss mask with holes, old log-probs near the model's.
-
-    Old log-probs are the model's own plus noise, so the ratios sit around 1 and some clip:
-    the gradient is neither zero (the first response token's ratio is 1) nor unclipped everywhere.
-    """
-    g = torch.Generator().manual_seed(seed)
-    prompt, response = torch.tensor(prompts), torch.tensor(responses)
-    p, r = int(prompt.max()), int(response.max())
-    cols = torch.arange(p + r)
-    mask = ((cols >= p - prompt[:, None]) & (cols < p + response[:, None])).long()
-    in_response = mask[:, p:].float()
-    loss_mask = in_response * (torch.rand(in_response.shape, generator=g) < 0.75)
-    loss_mask[:, 0] = in_response[:, 0]
-    batch = {
-        "input_ids": torch.randint(1, 64, (len(prompts), p + r), generator=g) * mask,
-        "attention_mask": mask,
-    }
-    with torch.no_grad():
-        logp = response_columns(model_logprobs(model, batch), r)
-    batch.update(
-        loss_mask=loss_mask,
-        advantages=torch.randn(len(prompts), r, generator=g) * loss_mask,
-        # exact at each row's first response token (ratio 1: never clipped), noisy after it
-        old_log_probs=(logp + 0.2 * torch.randn(logp.shape, generator=g) * (torch.arange(r) > 0)) * loss_mask,
-        returns=torch.randn(len(prompts), r, generator=g) * loss_mask,
-        old_values=torch.randn(len(prompts), r, generator=g) * loss_mask,
-        weights=loss_weights(loss_mask, reduction="token_mean"),
-    )
-    return batch
 
 
 def gradients(model) -> dict[str, torch.Tensor]:
@@ -357,8 +325,6 @@ def test_a_row_with_holes_is_refused():
 
 def _ddp_split_rank(rank: int) -> float:
     """Rank ``rank`` of 2 under DDP, then FSDP2: a plan splitting one sequence on one rank gives the mini-batch's gradient."""
-    from torch.nn.parallel import DistributedDataParallel
-
     reference = tiny_lm()
     batch = rollouts(reference, [5, 2, 9, 3, 1, 2], [3, 4, 12, 1, 3, 2], seed=8)
     lengths = batch["attention_mask"].sum(-1)
@@ -366,7 +332,7 @@ def _ddp_split_rank(rank: int) -> float:
     for mb in iter_micro_batches(batch, whole_plan):
         micro_batch_loss(reference, mb).backward()
     whole = gradients(reference)
-    model = DistributedDataParallel(tiny_lm())
+    model = data_parallel(tiny_lm(), "ddp")
     plan = plan_micro_batches(lengths, CHUNK, oversize="split", dp_size=2)
     assert plan.split == ((2, 3),) and plan.num_micro_batches >= 2  # synced and unsynced micro-batches
     # the split micro-batch (the largest, planned first) runs last: the one whose backward all-reduces
@@ -385,15 +351,9 @@ def _ddp_split_rank(rank: int) -> float:
     split = {n.removeprefix("module."): g for n, g in gradients(model).items()}
     assert_same_gradients(split, whole)
     # FSDP2: the same passes on every rank (all-gathers in every forward, reduce-scatters in every backward)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    sharded = tiny_lm()
-    mesh = init_device_mesh("cpu", (2,))
-    for layer in sharded.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
+    sharded = data_parallel(tiny_lm(), "fsdp2")
     for mb in accumulate(sharded, micro, plan.num_micro_batches):
         micro_batch_backward(sharded, mb, plan=plan, scale=2)
     full = {

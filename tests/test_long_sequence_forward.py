@@ -10,7 +10,7 @@ from batchfit.models.attention import use_varlen_attention
 from batchfit.plan.packing import plan_micro_batches
 from batchfit.train import forward_logprobs, forward_values
 from microbatch_helpers import tiny_config, tiny_lm
-from test_long_sequence import rollouts
+from rollout_helpers import rollouts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import types
@@ -17,11 +16,11 @@ from batchfit.frameworks.emit import emit_keys, render_flags
 from batchfit.frameworks.flags import flag_spec
 from batchfit.frameworks.profile import role_options
 from batchfit.parallel.sharding import Sharding
+from script_helpers import flag_words, openrlhf_release_source
 
 WHEEL = Path(
     os.environ.get("BATCHFIT_OPENRLHF_WHEEL", "/tmp/wheels/openrlhf-0.11.2-cp311-cp311-manylinux1_x86_64.whl")
 )
-SCRIPT = Path(__file__).parents[1] / "scripts" / "extract_framework_flags.py"
 
 # A GRPO run on one node: 32 prompts × 8 samples, 4 optimizer steps of 64 samples, micro 4 on 8 GPUs.
 BASE = {
@@ -312,15 +311,10 @@ def _emitted(run, budgets, backend="estimate"):
     return render_flags(emit_keys(profile, "openrlhf", max_seq_len=run.max_seq_len, margin=0.85), ["header"])
 
 
-def _words(text: str) -> list[str]:
-    flags = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
-    return shlex.split(flags.replace("\\\n", " "))  # the shell joins continued lines
-
-
 def test_emitted_flags_are_accepted_by_openrlhfs_parser_and_plan_when_added(tmp_path):
     run = read_run_config(_script(tmp_path))
     text = _emitted(run, {"policy": 20_000, "policy_forward": 40_000, "reference": 50_000})
-    words = _words(text)
+    words = flag_words(text)
     args = flag_spec("openrlhf").parser().parse_args(words)  # the rebuilt parser (from the shipped data)
     assert getattr(args, "train.dynamic_batch_enable") is True and getattr(args, "ds.packing_samples") is True
     # training: the policy's budget; experience passes: the smaller of the forward budgets
@@ -342,26 +336,16 @@ def test_emitted_comments_say_measured_for_a_measured_budget(tmp_path):
     assert "measured budget 1,000 tokens per GPU" in text and "estimated" not in text
 
 
-def _real_parser():
-    if not WHEEL.is_file():
-        pytest.skip(f"the OpenRLHF wheel is not on this machine ({WHEEL}; set BATCHFIT_OPENRLHF_WHEEL)")
-    spec = importlib.util.spec_from_file_location("extract_framework_flags", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    text, where = module.read_source("openrlhf", WHEEL)
-    return module, text, where
-
-
 def test_emitted_flags_are_accepted_by_the_real_parser_of_the_release(tmp_path):
-    module, text, _ = _real_parser()
+    module, text, _ = openrlhf_release_source(WHEEL)
     parser = module.build_parser("openrlhf", text)  # train_ppo_ray.py's own parser, run from its source
     run = read_run_config(_script(tmp_path))
-    args = parser.parse_args(_words(_emitted(run, {"policy": 20_000, "policy_forward": 40_000})))
+    args = parser.parse_args(flag_words(_emitted(run, {"policy": 20_000, "policy_forward": 40_000})))
     assert getattr(args, "train.max_tokens_per_gpu") == 20_000 and getattr(args, "train.dynamic_batch_enable")
 
 
 def test_the_shipped_flags_are_the_releases(tmp_path):
-    module, text, where = _real_parser()
+    module, text, where = openrlhf_release_source(WHEEL)
     assert module.flag_data("openrlhf", text, where, "0.11.2")["flags"] == list(flag_spec("openrlhf").flags)
 
 

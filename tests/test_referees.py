@@ -30,6 +30,7 @@ from batchfit.memory import get_backend, labels
 from batchfit.memory.registration import OPTIMIZER_STEP
 from batchfit.models import build_causal_lm
 from multirank import run_ranks
+from sharded_helpers import fully_shard_layers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -238,7 +239,7 @@ def _fsdp2_rank(rank: int) -> dict[str, Any]:
     """On one gloo rank: batchfit's cpu backend and FSDPMemTracker watching the same step, per case."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -248,9 +249,7 @@ def _fsdp2_rank(rank: int) -> dict[str, Any]:
         torch.manual_seed(0)
         model = build_causal_lm("tiny", gradient_checkpointing=checkpointing)
         policy = {"mp_policy": bf16} if mixed_precision else {}
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, **policy)
-        fully_shard(model, mesh=mesh, **policy)
+        fully_shard_layers(model, mesh=mesh, **policy)
         state = prepared(model, shape=shape)  # also FSDP2's lazy initialisation
         seen: dict[str, Any] = {}
         m = get_backend("cpu").measure(

@@ -30,6 +30,8 @@ from batchfit.train import (
 )
 from microbatch_helpers import tiny_lm
 from multirank import run_ranks
+from rollout_helpers import prompt_response_rows
+from sharded_helpers import data_parallel, full_gradients
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,17 +39,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def rollouts(prompts, responses, seed: int = 0, holes: bool = True, vocab: int = 64) -> dict:
     """Prompt (left-padded) | response (right-padded) rows; a loss mask over the response, with holes (tool outputs)."""
     g = torch.Generator().manual_seed(seed)
-    prompt, response = torch.tensor(prompts), torch.tensor(responses)
-    p, r = int(prompt.max()), int(response.max())
-    cols = torch.arange(p + r)
-    mask = ((cols >= p - prompt[:, None]) & (cols < p + response[:, None])).long()
-    in_response = mask[:, p:].float()
-    loss_mask = in_response * (torch.rand(in_response.shape, generator=g) < 0.7) if holes else in_response
-    loss_mask[:, 0] = in_response[:, 0]  # at least one loss token per row
+    rows = prompt_response_rows(prompts, responses, g, keep=0.7 if holes else None, vocab=vocab)
+    loss_mask, r = rows["loss_mask"], rows["loss_mask"].shape[1]
     return {
-        "input_ids": torch.randint(1, vocab, (len(prompts), p + r), generator=g) * mask,
-        "attention_mask": mask,
-        "loss_mask": loss_mask,
+        **rows,
         "advantages": torch.randn(len(prompts), 1, generator=g) * loss_mask,
         "old_log_probs": -torch.rand(len(prompts), r, generator=g) * 4 * loss_mask,
         "weights": loss_weights(loss_mask, reduction="token_mean"),
@@ -208,21 +203,11 @@ def test_response_only_head_peaks_lower_at_four_to_one():
 def _rank(rank: int) -> dict:
     """Each rank: its micro-batches under DDP and FSDP2, full head then response-only; gradients and collectives."""
     torch.set_num_threads(1)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     batch = rollouts([5, 2, 7, 3, 6, 1], [4, 6, 1, 5, 2, 3], seed=7)
     plan = plan_micro_batches(batch["attention_mask"].sum(-1), 24, dp_size=2)
     out = {}
     for strategy in ("ddp", "fsdp2"):
-        model = tiny_lm()
-        if strategy == "ddp":
-            model = torch.nn.parallel.DistributedDataParallel(model)
-        else:
-            mesh = init_device_mesh("cpu", (2,))
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+        model = data_parallel(tiny_lm(), strategy)
         for only in (False, True):
             model.zero_grad(set_to_none=True)
             with CollectiveBytes() as counter:
@@ -230,11 +215,7 @@ def _rank(rank: int) -> dict:
                     logp = model_logprobs(model, mb, only_loss_tokens=only)
                     policy_loss(logp, mb.batch, scale=data_parallel_size(model)).backward()
                 calls = counter.take()[0]
-            grads = {}
-            for name, p in model.named_parameters():
-                grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                grads[name.removeprefix("module.")] = grad.numpy().copy()
-            out[strategy, only] = {"grads": grads, "calls": dict(calls)}
+            out[strategy, only] = {"grads": full_gradients(model), "calls": dict(calls)}
     return out
 
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import shlex
-import subprocess
 import types
 from pathlib import Path
 
@@ -18,10 +15,10 @@ from batchfit.frameworks.emit import emit_keys, render_flags
 from batchfit.frameworks.flags import flag_spec
 from batchfit.frameworks.profile import role_options
 from batchfit.parallel.sharding import Sharding
+from script_helpers import flag_words, slime_commit_source
 
 SOURCE = Path(os.environ.get("BATCHFIT_SLIME_SOURCE", "/work/.mirror/THUDM+slime/repo"))
 COMMIT = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
-SCRIPT = Path(__file__).parents[1] / "scripts" / "extract_framework_flags.py"
 
 # The layout of slime's own scripts/run-*.sh: flags grouped in bash arrays, a sourced model file.
 RUN = """#!/bin/bash
@@ -261,15 +258,10 @@ def _emitted(run, budgets, backend="estimate"):
     return render_flags(emit_keys(profile, "slime", max_seq_len=run.max_seq_len, margin=0.85), [])
 
 
-def _words(text: str) -> list[str]:
-    flags = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
-    return shlex.split(flags.replace("\\\n", " "))
-
-
 def test_emitted_flags_are_accepted_by_slimes_parser_and_plan_when_added(tmp_path):
     run = read_run_config(_script(tmp_path, perf=""))
     text = _emitted(run, {"policy": 12_000, "policy_forward": 30_000})
-    words = _words(text)
+    words = flag_words(text)
     # one token flag (the smallest budget), then what the budget assumes: the GPUs, full recompute
     megatron = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     assert words == [
@@ -290,31 +282,18 @@ def test_emitted_flags_are_accepted_by_slimes_parser_and_plan_when_added(tmp_pat
     assert read_run_config(merged).plan().config.max_tokens_per_micro_batch == 12_000
 
 
-def _real_parser():
-    if not (SOURCE / "HEAD").is_file() and not (SOURCE / "slime").is_dir():
-        pytest.skip(f"slime's source is not on this machine ({SOURCE}; set BATCHFIT_SLIME_SOURCE)")
-    spec = importlib.util.spec_from_file_location("extract_framework_flags", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    try:
-        text, where = module.read_source("slime", SOURCE, COMMIT)
-    except subprocess.CalledProcessError:
-        pytest.skip(f"commit {COMMIT[:8]} is not in {SOURCE}")
-    return module, text, where
-
-
 def test_emitted_flags_are_accepted_by_the_real_parser_of_that_commit(tmp_path):
-    module, text, _ = _real_parser()
+    module, text, _ = slime_commit_source(SOURCE, COMMIT)
     parser = module.build_parser("slime", text)  # slime's own add_slime_arguments, run from its source
     run = read_run_config(_script(tmp_path, perf=""))
-    words = _words(_emitted(run, {"policy": 12_000}))
+    words = flag_words(_emitted(run, {"policy": 12_000}))
     args, unknown = parser.parse_known_args(["--rollout-batch-size", "32", *words])
     assert args.max_tokens_per_gpu == 12_000 and args.use_dynamic_batch_size is True
     assert unknown == ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 
 def test_the_shipped_flags_are_that_commits():
-    module, text, where = _real_parser()
+    module, text, where = slime_commit_source(SOURCE, COMMIT)
     assert module.flag_data("slime", text, where, COMMIT[:12])["flags"] == list(flag_spec("slime").flags)
 
 

@@ -54,7 +54,7 @@ def test_the_plan_carries_the_split_chunk_to_the_passes():
 
     from batchfit.batches.microbatch import iter_micro_batches
     from microbatch_helpers import tiny_lm
-    from test_long_sequence import rollouts
+    from rollout_helpers import rollouts
 
     model = tiny_lm("llama")
     batch = rollouts(model, [3, 10, 2], [2, 30, 5], seed=3)  # row 1: 40 tokens

@@ -24,6 +24,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from batchfit.memory import MemoryTracker, get_backend, labels
 from multirank import scaled
+from sharded_helpers import fully_shard_layers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -392,18 +393,11 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, input_ids: t
 @pytest.fixture(scope="module")
 def fsdp2_on_two_simulated_ranks() -> Iterator[tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]]:
     """The tiny model, FSDP2 over 2 simulated ranks (real CPU tensors; unsharding resizes storages)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     from batchfit.models import build_causal_lm
 
     with _simulated_world(2):
         torch.manual_seed(0)
-        model = build_causal_lm("tiny")
-        mesh = init_device_mesh("cpu", (2,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = fully_shard_layers(build_causal_lm("tiny"))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         input_ids = torch.randint(0, 1024, (2, 32))
         _step(model, optimizer, input_ids)  # optimizer state, FSDP2's lazy init

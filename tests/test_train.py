@@ -26,6 +26,8 @@ from batchfit.train import (
 )
 from microbatch_helpers import tiny_lm
 from multirank import run_ranks
+from rollout_helpers import prompt_response_rows
+from sharded_helpers import data_parallel, full_gradients
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,11 +39,10 @@ def rollouts(n: int = 6, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(1, P + 1, (n,), generator=g)
     response = torch.randint(1, R + 1, (n,), generator=g)
-    cols = torch.arange(P + R)
-    mask = ((cols >= P - prompt[:, None]) & (cols < P + response[:, None])).long()
-    loss_mask = mask[:, P:].float()
+    rows = prompt_response_rows(prompt, response, g, widths=(P, R))
+    mask, loss_mask = rows["attention_mask"], rows["loss_mask"]
     return {
-        "input_ids": torch.randint(1, 64, (n, P + R), generator=g) * mask,
+        "input_ids": rows["input_ids"],
         "attention_mask": mask,
         "position_ids": (mask.cumsum(1) - 1).clamp(min=0) * mask,
         "loss_mask": loss_mask,
@@ -275,17 +276,7 @@ def test_peak_tracker_never_counts_host_tensors_or_views_of_them():
 def _rank(rank: int, strategy: str) -> dict:
     """Each rank: its share of a 2-rank plan, accumulated; collectives per micro-batch; all rows' forward log-probs."""
     torch.set_num_threads(1)
-    model = tiny_lm()
-    if strategy == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (2,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+    model = data_parallel(tiny_lm(), strategy)
     batch = rollouts(10)
     plan = plan_micro_batches(batch["attention_mask"].sum(-1), 2 * (P + R), dp_size=2)
     comm = []
@@ -293,10 +284,7 @@ def _rank(rank: int, strategy: str) -> dict:
         for mb in accumulate(model, iter_micro_batches(batch, plan, rank), plan.num_micro_batches):
             policy_loss(model_logprobs(model, mb.batch), mb.batch, scale=data_parallel_size(model)).backward()
             comm.append(counter.take()[1])
-    grads = {}
-    for name, p in model.named_parameters():
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        grads[name.removeprefix("module.")] = grad.numpy().copy()
+    grads = full_gradients(model)
     logp = forward_logprobs(model, batch, plan, rank)
     return {
         "grads": grads,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -10,16 +9,14 @@ import pytest
 from batchfit.errors import InvalidArgument
 from batchfit.memory import DEFAULT_SAFETY_MARGIN, get_backend, parse_memory, untracked_memory
 from batchfit.memory.untracked import CONTEXT_BYTES
+from script_helpers import load_script
 
 MiB = 2**20
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "skyrl_b200.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("skyrl_b200", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "skyrl_b200")
 
 
 @pytest.mark.parametrize(

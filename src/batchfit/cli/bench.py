@@ -1,6 +1,6 @@
 """``batchfit bench``: benchmarks; ``batchfit bench logprobs`` times and sizes the log-prob paths.
 
-The numbers come from :func:`batchfit.logprobs.bench.run_logprobs_bench`; this module only parses,
+The numbers come from :func:`batchfit.train.logprobs_bench.run_logprobs_bench`; this module only parses,
 shows progress on stderr (a spinner on a terminal, one line per step otherwise) and renders a
 rich table (or ``--json``).
 """
@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from batchfit.dtypes import DTYPES
-from batchfit.logprobs.bench import METHODS, STARTS, LogprobsBench, run_logprobs_bench
 from batchfit.memory import BACKEND_NAMES, backend_class, backend_name
 from batchfit.memory.sizes import MiB
+from batchfit.train.logprobs_bench import METHODS, STARTS, LogprobsBench, run_logprobs_bench
 
 # Default grids: what the CPU runs in about a minute, and what the estimate backend is for.
 DEFAULT_GRID = {

@@ -14,7 +14,7 @@ All outputs are fp32 of the labels' shape; log-probs and entropy may require gra
 (no in-place writes to saved tensors, SkyRL #1648). See ``docs/logprobs.md``.
 """
 
-from batchfit.logprobs._common import IGNORE_INDEX
+from batchfit.logprobs.chunks import IGNORE_INDEX
 from batchfit.logprobs.from_hidden import logprobs_from_hidden
 from batchfit.logprobs.from_logits import entropy_from_logits, logprobs_from_logits
 

@@ -25,7 +25,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from batchfit.errors import InvalidArgument
-from batchfit.logprobs._common import (
+from batchfit.logprobs.chunks import (
     IGNORE_INDEX,
     check_chunk_size,
     check_float_tensor,
@@ -291,7 +291,7 @@ def logprobs_from_hidden(
         positions: optional mask of the labels' shape (bool, int or float, e.g. a loss mask):
             only the tokens where it is non-zero run through the head; the others get 0 (log-prob
             and entropy) and no gradient (NOTE [ Only the positions the loss reads ] in
-            :mod:`batchfit.logprobs._common`). Memory and time then scale with the selected
+            :mod:`batchfit.logprobs.chunks`). Memory and time then scale with the selected
             tokens. Reads the mask (one device sync); not on fake tensors.
 
     Returns:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from batchfit.logprobs._common import (
+from batchfit.logprobs.chunks import (
     IGNORE_INDEX,
     check_chunk_size,
     check_float_tensor,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from batchfit.logprobs._common import IGNORE_INDEX
+from batchfit.logprobs.chunks import IGNORE_INDEX
 
 __all__ = ["kernel_logprobs"]
 

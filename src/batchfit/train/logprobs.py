@@ -79,7 +79,7 @@ from batchfit.batches.layout import packed_model_inputs
 from batchfit.batches.microbatch import MicroBatch
 from batchfit.errors import BatchError, InvalidArgument
 from batchfit.logprobs import IGNORE_INDEX, logprobs_from_hidden, logprobs_from_logits
-from batchfit.logprobs._common import (
+from batchfit.logprobs.chunks import (
     check_temperature,
     gather_tokens,
     is_fake,

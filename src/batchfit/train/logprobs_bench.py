@@ -16,9 +16,10 @@ tracked backends count exact bytes here (``round_to=1``), so ``estimate`` predic
 numbers to the byte. *Extra* memory is the peak minus the inputs and their gradients (which any
 method must hold), i.e. what the log-prob computation itself costs.
 
-This module measures through :mod:`batchfit.memory`, so it sits above the pure core although it
-lives next to what it measures: :mod:`batchfit.logprobs` does not import it. Nothing here
-prints; :mod:`batchfit.cli.bench` renders the result.
+This module measures through :mod:`batchfit.memory` (and synchronises a cuda device), so it sits
+in :mod:`batchfit.train`, above the memory layer, beside the heads that use what it measures; the
+pure core :mod:`batchfit.logprobs` holds no device code. Nothing here prints;
+:mod:`batchfit.cli.bench` renders the result.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from batchfit.dtypes import DTYPES
 from batchfit.errors import InvalidArgument
 from batchfit.logprobs import logprobs_from_hidden, logprobs_from_logits
-from batchfit.logprobs._common import check_temperature
+from batchfit.logprobs.chunks import check_temperature
 from batchfit.memory import Backend, EstimateBackend, backend_name, get_backend
 from batchfit.memory.cpu import host_available_bytes
 from batchfit.memory.sizes import MAX_BYTES

@@ -321,7 +321,17 @@ def chunk_backward(
 # alone, so it equals the full head's value there; the gradient of an unselected row is 0 (the
 # full head's too, when the loss reads only the selected ones). Memory and time of the head then
 # scale with ``K``, not with every token. The row index is read from the mask (one device sync),
-# so the mask must hold values: fake tensors (the estimate backend) have none.
+# so the mask must hold values: a fake tensor has them only where its fake mode kept them (the
+# estimate backend keeps those of integer and bool tensors made from host data).
+#
+# NOTE [ Asking a fake mask for its values ]
+# Whether a fake mask's values are known is the fake mode's business, not this package's: the
+# core imports no measuring code. So the index of a fake (or meta) mask is simply asked for, and
+# a mode without the values refuses ``nonzero``: torch's FakeTensorMode with
+# ``DynamicOutputShapeException``, the estimate backend's mode with ``UnknownValuesError``
+# (NOTE [ Integer tensors keep their values ] in ``batchfit.memory.shadow_values``), the meta
+# device with ``NotImplementedError``. All three are RuntimeErrors, caught only around that one
+# call on a fake mask and turned into the InvalidArgument that says what to do.
 
 
 def position_index(positions: Any, token_shape: tuple[int, ...]) -> torch.Tensor:
@@ -340,20 +350,17 @@ def position_index(positions: Any, token_shape: tuple[int, ...]) -> torch.Tensor
         raise InvalidArgument(
             f"positions must have the token shape {tuple(token_shape)} of the labels, but got positions.shape={tuple(positions.shape)}"
         )
-    if is_fake(positions) and not _values_kept(positions):
+    selected = positions.reshape(-1) != 0
+    if not is_fake(positions):
+        return selected.nonzero().reshape(-1)
+    try:  # NOTE [ Asking a fake mask for its values ]
+        return selected.nonzero().reshape(-1)
+    except RuntimeError as e:
         raise InvalidArgument(
             "positions must hold values (the head runs only where they are non-zero), but got a fake tensor "
             "whose values are not known; make the mask from host data (an integer or bool tensor, whose values "
             "the estimate backend keeps), or run the full head"
-        )
-    return (positions.reshape(-1) != 0).nonzero().reshape(-1)
-
-
-def _values_kept(tensor: torch.Tensor) -> bool:
-    """A fake integer/bool tensor whose values the estimate backend kept (NOTE [ Integer tensors keep their values ])."""
-    from batchfit.memory.shadow_values import shadow_of
-
-    return shadow_of(tensor) is not None
+        ) from e
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
