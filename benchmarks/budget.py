@@ -17,10 +17,10 @@ import argparse
 import time
 
 from batchfit.budget import find_token_budget
-from batchfit.budget.step import causal_lm_step
+from batchfit.budget.causal_lm_probe import causal_lm_step
 from batchfit.memory import format_bytes, get_backend
 from batchfit.models import build_causal_lm
-from batchfit.plan.search import largest_fitting
+from batchfit.plan.bracket import largest_fitting
 
 
 def make_step(model: str, backend: str, memory: str, dtype: str):

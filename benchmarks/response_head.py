@@ -4,7 +4,7 @@ Two tables, then the issue's bar check:
 
 1. **cpu backend, a small model** (default: 2 layers, hidden 256, vocabulary 32,768, fp32): for
    each total token count and prompt:response ratio, one packed micro-batch of ``--seqs``
-   sequences runs the budget's own probe step (:func:`batchfit.budget.step.causal_lm_step`,
+   sequences runs the budget's own probe step (:func:`batchfit.budget.causal_lm_probe.causal_lm_step`,
    no optimizer: :func:`batchfit.train.micro_batch_loss`, i.e. ``model_logprobs`` and the
    clipped policy loss, then ``backward()``) with the head ``full`` / ``chunked`` / ``fused``,
    with and without ``only_loss_tokens``. Memory is the cpu backend's live-storage
@@ -115,7 +115,7 @@ def measure_cpu(
     on_row: Callable[[CpuRow], None] = lambda row: None,
 ) -> list[CpuRow]:
     """Measure the probe step of a small model for every total × head × (every token, each ratio)."""
-    from batchfit.budget.step import causal_lm_step
+    from batchfit.budget.causal_lm_probe import causal_lm_step
     from batchfit.memory import get_backend
     from batchfit.models import build_causal_lm
 

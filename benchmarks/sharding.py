@@ -24,8 +24,8 @@ import subprocess
 import sys
 import time
 
+from batchfit.budget.causal_lm_probe import causal_lm_step
 from batchfit.budget.depth import DEFAULT_DEPTHS, DepthExtrapolatedStep
-from batchfit.budget.step import causal_lm_step
 from batchfit.memory import format_bytes, get_backend
 from batchfit.models import build_causal_lm
 from batchfit.parallel.distributed import simulated_world

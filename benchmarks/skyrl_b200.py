@@ -17,7 +17,7 @@ every row: does the largest repetition's peak fit under ``safety_margin × (183,
 reserve)``? The table's 131,072 × 128K rows ran out of memory on the B200 although their
 tensors peak at 156–158 GiB of its 179 GiB: what the caching allocator and the CUDA stack hold
 beyond the tensors is the difference (NOTE [ The margin's evidence ] in
-:mod:`batchfit.memory.untracked`).
+:mod:`batchfit.memory.cuda_untracked`).
 
     python benchmarks/skyrl_b200.py            # about a minute
     python benchmarks/skyrl_b200.py --quick    # the 32K rows and the OOM rows of chunk 32 and 1024
@@ -31,7 +31,7 @@ import statistics
 import torch
 
 from batchfit.memory import MemoryTracker, get_backend, parse_memory
-from batchfit.memory.untracked import DEFAULT_SAFETY_MARGIN, untracked_memory
+from batchfit.memory.cuda_untracked import DEFAULT_SAFETY_MARGIN, untracked_memory
 
 MiB = 2**20
 B200 = parse_memory("b200")

@@ -7,7 +7,7 @@ each role's budget and the one both can share, and uses it to size micro-batches
 """
 
 from batchfit.budget import TokenBudget, find_token_budget
-from batchfit.budget.step import causal_lm_step
+from batchfit.budget.causal_lm_probe import causal_lm_step
 from batchfit.memory import format_bytes, get_backend
 from batchfit.models import build_causal_lm
 

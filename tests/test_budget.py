@@ -404,7 +404,7 @@ def test_two_ranks_agree_on_a_smaller_budget_when_one_rank_runs_out():
 def test_a_batch_size_probed_twice_counts_once_in_the_per_sequence_cost():
     # a length's whole-sequence probes may repeat a batch size (a predicted probe, then the run):
     # the secant must use two distinct sizes, not divide by zero
-    from batchfit.budget.find import _per_sequence
+    from batchfit.budget.budget_search import _per_sequence
     from batchfit.budget.probe import Probe
 
     def probe(size: int, peak: int) -> Probe:
@@ -444,7 +444,7 @@ def test_one_call_gives_the_training_and_the_forward_only_budget_of_a_module():
 
 def test_an_fsdp2_module_gives_its_sharding_and_dtype_unless_told_otherwise():
     from batchfit.budget import ProfileOptions
-    from batchfit.budget.profile import module_settings
+    from batchfit.budget.model_profile import module_settings
     from batchfit.models import build_causal_lm
     from batchfit.parallel import Sharding, simulated_world
 

@@ -7,6 +7,7 @@ import types
 import pytest
 
 from batchfit import InvalidArgument
+from batchfit.budget.causal_lm_probe import causal_lm_step
 from batchfit.budget.depth import (
     DEFAULT_DEPTHS,
     DepthExtrapolatedStep,
@@ -14,7 +15,6 @@ from batchfit.budget.depth import (
     extrapolate,
     uniform_layers,
 )
-from batchfit.budget.step import causal_lm_step
 from batchfit.memory import MemoryMeasurement, get_backend
 from batchfit.models import build_causal_lm, load_config
 from batchfit.parallel.distributed import simulated_world

@@ -19,7 +19,7 @@ import zlib
 import pytest
 import yaml
 
-import batchfit.frameworks.profile as framework_profile
+import batchfit.frameworks.run_profile as framework_profile
 from batchfit.cli import main
 from batchfit.errors import BatchfitError, InvalidArgument
 from batchfit.frameworks import read_run_config

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
+from batchfit.budget.causal_lm_probe import TrainingStep
 from batchfit.budget.probe import GENERIC_REMEDIES
-from batchfit.budget.step import TrainingStep
 from batchfit.cli.profile import FLAGS, add_parser
 from batchfit.errors import KEYWORDS, DoesNotFitError, Phrase, Setting, Vocabulary
 from batchfit.parallel.sharding import Sharding

@@ -1,6 +1,6 @@
 """Other libraries' state is left as found: accelerate's hooks on the head, host ``out`` tensors, collectives' devices.
 
-NOTE [ The head's instance attributes are left as found ] (batchfit.train.logprobs) and
+NOTE [ The head's instance attributes are left as found ] (batchfit.train.model_outputs) and
 NOTE [ Collectives run on the group's device ] (batchfit.parallel.collective_device).
 accelerate is installed in the project's environment, so its real ``add_hook_to_module`` is used.
 """
@@ -73,7 +73,7 @@ def test_an_accelerate_hook_on_the_head_runs_during_model_logprobs_and_survives_
 
 
 def test_an_instance_forward_is_restored_and_none_is_left_behind_even_on_an_error():
-    from batchfit.train.logprobs import fused_output_head
+    from batchfit.train.model_outputs import fused_output_head
     from microbatch_helpers import tiny_lm
 
     model = tiny_lm("llama")

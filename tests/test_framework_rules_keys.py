@@ -429,7 +429,7 @@ def test_a_memory_key_set_to_its_default_warns_of_nothing():
 )
 def test_memory_keys_that_profile_models_from_the_run_config_warn_of_nothing(config):
     # LoRA (RunConfig.lora), padding removal (the probe's cost), fused kernels and entropy
-    # (batchfit.frameworks.step), dtypes, mixed precision and resharding (the sharding) are read
+    # (batchfit.frameworks.run_step), dtypes, mixed precision and resharding (the sharding) are read
     # into RunConfig and modelled from there
     assert read_run_config(config).warnings == ()
 

@@ -9,7 +9,7 @@ import yaml
 
 from batchfit.cli import main
 from batchfit.frameworks import read_run_config
-from batchfit.frameworks.step import framework_step
+from batchfit.frameworks.run_step import framework_step
 from batchfit.train.framework_heads import FrameworkHead
 
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from batchfit import InvalidArgument
-from batchfit.budget.step import causal_lm_step
+from batchfit.budget.causal_lm_probe import causal_lm_step
 from batchfit.memory import get_backend
-from batchfit.memory.registration import OPTIMIZER_STEP
+from batchfit.memory.categories import OPTIMIZER_STEP
 from batchfit.models import build_causal_lm
 from batchfit.parallel import Sharding, simulated_world
 from batchfit.parallel.fsdp1 import is_fsdp1

@@ -81,7 +81,7 @@ def test_a_rank_that_runs_out_after_the_last_collective_only_makes_that_candidat
 
 
 def test_a_real_rank_search_skips_only_what_its_probes_prove():
-    from batchfit.budget.find import _skipped_peak
+    from batchfit.budget.budget_search import _skipped_peak
 
     state = {"parameters": 40_000, "optimizer_state": 40_000}
     one = [Probe(1, 100, 100_000, fits=True, breakdown=state)]

@@ -195,7 +195,7 @@ def test_a_private_module_is_one_named_with_an_underscore():
     assert _is_private("batchfit.logprobs._common")
     assert not _is_private("batchfit.logprobs.chunked")
     assert _package("batchfit.logprobs", SRC / "batchfit" / "logprobs" / "__init__.py") == "batchfit.logprobs"
-    assert _package("batchfit.train.step", SRC / "batchfit" / "train" / "step.py") == "batchfit.train"
+    assert _package("batchfit.train.micro_batch_step", SRC / "batchfit" / "train" / "step.py") == "batchfit.train"
 
 
 # The README's "Layout": the core (CORE above) holds no device code and talks to no other rank, so

@@ -17,7 +17,7 @@ import torch
 
 from batchfit import InvalidArgument
 from batchfit.budget import ProfileOptions, profile_model
-from batchfit.budget.step import causal_lm_step
+from batchfit.budget.causal_lm_probe import causal_lm_step
 from batchfit.cli import main
 from batchfit.memory import get_backend
 from batchfit.models import build_causal_lm, load_config
@@ -505,7 +505,7 @@ def _verl_lora_config(tmp_path, **model) -> dict:
 def test_a_verl_config_with_lora_rank_gets_a_larger_policy_budget_and_no_reference_model(tmp_path):
     from batchfit.frameworks import read_run_config
     from batchfit.frameworks.lora_keys import read_lora
-    from batchfit.frameworks.profile import profile_run
+    from batchfit.frameworks.run_profile import profile_run
     from batchfit.frameworks.source import flatten
 
     options = ProfileOptions(

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfit import InvalidArgument
-from batchfit.budget.step import causal_lm_step
+from batchfit.budget.causal_lm_probe import causal_lm_step
 from batchfit.memory import (
     Backend,
     CpuBackend,
@@ -613,7 +613,7 @@ def test_dtensor_shards_are_counted_by_their_local_tensor():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from batchfit.memory.registration import plain_tensors
+    from batchfit.memory.categories import plain_tensors
     from batchfit.parallel.distributed import simulated_world
 
     with simulated_world(4):
@@ -652,7 +652,7 @@ def test_a_hundred_measurements_leave_no_finalizers_behind(host_memory):
 
 # pattern -> the one file (below src/batchfit) that may define it
 ONE_DEFINITION = {
-    r"""["']cpu["'],\s*["']estimate["']|["']estimate["'],\s*["']cuda["']""": "memory/registry.py",
+    r"""["']cpu["'],\s*["']estimate["']|["']estimate["'],\s*["']cuda["']""": "memory/backends.py",
     r"""^[A-Z_]+\s*=\s*["']h100-80gb["']""": "memory/estimate.py",
     r"""^COSTS\s*=""": "plan/packing.py",
     r"""["'](?:bfloat16|bf16|float16|fp16)["']:\s*torch\.""": "dtypes.py",

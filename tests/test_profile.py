@@ -1,4 +1,4 @@
-"""batchfit.budget.profile: per-rank budgets of sharded roles, and the world size that makes a sequence fit.
+"""batchfit.budget.model_profile: per-rank budgets of sharded roles, and the world size that makes a sequence fit.
 
 The model is the tiny Llama widened to a 16k vocabulary (4.6M parameters), so that its
 training state (sharded by FSDP2) matters next to the activations of short sequences.
@@ -11,7 +11,7 @@ import json
 import pytest
 
 from batchfit.budget import ProfileOptions
-from batchfit.budget.profile import profile_model
+from batchfit.budget.model_profile import profile_model
 from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.models import preset_info
 from batchfit.parallel.sharding import Sharding
@@ -151,12 +151,12 @@ def test_a_cpu_profile_confirms_the_estimate_with_two_real_steps_per_length(one_
     # (measured to fit) and the size above (measured not to), the answer of an unguided search;
     # a shorter one, one probe or none (NOTE [ A length that does not bind ])
     from batchfit.budget import find_token_budget
-    from batchfit.budget.step import causal_lm_step
+    from batchfit.budget.causal_lm_probe import causal_lm_step
     from batchfit.memory import get_backend
     from batchfit.models import build_causal_lm
 
     # NOTE [ Estimates guide real cpu searches ]: the tiny model's real probes are cheap; guide them all the same
-    monkeypatch.setattr("batchfit.budget.profile.ESTIMATE_HINTS_FROM_PARAMETERS", 0)
+    monkeypatch.setattr("batchfit.budget.model_profile.ESTIMATE_HINTS_FROM_PARAMETERS", 0)
     guided = profile_model("tiny", max_seq_len=128, backend="cpu", memory_limit="48MiB", dtype="fp32")
     budget = guided.budgets["policy"]
     assert budget.points[0].probes == 2 and all(p.probes <= 1 for p in budget.points[1:])

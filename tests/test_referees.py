@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from batchfit.memory import get_backend, labels
-from batchfit.memory.registration import OPTIMIZER_STEP
+from batchfit.memory.categories import OPTIMIZER_STEP
 from batchfit.models import build_causal_lm
 from multirank import run_ranks
 from sharded_helpers import fully_shard_layers

@@ -1,6 +1,6 @@
 """The response-only head: model_logprobs(only_loss_tokens=True) runs the output head only on the loss tokens.
 
-NOTE [ Response-only head ] in batchfit.train.logprobs. At the loss mask's columns the
+NOTE [ Response-only head ] in batchfit.train.model_outputs. At the loss mask's columns the
 log-probs, entropy and every parameter's gradient equal the full head's (tiny Llama/Qwen2,
 fp32, 1e-5), padded (prompt | response) and packed, bare, DDP and FSDP2 on 2 gloo ranks;
 elsewhere they are 0; the head's peak is lower at a 4:1 prompt:response ratio.

@@ -1,4 +1,4 @@
-"""batchfit.plan.search: the shared bracket search (pure, on probe functions), bounded and unbounded."""
+"""batchfit.plan.bracket: the shared bracket search (pure, on probe functions), bounded and unbounded."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfit.errors import InvalidArgument
-from batchfit.plan.search import (
+from batchfit.plan.bracket import (
     NO_CAP,
     Trial,
     blind_step,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from batchfit import InvalidArgument
-from batchfit.budget.step import causal_lm_step
+from batchfit.budget.causal_lm_probe import causal_lm_step
 from batchfit.memory import get_backend
 from batchfit.models import build_causal_lm
 from batchfit.parallel.distributed import simulated_world

@@ -13,7 +13,7 @@ from batchfit.errors import BatchConfigError
 from batchfit.frameworks import read_run_config
 from batchfit.frameworks.emit import emit_keys, render_flags
 from batchfit.frameworks.flags import flag_spec
-from batchfit.frameworks.profile import role_options
+from batchfit.frameworks.run_profile import role_options
 from batchfit.parallel.sharding import Sharding
 from script_helpers import flag_words, slime_commit_source
 

@@ -1,4 +1,4 @@
-"""batchfit.budget.step: the budget's probe is the trainer's own micro-batch step (NOTE [ One micro-batch step ])."""
+"""batchfit.budget.causal_lm_probe: the budget's probe is the trainer's own micro-batch step (NOTE [ One micro-batch step ])."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from batchfit import InvalidArgument
 from batchfit.batches import iter_micro_batches, loss_weights
 from batchfit.budget import ProfileOptions, profile_model
+from batchfit.budget.causal_lm_probe import causal_lm_step, synthetic_rollout
 from batchfit.budget.probe import candidate_lengths
-from batchfit.budget.step import causal_lm_step, synthetic_rollout
 from batchfit.memory import get_backend
 from batchfit.models import build_causal_lm, use_varlen_attention
 from batchfit.plan import plan_micro_batches
@@ -80,7 +80,7 @@ def test_a_step_leaves_no_hooks_on_the_model_after_it_ran_ran_out_or_raised(name
         seen.append(_module_hooks(model))  # inside the step: its hooks are there
         raise RuntimeError("a bug in the step")
 
-    monkeypatch.setattr("batchfit.budget.step.micro_batch_loss", failing)
+    monkeypatch.setattr("batchfit.budget.causal_lm_probe.micro_batch_loss", failing)
     with pytest.raises(RuntimeError, match="a bug in the step"):
         step([16, 16])
     assert seen[0] > before and _module_hooks(model) == before  # raised

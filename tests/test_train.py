@@ -91,7 +91,7 @@ def test_packed_micro_batches_give_the_padded_logprobs_at_the_same_tokens():
 
 
 def test_padded_rows_run_without_a_mask_and_head_chunks_stop_at_the_longest_sequence(monkeypatch):
-    import batchfit.train.logprobs as module
+    import batchfit.train.model_outputs as module
 
     chunks, calls = [], []
     fused = module.logprobs_from_hidden

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfit.budget import ProfileOptions, find_token_budget
+from batchfit.budget.causal_lm_probe import causal_lm_step, synthetic_rollout
 from batchfit.budget.probe import candidate_lengths, response_cap, response_tokens
-from batchfit.budget.step import causal_lm_step, synthetic_rollout
 from batchfit.errors import InvalidArgument
 from batchfit.memory import get_backend
 from batchfit.models import build_causal_lm

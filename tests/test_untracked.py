@@ -8,7 +8,7 @@ import pytest
 
 from batchfit.errors import InvalidArgument
 from batchfit.memory import DEFAULT_SAFETY_MARGIN, get_backend, parse_memory, untracked_memory
-from batchfit.memory.untracked import CONTEXT_BYTES
+from batchfit.memory.cuda_untracked import CONTEXT_BYTES
 from script_helpers import load_script
 
 MiB = 2**20

@@ -1,18 +1,18 @@
 """Find the largest batch size that fits a target fraction of device memory, for any model, on every rank.
 
-- :func:`find_batch_size` (:mod:`~batchfit.autobatch.find`): the search on a memory backend,
+- :func:`find_batch_size` (:mod:`~batchfit.autobatch.batch_search`): the search on a memory backend,
   in ``train`` or ``val`` mode, with verdicts agreed across torch.distributed ranks.
-- :func:`search_largest` (:mod:`~batchfit.autobatch.search`): the shared search
-  :func:`batchfit.plan.search.largest_fitting` on ``[low, high]`` with AutoBatch's memory-model
+- :func:`search_largest` (:mod:`~batchfit.autobatch.batch_guess`): the shared search
+  :func:`batchfit.plan.bracket.largest_fitting` on ``[low, high]`` with AutoBatch's memory-model
   guess :func:`model_guess` (bounded trials).
 - :class:`Task` (:mod:`~batchfit.autobatch.task`): model + ``make_batch`` + ``loss`` for the
   CLI, with built-in tasks in :mod:`~batchfit.autobatch.builtin_tasks`.
 - :func:`sweep` and :mod:`~batchfit.autobatch.report`: every fraction × mode, as report rows.
 """
 
-from batchfit.autobatch.find import BatchSizeResult, find_batch_size
+from batchfit.autobatch.batch_guess import SearchResult, Trial, max_trials, model_guess, search_largest
+from batchfit.autobatch.batch_search import BatchSizeResult, find_batch_size
 from batchfit.autobatch.report import REPORT_FIELDS, check_report_path, report_rows, write_report
-from batchfit.autobatch.search import SearchResult, Trial, max_trials, model_guess, search_largest
 from batchfit.autobatch.sweep import sweep
 from batchfit.autobatch.task import BUILTIN_TASKS, MODES, Task, TaskTrial, build_task, is_task, load_task
 

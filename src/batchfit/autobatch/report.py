@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from batchfit.autobatch.find import BatchSizeResult
+from batchfit.autobatch.batch_search import BatchSizeResult
 from batchfit.errors import InvalidArgument
 
 REPORT_FIELDS = (

@@ -5,8 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from batchfit.autobatch.find import BatchSizeResult, check_batch_bounds, find_batch_size, limited_backend
-from batchfit.autobatch.search import Trial
+from batchfit.autobatch.batch_guess import Trial
+from batchfit.autobatch.batch_search import (
+    BatchSizeResult,
+    check_batch_bounds,
+    find_batch_size,
+    limited_backend,
+)
 from batchfit.autobatch.task import DEFAULT_TASK, MODES, TaskTrial, build_task, load_task
 from batchfit.errors import InvalidArgument
 from batchfit.validation import check_choice, check_number, check_positive_int

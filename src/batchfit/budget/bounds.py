@@ -2,7 +2,7 @@
 
 Pure arithmetic on :class:`~batchfit.budget.probe.Probe` records (no tensors, no devices). The
 budget search on real ranks uses them to decide which candidates it may leave unmeasured
-(NOTE [ Skipped only when proven ] in :mod:`batchfit.budget.find`).
+(NOTE [ Skipped only when proven ] in :mod:`batchfit.budget.budget_search`).
 
 NOTE [ The shape of a step's peak ]
 Three facts about one micro-batch step, each following from how the step allocates:
@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from batchfit.budget.probe import Probe
-from batchfit.memory.registration import BUFFERS, OPTIMIZER_STATE, PARAMETERS
+from batchfit.memory.categories import BUFFERS, OPTIMIZER_STATE, PARAMETERS
 
 #: Breakdown categories live at every point of a step (fact 3): the registered state.
 STATE_CATEGORIES = (PARAMETERS, OPTIMIZER_STATE, BUFFERS)

@@ -1,8 +1,8 @@
 """Confirm an estimated budget on the real device: the real step, once, at each role's budget.
 
 ``batchfit profile --confirm`` calls this. The estimate finds each role's budget in seconds
-(:func:`~batchfit.budget.profile.profile_model` on the estimate backend, against the real
-device's memory and reserve); then the real step (:mod:`batchfit.budget.step`, full depth,
+(:func:`~batchfit.budget.model_profile.profile_model` on the estimate backend, against the real
+device's memory and reserve); then the real step (:mod:`batchfit.budget.causal_lm_probe`, full depth,
 real tensors) runs once at each role's binding point — the shape that sets ``C``, the peak
 the budget is closest to its limit at — on the real device (``cuda``, or ``cpu`` tensors
 under the live-storage tracker), and the report puts estimate and measurement side by side
@@ -60,9 +60,7 @@ from batchfit.budget.confirm_report import (
     ConfirmReport,
     RoleConfirmation,
 )
-from batchfit.budget.options import ProfileOptions
-from batchfit.budget.probe import candidate_lengths
-from batchfit.budget.profile import (
+from batchfit.budget.model_profile import (
     ModelProfile,
     RoleBuilder,
     check_host_memory,
@@ -74,9 +72,11 @@ from batchfit.budget.profile import (
     resolve_options,
     simulated_world_for,
 )
+from batchfit.budget.options import ProfileOptions
+from batchfit.budget.probe import candidate_lengths
 from batchfit.errors import InvalidArgument
 from batchfit.memory import DEFAULT_ROUND_TO, backend_class, backend_name, format_bytes, get_backend
-from batchfit.memory.registration import (
+from batchfit.memory.categories import (
     ACTIVATIONS,
     BUFFERS,
     COMMUNICATION,

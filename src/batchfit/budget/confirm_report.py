@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from batchfit.budget.options import ProfileOptions
-from batchfit.budget.profile import (
+from batchfit.budget.model_profile import (
     ModelProfile,
 )
+from batchfit.budget.options import ProfileOptions
 from batchfit.errors import DoesNotFitError
 from batchfit.memory import backend_class, format_bytes
 from batchfit.memory.calibration import Calibration, ConfirmedRun

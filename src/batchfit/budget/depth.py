@@ -66,7 +66,7 @@ class DepthExtrapolatedStep:
 
     Args:
         steps: ``{depth: step}`` for exactly two depths below ``depth``, each a
-            :class:`~batchfit.budget.probe.BudgetStep` (a :class:`~batchfit.budget.step.TrainingStep`).
+            :class:`~batchfit.budget.probe.BudgetStep` (a :class:`~batchfit.budget.causal_lm_probe.TrainingStep`).
         depth: the number of layers of the model predicted.
 
     Raises:

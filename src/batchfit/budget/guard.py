@@ -22,7 +22,7 @@ announced.** On real ranks (:func:`~batchfit.parallel.distributed.is_distributed
      the probes measured so far bound within it. A candidate is left unmeasured only when
      the measurements *prove* it: a lower bound above the device (any backend), or on cuda
      an upper bound above it (NOTE [ Skipped only when proven ] in
-     :mod:`batchfit.budget.find`). Never on a prediction of the fit: a larger probe's peak
+     :mod:`batchfit.budget.budget_search`). Never on a prediction of the fit: a larger probe's peak
      put on smaller candidates, or the whole peak scaled with the tokens, made real ranks
      find budgets 2.8× to 8.6× below one process's.
 2. When a step does stop on one rank anyway (a real out-of-memory error, a bug, an

@@ -160,7 +160,7 @@ def guess_max_batch(
 ) -> float | None:
     """Predict the largest batch size at ``seq_len`` whose peak stays within ``limit_bytes``.
 
-    The guess of the budget search (:func:`batchfit.plan.search.largest_fitting`), from
+    The guess of the budget search (:func:`batchfit.plan.bracket.largest_fitting`), from
     the probes that ran to completion so far, most local evidence first:
 
     1. two or more probes at ``seq_len``: the secant through the two largest batch sizes

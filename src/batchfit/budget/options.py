@@ -1,7 +1,7 @@
 """How a model is profiled: :class:`ProfileOptions`, one object from the command line to the search.
 
 The CLI builds one from its flags, :func:`batchfit.budget.profile_model` and
-:func:`batchfit.frameworks.profile.profile_run` take it (or its fields as keywords), and every
+:func:`batchfit.frameworks.run_profile.profile_run` take it (or its fields as keywords), and every
 role's search reads it: the same settings reach every pass of a run, and a setting cannot be
 dropped on the way.
 """
@@ -13,16 +13,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
-from batchfit.budget.find import check_max_seq_len
-from batchfit.budget.step import check_response_fraction
+from batchfit.budget.budget_search import check_max_seq_len
+from batchfit.budget.causal_lm_probe import check_response_fraction
 from batchfit.errors import KEYWORDS, InvalidArgument, Setting, Vocabulary
 from batchfit.memory import BACKEND_NAMES
-from batchfit.memory.untracked import DEFAULT_SAFETY_MARGIN
+from batchfit.memory.cuda_untracked import DEFAULT_SAFETY_MARGIN
 from batchfit.models.lora import LoraSpec, as_lora
 from batchfit.parallel.sharding import Sharding, as_sharding
 from batchfit.plan import COSTS
 from batchfit.train.framework_heads import FrameworkHead
-from batchfit.train.logprobs import check_head
+from batchfit.train.model_outputs import check_head
 from batchfit.validation import check_choice, check_number
 
 __all__ = ["ProfileOptions"]
@@ -63,7 +63,7 @@ class ProfileOptions:
             gradients or optimizer state), AdamW holds the adapters (NOTE [ LoRA as the
             frameworks build it ] in :mod:`batchfit.models.lora`). A ``reference`` is profiled
             without adapters. ``None``: not set (full fine-tuning, or a framework config's own
-            LoRA in :func:`~batchfit.frameworks.profile.profile_run`); rank 0: full fine-tuning.
+            LoRA in :func:`~batchfit.frameworks.run_profile.profile_run`); rank 0: full fine-tuning.
         response_only: the policy's and reference's head runs only on the loss tokens
             (:func:`batchfit.train.model_logprobs` with ``only_loss_tokens=True``); the budget
             gains a second cap, ``response_tokens`` (NOTE [ A budget in two dimensions ]).

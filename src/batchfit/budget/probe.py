@@ -1,7 +1,7 @@
 """What a budget search measures (:class:`BudgetStep`) and what it keeps of each measurement (:class:`Probe`).
 
 The search itself is :func:`batchfit.plan.largest_fitting`; a :class:`BudgetStep` measures one
-micro-batch of given sequence lengths (:class:`batchfit.budget.step.TrainingStep`, the
+micro-batch of given sequence lengths (:class:`batchfit.budget.causal_lm_probe.TrainingStep`, the
 trainer's own step, or :class:`batchfit.budget.depth.DepthExtrapolatedStep`); a :class:`Probe`
 is what the budget keeps of each measured candidate (the memory model needs the length and
 the tokens, the report shows every probe).
@@ -110,7 +110,7 @@ def response_cap(step: Any, lengths: Sequence[int]) -> int | None:
     """The response tokens of ``step``'s micro-batch of ``lengths`` when its head runs only on them, else ``None``.
 
     A step runs a response-only head when its ``only_loss_tokens`` is true (a
-    :class:`~batchfit.budget.step.TrainingStep`, or a depth-extrapolated one); its sequences
+    :class:`~batchfit.budget.causal_lm_probe.TrainingStep`, or a depth-extrapolated one); its sequences
     then hold :func:`response_tokens` ``(L, step.response_fraction)`` response tokens each.
     """
     if not getattr(step, "only_loss_tokens", False):
@@ -138,7 +138,7 @@ class Probe:
         tokens: the tokens of every sequence (``batch_size × seq_len`` when ``None``).
         predicted: not run: the probes measured before proved it does not fit, or (on a
             device that cannot run past its limit) that it might run out (real ranks only,
-            NOTE [ Skipped only when proven ] in :mod:`batchfit.budget.find`); ``peak_bytes``
+            NOTE [ Skipped only when proven ] in :mod:`batchfit.budget.budget_search`); ``peak_bytes``
             is the bound that decided it.
     """
 

@@ -12,7 +12,7 @@ a 20,480-token sequence in chunks of the 10,240-token budget peaked at 211 MiB a
 budget's 136 MiB limit. The budget's memory model, fit on micro-batches without a past, does
 not predict those terms (it under-predicted a 710-token chunk by 20 MiB), so
 :func:`split_chunk_tokens` measures: it runs the split step itself — the budget's own probe
-(:class:`~batchfit.budget.step.TrainingStep`) on a synthetic sequence of ``longest`` tokens,
+(:class:`~batchfit.budget.causal_lm_probe.TrainingStep`) on a synthetic sequence of ``longest`` tokens,
 through :func:`batchfit.train.micro_batch_backward`, then the optimizer step — and finds the
 largest chunk whose peak stays within the limit. The estimate backend runs the same code on
 fake tensors (equal to the cpu backend to the byte on the tiny preset).
@@ -20,7 +20,7 @@ fake tensors (equal to the cpu backend to the byte on the tiny preset).
 
 from __future__ import annotations
 
-from batchfit.budget.step import TrainingStep, on_device
+from batchfit.budget.causal_lm_probe import TrainingStep, on_device
 from batchfit.errors import BudgetError, InvalidArgument
 from batchfit.validation import check_positive_int
 
@@ -36,7 +36,7 @@ def split_peak(step: TrainingStep, longest: int, chunk_tokens: int) -> int:
 
     Raises:
         InvalidArgument: a step that is not a training step (forward-only or not a
-            :class:`~batchfit.budget.step.TrainingStep`), bad sizes.
+            :class:`~batchfit.budget.causal_lm_probe.TrainingStep`), bad sizes.
         BudgetError: the model cannot run in chunks exactly (:func:`batchfit.train.split_refusal`).
     """
     from batchfit.train.long_sequence import micro_batch_backward

@@ -18,7 +18,7 @@ class BudgetPoint:
 
     A padded search counts sequences: ``max_batch_size`` rows of ``seq_len`` fit and one row
     more does not. A packed search counts tokens (NOTE [ Packed budgets count tokens ] in
-    :mod:`batchfit.budget.find`): ``max_tokens`` tokens fit (sequences of ``seq_len`` and one
+    :mod:`batchfit.budget.budget_search`): ``max_tokens`` tokens fit (sequences of ``seq_len`` and one
     shorter remainder) and one token more does not. At a length shorter than one already
     searched, the budget found so far is measured once; when it fits there, that length
     cannot lower the budget and is not searched further (``largest`` is ``False``, NOTE [ A

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from batchfit.autobatch import BUILTIN_TASKS, MODES, check_report_path, report_rows, sweep, write_report
-from batchfit.autobatch.search import Trial
+from batchfit.autobatch.batch_guess import Trial
 from batchfit.autobatch.sweep import check_fractions, check_modes
 from batchfit.autobatch.task import DEFAULT_TASK
 from batchfit.errors import InvalidArgument, Vocabulary
@@ -239,7 +239,7 @@ def _run(args: argparse.Namespace, s: dict[str, Any]) -> int:
         elif progress:  # a log or a pipe: one flushed line per trial
             results = sweep(s["task"], progress=_progress_line(s["task"]), **kwargs)
         else:
-            results = sweep(s["task"], **kwargs)  # the verdicts are agreed across ranks (autobatch.find)
+            results = sweep(s["task"], **kwargs)  # the verdicts are agreed across ranks (autobatch.batch_search)
     if rank != 0:
         return 0
     rows = report_rows(results)

@@ -5,7 +5,7 @@ resolved against ``--config``), :mod:`batchfit.cli.profile_runs` (the run modes:
 ``--config``/``--emit``, ``--confirm``), :mod:`batchfit.cli.render_profile` (the tables),
 :mod:`batchfit.cli.probe_progress` (the progress bar or lines).
 
-It calls :func:`batchfit.budget.profile.profile_model`, renders a table per role,
+It calls :func:`batchfit.budget.model_profile.profile_model`, renders a table per role,
 the budget and the memory model (or ``--json``), a rich progress bar while probing, and
 ``--plot`` (matplotlib, imported only then). ``--confirm`` calls
 :func:`batchfit.budget.confirm.plan_confirm` and :func:`~batchfit.budget.confirm.run_confirm`
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from batchfit.budget.profile import ROLES
+from batchfit.budget.model_profile import ROLES
 from batchfit.cli.profile_request import (
     DEFAULT_CPU_MODEL,
     DEFAULT_ESTIMATE_WORLD_SIZE,

@@ -13,8 +13,8 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from batchfit.budget.model_profile import check_roles
 from batchfit.budget.options import ProfileOptions
-from batchfit.budget.profile import check_roles
 from batchfit.cli._ranks import launched_world
 from batchfit.errors import InvalidArgument, Vocabulary
 from batchfit.frameworks.options import ProfileChoices
@@ -422,7 +422,7 @@ def _read_config(args: argparse.Namespace) -> RunConfig | None:
 
 def _check_response_flags(args: argparse.Namespace) -> None:
     """``--response-fraction`` needs ``--response-only`` and a share in ``(0, 1]``."""
-    from batchfit.budget.step import check_response_fraction
+    from batchfit.budget.causal_lm_probe import check_response_fraction
 
     if args.response_fraction is None:
         return

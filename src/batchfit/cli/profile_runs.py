@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     """``batchfit profile``: the request from the flags, then its run mode; the exit code."""
     from rich.console import Console
 
-    from batchfit.budget.profile import profile_model
+    from batchfit.budget.model_profile import profile_model
 
     request = request_from_args(args)
     if request.confirm:
@@ -149,7 +149,7 @@ def _run_config(
     """``--config``: profile every pass of the run; render it, or emit the framework's keys."""
     from batchfit.frameworks.emit import FLAG_TARGETS, check_emit, emit_keys, provenance, render_keys
     from batchfit.frameworks.older_torch import older_torch_notes
-    from batchfit.frameworks.profile import profile_run
+    from batchfit.frameworks.run_profile import profile_run
     from batchfit.memory import format_bytes
 
     run = request.run

@@ -13,7 +13,7 @@ from batchfit.memory import format_bytes
 if TYPE_CHECKING:
     from batchfit.budget import MemoryModel, TokenBudget
     from batchfit.budget.confirm_report import ConfirmReport, RoleConfirmation
-    from batchfit.budget.profile import ModelProfile
+    from batchfit.budget.model_profile import ModelProfile
 
 
 def memory_model_text(model: MemoryModel | None) -> str:
@@ -42,7 +42,7 @@ def lora_text(profile: ModelProfile) -> str:
 
 def pass_title(role: str | None, detail: str = "") -> str:
     """A role and its pass, as ``--json`` names its budget: ``policy (update)``, ``policy_forward (old log-probs, 3×512)``."""
-    from batchfit.budget.profile import PASS_NAMES
+    from batchfit.budget.model_profile import PASS_NAMES
 
     words = [w for w in (PASS_NAMES.get(str(role), ""), detail) if w]
     return f"{role} ({', '.join(words)})" if words else str(role)

@@ -1,7 +1,7 @@
 """What a run's budgets assume, written as each framework's keys or flags, or refused in one line.
 
 :func:`setting_keys` takes the options every model role was profiled with
-(:func:`batchfit.frameworks.profile.role_options`, kept in :attr:`RunProfile.options`) and writes,
+(:func:`batchfit.frameworks.run_profile.role_options`, kept in :attr:`RunProfile.options`) and writes,
 for verl, SkyRL, OpenRLHF or slime, the key or flag that makes the framework run what was
 profiled; :func:`check_emit` refuses, before any probe, what a framework cannot express.
 :mod:`batchfit.frameworks.emit` adds these keys to the token budgets' keys.
@@ -106,7 +106,7 @@ def assumptions(by_role: Mapping[str, Any]) -> Assumptions:
 
     Args:
         by_role: model role → the :class:`~batchfit.budget.ProfileOptions` it was profiled with
-            (:func:`batchfit.frameworks.profile.role_options`); it must hold the policy.
+            (:func:`batchfit.frameworks.run_profile.role_options`); it must hold the policy.
 
     Raises:
         InvalidArgument: no policy among the roles.
@@ -114,7 +114,7 @@ def assumptions(by_role: Mapping[str, Any]) -> Assumptions:
     if "policy" not in by_role:
         raise InvalidArgument(
             f"the profile's options name no policy (roles {sorted(by_role)}): emit needs the options each model was "
-            "profiled with (batchfit.frameworks.profile.role_options, RunProfile.options)"
+            "profiled with (batchfit.frameworks.run_profile.role_options, RunProfile.options)"
         )
     policy = by_role["policy"]
     head = policy.logprobs
@@ -131,7 +131,7 @@ def assumptions(by_role: Mapping[str, Any]) -> Assumptions:
 
 
 def _dtype(options: Any) -> str:
-    from batchfit.budget.profile import default_dtype
+    from batchfit.budget.model_profile import default_dtype
 
     name = options.dtype if options.dtype is not None else default_dtype(options.sharding)
     return dtype_name(str(name)) or str(name)
@@ -153,7 +153,7 @@ def check_emit(run: RunConfig, options: Any, target: str) -> None:
         EmitError: the first setting the target cannot carry (NOTE [ Emitted keys carry every
             assumption ]).
     """
-    from batchfit.frameworks.profile import role_options
+    from batchfit.frameworks.run_profile import role_options
 
     setting_keys(run, role_options(run, options), target)
 

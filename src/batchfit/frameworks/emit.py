@@ -18,8 +18,8 @@ from typing import Any
 
 from batchfit.errors import InvalidArgument
 from batchfit.frameworks.assumptions import EmitError, Key, check_emit, setting_keys
-from batchfit.frameworks.profile import RunProfile
 from batchfit.frameworks.registry import framework_names, get_framework
+from batchfit.frameworks.run_profile import RunProfile
 from batchfit.memory import backend_class
 
 __all__ = [

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchfit.frameworks.profile import RunProfile
+from batchfit.frameworks.run_profile import RunProfile
 from batchfit.memory.sizes import format_bytes
 from batchfit.models import build_causal_lm
 from batchfit.parallel.behaviour import CHANGED_IN, ROOT_RESHARD

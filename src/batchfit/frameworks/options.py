@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from batchfit.budget.options import ProfileOptions
 from batchfit.errors import KEYWORDS, BatchConfigError, InvalidArgument, Phrase, Setting, Vocabulary
-from batchfit.frameworks.profile import with_run_fraction
 from batchfit.frameworks.registry import framework_of, get_framework
 from batchfit.frameworks.run import RunConfig
+from batchfit.frameworks.run_profile import with_run_fraction
 from batchfit.models.lora import LoraSpec
 from batchfit.parallel.sharding import STRATEGIES, Sharding
 from batchfit.train.framework_heads import FrameworkHead
@@ -105,7 +105,7 @@ class RunOptions:
     Attributes:
         run: the config as profiled: a warning added when the choices' ``max_seq_len`` is
             below its own, the reference dtype of an ``emit`` target that loads it otherwise.
-        options: the options to profile it with (:func:`batchfit.frameworks.profile.profile_run`).
+        options: the options to profile it with (:func:`batchfit.frameworks.run_profile.profile_run`).
         notes: how the profile models the framework's step, one sentence each, to show
             beside the result.
     """
@@ -128,7 +128,7 @@ def run_profile_options(
     From the config: ``max_seq_len``, ``world_size``, the sharding its training strategy
     means (:func:`sharding_strategy`), ``offload``, FSDP's mixed precision and resharding,
     gradient checkpointing, the framework step's head and cost
-    (:func:`~batchfit.frameworks.step.framework_step`). With ``emit`` (a target of
+    (:func:`~batchfit.frameworks.run_step.framework_step`). With ``emit`` (a target of
     :data:`batchfit.frameworks.emit.TARGETS`), the head and reference dtype of that
     framework when it is not the config's, and packed rows: every target counts a
     micro-batch's valid tokens.
@@ -149,7 +149,7 @@ def run_profile_options(
         BatchConfigError: with ``emit="skyrl"``, the batch plan its micro sizes come from breaks.
     """
     from batchfit.frameworks.emit import TARGETS, target_head, target_reference_dtype
-    from batchfit.frameworks.step import framework_step
+    from batchfit.frameworks.run_step import framework_step
 
     say = KEYWORDS if vocabulary is None else vocabulary
     if emit is not None:

@@ -145,7 +145,7 @@ class RunConfig:
         """The longest sequence's share of response tokens, ``max_response_len / max_seq_len``, or ``None``.
 
         What a response-only head's budget assumes of a micro-batch when no share is given
-        (NOTE [ A budget in two dimensions ] in :mod:`batchfit.budget.find`).
+        (NOTE [ A budget in two dimensions ] in :mod:`batchfit.budget.budget_search`).
         """
         if not self.max_seq_len or not self.max_response_len or self.max_response_len > self.max_seq_len:
             return None

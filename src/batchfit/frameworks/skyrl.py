@@ -62,7 +62,7 @@ LORA = T + "policy.model.lora."
 # ("prefix.*" stands for every key below an open section.) Modelled, so not listed: LoRA's rank,
 # alpha and targets (RunConfig.lora, critic_lora), trainer.remove_microbatch_padding and its
 # alias (remove_padding: the probe's cost), trainer.logprobs_chunk_size and
-# trainer.algorithm.use_entropy_loss (the entropy fields: batchfit.frameworks.step), the
+# trainer.algorithm.use_entropy_loss (the entropy fields: batchfit.frameworks.run_step), the
 # gradient checkpointing, cpu_offload, reshard_after_forward (a bool) and mixed_precision of the
 # policy, trainer.bf16 (the reference's dtype) (read into RunConfig; a critic's or reference's
 # key of these that differs from the policy's is a warning of its own, OTHERS_SAME).

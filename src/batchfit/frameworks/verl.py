@@ -67,7 +67,7 @@ KEY_NAMES = {
 # LoRA keys lora_rank, lora_alpha, target_modules (RunConfig.lora, critic_lora),
 # use_remove_padding (remove_padding: the probe's cost), use_fused_kernels and the entropy keys
 # calculate_entropy, entropy_coeff, entropy_from_logits_with_chunking, *_chunk_size,
-# entropy_checkpointing (the entropy fields: batchfit.frameworks.step), the actor's offload,
+# entropy_checkpointing (the entropy fields: batchfit.frameworks.run_step), the actor's offload,
 # reshard_after_forward, model_dtype and mixed_precision, gradient checkpointing (read into
 # RunConfig; a critic key of these that differs from the actor's is a warning of its own,
 # CRITIC_SAME), the reference's model_dtype.

@@ -18,16 +18,7 @@ Example:
     (False, True)
 """
 
-from batchfit.memory.base import Backend, is_out_of_memory
-from batchfit.memory.cpu import CpuBackend
-from batchfit.memory.cuda import CudaBackend
-from batchfit.memory.estimate import (
-    DEFAULT_ESTIMATE_TARGET,
-    DEFAULT_ROUND_TO,
-    EstimateBackend,
-)
-from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.memory.registry import (
+from batchfit.memory.backends import (
     BACKEND_NAMES,
     BACKENDS,
     backend_class,
@@ -35,9 +26,18 @@ from batchfit.memory.registry import (
     get_backend,
     measure_peak,
 )
+from batchfit.memory.base import Backend, is_out_of_memory
+from batchfit.memory.cpu import CpuBackend
+from batchfit.memory.cuda import CudaBackend
+from batchfit.memory.cuda_untracked import DEFAULT_SAFETY_MARGIN, UntrackedMemory, untracked_memory
+from batchfit.memory.estimate import (
+    DEFAULT_ESTIMATE_TARGET,
+    DEFAULT_ROUND_TO,
+    EstimateBackend,
+)
+from batchfit.memory.measurement import MemoryMeasurement
 from batchfit.memory.sizes import DEVICE_MEMORY, format_bytes, parse_memory
 from batchfit.memory.tracker import MemoryLimitExceeded, MemoryTracker
-from batchfit.memory.untracked import DEFAULT_SAFETY_MARGIN, UntrackedMemory, untracked_memory
 
 __all__ = [
     "BACKENDS",

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from batchfit.errors import InvalidArgument
+from batchfit.memory.categories import registered_tensors, trainable_parameters
+from batchfit.memory.cuda_untracked import UntrackedMemory
 from batchfit.memory.isolation import isolate
 from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.memory.registration import registered_tensors, trainable_parameters
 from batchfit.memory.sizes import parse_memory
-from batchfit.memory.untracked import UntrackedMemory
 from batchfit.validation import check_positive_int, is_int
 
 # Messages of allocation failures that surface as a plain RuntimeError: library workspaces on
@@ -151,7 +151,7 @@ class Backend(abc.ABC):
     host_memory: bool = False
     #: Whether the estimate backend predicts this backend's peaks to the byte (the cpu
     #: backend: the same tracker on real tensors), so that a slow real search can be guided by
-    #: a quick estimate (NOTE [ Estimates guide real cpu searches ] in :mod:`batchfit.budget.profile`).
+    #: a quick estimate (NOTE [ Estimates guide real cpu searches ] in :mod:`batchfit.budget.model_profile`).
     estimate_is_exact: bool = False
     #: Whether a sharded step of one rank runs in this process over a simulated group of one
     #: (cpu); cuda's collectives need real ranks (torchrun) even for one. A :attr:`simulated`
@@ -261,7 +261,7 @@ class Backend(abc.ABC):
                 Optimizer state must be created before the call: state a probe creates is
                 dropped after it.
             categories: the breakdown category for each registered object (see
-                :func:`batchfit.memory.registration.registered_tensors`).
+                :func:`batchfit.memory.categories.registered_tensors`).
             host_categories: categories that live in host memory (CPU offload): the
                 tracked backends report them in ``host_bytes`` and leave them out of the
                 device peak; cuda ignores them (it sees only the device).

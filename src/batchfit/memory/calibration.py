@@ -6,7 +6,7 @@ device's total, memory in use outside torch's allocator, the caching allocator's
 beyond what was allocated, and how the measured peak compares with the estimate, in all and per
 category. ``batchfit profile --calibration FILE`` reads it back and profiles with the reserve and
 safety margin it implies (:func:`calibrated_limits`, NOTE [ Calibrated reserve and margin ])
-instead of the defaults (the untracked terms of :mod:`batchfit.memory.untracked`, margin 0.85).
+instead of the defaults (the untracked terms of :mod:`batchfit.memory.cuda_untracked`, margin 0.85).
 
 The file is JSON; :func:`load_calibration` validates every field and names the file and the
 field of the first fault. Example::

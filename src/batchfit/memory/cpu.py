@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from batchfit.memory.heap import retain_freed_memory
-from batchfit.memory.tracked import TrackedBackend
+from batchfit.memory.tracked_backend import TrackedBackend
 
 
 def host_available_bytes() -> int | None:

@@ -11,8 +11,8 @@ import torch
 
 from batchfit.errors import InvalidArgument
 from batchfit.memory.base import Backend
+from batchfit.memory.categories import ACTIVATIONS, storage_bytes
 from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.memory.registration import ACTIVATIONS, storage_bytes
 
 
 class CudaBackend(Backend):

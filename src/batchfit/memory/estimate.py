@@ -7,11 +7,11 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from batchfit.memory.cuda_untracked import UntrackedMemory, untracked_memory
 from batchfit.memory.fake_fsdp1 import fsdp1_fake_patches
 from batchfit.memory.fake_patches import transformers_fake_patches
 from batchfit.memory.shadow_values import ShadowFakeTensorMode
-from batchfit.memory.tracked import TrackedBackend
-from batchfit.memory.untracked import UntrackedMemory, untracked_memory
+from batchfit.memory.tracked_backend import TrackedBackend
 
 #: Default storage rounding: the CUDA caching allocator hands out multiples of 512 bytes.
 DEFAULT_ROUND_TO = 512
@@ -44,7 +44,7 @@ class EstimateBackend(TrackedBackend):
 
     What it models of a CUDA device: ``round_to`` (default 512 B, the caching allocator's
     block) and ``reserve_bytes`` (subtracted from ``memory_limit``; by default what no
-    tracker sees on the named device, term by term: :func:`batchfit.memory.untracked.untracked_memory`).
+    tracker sees on the named device, term by term: :func:`batchfit.memory.cuda_untracked.untracked_memory`).
     Not modelled: fragmentation and kernels whose CUDA version allocates differently from
     the CPU one (e.g. flash/efficient SDPA keeps a log-sum-exp, the CPU math path differs)
     -- the budget search's safety margin covers these (NOTE [ The margin's evidence ]).

@@ -2,7 +2,7 @@
 
 Device presets give the total memory of one accelerator as reported by ``nvidia-smi``
 (MiB). What the CUDA context and driver keep is not subtracted here: the estimate backend's
-``reserve_bytes`` covers it (:func:`batchfit.memory.untracked.untracked_memory`).
+``reserve_bytes`` covers it (:func:`batchfit.memory.cuda_untracked.untracked_memory`).
 """
 
 from __future__ import annotations

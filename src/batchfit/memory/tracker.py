@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten
 
 from batchfit.memory import labels
-from batchfit.memory.registration import (
+from batchfit.memory.categories import (
     ACTIVATIONS,
     COMMUNICATION,
     GATHERED_PARAMETERS,

@@ -6,15 +6,15 @@
   on every rank; its packers are :mod:`~batchfit.plan.single_cap` (one cap),
   :mod:`~batchfit.plan.two_caps` (tokens and response tokens) and :mod:`~batchfit.plan.dealing`
   (over data-parallel ranks).
-- :mod:`~batchfit.plan.search`: :func:`largest_fitting`, the bracket search over a probe
+- :mod:`~batchfit.plan.bracket`: :func:`largest_fitting`, the bracket search over a probe
   (``probe(candidate) -> fits``) that the token budget and AutoBatch share.
 
 Every rank computes the same plan from the same inputs without talking to the others.
 """
 
+from batchfit.plan.bracket import SearchResult, Trial, largest_fitting
 from batchfit.plan.config import BatchConfig, BatchPlan, RolePlan
 from batchfit.plan.packing import COSTS, MicroBatchPlan, plan_micro_batches
-from batchfit.plan.search import SearchResult, Trial, largest_fitting
 
 __all__ = [
     "COSTS",

@@ -42,12 +42,18 @@ from batchfit.train.accumulate import (
 )
 from batchfit.train.advantages import ESTIMATORS, group_advantages, group_ids
 from batchfit.train.forward import forward_logprobs, forward_values
-from batchfit.train.logprobs import HEADS, fused_output_head, model_logprobs, model_values, next_token_labels
 from batchfit.train.long_sequence import micro_batch_backward, split_loss_backward, split_outputs
 from batchfit.train.loss import policy_loss, response_columns, value_loss
 from batchfit.train.measure import CollectiveBytes, PeakTracker
+from batchfit.train.micro_batch_step import micro_batch_loss, micro_batch_outputs
+from batchfit.train.model_outputs import (
+    HEADS,
+    fused_output_head,
+    model_logprobs,
+    model_values,
+    next_token_labels,
+)
 from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state
-from batchfit.train.step import micro_batch_loss, micro_batch_outputs
 
 __all__ = [
     "ESTIMATORS",

@@ -3,7 +3,7 @@
 The old-policy (and reference) log-probs of every sequence are needed before the
 optimizer steps of a training step. :func:`forward_logprobs` runs them under
 ``torch.no_grad()`` along a plan made with the forward-only budget (the ``reference``
-role of :func:`batchfit.budget.profile.profile_model`, several times the training
+role of :func:`batchfit.budget.model_profile.profile_model`, several times the training
 budget), each rank its share, and sums the ranks' results so that every rank holds the
 log-probs of every row.
 """
@@ -20,9 +20,9 @@ from batchfit.errors import InvalidArgument
 from batchfit.parallel.collective_device import all_reduce_
 from batchfit.parallel.distributed import is_distributed
 from batchfit.plan.packing import MicroBatchPlan
-from batchfit.train.logprobs import span_starts
 from batchfit.train.long_sequence import split_outputs, split_refusal
-from batchfit.train.step import micro_batch_outputs
+from batchfit.train.micro_batch_step import micro_batch_outputs
+from batchfit.train.model_outputs import span_starts
 
 __all__ = ["forward_logprobs", "forward_values"]
 

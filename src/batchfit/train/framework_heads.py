@@ -40,7 +40,7 @@ as one :class:`_HeadKind` (its defaults and what it does differently, no branch 
 and the lookup by name (:func:`as_framework_head`); a framework's module in
 :mod:`batchfit.frameworks` declares the head it runs by that name
 (:attr:`FrameworkSpec.head <batchfit.frameworks.registry.FrameworkSpec.head>`), and
-:mod:`batchfit.frameworks.step` fills in the fields its config sets. A new framework with a
+:mod:`batchfit.frameworks.run_step` fills in the fields its config sets. A new framework with a
 head of its own adds one entry to :data:`_KINDS`.
 """
 

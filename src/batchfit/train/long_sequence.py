@@ -85,8 +85,8 @@ import torch
 from batchfit.batches.microbatch import MicroBatch
 from batchfit.errors import BatchError, BudgetError
 from batchfit.plan.packing import MicroBatchPlan, split_chunks
-from batchfit.train.logprobs import _fields
-from batchfit.train.step import micro_batch_loss
+from batchfit.train.micro_batch_step import micro_batch_loss
+from batchfit.train.model_outputs import _fields
 from batchfit.validation import check_int
 
 __all__ = ["micro_batch_backward", "split_loss_backward", "split_outputs", "split_refusal"]
@@ -405,7 +405,7 @@ def split_outputs(
     """
     from transformers.cache_utils import DynamicCache
 
-    from batchfit.train.step import micro_batch_outputs
+    from batchfit.train.micro_batch_step import micro_batch_outputs
 
     chunk_tokens = check_int("chunk_tokens", chunk_tokens, minimum=1)
     if _own_chunks(batch, chunk_tokens, over) == 1:

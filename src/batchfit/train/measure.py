@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchfit.memory import MemoryTracker
-from batchfit.memory.registration import registered_tensors
+from batchfit.memory.categories import registered_tensors
 
 __all__ = ["COLLECTIVES", "HOST", "CollectiveBytes", "PeakTracker"]
 

@@ -1,4 +1,4 @@
-"""``find_batch_size``: the search of :mod:`~batchfit.autobatch.search` on a memory backend, on every rank.
+"""``find_batch_size``: the search of :mod:`~batchfit.autobatch.batch_guess` on a memory backend, on every rank.
 
 # NOTE [ Ranks agree on every trial ]
 Every rank runs every trial. After each trial one all-reduce (max) of
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from batchfit.autobatch.search import Trial, search_largest
+from batchfit.autobatch.batch_guess import Trial, search_largest
 from batchfit.autobatch.task import MODES, TaskTrial, is_task
 from batchfit.errors import DoesNotFitError, InvalidArgument, Phrase, Setting
 from batchfit.memory import Backend, format_bytes, get_backend
@@ -220,7 +220,7 @@ def find_batch_size(
     Each candidate runs ``steps_per_trial`` steps under ``backend.measure``; its peak is the
     largest over them (so lazily created optimizer state counts). It fits when
     ``peak <= floor(target_memory_fraction × backend.limit_bytes)``. The search (memory-model
-    guesses, then bisection; :func:`~batchfit.autobatch.search.search_largest`) takes at most
+    guesses, then bisection; :func:`~batchfit.autobatch.batch_guess.search_largest`) takes at most
     ``ceil(log2(max_batch_size - min_batch_size + 1)) + 3`` trials. Under torch.distributed,
     every rank runs every trial and the verdicts are all-reduced (NOTE [ Ranks agree on every
     trial ]), so all ranks return the same size.
@@ -244,7 +244,7 @@ def find_batch_size(
             :class:`batchfit.memory.Backend`. Models measured on ``estimate`` must have been built
             inside ``backend.context()``, so pass the Backend object you built them with.
         group: the torch.distributed process group (``None`` = the default group, or single rank).
-        progress: a callback receiving each :class:`~batchfit.autobatch.search.Trial`; ``True``
+        progress: a callback receiving each :class:`~batchfit.autobatch.batch_guess.Trial`; ``True``
             logs each trial on rank 0 to the ``batchfit.autobatch`` logger (INFO); ``False``/``None``
             is silent. The library never prints.
         register: objects counted in every peak (default: ``trial.persistent`` if present).

@@ -41,7 +41,7 @@ The fused and chunked heads hold two or three fp32 ``[chunk, V]`` temporaries, s
 memory grows with the chunk up to ``chunk_size``. With ``chunk_size="auto"`` a micro-batch's
 chunk is its longest sequence, at most :data:`MAX_CHUNK` tokens: a micro-batch of short
 sequences never holds more head memory than the budget's probe at the longest length held
-(the probe runs this function, NOTE [ One micro-batch step ] in :mod:`batchfit.budget.step`),
+(the probe runs this function, NOTE [ One micro-batch step ] in :mod:`batchfit.budget.causal_lm_probe`),
 and short micro-batches hold less.
 
 NOTE [ Response-only head ]
@@ -453,7 +453,7 @@ def model_logprobs(
     run without a mask ]) — so DDP and FSDP2 wrappers run as in any forward (NOTE [ Fused
     log-probs through the wrapper ]). Works under ``torch.no_grad()`` (old and reference
     log-probs) and with autograd (the policy loss). A token budget's probe runs this very
-    function on a micro-batch of its shape (:mod:`batchfit.budget.step`).
+    function on a micro-batch of its shape (:mod:`batchfit.budget.causal_lm_probe`).
 
     Args:
         model: a transformers causal LM, bare, ``DistributedDataParallel`` or ``fully_shard``-ed.

@@ -1,9 +1,9 @@
 """AutoBatch's part of the search: the 1-D memory-model guess and the ``[low, high]`` entry point.
 
-The search itself is :func:`batchfit.plan.search.largest_fitting` (bracket, bisection, the trial
-bound of NOTE [ Trial budget ] in :mod:`batchfit.plan.search`); this module adds the guess
+The search itself is :func:`batchfit.plan.bracket.largest_fitting` (bracket, bisection, the trial
+bound of NOTE [ Trial budget ] in :mod:`batchfit.plan.bracket`); this module adds the guess
 :func:`model_guess` and the "even ``low`` does not fit" error. :class:`Trial`,
-:class:`SearchResult` and :func:`max_trials` are re-exported from :mod:`batchfit.plan.search`.
+:class:`SearchResult` and :func:`max_trials` are re-exported from :mod:`batchfit.plan.bracket`.
 
 # NOTE [ Memory-model guess ]
 Peak memory of one step is close to ``base + per_sample × batch_size`` (parameters,
@@ -13,7 +13,7 @@ is a *lower* bound of the answer whenever ``base >= 0`` and ``p0 <= target``. Wi
 measurements it is the secant through the largest fitting size and the smallest failing one
 above it (regula falsi), or the two largest fitting sizes (:func:`model_guess`). Which of
 ``g`` (predicted to fit) and ``g + 1`` is probed first: NOTE [ Guided candidate ] in
-:mod:`batchfit.plan.search`.
+:mod:`batchfit.plan.bracket`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from batchfit.errors import DoesNotFitError
-from batchfit.plan.search import SearchResult, Trial, largest_fitting, max_trials
+from batchfit.plan.bracket import SearchResult, Trial, largest_fitting, max_trials
 from batchfit.validation import check_int, check_positive_int
 
 
@@ -72,7 +72,7 @@ def search_largest(
 ) -> SearchResult:
     """The largest batch size in ``[low, high]`` for which ``probe`` says it fits.
 
-    :func:`batchfit.plan.search.largest_fitting` on ``[low, high]`` starting at ``low``, guided by
+    :func:`batchfit.plan.bracket.largest_fitting` on ``[low, high]`` starting at ``low``, guided by
     :func:`model_guess` when ``target_bytes`` is given (and ``probe`` returns :class:`Trial`
     with exact peaks). Assumes that fitting is monotone; when it is not, the result still
     satisfies "``batch_size`` fits and ``batch_size + 1`` was probed and did not".
@@ -88,7 +88,7 @@ def search_largest(
         on_trial: called with each :class:`Trial` as soon as it is decided (progress reporting).
 
     Returns:
-        :class:`~batchfit.plan.search.SearchResult` with the size and every trial.
+        :class:`~batchfit.plan.bracket.SearchResult` with the size and every trial.
 
     Raises:
         InvalidArgument: bad bounds.
@@ -96,7 +96,7 @@ def search_largest(
             run was aborted; ``available`` = ``target_bytes``).
 
     Complexity: at most :func:`max_trials` ``(low, high) = ceil(log2(high - low + 1)) + 3``
-    probes (NOTE [ Trial budget ] in :mod:`batchfit.plan.search`), for any probe.
+    probes (NOTE [ Trial budget ] in :mod:`batchfit.plan.bracket`), for any probe.
 
     Example:
         >>> search_largest(lambda n: n <= 95, low=1, high=512).batch_size

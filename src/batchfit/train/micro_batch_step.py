@@ -7,7 +7,7 @@ and the value loss (:func:`batchfit.train.value_loss`). :func:`micro_batch_outpu
 forward-only pass (old or reference log-probs, values) of one micro-batch; run it under
 ``torch.no_grad()``. A trainer's loop calls them; the budget's probe calls the same two
 functions on a synthetic micro-batch of the shape it measures (NOTE [ One micro-batch step ]
-in :mod:`batchfit.budget.step`), so a budget holds what the trainer runs.
+in :mod:`batchfit.budget.causal_lm_probe`), so a budget holds what the trainer runs.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, cast
 import torch
 
 from batchfit.train.framework_heads import FrameworkHead, as_framework_head
-from batchfit.train.logprobs import _fields, model_logprobs, model_values
 from batchfit.train.loss import policy_loss, response_columns, value_loss
+from batchfit.train.model_outputs import _fields, model_logprobs, model_values
 
 #: The entropy bonus's coefficient when a framework's loss has one (its size changes no memory).
 ENTROPY_COEFF = 1e-3

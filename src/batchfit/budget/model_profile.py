@@ -3,8 +3,8 @@
 What ``batchfit profile`` calls: builds the policy (causal LM, trained), the critic (value
 head, trained) and/or the reference (causal LM, forward-only log-probs under ``no_grad``)
 from a preset, a directory, a hub id, a config or a model with :mod:`batchfit.models`, runs
-:func:`~batchfit.budget.find.find_token_budget` on each role's probe (the trainer's own
-micro-batch step, :mod:`batchfit.budget.step`) as one :class:`ProfileOptions` says, and
+:func:`~batchfit.budget.budget_search.find_token_budget` on each role's probe (the trainer's own
+micro-batch step, :mod:`batchfit.budget.causal_lm_probe`) as one :class:`ProfileOptions` says, and
 combines them with :meth:`TokenBudget.min`.
 """
 
@@ -19,13 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchfit.budget.budget_search import find_token_budget
 from batchfit.budget.depth import DEFAULT_DEPTHS, uniform_layers
-from batchfit.budget.find import find_token_budget
 from batchfit.budget.options import ProfileOptions
 from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import BudgetError, DoesNotFitError, InvalidArgument, Phrase, Setting
 from batchfit.memory.base import Backend
-from batchfit.memory.untracked import UntrackedMemory, untracked_memory
+from batchfit.memory.cuda_untracked import UntrackedMemory, untracked_memory
 from batchfit.models.lora import LoraParameters, lora_parameters
 from batchfit.parallel.behaviour import TorchBehaviours, torch_behaviours
 from batchfit.parallel.distributed import agree
@@ -83,7 +83,7 @@ class ModelProfile:
         measured_depths: the two depths measured when the peak was extrapolated to
             ``depth`` (NOTE [ Peak memory is affine in depth ]), else ``None``.
         untracked: the terms of the estimate backend's default reserve
-            (:func:`batchfit.memory.untracked.untracked_memory`), else ``None``.
+            (:func:`batchfit.memory.cuda_untracked.untracked_memory`), else ``None``.
         torch: what the installed torch does that changes a sharded budget
             (:func:`batchfit.parallel.behaviour.torch_behaviours`), for ``fsdp2``; else ``None``.
         lora: the LoRA adapters of the trained model and what they train
@@ -219,7 +219,7 @@ def profile_model(
     """Build ``model`` for each role and find its token budget per rank; combine the roles.
 
     Each role's probe is the trainer's own micro-batch step (NOTE [ One micro-batch step ] in
-    :mod:`batchfit.budget.step`): the policy and the critic train with AdamW (state
+    :mod:`batchfit.budget.causal_lm_probe`): the policy and the critic train with AdamW (state
     initialised, gradients resident), the policy's loss is PPO's clipped surrogate over
     log-probs from the ``logprobs`` head, the critic's the clipped value loss; the reference
     runs forward-only log-probs under ``no_grad``; ``policy_forward`` (old log-probs) and
@@ -599,8 +599,8 @@ class RoleBuilder:
         return RoleBuilder(self.config, backend, self.dtype, self.options, self.extrapolate, self.depth)
 
     def step(self, role: str) -> Any:
+        from batchfit.budget.causal_lm_probe import causal_lm_step
         from batchfit.budget.depth import build_depth_steps
-        from batchfit.budget.step import causal_lm_step
         from batchfit.models import build_causal_lm
 
         options = self.options

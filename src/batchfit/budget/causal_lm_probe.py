@@ -50,7 +50,7 @@ from batchfit.batches.weights import loss_weights
 from batchfit.budget.probe import response_tokens
 from batchfit.errors import InvalidArgument, Phrase, Setting
 from batchfit.memory import Backend, MemoryMeasurement, labels
-from batchfit.memory.registration import (
+from batchfit.memory.categories import (
     COMMUNICATION,
     GRADIENTS,
     LOGPROB_HEAD,
@@ -66,9 +66,9 @@ from batchfit.parallel.shard import decoder_layers, unwrap
 from batchfit.parallel.sharding import Sharding
 from batchfit.patching import undo_all
 from batchfit.plan.packing import COSTS, plan_micro_batches
-from batchfit.train.logprobs import HEADS, check_head
+from batchfit.train.micro_batch_step import micro_batch_loss, micro_batch_outputs
+from batchfit.train.model_outputs import HEADS, check_head
 from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state
-from batchfit.train.step import micro_batch_loss, micro_batch_outputs
 from batchfit.validation import check_choice, check_number, check_positive_int
 
 OPTIMIZERS = ("adamw", "sgd")

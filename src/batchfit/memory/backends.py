@@ -60,7 +60,7 @@ def get_backend(
         memory_limit: device bytes (int, ``"80GiB"``, ``"80GB"``, a device preset such as
             ``"h100-80gb"``); default: unlimited (cpu, estimate), the device's memory (cuda).
         reserve_bytes: bytes of ``memory_limit`` no tracker sees; default 0 (cpu), the
-            device's untracked terms (estimate: :func:`batchfit.memory.untracked.untracked_memory`),
+            device's untracked terms (estimate: :func:`batchfit.memory.cuda_untracked.untracked_memory`),
             measured (cuda).
         round_to: storage rounding; default 1 (cpu), 512 (estimate, cuda).
 

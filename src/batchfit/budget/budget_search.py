@@ -1,6 +1,6 @@
 """``find_token_budget``: tie the search to a memory backend, the ranks of a group and a progress hook.
 
-The arithmetic lives in :mod:`batchfit.plan.search` (the bracket search) and
+The arithmetic lives in :mod:`batchfit.plan.bracket` (the bracket search) and
 :mod:`batchfit.budget.memory_model` (its guess);
 this module turns a :class:`~batchfit.budget.probe.BudgetStep` (one micro-batch measured at any
 shape) into a probe (measure, compare with the limit, agree across ranks) and runs the search
@@ -25,7 +25,7 @@ from batchfit.budget.probe import BudgetStep, CallableStep, Probe, candidate_len
 from batchfit.budget.token_budget import BudgetPoint, TokenBudget, check_cost
 from batchfit.errors import DoesNotFitError, InvalidArgument, Phrase, ProbeAbandoned, Setting
 from batchfit.memory import BACKEND_NAMES, DEFAULT_SAFETY_MARGIN, Backend
-from batchfit.memory.registration import BUFFERS, GRADIENTS, OPTIMIZER_STATE, PARAMETERS
+from batchfit.memory.categories import BUFFERS, GRADIENTS, OPTIMIZER_STATE, PARAMETERS
 from batchfit.parallel.distributed import (
     agree,
     agreed_max,
@@ -33,7 +33,7 @@ from batchfit.parallel.distributed import (
     check_same_arguments,
     mark_agreed,
 )
-from batchfit.plan.search import SearchResult, Trial, largest_fitting
+from batchfit.plan.bracket import SearchResult, Trial, largest_fitting
 from batchfit.validation import check_choice, check_number, check_positive_int, is_int
 
 logger = logging.getLogger("batchfit.budget")
@@ -133,7 +133,7 @@ def find_token_budget(
 
     Args:
         step: a :class:`~batchfit.budget.probe.BudgetStep` (its own backend and
-            ``measure(lengths)``: :func:`batchfit.budget.step.causal_lm_step`, the trainer's
+            ``measure(lengths)``: :func:`batchfit.budget.causal_lm_probe.causal_lm_step`, the trainer's
             own micro-batch step), or a plain function ``fn(lengths)`` that runs one
             micro-batch of sequences of those lengths, measured on ``backend`` with
             ``register``.
@@ -169,7 +169,7 @@ def find_token_budget(
             to change.
 
     Example:
-        >>> from batchfit.budget.step import causal_lm_step                # doctest: +SKIP
+        >>> from batchfit.budget.causal_lm_probe import causal_lm_step                # doctest: +SKIP
         >>> from batchfit.memory import get_backend                        # doctest: +SKIP
         >>> from batchfit.models import build_causal_lm                    # doctest: +SKIP
         >>> be = get_backend("estimate", memory_limit="h100-80gb")          # doctest: +SKIP

@@ -1,7 +1,7 @@
 """Profile the run a framework config describes: every model role, and each forward-only pass.
 
 :func:`profile_run` turns a :class:`~batchfit.frameworks.run.RunConfig` into the calls of
-:func:`batchfit.budget.profile.profile_model` that its run makes: the policy's training step
+:func:`batchfit.budget.model_profile.profile_model` that its run makes: the policy's training step
 and its old-log-prob pass, the critic's training step and value pass, the reference's
 log-prob pass. Models that share GPUs (the config's ``colocated``) are profiled with the
 state the others keep on the device (``resident``) taken off the usable memory.
@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchfit.budget.model_profile import ModelProfile, default_dtype, profile_model, resident_state_bytes
 from batchfit.budget.options import ProfileOptions
-from batchfit.budget.profile import ModelProfile, default_dtype, profile_model, resident_state_bytes
 from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import InvalidArgument
 from batchfit.frameworks.lora_keys import as_lora_spec
@@ -64,7 +64,7 @@ class RunProfile:
         Each pass's budget appears once, in its model's profile:
         ``profiles.<model>.budgets.<role>`` (``profiles.policy.budgets.policy_forward.tokens``
         is the old log-probs' budget), its breakdown beside it (NOTE [ One name per figure ]
-        in :mod:`batchfit.budget.profile`).
+        in :mod:`batchfit.budget.model_profile`).
         """
         run = self.run
         return {

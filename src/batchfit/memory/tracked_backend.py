@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from batchfit.memory.base import Backend
+from batchfit.memory.categories import GRADIENTS
 from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.memory.registration import GRADIENTS
 from batchfit.memory.tracker import MemoryLimitExceeded, MemoryTracker
 from batchfit.patching import undo_all
 
