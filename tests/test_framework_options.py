@@ -1,4 +1,4 @@
-"""frameworks/options.py: a framework config becomes ProfileOptions in one function, the caller's choices first."""
+"""frameworks/config_options.py: a framework config becomes ProfileOptions in one function, the caller's choices first."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from batchfit.budget.options import ProfileOptions
 from batchfit.cli.profile import FLAGS
 from batchfit.errors import InvalidArgument, Vocabulary
 from batchfit.frameworks import read_run_config
-from batchfit.frameworks.options import ProfileChoices, run_profile_options, sharding_strategy
+from batchfit.frameworks.config_options import ProfileChoices, run_profile_options, sharding_strategy
 
 CLI = Vocabulary(FLAGS)
 VERL = "examples/verl_grpo.yaml"

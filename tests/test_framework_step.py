@@ -120,7 +120,7 @@ def test_profile_config_measures_the_frameworks_head_and_a_flag_overrides_it(tmp
 
 
 def test_verls_fsdp_strategy_is_profiled_as_fsdp1_and_skyrls_as_fsdp2():
-    from batchfit.frameworks.options import sharding_strategy as _strategy
+    from batchfit.frameworks.config_options import sharding_strategy as _strategy
 
     assert _strategy(read_run_config(_verl(strategy="fsdp"))) == "fsdp1"  # FullyShardedDataParallel
     assert _strategy(read_run_config(_verl())) == "fsdp2"

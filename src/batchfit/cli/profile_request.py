@@ -17,7 +17,7 @@ from batchfit.budget.model_profile import check_roles
 from batchfit.budget.options import ProfileOptions
 from batchfit.cli._ranks import launched_world
 from batchfit.errors import InvalidArgument, Vocabulary
-from batchfit.frameworks.options import ProfileChoices
+from batchfit.frameworks.config_options import ProfileChoices
 from batchfit.frameworks.run import RunConfig
 from batchfit.memory import DEFAULT_ESTIMATE_TARGET, backend_class
 
@@ -192,7 +192,7 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
     if run is None:
         options = chosen.or_(defaults).options(vocabulary)
     else:
-        from batchfit.frameworks.options import run_profile_options
+        from batchfit.frameworks.config_options import run_profile_options
 
         config = run_profile_options(run, chosen, defaults, emit=args.emit, vocabulary=vocabulary)
         run, options, notes = config.run, config.options, config.notes
