@@ -243,3 +243,13 @@ def test_the_core_check_finds_device_code(tmp_path):
         "line 5: batchfit.parallel",
         "line 6: torch.cuda",
     ]
+
+
+def test_no_two_modules_share_a_file_name():
+    # a name says what a module holds without its package (issue 29): budget/step.py beside
+    # train/step.py and frameworks/step.py read as one thing; a package's __init__ is exempt
+    by_name: dict[str, list[str]] = {}
+    for name, path in _module_names().items():
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(name)
+    assert {file: names for file, names in by_name.items() if len(names) > 1} == {}
