@@ -159,7 +159,7 @@ def build_causal_lm(
     device = chosen.device if chosen is not None else torch.device("cpu")
     from torch._guards import active_fake_mode
 
-    if getattr(chosen, "fake_mode", None) is not None or active_fake_mode() is not None:
+    if (chosen is not None and chosen.simulated) or active_fake_mode() is not None:
         with context:  # fake tensors (estimate, or a task built inside its context): nothing allocated
             model = _from_config(factory, config, spec, dtype=torch_dtype, attn_implementation=attn_implementation)
             if gradient_checkpointing:
