@@ -35,7 +35,7 @@ from batchfit.dtypes import DTYPES
 from batchfit.errors import InvalidArgument
 from batchfit.logprobs import logprobs_from_hidden, logprobs_from_logits
 from batchfit.logprobs.chunks import check_temperature
-from batchfit.memory import Backend, EstimateBackend, backend_name, get_backend
+from batchfit.memory import Backend, EstimateBackend, backend_class, backend_name, get_backend
 from batchfit.memory.cpu import host_available_bytes
 from batchfit.memory.sizes import MAX_BYTES
 from batchfit.validation import check_choice, check_int, check_positive_int
@@ -292,15 +292,16 @@ def run_logprobs_bench(
 
     # Exact bytes on the tracked backends (round_to=1, no reserve): estimate == cpu to the byte.
     gate: Backend | None = None
-    if name == "cpu":
+    kind = backend_class(name)
+    if kind.host_memory:
         host = host_available_bytes()
-        be = get_backend("cpu", memory_limit=host)
+        be = get_backend(name, memory_limit=host)
         if host is not None:  # a real run above it meets swap or the OOM killer, not an error
             gate = EstimateBackend(memory_limit=host, reserve_bytes=0, round_to=1)
-    elif name == "estimate":
-        be = get_backend("estimate", reserve_bytes=0, round_to=1)
+    elif kind.simulated:
+        be = get_backend(name, reserve_bytes=0, round_to=1)
     else:
-        be = get_backend("cuda")
+        be = get_backend(name)
 
     rows: list[BenchRow] = []
     for vocab in vocabs:
@@ -346,7 +347,7 @@ def _measure_shape(
         say(f"V={case.vocab:,} S={case.seq:,} {case.method} chunk={chunk}: peak memory on {be.name}")
 
         def step(case: _Case = case) -> None:
-            if be.name == "cuda":  # timed inside the measured call: running out of memory is a row too
+            if be.reads_device:  # timed inside the measured call: running out of memory is a row too
                 times[case] = _best_times([case], setup, be.device, repeats, warmup)[0]
                 return
             leaves, labels = _make_inputs(case, setup, be.device)
@@ -356,7 +357,7 @@ def _measure_shape(
         measured = be.measure(step) if fits else None
         peaks[case] = measured.peak_bytes if measured is not None and measured.fits else None
     fitting = [c for c in cases if peaks[c] is not None]
-    if be.name == "cpu" and fitting:
+    if be.host_memory and fitting:
         say(f"V={cases[0].vocab:,} S={cases[0].seq:,}: timing {len(fitting)} cases × {warmup + repeats} runs")
         times.update(zip(fitting, _best_times(fitting, setup, be.device, repeats, warmup)))
     rows = []
