@@ -253,3 +253,44 @@ def test_no_two_modules_share_a_file_name():
         if path.name != "__init__.py":
             by_name.setdefault(path.name, []).append(name)
     assert {file: names for file, names in by_name.items() if len(names) > 1} == {}
+
+
+# NOTE [ Backends say what they can do ] (batchfit.memory.base): outside memory/, code asks a
+# backend what it can do, never which one it is.
+_BACKEND_NAMES = {"cpu", "cuda", "estimate"}
+
+
+def _backend_name_branches(source: str) -> list[str]:
+    """Each comparison of a backend (an expression naming ``backend`` or ``be``) with a backend's name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        names = [
+            n.value
+            for side in sides
+            for n in ast.walk(side)
+            if isinstance(n, ast.Constant) and n.value in _BACKEND_NAMES
+        ]
+        subjects = [ast.unparse(side) for side in sides if not isinstance(side, (ast.Constant, ast.Tuple))]
+        if names and any("backend" in s or s.split(".")[0] == "be" for s in subjects):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_branch_on_a_backends_name_outside_memory():
+    offenders = {
+        name: hits
+        for name, path in sorted(_module_names().items())
+        if not name.startswith("batchfit.memory")
+        and (hits := _backend_name_branches(path.read_text(encoding="utf-8")))
+    }
+    assert offenders == {}
+
+
+def test_the_backend_name_check_finds_a_branch():
+    assert _backend_name_branches('if be.name == "cpu":\n    pass\n') == ["line 1: be.name == 'cpu'"]
+    assert _backend_name_branches('x = plan.backend != "cuda"\n') == ["line 1: plan.backend != 'cuda'"]
+    assert _backend_name_branches('ok = backend not in ("cpu", "cuda")\n') != []
+    assert _backend_name_branches('ok = param.device.type == "cuda" or offload == "cpu"\n') == []

@@ -388,7 +388,7 @@ def _calibration(args: argparse.Namespace, backend: str) -> CalibratedLimits | N
         parse_json(read_text(path, what), what)
     limits = calibrated_limits(load_calibration(path))
     cal = limits.calibration
-    if backend not in (cal.backend, "estimate"):
+    if backend != cal.backend and not backend_class(backend).simulated:  # the estimate takes any device's
         raise InvalidArgument(
             f"--calibration {path} was measured on {cal.backend} and does not apply to --backend {backend}; use "
             f"--backend {cal.backend} or estimate, or calibrate this device with --confirm --backend {backend} "
