@@ -217,6 +217,17 @@ class TrainingStep:
                 host_categories=self.host_categories,
             )
 
+    def measure_state(self) -> MemoryMeasurement:
+        """Measure the state the step keeps between its calls (parameters, gradients, optimizer state), running nothing.
+
+        The registered state is live all along, so its categories are the same as at any
+        step's peak; :func:`~batchfit.budget.model_profile.resident_state_bytes` reads them
+        without paying for a step.
+        """
+        return self.backend.measure(
+            lambda: None, register=self.persistent, categories=self.categories, host_categories=self.host_categories
+        )
+
     def __call__(self, lengths: Sequence[int]) -> None:
         """Run the step once on a micro-batch of sequences of ``lengths`` tokens (unmeasured)."""
         self.run(self.micro_batch(lengths))

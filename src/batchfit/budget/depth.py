@@ -130,6 +130,12 @@ class DepthExtrapolatedStep:
         result = extrapolate(shallow, deeper, self.k1, self.k2, self.depth, self.backend.limit_bytes)
         return replace(result, seconds=time.perf_counter() - start)
 
+    def measure_state(self) -> MemoryMeasurement:
+        """The state the step keeps between its calls at full depth, extrapolated from the two shallow steps'."""
+        shallow, deeper = self.steps[self.k1].measure_state(), self.steps[self.k2].measure_state()
+        return extrapolate(shallow, deeper, self.k1, self.k2, self.depth, self.backend.limit_bytes)
+
+
 
 def extrapolate(
     m1: MemoryMeasurement, m2: MemoryMeasurement, k1: int, k2: int, depth: int, limit_bytes: int | None

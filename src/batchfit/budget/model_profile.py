@@ -451,9 +451,9 @@ def resident_state_bytes(
 
     Measured, not computed: the role's model (and optimizer, for a trained role) is built
     and sharded as :func:`profile_model` builds it with ``options`` (its backend, memory,
-    dtype, sharding and depth extrapolation; no reserve) and one tiny step is measured; the
-    breakdown's ``kinds`` categories at its peak are summed (parameters and AdamW state do
-    not depend on the batch). State offloaded to the host (``offload="cpu"``) is not on the
+    dtype, sharding and depth extrapolation; no reserve) and its registered state is
+    measured without running a step; the breakdown's ``kinds`` categories are summed
+    (parameters and AdamW state are live all along and do not depend on the batch). State offloaded to the host (``offload="cpu"``) is not on the
     device and counts 0.
 
     Raises:
@@ -472,7 +472,7 @@ def resident_state_bytes(
     with simulated_world_for(be, plan):
         step = agree(lambda: build.step(role), what=f"building the {role} model")
         try:
-            measured = step.measure([2])
+            measured = step.measure_state()
         finally:
             del step
             gc.collect()
