@@ -31,6 +31,18 @@ def test_optimizer_state_exists_before_the_first_step_and_the_peak_is_stable():
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
+@pytest.mark.parametrize("name", ["cpu", "estimate"])
+def test_the_state_a_step_keeps_is_what_its_peak_holds_of_it(name):
+    # resident_state_bytes reads measure_state() instead of running a step: the registered
+    # state is live all along, so each state category is the same as at a step's peak
+    backend = get_backend(name, memory_limit="1GiB")
+    step = causal_lm_step(build_causal_lm("tiny", backend=backend), backend=backend)
+    state, peak = step.measure_state(), step.measure([16, 16])
+    for kind in ("parameters", "gradients", "optimizer_state"):
+        assert state.breakdown[kind] == peak.breakdown[kind] > 0
+    assert state.peak_bytes < peak.peak_bytes
+
+
 def test_the_step_trains():
     backend = get_backend("cpu")
     model = build_causal_lm("tiny", backend=backend)
