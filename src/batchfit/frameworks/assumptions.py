@@ -173,7 +173,7 @@ def setting_keys(run: RunConfig, by_role: Mapping[str, Any], target: str) -> lis
     """
     a = assumptions(by_role)
     if a.response_only:
-        raise _refuse(
+        raise refuse(
             target,
             "--response-only",
             f"{get_framework(target).title} runs its log-prob head over every token and bounds total tokens only (no framework "
@@ -182,7 +182,7 @@ def setting_keys(run: RunConfig, by_role: Mapping[str, Any], target: str) -> lis
             "profile without --response-only",
         )
     if a.cost != "packed":
-        raise _refuse(
+        raise refuse(
             target,
             f"--cost {a.cost}",
             f"{get_framework(target).title} counts a micro-batch's tokens, which bound packed rows only, and the emitted keys pack "
@@ -192,7 +192,7 @@ def setting_keys(run: RunConfig, by_role: Mapping[str, Any], target: str) -> lis
     return get_framework(target).emit_module().assumption_keys(run, a, run.vocabulary == target)
 
 
-def _refuse(target: str, setting: str, why: str, fix: str) -> EmitError:
+def refuse(target: str, setting: str, why: str, fix: str) -> EmitError:
     return EmitError(f"--emit {target} cannot carry {setting}: {why}; {fix}")
 
 
@@ -200,12 +200,12 @@ def _flag(name: str, on: bool) -> str:
     return f"--{name}" if on else f"--no-{name}"
 
 
-def _gpus(run: RunConfig, a: Assumptions, target: str) -> tuple[int, int]:
+def nodes_and_gpus(run: RunConfig, a: Assumptions, target: str) -> tuple[int, int]:
     """(nodes, GPUs per node) of the profiled ranks, over the config's node count."""
     world = a.sharding.world_size
     nodes = run.batch.num_nodes if isinstance(run.batch.num_nodes, int) and run.batch.num_nodes > 0 else 1
     if world % nodes:
-        raise _refuse(
+        raise refuse(
             target,
             f"--world-size {world}",
             f"the config spreads its GPUs over {nodes} nodes, and {world} ranks do not split into {nodes} equal nodes",
@@ -214,52 +214,52 @@ def _gpus(run: RunConfig, a: Assumptions, target: str) -> tuple[int, int]:
     return nodes, world // nodes
 
 
-def _check_strategy(target: str, a: Assumptions, allowed: tuple[str, ...], why: str) -> None:
+def check_strategy(target: str, a: Assumptions, allowed: tuple[str, ...], why: str) -> None:
     """Refuse a strategy ``target`` does not run; ``none`` is one GPU (the framework's FSDP over one rank)."""
     s = a.sharding
     if s.strategy == "none" and s.world_size > 1:
-        raise _refuse(
+        raise refuse(
             target,
             f"--sharding none over {s.world_size} GPUs",
             f"{get_framework(target).title} shards every model over its GPUs",
             f"pass --sharding {allowed[-1]}",
         )
     if s.strategy not in (*allowed, "none"):
-        raise _refuse(target, f"--sharding {s.strategy}", why, f"pass --sharding {allowed[-1]}")
+        raise refuse(target, f"--sharding {s.strategy}", why, f"pass --sharding {allowed[-1]}")
 
 
-def _check_precision(target: str, a: Assumptions, why: str) -> None:
+def check_precision(target: str, a: Assumptions, why: str) -> None:
     """Refuse anything but fp32 parameters with bf16 mixed precision (FSDP over more than one GPU)."""
     if a.sharding.strategy == "none" or a.sharding.mixed_precision != "bf16":
-        raise _refuse(
+        raise refuse(
             target,
             f"--mixed-precision {a.sharding.mixed_precision}",
             why,
             "profile with --sharding fsdp2 --mixed-precision bf16 --dtype fp32 (fsdp2 over one rank for one GPU)",
         )
     if a.trained_dtype != "fp32":
-        raise _refuse(target, f"--dtype {a.trained_dtype}", why, "pass --dtype fp32")
+        raise refuse(target, f"--dtype {a.trained_dtype}", why, "pass --dtype fp32")
 
 
-def _check_head(target: str, a: Assumptions, allowed: tuple[str, ...], why: str, fix: str) -> None:
+def check_head(target: str, a: Assumptions, allowed: tuple[str, ...], why: str, fix: str) -> None:
     head = a.head
     name = head.framework if isinstance(head, FrameworkHead) else head
     if name not in allowed:
-        raise _refuse(target, f"--logprobs {name}", why, fix)
+        raise refuse(target, f"--logprobs {name}", why, fix)
 
 
-def _lora_value(spec: LoraSpec) -> Value:
+def lora_value(spec: LoraSpec) -> Value:
     return spec.targets if isinstance(spec.targets, str) else tuple(spec.targets)
 
 
-def _switch(
+def switch_keys(
     target: str, run: RunConfig, same: bool, flag: str, on: bool, given: bool, option: str, why: str
 ) -> list[Key]:
     """A ``store_true`` flag: given when on; when off, refused if the launch command gives it (no flag undoes it)."""
     if on:
         return [Key(flag, True, why)]
     if same and given:
-        raise _refuse(
+        raise refuse(
             target,
             option.replace("--", "--no-", 1),
             f"the launch command gives {flag}, and no flag added after it turns it off",
@@ -268,11 +268,11 @@ def _switch(
     return [Key("", False, f"profiled without {flag}: leave it out of the command")]
 
 
-def _lora_keys(spec: LoraSpec | None, rank: str, alpha: str, targets: str) -> list[Key]:
+def lora_adapter_keys(spec: LoraSpec | None, rank: str, alpha: str, targets: str) -> list[Key]:
     if spec is None:
         return [Key(rank, 0, "no LoRA: every parameter trained")]
     return [
         Key(rank, spec.rank, f"{spec.describe()}: adapters on a frozen base"),
         Key(alpha, int(spec.alpha) if spec.alpha == int(spec.alpha) else spec.alpha),
-        Key(targets, _lora_value(spec)),
+        Key(targets, lora_value(spec)),
     ]

@@ -46,7 +46,7 @@ FORMATS = ("yaml", "overrides")
 # verl and SkyRL count a micro-batch's valid tokens (the attention mask's sum): a token budget
 # bounds packed rows only; with padding kept, a micro-batch is as wide as its longest row times
 # its rows, which no token count bounds.
-_REMOVE_PADDING = (
+REMOVE_PADDING = (
     "the budgets bound packed rows, and {framework} counts valid tokens: without it every micro-batch "
     "is padded to its longest row, which no token budget bounds"
 )
@@ -126,13 +126,13 @@ def _token_keys(profile: RunProfile, target: str, max_seq_len: int, margin: floa
     return get_framework(target).emit_module().token_keys(profile, budgets, why, max_seq_len, world)
 
 
-def _smallest(budgets: dict[str, int], roles: tuple[str, ...]) -> str | None:
+def smallest_budget(budgets: dict[str, int], roles: tuple[str, ...]) -> str | None:
     """The role of ``roles`` with the smallest budget (the one a shared key must take), or ``None``."""
     present = [r for r in roles if r in budgets]
     return min(present, key=budgets.get) if present else None
 
 
-def _cost_note(profile: RunProfile, framework: str) -> str:
+def cost_note(profile: RunProfile, framework: str) -> str:
     costs = {b.cost for b in profile.budgets.values()}
     if costs == {"packed"}:
         return f"packed rows, as {framework} runs them"

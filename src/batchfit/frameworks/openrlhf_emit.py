@@ -16,15 +16,15 @@ from typing import Any
 from batchfit.frameworks.assumptions import (
     Assumptions,
     Key,
-    _check_head,
-    _check_precision,
-    _check_strategy,
-    _gpus,
-    _lora_value,
-    _refuse,
-    _switch,
+    check_head,
+    check_precision,
+    check_strategy,
+    lora_value,
+    nodes_and_gpus,
+    refuse,
+    switch_keys,
 )
-from batchfit.frameworks.emit import _cost_note, _smallest
+from batchfit.frameworks.emit import cost_note, smallest_budget
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import RunProfile
 from batchfit.models.lora import LoraSpec
@@ -40,8 +40,8 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
     make experience: old log-probs, reference log-probs, values (experience_maker).
     """
     del max_seq_len, world
-    trained = _smallest(budgets, ("policy", "critic"))
-    forward = _smallest(budgets, ("policy_forward", "reference", "critic_forward"))
+    trained = smallest_budget(budgets, ("policy", "critic"))
+    forward = smallest_budget(budgets, ("policy_forward", "reference", "critic_forward"))
     values = getattr(profile.run, "values", {})
     keys = [
         Key(
@@ -78,7 +78,7 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
         Key(
             "",
             False,
-            f"the budgets count {_cost_note(profile, 'OpenRLHF')}; OpenRLHF's caps are soft: it balances samples "
+            f"the budgets count {cost_note(profile, 'OpenRLHF')}; OpenRLHF's caps are soft: it balances samples "
             "into the first-fit count of micro-batches, and rounds the experience passes' count down to a multiple "
             "of the actor ranks, so a micro-batch can hold more than its cap (the safety margin absorbs a little)",
         )
@@ -92,7 +92,7 @@ _O_DS = "openrlhf/utils/deepspeed/deepspeed.py"
 def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     target = "openrlhf"
     s = a.sharding
-    _check_strategy(
+    check_strategy(
         target,
         a,
         ("fsdp2",),
@@ -100,7 +100,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         "DDP or FSDP1",
     )
     if not s.reshard_after_forward:
-        raise _refuse(
+        raise refuse(
             target,
             "--no-reshard-after-forward",
             "ZeRO-3 gathers each layer's parameters again for backward, and ZeRO-2 keeps whole parameters on every "
@@ -108,20 +108,20 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             "drop --no-reshard-after-forward",
         )
     if s.offload == "cpu":
-        raise _refuse(
+        raise refuse(
             target,
             "--offload cpu",
             f"OpenRLHF never offloads the parameters of a model it trains ({_O_DS}: get_train_ds_config(offload=False)); "
             "--ds.adam_offload moves the optimizer state only",
             "profile with --offload none",
         )
-    _check_precision(
+    check_precision(
         target,
         a,
         "OpenRLHF trains with DeepSpeed in bf16 or fp16 (--ds.param_dtype) with fp32 master weights, which batchfit "
         "models as fp32 parameters with bf16 compute (fsdp2, --mixed-precision bf16 --dtype fp32)",
     )
-    nodes, per_node = _gpus(run, a, target)
+    nodes, per_node = nodes_and_gpus(run, a, target)
     keys = [
         Key("--actor.num_nodes", nodes, f"the {s.world_size} GPUs profiled, for every model"),
         Key("--actor.num_gpus_per_node", per_node),
@@ -138,13 +138,13 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         )
     )
     if "reference" in a.roles and a.dtypes["reference"] != "bf16":
-        raise _refuse(
+        raise refuse(
             target,
             f"--dtype {a.dtypes['reference']}",
             "OpenRLHF loads its reference in --ds.param_dtype (bf16, openrlhf/trainer/ray/launcher.py)",
             "drop --dtype",
         )
-    keys += _switch(
+    keys += switch_keys(
         target,
         run,
         same,
@@ -156,14 +156,14 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     )
     policy, critic = a.lora.get("policy"), a.lora.get("critic")
     if "critic" in a.roles and policy != critic:
-        raise _refuse(
+        raise refuse(
             target,
             f"LoRA {_lora_text(policy)} for the policy and {_lora_text(critic)} for the critic",
             "OpenRLHF's --ds.lora.* adapt the actor and the critic alike (ppo_actor.py, ppo_critic.py)",
             "give both the same adapters (--lora-rank with a config whose critic has them too)",
         )
     if policy is not None and policy.alpha != int(policy.alpha):
-        raise _refuse(target, f"--lora-alpha {policy.alpha:g}", "--ds.lora.alpha takes an integer", "pass an integer --lora-alpha")
+        raise refuse(target, f"--lora-alpha {policy.alpha:g}", "--ds.lora.alpha takes an integer", "pass an integer --lora-alpha")
     keys.append(
         Key(
             "--ds.lora.rank",
@@ -174,7 +174,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     if policy is not None:
         keys.append(Key("--ds.lora.alpha", int(policy.alpha)))
         keys += _openrlhf_targets(run, policy, same)
-    _check_head(
+    check_head(
         target,
         a,
         ("full",),
@@ -193,10 +193,10 @@ def _openrlhf_targets(run: RunConfig, spec: LoraSpec, same: bool) -> list[Key]:
     ``"all-linear"`` must stay the default.
     """
     if not isinstance(spec.targets, str):
-        return [Key("--ds.lora.target_modules", _lora_value(spec))]
+        return [Key("--ds.lora.target_modules", lora_value(spec))]
     given = getattr(run, "values", {}).get("ds.lora.target_modules", "all-linear")
     if same and given != "all-linear":
-        raise _refuse(
+        raise refuse(
             "openrlhf",
             "--lora-targets all-linear",
             f"the launch command gives --ds.lora.target_modules {shlex.join(map(str, given))}, and all-linear is "

@@ -15,13 +15,13 @@ from typing import Any
 from batchfit.frameworks.assumptions import (
     Assumptions,
     Key,
-    _check_head,
-    _check_strategy,
-    _gpus,
-    _lora_keys,
-    _refuse,
+    check_head,
+    check_strategy,
+    lora_adapter_keys,
+    nodes_and_gpus,
+    refuse,
 )
-from batchfit.frameworks.emit import _REMOVE_PADDING
+from batchfit.frameworks.emit import REMOVE_PADDING
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import RunProfile
 from batchfit.train.framework_heads import FrameworkHead
@@ -40,7 +40,7 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
             min(trained, forward),
             why(binding, f"every pass (SkyRL uses one key): the smallest budget, set by {binding}"),
         ),
-        Key("trainer.remove_microbatch_padding", True, _REMOVE_PADDING.format(framework="SkyRL")),
+        Key("trainer.remove_microbatch_padding", True, REMOVE_PADDING.format(framework="SkyRL")),
     ]
     plan = skyrl_plan(profile.run, world)
     if plan.samples_per_mini_batch_per_gpu is not None:
@@ -94,21 +94,21 @@ _S_STRATEGY = "skyrl/backends/skyrl_train/distributed/fsdp_strategy.py _fsdp_ini
 def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     target = "skyrl"
     s = a.sharding
-    _check_strategy(
+    check_strategy(
         target,
         a,
         ("fsdp2",),
         "SkyRL's FSDP strategy is fully_shard (FSDP2: trainer.strategy fsdp, fsdp_strategy.py apply_fsdp2)",
     )
     if a.trained_dtype != "fp32":
-        raise _refuse(
+        raise refuse(
             target,
             f"--dtype {a.trained_dtype}",
             "SkyRL loads the policy and the critic it trains in fp32 (skyrl/backends/skyrl_train/workers/fsdp/"
             "fsdp_worker.py: HFModelWrapper(bf16=policy.inference_only_init), critic bf16=False)",
             "pass --dtype fp32",
         )
-    nodes, per_node = _gpus(run, a, target)
+    nodes, per_node = nodes_and_gpus(run, a, target)
     keys = [
         Key(_S_PLACEMENT + "policy_num_nodes", nodes, f"the {s.world_size} GPUs profiled, for every model"),
         Key(_S_PLACEMENT + "policy_num_gpus_per_node", per_node),
@@ -145,7 +145,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     if "reference" in a.roles:
         ref = a.dtypes["reference"]
         if ref not in ("bf16", "fp32"):
-            raise _refuse(target, f"--dtype {ref}", "SkyRL loads its reference in bf16 or fp32 (trainer.bf16)", "pass --dtype fp32")
+            raise refuse(target, f"--dtype {ref}", "SkyRL loads its reference in bf16 or fp32 (trainer.bf16)", "pass --dtype fp32")
         keys.append(
             Key("trainer.bf16", ref == "bf16", f"the reference loads in {ref} (fsdp_worker.py: HFModelWrapper(bf16=trainer.bf16))")
         )
@@ -158,7 +158,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     )
     for role, prefix in (("policy", "trainer.policy.model.lora."), ("critic", "trainer.critic.model.lora.")):
         if role in a.roles:
-            keys += _lora_keys(a.lora.get(role), prefix + "rank", prefix + "alpha", prefix + "target_modules")
+            keys += lora_adapter_keys(a.lora.get(role), prefix + "rank", prefix + "alpha", prefix + "target_modules")
     keys += _skyrl_head(run, a, same)
     return keys
 
@@ -171,11 +171,11 @@ def _skyrl_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         "fused_lm_head_logprob needs trainer.strategy megatron, TrainerConfig.__post_init__)"
     )
     fix = "drop --logprobs (the config's head), or pass --logprobs skyrl"
-    _check_head(target, a, ("skyrl",), why, fix)
+    check_head(target, a, ("skyrl",), why, fix)
     head = a.head
     assert isinstance(head, FrameworkHead)
     if head.entropy != "chunked" or head.forward_entropy != "none":
-        raise _refuse(target, f"--logprobs skyrl with {head.entropy} entropy", why, fix)
+        raise refuse(target, f"--logprobs skyrl with {head.entropy} entropy", why, fix)
     keys = [
         Key(
             "trainer.logprobs_chunk_size",
@@ -190,7 +190,7 @@ def _skyrl_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     if same:
         own = (run.entropy_grad, run.entropy_in_loss, float(run.temperature or 1.0))
         if own != (head.entropy_grad, head.entropy_in_loss, head.temperature):
-            raise _refuse(
+            raise refuse(
                 target,
                 "--logprobs skyrl",
                 f"the head profiled assumes {algorithm}, but the config's trainer.algorithm.use_entropy_loss and "

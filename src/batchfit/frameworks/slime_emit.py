@@ -14,14 +14,14 @@ from typing import Any
 from batchfit.frameworks.assumptions import (
     Assumptions,
     Key,
-    _check_head,
-    _check_precision,
-    _check_strategy,
-    _gpus,
-    _refuse,
-    _switch,
+    check_head,
+    check_precision,
+    check_strategy,
+    nodes_and_gpus,
+    refuse,
+    switch_keys,
 )
-from batchfit.frameworks.emit import _cost_note, _smallest
+from batchfit.frameworks.emit import cost_note, smallest_budget
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import RunProfile
 
@@ -37,7 +37,7 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
     parsed but not read at that commit, so it is not emitted.
     """
     del max_seq_len, world
-    binding = _smallest(budgets, tuple(budgets))
+    binding = smallest_budget(budgets, tuple(budgets))
     keys = [
         Key("--use-dynamic-batch-size", True, "micro-batches by the token count below (build_dp_schedule)")
     ]
@@ -52,14 +52,14 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
                 ),
             )
         )
-    keys.append(Key("", False, f"the budget counts {_cost_note(profile, 'slime')}"))
+    keys.append(Key("", False, f"the budget counts {cost_note(profile, 'slime')}"))
     return keys
 
 
 def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     target = "slime"
     s = a.sharding
-    _check_strategy(
+    check_strategy(
         target,
         a,
         ("fsdp2",),
@@ -67,29 +67,29 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         "same GPUs",
     )
     if not s.reshard_after_forward:
-        raise _refuse(
+        raise refuse(
             target,
             "--no-reshard-after-forward",
             "slime trains with Megatron-LM, approximated by FSDP2 resharding after forward",
             "drop --no-reshard-after-forward",
         )
     if s.offload == "cpu":
-        raise _refuse(
+        raise refuse(
             target,
             "--offload cpu",
             "slime keeps the training state on the GPUs while it trains (--offload-train moves it to the host "
             "between phases only)",
             "profile with --offload none",
         )
-    _check_precision(
+    check_precision(
         target,
         a,
         "slime always trains in bf16 with Megatron's distributed optimizer, fp32 main parameters "
         "(slime/backends/megatron_utils/arguments.py set_default_megatron_args: bf16, use_distributed_optimizer)",
     )
     if a.lora.get("policy") is not None:
-        raise _refuse(target, f"--lora-rank {a.lora['policy'].rank}", "slime at 624b824a has no LoRA flags", "pass --lora-rank 0")
-    nodes, per_node = _gpus(run, a, target)
+        raise refuse(target, f"--lora-rank {a.lora['policy'].rank}", "slime at 624b824a has no LoRA flags", "pass --lora-rank 0")
+    nodes, per_node = nodes_and_gpus(run, a, target)
     keys = [
         Key("--actor-num-nodes", nodes, f"the {s.world_size} GPUs profiled (the critic shares them)"),
         Key("--actor-num-gpus-per-node", per_node),
@@ -110,7 +110,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             Key("--recompute-num-layers", 1),
         ]
     else:
-        keys += _switch(
+        keys += switch_keys(
             target,
             run,
             same,
@@ -120,7 +120,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             "--gradient-checkpointing",
             "",
         )
-    _check_head(
+    check_head(
         target,
         a,
         ("full",),

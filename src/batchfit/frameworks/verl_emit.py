@@ -14,13 +14,13 @@ from typing import Any
 from batchfit.frameworks.assumptions import (
     Assumptions,
     Key,
-    _check_head,
-    _check_strategy,
-    _gpus,
-    _lora_keys,
-    _refuse,
+    check_head,
+    check_strategy,
+    lora_adapter_keys,
+    nodes_and_gpus,
+    refuse,
 )
-from batchfit.frameworks.emit import _REMOVE_PADDING
+from batchfit.frameworks.emit import REMOVE_PADDING
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import RunProfile
 from batchfit.train.framework_heads import FrameworkHead
@@ -64,7 +64,7 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
     del profile, max_seq_len, world
     keys = [
         Key("actor_rollout_ref.actor.use_dynamic_bsz", True, "micro-batches by the token lengths below"),
-        Key("actor_rollout_ref.model.use_remove_padding", True, _REMOVE_PADDING.format(framework="verl")),
+        Key("actor_rollout_ref.model.use_remove_padding", True, REMOVE_PADDING.format(framework="verl")),
     ]
     if "critic" in budgets:
         keys.append(Key("critic.model.use_remove_padding", True, "the critic's micro-batches packed too"))
@@ -94,21 +94,21 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     target = "verl"
     s = a.sharding
     critic = "critic" in a.roles
-    _check_strategy(
+    check_strategy(
         target,
         a,
         ("fsdp1", "fsdp2"),
         "verl's FSDP engines are FSDP1 (strategy fsdp) and FSDP2 (strategy fsdp2), not DDP",
     )
     if s.offload == "cpu" and s.strategy == "fsdp1":
-        raise _refuse(
+        raise refuse(
             target,
             "--offload cpu with --sharding fsdp1",
             f"verl's FSDP1 engine turns CPU offload off for the actor and the critic ({_V_SRC} _build_fsdp_module: "
             "cpu_offload=None unless forward_only)",
             "pass --sharding fsdp2 (strategy fsdp2 reads fsdp_config.offload_policy)",
         )
-    nodes, per_node = _gpus(run, a, target)
+    nodes, per_node = nodes_and_gpus(run, a, target)
     keys = [
         Key("trainer.nnodes", nodes, f"the {s.world_size} GPUs profiled (verl: trainer.nnodes × n_gpus_per_node)"),
         Key("trainer.n_gpus_per_node", per_node),
@@ -149,7 +149,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         keys.append(Key("critic.model.enable_gradient_checkpointing", a.gradient_checkpointing))
     for role, prefix in (("policy", _V_MODEL), ("critic", "critic.model.")):
         if role in a.roles:
-            keys += _lora_keys(a.lora.get(role), prefix + "lora_rank", prefix + "lora_alpha", prefix + "target_modules")
+            keys += lora_adapter_keys(a.lora.get(role), prefix + "lora_rank", prefix + "lora_alpha", prefix + "target_modules")
     keys += _verl_head(run, a, same)
     return keys
 
@@ -188,7 +188,7 @@ def _verl_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     """use_fused_kernels, or verl's own head: the engine's entropy keys (prepare_model_outputs)."""
     target = "verl"
     fix = "drop --logprobs (the config's head), or pass --logprobs verl or --logprobs fused"
-    _check_head(
+    check_head(
         target,
         a,
         ("verl", "fused"),
@@ -205,10 +205,10 @@ def _verl_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             )
         ]
     head = a.head
-    assert isinstance(head, FrameworkHead)  # _check_head let only verl's head through
+    assert isinstance(head, FrameworkHead)  # check_head let only verl's head through
     modes = {head.entropy, head.forward_entropy} - {"none"}
     if len(modes) > 1:
-        raise _refuse(
+        raise refuse(
             target,
             f"--logprobs with {head.entropy} entropy in the update and {head.forward_entropy} in the log-prob pass",
             "verl's engine computes both passes' entropy one way (entropy_checkpointing, "
@@ -237,7 +237,7 @@ def _verl_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             float(run.temperature or 1.0),
         )
         if own != (in_update, head.entropy_in_loss, head.forward_entropy != "none", head.temperature):
-            raise _refuse(
+            raise refuse(
                 target,
                 f"--logprobs {head.framework}",
                 f"the head profiled assumes {algorithm}, but the config's actor.calculate_entropy, entropy_coeff, "
