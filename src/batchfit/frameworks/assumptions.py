@@ -3,8 +3,11 @@
 :func:`setting_keys` takes the options every model role was profiled with
 (:func:`batchfit.frameworks.run_profile.role_options`, kept in :attr:`RunProfile.options`) and writes,
 for verl, SkyRL, OpenRLHF or slime, the key or flag that makes the framework run what was
-profiled; :func:`check_emit` refuses, before any probe, what a framework cannot express.
-:mod:`batchfit.frameworks.emit` adds these keys to the token budgets' keys.
+profiled: each framework's emit module (``<name>_emit.py``, its ``assumption_keys``, reached
+through :meth:`FrameworkSpec.emit_module <batchfit.frameworks.registry.FrameworkSpec.emit_module>`)
+writes them from the :class:`Assumptions` with the checks and refusals here (:func:`refuse`,
+:func:`check_strategy`, ...); :func:`check_emit` refuses, before any probe, what a framework
+cannot express. :mod:`batchfit.frameworks.emit` adds these keys to the token budgets' keys.
 
 NOTE [ Emitted keys carry every assumption ]
 A token budget holds only for the run that was profiled: its sharding (strategy, ranks,
@@ -22,7 +25,7 @@ batchfit's response-only head everywhere. Settings of the algorithm rather than 
 config in the target's own vocabulary they must match what its keys say, else the profile is
 refused; from another framework's config a comment states what the budgets assumed.
 
-Every key below cites where the framework reads it; the releases are those of
+Every key the emit modules write cites where the framework reads it; the releases are those of
 :mod:`~batchfit.frameworks.verl` (verl 0.9.1), :mod:`~batchfit.frameworks.skyrl` (SkyRL 0.4.0),
 :mod:`~batchfit.frameworks.openrlhf` (OpenRLHF 0.11.2) and :mod:`~batchfit.frameworks.slime`
 (slime 624b824a).
@@ -41,7 +44,22 @@ from batchfit.models.lora import LoraSpec
 from batchfit.parallel.sharding import Sharding
 from batchfit.train.framework_heads import FrameworkHead, as_framework_head
 
-__all__ = ["Assumptions", "EmitError", "Key", "assumptions", "check_emit", "setting_keys"]
+__all__ = [
+    "Assumptions",
+    "EmitError",
+    "Key",
+    "assumptions",
+    "check_emit",
+    "check_head",
+    "check_precision",
+    "check_strategy",
+    "lora_adapter_keys",
+    "lora_value",
+    "nodes_and_gpus",
+    "refuse",
+    "setting_keys",
+    "switch_keys",
+]
 
 
 class EmitError(InvalidArgument):
@@ -193,6 +211,7 @@ def setting_keys(run: RunConfig, by_role: Mapping[str, Any], target: str) -> lis
 
 
 def refuse(target: str, setting: str, why: str, fix: str) -> EmitError:
+    """The :class:`EmitError` that says ``--emit target`` cannot carry ``setting``, why, and the fix (the caller raises it)."""
     return EmitError(f"--emit {target} cannot carry {setting}: {why}; {fix}")
 
 
@@ -201,7 +220,11 @@ def _flag(name: str, on: bool) -> str:
 
 
 def nodes_and_gpus(run: RunConfig, a: Assumptions, target: str) -> tuple[int, int]:
-    """(nodes, GPUs per node) of the profiled ranks, over the config's node count."""
+    """(nodes, GPUs per node) of the profiled ranks, over the config's node count.
+
+    Raises:
+        EmitError: the ranks do not split into the config's nodes equally.
+    """
     world = a.sharding.world_size
     nodes = run.batch.num_nodes if isinstance(run.batch.num_nodes, int) and run.batch.num_nodes > 0 else 1
     if world % nodes:
@@ -215,7 +238,11 @@ def nodes_and_gpus(run: RunConfig, a: Assumptions, target: str) -> tuple[int, in
 
 
 def check_strategy(target: str, a: Assumptions, allowed: tuple[str, ...], why: str) -> None:
-    """Refuse a strategy ``target`` does not run; ``none`` is one GPU (the framework's FSDP over one rank)."""
+    """Refuse a strategy ``target`` does not run; ``none`` is one GPU (the framework's FSDP over one rank).
+
+    Raises:
+        EmitError: the strategy is not one of ``allowed`` (``why`` says so), or ``none`` over several GPUs.
+    """
     s = a.sharding
     if s.strategy == "none" and s.world_size > 1:
         raise refuse(
@@ -229,7 +256,11 @@ def check_strategy(target: str, a: Assumptions, allowed: tuple[str, ...], why: s
 
 
 def check_precision(target: str, a: Assumptions, why: str) -> None:
-    """Refuse anything but fp32 parameters with bf16 mixed precision (FSDP over more than one GPU)."""
+    """Refuse anything but fp32 parameters with bf16 mixed precision (FSDP over more than one GPU).
+
+    Raises:
+        EmitError: another precision or dtype (``why`` says what the framework runs).
+    """
     if a.sharding.strategy == "none" or a.sharding.mixed_precision != "bf16":
         raise refuse(
             target,
@@ -242,6 +273,11 @@ def check_precision(target: str, a: Assumptions, why: str) -> None:
 
 
 def check_head(target: str, a: Assumptions, allowed: tuple[str, ...], why: str, fix: str) -> None:
+    """Refuse a log-prob head ``target`` does not run (a :class:`FrameworkHead` by its framework's name).
+
+    Raises:
+        EmitError: the policy's head is not one of ``allowed``.
+    """
     head = a.head
     name = head.framework if isinstance(head, FrameworkHead) else head
     if name not in allowed:
@@ -249,13 +285,18 @@ def check_head(target: str, a: Assumptions, allowed: tuple[str, ...], why: str, 
 
 
 def lora_value(spec: LoraSpec) -> Value:
+    """The adapters' target modules as a key's value: ``all-linear`` as it is, module names as a tuple."""
     return spec.targets if isinstance(spec.targets, str) else tuple(spec.targets)
 
 
 def switch_keys(
     target: str, run: RunConfig, same: bool, flag: str, on: bool, given: bool, option: str, why: str
 ) -> list[Key]:
-    """A ``store_true`` flag: given when on; when off, refused if the launch command gives it (no flag undoes it)."""
+    """A ``store_true`` flag: given when on; when off, refused if the launch command gives it (no flag undoes it).
+
+    Raises:
+        EmitError: ``on`` is false, and the target's own launch command (``same``) gives the flag (``given``).
+    """
     if on:
         return [Key(flag, True, why)]
     if same and given:
@@ -269,6 +310,7 @@ def switch_keys(
 
 
 def lora_adapter_keys(spec: LoraSpec | None, rank: str, alpha: str, targets: str) -> list[Key]:
+    """The keys ``rank``, ``alpha`` and ``targets`` of ``spec``'s adapters; rank 0 alone without LoRA."""
     if spec is None:
         return [Key(rank, 0, "no LoRA: every parameter trained")]
     return [

@@ -1,6 +1,9 @@
 """The keys to set in a framework's config, from the profiled budgets: YAML, overrides or flags, a comment per key.
 
-:func:`emit_keys` picks the keys and values; :func:`render_yaml` and :func:`render_overrides`
+:func:`emit_keys` picks the keys and values: each framework's token keys are written by its emit
+module (``<name>_emit.py``, :meth:`FrameworkSpec.emit_module
+<batchfit.frameworks.registry.FrameworkSpec.emit_module>`), from the helpers here
+(:data:`REMOVE_PADDING`, :func:`smallest_budget`, :func:`cost_note`). :func:`render_yaml` and :func:`render_overrides`
 write SkyRL's and verl's keys, :func:`render_flags` OpenRLHF's and slime's command-line flags
 (the flags their trainers' argument parsers accept, ``defaults/<framework>_flags.json``);
 :func:`render_keys` picks by target. The YAML merged into the profiled config, or the flags
@@ -23,21 +26,24 @@ from batchfit.memory import backend_class
 
 __all__ = [
     "FLAG_TARGETS",
+    "REMOVE_PADDING",
     "TARGETS",
     "EmitError",
     "Key",
     "check_emit",
+    "cost_note",
     "emit_keys",
     "provenance",
     "render_flags",
     "render_keys",
     "render_overrides",
     "render_yaml",
+    "smallest_budget",
     "target_head",
 ]
 
-TARGETS = framework_names()
-"""Every framework of :mod:`batchfit.frameworks.registry`: ``verl``, ``skyrl``, ``openrlhf``, ``slime``."""
+TARGETS = tuple(name for name in framework_names() if get_framework(name).emit is not None)
+"""Every framework of :mod:`batchfit.frameworks.registry` with an emit module: ``verl``, ``skyrl``, ``openrlhf``, ``slime``."""
 FLAG_TARGETS = tuple(name for name in TARGETS if get_framework(name).reads_command)
 """Targets configured by command-line flags (rendered by :func:`render_flags`): ``openrlhf``, ``slime``."""
 FORMATS = ("yaml", "overrides")
@@ -113,7 +119,7 @@ def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: flo
 
 
 def _token_keys(profile: RunProfile, target: str, max_seq_len: int, margin: float, world: int) -> list[Key]:
-    """The token budgets' keys of ``target`` (and the micro sizes and switches that go with them)."""
+    """The token budgets' keys of ``target`` (and the micro sizes and switches that go with them): its emit module's ``token_keys``."""
     budgets = {role: b.tokens for role, b in profile.budgets.items()}
 
     def why(role: str, what: str) -> str:
@@ -133,6 +139,7 @@ def smallest_budget(budgets: dict[str, int], roles: tuple[str, ...]) -> str | No
 
 
 def cost_note(profile: RunProfile, framework: str) -> str:
+    """What the budgets' rows are (packed, as ``framework`` runs them, or padded) for a flag target's comment."""
     costs = {b.cost for b in profile.budgets.values()}
     if costs == {"packed"}:
         return f"packed rows, as {framework} runs them"

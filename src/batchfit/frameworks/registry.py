@@ -7,8 +7,10 @@ registry is full before any caller can ask (NOTE [ Rules registered from above ]
 :mod:`batchfit.plan.rules`). Registering a spec also registers its batch rules with the plan.
 
 This module imports nothing that imports torch: a spec holds what reading and planning need
-(``import batchfit`` stays light); the modules that emit keys (:mod:`batchfit.frameworks.emit`,
-:mod:`batchfit.frameworks.assumptions`) keep their writers in tables keyed by the same names.
+(``import batchfit`` stays light), and names the module that writes its keys for ``--emit``
+(``<name>_emit.py``, which imports torch) by its dotted path, imported on first use
+(:meth:`FrameworkSpec.emit_module`); :mod:`batchfit.frameworks.emit` and
+:mod:`batchfit.frameworks.assumptions` call it there.
 """
 
 from __future__ import annotations
@@ -99,10 +101,14 @@ class FrameworkSpec:
     def emit_module(self) -> ModuleType:
         """The module named by :attr:`emit`, imported now if it was not yet.
 
-        It defines ``token_keys(profile, budgets, why, max_seq_len, world) → list[Key]`` (the
-        token budgets' keys, for :func:`batchfit.frameworks.emit.emit_keys`) and
-        ``assumption_keys(run, assumptions, same) → list[Key]`` (the keys of every profiled
-        setting, for :func:`batchfit.frameworks.assumptions.setting_keys`).
+        It defines ``token_keys(profile, budgets, why, max_seq_len, world) → list[Key]``, the
+        token budgets' keys for :func:`batchfit.frameworks.emit.emit_keys` (``budgets``: role →
+        tokens per GPU; ``why(role, what)``: the comment naming a role's budget and its
+        provenance; ``world``: the GPUs profiled), and ``assumption_keys(run, assumptions, same)
+        → list[Key]``, the keys of every profiled setting for
+        :func:`batchfit.frameworks.assumptions.setting_keys` (``same``: ``run`` is written in this
+        framework's own vocabulary), raising :class:`~batchfit.frameworks.assumptions.EmitError`
+        for a setting it cannot express.
 
         Raises:
             InvalidArgument: the spec names no emit module.
