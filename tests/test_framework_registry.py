@@ -80,3 +80,19 @@ def test_the_registry_is_full_after_import_batchfit_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "('batchfit', 'skyrl', 'verl') False"
+
+
+def test_each_framework_names_its_emit_module_which_writes_its_token_and_assumption_keys():
+    for spec in SPECS:
+        module = spec.emit_module()
+        assert module.__name__ == f"batchfit.frameworks.{spec.name}_emit"
+        assert callable(module.token_keys) and callable(module.assumption_keys)
+    with pytest.raises(ValueError, match=r"framework 'x' has no emit module \(FrameworkSpec.emit is None\)"):
+        FrameworkSpec(name="x", title="x 1", read_config=print).emit_module()
+
+
+def test_import_batchfit_imports_no_emit_module():
+    # a spec names its emit module by its dotted path, imported on first use (emitting imports torch)
+    code = "import sys, batchfit; print(sorted(name for name in sys.modules if name.endswith('_emit')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -13,7 +13,9 @@ Each framework is one :class:`~batchfit.frameworks.registry.FrameworkSpec`, regi
 in :mod:`batchfit.frameworks.registry` when this package is imported; callers ask
 :func:`~batchfit.frameworks.registry.get_framework` and never branch on a framework's name.
 
-Adding a framework means adding one module, ``batchfit/frameworks/<name>.py``, and registering it:
+Adding a framework means adding its module, ``batchfit/frameworks/<name>.py`` (with, beside it, its
+rules in ``<name>_rules.py`` where it has its own and its keys for ``--emit`` in ``<name>_emit.py``),
+and registering it:
 
 - a reader: ``read(resolved, given) → RunConfig`` for a YAML/JSON config (its defaults and schema
   in ``defaults/``, its keys told apart by :func:`~batchfit.frameworks.source.detect_vocabulary`),
@@ -26,8 +28,14 @@ Adding a framework means adding one module, ``batchfit/frameworks/<name>.py``, a
   :mod:`batchfit.train.framework_heads`, NOTE [ Heads stay in train ] there), the dtype of its
   reference, and why ``profile`` cannot model a training strategy it runs, if any;
 - ``SPEC = FrameworkSpec(...)`` holding them, added to :data:`SPECS` below;
-- for ``--emit``: its token keys in :mod:`batchfit.frameworks.emit` and the keys of every
-  profiled setting in :mod:`batchfit.frameworks.assumptions` (tables keyed by its name).
+- for ``--emit``: an emit module, ``<name>_emit.py``, named in the spec by its dotted path
+  (``FrameworkSpec.emit``, imported on first use: it imports torch, the registry does not), that
+  defines ``token_keys(profile, budgets, why, max_seq_len, world)``, the keys of its token budgets,
+  and ``assumption_keys(run, assumptions, same)``, the keys of every profiled setting or an
+  :class:`~batchfit.frameworks.assumptions.EmitError` for one it cannot express (NOTE [ Emitted keys
+  carry every assumption ]); :mod:`batchfit.frameworks.emit` and
+  :mod:`batchfit.frameworks.assumptions` call them through the registry and hold the helpers they
+  share (:class:`~batchfit.frameworks.assumptions.Key`, the checks and refusals).
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """The keys to set in a framework's config, from the profiled budgets: YAML, overrides or flags, a comment per key.
 
-:func:`emit_keys` picks the keys and values; :func:`render_yaml` and :func:`render_overrides`
+:func:`emit_keys` picks the keys and values: each framework's token keys are written by its emit
+module (``<name>_emit.py``, :meth:`FrameworkSpec.emit_module
+<batchfit.frameworks.registry.FrameworkSpec.emit_module>`), from the helpers here
+(:data:`REMOVE_PADDING`, :func:`smallest_budget`, :func:`cost_note`). :func:`render_yaml` and :func:`render_overrides`
 write SkyRL's and verl's keys, :func:`render_flags` OpenRLHF's and slime's command-line flags
 (the flags their trainers' argument parsers accept, ``defaults/<framework>_flags.json``);
 :func:`render_keys` picks by target. The YAML merged into the profiled config, or the flags
@@ -13,7 +16,6 @@ assumption ]).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from batchfit.errors import InvalidArgument
@@ -24,60 +26,33 @@ from batchfit.memory import backend_class
 
 __all__ = [
     "FLAG_TARGETS",
+    "REMOVE_PADDING",
     "TARGETS",
     "EmitError",
     "Key",
     "check_emit",
+    "cost_note",
     "emit_keys",
     "provenance",
     "render_flags",
     "render_keys",
     "render_overrides",
     "render_yaml",
+    "smallest_budget",
     "target_head",
 ]
 
-TARGETS = framework_names()
-"""Every framework of :mod:`batchfit.frameworks.registry`: ``verl``, ``skyrl``, ``openrlhf``, ``slime``."""
+TARGETS = tuple(name for name in framework_names() if get_framework(name).emit is not None)
+"""Every framework of :mod:`batchfit.frameworks.registry` with an emit module: ``verl``, ``skyrl``, ``openrlhf``, ``slime``."""
 FLAG_TARGETS = tuple(name for name in TARGETS if get_framework(name).reads_command)
 """Targets configured by command-line flags (rendered by :func:`render_flags`): ``openrlhf``, ``slime``."""
-# verl: each pass → the key that turns token-length micro-batching on, its length key, and what runs.
-VERL_KEYS = (
-    (
-        "policy",
-        "actor_rollout_ref.actor.use_dynamic_bsz",
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-        "actor update",
-    ),
-    (
-        "policy_forward",
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-        "old log-probs (no_grad)",
-    ),
-    (
-        "reference",
-        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
-        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-        "reference log-probs (no_grad)",
-    ),
-    ("critic", "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu", "critic update"),
-    # verl 0.9.1's V1 trainer (trainer_base.py) sets the critic engine's training and inference
-    # token lengths both from ppo_infer_max_token_len_per_gpu: it takes the smaller budget
-    (
-        "critic_forward",
-        "critic.use_dynamic_bsz",
-        "critic.ppo_infer_max_token_len_per_gpu",
-        "values (no_grad) and, in verl's V1 trainer, the critic update too",
-    ),
-)
 FORMATS = ("yaml", "overrides")
 
 
 # verl and SkyRL count a micro-batch's valid tokens (the attention mask's sum): a token budget
 # bounds packed rows only; with padding kept, a micro-batch is as wide as its longest row times
 # its rows, which no token count bounds.
-_REMOVE_PADDING = (
+REMOVE_PADDING = (
     "the budgets bound packed rows, and {framework} counts valid tokens: without it every micro-batch "
     "is padded to its longest row, which no token budget bounds"
 )
@@ -144,7 +119,7 @@ def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: flo
 
 
 def _token_keys(profile: RunProfile, target: str, max_seq_len: int, margin: float, world: int) -> list[Key]:
-    """The token budgets' keys of ``target`` (and the micro sizes and switches that go with them)."""
+    """The token budgets' keys of ``target`` (and the micro sizes and switches that go with them): its emit module's ``token_keys``."""
     budgets = {role: b.tokens for role, b in profile.budgets.items()}
 
     def why(role: str, what: str) -> str:
@@ -154,191 +129,21 @@ def _token_keys(profile: RunProfile, target: str, max_seq_len: int, margin: floa
             f"{b.usable_bytes / 2**30:.1f} GiB usable)"
         )
 
-    return _TOKEN_KEYS[target](profile, budgets, why, max_seq_len, world)
+    return get_framework(target).emit_module().token_keys(profile, budgets, why, max_seq_len, world)
 
 
-def _verl_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
-    """verl has a switch and a token length per pass (:data:`VERL_KEYS`)."""
-    del profile, max_seq_len, world
-    keys = [
-        Key("actor_rollout_ref.actor.use_dynamic_bsz", True, "micro-batches by the token lengths below"),
-        Key("actor_rollout_ref.model.use_remove_padding", True, _REMOVE_PADDING.format(framework="verl")),
-    ]
-    if "critic" in budgets:
-        keys.append(Key("critic.model.use_remove_padding", True, "the critic's micro-batches packed too"))
-    for role, switch, length, what in VERL_KEYS:
-        if role in budgets:
-            if all(k.path != switch for k in keys):
-                keys.append(Key(switch, True))
-            value = (
-                min(budgets[role], budgets.get("critic", budgets[role]))
-                if role == "critic_forward"
-                else budgets[role]
-            )
-            bound = "critic" if role == "critic_forward" and value == budgets.get("critic") else role
-            keys.append(Key(length, value, why(bound, what)))
-    return keys
-
-
-def _skyrl_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
-    """SkyRL has one token key for every pass, and micro sizes validate_batch_sizes checks (over the profiled GPUs)."""
-    trained = min(budgets[r] for r in ("policy", "critic") if r in budgets)
-    forward = min(budgets[r] for r in ("policy_forward", "critic_forward", "reference") if r in budgets)
-    binding = min(budgets, key=budgets.get)
-    keys = [
-        Key(
-            "trainer.max_tokens_per_microbatch",
-            min(trained, forward),
-            why(binding, f"every pass (SkyRL uses one key): the smallest budget, set by {binding}"),
-        ),
-        Key("trainer.remove_microbatch_padding", True, _REMOVE_PADDING.format(framework="SkyRL")),
-    ]
-    plan = skyrl_plan(profile.run, world)
-    if plan.samples_per_mini_batch_per_gpu is not None:
-        # the micro sizes SkyRL validates even with the token key: divisors of the per-GPU mini-batch
-        per_gpu = min(r.samples_per_mini_batch_per_gpu for r in plan.roles)
-        micro = _largest_divisor_at_most(per_gpu, max(trained // max_seq_len, 1))
-        keys.append(
-            Key(
-                "trainer.micro_train_batch_size_per_gpu",
-                micro,
-                f"sample-based fallback: {micro} sequences of {max_seq_len:,} tokens fit, and {micro} divides {per_gpu}",
-            )
-        )
-    keys.append(
-        Key(
-            "trainer.micro_forward_batch_size_per_gpu",
-            max(forward // max_seq_len, 1),
-            f"sample-based fallback: forward passes of {max_seq_len:,}-token sequences",
-        )
-    )
-    return keys
-
-
-def skyrl_plan(run: Any, world: int) -> Any:
-    """The batch plan SkyRL's micro sizes are derived from: ``run``'s sizes over ``world`` GPUs, sample micro-batches.
-
-    Raises:
-        BatchConfigError: the plan's faults in the config's own key names.
-    """
-    from batchfit.errors import BatchConfigError
-
-    batch = run.batch
-    nodes = batch.num_nodes if isinstance(batch.num_nodes, int) and batch.num_nodes > 0 else 1
-    if world != run.world_size and world % nodes == 0:
-        batch = batch.replace(world_size=None, num_nodes=nodes, gpus_per_node=world // nodes)
-    try:
-        return batch.replace(max_tokens_per_micro_batch=None, micro_train_batch_size_per_gpu=1).plan()
-    except BatchConfigError as exc:
-        raise BatchConfigError([run.in_own_words(f) for f in exc.faults]) from None
-
-
-def _smallest(budgets: dict[str, int], roles: tuple[str, ...]) -> str | None:
+def smallest_budget(budgets: dict[str, int], roles: tuple[str, ...]) -> str | None:
     """The role of ``roles`` with the smallest budget (the one a shared key must take), or ``None``."""
     present = [r for r in roles if r in budgets]
     return min(present, key=budgets.get) if present else None
 
 
-def _cost_note(profile: RunProfile, framework: str) -> str:
+def cost_note(profile: RunProfile, framework: str) -> str:
+    """What the budgets' rows are (packed, as ``framework`` runs them, or padded) for a flag target's comment."""
     costs = {b.cost for b in profile.budgets.values()}
     if costs == {"packed"}:
         return f"packed rows, as {framework} runs them"
     return f"padded rows; {framework} packs samples into one row (varlen): --cost packed profiles that"
-
-
-def _openrlhf_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
-    """OpenRLHF 0.11.2: one token flag for the actor and critic updates, one for the experience passes.
-
-    ``--train.max_tokens_per_gpu`` bounds the training micro-batches of the actor and the critic
-    (replay_buffer.setup_dynamic_batch); ``--rollout.max_tokens_per_gpu`` the forward passes that
-    make experience: old log-probs, reference log-probs, values (experience_maker).
-    """
-    del max_seq_len, world
-    trained = _smallest(budgets, ("policy", "critic"))
-    forward = _smallest(budgets, ("policy_forward", "reference", "critic_forward"))
-    values = getattr(profile.run, "values", {})
-    keys = [
-        Key(
-            "--train.dynamic_batch_enable",
-            True,
-            "micro-batches by the token counts below (replay_buffer.setup_dynamic_batch, experience_maker)",
-        ),
-        Key(
-            "--ds.packing_samples",
-            True,
-            "train_ppo_ray turns it on with dynamic batches anyway; it needs vLLM (--vllm.num_engines > 0)"
-            + ("" if values.get("vllm.num_engines") else ", which this command does not set"),
-        ),
-    ]
-    if trained is not None:
-        what = (
-            "actor and critic updates (one flag): the smaller budget"
-            if "critic" in budgets
-            else "actor update"
-        )
-        keys.append(
-            Key("--train.max_tokens_per_gpu", budgets[trained], why(trained, f"{what}, set by {trained}"))
-        )
-    if forward is not None:
-        passes = [p for p in ("policy_forward", "reference", "critic_forward") if p in budgets]
-        keys.append(
-            Key(
-                "--rollout.max_tokens_per_gpu",
-                budgets[forward],
-                why(forward, f"experience passes ({', '.join(passes)}; no_grad), set by {forward}"),
-            )
-        )
-    keys.append(
-        Key(
-            "",
-            False,
-            f"the budgets count {_cost_note(profile, 'OpenRLHF')}; OpenRLHF's caps are soft: it balances samples "
-            "into the first-fit count of micro-batches, and rounds the experience passes' count down to a multiple "
-            "of the actor ranks, so a micro-batch can hold more than its cap (the safety margin absorbs a little)",
-        )
-    )
-    return keys
-
-
-def _slime_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
-    """slime (624b824a): one token flag for every pass; log-probs and values run the training micro-batches.
-
-    ``build_dp_schedule`` cuts each step into micro-batches of at most ``--max-tokens-per-gpu``
-    (× context-parallel size); ``compute_log_prob`` (old, reference) and the critic's values reuse
-    that schedule, so the flag takes the smallest budget. ``--log-probs-max-tokens-per-gpu`` is
-    parsed but not read at that commit, so it is not emitted.
-    """
-    del max_seq_len, world
-    binding = _smallest(budgets, tuple(budgets))
-    keys = [
-        Key("--use-dynamic-batch-size", True, "micro-batches by the token count below (build_dp_schedule)")
-    ]
-    if binding is not None:
-        keys.append(
-            Key(
-                "--max-tokens-per-gpu",
-                budgets[binding],
-                why(
-                    binding,
-                    f"every pass (slime runs log-probs and values over the training micro-batches), set by {binding}",
-                ),
-            )
-        )
-    keys.append(Key("", False, f"the budget counts {_cost_note(profile, 'slime')}"))
-    return keys
-
-
-# Each target's token keys, ``(profile, budgets, why, max_seq_len, world) → keys``.
-_TOKEN_KEYS: dict[str, Callable[[RunProfile, dict[str, int], Any, int, int], list[Key]]] = {
-    "verl": _verl_keys,
-    "skyrl": _skyrl_keys,
-    "openrlhf": _openrlhf_keys,
-    "slime": _slime_keys,
-}
-
-
-def _largest_divisor_at_most(n: int, cap: int) -> int:
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
 def render_yaml(keys: list[Key], header: list[str]) -> str:

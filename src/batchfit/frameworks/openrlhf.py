@@ -400,7 +400,11 @@ def _divisor_near(n: int, target: int) -> int:
 
 
 SPEC = FrameworkSpec(
-    name="openrlhf", title="OpenRLHF 0.11.2", read_command=read, strategy_refusal=strategy_refusal
+    name="openrlhf",
+    title="OpenRLHF 0.11.2",
+    read_command=read,
+    strategy_refusal=strategy_refusal,
+    emit="batchfit.frameworks.openrlhf_emit",
 )
 """OpenRLHF in :mod:`batchfit.frameworks.registry`: its rules apply at ``FrameworkRun.plan``; the whole logits' log-probs;
 a bf16 reference (``--ds.param_dtype bf16``, ``launcher.py``)."""

@@ -7,14 +7,18 @@ registry is full before any caller can ask (NOTE [ Rules registered from above ]
 :mod:`batchfit.plan.rules`). Registering a spec also registers its batch rules with the plan.
 
 This module imports nothing that imports torch: a spec holds what reading and planning need
-(``import batchfit`` stays light); the modules that emit keys (:mod:`batchfit.frameworks.emit`,
-:mod:`batchfit.frameworks.assumptions`) keep their writers in tables keyed by the same names.
+(``import batchfit`` stays light), and names the module that writes its keys for ``--emit``
+(``<name>_emit.py``, which imports torch) by its dotted path, imported on first use
+(:meth:`FrameworkSpec.emit_module`); :mod:`batchfit.frameworks.emit` and
+:mod:`batchfit.frameworks.assumptions` call it there.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 from batchfit.errors import InvalidArgument
@@ -59,6 +63,9 @@ class FrameworkSpec:
             (verl's ``ref_in_actor``); ``None`` when a reference model is loaded all the same.
         compiled_entropy: the framework compiles its full entropy, which the probe runs eagerly
             (an upper bound): the note that says so; ``None`` when it runs eagerly too.
+        emit: the dotted name of the module that writes its keys for ``--emit``
+            (``"batchfit.frameworks.verl_emit"``), imported on first use by :meth:`emit_module`
+            (it imports torch; the spec does not); ``None`` when ``--emit`` cannot target it.
 
     Raises:
         InvalidArgument: not exactly one reader.
@@ -77,6 +84,7 @@ class FrameworkSpec:
     emit_needs_plan: bool = False
     lora_reference: str | None = None
     compiled_entropy: str | None = None
+    emit: str | None = None
 
     def __post_init__(self) -> None:
         if (self.read_config is None) == (self.read_command is None):
@@ -89,6 +97,27 @@ class FrameworkSpec:
     def reads_command(self) -> bool:
         """The framework is configured by a launch command (its flags), not a YAML/JSON file."""
         return self.read_command is not None
+
+    def emit_module(self) -> ModuleType:
+        """The module named by :attr:`emit`, imported now if it was not yet.
+
+        It defines ``token_keys(profile, budgets, why, max_seq_len, world) → list[Key]``, the
+        token budgets' keys for :func:`batchfit.frameworks.emit.emit_keys` (``budgets``: role →
+        tokens per GPU; ``why(role, what)``: the comment naming a role's budget and its
+        provenance; ``world``: the GPUs profiled), and ``assumption_keys(run, assumptions, same)
+        → list[Key]``, the keys of every profiled setting for
+        :func:`batchfit.frameworks.assumptions.setting_keys` (``same``: ``run`` is written in this
+        framework's own vocabulary), raising :class:`~batchfit.frameworks.assumptions.EmitError`
+        for a setting it cannot express.
+
+        Raises:
+            InvalidArgument: the spec names no emit module.
+        """
+        if self.emit is None:
+            raise InvalidArgument(
+                f"framework {self.name!r} has no emit module (FrameworkSpec.emit is None); --emit cannot write its keys"
+            )
+        return importlib.import_module(self.emit)
 
 
 _SPECS: dict[str, FrameworkSpec] = {}

@@ -455,5 +455,6 @@ SPEC = FrameworkSpec(
         "gpus_per_node": "trainer.placement.policy_num_gpus_per_node",
     },
     emit_needs_plan=True,
+    emit="batchfit.frameworks.skyrl_emit",
 )
 """SkyRL in :mod:`batchfit.frameworks.registry` (its reference loads in bf16: ``trainer.bf16: true``)."""

@@ -350,6 +350,12 @@ def _product(a: Any, b: Any) -> Any:
     return a * b if ints else None
 
 
-SPEC = FrameworkSpec(name="slime", title="slime 624b824a", read_command=read, strategy_refusal=strategy_refusal)
+SPEC = FrameworkSpec(
+    name="slime",
+    title="slime 624b824a",
+    read_command=read,
+    strategy_refusal=strategy_refusal,
+    emit="batchfit.frameworks.slime_emit",
+)
 """slime in :mod:`batchfit.frameworks.registry`: its rules apply at ``FrameworkRun.plan``; the whole logits' log-probs;
 a bf16 reference."""

@@ -575,5 +575,6 @@ SPEC = FrameworkSpec(
         "verl compiles its entropy (use_torch_compile), which fuses its tokens × vocabulary temporaries away: "
         "run eagerly, an upper bound"
     ),
+    emit="batchfit.frameworks.verl_emit",
 )
 """verl in :mod:`batchfit.frameworks.registry` (its reference loads in fp32: ``engine/fsdp.yaml`` ``model_dtype``)."""

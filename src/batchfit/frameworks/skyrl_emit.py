@@ -1,0 +1,202 @@
+"""SkyRL 0.4.0's keys for ``--emit skyrl``: its one token key and micro sizes, and every setting the budgets assume.
+
+:func:`token_keys` writes ``trainer.max_tokens_per_microbatch`` (the smallest budget: one key
+for every pass) and the sample-based micro sizes SkyRL still validates (:func:`skyrl_plan`);
+:func:`assumption_keys` the key of every setting the budgets were profiled with, or refuses what
+SkyRL cannot express (NOTE [ Emitted keys carry every assumption ] in
+:mod:`batchfit.frameworks.assumptions`). :data:`batchfit.frameworks.skyrl.SPEC` names this module
+(``FrameworkSpec.emit``); :mod:`batchfit.frameworks.emit` calls it through the registry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchfit.frameworks.assumptions import (
+    Assumptions,
+    Key,
+    check_head,
+    check_strategy,
+    lora_adapter_keys,
+    nodes_and_gpus,
+    refuse,
+)
+from batchfit.frameworks.emit import REMOVE_PADDING
+from batchfit.frameworks.run import RunConfig
+from batchfit.frameworks.run_profile import RunProfile
+from batchfit.train.framework_heads import FrameworkHead
+
+__all__ = ["assumption_keys", "skyrl_plan", "token_keys"]
+
+
+def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
+    """SkyRL has one token key for every pass, and micro sizes validate_batch_sizes checks (over the profiled GPUs)."""
+    trained = min(budgets[r] for r in ("policy", "critic") if r in budgets)
+    forward = min(budgets[r] for r in ("policy_forward", "critic_forward", "reference") if r in budgets)
+    binding = min(budgets, key=budgets.get)
+    keys = [
+        Key(
+            "trainer.max_tokens_per_microbatch",
+            min(trained, forward),
+            why(binding, f"every pass (SkyRL uses one key): the smallest budget, set by {binding}"),
+        ),
+        Key("trainer.remove_microbatch_padding", True, REMOVE_PADDING.format(framework="SkyRL")),
+    ]
+    plan = skyrl_plan(profile.run, world)
+    if plan.samples_per_mini_batch_per_gpu is not None:
+        # the micro sizes SkyRL validates even with the token key: divisors of the per-GPU mini-batch
+        per_gpu = min(r.samples_per_mini_batch_per_gpu for r in plan.roles)
+        micro = _largest_divisor_at_most(per_gpu, max(trained // max_seq_len, 1))
+        keys.append(
+            Key(
+                "trainer.micro_train_batch_size_per_gpu",
+                micro,
+                f"sample-based fallback: {micro} sequences of {max_seq_len:,} tokens fit, and {micro} divides {per_gpu}",
+            )
+        )
+    keys.append(
+        Key(
+            "trainer.micro_forward_batch_size_per_gpu",
+            max(forward // max_seq_len, 1),
+            f"sample-based fallback: forward passes of {max_seq_len:,}-token sequences",
+        )
+    )
+    return keys
+
+
+def skyrl_plan(run: Any, world: int) -> Any:
+    """The batch plan SkyRL's micro sizes are derived from: ``run``'s sizes over ``world`` GPUs, sample micro-batches.
+
+    Raises:
+        BatchConfigError: the plan's faults in the config's own key names.
+    """
+    from batchfit.errors import BatchConfigError
+
+    batch = run.batch
+    nodes = batch.num_nodes if isinstance(batch.num_nodes, int) and batch.num_nodes > 0 else 1
+    if world != run.world_size and world % nodes == 0:
+        batch = batch.replace(world_size=None, num_nodes=nodes, gpus_per_node=world // nodes)
+    try:
+        return batch.replace(max_tokens_per_micro_batch=None, micro_train_batch_size_per_gpu=1).plan()
+    except BatchConfigError as exc:
+        raise BatchConfigError([run.in_own_words(f) for f in exc.faults]) from None
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+_S_PLACEMENT = "trainer.placement."
+_S_FSDP = {"policy": "trainer.policy.fsdp_config.", "critic": "trainer.critic.fsdp_config.", "reference": "trainer.ref.fsdp_config."}
+_S_STRATEGY = "skyrl/backends/skyrl_train/distributed/fsdp_strategy.py _fsdp_init_model"
+
+
+def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
+    target = "skyrl"
+    s = a.sharding
+    check_strategy(
+        target,
+        a,
+        ("fsdp2",),
+        "SkyRL's FSDP strategy is fully_shard (FSDP2: trainer.strategy fsdp, fsdp_strategy.py apply_fsdp2)",
+    )
+    if a.trained_dtype != "fp32":
+        raise refuse(
+            target,
+            f"--dtype {a.trained_dtype}",
+            "SkyRL loads the policy and the critic it trains in fp32 (skyrl/backends/skyrl_train/workers/fsdp/"
+            "fsdp_worker.py: HFModelWrapper(bf16=policy.inference_only_init), critic bf16=False)",
+            "pass --dtype fp32",
+        )
+    nodes, per_node = nodes_and_gpus(run, a, target)
+    keys = [
+        Key(_S_PLACEMENT + "policy_num_nodes", nodes, f"the {s.world_size} GPUs profiled, for every model"),
+        Key(_S_PLACEMENT + "policy_num_gpus_per_node", per_node),
+    ]
+    for role, name in (("critic", "critic"), ("reference", "ref")):
+        if role in a.roles:
+            keys += [
+                Key(_S_PLACEMENT + f"{name}_num_nodes", nodes),
+                Key(_S_PLACEMENT + f"{name}_num_gpus_per_node", per_node),
+            ]
+    keys.append(Key("trainer.strategy", "fsdp", "fully_shard (FSDP2) over the GPUs, as profiled"))
+    bf16 = s.mixed_precision == "bf16"
+    for role in a.roles:
+        prefix = _S_FSDP[role]
+        policy = role == "policy"
+        keys.append(
+            Key(
+                prefix + "cpu_offload",
+                s.offload == "cpu",
+                f"FSDP2's CPUOffloadPolicy ({_S_STRATEGY})" if policy else "",
+            )
+        )
+        keys.append(Key(prefix + "reshard_after_forward", s.reshard_after_forward))
+        if role != "reference":
+            param, reduce = ("bf16", "fp32") if bf16 else ("fp32", "fp32")
+            keys += [
+                Key(
+                    prefix + "mixed_precision.param_dtype",
+                    param,
+                    f"MixedPrecisionPolicy(param_dtype, reduce_dtype) ({_S_STRATEGY})" if policy else "",
+                ),
+                Key(prefix + "mixed_precision.reduce_dtype", reduce),
+            ]
+    if "reference" in a.roles:
+        ref = a.dtypes["reference"]
+        if ref not in ("bf16", "fp32"):
+            raise refuse(target, f"--dtype {ref}", "SkyRL loads its reference in bf16 or fp32 (trainer.bf16)", "pass --dtype fp32")
+        keys.append(
+            Key("trainer.bf16", ref == "bf16", f"the reference loads in {ref} (fsdp_worker.py: HFModelWrapper(bf16=trainer.bf16))")
+        )
+    keys.append(
+        Key(
+            "trainer.gradient_checkpointing",
+            a.gradient_checkpointing,
+            f"every model {'with' if a.gradient_checkpointing else 'without'} activation checkpointing (fsdp_worker.py)",
+        )
+    )
+    for role, prefix in (("policy", "trainer.policy.model.lora."), ("critic", "trainer.critic.model.lora.")):
+        if role in a.roles:
+            keys += lora_adapter_keys(a.lora.get(role), prefix + "rank", prefix + "alpha", prefix + "target_modules")
+    keys += _skyrl_head(run, a, same)
+    return keys
+
+
+def _skyrl_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
+    """SkyRL's head (model_wrapper.py): log-probs and an entropy chunked by logprobs_chunk_size tokens."""
+    target = "skyrl"
+    why = (
+        "SkyRL's FSDP workers compute log-probs with its own head and chunked entropy (model_wrapper.py; "
+        "fused_lm_head_logprob needs trainer.strategy megatron, TrainerConfig.__post_init__)"
+    )
+    fix = "drop --logprobs (the config's head), or pass --logprobs skyrl"
+    check_head(target, a, ("skyrl",), why, fix)
+    head = a.head
+    assert isinstance(head, FrameworkHead)
+    if head.entropy != "chunked" or head.forward_entropy != "none":
+        raise refuse(target, f"--logprobs skyrl with {head.entropy} entropy", why, fix)
+    keys = [
+        Key(
+            "trainer.logprobs_chunk_size",
+            head.entropy_chunk_size,
+            f"the entropy in chunks of {head.entropy_chunk_size:,} tokens: {head.describe()}",
+        )
+    ]
+    algorithm = (
+        f"the entropy {'is' if head.entropy_in_loss else 'is not'} in the loss (trainer.algorithm.use_entropy_loss), "
+        f"temperature {head.temperature:g}"
+    )
+    if same:
+        own = (run.entropy_grad, run.entropy_in_loss, float(run.temperature or 1.0))
+        if own != (head.entropy_grad, head.entropy_in_loss, head.temperature):
+            raise refuse(
+                target,
+                "--logprobs skyrl",
+                f"the head profiled assumes {algorithm}, but the config's trainer.algorithm.use_entropy_loss and "
+                "temperature say otherwise (settings of the algorithm, which emit does not change)",
+                "drop --logprobs to profile the config's own head",
+            )
+    else:
+        keys.append(Key("", False, f"the budgets assume SkyRL's head where {algorithm}: keep the config's alike"))
+    return keys

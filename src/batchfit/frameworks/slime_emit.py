@@ -1,0 +1,131 @@
+"""slime 624b824a's flags for ``--emit slime``: its one token flag, and every setting the budgets assume.
+
+:func:`token_keys` writes ``--max-tokens-per-gpu`` (the smallest budget: every pass runs the
+training micro-batches); :func:`assumption_keys` the flag of every setting the budgets were
+profiled with, or refuses what slime cannot express (NOTE [ Emitted keys carry every assumption
+] in :mod:`batchfit.frameworks.assumptions`). :data:`batchfit.frameworks.slime.SPEC` names this
+module (``FrameworkSpec.emit``); :mod:`batchfit.frameworks.emit` calls it through the registry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchfit.frameworks.assumptions import (
+    Assumptions,
+    Key,
+    check_head,
+    check_precision,
+    check_strategy,
+    nodes_and_gpus,
+    refuse,
+    switch_keys,
+)
+from batchfit.frameworks.emit import cost_note, smallest_budget
+from batchfit.frameworks.run import RunConfig
+from batchfit.frameworks.run_profile import RunProfile
+
+__all__ = ["assumption_keys", "token_keys"]
+
+
+def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
+    """slime (624b824a): one token flag for every pass; log-probs and values run the training micro-batches.
+
+    ``build_dp_schedule`` cuts each step into micro-batches of at most ``--max-tokens-per-gpu``
+    (× context-parallel size); ``compute_log_prob`` (old, reference) and the critic's values reuse
+    that schedule, so the flag takes the smallest budget. ``--log-probs-max-tokens-per-gpu`` is
+    parsed but not read at that commit, so it is not emitted.
+    """
+    del max_seq_len, world
+    binding = smallest_budget(budgets, tuple(budgets))
+    keys = [
+        Key("--use-dynamic-batch-size", True, "micro-batches by the token count below (build_dp_schedule)")
+    ]
+    if binding is not None:
+        keys.append(
+            Key(
+                "--max-tokens-per-gpu",
+                budgets[binding],
+                why(
+                    binding,
+                    f"every pass (slime runs log-probs and values over the training micro-batches), set by {binding}",
+                ),
+            )
+        )
+    keys.append(Key("", False, f"the budget counts {cost_note(profile, 'slime')}"))
+    return keys
+
+
+def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
+    target = "slime"
+    s = a.sharding
+    check_strategy(
+        target,
+        a,
+        ("fsdp2",),
+        "slime trains with Megatron-LM only (--train-backend megatron), which batchfit approximates by FSDP2 over the "
+        "same GPUs",
+    )
+    if not s.reshard_after_forward:
+        raise refuse(
+            target,
+            "--no-reshard-after-forward",
+            "slime trains with Megatron-LM, approximated by FSDP2 resharding after forward",
+            "drop --no-reshard-after-forward",
+        )
+    if s.offload == "cpu":
+        raise refuse(
+            target,
+            "--offload cpu",
+            "slime keeps the training state on the GPUs while it trains (--offload-train moves it to the host "
+            "between phases only)",
+            "profile with --offload none",
+        )
+    check_precision(
+        target,
+        a,
+        "slime always trains in bf16 with Megatron's distributed optimizer, fp32 main parameters "
+        "(slime/backends/megatron_utils/arguments.py set_default_megatron_args: bf16, use_distributed_optimizer)",
+    )
+    if a.lora.get("policy") is not None:
+        raise refuse(target, f"--lora-rank {a.lora['policy'].rank}", "slime at 624b824a has no LoRA flags", "pass --lora-rank 0")
+    nodes, per_node = nodes_and_gpus(run, a, target)
+    keys = [
+        Key("--actor-num-nodes", nodes, f"the {s.world_size} GPUs profiled (the critic shares them)"),
+        Key("--actor-num-gpus-per-node", per_node),
+        Key(
+            "",
+            False,
+            "profiled as FSDP2 over these GPUs with fp32 main parameters and bf16 compute, an approximation of "
+            "Megatron's layout (slime sets bf16 and the distributed optimizer itself)",
+        ),
+    ]
+    on = a.gradient_checkpointing
+    if on:
+        # Megatron's TransformerConfig needs a method with full recompute; uniform over 1 layer checkpoints every
+        # layer's input, as batchfit does (slime's scripts/run-qwen3-4B.sh passes these three)
+        keys += [
+            Key("--recompute-granularity", "full", "every layer's input checkpointed (Megatron's full recompute)"),
+            Key("--recompute-method", "uniform"),
+            Key("--recompute-num-layers", 1),
+        ]
+    else:
+        keys += switch_keys(
+            target,
+            run,
+            same,
+            "--recompute-granularity full",
+            False,
+            bool(run.gradient_checkpointing),
+            "--gradient-checkpointing",
+            "",
+        )
+    check_head(
+        target,
+        a,
+        ("full",),
+        "slime computes log-probs from the whole logits (profiled with batchfit's full head) and has no flag for "
+        "another head",
+        "drop --logprobs (full is slime's)",
+    )
+    return keys
