@@ -215,10 +215,6 @@ def refuse(target: str, setting: str, why: str, fix: str) -> EmitError:
     return EmitError(f"--emit {target} cannot carry {setting}: {why}; {fix}")
 
 
-def _flag(name: str, on: bool) -> str:
-    return f"--{name}" if on else f"--no-{name}"
-
-
 def nodes_and_gpus(run: RunConfig, a: Assumptions, target: str) -> tuple[int, int]:
     """(nodes, GPUs per node) of the profiled ranks, over the config's node count.
 
