@@ -3,6 +3,7 @@
 - :func:`fully_shard_layers`: FSDP2 as batchfit, verl and SkyRL apply it: ``fully_shard`` on each
   decoder layer, then on the root, over a CPU mesh of every rank.
 - :func:`data_parallel`: ``"ddp"`` (``DistributedDataParallel``) or ``"fsdp2"`` (the above).
+- :func:`user_llama_config`: a user's own small Llama (issue 28's real-rank searches).
 - :func:`full_gradients`: each parameter's whole gradient (FSDP2's shards gathered, a collective),
   named as in the unwrapped model.
 
@@ -50,3 +51,16 @@ def full_gradients(model: torch.nn.Module) -> dict[str, np.ndarray]:
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         grads[name.removeprefix("module.")] = grad.numpy().copy()
     return grads
+
+
+USER_LLAMA = dict(
+    num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
+    vocab_size=4096, max_position_embeddings=256,
+)
+
+
+def user_llama_config() -> Any:
+    """The config of :data:`USER_LLAMA` as a user builds it (``LlamaForCausalLM``)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**USER_LLAMA, architectures=["LlamaForCausalLM"])

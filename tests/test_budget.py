@@ -22,55 +22,10 @@ from batchfit.budget import (
 )
 from batchfit.budget.probe import candidate_lengths
 from batchfit.errors import DoesNotFitError, InvalidArgument
-from batchfit.memory import Backend, MemoryMeasurement
+from budget_helpers import SyntheticBackend, shape_step
 from multirank import run_ranks
 
 # --------------------------------------------------------------------------- helpers
-
-
-class SyntheticBackend(Backend):
-    """A backend whose step returns the micro-batch's lengths and whose peak is ``peak_fn(b, s)``.
-
-    ``b`` sequences of ``s`` tokens: a padded candidate; with ``peak_fn`` taking one
-    argument, it gets the lengths themselves (packed candidates). Like the cpu/estimate
-    backends, a run above ``limit_bytes`` is aborted: it reports the bytes at the abort
-    (``limit + 1``, a lower bound) with ``exceeded=True``. ``fail`` injects "does not fit"
-    for chosen candidates (an OOM on this rank only).
-    """
-
-    name = "synthetic"
-
-    def __init__(self, peak_fn, limit_bytes, fail=()):
-        super().__init__()
-        self.peak_fn, self._limit, self.fail = peak_fn, limit_bytes, set(fail)
-        self.calls = []
-
-    @property
-    def limit_bytes(self):
-        return self._limit
-
-    def measure(self, fn, register=(), categories=None, host_categories=()):
-        lengths = fn()
-        b, s = len(lengths), max(lengths)
-        self.calls.append((b, s))
-        by_lengths = self.peak_fn.__code__.co_argcount == 1
-        peak = self.peak_fn(lengths) if by_lengths else self.peak_fn(b, s)
-        if (b, s) in self.fail or peak > self._limit:
-            return MemoryMeasurement(min(peak, self._limit + 1), False, self._limit, self.name, exceeded=True)
-        return MemoryMeasurement(peak, True, self._limit, self.name)
-
-    def _prepare(self, registered, parameters, host_categories):  # measure is overridden
-        raise NotImplementedError
-
-    def _running(self, state):
-        raise NotImplementedError
-
-    def _result(self, state, exceeded, seconds):
-        raise NotImplementedError
-
-
-def shape_step(lengths):
-    return lengths
 
 
 def linear_quadratic(b, s):

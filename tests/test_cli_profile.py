@@ -130,10 +130,10 @@ def test_under_torchrun_every_rank_measures_and_rank_0_prints_one_json_document(
 def test_torchrun_on_real_ranks_finds_the_budgets_the_estimate_finds_in_one_process(tmp_path, capsys, cost, head):
     # issue 28: the same command gave 1,023 / 1,024 tokens on 2 real gloo ranks and 2,857 / 8,768 estimated;
     # a user's small Llama (tests/test_guard.py's), state most of one sequence's peak
-    from test_guard import _user_llama_config
+    from sharded_helpers import user_llama_config
 
     model = tmp_path / "llama"
-    _user_llama_config().save_pretrained(model)
+    user_llama_config().save_pretrained(model)
     flags = ["--model", str(model), "--reserve", "0", "--memory", "40MiB", "--mixed-precision", "none", "--dtype", "fp32"]
     flags += ["--max-seq-len", "128", "--cost", cost, "--logprobs", head, "--roles", "policy,policy_forward"]
     flags += ["--json", "--no-progress"]

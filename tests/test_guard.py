@@ -14,7 +14,7 @@ import torch
 
 from batchfit.budget.probe import Probe
 from multirank import run_ranks
-from sharded_helpers import fully_shard_layers
+from sharded_helpers import fully_shard_layers, user_llama_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -103,7 +103,7 @@ def _synthetic_search(rank: int) -> tuple[int, list[tuple[int, int]], list[bool]
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from batchfit.budget import find_token_budget
-    from test_budget import SyntheticBackend, shape_step
+    from budget_helpers import SyntheticBackend, shape_step
 
     backend = SyntheticBackend(long_rows, 2_000_000_000)
     budget = find_token_budget(shape_step, max_seq_len=4096, backend=backend, safety_margin=0.9, progress=False)
@@ -119,7 +119,7 @@ def long_rows(b, s):
 
 def test_real_ranks_never_run_a_probe_predicted_above_the_device_and_find_the_same_budget():
     from batchfit.budget import find_token_budget
-    from test_budget import SyntheticBackend, shape_step
+    from budget_helpers import SyntheticBackend, shape_step
 
     one = SyntheticBackend(long_rows, 2_000_000_000)
     alone = find_token_budget(shape_step, max_seq_len=4096, backend=one, safety_margin=0.9, progress=False)
@@ -139,18 +139,8 @@ def test_real_ranks_never_run_a_probe_predicted_above_the_device_and_find_the_sa
 # A user's small Llama whose training state is most of one sequence's peak: the old rule (the whole
 # peak scaled with the tokens, a larger probe's peak put on smaller ones) skipped every candidate
 # past one sequence on real ranks and failed the model check's shorter length outright.
-_USER_LLAMA = dict(
-    num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4,
-    vocab_size=4096, max_position_embeddings=256,
-)
 _SEARCH = dict(memory_limit="40MiB", reserve_bytes=0, max_seq_len=128, seq_lens=[128, 32], progress=False)
 _COMBINATIONS = [("packed", "fused"), ("padded", "fused"), ("packed", "full"), ("padded", "full")]
-
-
-def _user_llama_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**_USER_LLAMA, architectures=["LlamaForCausalLM"])
 
 
 def _profile_a_users_sharded_model(rank: int, combinations: list[tuple[str, str]]) -> dict[str, dict[str, int]]:
@@ -161,7 +151,7 @@ def _profile_a_users_sharded_model(rank: int, combinations: list[tuple[str, str]
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = fully_shard_layers(AutoModelForCausalLM.from_config(_user_llama_config()))
+    model = fully_shard_layers(AutoModelForCausalLM.from_config(user_llama_config()))
     out = {}
     for cost, head in combinations:
         profile = profile_model(model, forward_too=True, backend="cpu", logprobs=head, cost=cost, **_SEARCH)
@@ -177,7 +167,7 @@ def _one_process(combinations: list[tuple[str, str]]) -> dict[str, dict[str, int
     out = {}
     for cost, head in combinations:
         profile = profile_model(
-            _user_llama_config(), forward_too=True, backend="estimate", dtype="fp32", sharding=sharding,
+            user_llama_config(), forward_too=True, backend="estimate", dtype="fp32", sharding=sharding,
             logprobs=head, cost=cost, **_SEARCH,
         )
         out[f"{cost}/{head}"] = {role: budget.tokens for role, budget in profile.budgets.items()}
