@@ -677,30 +677,65 @@ def test_shared_constants_are_defined_once(pattern):
     assert found <= {ONE_DEFINITION[pattern]}, f"defined again in {sorted(found - {ONE_DEFINITION[pattern]})}"
 
 
+_HEAP_CHECK = """
+import json, re, sys
+from pathlib import Path
+
+import torch
+
+from batchfit.memory.heap import _glibc, retain_freed_memory
+
+
+def status(field):
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{field}:\\s+(\\d+) kB", text, flags=re.MULTILINE).group(1)) * 1024
+
+
+libc = _glibc()
+if libc is None:
+    print(json.dumps(None))
+    sys.exit(0)
+
+
+def new_resident_bytes_of_second_allocation():
+    libc.malloc_trim(0)
+    torch.ones(64 * 2**20).sum()  # 256 MiB, allocated and freed
+    Path("/proc/self/clear_refs").write_text("5")
+    start = status("VmRSS")
+    torch.ones(64 * 2**20).sum()
+    return status("VmHWM") - start
+
+
+before = new_resident_bytes_of_second_allocation()
+with retain_freed_memory():
+    inside = [new_resident_bytes_of_second_allocation() for _ in range(3)]
+after = new_resident_bytes_of_second_allocation()
+print(json.dumps({"before": before, "inside": inside, "after": after}))
+"""
+
+
 def test_cpu_probes_reuse_host_pages_inside_retain_freed_memory(host_memory):
     # NOTE [ Probing reuses host pages ]: a freed 256 MiB block is faulted in again outside,
     # reused inside (glibc only). Counted in resident bytes, not page faults: with transparent
-    # huge pages 256 MiB is 128 faults, not 65,536
-    from batchfit.memory.heap import _glibc, retain_freed_memory
+    # huge pages 256 MiB is 128 faults, not 65,536. In a fresh process: in one that ran many
+    # tests, a mapping left above the heap's top makes glibc serve a 256 MiB block by mmap
+    # whatever the thresholds (the fresh 256 MiB tries seen beside other suites, issue 21 note,
+    # and in CI's order for issue 29), which says nothing of retain_freed_memory
+    import json
+    import subprocess
+    import sys
 
-    libc = _glibc()
-    if libc is None:
+    from multirank import scaled
+
+    done = subprocess.run(
+        [sys.executable, "-c", _HEAP_CHECK], capture_output=True, text=True, timeout=scaled(120), check=True
+    )
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    if figures is None:
         pytest.skip("glibc's mallopt is not available here")
-
-    def new_resident_bytes_of_second_allocation() -> int:
-        libc.malloc_trim(0)  # what earlier tests left free in the heap goes back first
-        torch.ones(64 * 2**20).sum()  # 256 MiB, allocated and freed
-        start = host_memory.reset_peak()
-        torch.ones(64 * 2**20).sum()
-        return host_memory.peak() - start
-
-    assert new_resident_bytes_of_second_allocation() > 200 * 2**20  # the freed block went back to the system
-    with retain_freed_memory():
-        # the same pages again; up to 3 tries: twice, beside other CPU-heavy suites, one try's
-        # second block was fresh (256 MiB exactly), which stays unexplained (issue 21 note)
-        tries = [new_resident_bytes_of_second_allocation() for _ in range(3)]
-        assert min(tries) < 16 * 2**20, tries
-    assert new_resident_bytes_of_second_allocation() > 200 * 2**20  # the defaults are back
+    assert figures["before"] > 200 * 2**20, figures  # the freed block went back to the system
+    assert min(figures["inside"]) < 16 * 2**20, figures  # the same pages again
+    assert figures["after"] > 200 * 2**20, figures  # the defaults are back
 
 
 def test_views_of_tensors_made_before_the_block_are_not_allocations():
