@@ -299,6 +299,7 @@ def test_profile_emits_openrlhf_flags_that_its_parser_takes_and_the_command_plan
     assert plan["config"]["max_tokens_per_micro_batch"] == train
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_profile_emits_slime_flags_with_sharding_given(tmp_path, model_dir, capsys):
     path = tmp_path / "run.sh"
     path.write_text(
@@ -340,6 +341,7 @@ def test_profile_emits_slime_flags_with_sharding_given(tmp_path, model_dir, caps
     assert read_run_config(merged).plan().config.max_tokens_per_micro_batch == int(words[2])
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_budgets_from_a_real_run_read_measured(tmp_path, model_dir, capsys):
     # one GPU: the framework still wraps the model (FSDP or ZeRO over one rank, fp32 master weights, bf16
     # compute), and so does the profile: the cpu backend runs the tiny model's real steps over a one-rank

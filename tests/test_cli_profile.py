@@ -162,6 +162,7 @@ def test_reference_role_is_forward_only_and_fits_more_tokens(capsys):
     assert data["combined"]["binding_role"] == "policy" and data["combined"]["tokens"] == budgets["policy"]["tokens"]
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_policy_and_critic_are_combined_by_the_smaller(capsys, tmp_path):
     plot = tmp_path / "budget.png"
     assert main(["profile", *FAST, "--roles", "policy,critic", "--plot", str(plot)]) == 0

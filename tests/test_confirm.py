@@ -429,6 +429,7 @@ def test_cuda_confirm_reports_reserved_minus_allocated_and_folds_untracked_categ
     assert any("summed into activations" in d for d in report.differences)
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_cuda_confirm_writes_a_calibration_that_the_estimate_then_uses(fake_cuda, tmp_path):
     path = tmp_path / "gpu.json"
     fake_cuda.allocated, fake_cuda.reserved = 40 * MiB, 42 * MiB  # below the estimate; 2 MiB reserved beyond
@@ -455,6 +456,7 @@ def test_cuda_confirm_writes_a_calibration_that_the_estimate_then_uses(fake_cuda
     assert data["budgets"]["policy"]["limit_bytes"] == int(0.933 * (TOTAL - 2 * MiB))
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_a_cuda_confirm_that_does_not_fit_exits_1_with_the_message(fake_cuda):
     fake_cuda.allocated, fake_cuda.reserved = 60 * MiB, 63 * MiB  # above 64 − 2 MiB reserve = 62 MiB usable
     code, out, err = _run(["profile", *CUDA, "--confirm"])

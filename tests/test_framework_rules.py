@@ -109,6 +109,7 @@ gpus = st.integers(1, 8)
 sp_sizes = st.sampled_from([1, 1, 2, 3, 4])
 
 
+@pytest.mark.slow  # the first tier's time (issue 29): SkyRL's own cases and the rule tests stay fast
 @settings(max_examples=300, deadline=None)
 @given(
     train=st.integers(1, 48),

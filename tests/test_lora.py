@@ -206,6 +206,7 @@ def test_estimate_equals_cpu_to_the_byte(build, step):
     assert measured[0] == measured[1]
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_lora_budgets_are_larger_than_full_fine_tuning():
     settings = {
         "max_seq_len": 512,
