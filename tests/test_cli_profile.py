@@ -88,6 +88,7 @@ def test_json_schema(capsys):
     assert policy["host_bytes"] == 0
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_sharding_flags_reach_the_profile(capsys):
     argv = ["profile", *FAST, "--world-size", "4", "--no-reshard-after-forward", "--mixed-precision", "none"]
     assert main([*argv, "--offload", "cpu", "--dtype", "bf16", "--no-gradient-checkpointing", "--json"]) == 0
@@ -103,6 +104,7 @@ def test_sharding_flags_reach_the_profile(capsys):
     assert data["budgets"]["policy"]["host_bytes"] > 0
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_ddp_and_one_device_are_strategies_too(capsys):
     assert main(["profile", *FAST, "--sharding", "none", "--json"]) == 0
     one = json.loads(capsys.readouterr().out)

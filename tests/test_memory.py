@@ -626,6 +626,7 @@ def test_dtensor_shards_are_counted_by_their_local_tensor():
         assert t.peak_bytes == 2 * 16 * 4  # one rank's quarter, not 8 × 16 × 4
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_a_hundred_measurements_leave_no_finalizers_behind(host_memory):
     import gc
     import weakref
