@@ -114,6 +114,7 @@ def test_ddp_and_one_device_are_strategies_too(capsys):
     assert ddp["budgets"]["policy"]["tokens"] <= one["budgets"]["policy"]["tokens"]
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_under_torchrun_every_rank_measures_and_rank_0_prints_one_json_document():
     # --standalone: torchrun's own rendezvous on a port the OS picks when it binds (no port chosen beforehand)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -299,6 +300,7 @@ def test_a_two_role_json_names_each_budget_once_beside_its_breakdown(capsys):
     assert "gradients" in update["breakdown"] and "gradients" not in old["breakdown"]  # each its own pass's
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_the_table_names_each_budget_as_the_json_does(capsys):
     argv = ["profile", "--model", "tiny", "--max-seq-len", "64", "--backend", "estimate", "--memory", "64MiB"]
     argv += ["--reserve", "0", "--sharding", "none", "--roles", "policy,policy_forward", "--no-progress"]
@@ -335,6 +337,7 @@ def test_packed_progress_lines_say_tokens_so_one_shape_never_reads_twice(capsys)
     assert lines[3].startswith("length 1/2 done (s=32,768, largest fitting 2×32,768 + 1,234 = 66,770 tokens); ")
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_a_packed_search_never_prints_one_shape_with_two_verdicts(capsys):
     argv = ["profile", "--model", "tiny", "--max-seq-len", "64", "--backend", "estimate", "--memory", "64MiB"]
     assert main([*argv, "--reserve", "0", "--sharding", "none", "--cost", "packed"]) == 0

@@ -246,6 +246,7 @@ def test_the_auto_backend_without_a_gpu_cannot_confirm():
 # ------------------------------------------------------------------------------------ library
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_a_confirm_run_that_does_not_fit_raises_with_the_role_shape_and_bytes():
     # a budget estimated for 64 MiB, confirmed on a 40 MiB device: the cpu run is stopped at the limit
     options = ProfileOptions(
@@ -403,6 +404,7 @@ def fake_cuda(monkeypatch):
 CUDA = ["--model", "tiny", "--max-seq-len", "256", "--backend", "cuda", "--no-progress"]
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_cuda_confirm_reports_reserved_minus_allocated_and_folds_untracked_categories(fake_cuda):
     plan = plan_confirm("tiny", max_seq_len=256, backend="cuda", seq_lens=[256], gradient_checkpointing=True)
     point = plan.points["policy"]

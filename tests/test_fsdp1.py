@@ -604,6 +604,7 @@ def test_no_sync_accumulation_from_before_the_probe_is_kept():
 # --------------------------------------------------------------------------- the CLI
 
 
+@pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
 def test_batchfit_profile_takes_sharding_fsdp1(capsys):
     from batchfit.cli import main
 
