@@ -366,3 +366,41 @@ def test_iter_micro_batches_runs_a_two_cap_plan(cost, layout):
                 assert mb.batch["input_ids"].numel() <= mb.cost
             seen += list(mb.indices)
     assert sorted(seen) == list(range(12))
+
+
+@st.composite
+def binding_responses(draw):
+    """Packed inputs whose responses mostly outweigh the tokens (long responses, a token budget
+    several times the response budget), many sequences or few."""
+    n = draw(st.integers(1, 300))
+    lengths = draw(st.lists(st.integers(1, 400), min_size=n, max_size=n))
+    responses = [length - draw(st.integers(0, length // 4)) for length in lengths]
+    rbudget = draw(st.integers(max(responses), 1200))
+    budget = draw(st.integers(1, 8 * rbudget))
+    return lengths, responses, budget, rbudget
+
+
+@pytest.mark.parametrize("packer_limit", [None, 0])
+@settings(max_examples=120, deadline=None)
+@given(binding_responses())
+def test_when_one_cap_cannot_hold_the_responses_its_plan_breaks_them(packer_limit, inputs):
+    # NOTE [ When one cap cannot hold the other ]: the shortcut is a proof, so the one-cap plan it
+    # skips has a micro-batch of several sequences over the response budget, for either packer
+    # (best fit; largest-first/smallest-fill, used above BEST_FIT_MAX_DISTINCT distinct lengths)
+    lengths, responses, budget, rbudget = inputs
+    if not two_caps._one_cap_cannot_hold(np.asarray(lengths), np.asarray(responses), budget, rbudget):
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        if packer_limit is not None:
+            patch.setattr("batchfit.plan.single_cap.BEST_FIT_MAX_DISTINCT", packer_limit)
+        one = plan_micro_batches(lengths, budget, cost="packed", oversize="alone")
+    assert any(len(mb) > 1 and sum(responses[i] for i in mb) > rbudget for rank in one.ranks for mb in rank)
+
+
+def test_the_shortcut_is_taken_on_rollouts_whose_responses_bind():
+    # 40 sequences of 100 tokens, all response: 4,000 responses over at most 2·4,000/1,000 + 1 = 9
+    # one-cap micro-batches of at most 300 responses each (2,700 < 4,000)
+    assert two_caps._one_cap_cannot_hold(np.full(40, 100), np.full(40, 100), 1000, 300)
+    assert not two_caps._one_cap_cannot_hold(np.full(40, 100), np.full(40, 100), 1000, 500)
+    # a sequence over the response cap runs alone and may hold any number: no proof
+    assert not two_caps._one_cap_cannot_hold(np.full(40, 100), np.r_[np.full(39, 100), 301], 1000, 300)

@@ -39,7 +39,7 @@ from batchfit.plan.single_cap import (
 #   that holds it and has a free row (every open micro-batch is at least as wide as the
 #   sequence, so rows are the only token constraint), else a new one of ``C // length`` rows.
 #   Each best fit finds its micro-batch in O(log m) plus the shorter of two scans (NOTE [ Least
-#   room where both fit ]): 20,000 rollouts in 0.22 s of CPU (`benchmarks/packing.py --two-caps`);
+#   room where both fit ]): 20,000 rollouts in 0.21 s of CPU (`benchmarks/packing.py --two-caps`);
 # - then, for at most SMALL_PLAN_MAX_SEQUENCES sequences above the lower bound (the larger of
 #   the response bound ``⌈Σ responses / R⌉`` and ``⌈Σ lengths / C⌉``, packed, or the one-cap
 #   optimum, padded), the depth-first search of NOTE [ Small plans are searched ] with both
@@ -323,6 +323,27 @@ def _pack_two_caps_then_search(
     return [[positions[p] for p in g] for g in groups], _group_costs(ls, groups, padded)
 
 
+# NOTE [ When one cap cannot hold the other ]
+# Both packed one-cap packers leave at most one micro-batch at most half full: best fit opens a
+# micro-batch for a sequence only when it fits in no other (one that left the open lists has
+# less room than every sequence still to place), so any two micro-batches hold more than ``C``
+# together; largest-first/smallest-fill closes one only when the shortest remaining sequence
+# does not fit, so each but the last holds more than ``C / 2``. A one-cap plan therefore has at
+# most ``⌊2·Σ lengths / C⌋ + 1`` micro-batches, and when no sequence is over the response cap
+# and the responses sum to more than ``R`` times that, one of its micro-batches is over ``R``
+# (pigeonhole): the two-cap packer runs without building it. The plan is the same; only the
+# one-cap pass is saved (RL rollouts whose responses bind, `benchmarks/packing.py --two-caps`).
+
+
+def _one_cap_cannot_hold(lens: np.ndarray, resps: np.ndarray, budget: int, rbudget: int) -> bool:
+    """Whether every packed one-cap plan of ``lens`` has a micro-batch over ``rbudget`` responses
+    (NOTE [ When one cap cannot hold the other ])."""
+    if not len(resps) or int(resps.max()) > rbudget:
+        return False
+    most = 2 * int(lens.sum()) // budget + 1
+    return int(resps.sum()) > rbudget * most
+
+
 def two_cap_packer(packer: Packer, resp: np.ndarray, rbudget: int, padded: bool) -> Packer:
     """``packer``'s plan when it holds the response cap, else the two-cap packer (NOTE [ Two caps ]).
 
@@ -330,6 +351,8 @@ def two_cap_packer(packer: Packer, resp: np.ndarray, rbudget: int, padded: bool)
     """
 
     def pack(lens: np.ndarray, idx: np.ndarray, budget: int) -> tuple[list[list[int]], list[int]]:
+        if not padded and _one_cap_cannot_hold(lens, resp[idx], budget, rbudget):
+            return _pack_two_caps_then_search(lens, idx, budget, resp[idx], rbudget, padded)
         groups, costs = packer(lens, idx, budget)
         if all(len(g) == 1 or int(resp[g].sum()) <= rbudget for g in groups):
             return groups, costs
