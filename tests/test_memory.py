@@ -766,3 +766,16 @@ def test_a_search_can_stop_a_tracked_step_at_its_own_limit():
     assert (stopped.fits, stopped.exceeded) == (False, True)
     assert 3 * 2**20 < stopped.peak_bytes <= 4 * 2**20 and stopped.limit_bytes == 2**30
     assert backend.measure(step).fits  # only inside the block
+
+
+def test_an_estimate_search_runs_on_one_thread_and_gives_the_setting_back():
+    # NOTE [ Fake tensors need no threads ]
+    before = torch.get_num_threads()
+    backend = get_backend("estimate", memory_limit="1GiB")
+    try:
+        torch.set_num_threads(2)
+        with backend.probing():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -7,6 +7,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from batchfit.memory.cuda_untracked import UntrackedMemory, untracked_memory
 from batchfit.memory.fake_fsdp1 import fsdp1_fake_patches
 from batchfit.memory.fake_patches import transformers_fake_patches
@@ -32,6 +34,16 @@ DEFAULT_ESTIMATE_TARGET = "h100-80gb"
 # right for fake tensors, so that one warning is ignored inside the estimate context (every
 # other warning is shown as usual).
 _DATA_PTR_WARNING = r"Accessing the data pointer of FakeTensor"
+
+
+# NOTE [ Fake tensors need no threads ]
+# The estimate computes nothing on its fake tensors; what it runs for real is small host work
+# (synthetic rollouts, row layouts, the integer tensors it keeps). On a shared 2-core machine
+# PyTorch's intra-op pool made that work slow: with another job running, each parallel op waited
+# for a descheduled thread (``torch.isfinite`` on 23 × 4,095 floats: 30 ms with 2 threads, 0.3 ms
+# with 1), and `batchfit profile --config examples/verl_grpo.yaml --emit verl` spent 36.5 s of CPU
+# with 2 threads, 32.5 s with 1, the same output. The search runs with one thread and gives
+# the caller's setting back.
 
 
 class EstimateBackend(TrackedBackend):
@@ -102,6 +114,16 @@ class EstimateBackend(TrackedBackend):
         self.untracked = untracked_memory(self._device, world_size=world_size, total_bytes=self.memory_limit)
         self.reserve_bytes = self.untracked.reserve_bytes
         self._check_reserve()
+
+    @contextlib.contextmanager
+    def probing(self) -> Iterator[None]:
+        """Around a search's probes: one intra-op thread (NOTE [ Fake tensors need no threads ])."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
