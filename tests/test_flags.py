@@ -6,13 +6,13 @@ import pytest
 
 from batchfit.errors import BatchConfigError
 from batchfit.frameworks.flags import (
-    FLAG_FRAMEWORKS,
     detect_framework,
     flag_spec,
     is_command_file,
     parse_command,
     read_command,
 )
+from batchfit.frameworks.registry import command_frameworks
 
 
 def _write(tmp_path, text, name="run.sh"):
@@ -147,7 +147,7 @@ def test_the_rebuilt_parser_keeps_types_actions_and_defaults():
     assert slime.parse_args(["--rollout-batch-size", "4", "--no-offload-train"]).offload_train is False
 
 
-@pytest.mark.parametrize("framework", FLAG_FRAMEWORKS)
+@pytest.mark.parametrize("framework", [spec.name for spec in command_frameworks()])
 def test_the_shipped_flag_data_names_its_source_and_generator(framework):
     spec = flag_spec(framework)
     assert spec.framework == framework and spec.version and spec.source

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from batchfit.frameworks import read_run_config
+from batchfit.frameworks import framework_of, read_run_config
 from batchfit.plan.config import BatchConfig
 
 
@@ -53,15 +53,14 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         if args.config:
-            sys.stdout.write(f"{args.config}: {VOCABULARY_NAMES[run.vocabulary]} vocabulary\n")
+            sys.stdout.write(f"{args.config}: {_vocabulary_name(run.vocabulary)} vocabulary\n")
         sys.stdout.write(str(plan) + "\n")
     return 0
 
 
-VOCABULARY_NAMES = {
-    "flat": "batchfit's flat",
-    "skyrl": "SkyRL",
-    "verl": "verl",
-    "openrlhf": "OpenRLHF (launch command)",
-    "slime": "slime (launch command)",
-}
+def _vocabulary_name(vocabulary: str) -> str:
+    """``"batchfit's flat"``, ``"SkyRL"``, ``"OpenRLHF (launch command)"``: a config's vocabulary in prose."""
+    spec = framework_of(vocabulary)
+    if spec is None:
+        return "batchfit's flat"
+    return f"{spec.prose} (launch command)" if spec.reads_command else spec.prose

@@ -18,9 +18,10 @@ rules in ``<name>_rules.py`` where it has its own and its keys for ``--emit`` in
 and registering it:
 
 - a reader: ``read(resolved, given) → RunConfig`` for a YAML/JSON config (its defaults and schema
-  in ``defaults/``, its keys told apart by :func:`~batchfit.frameworks.source.detect_vocabulary`),
+  in ``defaults/``, the keys only its config has in ``FrameworkSpec.markers``, which
+  :func:`~batchfit.frameworks.source.detect_vocabulary` tells vocabularies apart by),
   or ``read(command) → FrameworkRun`` for a launch command (its flags in
-  ``defaults/<name>_flags.json``, its launcher in :data:`~batchfit.frameworks.flags.LAUNCHERS`);
+  ``defaults/<name>_flags.json``, the tokens that launch it in ``FrameworkSpec.launchers``);
 - its batch rules: a :class:`~batchfit.plan.rules.BatchRules` that ``BatchConfig.plan`` applies
   under ``framework=<name>`` (a rules module beside it, as ``verl_rules.py``), or rules of the run
   (``FrameworkRun.rules``, as OpenRLHF's and slime's) over batchfit's exact splits;
@@ -47,19 +48,20 @@ from typing import Any
 
 from batchfit.errors import BatchConfigError, InvalidArgument
 from batchfit.frameworks import openrlhf, skyrl, slime, verl
-from batchfit.frameworks.flags import FLAG_FRAMEWORKS, detect_framework, is_command_file, read_command
+from batchfit.frameworks.flags import detect_framework, is_command_file, read_command
 from batchfit.frameworks.registry import (
     FrameworkSpec,
+    command_frameworks,
     framework_names,
     framework_of,
     get_framework,
     register_framework,
 )
 from batchfit.frameworks.run import RunConfig, as_bool, as_int
-from batchfit.frameworks.source import VOCABULARIES as _FILE_VOCABULARIES
 from batchfit.frameworks.source import (
     check_mapping,
     detect_vocabulary,
+    file_vocabularies,
     given_keys,
     hydra_composed,
     read_mapping,
@@ -86,9 +88,9 @@ SPECS = (verl.SPEC, skyrl.SPEC, openrlhf.SPEC, slime.SPEC)
 for _spec in SPECS:
     register_framework(_spec)
 
-VOCABULARIES = (*_FILE_VOCABULARIES, *FLAG_FRAMEWORKS)
-"""Every vocabulary a config can be written in: batchfit's flat names, SkyRL's, verl's (YAML/JSON),
-OpenRLHF's and slime's (launch commands)."""
+VOCABULARIES = (*file_vocabularies(), *(spec.name for spec in command_frameworks()))
+"""Every vocabulary a config can be written in: batchfit's flat names and each registered
+framework's: verl's, SkyRL's (YAML/JSON), OpenRLHF's and slime's (launch commands)."""
 
 
 def read_run_config(

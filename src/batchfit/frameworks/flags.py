@@ -32,18 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.errors import BatchConfigError
+from batchfit.frameworks.registry import command_frameworks, get_framework
 from batchfit.frameworks.run import RunConfig
 from batchfit.plan.config import BatchPlan
-
-FLAG_FRAMEWORKS = ("openrlhf", "slime")
-"""The frameworks configured by a launch command (their vocabulary names)."""
-
-# The tokens that launch each framework's trainer; the trainer's flags follow them.
-LAUNCHERS = {
-    "openrlhf": ("openrlhf.cli.train_ppo_ray", "train_ppo_ray.py"),
-    "slime": ("train.py", "train_async.py"),
-}
-NAMES = {"openrlhf": "OpenRLHF", "slime": "slime"}
 
 _ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)\+?=(.*)$", re.S)
 _ARRAY_OPEN = re.compile(r"^([A-Za-z_]\w*)\+?=\((.*)$", re.S)
@@ -185,7 +176,8 @@ def is_command_file(path: str | Path) -> bool:
 def read_command(path: str | Path) -> Command:
     """The trainer's arguments in a shell script or arguments file (see the module docstring).
 
-    The launch is the first line with a token of :data:`LAUNCHERS` (a shell script); a
+    The launch is the first line with a token of a command framework's ``FrameworkSpec.launchers``
+    (a shell script); a
     file with no launch whose words start with a flag is the arguments themselves.
 
     Raises:
@@ -224,7 +216,7 @@ def read_command(path: str | Path) -> Command:
     if plain and plain[0].startswith("--"):
         expanded, unresolved, notes = _expand(plain, variables, arrays, used)
         return Command(str(path), None, tuple(expanded), unresolved, tuple(notes))
-    launchers = ", ".join(f"{NAMES[f]} ({' or '.join(LAUNCHERS[f])})" for f in FLAG_FRAMEWORKS)
+    launchers = ", ".join(f"{spec.prose} ({' or '.join(spec.launchers)})" for spec in command_frameworks())
     raise BatchConfigError(
         [
             f"config file {str(path)!r} holds no launch command and no flags: expected a shell script that "
@@ -258,8 +250,8 @@ def _logical_lines(text: str, where: str) -> list[list[str]]:
 
 def _launch_index(words: list[str]) -> int | None:
     for i, word in enumerate(words):
-        for launchers in LAUNCHERS.values():
-            if any(word == name or word.endswith("/" + name) for name in launchers):
+        for spec in command_frameworks():
+            if any(word == name or word.endswith("/" + name) for name in spec.launchers):
                 return i
     return None
 
@@ -341,22 +333,23 @@ def _expand(
 
 
 def detect_framework(command: Command) -> str:
-    """``"openrlhf"`` or ``"slime"``: from the launcher, else from which trainer knows more of the flags.
+    """The command framework (``"openrlhf"``, ``"slime"``): from the launcher, else from which trainer knows more of the flags.
 
     Raises:
         BatchConfigError: a file of arguments whose flags neither trainer has.
     """
+    frameworks = command_frameworks()
     if command.launcher is not None:
-        return next(f for f, names in LAUNCHERS.items() if any(command.launcher.endswith(n) for n in names))
+        return next(s.name for s in frameworks if any(command.launcher.endswith(n) for n in s.launchers))
     flags = [a.split("=", 1)[0] for a in command.args if a.startswith("--")]
-    counts = {f: sum(flag in flag_spec(f).by_flag for flag in flags) for f in FLAG_FRAMEWORKS}
+    counts = {s.name: sum(flag in flag_spec(s.name).by_flag for flag in flags) for s in frameworks}
     best = max(counts, key=counts.get)
     if counts[best] == 0 or list(counts.values()).count(counts[best]) > 1:
         raise BatchConfigError(
             [
                 f"cannot tell the trainer of {command.path!r} from its flags ({', '.join(flags[:4])}): expected "
-                "OpenRLHF's (--rollout.batch_size, --train.batch_size, ...) or slime's (--rollout-batch-size, "
-                "--global-batch-size, ...); or put the launch command in the file"
+                + " or ".join(f"{s.prose}'s ({', '.join(s.markers)}, ...)" for s in frameworks)
+                + "; or put the launch command in the file"
             ]
         )
     return best
@@ -439,7 +432,7 @@ def parse_command(
 
 
 def _parse_fault(message: str, spec: FlagSpec, by_flag: Mapping[str, Any]) -> str:
-    name = f"{NAMES[spec.framework]} {spec.version}"
+    name = f"{get_framework(spec.framework).prose} {spec.version}"
     if message.startswith("unrecognized arguments:"):
         words = message.split(":", 1)[1].split()
         parts = []

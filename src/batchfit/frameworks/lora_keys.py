@@ -1,18 +1,12 @@
-"""The LoRA keys of a framework config: which adapters verl or SkyRL would give a model.
+"""The LoRA keys of a config: which adapters a framework would give a model.
 
-:func:`read_lora` reads a flattened config (``{"a.b": value}``, defaults merged or not) in one
-vocabulary of :data:`~batchfit.frameworks.source.VOCABULARIES`:
-
-- verl 0.9.1 (``workers/config/model.py`` ``HFModelConfig``, the FSDP engine's LoRA; the
-  critic's ``CriticConfig`` has the same keys): ``actor_rollout_ref.model.lora_rank`` (0 = off),
-  ``lora_alpha`` (default 16), ``target_modules`` (default ``all-linear``); the critic's under
-  ``critic.model.``. The ``model.lora.*`` block is Megatron's (``megatron_peft.py``) and is not
-  read: batchfit does not model Megatron.
-- SkyRL 0.4.0 (``train/config/config.py`` ``SkyRLLoraConfig``): ``trainer.policy.model.lora.rank``
-  (0 = off), ``.alpha`` (default 16), ``.target_modules`` (default ``all-linear``); the critic's
-  under ``trainer.critic.model.lora.``.
-- flat (batchfit's own): ``lora_rank``, ``lora_alpha``, ``lora_targets`` (the policy's; the
-  command line's names), ``critic_lora_rank``, ``critic_lora_alpha``, ``critic_lora_targets``.
+:func:`read_lora` reads a flattened config (``{"a.b": value}``, defaults merged or not) in
+batchfit's flat vocabulary or a registered framework's: each framework's keys are in its spec
+(``FrameworkSpec.lora_keys``, with where the framework defines them: verl's in
+:mod:`batchfit.frameworks.verl`, SkyRL's in :mod:`batchfit.frameworks.skyrl`). Every framework
+gives rank 0 (off), alpha 16 and ``all-linear`` targets by default; batchfit's flat names are
+``lora_rank``, ``lora_alpha``, ``lora_targets`` (the policy's; the command line's names) and
+``critic_lora_rank``, ``critic_lora_alpha``, ``critic_lora_targets``.
 
 ``exclude_modules`` and ``dropout`` are not modelled (NOTE [ LoRA as the frameworks build it ]
 in :mod:`batchfit.models.lora`).
@@ -24,43 +18,36 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchfit.errors import InvalidArgument
+from batchfit.frameworks.registry import framework_names, framework_of
 from batchfit.frameworks.run import as_int
-from batchfit.frameworks.source import VOCABULARIES
 from batchfit.models.lora import ALL_LINEAR, LoraSpec, lora_spec
 from batchfit.validation import check_choice
 
-__all__ = ["LORA_KEYS", "LORA_ROLES", "as_lora_spec", "read_lora"]
+__all__ = ["FLAT_LORA_KEYS", "LORA_ROLES", "as_lora_spec", "lora_keys", "read_lora"]
 
 #: The model roles a framework gives LoRA adapters of their own.
 LORA_ROLES = ("policy", "critic")
 
-#: vocabulary -> role -> (rank key, alpha key, targets key).
-LORA_KEYS: dict[str, dict[str, tuple[str, str, str]]] = {
-    "verl": {
-        "policy": (
-            "actor_rollout_ref.model.lora_rank",
-            "actor_rollout_ref.model.lora_alpha",
-            "actor_rollout_ref.model.target_modules",
-        ),
-        "critic": ("critic.model.lora_rank", "critic.model.lora_alpha", "critic.model.target_modules"),
-    },
-    "skyrl": {
-        "policy": (
-            "trainer.policy.model.lora.rank",
-            "trainer.policy.model.lora.alpha",
-            "trainer.policy.model.lora.target_modules",
-        ),
-        "critic": (
-            "trainer.critic.model.lora.rank",
-            "trainer.critic.model.lora.alpha",
-            "trainer.critic.model.lora.target_modules",
-        ),
-    },
-    "flat": {
-        "policy": ("lora_rank", "lora_alpha", "lora_targets"),
-        "critic": ("critic_lora_rank", "critic_lora_alpha", "critic_lora_targets"),
-    },
+#: role -> (rank key, alpha key, targets key) in batchfit's flat vocabulary.
+FLAT_LORA_KEYS: dict[str, tuple[str, str, str]] = {
+    "policy": ("lora_rank", "lora_alpha", "lora_targets"),
+    "critic": ("critic_lora_rank", "critic_lora_alpha", "critic_lora_targets"),
 }
+
+
+def lora_keys(vocabulary: str) -> Mapping[str, tuple[str, str, str]]:
+    """Role → (rank key, alpha key, targets key) of ``vocabulary``: ``"flat"`` or a registered
+    framework's name whose spec has LoRA keys.
+
+    Raises:
+        InvalidArgument: a vocabulary with no LoRA keys (the choices listed).
+    """
+    if vocabulary == "flat":
+        return FLAT_LORA_KEYS
+    specs = (framework_of(name) for name in framework_names())
+    known = {spec.name: spec.lora_keys for spec in specs if spec is not None and spec.lora_keys}
+    check_choice("vocabulary", vocabulary, ("flat", *known))
+    return known[vocabulary]
 
 
 def read_lora(flat: Mapping[str, Any], vocabulary: str, *, role: str = "policy") -> LoraSpec | None:
@@ -70,7 +57,7 @@ def read_lora(flat: Mapping[str, Any], vocabulary: str, *, role: str = "policy")
         flat: the config flattened to dotted keys (lists are values); a missing key has the
             framework's default (rank 0, alpha 16, ``all-linear``). Strings from command-line
             overrides (``"64"``) are read as numbers.
-        vocabulary: ``"verl"``, ``"skyrl"`` or ``"flat"``.
+        vocabulary: ``"flat"`` or a framework's name with LoRA keys (``"verl"``, ``"skyrl"``).
         role: ``"policy"`` (default) or ``"critic"``.
 
     Returns:
@@ -87,9 +74,9 @@ def read_lora(flat: Mapping[str, Any], vocabulary: str, *, role: str = "policy")
         >>> read_lora({"trainer.policy.model.lora.rank": 0}, "skyrl") is None
         True
     """
-    check_choice("vocabulary", vocabulary, VOCABULARIES)
+    keys = lora_keys(vocabulary)
     check_choice("role", role, LORA_ROLES)
-    rank_key, alpha_key, targets_key = LORA_KEYS[vocabulary][role]
+    rank_key, alpha_key, targets_key = keys[role]
     rank = as_int(flat.get(rank_key, 0))
     if rank is None:  # YAML null: the field's default
         rank = 0

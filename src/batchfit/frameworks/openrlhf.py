@@ -402,6 +402,9 @@ def _divisor_near(n: int, target: int) -> int:
 SPEC = FrameworkSpec(
     name="openrlhf",
     title="OpenRLHF 0.11.2",
+    display="OpenRLHF",
+    launchers=("openrlhf.cli.train_ppo_ray", "train_ppo_ray.py"),
+    markers=("--rollout.batch_size", "--train.batch_size"),
     read_command=read,
     strategy_refusal=strategy_refusal,
     emit="batchfit.frameworks.openrlhf_emit",

@@ -25,7 +25,15 @@ from batchfit.errors import InvalidArgument
 from batchfit.plan.rules import BatchRules, register_batch_rules
 from batchfit.validation import closest
 
-__all__ = ["FrameworkSpec", "framework_names", "get_framework", "register_framework"]
+__all__ = [
+    "FrameworkSpec",
+    "command_frameworks",
+    "config_frameworks",
+    "framework_names",
+    "framework_of",
+    "get_framework",
+    "register_framework",
+]
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,16 @@ class FrameworkSpec:
         name: the framework's vocabulary name (``"verl"``), the key of the registry, the value
             of ``RunConfig.vocabulary`` for its configs and of ``--emit``.
         title: the framework and the version batchfit mirrors, for messages (``"verl 0.9.1"``).
+        display: how the framework is written in prose (``"SkyRL"``); ``name`` when empty.
+        markers: keys only its config has (dotted paths; a section name stands for itself), which
+            tell its vocabulary from the others' (:func:`~batchfit.frameworks.source.detect_vocabulary`),
+            for a config reader (required); for a command reader, two flags only its trainer has,
+            named in messages.
+        launchers: the tokens that launch its trainer in a shell script, its flags following them
+            (``"train.py"``, or a module run with ``python -m``); a command reader's spec has some.
+        lora_keys: model role (``"policy"``, ``"critic"``) → the config keys of its LoRA rank, alpha
+            and target modules (:func:`~batchfit.frameworks.lora_keys.read_lora`); empty when
+            batchfit reads no LoRA keys of the framework.
         read_config: its YAML/JSON config reader, ``(resolved, given) → RunConfig`` (verl,
             SkyRL), or ``None``.
         read_command: its launch-command reader, ``Command → RunConfig`` (OpenRLHF, slime), or
@@ -68,11 +86,16 @@ class FrameworkSpec:
             (it imports torch; the spec does not); ``None`` when ``--emit`` cannot target it.
 
     Raises:
-        InvalidArgument: not exactly one reader.
+        InvalidArgument: not exactly one reader; a config reader without markers, or a command
+            reader without launchers.
     """
 
     name: str
     title: str
+    display: str = ""
+    markers: tuple[str, ...] = ()
+    launchers: tuple[str, ...] = ()
+    lora_keys: Mapping[str, tuple[str, str, str]] = field(default_factory=dict, compare=False)
     read_config: Callable[[dict[str, Any], dict[str, Any]], Any] | None = None
     read_command: Callable[[Any], Any] | None = None
     batch_rules: BatchRules | None = None
@@ -92,6 +115,20 @@ class FrameworkSpec:
                 f"FrameworkSpec {self.name!r} must set exactly one of read_config (a YAML/JSON config reader) and "
                 "read_command (a launch-command reader)"
             )
+        if self.read_config is not None and not self.markers:
+            raise InvalidArgument(
+                f"FrameworkSpec {self.name!r} reads a config but has no markers; name the keys only its config has"
+            )
+        if self.read_command is not None and not self.launchers:
+            raise InvalidArgument(
+                f"FrameworkSpec {self.name!r} reads a launch command but has no launchers; name the tokens that "
+                "launch its trainer"
+            )
+
+    @property
+    def prose(self) -> str:
+        """How the framework is written in prose: :attr:`display`, else :attr:`name`."""
+        return self.display or self.name
 
     @property
     def reads_command(self) -> bool:
@@ -140,6 +177,16 @@ def register_framework(spec: FrameworkSpec) -> None:
 def framework_of(vocabulary: str) -> FrameworkSpec | None:
     """The spec of the framework whose vocabulary a config is written in; ``None`` for batchfit's own (``"flat"``)."""
     return _SPECS.get(vocabulary)
+
+
+def config_frameworks() -> tuple[FrameworkSpec, ...]:
+    """The registered frameworks configured by a YAML/JSON file, in the order they were registered."""
+    return tuple(spec for spec in _SPECS.values() if not spec.reads_command)
+
+
+def command_frameworks() -> tuple[FrameworkSpec, ...]:
+    """The registered frameworks configured by a launch command, in the order they were registered."""
+    return tuple(spec for spec in _SPECS.values() if spec.reads_command)
 
 
 def framework_names() -> tuple[str, ...]:

@@ -21,7 +21,7 @@ class RunConfig:
     """A SkyRL, verl or flat config read into batchfit's terms.
 
     Attributes:
-        vocabulary: ``"flat"``, ``"skyrl"`` or ``"verl"`` (:data:`~batchfit.frameworks.source.VOCABULARIES`).
+        vocabulary: ``"flat"`` or a registered framework's name (:data:`~batchfit.frameworks.VOCABULARIES`).
         batch: the batch sizes, with ``framework`` set to the rules the plan follows.
         model: the policy model (path, hub id or preset), or ``None`` when not given.
         critic_model: the critic model, or ``None`` when the run has no critic.

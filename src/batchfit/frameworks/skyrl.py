@@ -447,6 +447,27 @@ def _key_names(megatron: bool) -> dict[str, str]:
 SPEC = FrameworkSpec(
     name="skyrl",
     title="SkyRL 0.4.0",
+    display="SkyRL",
+    markers=(
+        "generator",
+        "trainer.policy_mini_batch_size",
+        "trainer.train_batch_size",
+        "trainer.placement",
+        "trainer.micro_train_batch_size_per_gpu",
+        "trainer.policy",
+    ),
+    lora_keys={  # train/config/config.py SkyRLLoraConfig
+        "policy": (
+            "trainer.policy.model.lora.rank",
+            "trainer.policy.model.lora.alpha",
+            "trainer.policy.model.lora.target_modules",
+        ),
+        "critic": (
+            "trainer.critic.model.lora.rank",
+            "trainer.critic.model.lora.alpha",
+            "trainer.critic.model.lora.target_modules",
+        ),
+    },
     read_config=read,
     batch_rules=SKYRL,
     head="skyrl",

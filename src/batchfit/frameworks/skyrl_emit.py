@@ -24,6 +24,7 @@ from batchfit.frameworks.assumptions import (
 from batchfit.frameworks.emit import REMOVE_PADDING
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import RunProfile
+from batchfit.frameworks.skyrl import SPEC
 from batchfit.train.framework_heads import FrameworkHead
 
 __all__ = ["assumption_keys", "skyrl_plan", "token_keys"]
@@ -156,9 +157,9 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             f"every model {'with' if a.gradient_checkpointing else 'without'} activation checkpointing (fsdp_worker.py)",
         )
     )
-    for role, prefix in (("policy", "trainer.policy.model.lora."), ("critic", "trainer.critic.model.lora.")):
+    for role, (rank, alpha, targets) in SPEC.lora_keys.items():
         if role in a.roles:
-            keys += lora_adapter_keys(a.lora.get(role), prefix + "rank", prefix + "alpha", prefix + "target_modules")
+            keys += lora_adapter_keys(a.lora.get(role), rank, alpha, targets)
     keys += _skyrl_head(run, a, same)
     return keys
 

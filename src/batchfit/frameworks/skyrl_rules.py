@@ -161,6 +161,7 @@ def _skyrl_step(train: int, n: int, dps: dict[str, int], faults: list[str]) -> N
 SKYRL = BatchRules(
     "skyrl",
     role=_skyrl_role,
+    display="SkyRL",
     step=skyrl_step,
     mesh=f"; {SKYRL_MESH} and fails",
     step_wise_note=" SkyRL still asserts its per-GPU sizes with the nominal n_samples_per_prompt.",

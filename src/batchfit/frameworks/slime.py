@@ -353,6 +353,8 @@ def _product(a: Any, b: Any) -> Any:
 SPEC = FrameworkSpec(
     name="slime",
     title="slime 624b824a",
+    launchers=("train.py", "train_async.py"),
+    markers=("--rollout-batch-size", "--global-batch-size"),
     read_command=read,
     strategy_refusal=strategy_refusal,
     emit="batchfit.frameworks.slime_emit",

@@ -24,31 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.errors import BatchConfigError, InvalidArgument
+from batchfit.frameworks.registry import config_frameworks, framework_of
 from batchfit.validation import short_repr
-
-VOCABULARIES = ("flat", "skyrl", "verl")
-"""The key vocabularies a config can be written in: batchfit's flat field names, SkyRL's or verl's."""
-
-# Keys that only one framework's config has (dotted paths; a section name stands for itself).
-_MARKERS = {
-    "skyrl": (
-        "generator",
-        "trainer.policy_mini_batch_size",
-        "trainer.train_batch_size",
-        "trainer.placement",
-        "trainer.micro_train_batch_size_per_gpu",
-        "trainer.policy",
-    ),
-    "verl": (
-        "actor_rollout_ref",
-        "data.train_batch_size",
-        "data.max_prompt_length",
-        "data.max_response_length",
-        "critic.ppo_mini_batch_size",
-        "trainer.n_gpus_per_node",
-        "trainer.nnodes",
-    ),
-}
 
 
 def read_mapping(path: str | Path) -> dict[str, Any]:
@@ -118,35 +95,35 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def file_vocabularies() -> tuple[str, ...]:
+    """The key vocabularies a YAML/JSON config can be written in: batchfit's flat field names
+    (``"flat"``) and each registered config framework's (``"verl"``, ``"skyrl"``)."""
+    return ("flat", *(spec.name for spec in config_frameworks()))
+
+
 def detect_vocabulary(data: Mapping[str, Any]) -> str:
-    """Whose vocabulary ``data`` is written in: ``"flat"``, ``"skyrl"`` or ``"verl"``.
+    """Whose vocabulary ``data`` is written in: ``"flat"``, or a registered config framework's
+    (``"verl"``, ``"skyrl"``), told by the keys only its config has (``FrameworkSpec.markers``).
 
     Flat field names may sit beside a framework's sections (they override them).
 
     Raises:
-        BatchConfigError: keys of both SkyRL and verl (each named), or nothing that any of
-            the three vocabularies has.
+        BatchConfigError: keys of two frameworks (each named), or nothing that any vocabulary has.
     """
     from batchfit.plan.config import BatchConfig
 
     flat_keys = flatten(data)
+    frameworks = config_frameworks()
     found = {
-        name: [
-            m for m in markers if m in data or m in flat_keys or any(k.startswith(m + ".") for k in flat_keys)
+        spec.name: [
+            m for m in spec.markers if m in data or m in flat_keys or any(k.startswith(m + ".") for k in flat_keys)
         ]
-        for name, markers in _MARKERS.items()
+        for spec in frameworks
     }
     found = {name: hits for name, hits in found.items() if hits}
     if len(found) > 1:
-        raise BatchConfigError(
-            [
-                "the config mixes vocabularies: SkyRL keys ("
-                + ", ".join(found["skyrl"][:3])
-                + ") and verl keys ("
-                + ", ".join(found["verl"][:3])
-                + "); write it in one framework's vocabulary"
-            ]
-        )
+        mixed = " and ".join(f"{_prose(name)} keys ({', '.join(hits[:3])})" for name, hits in sorted(found.items()))
+        raise BatchConfigError([f"the config mixes vocabularies: {mixed}; write it in one framework's vocabulary"])
     if found:
         return next(iter(found))
     if any(key in BatchConfig.fields() for key in data) or not data:
@@ -154,9 +131,11 @@ def detect_vocabulary(data: Mapping[str, Any]) -> str:
     raise BatchConfigError(
         [
             f"cannot tell the config's vocabulary from its keys ({', '.join(list(data)[:5])}): expected "
-            "batchfit's field names (train_batch_size, policy_mini_batch_size, ...), SkyRL's sections "
-            "(trainer.train_batch_size, generator.n_samples_per_prompt, ...) or verl's (data.train_batch_size, "
-            "actor_rollout_ref.actor.ppo_mini_batch_size, ...)"
+            "batchfit's field names (train_batch_size, policy_mini_batch_size, ...)"
+            + "".join(
+                f"{' or' if i == len(frameworks) - 1 else ','} {spec.prose}'s ({', '.join(examples(spec))}, ...)"
+                for i, spec in enumerate(frameworks)
+            )
         ]
     )
 
@@ -379,7 +358,7 @@ class FrameworkSchema:
     @property
     def title(self) -> str:
         """``"SkyRL 0.4.0"``, ``"verl 0.9.1"``."""
-        return f"{_TITLES.get(self.framework, self.framework)} {self.version}"
+        return f"{_prose(self.framework)} {self.version}"
 
     def knows(self, key: str) -> bool:
         """``key`` is in the schema, or below one of its open sections."""
@@ -448,16 +427,24 @@ class FrameworkSchema:
                 where = f"{parent!r} ({strict})" if parent else f"the top level ({strict})"
                 warnings.append(
                     f"{key!r} (set to {short_repr(value)}) is not a key of {self.title}'s config: {where} has no "
-                    f"{name!r}, and {_TITLES.get(self.framework, self.framework)} refuses unknown keys there at "
+                    f"{name!r}, and {_prose(self.framework)} refuses unknown keys there at "
                     "start-up unless your own config class adds it; batchfit ignores it"
                 )
         return faults, warnings
 
 
-_TITLES = {"skyrl": "SkyRL", "verl": "verl"}
-
-
 @functools.cache
+def examples(spec: Any) -> list[str]:
+    """Two of a config framework's marker keys, dotted ones first, for messages."""
+    return sorted(spec.markers, key=lambda m: "." not in m)[:2]
+
+
+def _prose(framework: str) -> str:
+    """How ``framework`` is written in prose (``"SkyRL"``), its name when not registered."""
+    spec = framework_of(framework)
+    return framework if spec is None else spec.prose
+
+
 def framework_schema(framework: str) -> FrameworkSchema:
     """The :class:`FrameworkSchema` of ``"skyrl"`` or ``"verl"``, read once from the package data."""
     text = resources.files("batchfit.frameworks").joinpath("defaults", f"{framework}_schema.json").read_text()

@@ -560,6 +560,25 @@ def _entropy(flat: dict[str, Any], remove_padding: Any) -> tuple[str, str, int |
 SPEC = FrameworkSpec(
     name="verl",
     title="verl 0.9.1",
+    markers=(
+        "actor_rollout_ref",
+        "data.train_batch_size",
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "critic.ppo_mini_batch_size",
+        "trainer.n_gpus_per_node",
+        "trainer.nnodes",
+    ),
+    # workers/config/model.py HFModelConfig, the FSDP engine's LoRA (CriticConfig has the same keys);
+    # the model.lora.* block is Megatron's (megatron_peft.py), not read: batchfit does not model Megatron
+    lora_keys={
+        "policy": (
+            "actor_rollout_ref.model.lora_rank",
+            "actor_rollout_ref.model.lora_alpha",
+            "actor_rollout_ref.model.target_modules",
+        ),
+        "critic": ("critic.model.lora_rank", "critic.model.lora_alpha", "critic.model.target_modules"),
+    },
     read_config=read,
     batch_rules=VERL,
     head="verl",

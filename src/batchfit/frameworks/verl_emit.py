@@ -23,6 +23,7 @@ from batchfit.frameworks.assumptions import (
 from batchfit.frameworks.emit import REMOVE_PADDING
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import RunProfile
+from batchfit.frameworks.verl import SPEC
 from batchfit.train.framework_heads import FrameworkHead
 
 __all__ = ["VERL_KEYS", "assumption_keys", "token_keys"]
@@ -147,9 +148,9 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     )
     if critic:
         keys.append(Key("critic.model.enable_gradient_checkpointing", a.gradient_checkpointing))
-    for role, prefix in (("policy", _V_MODEL), ("critic", "critic.model.")):
+    for role, (rank, alpha, targets) in SPEC.lora_keys.items():
         if role in a.roles:
-            keys += lora_adapter_keys(a.lora.get(role), prefix + "lora_rank", prefix + "lora_alpha", prefix + "target_modules")
+            keys += lora_adapter_keys(a.lora.get(role), rank, alpha, targets)
     keys += _verl_head(run, a, same)
     return keys
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from batchfit.plan.rules import batch_rules
+
 
 class ConfigView(Protocol):
     """What :func:`plan_tree_text` reads of a :class:`~batchfit.plan.config.BatchConfig`."""
@@ -117,10 +119,6 @@ class MicroBatchPlanView(Protocol):
     def split_extra_forwards(self) -> int: ...
 
 
-# How each framework of BatchConfig.framework is written in text.
-FRAMEWORK_NAMES = {"batchfit": "batchfit", "skyrl": "SkyRL", "verl": "verl"}
-
-
 def _varies(value: int | None) -> str:
     return "varies (step-wise)" if value is None else f"{value:,}"
 
@@ -174,7 +172,8 @@ def plan_tree_text(plan: BatchPlanView) -> str:
             f"≤ {cfg.micro_forward_batch_size_per_gpu:,} samples"
         )
     if cfg.framework != "batchfit":
-        lines.insert(1, f"├─ rules: {FRAMEWORK_NAMES.get(cfg.framework, cfg.framework)}'s")
+        rules = batch_rules(cfg.framework)
+        lines.insert(1, f"├─ rules: {rules.display or rules.name}'s")
     roles = plan.roles
     tail = [f"warning: {w}" for w in plan.warnings] + [f"note: {n}" for n in plan.notes]
     for i, role in enumerate(roles):

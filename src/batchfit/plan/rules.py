@@ -107,6 +107,7 @@ class BatchRules:
 
     Attributes:
         name: the value of :attr:`BatchConfig.framework` that selects these rules.
+        display: how the framework is written in prose (``"SkyRL"``); ``name`` when empty.
         role: the layout of one trained model (:data:`RoleRule`).
         step: the rules of a whole step, run once every model's dp size is known (:data:`StepRule`).
         padded_samples: the samples of a step after the framework's padding rows
@@ -119,6 +120,7 @@ class BatchRules:
 
     name: str
     role: RoleRule
+    display: str = ""
     step: StepRule = _no_step_rules
     padded_samples: PaddedSamples = _no_padding
     mesh: str = ""
