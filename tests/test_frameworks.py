@@ -7,7 +7,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchfit import BatchConfigError
+from batchfit import BatchConfigError, InvalidArgument
 from batchfit.frameworks import read_run_config
 
 # verl's published PPO trainer config shape, in verl's vocabulary, with its interpolations.
@@ -375,3 +375,32 @@ def test_skyrl_step_wise_with_gae_is_a_fault():
     config["generator"]["step_wise_trajectories"] = True
     with pytest.raises(BatchConfigError, match=r"step_wise_trajectories=true does not work with .*=gae"):
         read_run_config(config).plan()
+
+
+def test_a_registered_framework_is_read_by_every_reader_without_a_table_to_edit(monkeypatch):
+    # issue 29: adding a framework is one module and its registration; the readers ask the registry
+    from batchfit.frameworks import registry
+    from batchfit.frameworks.lora_keys import lora_keys
+    from batchfit.frameworks.source import detect_vocabulary, file_vocabularies
+
+    monkeypatch.setattr(registry, "_SPECS", dict(registry._SPECS))
+    spec = registry.FrameworkSpec(
+        name="toyrl",
+        title="ToyRL 1.0",
+        display="ToyRL",
+        markers=("toy.rollout", "toy.train.batch_size"),
+        lora_keys={"policy": ("toy.lora.r", "toy.lora.alpha", "toy.lora.targets")},
+        read_config=lambda resolved, given: None,
+    )
+    registry.register_framework(spec)
+    assert "toyrl" in file_vocabularies()
+    assert detect_vocabulary({"toy": {"train": {"batch_size": 8}}}) == "toyrl"
+    assert lora_keys("toyrl")["policy"][0] == "toy.lora.r"
+    with pytest.raises(BatchConfigError, match=r"ToyRL keys \(toy.rollout\) and verl keys \(actor_rollout_ref\)"):
+        detect_vocabulary({"toy": {"rollout": 1}, "actor_rollout_ref": {}})
+    with pytest.raises(BatchConfigError, match=r"ToyRL's \(toy.rollout, toy.train.batch_size, ...\)"):
+        detect_vocabulary({"model": {"name": "x"}})
+    with pytest.raises(InvalidArgument, match="has no markers"):
+        registry.FrameworkSpec(name="bad", title="Bad", read_config=lambda resolved, given: None)
+    with pytest.raises(InvalidArgument, match="has no launchers"):
+        registry.FrameworkSpec(name="bad", title="Bad", read_command=lambda command: None)
