@@ -145,20 +145,25 @@ def _best_fit_padded(ls: list[int], rs: list[int], order: list[int], budget: int
 
 
 def _best_fit_packed(
-    ls: list[int], rs: list[int], order: list[int], budget: int, rbudget: int, dimension: str
+    ls: list[int],
+    rs: list[int],
+    order: list[int],
+    budget: int,
+    rbudget: int,
+    dimension: str,
+    rests: tuple[list[int], list[int]] | None = None,
 ) -> list[list[int]]:
     """Packed: each sequence into the micro-batch with the least room in ``dimension``
     (``"tokens"``, ``"responses"``, or ``"tighter"``: the sequence's larger normalised size)
     among those where both fit, else a new one; an oversize sequence runs alone.
 
     Ties go to the micro-batch opened first. O(log m + min(nx, ny)) per sequence (NOTE [ Least
-    room where both fit ]).
+    room where both fit ]). ``rests`` is :func:`least_still_to_place` of ``order``, when the caller
+    has it already.
     """
-    shift = max(len(ls), 1).bit_length()  # ids < 2**shift
+    shift = _shift(ls)
     mask = (1 << shift) - 1
-    # the least length and response still to place after each step (shifted as keys): a micro-batch
-    # with less room than that in either dimension holds nothing more and leaves the lists
-    rest_l, rest_r = _least_after(ls, order, shift), _least_after(rs, order, shift)
+    rest_l, rest_r = least_still_to_place(ls, rs, order) if rests is None else rests
     groups: list[list[int]] = []
     by_l: list[int] = []  # sorted keys (token room << shift | micro-batch) of the open micro-batches
     r_of_l: list[int] = []  # the response key of each, aligned with by_l
@@ -201,6 +206,19 @@ def _best_fit_packed(
     return groups
 
 
+def _shift(ls: list[int]) -> int:
+    """The bits the micro-batch ids take in a key (ids < 2**shift)."""
+    return max(len(ls), 1).bit_length()
+
+
+def least_still_to_place(ls: list[int], rs: list[int], order: list[int]) -> tuple[list[int], list[int]]:
+    """Per step of ``order``, the least length and the least response still to place after it, shifted
+    as keys: a micro-batch with less room than that in either dimension holds nothing more and leaves
+    the lists (NOTE [ Least room where both fit ])."""
+    shift = _shift(ls)
+    return _least_after(ls, order, shift), _least_after(rs, order, shift)
+
+
 def _least_after(values: list[int], order: list[int], shift: int) -> list[int]:
     """Per step of ``order``, the least of ``values`` over the steps after it, shifted left by ``shift``
     (0 after the last step: nothing is placed after it)."""
@@ -227,9 +245,13 @@ def _pack_two_caps(
     if padded:
         return _best_fit_padded(ls, rs, _two_cap_order(lens, resps, budget, rbudget, "length").tolist(), budget, rbudget)
     best: list[list[int]] | None = None
+    orders: dict[str, tuple[list[int], tuple[list[int], list[int]]]] = {}  # two variants share an order
     for by, dimension in TWO_CAP_PACKED_VARIANTS:
-        order = _two_cap_order(lens, resps, budget, rbudget, by).tolist()
-        groups = _best_fit_packed(ls, rs, order, budget, rbudget, dimension)
+        if by not in orders:
+            order = _two_cap_order(lens, resps, budget, rbudget, by).tolist()
+            orders[by] = order, least_still_to_place(ls, rs, order)
+        order, rests = orders[by]
+        groups = _best_fit_packed(ls, rs, order, budget, rbudget, dimension, rests)
         if best is None or len(groups) < len(best):
             best = groups
     return best or []
