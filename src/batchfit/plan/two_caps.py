@@ -251,7 +251,7 @@ def _pack_two_caps(
             order = _two_cap_order(lens, resps, budget, rbudget, by).tolist()
             orders[by] = order, least_still_to_place(ls, rs, order)
         order, rests = orders[by]
-        groups = _best_fit_packed(ls, rs, order, budget, rbudget, dimension, rests)
+        groups = _best_fit_packed(ls, rs, order, budget, rbudget, dimension, rests=rests)
         if best is None or len(groups) < len(best):
             best = groups
     return best or []
