@@ -1,0 +1,79 @@
+"""batchfit.integrations.trl: TRL's GRPO sized by a token budget (pure arithmetic first, then the real library)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchfit.errors import BatchConfigError, BudgetError, InvalidArgument
+from batchfit.integrations.trl import padded_row_length, plan_grpo_batches
+
+# ---------------------------------------------------------------- the arithmetic (no TRL needed)
+
+
+def test_largest_micro_batch_that_divides_each_processes_rows():
+    # 4096 // 512 = 8 rows fit; 96 sequences / 2 processes = 48 rows each: 8 divides 48 -> 6 accumulation steps
+    s = plan_grpo_batches(4096, row_length=512, num_generations=8, generation_batch_size=96, num_processes=2)
+    assert (s.per_device_train_batch_size, s.gradient_accumulation_steps, s.steps_per_generation) == (8, 6, 6)
+    # 84 / 2 = 42 rows per process: 8 does not divide 42, its largest divisor not above 8 is 7 -> 6 steps
+    s = plan_grpo_batches(4096, row_length=512, num_generations=4, generation_batch_size=84, num_processes=2)
+    assert (s.per_device_train_batch_size, s.gradient_accumulation_steps) == (7, 6)
+    # 7 fit (3584 // 512), 48 rows per process: divisors 1,2,3,4,6 -> 6, 8 steps; two optimizer steps per generation
+    s = plan_grpo_batches(3584, row_length=512, num_generations=8, generation_batch_size=192, num_processes=2,
+                          optimizer_steps_per_generation=2)
+    assert (s.per_device_train_batch_size, s.gradient_accumulation_steps, s.steps_per_generation) == (6, 8, 16)
+    assert s.generation_batch_size == 192 and s.sequences_per_step == 96 and s.largest_fitting == 7
+
+
+def test_pad_to_multiple_of_rounds_prompt_and_completion_apart():
+    assert padded_row_length(100, 250) == 350
+    assert padded_row_length(100, 250, 64) == 384  # 128 + 256, not ceil(350 / 64) * 64 = 384 by luck:
+    assert padded_row_length(65, 65, 64) == 256  # 128 + 128, where the sum rounded once would be 192
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"tokens": 500}, BudgetError, "row_length=512 tokens .* costs more than the token budget of 500"),
+        ({"num_generations": 1, "generation_batch_size": 8}, BatchConfigError, "num_generations=1"),
+        ({"generation_batch_size": 60}, BatchConfigError, "generation_batch_size=60 must be a multiple of num_generations=8.*use 56 or 64"),
+        ({"generation_batch_size": 24, "num_processes": 16}, BatchConfigError, "split evenly over num_processes=16"),
+        ({"optimizer_steps_per_generation": 5}, BatchConfigError, "optimizer_steps_per_generation=5"),
+        ({"num_processes": 0}, InvalidArgument, "num_processes"),
+        ({"tokens": True}, InvalidArgument, "tokens"),
+    ],
+    ids=["one-row-too-long", "one-generation", "partial-group", "ranks", "steps", "no-process", "bool"],
+)
+def test_broken_rules_name_the_field_and_the_fix(kwargs, error, match):
+    args = {"tokens": 4096, "row_length": 512, "num_generations": 8, "generation_batch_size": 64, **kwargs}
+    with pytest.raises(error, match=match):
+        plan_grpo_batches(**args)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.integers(1, 100_000),
+    row=st.integers(1, 4096),
+    groups=st.integers(1, 64),
+    num_generations=st.integers(2, 16),
+    world=st.integers(1, 8),
+    k=st.integers(1, 4),
+)
+def test_every_trl_rule_holds_and_the_micro_batch_fits(tokens, row, groups, num_generations, world, k):
+    generation = groups * num_generations * world * k  # a generation batch every rule allows
+    if tokens < row:
+        with pytest.raises(BudgetError):
+            plan_grpo_batches(tokens, row_length=row, num_generations=num_generations,
+                              generation_batch_size=generation, num_processes=world, optimizer_steps_per_generation=k)
+        return
+    s = plan_grpo_batches(tokens, row_length=row, num_generations=num_generations, generation_batch_size=generation,
+                          num_processes=world, optimizer_steps_per_generation=k)
+    assert s.micro_batch_tokens <= tokens  # fits the budget
+    assert s.generation_batch_size == generation  # TRL's derivation gives back what was asked
+    assert s.generation_batch_size % num_generations == 0  # whole prompt groups
+    assert s.steps_per_generation == k * s.gradient_accumulation_steps
+    assert s.sequences_per_step * k == generation
+    # no larger micro-batch both fits and divides the rows of a step
+    rows = generation // k // world
+    assert all(rows % d for d in range(s.per_device_train_batch_size + 1, min(rows, tokens // row) + 1))
