@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchfit.errors import BatchConfigError, BudgetError, InvalidArgument
 from batchfit.integrations.trl import padded_row_length, plan_grpo_batches
+from multirank import scaled
 
 # ---------------------------------------------------------------- the arithmetic (no TRL needed)
 
@@ -77,3 +83,48 @@ def test_every_trl_rule_holds_and_the_micro_batch_fits(tokens, row, groups, num_
     # no larger micro-batch both fits and divides the rows of a step
     rows = generation // k // world
     assert all(rows % d for d in range(s.per_device_train_batch_size + 1, min(rows, tokens // row) + 1))
+
+
+# ---------------------------------------------------------------- the real library (second tier)
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "trl_grpo.py"
+
+
+def _run_example(launcher: list[str]) -> list[dict]:
+    done = subprocess.run([*launcher, str(EXAMPLE)], capture_output=True, text=True, timeout=scaled(300))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])["ranks"]
+
+
+def _check_run(ranks: list[dict], world: int) -> None:
+    assert len(ranks) == world
+    for r in ranks:
+        # sized by batchfit from the budget TRL's own head was probed with (MEMORY_LIMIT, rows of 8 + 24 tokens)
+        assert r["world_size"] == world and r["optimizer_steps"] == 3
+        rows, steps = r["per_device_train_batch_size"], r["gradient_accumulation_steps"]
+        assert rows * 32 <= r["token_budget"]  # a micro-batch of `rows` padded rows fits the budget
+        assert r["generation_batch_size"] == 32 and r["generation_batch_size"] % 4 == 0  # whole prompt groups
+        assert rows * world * steps == 32 and r["steps_per_generation"] == steps
+        assert r["micro_batch_rows"] == [rows] * (3 * steps)  # every micro-batch TRL ran had that many rows
+        # every micro-batch's measured peak (forward + backward, batchfit's cpu tracker) within the limit it was sized for
+        assert r["micro_batch_peaks"] and max(r["micro_batch_peaks"]) <= r["limit_bytes"], r
+    assert len({(r["per_device_train_batch_size"], r["gradient_accumulation_steps"]) for r in ranks}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_real_grpo_trainer_sized_by_batchfit_keeps_every_micro_batch_within_its_limit():
+    pytest.importorskip("trl")
+    ranks = _run_example([sys.executable])
+    _check_run(ranks, world=1)
+    assert ranks[0]["per_device_train_batch_size"] > 1  # the budget holds several rows: a real choice was made
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_real_grpo_trainer_on_two_gloo_ranks_under_torchrun():
+    pytest.importorskip("trl")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    ranks = _run_example(launcher)
+    _check_run(ranks, world=2)
+    assert {r["model_wrapper"] for r in ranks} == {"DistributedDataParallel"}
