@@ -43,7 +43,15 @@ from batchfit.budget import ModelProfile, TokenBudget
 from batchfit.errors import BatchConfigError, BudgetError, InvalidArgument
 from batchfit.validation import check_int, check_positive_int
 
-__all__ = ["SIZED_FIELDS", "GrpoBatchSizes", "grpo_batch_sizes", "grpo_config", "padded_row_length", "plan_grpo_batches"]
+__all__ = [
+    "SIZED_FIELDS",
+    "GrpoBatchSizes",
+    "grpo_batch_sizes",
+    "grpo_config",
+    "padded_row_length",
+    "plan_grpo_batches",
+    "token_budget_grpo_config",
+]
 
 #: The fields of TRL's config that :func:`grpo_config` sets (and so refuses from the caller),
 #: with ``generation_batch_size``, which TRL derives from them (NOTE [ TRL's batch rules ]).
@@ -304,18 +312,7 @@ def grpo_config(
                            output_dir="out", num_generations=8, max_completion_length=384)
     """
     config_class = _config_class("GRPOConfig") if config_class is None else config_class
-    given = sorted(set(SIZED_FIELDS) & set(config_kwargs))
-    if given:
-        raise InvalidArgument(
-            f"grpo_config sets {', '.join(SIZED_FIELDS[:3])} from the budget, but got {given[0]}="
-            f"{config_kwargs[given[0]]!r}; drop it (pass generation_batch_size and optimizer_steps_per_generation "
-            "to grpo_config instead)"
-        )
-    if config_kwargs.get("auto_find_batch_size"):
-        raise InvalidArgument(
-            "auto_find_batch_size=True halves the batch on OOM and breaks TRL's prompt groups (TRL refuses it for "
-            "GRPO and RLOO); drop it: grpo_config sizes the batch from the budget"
-        )
+    _check_config_kwargs(config_kwargs)
     tokens, max_seq_len, limit_bytes = _budget_tokens(budget)
     num_generations = config_kwargs.get("num_generations", _default(config_class, "num_generations"))
     completion = config_kwargs.get("max_completion_length", _default(config_class, "max_completion_length"))
@@ -327,7 +324,34 @@ def grpo_config(
             f"{completion}) is longer than the budget covers (max_seq_len={max_seq_len}); profile with "
             f"max_seq_len={row_length}"
         )
-    # TRL's world size, read from a config TRL builds (one whole prompt group per process passes its checks)
+    sizes = plan_grpo_batches(
+        tokens,
+        row_length=row_length,
+        num_generations=num_generations,
+        generation_batch_size=generation_batch_size,
+        num_processes=_world_size(config_class, num_generations, config_kwargs),
+        optimizer_steps_per_generation=optimizer_steps_per_generation,
+        limit_bytes=limit_bytes,
+    )
+    return config_class(**config_kwargs, **sizes.config_fields())
+
+
+def _check_config_kwargs(config_kwargs: dict[str, Any]) -> None:
+    given = sorted(set(SIZED_FIELDS) & set(config_kwargs))
+    if given:
+        raise InvalidArgument(
+            f"batchfit sets {', '.join(SIZED_FIELDS[:3])}, but got {given[0]}={config_kwargs[given[0]]!r}; drop it "
+            "(pass generation_batch_size and optimizer_steps_per_generation instead)"
+        )
+    if config_kwargs.get("auto_find_batch_size"):
+        raise InvalidArgument(
+            "auto_find_batch_size=True halves the batch on OOM and breaks TRL's prompt groups (TRL refuses it for "
+            "GRPO and RLOO); drop it: batchfit sizes the batch from the budget"
+        )
+
+
+def _world_size(config_class: type, num_generations: int, config_kwargs: dict[str, Any]) -> int:
+    """TRL's ``world_size``, read from a config TRL builds (one whole prompt group per process passes its checks)."""
     probe = config_class(
         **config_kwargs,
         per_device_train_batch_size=1,
@@ -335,14 +359,38 @@ def grpo_config(
         generation_batch_size=None,
         steps_per_generation=num_generations,
     )
+    return probe.world_size
+
+
+def token_budget_grpo_config(
+    *,
+    generation_batch_size: int,
+    optimizer_steps_per_generation: int = 1,
+    config_class: type | None = None,
+    **config_kwargs: Any,
+) -> Any:
+    """TRL's ``GRPOConfig`` for :class:`~batchfit.integrations.trl_packed.TokenBudgetGRPOTrainer`: one TRL micro-batch per optimizer step.
+
+    ``per_device_train_batch_size`` is every row one optimizer step trains on a process,
+    ``gradient_accumulation_steps`` is 1 and ``steps_per_generation`` is
+    ``optimizer_steps_per_generation``: the trainer cuts each step's rows into packed
+    micro-batches under its token budget, so TRL's micro-batch is no longer what bounds memory.
+    TRL's rules hold as for :func:`grpo_config` (NOTE [ TRL's batch rules ]).
+
+    Raises:
+        InvalidArgument, BatchConfigError: as :func:`grpo_config`.
+    """
+    config_class = _config_class("GRPOConfig") if config_class is None else config_class
+    _check_config_kwargs(config_kwargs)
+    num_generations = config_kwargs.get("num_generations", _default(config_class, "num_generations"))
+    # every row of a step in one TRL micro-batch: rows of one token under a budget of the whole generation batch
     sizes = plan_grpo_batches(
-        tokens,
-        row_length=row_length,
+        check_positive_int("generation_batch_size", generation_batch_size),
+        row_length=1,
         num_generations=num_generations,
         generation_batch_size=generation_batch_size,
-        num_processes=probe.world_size,
+        num_processes=_world_size(config_class, num_generations, config_kwargs),
         optimizer_steps_per_generation=optimizer_steps_per_generation,
-        limit_bytes=limit_bytes,
     )
     return config_class(**config_kwargs, **sizes.config_fields())
 
