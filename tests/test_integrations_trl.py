@@ -128,3 +128,50 @@ def test_real_grpo_trainer_on_two_gloo_ranks_under_torchrun():
     ranks = _run_example(launcher)
     _check_run(ranks, world=2)
     assert {r["model_wrapper"] for r in ranks} == {"DistributedDataParallel"}
+
+
+_CONFIG = {"output_dir": "unused", "report_to": "none", "use_cpu": True, "bf16": False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_name", ["GRPOConfig", "RLOOConfig"])
+def test_grpo_config_builds_trls_config_with_the_sized_fields(config_name):
+    trl = pytest.importorskip("trl")
+    from batchfit.integrations.trl import grpo_config, token_budget_grpo_config
+
+    cls = getattr(trl, config_name)
+    # 1000 // (100 + 28) = 7 rows fit; 48 sequences in 2 optimizer steps: 24 rows a step, largest divisor <= 7 is 6
+    args = grpo_config(1000, max_prompt_length=100, generation_batch_size=48, optimizer_steps_per_generation=2,
+                       config_class=cls, num_generations=4, max_completion_length=28, **_CONFIG)
+    assert type(args) is cls
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == (6, 4, 8)
+    assert args.generation_batch_size == 48  # derived by TRL's own __post_init__
+    packed = token_budget_grpo_config(generation_batch_size=48, optimizer_steps_per_generation=2, config_class=cls,
+                                      num_generations=4, **_CONFIG)
+    assert (packed.per_device_train_batch_size, packed.gradient_accumulation_steps, packed.steps_per_generation) == (24, 1, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("budget", "kwargs", "error", "match"),
+    [
+        (1000, {"per_device_train_batch_size": 4}, InvalidArgument, "per_device_train_batch_size=4; drop it"),
+        (1000, {"auto_find_batch_size": True}, InvalidArgument, "auto_find_batch_size=True"),
+        (1000, {"num_generations": 5}, BatchConfigError, "generation_batch_size=48 must be a multiple of num_generations=5"),
+        (100, {}, BudgetError, "costs more than the token budget of 100"),
+        ("packed", {}, BudgetError, "cost='packed'"),
+        ("short", {}, BudgetError, r"profile with max_seq_len=128"),
+    ],
+    ids=["sized-field", "auto-find", "groups", "one-row", "packed-budget", "too-long"],
+)
+def test_grpo_config_refusals_name_the_field(budget, kwargs, error, match):
+    pytest.importorskip("trl")
+    from batchfit.budget import profile_model
+    from batchfit.integrations.trl import grpo_config
+
+    if isinstance(budget, str):  # a real (estimated) budget: packed, or one that covers 64-token rows only
+        cost, max_seq_len = ("packed", 128) if budget == "packed" else ("padded", 64)
+        budget = profile_model("tiny", max_seq_len=max_seq_len, backend="estimate", memory_limit="1GiB", cost=cost)
+    with pytest.raises(error, match=match):
+        grpo_config(budget, max_prompt_length=100, generation_batch_size=48, max_completion_length=28,
+                    **{"num_generations": 4, **kwargs}, **_CONFIG)
