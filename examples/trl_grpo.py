@@ -2,6 +2,7 @@
 
     python examples/trl_grpo.py
     torchrun --standalone --nproc-per-node 2 examples/trl_grpo.py     # 2 gloo ranks, DDP
+    python examples/trl_grpo.py --logprobs full --memory 6MiB          # probed with another head: TRL overshoots
 
 Needs TRL (``pip install 'batchfit[trl]'``). A tiny Llama and a character tokenizer are built
 here (nothing is downloaded). batchfit measures the policy's token budget with its ``cpu``
@@ -14,9 +15,9 @@ one JSON line: the sizes, the limit and every measured peak.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import tempfile
 from typing import Any
 
@@ -93,8 +94,11 @@ class MeasuredGRPOTrainer(GRPOTrainer):
         return loss
 
 
-def main(output_dir: str, max_steps: int = 3) -> dict[str, Any]:
-    """Profile, size, train; the result as plain values (the same on every rank but the peaks)."""
+def main(output_dir: str, max_steps: int = 3, logprobs: str = "trl", memory: str = MEMORY_LIMIT) -> dict[str, Any]:
+    """Profile, size, train; the result as plain values (the same on every rank but the peaks).
+
+    ``logprobs`` is the head the budget is probed with (TRL's own by default), ``memory`` the limit per rank.
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")  # the budget is measured on the real ranks, before TRL builds anything
@@ -105,10 +109,10 @@ def main(output_dir: str, max_steps: int = 3) -> dict[str, Any]:
         model,
         max_seq_len=MAX_PROMPT_LENGTH + MAX_COMPLETION_LENGTH,
         backend="cpu",
-        memory_limit=MEMORY_LIMIT,
+        memory_limit=memory,
         dtype="fp32",
         gradient_checkpointing=checkpointing,
-        logprobs="trl",  # TRL's own log-prob kernel in the probe (its 32768-column buffer binds here)
+        logprobs=logprobs,  # TRL's own log-prob kernel in the probe (its 32768-column buffer binds here)
         sharding=Sharding("ddp", world_size=world) if world > 1 else Sharding(),
     )
     args = grpo_config(
@@ -153,8 +157,13 @@ def main(output_dir: str, max_steps: int = 3) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps (3)")
+    parser.add_argument("--logprobs", default="trl", help="the head the budget is probed with (trl)")
+    parser.add_argument("--memory", default=MEMORY_LIMIT, help=f"memory limit per rank ({MEMORY_LIMIT})")
+    cli = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="batchfit-trl-") as folder:
-        result = main(folder, max_steps=int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+        result = main(folder, max_steps=cli.steps, logprobs=cli.logprobs, memory=cli.memory)
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)

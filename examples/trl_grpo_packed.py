@@ -115,7 +115,7 @@ def main(output_dir: str, max_steps: int = 3) -> dict[str, Any]:
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory(prefix="batchfit-trl-") as folder:
-        result = main(folder, max_steps=int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+        result = main(folder, max_steps=int(sys.argv[1]) if len(sys.argv) > 1 else 3)  # optimizer steps
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
