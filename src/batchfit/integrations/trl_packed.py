@@ -181,9 +181,10 @@ class TokenBudgetGRPOTrainer(GRPOTrainer):
         grad_logps, grad_entropies = torch.autograd.grad(loss, (logps, entropies), allow_unused=True)
         width = fields["input_ids"].shape[1]
         for name, grad in ((_GRAD_LOGPROBS, grad_logps), (_GRAD_ENTROPY, grad_entropies)):
+            if grad is None:  # the loss does not read it (entropy only logged): nothing to carry back
+                continue
             full = torch.zeros((fields["input_ids"].shape[0], width), dtype=torch.float32, device=logps.device)
-            if grad is not None:
-                full[:, width - keep :] = grad
+            full[:, width - keep :] = grad
             fields = {**fields, name: full}
         micro = list(self._micro_batches(fields, plan))
         for k, mb in enumerate(micro):
@@ -194,7 +195,8 @@ class TokenBudgetGRPOTrainer(GRPOTrainer):
     def _micro_batch_backward(self, model: torch.nn.Module, mb: Any, *, sync: bool) -> None:
         """Forward and backward of one packed micro-batch, its log-probs' and entropies' gradients given."""
         lp, ent = self._logprobs(model, mb)
-        surrogate = (lp * mb.batch[_GRAD_LOGPROBS]).sum() + (ent * mb.batch[_GRAD_ENTROPY]).sum()
+        parts = [(lp, mb.batch.get(_GRAD_LOGPROBS)), (ent, mb.batch.get(_GRAD_ENTROPY))]
+        surrogate = sum((value * grad).sum() for value, grad in parts if grad is not None)
         if sync:
             self.accelerator.backward(surrogate)
         else:
