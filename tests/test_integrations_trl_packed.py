@@ -111,3 +111,30 @@ def test_real_token_budget_trainer_trains_on_two_gloo_ranks_under_torchrun():
     ranks = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
     _check(ranks, world=2)
     assert {r["model_wrapper"] for r in ranks} == {"DistributedDataParallel"}
+
+
+def test_refusals_name_the_setting():
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from batchfit.errors import BudgetError, InvalidArgument
+    from batchfit.integrations.trl_packed import TokenBudgetGRPOTrainer
+
+    example = load_script(EXAMPLES / "trl_grpo.py", "trl_grpo_example")
+    tokenizer = example.char_tokenizer()
+    common = {"output_dir": "unused", "num_generations": 4, "max_completion_length": 16, "bf16": False,
+              "use_cpu": True, "report_to": "none", "per_device_train_batch_size": 8}
+    kwargs = {"reward_funcs": example.count_a, "train_dataset": Dataset.from_dict({"prompt": example.PROMPTS}),
+              "processing_class": tokenizer}
+    with pytest.raises(InvalidArgument, match="cast_lm_head_to_fp32=True"):
+        TokenBudgetGRPOTrainer(model=example.tiny_llama(len(tokenizer)), token_budget=48,
+                               args=GRPOConfig(cast_lm_head_to_fp32=True, **common), **kwargs)
+    with pytest.raises(InvalidArgument, match="token_budget"):
+        TokenBudgetGRPOTrainer(model=example.tiny_llama(len(tokenizer)), token_budget=0, args=GRPOConfig(**common),
+                               **kwargs)
+    trainer = TokenBudgetGRPOTrainer(model=example.tiny_llama(len(tokenizer)), token_budget=4,
+                                     args=GRPOConfig(**common), **kwargs)
+    rows = torch.ones(2, 6, dtype=torch.long)
+    with pytest.raises(BudgetError, match="a sequence of 6 tokens is longer than token_budget=4"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, rows, torch.ones_like(rows), 3)
