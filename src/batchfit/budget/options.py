@@ -44,7 +44,8 @@ class ProfileOptions:
             asked; ``batchfit profile`` asks by default, ``--no-gradient-checkpointing`` not).
         logprobs: the policy's log-prob head, one of :data:`batchfit.train.HEADS` or a
             :class:`~batchfit.train.framework_heads.FrameworkHead` (``full``
-            fp32 ``log_softmax`` of the whole logits, ``chunked``, ``fused``).
+            fp32 ``log_softmax`` of the whole logits, ``chunked``, ``fused``; ``trl``: TRL's own
+            fused kernel, NOTE [ TRL's head ] in :mod:`batchfit.train.trl_head`, needs TRL).
         cost: ``padded`` (rows × longest) or ``packed`` (sum of lengths, counted to the token).
         safety_margin: the fraction of the usable bytes a peak may reach, in ``(0, 1]``.
         seq_lens: lengths to probe (``None`` = :func:`batchfit.budget.default_seq_lens`).

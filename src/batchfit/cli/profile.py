@@ -136,9 +136,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--logprobs",
-        metavar="full|chunked|fused|verl|skyrl",
+        metavar="full|chunked|fused|verl|skyrl|trl",
         help="log-prob computation of the policy/reference step (default full: fp32 log_softmax of all logits; "
-        "verl, skyrl: the head that framework runs; with --config the framework's head as its keys set it)",
+        "verl, skyrl: the head that framework runs; trl: TRL's own fused kernel, needs TRL; with --config the "
+        "framework's head as its keys set it)",
     )
     p.add_argument(
         "--response-only",

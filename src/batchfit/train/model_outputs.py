@@ -95,14 +95,15 @@ from batchfit.train.framework_heads import (
     as_framework_head,
     framework_logprobs,
 )
+from batchfit.train.trl_head import trl_logprobs_from_hidden
 from batchfit.validation import check_choice
 
 #: Config attributes of models that change the logits after the output head.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 #: How :func:`model_logprobs` turns the last hidden states into log-probs: batchfit's three,
-#: then the frameworks' own (NOTE [ The framework's head, not ours ]).
-HEADS = ("full", "chunked", "fused", *FRAMEWORK_HEADS)
+#: then the frameworks' own (NOTE [ The framework's head, not ours ]), then TRL's (NOTE [ TRL's head ]).
+HEADS = ("full", "chunked", "fused", *FRAMEWORK_HEADS, "trl")
 
 __all__ = [
     "HEADS",
@@ -114,6 +115,7 @@ __all__ = [
     "model_logprobs",
     "model_values",
     "next_token_labels",
+    "trl_output_head",
 ]
 
 
@@ -238,6 +240,38 @@ def fused_output_head(
                 positions=positions() if callable(positions) else positions,
             )
             return torch.stack(out, dim=-1) if return_entropy else out.clone()
+
+        return forward
+
+    with _replaced_forward(head, make):
+        yield
+
+
+@contextlib.contextmanager
+def trl_output_head(
+    model: torch.nn.Module,
+    labels: Callable[[], torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> Iterator[None]:
+    """Inside the block, the output head of ``model`` returns TRL's log-probs of ``labels()`` (NOTE [ TRL's head ]).
+
+    As :func:`fused_output_head`, with TRL's own kernel (:func:`batchfit.train.trl_head.trl_logprobs_from_hidden`)
+    and its vocabulary chunk; GRPO's entropy is computed whatever ``return_entropy`` (TRL always asks for it)
+    and returned stacked last only when asked.
+
+    Raises:
+        InvalidArgument: ``model`` has no linear output head, or transforms its logits; TRL is not installed.
+    """
+    head = _output_head(model)
+
+    def make(own: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            out = trl_logprobs_from_hidden(
+                hidden, head.weight, getattr(head, "bias", None), labels(), temperature=temperature
+            )
+            return out if return_entropy else out[..., 0]
 
         return forward
 
@@ -468,7 +502,8 @@ def model_logprobs(
             (``log_softmax`` of the fp32 logits, as plain PyTorch code does); ``"verl"``,
             ``"skyrl"`` or a :class:`~batchfit.train.framework_heads.FrameworkHead`: what that
             framework runs on the model's logits (its entropy per its config; ``temperature``
-            and ``chunk_size`` are the head's own).
+            and ``chunk_size`` are the head's own); ``"trl"``: TRL's own fused kernel with its
+            chunk (NOTE [ TRL's head ] in :mod:`batchfit.train.trl_head`; needs TRL).
         chunk_size: tokens per chunk of the fused or chunked head; ``"auto"`` (default) is the
             micro-batch's longest sequence, at most 1024 (NOTE [ Head chunks no longer than a
             sequence ]); an int or ``None`` as :func:`batchfit.logprobs.logprobs_from_hidden`.
@@ -504,6 +539,15 @@ def model_logprobs(
     """
     head = check_head("head", head)
     run = _TokenAligned(model, batch, (input_ids_key, attention_mask_key, position_ids_key))
+    if head == "trl":
+        if only_loss_tokens:
+            raise InvalidArgument(
+                "head='trl' scores every position, as TRL's fused head does without Triton (NOTE [ TRL's head ]), "
+                "but got only_loss_tokens=True; drop only_loss_tokens (response_only) or pick head='fused'"
+            )
+        with trl_output_head(model, run.labels, temperature=temperature, return_entropy=return_entropy):
+            out = run.restore(model(**run.inputs).logits)
+        return (out[..., 0], out[..., 1]) if return_entropy else out
     if only_loss_tokens:
         return _loss_token_logprobs(model, run, head, chunk_size, temperature, return_entropy, loss_mask_key)
     framework = as_framework_head(head)

@@ -1,0 +1,177 @@
+"""batchfit.integrations.trl: TRL's GRPO sized by a token budget (pure arithmetic first, then the real library)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchfit.errors import BatchConfigError, BudgetError, InvalidArgument
+from batchfit.integrations.trl import padded_row_length, plan_grpo_batches
+from multirank import scaled
+
+# ---------------------------------------------------------------- the arithmetic (no TRL needed)
+
+
+def test_largest_micro_batch_that_divides_each_processes_rows():
+    # 4096 // 512 = 8 rows fit; 96 sequences / 2 processes = 48 rows each: 8 divides 48 -> 6 accumulation steps
+    s = plan_grpo_batches(4096, row_length=512, num_generations=8, generation_batch_size=96, num_processes=2)
+    assert (s.per_device_train_batch_size, s.gradient_accumulation_steps, s.steps_per_generation) == (8, 6, 6)
+    # 84 / 2 = 42 rows per process: 8 does not divide 42, its largest divisor not above 8 is 7 -> 6 steps
+    s = plan_grpo_batches(4096, row_length=512, num_generations=4, generation_batch_size=84, num_processes=2)
+    assert (s.per_device_train_batch_size, s.gradient_accumulation_steps) == (7, 6)
+    # 7 fit (3584 // 512), 48 rows per process: divisors 1,2,3,4,6 -> 6, 8 steps; two optimizer steps per generation
+    s = plan_grpo_batches(3584, row_length=512, num_generations=8, generation_batch_size=192, num_processes=2,
+                          optimizer_steps_per_generation=2)
+    assert (s.per_device_train_batch_size, s.gradient_accumulation_steps, s.steps_per_generation) == (6, 8, 16)
+    assert s.generation_batch_size == 192 and s.sequences_per_step == 96 and s.largest_fitting == 7
+
+
+def test_pad_to_multiple_of_rounds_prompt_and_completion_apart():
+    assert padded_row_length(100, 250) == 350
+    assert padded_row_length(100, 250, 64) == 384  # 128 + 256, not ceil(350 / 64) * 64 = 384 by luck:
+    assert padded_row_length(65, 65, 64) == 256  # 128 + 128, where the sum rounded once would be 192
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"tokens": 500}, BudgetError, "row_length=512 tokens .* costs more than the token budget of 500"),
+        ({"num_generations": 1, "generation_batch_size": 8}, BatchConfigError, "num_generations=1"),
+        ({"generation_batch_size": 60}, BatchConfigError, "generation_batch_size=60 must be a multiple of num_generations=8.*use 56 or 64"),
+        ({"generation_batch_size": 24, "num_processes": 16}, BatchConfigError, "split evenly over num_processes=16"),
+        ({"optimizer_steps_per_generation": 5}, BatchConfigError, "optimizer_steps_per_generation=5"),
+        ({"num_processes": 0}, InvalidArgument, "num_processes"),
+        ({"tokens": True}, InvalidArgument, "tokens"),
+    ],
+    ids=["one-row-too-long", "one-generation", "partial-group", "ranks", "steps", "no-process", "bool"],
+)
+def test_broken_rules_name_the_field_and_the_fix(kwargs, error, match):
+    args = {"tokens": 4096, "row_length": 512, "num_generations": 8, "generation_batch_size": 64, **kwargs}
+    with pytest.raises(error, match=match):
+        plan_grpo_batches(**args)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.integers(1, 100_000),
+    row=st.integers(1, 4096),
+    groups=st.integers(1, 64),
+    num_generations=st.integers(2, 16),
+    world=st.integers(1, 8),
+    k=st.integers(1, 4),
+)
+def test_every_trl_rule_holds_and_the_micro_batch_fits(tokens, row, groups, num_generations, world, k):
+    generation = groups * num_generations * world * k  # a generation batch every rule allows
+    if tokens < row:
+        with pytest.raises(BudgetError):
+            plan_grpo_batches(tokens, row_length=row, num_generations=num_generations,
+                              generation_batch_size=generation, num_processes=world, optimizer_steps_per_generation=k)
+        return
+    s = plan_grpo_batches(tokens, row_length=row, num_generations=num_generations, generation_batch_size=generation,
+                          num_processes=world, optimizer_steps_per_generation=k)
+    assert s.micro_batch_tokens <= tokens  # fits the budget
+    assert s.generation_batch_size == generation  # TRL's derivation gives back what was asked
+    assert s.generation_batch_size % num_generations == 0  # whole prompt groups
+    assert s.steps_per_generation == k * s.gradient_accumulation_steps
+    assert s.sequences_per_step * k == generation
+    # no larger micro-batch both fits and divides the rows of a step
+    rows = generation // k // world
+    assert all(rows % d for d in range(s.per_device_train_batch_size + 1, min(rows, tokens // row) + 1))
+
+
+# ---------------------------------------------------------------- the real library (second tier)
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "trl_grpo.py"
+
+
+def _run_example(launcher: list[str]) -> list[dict]:
+    done = subprocess.run([*launcher, str(EXAMPLE)], capture_output=True, text=True, timeout=scaled(300))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])["ranks"]
+
+
+def _check_run(ranks: list[dict], world: int) -> None:
+    assert len(ranks) == world
+    for r in ranks:
+        # sized by batchfit from the budget TRL's own head was probed with (MEMORY_LIMIT, rows of 8 + 24 tokens)
+        assert r["world_size"] == world and r["optimizer_steps"] == 3
+        rows, steps = r["per_device_train_batch_size"], r["gradient_accumulation_steps"]
+        assert rows * 32 <= r["token_budget"]  # a micro-batch of `rows` padded rows fits the budget
+        assert r["generation_batch_size"] == 32 and r["generation_batch_size"] % 4 == 0  # whole prompt groups
+        assert rows * world * steps == 32 and r["steps_per_generation"] == steps
+        assert r["micro_batch_rows"] == [rows] * (3 * steps)  # every micro-batch TRL ran had that many rows
+        # every micro-batch's measured peak (forward + backward, batchfit's cpu tracker) within the limit it was sized for
+        assert r["micro_batch_peaks"] and max(r["micro_batch_peaks"]) <= r["limit_bytes"], r
+    assert len({(r["per_device_train_batch_size"], r["gradient_accumulation_steps"]) for r in ranks}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_real_grpo_trainer_sized_by_batchfit_keeps_every_micro_batch_within_its_limit():
+    pytest.importorskip("trl")
+    ranks = _run_example([sys.executable])
+    _check_run(ranks, world=1)
+    assert ranks[0]["per_device_train_batch_size"] > 1  # the budget holds several rows: a real choice was made
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_real_grpo_trainer_on_two_gloo_ranks_under_torchrun():
+    pytest.importorskip("trl")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    ranks = _run_example(launcher)
+    _check_run(ranks, world=2)
+    assert {r["model_wrapper"] for r in ranks} == {"DistributedDataParallel"}
+
+
+_CONFIG = {"output_dir": "unused", "report_to": "none", "use_cpu": True, "bf16": False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_name", ["GRPOConfig", "RLOOConfig"])
+def test_grpo_config_builds_trls_config_with_the_sized_fields(config_name):
+    trl = pytest.importorskip("trl")
+    from batchfit.integrations.trl import grpo_config, token_budget_grpo_config
+
+    cls = getattr(trl, config_name)
+    # 1000 // (100 + 28) = 7 rows fit; 48 sequences in 2 optimizer steps: 24 rows a step, largest divisor <= 7 is 6
+    args = grpo_config(1000, max_prompt_length=100, generation_batch_size=48, optimizer_steps_per_generation=2,
+                       config_class=cls, num_generations=4, max_completion_length=28, **_CONFIG)
+    assert type(args) is cls
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == (6, 4, 8)
+    assert args.generation_batch_size == 48  # derived by TRL's own __post_init__
+    packed = token_budget_grpo_config(generation_batch_size=48, optimizer_steps_per_generation=2, config_class=cls,
+                                      num_generations=4, **_CONFIG)
+    assert (packed.per_device_train_batch_size, packed.gradient_accumulation_steps, packed.steps_per_generation) == (24, 1, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("budget", "kwargs", "error", "match"),
+    [
+        (1000, {"per_device_train_batch_size": 4}, InvalidArgument, "per_device_train_batch_size=4; drop it"),
+        (1000, {"auto_find_batch_size": True}, InvalidArgument, "auto_find_batch_size=True"),
+        (1000, {"num_generations": 5}, BatchConfigError, "generation_batch_size=48 must be a multiple of num_generations=5"),
+        (100, {}, BudgetError, "costs more than the token budget of 100"),
+        ("packed", {}, BudgetError, "cost='packed'"),
+        ("short", {}, BudgetError, r"profile with max_seq_len=128"),
+    ],
+    ids=["sized-field", "auto-find", "groups", "one-row", "packed-budget", "too-long"],
+)
+def test_grpo_config_refusals_name_the_field(budget, kwargs, error, match):
+    pytest.importorskip("trl")
+    from batchfit.budget import profile_model
+    from batchfit.integrations.trl import grpo_config
+
+    if isinstance(budget, str):  # a real (estimated) budget: packed, or one that covers 64-token rows only
+        cost, max_seq_len = ("packed", 128) if budget == "packed" else ("padded", 64)
+        budget = profile_model("tiny", max_seq_len=max_seq_len, backend="estimate", memory_limit="1GiB", cost=cost)
+    with pytest.raises(error, match=match):
+        grpo_config(budget, max_prompt_length=100, generation_batch_size=48, max_completion_length=28,
+                    **{"num_generations": 4, **kwargs}, **_CONFIG)
