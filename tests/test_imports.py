@@ -114,6 +114,7 @@ LAYERS = (
     ("train",),
     ("budget", "autobatch"),
     ("frameworks",),
+    ("integrations",),
     ("cli",),
 )
 # Plain modules, not one of the layers' packages.
