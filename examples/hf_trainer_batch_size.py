@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 
 import torch
@@ -33,35 +34,46 @@ def rows(n: int, vocab: int) -> list[dict[str, list[int]]]:
     return [{"input_ids": r, "attention_mask": [1] * SEQ, "labels": r} for r in ids]
 
 
+def build() -> tuple[LlamaForCausalLM, list[dict[str, list[int]]]]:
+    """A tiny Llama from a config (random weights) and 64 rows for it."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    return LlamaForCausalLM(config), rows(64, config.vocab_size)
+
+
+def training_arguments(output_dir: str, steps: int) -> TrainingArguments:
+    return TrainingArguments(output_dir=output_dir, use_cpu=True, max_steps=steps, learning_rate=1e-3, report_to=[],
+                             save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+
+
+def size(model: LlamaForCausalLM, args: TrainingArguments, data: list, memory: str, fraction: float = 0.8):
+    """Every rank calls it before building the Trainer: the train and eval sizes, the same on every rank."""
+    return find_trainer_batch_sizes(model, args, data, include_eval=True, backend="cpu", memory_limit=memory,
+                                    target_memory_fraction=fraction)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memory", default="32MiB", help="device memory, or one value per rank (comma-separated)")
     parser.add_argument("--fraction", type=float, default=0.8)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps the Trainer runs afterwards")
     flags = parser.parse_args()
-    torch.manual_seed(0)
     torch.set_num_threads(1)  # tiny model, shared cores: intra-op threads only contend
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
-    model = LlamaForCausalLM(config)
-    data = rows(64, config.vocab_size)
+    model, data = build()
+    rank = int(os.environ.get("RANK", "0"))
+    memory = flags.memory.split(",")
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, use_cpu=True, max_steps=flags.steps,
-                                 learning_rate=1e-3, report_to=[], save_strategy="no", logging_strategy="no",
-                                 disable_tqdm=True, dataloader_num_workers=0)
-        memory = flags.memory.split(",")
-        rank = int(os.environ.get("RANK", "0"))
-        sized = find_trainer_batch_sizes(model, args, data, include_eval=True, backend="cpu",
-                                         memory_limit=memory[rank % len(memory)],
-                                         target_memory_fraction=flags.fraction)
+        sized = size(model, training_arguments(out, flags.steps), data, memory[rank % len(memory)], flags.fraction)
         trainer = Trainer(model=model, args=sized.args, train_dataset=data, eval_dataset=data[:16])
         trainer.train()
         loss = trainer.evaluate()["eval_loss"]
-        print(f"rank {rank}: per_device_train_batch_size={sized.args.per_device_train_batch_size} "
-              f"per_device_eval_batch_size={sized.args.per_device_eval_batch_size} "
-              f"peak={sized.train.peak_bytes} target={sized.train.target_bytes} "
-              f"trials={len(sized.train.trials)} trained_steps={trainer.state.global_step} eval_loss={loss:.3f}",
-              flush=True)
+        sys.stdout.write(f"rank {rank}: per_device_train_batch_size={sized.args.per_device_train_batch_size} "
+                         f"per_device_eval_batch_size={sized.args.per_device_eval_batch_size} "
+                         f"peak={sized.train.peak_bytes} target={sized.train.target_bytes} "
+                         f"trials={len(sized.train.trials)} trained_steps={trainer.state.global_step} "
+                         f"eval_loss={loss:.3f}\n")  # one write: the ranks share the pipe
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

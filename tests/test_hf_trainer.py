@@ -20,11 +20,12 @@ transformers = pytest.importorskip("transformers")
 from batchfit.errors import InvalidArgument  # noqa: E402
 from batchfit.integrations.hf_trainer import find_trainer_batch_sizes  # noqa: E402
 from multirank import scaled  # noqa: E402
+from script_helpers import load_script  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer_batch_size.py"
-LINE = re.compile(r"rank (\d): per_device_train_batch_size=(\d+) per_device_eval_batch_size=(\d+) .* trained_steps=(\d+)")
+LINE = re.compile(r"rank (\d): per_device_train_batch_size=(\d+) per_device_eval_batch_size=(\d+) .*? trained_steps=(\d+)")
 SEQ = 32
 
 
@@ -45,24 +46,31 @@ def _args(tmp_path: Path, **overrides) -> transformers.TrainingArguments:
                                           per_device_train_batch_size=8, **overrides)
 
 
-def _example(*flags: str, ranks: int = 1) -> list[tuple[int, ...]]:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    command = [*(launch if ranks > 1 else [sys.executable]), str(EXAMPLE), *flags]
+def _example(*flags: str, ranks: int) -> list[tuple[int, ...]]:
+    # --standalone: torchrun's own rendezvous on a port the OS picks when it binds
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    command += [str(EXAMPLE), *flags]
     done = subprocess.run(command, capture_output=True, text=True, timeout=scaled(240))
     assert done.returncode == 0, done.stderr[-3000:]
     return sorted(tuple(map(int, m.groups())) for m in LINE.finditer(done.stdout))
 
 
-def test_under_torchrun_both_ranks_train_with_the_batch_size_of_the_smaller_rank():
+def test_under_torchrun_both_ranks_train_with_the_batch_size_of_the_smaller_rank(tmp_path):
     # rank 0 has 24 MiB, rank 1 has 32 MiB: alone, rank 1 would take more; agreed, both take rank 0's answer
     two = _example("--memory", "24MiB,32MiB", ranks=2)
     assert [r[0] for r in two] == [0, 1]
     assert two[0][1:] == two[1][1:]  # the same train and eval sizes, and both trained 3 steps
     assert two[0][3] == 3
-    alone = _example("--memory", "24MiB")
-    assert alone[0][1:3] == two[0][1:3]
-    larger = _example("--memory", "32MiB")
-    assert larger[0][1] > two[0][1]  # without agreement rank 1 would have chosen another size
+    alone = {m: _alone(m, tmp_path) for m in ("24MiB", "32MiB")}  # one process each, as the example sizes
+    assert alone["24MiB"] == two[0][1:3]
+    assert alone["32MiB"][0] > two[0][1]  # without agreement rank 1 would have chosen another size
+
+
+def _alone(memory: str, tmp_path: Path) -> tuple[int, int]:
+    example = load_script(EXAMPLE, "hf_trainer_batch_size_example")
+    model, data = example.build()
+    sized = example.size(model, example.training_arguments(str(tmp_path), 3), data, memory).args
+    return sized.per_device_train_batch_size, sized.per_device_eval_batch_size
 
 
 def test_the_largest_size_within_the_target_and_the_next_over_it(tmp_path):
