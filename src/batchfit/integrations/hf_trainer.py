@@ -46,7 +46,6 @@ from batchfit.autobatch.batch_search import limited_backend
 from batchfit.errors import InvalidArgument
 from batchfit.integrations.model_values import values_kept
 from batchfit.train.optim import initialize_optimizer_state
-from batchfit.validation import check_positive_int
 
 #: Rows scanned for the longest one when no ``make_batch`` is given.
 SCANNED_ROWS = 1024
@@ -154,7 +153,6 @@ def find_trainer_batch_sizes(
         raise InvalidArgument(
             "find_trainer_batch_sizes needs the rows a trial trains on, but got train_dataset=None and make_batch=None; pass the Trainer's train_dataset (and data_collator), or make_batch(batch_size)"
         )
-    check_positive_int("steps_per_trial", steps_per_trial)
     device = args.device  # sets up torch.distributed under torchrun, as the Trainer will
     if backend is None:
         backend = "cuda" if device.type == "cuda" else "cpu"
@@ -203,10 +201,10 @@ def find_trainer_batch_sizes(
 
 
 def _move(model: torch.nn.Module, device: torch.device) -> None:
-    for p in model.parameters():
-        if p.device != device:
-            model.to(device)
-        return
+    """``model.to(device)`` only when its parameters are elsewhere (``.to`` under a fake mode fails)."""
+    first = next(model.parameters(), None)
+    if first is not None and first.device != device:
+        model.to(device)
 
 
 def _kept_columns(model: torch.nn.Module, args: Any) -> set[str] | None:
