@@ -79,9 +79,9 @@ def _fit(lit: SimpleNamespace, finder, model=None, data=None, trainer=None, **fi
     model = model or lit.example.Classifier()
     seen: dict[str, object] = {}
     callback = _seen(lit, {k: v.clone() for k, v in model.state_dict().items()}, seen)
-    run = lit.pl.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[finder, callback], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         **(trainer or {}))
+    options = {"max_steps": 1, **(trainer or {})}
+    run = lit.pl.Trainer(accelerator="cpu", devices=1, callbacks=[finder, callback], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **options)
     run.fit(model, datamodule=data, **fit)
     return seen
 
@@ -94,6 +94,22 @@ def test_the_search_sets_the_datamodule_and_leaves_weights_and_optimizer_as_foun
     assert data.batch_size == finder.optimal_batch_size == result.batch_size
     assert result.peak_bytes <= result.target_bytes < result.next_peak_bytes  # size + 1 measured over the target
     assert seen == {"same_weights": True, "optimizer_state": 0, "grads": [], "log_is_lightnings": True}
+
+
+def test_the_real_fit_loop_at_the_size_found_peaks_within_the_target(lit):
+    # Lightning's own fit loop (its fetcher, closure, logging; 2 steps) measured by the same tracker
+    from batchfit.memory import get_backend
+
+    data = lit.example.Data()
+    model = lit.example.Classifier()
+    finder = lit.Finder("16MiB", backend="cpu", max_batch_size=2048, progress=False)
+    _fit(lit, finder, model=model, data=data, trainer={"max_steps": 0})
+    fit = lit.pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    real = get_backend("cpu", memory_limit="1GiB").measure(lambda: fit.fit(model, datamodule=data), register=(model,))
+    assert data.batch_size == finder.result.batch_size
+    assert real.peak_bytes <= finder.result.target_bytes
+    assert abs(real.peak_bytes - finder.result.peak_bytes) <= 64  # the trial is the loop's step, to a few bytes
 
 
 def test_accumulation_keeps_gradients_beside_the_next_forward(lit):

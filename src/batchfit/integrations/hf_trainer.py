@@ -97,8 +97,10 @@ def find_trainer_batch_sizes(
     found them ]). How this differs from ``auto_find_batch_size``: NOTE [ How this differs from
     auto_find_batch_size ].
 
-    A training step: ``model.train()``; ``args.gradient_accumulation_steps`` > 1 runs two forward
-    and backward passes (the second with the first's gradients resident, as accumulation does);
+    A training step: ``model.train()``; the accumulation window's ``args.gradient_accumulation_steps``
+    batches made and put on the device first and held to the end (``Trainer.get_batch_samples``);
+    one forward and backward, or two when accumulating (the second with the first's gradients
+    resident, as accumulation does);
     the loss is ``model(**batch).loss`` under bf16/fp16 autocast when ``args.bf16``/``args.fp16``;
     then the step of the optimizer ``Trainer.get_optimizer_cls_and_kwargs(args, model)`` builds
     (its state created before the first trial). With ``args.activation_checkpointing`` the model's
@@ -175,9 +177,9 @@ def find_trainer_batch_sizes(
         optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], **optimizer_kwargs)
         with be.context():
             initialize_optimizer_state(optimizer)
-        accumulate = 2 if int(args.gradient_accumulation_steps) > 1 else 1
+        window = int(args.gradient_accumulation_steps)
         train = find_batch_size(
-            _TrainStep(model, optimizer, train_batch, _autocast(args, be.device), accumulate, be.device),
+            _TrainStep(model, optimizer, train_batch, _autocast(args, be.device), window, be.device),
             mode="train",
             register=(model, optimizer),
             **search,
@@ -307,24 +309,27 @@ class _TrainStep:
         optimizer: torch.optim.Optimizer,
         make_batch: Callable[[int], Any],
         autocast: Callable[[], contextlib.AbstractContextManager[Any]],
-        micro_steps: int,
+        window: int,
         device: torch.device,
     ):
         self.model, self.optimizer, self.make_batch = model, optimizer, make_batch
-        self.autocast, self.micro_steps, self.device = autocast, micro_steps, device
+        self.autocast, self.window, self.device = autocast, window, device
+        self.micro_steps = min(window, 2)
 
     def __call__(self, batch_size: int) -> None:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        for _ in range(self.micro_steps):  # the second forward runs beside the first's gradients
-            batch = _to_device(self.make_batch(batch_size), self.device)
+        # Trainer.get_batch_samples takes the whole accumulation window's batches, on the device,
+        # before the first forward, and holds them until the optimizer step
+        batches = [_to_device(self.make_batch(batch_size), self.device) for _ in range(self.window)]
+        for batch in batches[: self.micro_steps]:  # the second forward runs beside the first's gradients
             with self.autocast():
                 loss = _loss(self.model, batch)
-            del batch
             loss.backward()
             del loss
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        del batches
 
 
 class _EvalStep:

@@ -263,11 +263,10 @@ class _FitStep:
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         for _ in range(self.micro_steps):
-            batch = self.batch(batch_size)
+            batch = self.batch(batch_size)  # alive through the backward, as the fit loop holds it
             with self.trainer.precision_plugin.train_step_context():
                 loss = _loss(self.module.training_step(batch, 0))
-            del batch
             loss.backward()
-            del loss
+            del loss, batch
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
