@@ -127,15 +127,21 @@ def test_a_cpu_search_needs_a_memory_limit(tmp_path):
         find_trainer_batch_sizes(_model(), _args(tmp_path), _rows(), backend="cpu", progress=False)
 
 
-def test_the_real_trainer_at_the_size_found_peaks_within_the_target(tmp_path):
-    # the Trainer's own loop (its optimizer, Accelerate's dataloader, 2 steps) measured by the same tracker
+def test_the_real_trainer_at_the_sizes_found_peaks_within_the_targets(tmp_path):
+    # the Trainer's own loops (its optimizer, Accelerate's dataloader; 2 steps, one full evaluation batch)
+    # measured by the same tracker
     from batchfit.memory import get_backend
 
     example = load_script(EXAMPLE, "hf_trainer_batch_size_example")
     model, data = example.build()
     sized = example.size(model, example.training_arguments(str(tmp_path), 2), data, "24MiB")
-    trainer = transformers.Trainer(model=model, args=sized.args, train_dataset=data)
-    real = get_backend("cpu", memory_limit="1GiB").measure(trainer.train, register=(model,))
-    assert real.peak_bytes <= sized.train.target_bytes
+    trainer = transformers.Trainer(model=model, args=sized.args, train_dataset=data,
+                                   eval_dataset=(data * 2)[: sized.eval.batch_size])
+    tracker = get_backend("cpu", memory_limit="1GiB")
+    train = tracker.measure(trainer.train, register=(model,))
+    assert train.peak_bytes <= sized.train.target_bytes
     # what the trial does not hold: at most the batch Accelerate fetches ahead on the host (23 rows × 64 × 3 × 8 B)
-    assert 0 <= real.peak_bytes - sized.train.peak_bytes <= 23 * 64 * 3 * 8
+    assert 0 <= train.peak_bytes - sized.train.peak_bytes <= 23 * 64 * 3 * 8
+    evaluated = tracker.measure(trainer.evaluate, register=(model,))
+    assert evaluated.peak_bytes <= sized.eval.target_bytes
+    assert abs(evaluated.peak_bytes - sized.eval.peak_bytes) <= 64  # no KV cache: use_cache as the Trainer sets it

@@ -105,7 +105,9 @@ def find_trainer_batch_sizes(
     then the step of the optimizer ``Trainer.get_optimizer_cls_and_kwargs(args, model)`` builds
     (its state created before the first trial). With ``args.activation_checkpointing`` the model's
     ``activation_checkpointing_enable`` is called with ``args.activation_checkpointing_kwargs`` for
-    the search and undone after. An eval step: ``eval()``, ``no_grad``, the forward with labels.
+    the search and undone after; ``model.config.use_cache`` is ``args.use_cache`` (False by default)
+    during the search, as ``Trainer.__init__`` sets it. An eval step: ``eval()``, ``no_grad``, the
+    forward with labels.
 
     Args:
         model: the model you will pass to ``Trainer`` (a ``PreTrainedModel`` or any module whose
@@ -173,7 +175,7 @@ def find_trainer_batch_sizes(
     }
     train_batch = make_batch or _batch_maker(train_dataset, collate, columns, "train_dataset")
     optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
-    with values_kept(model), _checkpointing(model, args):
+    with values_kept(model), _checkpointing(model, args), _cache_as_the_trainer_sets_it(model, args):
         optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], **optimizer_kwargs)
         with be.context():
             initialize_optimizer_state(optimizer)
@@ -189,12 +191,13 @@ def find_trainer_batch_sizes(
     if include_eval:
         rows = train_dataset if eval_dataset is None else eval_dataset
         eval_batch = make_batch or _batch_maker(rows, collate, columns, "eval_dataset")
-        evaluated = find_batch_size(
-            _EvalStep(model, eval_batch, _autocast(args, be.device), be.device),
-            mode="val",
-            register=(model,),
-            **search,
-        )
+        with _cache_as_the_trainer_sets_it(model, args):
+            evaluated = find_batch_size(
+                _EvalStep(model, eval_batch, _autocast(args, be.device), be.device),
+                mode="val",
+                register=(model,),
+                **search,
+            )
     sized = copy.copy(args)
     sized.per_device_train_batch_size = train.batch_size
     if evaluated is not None:
@@ -278,6 +281,25 @@ def _autocast(args: Any, device: torch.device) -> Callable[[], contextlib.Abstra
     if dtype is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _cache_as_the_trainer_sets_it(model: torch.nn.Module, args: Any) -> Iterator[None]:
+    """``model.config.use_cache = args.use_cache`` (default False), as ``Trainer.__init__`` sets it, undone after.
+
+    A model whose config asks for a cache builds one in every forward; in an eval step (no saved
+    activations to share its tensors) that is a whole extra copy of every layer's keys and values.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "use_cache"):
+        yield
+        return
+    before = config.use_cache
+    config.use_cache = bool(getattr(args, "use_cache", False))
+    try:
+        yield
+    finally:
+        config.use_cache = before
 
 
 @contextlib.contextmanager
