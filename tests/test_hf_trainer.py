@@ -103,6 +103,17 @@ def test_gradient_accumulation_keeps_gradients_beside_the_next_forward(tmp_path)
     assert accumulating.batch_size < plain.batch_size
 
 
+def test_make_batch_stands_in_for_the_dataset(tmp_path):
+    rows = _rows()
+    kept = {k: rows[0][k] for k in ("input_ids", "labels")}  # what the Trainer keeps of a row
+    from_rows = find_trainer_batch_sizes(_model(), _args(tmp_path), rows, backend="cpu", memory_limit="8MiB",
+                                         progress=False).train
+    given = find_trainer_batch_sizes(
+        _model(), _args(tmp_path), make_batch=lambda b: transformers.default_data_collator([kept] * b),
+        backend="cpu", memory_limit="8MiB", progress=False).train
+    assert [(t.batch_size, t.peak_bytes) for t in given.trials] == [(t.batch_size, t.peak_bytes) for t in from_rows.trials]
+
+
 def test_a_batch_without_labels_is_refused_naming_the_fix(tmp_path):
     with pytest.raises(InvalidArgument, match=r"returned no loss .*DataCollatorForLanguageModeling"):
         find_trainer_batch_sizes(_model(), _args(tmp_path), _rows(labels=False), backend="cpu",
