@@ -1,7 +1,9 @@
-"""Where users live: batchfit's budgets applied to other training libraries (TRL, the Hugging Face Trainer, Lightning).
+"""batchfit inside the libraries people train with: each module sizes one library's run from memory.
 
-One module per library. Each imports its library only inside the functions that need it, so
-``import batchfit.integrations`` works without any of them installed; install the extra
-(``pip install batchfit[trl]``) of the one you use. Every fact about a library (its config's
-rules, how it splits and pads a batch) lives in that library's module, cited from its code.
+One module per library (TRL, the Hugging Face ``Trainer``, Lightning); each imports its library
+only inside the functions that need it, so ``import batchfit.integrations`` works without any of
+them installed. Install a library's extra (``pip install 'batchfit[trl]'``, ``'batchfit[hf]'``,
+``'batchfit[lightning]'``) to use its module. Every fact about such a library (its config's rules,
+how it splits and pads a batch) lives in its module here, cited from its code, as the RL
+frameworks' facts live in :mod:`batchfit.frameworks`. See ``docs/integrations.md`` and ``docs/trl.md``.
 """
