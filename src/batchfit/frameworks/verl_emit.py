@@ -147,6 +147,21 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     )
     if critic:
         keys.append(Key("critic.model.enable_gradient_checkpointing", a.gradient_checkpointing))
+    if a.activation_offload or run.activation_offload:
+        # fsdp_workers.py: enable_activation_offloading(module, strategy, enable_gradient_checkpointing)
+        on = a.activation_offload
+        keys.append(
+            Key(
+                _V_MODEL + "enable_activation_offload",
+                on,
+                "each layer's saved activations (with checkpointing: its inputs) offloaded to the host, as "
+                "verl/utils/activation_offload.py does"
+                if on
+                else "profiled with activations on the GPU",
+            )
+        )
+        if critic:
+            keys.append(Key("critic.model.enable_activation_offload", on))
     for role, prefix in (("policy", _V_MODEL), ("critic", "critic.model.")):
         if role in a.roles:
             keys += lora_adapter_keys(a.lora.get(role), prefix + "lora_rank", prefix + "lora_alpha", prefix + "target_modules")
