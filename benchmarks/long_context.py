@@ -9,7 +9,8 @@ backend with an H100's 80 GB), it prints:
 - verl's rule of thumb (docs/perf/perf_tuning.rst: ``ppo_max_token_len_per_gpu`` at least
   2 × (max_prompt_length + max_response_length)) and whether the budget meets it;
 - the peak's breakdown at the budget (one rank's device bytes by category) and the host bytes
-  activation offload moves there;
+  activation offload moves there; for a length that does not fit, the bytes reached when the
+  step went over the limit (a lower bound of its peak, ``≥``) and their breakdown;
 - once per model and offload setting, the longest single sequence that fits.
 
     python benchmarks/long_context.py                          # qwen2.5-7b and qwen3-8b, verl's head
@@ -133,7 +134,8 @@ def render(rows: Iterable[Row]) -> str:
         lines.append(
             f"{r.model:12} {r.sp:>2} {'on' if r.offload else 'off':>7} {r.seq_len:>8,} "
             f"{('no fit' if r.tokens is None else f'{r.tokens:,}'):>10} {rule:>10,} {meets:>5} "
-            f"{_gib(r.peak):>10} {(_gib(r.host) if r.host else '-'):>10} {r.seconds:>6.1f}  {parts}"
+            f"{(_gib(r.peak) if r.tokens is not None else '≥ ' + _gib(r.peak)):>10} "
+            f"{(_gib(r.host) if r.host else '-'):>10} {r.seconds:>6.1f}  {parts}"
         )
     return "\n".join(lines)
 
