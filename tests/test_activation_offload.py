@@ -55,6 +55,23 @@ def test_checkpointed_layers_offload_their_inputs_and_stay_checkpointed():
     assert all(layer.gradient_checkpointing for layer in net.model.layers)
 
 
+def test_a_training_step_without_offload_names_it_as_a_remedy():
+    import types
+
+    from batchfit.budget.causal_lm_probe import TrainingStep
+    from batchfit.parallel import Sharding
+
+    def said(**changes):
+        fields = dict(model=torch.nn.Linear(1, 1), forward_only=False, logprobs="full", critic=False, only_loss_tokens=False)
+        step = types.SimpleNamespace(**{**fields, "sharding": Sharding(), "_layers": [None] * 4, **changes})
+        return " ".join(str(r) for r in TrainingStep.remedies(step))
+
+    assert "activation_offload=True" in said(activation_offload=False)
+    assert "activation_offload=True" not in said(activation_offload=True)
+    assert "activation_offload=True" not in said(forward_only=True)  # no_grad saves nothing to offload
+    assert "activation_offload=True" not in said(_layers=[None] * 2)  # verl offloads nothing below 3 layers
+
+
 def test_fewer_than_three_layers_offload_nothing_as_verl():
     net = build_causal_lm("tiny")  # 2 layers
     with pytest.warns(UserWarning, match="at least 3 decoder layers"), activation_offload(net) as off:

@@ -67,6 +67,7 @@ from batchfit.parallel.shard import decoder_layers, unwrap
 from batchfit.parallel.sharding import Sharding
 from batchfit.patching import undo_all
 from batchfit.plan.packing import COSTS, plan_micro_batches
+from batchfit.train.activation_offload import MIN_LAYERS as MIN_OFFLOAD_LAYERS
 from batchfit.train.activation_offload import activation_offload as offloading_activations
 from batchfit.train.micro_batch_step import micro_batch_loss, micro_batch_outputs
 from batchfit.train.model_outputs import HEADS, check_head
@@ -175,6 +176,12 @@ class TrainingStep:
         out: list[str | Phrase] = [Phrase("reduce ", Setting("max_seq_len"))]
         if not self.forward_only and not getattr(model, name, False):  # no_grad keeps no activations to drop
             out.append(Phrase("enable gradient checkpointing (", Setting("gradient_checkpointing", True), ")"))
+        # verl offloads nothing below MIN_LAYERS layers (NOTE [ Activation offload as verl runs it ])
+        deep = len(getattr(self, "_layers", ())) >= MIN_OFFLOAD_LAYERS
+        if deep and not self.forward_only and not getattr(self, "activation_offload", False):
+            out.append(
+                Phrase("offload each layer's saved activations to the host (", Setting("activation_offload", True), ")")
+            )
         if self.logprobs in ("full", "chunked") and not self.critic:
             out.append(Phrase("compute log-probs fused from the hidden states (", Setting("logprobs", "fused"), ")"))
         if not self.only_loss_tokens and not self.critic:
