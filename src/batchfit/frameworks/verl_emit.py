@@ -138,15 +138,6 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         if critic:
             keys.append(Key(_V_CRITIC_ENGINE + "offload_policy", offload))
     keys += _verl_precision(a, critic)
-    keys.append(
-        Key(
-            _V_MODEL + "enable_gradient_checkpointing",
-            a.gradient_checkpointing,
-            f"profiled {'with' if a.gradient_checkpointing else 'without'} activation checkpointing",
-        )
-    )
-    if critic:
-        keys.append(Key("critic.model.enable_gradient_checkpointing", a.gradient_checkpointing))
     if a.activation_offload or run.activation_offload:
         # fsdp_workers.py: enable_activation_offloading(module, strategy, enable_gradient_checkpointing)
         on = a.activation_offload
@@ -162,6 +153,15 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         )
         if critic:
             keys.append(Key("critic.model.enable_activation_offload", on))
+    keys.append(
+        Key(
+            _V_MODEL + "enable_gradient_checkpointing",
+            a.gradient_checkpointing,
+            f"profiled {'with' if a.gradient_checkpointing else 'without'} activation checkpointing",
+        )
+    )
+    if critic:
+        keys.append(Key("critic.model.enable_gradient_checkpointing", a.gradient_checkpointing))
     for role, prefix in (("policy", _V_MODEL), ("critic", "critic.model.")):
         if role in a.roles:
             keys += lora_adapter_keys(a.lora.get(role), prefix + "lora_rank", prefix + "lora_alpha", prefix + "target_modules")
