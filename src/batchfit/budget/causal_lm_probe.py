@@ -54,6 +54,7 @@ from batchfit.memory.categories import (
     COMMUNICATION,
     GRADIENTS,
     LOGPROB_HEAD,
+    OFFLOADED_ACTIVATIONS,
     OPTIMIZER_STATE,
     OPTIMIZER_STEP,
     PARAMETERS,
@@ -66,6 +67,8 @@ from batchfit.parallel.shard import decoder_layers, unwrap
 from batchfit.parallel.sharding import Sharding
 from batchfit.patching import undo_all
 from batchfit.plan.packing import COSTS, plan_micro_batches
+from batchfit.train.activation_offload import MIN_LAYERS as MIN_OFFLOAD_LAYERS
+from batchfit.train.activation_offload import activation_offload as offloading_activations
 from batchfit.train.micro_batch_step import micro_batch_loss, micro_batch_outputs
 from batchfit.train.model_outputs import HEADS, check_head
 from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state
@@ -117,6 +120,10 @@ class TrainingStep:
             estimate backend keeps.
         response_fraction: each sequence's share of response tokens (:func:`~batchfit.budget.probe.response_tokens`);
             ``None``: every token but the first.
+        activation_offload: a training step offloads what each decoder layer saves for
+            backward to host memory, as verl's ``enable_activation_offload`` does (NOTE
+            [ Activation offload as verl runs it ] in :mod:`batchfit.train.activation_offload`);
+            the host copies are counted in ``host_bytes``, not in the device peak.
     """
 
     def __init__(
@@ -132,8 +139,11 @@ class TrainingStep:
         forward_only: bool = False,
         only_loss_tokens: bool = False,
         response_fraction: float | None = None,
+        activation_offload: bool = False,
     ):
         self.model = model
+        self.activation_offload = activation_offload and not forward_only  # no_grad saves nothing
+        self._offloaded: Any = None
         self.only_loss_tokens = only_loss_tokens
         self.response_fraction = response_fraction
         self.backend = backend
@@ -149,6 +159,8 @@ class TrainingStep:
         self.persistent: tuple[Any, ...] = (*state, *comm)
         self.categories: tuple[str | None, ...] = (None,) * len(state) + (COMMUNICATION,) * len(comm)
         self.host_categories: tuple[str, ...] = HOST_CATEGORIES if self.sharding.offload == "cpu" else ()
+        if self.activation_offload:
+            self.host_categories += (OFFLOADED_ACTIVATIONS,)
         self._head = _head_module(unwrap(model))
         self._layers = _layer_stack(unwrap(model))
 
@@ -164,6 +176,12 @@ class TrainingStep:
         out: list[str | Phrase] = [Phrase("reduce ", Setting("max_seq_len"))]
         if not self.forward_only and not getattr(model, name, False):  # no_grad keeps no activations to drop
             out.append(Phrase("enable gradient checkpointing (", Setting("gradient_checkpointing", True), ")"))
+        # verl offloads nothing below MIN_LAYERS layers (NOTE [ Activation offload as verl runs it ])
+        deep = len(getattr(self, "_layers", ())) >= MIN_OFFLOAD_LAYERS
+        if deep and not self.forward_only and not getattr(self, "activation_offload", False):
+            out.append(
+                Phrase("offload each layer's saved activations to the host (", Setting("activation_offload", True), ")")
+            )
         if self.logprobs in ("full", "chunked") and not self.critic:
             out.append(Phrase("compute log-probs fused from the hidden states (", Setting("logprobs", "fused"), ")"))
         if not self.only_loss_tokens and not self.critic:
@@ -210,12 +228,18 @@ class TrainingStep:
         # stopped by a tracker on one rank only; it runs to the end, its peak judged after
         sharded = self.sharding.distributed and is_distributed()
         with self.backend.running_to_the_end() if sharded else contextlib.nullcontext():
-            return self.backend.measure(
+            measured = self.backend.measure(
                 lambda: self.run(mb),
                 register=self.persistent,
                 categories=self.categories,
                 host_categories=self.host_categories,
             )
+        offloaded, self._offloaded = self._offloaded, None
+        if offloaded is not None and self.backend.reads_device:
+            # the device's allocator never sees the host copies: the most they held (NOTE [ Activation
+            # offload as verl runs it ]); the tracked backends count them at the device's peak
+            measured = dataclasses.replace(measured, host_bytes=measured.host_bytes + offloaded.host_peak_bytes)
+        return measured
 
     def measure_state(self) -> MemoryMeasurement:
         """Measure the state the step keeps between its calls (parameters, gradients, optimizer state), running nothing.
@@ -250,15 +274,17 @@ class TrainingStep:
                     labels.set_position(labels.EMBED)
                     micro_batch_outputs(self.model, mb, **options)
                 return
-            with labels.phase(labels.FORWARD), _head_region(self._head):
-                labels.set_position(labels.EMBED)
-                loss = micro_batch_loss(self.model, mb, clip_ratio=CLIP_RATIO, value_clip=VALUE_CLIP, **options)
-            with labels.phase(labels.BACKWARD), labels.region(LOGPROB_HEAD):
-                # the head's input-gradient hook ends the region (see _head_region); the
-                # layers' gradient hooks move the position down the stack
-                labels.set_position(labels.HEAD)
-                loss.backward()
-            del loss
+            with offloading_activations(self.model) if self.activation_offload else contextlib.nullcontext() as off:
+                self._offloaded = off
+                with labels.phase(labels.FORWARD), _head_region(self._head):
+                    labels.set_position(labels.EMBED)
+                    loss = micro_batch_loss(self.model, mb, clip_ratio=CLIP_RATIO, value_clip=VALUE_CLIP, **options)
+                with labels.phase(labels.BACKWARD), labels.region(LOGPROB_HEAD):
+                    # the head's input-gradient hook ends the region (see _head_region); the
+                    # layers' gradient hooks move the position down the stack
+                    labels.set_position(labels.HEAD)
+                    loss.backward()
+                del loss
             with labels.phase(labels.OPTIMIZER), labels.region(OPTIMIZER_STEP):
                 if self.optimizer is not None:
                     self.optimizer.step()
@@ -563,6 +589,7 @@ def causal_lm_step(
     forward_only: bool = False,
     only_loss_tokens: bool = False,
     response_fraction: float | None = None,
+    activation_offload: bool = False,
 ) -> TrainingStep:
     """The budget's probe for ``model`` on ``backend``: a :class:`TrainingStep`, optimizer state initialised.
 
@@ -592,6 +619,10 @@ def causal_lm_step(
         response_fraction: each probed sequence's share of response (loss) tokens, in
             ``(0, 1]`` (:func:`~batchfit.budget.probe.response_tokens`); ``None``: every token but the first, the
             most a sequence can have.
+        activation_offload: offload what each decoder layer saves for backward to host memory
+            as verl's ``enable_activation_offload`` does (:func:`batchfit.train.activation_offload`;
+            with checkpointing on, the layers' checkpointed inputs); a forward-only step saves
+            nothing and ignores it.
 
     Returns:
         A :class:`TrainingStep`; ``step.persistent`` is what to register with
@@ -628,6 +659,10 @@ def causal_lm_step(
     response_fraction = check_response_fraction(response_fraction)
     if not isinstance(only_loss_tokens, bool):
         raise InvalidArgument(f"only_loss_tokens must be True or False, but got only_loss_tokens={only_loss_tokens!r}")
+    if not isinstance(activation_offload, bool):
+        raise InvalidArgument(
+            f"activation_offload must be True or False, but got activation_offload={activation_offload!r}"
+        )
     if isinstance(optimizer, str) and optimizer == "auto":
         optimizer = None if forward_only else "adamw"
     opt = _make_optimizer(model, optimizer, lr, chosen)
@@ -644,6 +679,7 @@ def causal_lm_step(
         forward_only=bool(forward_only),
         only_loss_tokens=only_loss_tokens and not critic,
         response_fraction=response_fraction,
+        activation_offload=activation_offload,
     )
     if not forward_only:
         with chosen.context():

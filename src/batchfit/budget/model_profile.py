@@ -89,6 +89,9 @@ class ModelProfile:
         lora: the LoRA adapters of the trained model and what they train
             (:class:`~batchfit.models.lora.LoraParameters`; the causal LM's, or the value model's
             when only critic roles were profiled), or ``None`` without LoRA.
+        activation_offload: the trained roles offloaded their layers' saved activations to
+            the host (verl's ``enable_activation_offload``); their host bytes are in each
+            budget's ``host_bytes``.
     """
 
     model: str
@@ -108,6 +111,7 @@ class ModelProfile:
     untracked: UntrackedMemory | None = None
     torch: TorchBehaviours | None = None
     lora: LoraParameters | None = None
+    activation_offload: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Settings, each role's budget and the combined budget as plain values (JSON-ready).
@@ -145,6 +149,7 @@ class ModelProfile:
             "untracked": None if self.untracked is None else self.untracked.to_dict(),
             "torch": None if self.torch is None else self.torch.to_dict(),
             "lora": None if self.lora is None else self.lora.to_dict(),
+            "activation_offload": self.activation_offload,
         }
 
     @property
@@ -340,6 +345,7 @@ def profile_model(
         untracked=be.untracked,
         torch=behaviours,
         lora=adapters,
+        activation_offload=opts.activation_offload,
     )
 
 
@@ -637,6 +643,7 @@ class RoleBuilder:
                 optimizer="auto" if role == "reference" else "adamw",
                 only_loss_tokens=options.response_only and role not in VALUE_ROLES,
                 response_fraction=options.response_fraction if options.response_only else None,
+                activation_offload=options.activation_offload,
             )
 
         return build_depth_steps(make, self.depth) if self.extrapolate else make(self.depth)

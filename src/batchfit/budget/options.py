@@ -71,6 +71,10 @@ class ProfileOptions:
         response_fraction: with ``response_only``, the share of a sequence's tokens that are
             response (loss) tokens, in ``(0, 1]`` (a 4:1 prompt:response ratio is 0.2);
             ``None``: every token but the first (the most there can be).
+        activation_offload: the trained roles offload what each decoder layer saves for
+            backward to host memory, as verl's ``enable_activation_offload`` does (NOTE
+            [ Activation offload as verl runs it ] in :mod:`batchfit.train.activation_offload`):
+            the device budget rises and the host copies are reported as host bytes.
 
     Args:
         vocabulary: how a bad value's message names its setting (not a field): ``None``
@@ -102,6 +106,7 @@ class ProfileOptions:
     lora: LoraSpec | None = None
     response_only: bool = False
     response_fraction: float | None = None
+    activation_offload: bool = False
     vocabulary: InitVar[Vocabulary | None] = None
 
     def __post_init__(self, vocabulary: Vocabulary | None) -> None:
@@ -117,7 +122,7 @@ class ProfileOptions:
         set_(self, "sharding", as_sharding(self.sharding))
         set_(self, "lora", as_lora(self.lora))
         set_(self, "response_fraction", check_response_fraction(self.response_fraction, name(Setting("response_fraction"))))
-        for name in ("gradient_checkpointing", "suggest_world_size", "response_only"):
+        for name in ("gradient_checkpointing", "suggest_world_size", "response_only", "activation_offload"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")
         if self.response_fraction is not None and not self.response_only:

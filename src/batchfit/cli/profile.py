@@ -130,6 +130,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "or the config's)",
     )
     p.add_argument(
+        "--activation-offload",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="offload what each decoder layer saves for backward to host memory, as verl's "
+        "enable_activation_offload does (default off, or the config's): the device budget rises, the host "
+        "bytes are shown beside it",
+    )
+    p.add_argument(
         "--roles",
         metavar="R,R",
         help=f"{','.join(ROLES)} (default policy; with --config every pass the run makes)",

@@ -103,7 +103,10 @@ def breakdown_rows(profile: ModelProfile) -> list[tuple[str, list[int | None]]]:
     rows.append(("reserve (CUDA context, NCCL, workspaces)", [profile.reserve_bytes] * len(points)))
     rows.append(("limit (safety margin × usable)", [b.limit_bytes for b in budgets]))
     if any(p is not None and p.host_bytes for p in points):
-        rows.append(("in host memory (CPU offload)", [None if p is None else p.host_bytes for p in points]))
+        what = "CPU offload" if not profile.activation_offload else (
+            "CPU offload, offloaded activations" if profile.sharding.offload == "cpu" else "offloaded activations"
+        )
+        rows.append((f"in host memory ({what})", [None if p is None else p.host_bytes for p in points]))
     return rows
 
 

@@ -28,7 +28,8 @@ def render_profile(console: Any, profile: Any, request: ProfileRequest) -> None:
     )
     console.print(
         f"batchfit profile: model {profile.model} ({depth}; {precision}"
-        f"{', gradient checkpointing' if profile.gradient_checkpointing else ''}, AdamW, "
+        f"{', gradient checkpointing' if profile.gradient_checkpointing else ''}"
+        f"{', activation offload' if profile.activation_offload else ''}, AdamW, "
         f"{profile.logprobs} log-probs), max_seq_len {request.options.max_seq_len:,}, cost {request.options.cost}",
         highlight=False,
     )

@@ -101,6 +101,8 @@ class Assumptions:
         head: the policy's log-prob head: ``full``, ``chunked``, ``fused`` or a :class:`FrameworkHead`.
         lora: model role (``policy``, ``critic``) → its adapters, ``None`` without.
         response_only: the head ran on the loss tokens only.
+        activation_offload: the trained models offloaded their layers' saved activations to the
+            host (:func:`batchfit.train.activation_offload`, verl's ``enable_activation_offloading``).
     """
 
     roles: tuple[str, ...]
@@ -111,6 +113,7 @@ class Assumptions:
     head: str | FrameworkHead
     lora: dict[str, LoraSpec | None]
     response_only: bool
+    activation_offload: bool = False
 
     @property
     def trained_dtype(self) -> str:
@@ -144,6 +147,7 @@ def assumptions(by_role: Mapping[str, Any]) -> Assumptions:
         head=as_framework_head(head) or head,
         lora={role: _enabled(by_role[role].lora) for role in ("policy", "critic") if role in by_role},
         response_only=policy.response_only,
+        activation_offload=policy.activation_offload,
     )
 
 
@@ -207,7 +211,20 @@ def setting_keys(run: RunConfig, by_role: Mapping[str, Any], target: str) -> lis
             "them",
             "drop --cost padded (emit profiles packed rows)",
         )
+    if a.activation_offload and target not in ACTIVATION_OFFLOAD_TARGETS:
+        raise refuse(
+            target,
+            "--activation-offload",
+            "batchfit models verl's activation offload (verl/utils/activation_offload.py) and has not read how "
+            f"{get_framework(target).title} offloads activations, if it does",
+            "profile without --activation-offload",
+        )
     return get_framework(target).emit_module().assumption_keys(run, a, run.vocabulary == target)
+
+
+#: The frameworks whose activation offload batchfit runs (NOTE [ Activation offload as verl runs it ]
+#: in :mod:`batchfit.train.activation_offload`).
+ACTIVATION_OFFLOAD_TARGETS = ("verl",)
 
 
 def refuse(target: str, setting: str, why: str, fix: str) -> EmitError:

@@ -53,6 +53,7 @@ class ProfileChoices:
     reserve_bytes: int | str | None = None
     dtype: str | None = None
     gradient_checkpointing: bool | None = None
+    activation_offload: bool | None = None
     logprobs: str | FrameworkHead | None = None
     cost: str | None = None
     safety_margin: float | None = None
@@ -207,6 +208,7 @@ def run_profile_options(
         mixed_precision=run.mixed_precision if fsdp else None,
         reshard_after_forward=False if fsdp and run.reshard_after_forward is False else None,
         gradient_checkpointing=None if run.gradient_checkpointing is None else bool(run.gradient_checkpointing),
+        activation_offload=None if run.activation_offload is None else bool(run.activation_offload),
         logprobs=logprobs,
         cost=cost,
     )

@@ -50,6 +50,8 @@ class RunConfig:
         reference_dtype: the reference model's (verl ``ref.fsdp_config.model_dtype``, fp32 by
             default; SkyRL ``trainer.bf16``), or ``None`` for profile's default (bf16).
         gradient_checkpointing: activation checkpointing, or ``None`` when not given.
+        activation_offload: the layers' saved activations offloaded to the host (verl's
+            ``enable_activation_offload``), or ``None`` when not given.
         logprobs_chunk_size: SkyRL's ``trainer.logprobs_chunk_size`` (tokens along the
             sequence per log-prob and entropy chunk).
         remove_padding: the trained policy's micro-batches are packed, padding removed
@@ -120,6 +122,7 @@ class RunConfig:
     dtype: str | None = None
     reference_dtype: str | None = None
     gradient_checkpointing: bool | None = None
+    activation_offload: bool | None = None
     logprobs_chunk_size: int | None = None
     remove_padding: bool | None = None
     critic_remove_padding: bool | None = None

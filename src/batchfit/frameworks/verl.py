@@ -70,7 +70,8 @@ KEY_NAMES = {
 # entropy_checkpointing (the entropy fields: batchfit.frameworks.run_step), the actor's offload,
 # reshard_after_forward, model_dtype and mixed_precision, gradient checkpointing (read into
 # RunConfig; a critic key of these that differs from the actor's is a warning of its own,
-# CRITIC_SAME), the reference's model_dtype.
+# CRITIC_SAME), the reference's model_dtype, enable_activation_offload (RunConfig.activation_offload:
+# batchfit.train.activation_offload runs verl's enable_activation_offloading).
 _SAME = "as for the actor"
 UNMODELLED: dict[str, str] = {
     MODEL + "exclude_modules": "layers left without LoRA adapters (batchfit adapts every target module)",
@@ -79,8 +80,6 @@ UNMODELLED: dict[str, str] = {
     + "fused_kernel_options.impl_backend": "the fused kernels' implementation (measured with batchfit's "
     "fused head)",
     MODEL + "use_liger": "Liger kernels (RMSNorm, SwiGLU, RoPE) keep other activations",
-    MODEL + "enable_activation_offload": "activations offloaded to the host",
-    CRITIC + "model.enable_activation_offload": _SAME,
     MODEL + "tiled_mlp.enabled": "the MLP computed in shards (TiledMLP)",
     MODEL
     + "override_config.*": "overrides of the model's Hugging Face config (batchfit profiles its config.json "
@@ -115,6 +114,7 @@ CRITIC_SAME = {
     CRITIC_ENGINE + "mixed_precision.param_dtype": ENGINE + "mixed_precision.param_dtype",
     CRITIC_ENGINE + "mixed_precision.reduce_dtype": ENGINE + "mixed_precision.reduce_dtype",
     CRITIC + "model.enable_gradient_checkpointing": MODEL + "enable_gradient_checkpointing",
+    CRITIC + "model.enable_activation_offload": MODEL + "enable_activation_offload",
 }
 # verl/workers/config/engine.py FSDPEngineConfig.model_dtype, and the mixed precision
 # FSDPEngine._build_fsdp_module uses when the config's mixed_precision leaves a dtype out
@@ -246,6 +246,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         # the file sets the key (a dumped config) or leaves it to its group (ppo_trainer.yaml)
         reference_dtype=dtype_name(flat.get(REF + "fsdp_config.model_dtype")) or DEFAULT_MODEL_DTYPE,
         gradient_checkpointing=as_bool(flat.get(MODEL + "enable_gradient_checkpointing")),
+        # fsdp_workers.py: enable_activation_offloading(module, strategy, enable_gradient_checkpointing)
+        activation_offload=as_bool(flat.get(MODEL + "enable_activation_offload")),
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=as_bool(flat.get(CRITIC + "model.use_remove_padding")) if critic else None,
         fused_kernels=as_bool(flat.get(MODEL + "use_fused_kernels")) is True,

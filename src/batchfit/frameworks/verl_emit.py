@@ -139,6 +139,21 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         if critic:
             keys.append(Key(_V_CRITIC_ENGINE + "offload_policy", offload))
     keys += _verl_precision(a, critic)
+    if a.activation_offload or run.activation_offload:
+        # fsdp_workers.py: enable_activation_offloading(module, strategy, enable_gradient_checkpointing)
+        on = a.activation_offload
+        keys.append(
+            Key(
+                _V_MODEL + "enable_activation_offload",
+                on,
+                "each layer's saved activations (with checkpointing: its inputs) offloaded to the host, as "
+                "verl/utils/activation_offload.py does"
+                if on
+                else "profiled with activations on the GPU",
+            )
+        )
+        if critic:
+            keys.append(Key("critic.model.enable_activation_offload", on))
     keys.append(
         Key(
             _V_MODEL + "enable_gradient_checkpointing",

@@ -31,6 +31,9 @@ COMMUNICATION = "communication"
 LOGPROB_HEAD = "logprob_head"
 #: Temporaries of ``optimizer.step()`` (foreach AdamW's intermediate lists).
 OPTIMIZER_STEP = "optimizer_step"
+#: Host copies of saved activations made by activation offload (NOTE [ Activation offload as
+#: verl runs it ] in :mod:`batchfit.train.activation_offload`): host memory on every backend.
+OFFLOADED_ACTIVATIONS = "offloaded_activations"
 
 
 def plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:

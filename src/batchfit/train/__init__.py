@@ -18,6 +18,8 @@
   than the budget (a plan made with ``oversize="split"``) runs in chunks with the unsplit
   gradient (NOTE [ Over-long sequences run in chunks ]); :func:`split_outputs` is its
   forward-only counterpart (old log-probs, values).
+- :func:`activation_offload`: what each decoder layer saves for backward waits in host memory, as
+  verl's ``enable_activation_offload`` runs it (NOTE [ Activation offload as verl runs it ]).
 - :class:`PeakTracker` / :class:`CollectiveBytes`: peak bytes per micro-batch (cpu tracker)
   and bytes of collectives per optimizer step.
 
@@ -40,6 +42,7 @@ from batchfit.train.accumulate import (
     data_parallel_size,
     gradient_sync,
 )
+from batchfit.train.activation_offload import activation_offload
 from batchfit.train.advantages import ESTIMATORS, group_advantages, group_ids
 from batchfit.train.forward import forward_logprobs, forward_values
 from batchfit.train.long_sequence import micro_batch_backward, split_loss_backward, split_outputs
@@ -62,6 +65,7 @@ __all__ = [
     "PeakTracker",
     "accumulate",
     "accumulated_gradient_bytes",
+    "activation_offload",
     "allocate_gradients",
     "data_parallel_size",
     "default_optimizer",
