@@ -8,13 +8,13 @@ PyTorch's fake process group.
 from __future__ import annotations
 
 import pytest
-from multirank import run_ranks
 
 from batchfit.budget.causal_lm_probe import causal_lm_step
 from batchfit.memory import get_backend
 from batchfit.models import build_causal_lm
 from batchfit.parallel.distributed import simulated_world
 from batchfit.parallel.sharding import Sharding
+from multirank import run_ranks
 
 LENGTHS = [40, 31, 25]  # 96 tokens packed: 24 per rank at sp=4
 
