@@ -65,6 +65,7 @@ class ProfileChoices:
     reshard_after_forward: bool | None = None
     mixed_precision: str | None = None
     offload: str | None = None
+    sequence_parallel: int | None = None
 
     def or_(self, other: ProfileChoices) -> ProfileChoices:
         """These choices, each one not made taken from ``other``."""
@@ -87,15 +88,20 @@ class ProfileChoices:
             "reshard_after_forward": self.reshard_after_forward,
             "mixed_precision": self.mixed_precision,
             "offload": self.offload,
+            "sequence_parallel": None
+            if self.sequence_parallel is None
+            else check_positive_int(name(Setting("sequence_parallel")), self.sequence_parallel),
         }
         # what was chosen (max_seq_len has no default: a missing one is named by ProfileOptions)
         settings = {k: v for k, v in vars(self).items() if k not in _SHARDING and (v is not None or k == "max_seq_len")}
+        if (sharding["sequence_parallel"] or 1) > 1 and self.cost is None:
+            settings["cost"] = "packed"  # a sequence is split only as a packed row (verl: use_remove_padding)
         settings["sharding"] = Sharding(**{k: v for k, v in sharding.items() if v is not None})
         return ProfileOptions(**settings, vocabulary=vocabulary)
 
 
 # the ProfileChoices fields that make the Sharding (the others are ProfileOptions fields as they are)
-_SHARDING = frozenset({"strategy", "world_size", "reshard_after_forward", "mixed_precision", "offload"})
+_SHARDING = frozenset({"strategy", "world_size", "reshard_after_forward", "mixed_precision", "offload", "sequence_parallel"})
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,8 @@ def run_profile_options(
         gradient_checkpointing=None if run.gradient_checkpointing is None else bool(run.gradient_checkpointing),
         logprobs=logprobs,
         cost=cost,
+        # verl's ulysses_sequence_parallel_size, SkyRL's policy.sequence_parallel_size (the RunConfig's)
+        sequence_parallel=run.batch.sequence_parallel if fsdp and run.batch.sequence_parallel > 1 else None,
     )
     filled = chosen.or_(from_config).or_(defaults or ProfileChoices())
     return RunOptions(run=run, options=with_run_fraction(run, filled.options(vocabulary)), notes=tuple(notes))

@@ -222,7 +222,7 @@ def use_ulysses_attention(model: torch.nn.Module, group: Any) -> str:
             f"use_ulysses_attention needs a transformers model (with a config), but got a {type(model).__name__}"
         )
     size = group_size(group)
-    check_ulysses(config, size, model_name=type(model).__name__)
+    check_ulysses(config, size, model_name=type(model).__name__.removeprefix("FSDP"))  # FSDP2's class prefix
     layers = _attention_layers(model)
     depth = getattr(getattr(config, "get_text_config", lambda: config)(), "num_hidden_layers", None)
     if size > 1 and (not layers or (depth is not None and len(layers) != depth)):

@@ -1,0 +1,71 @@
+"""``batchfit profile`` under sequence parallelism: the flags, framework keys, the group's budget and verl's per-GPU keys."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from batchfit.cli import main
+
+FAST = ["--model", "tiny", "--max-seq-len", "512", "--memory", "1GiB", "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(["--context-parallel", "4"], "--context-parallel 4 (ring attention) is not modelled", id="ring"),
+        pytest.param(["--sequence-parallel", "4", "--cost", "padded"], "--sequence-parallel 4 splits packed micro-batches", id="padded"),
+        pytest.param(["--sequence-parallel", "3"], "sequence_parallel must divide world_size=8", id="divides"),
+        pytest.param(["--sequence-parallel", "2", "--sharding", "ddp"], "sequence_parallel=2 needs strategy='fsdp1' or 'fsdp2'", id="ddp"),
+        pytest.param(["--sequence-parallel", "0"], "--sequence-parallel must be an integer >= 1, but got --sequence-parallel=0", id="zero"),
+    ],
+)
+def test_what_cannot_be_split_is_one_line_and_exit_2(capsys, argv, message):
+    assert main(["profile", *FAST, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def _verl_config(path, sp: int) -> str:
+    path.write_text(
+        "data: {train_batch_size: 16, max_prompt_length: 64, max_response_length: 448}\n"
+        "actor_rollout_ref:\n"
+        "  model: {path: tiny, use_remove_padding: true, enable_gradient_checkpointing: true}\n"
+        "  actor: {strategy: fsdp2, ppo_mini_batch_size: 8, use_dynamic_bsz: true, ppo_max_token_len_per_gpu: 4096,\n"
+        f"          ulysses_sequence_parallel_size: {sp}}}\n"
+        "  rollout: {n: 4}\n"
+        "algorithm: {adv_estimator: grpo}\n"
+        "trainer: {nnodes: 1, n_gpus_per_node: 8}\n",
+        encoding="utf-8",
+    )
+    return str(path)
+
+
+def _emitted(capsys, config: str) -> dict[str, int]:
+    assert main(["profile", "--config", config, "--memory", "1GiB", "--no-progress", "--emit", "verl"]) == 0
+    out = capsys.readouterr().out
+    return {k: int(v) for k, v in re.findall(r"(\w+_max_token_len_per_gpu|ulysses_sequence_parallel_size): (\d+)", out)}
+
+
+@pytest.mark.slow
+def test_verl_s_ulysses_size_changes_the_per_gpu_budget_in_the_split_s_direction(tmp_path, capsys):
+    one = _emitted(capsys, _verl_config(tmp_path / "sp1.yaml", 1))
+    four = _emitted(capsys, _verl_config(tmp_path / "sp4.yaml", 4))
+    assert four["ulysses_sequence_parallel_size"] == 4 and "ulysses_sequence_parallel_size" not in one
+    per_gpu_1, per_gpu_4 = one["ppo_max_token_len_per_gpu"], four["ppo_max_token_len_per_gpu"]
+    # verl runs micro-batches of 4 × per_gpu_4 tokens over 4 GPUs: far more than one GPU holds alone,
+    # but each GPU's share is at most what it holds unsplit (the split adds the all-to-all buffers and
+    # keeps the micro-batch's per-token fields whole on every rank)
+    assert per_gpu_4 != per_gpu_1
+    assert 4 * per_gpu_4 > 3 * per_gpu_1 and per_gpu_4 <= per_gpu_1
+
+
+def test_the_policy_s_ulysses_key_is_read_into_the_sharding_not_warned_about(tmp_path):
+    from batchfit.frameworks import read_run_config
+    from batchfit.frameworks.config_options import ProfileChoices, run_profile_options
+
+    run = read_run_config(_verl_config(tmp_path / "sp4.yaml", 4))
+    assert not [w for w in run.warnings if "ulysses" in w]
+    options = run_profile_options(run, ProfileChoices(backend="estimate")).options
+    assert options.sharding.sequence_parallel == 4 and options.sharding.world_size == 8 and options.cost == "packed"
