@@ -61,6 +61,7 @@ def test_verl_s_ulysses_size_changes_the_per_gpu_budget_in_the_split_s_direction
     assert 4 * per_gpu_4 > 3 * per_gpu_1 and per_gpu_4 <= per_gpu_1
 
 
+@pytest.mark.slow
 def test_the_policy_s_ulysses_key_is_read_into_the_sharding_not_warned_about(tmp_path):
     from batchfit.frameworks import read_run_config
     from batchfit.frameworks.config_options import ProfileChoices, run_profile_options

@@ -63,3 +63,16 @@ def test_a_micro_batch_split_over_more_ranks_holds_less_on_each():
     assert peaks[0][0] > peaks[1][0] > peaks[2][0]
     # the state is sharded over the whole world whatever the split
     assert len({(p[1]["parameters"], p[1]["optimizer_state"]) for p in peaks}) == 1
+
+
+@pytest.mark.slow
+def test_a_sequence_no_world_holds_unsplit_names_the_smallest_sequence_parallel_size():
+    from batchfit.budget import profile_model
+    from batchfit.errors import DoesNotFitError
+
+    # tiny at 65,536 tokens: the full head alone needs 768.75 MiB against a 365.71 MiB limit on any world
+    # size; split over 2 ranks it still does not fit, over 4 it does (4 query heads: 8 cannot split them)
+    with pytest.raises(DoesNotFitError, match=r"sequence parallelism 4 over 8 GPUs does") as info:
+        profile_model("tiny", max_seq_len=65536, backend="estimate", memory_limit="1GiB", sharding=Sharding("fsdp2", world_size=8))
+    assert info.value.sequence_parallel_hint == 4 and info.value.world_size_hint == 8
+    assert "sharding=Sharding('fsdp2', world_size=8, sequence_parallel=4), cost='packed'" in str(info.value)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -78,23 +80,23 @@ def test_split_refuses_what_is_not_one_packed_row(fields, match):
 
 
 def _config(**overrides):
-    from transformers import LlamaConfig
-
-    base = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=32)
-    return LlamaConfig(**{**base, **overrides})
+    # the attributes check_ulysses reads, as a transformers config has them (no transformers import: sub-second)
+    base = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, layer_types=None, sliding_window=None)
+    return types.SimpleNamespace(**{**base, **overrides})
 
 
 @pytest.mark.parametrize(
     "overrides, sp, match",
     [
-        pytest.param({"num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 56}, 4,
+        pytest.param({"num_attention_heads": 14, "num_key_value_heads": 2}, 4,
                      r"num_attention_heads=14 is not divisible by 4", id="q-heads"),
-        pytest.param({"num_attention_heads": 12, "num_key_value_heads": 3, "hidden_size": 48}, 4,
+        pytest.param({"num_attention_heads": 12, "num_key_value_heads": 3}, 4,
                      r"num_key_value_heads=3 is neither divisible by 4 nor divides it", id="kv-heads"),
         pytest.param({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8}, 2,
                      r"cannot split layer 1 of the model: layer_types\[1\]='sliding_attention'", id="sliding-layer"),
         pytest.param({"layer_types": ["linear_attention", "full_attention"]}, 2,
                      r"cannot split layer 0 of the model: layer_types\[0\]='linear_attention'", id="linear-layer"),
+        pytest.param({"sliding_window": 4096}, 2, r"sliding_window=4096 on every layer", id="sliding-everywhere"),
     ],
 )
 def test_attention_that_cannot_be_split_is_refused_in_one_line(overrides, sp, match):
