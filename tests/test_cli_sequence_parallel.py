@@ -70,3 +70,30 @@ def test_the_policy_s_ulysses_key_is_read_into_the_sharding_not_warned_about(tmp
     assert not [w for w in run.warnings if "ulysses" in w]
     options = run_profile_options(run, ProfileChoices(backend="estimate")).options
     assert options.sharding.sequence_parallel == 4 and options.sharding.world_size == 8 and options.cost == "packed"
+
+
+SLIME = (
+    "python train.py --hf-checkpoint tiny --actor-num-nodes 1 --actor-num-gpus-per-node 8 --rollout-batch-size 8 "
+    "--n-samples-per-prompt 4 --global-batch-size 32 --use-dynamic-batch-size --max-tokens-per-gpu 4096 "
+    "--rollout-max-prompt-len 64 --rollout-max-response-len 448 --context-parallel-size 2\n"
+)
+
+
+def test_a_config_s_ring_attention_is_refused_in_one_line_naming_its_key(tmp_path, capsys):
+    config = tmp_path / "slime.sh"
+    config.write_text(SLIME, encoding="utf-8")
+    assert main(["profile", "--config", str(config), "--memory", "1GiB", "--no-progress", "--sharding", "fsdp2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the config's --context-parallel-size=2 splits each sequence with ring attention" in err
+    assert "pass --sequence-parallel 2 to profile it as Ulysses" in err
+
+
+@pytest.mark.slow
+def test_slime_s_max_tokens_per_gpu_is_the_group_s_budget_over_its_context_parallel_size(tmp_path, capsys):
+    config = tmp_path / "slime.sh"
+    config.write_text(SLIME, encoding="utf-8")
+    argv = ["profile", "--config", str(config), "--memory", "1GiB", "--no-progress", "--sharding", "fsdp2"]
+    assert main([*argv, "--sequence-parallel", "2", "--emit", "slime"]) == 0
+    out = capsys.readouterr().out
+    group = int(re.search(r"budget ([\d,]+) tokens per micro-batch split over 2 GPUs", out)[1].replace(",", ""))
+    assert f"--max-tokens-per-gpu {group // 2} " in out and "--context-parallel-size 2" in out

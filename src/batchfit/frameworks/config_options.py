@@ -175,6 +175,19 @@ def run_profile_options(
         )
         run = run.replace(warnings=(*run.warnings, warning.say(say)))
     strategy = chosen.strategy if chosen.strategy is not None else sharding_strategy(run, say)
+    ring = run.batch.context_parallel or 1
+    if ring > 1 and chosen.sequence_parallel is None:
+        # NOTE [ Ring attention is refused ] in batchfit.cli.profile_request: OpenRLHF's --ds.ring_attn_size,
+        # Megatron's context parallelism (slime)
+        key = (run.key_names or {}).get("context_parallel", "context_parallel")
+        raise InvalidArgument(
+            Phrase(
+                f"the config's {key}={ring} splits each sequence with ring attention, which batchfit does not model "
+                "(PyTorch's context_parallel runs no CPU sdpa and no packed rows); pass ",
+                Setting("sequence_parallel", ring),
+                " to profile it as Ulysses sequence parallelism (the same tokens per GPU)",
+            ).say(say)
+        )
     fsdp = str(strategy).lower() in FSDP_STRATEGIES  # FSDP's options, as the config sets them
     step = framework_step(run)  # the head and layout of the framework's own micro-batch
     notes = list(step.notes) if step is not None else []
