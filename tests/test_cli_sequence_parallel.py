@@ -42,16 +42,16 @@ def _verl_config(path, sp: int) -> str:
     return str(path)
 
 
-def _emitted(capsys, config: str) -> dict[str, int]:
-    assert main(["profile", "--config", config, "--memory", "1GiB", "--no-progress", "--emit", "verl"]) == 0
+def _emitted(capsys, config: str, *memory: str) -> dict[str, int]:
+    assert main(["profile", "--config", config, *memory, "--no-progress", "--emit", "verl"]) == 0
     out = capsys.readouterr().out
     return {k: int(v) for k, v in re.findall(r"(\w+_max_token_len_per_gpu|ulysses_sequence_parallel_size): (\d+)", out)}
 
 
 @pytest.mark.slow
 def test_verl_s_ulysses_size_changes_the_per_gpu_budget_in_the_split_s_direction(tmp_path, capsys):
-    one = _emitted(capsys, _verl_config(tmp_path / "sp1.yaml", 1))
-    four = _emitted(capsys, _verl_config(tmp_path / "sp4.yaml", 4))
+    one = _emitted(capsys, _verl_config(tmp_path / "sp1.yaml", 1), "--memory", "1GiB")
+    four = _emitted(capsys, _verl_config(tmp_path / "sp4.yaml", 4), "--memory", "1GiB")
     assert four["ulysses_sequence_parallel_size"] == 4 and "ulysses_sequence_parallel_size" not in one
     per_gpu_1, per_gpu_4 = one["ppo_max_token_len_per_gpu"], four["ppo_max_token_len_per_gpu"]
     # verl runs micro-batches of 4 × per_gpu_4 tokens over 4 GPUs: far more than one GPU holds alone,
@@ -97,3 +97,28 @@ def test_slime_s_max_tokens_per_gpu_is_the_group_s_budget_over_its_context_paral
     out = capsys.readouterr().out
     group = int(re.search(r"budget ([\d,]+) tokens per micro-batch split over 2 GPUs", out)[1].replace(",", ""))
     assert f"--max-tokens-per-gpu {group // 2} " in out and "--context-parallel-size 2" in out
+
+
+VERL_128K = (
+    "data: {train_batch_size: 32, max_prompt_length: 2048, max_response_length: 129024}\n"
+    "actor_rollout_ref:\n"
+    "  model: {path: qwen2.5-7b, use_remove_padding: true, enable_gradient_checkpointing: true}\n"
+    "  actor: {strategy: fsdp2, ppo_mini_batch_size: 8, use_dynamic_bsz: true, ppo_max_token_len_per_gpu: 32768,\n"
+    "          ulysses_sequence_parallel_size: 4}\n"
+    "  rollout: {n: 8}\n"
+    "algorithm: {adv_estimator: grpo}\n"
+    "trainer: {nnodes: 1, n_gpus_per_node: 8}\n"
+)
+
+
+@pytest.mark.slow
+def test_a_verl_128k_config_at_ulysses_4_fits_8_h100(tmp_path, capsys):
+    # issue 30's bar: 2,048 + 129,024 tokens of Qwen2.5-7B, sp 4, FSDP2 on 8 × H100 (the estimate's default
+    # target); before sequence parallelism was modelled: "one sequence of max_seq_len=131072 does not fit"
+    config = tmp_path / "verl_128k.yaml"
+    config.write_text(VERL_128K, encoding="utf-8")
+    emitted = _emitted(capsys, str(config))
+    assert emitted["ulysses_sequence_parallel_size"] == 4
+    # a micro-batch of 4 × the per-GPU value holds one whole sequence of 131,072 tokens
+    assert 4 * emitted["ppo_max_token_len_per_gpu"] >= 131_072
+    assert 4 * emitted["log_prob_max_token_len_per_gpu"] >= 131_072

@@ -10,11 +10,11 @@ from multirank import run_ranks
 from ulysses_helpers import build, packed_micro_batch, sequence_parallel_worker, train_step
 
 
-def _unsplit(kind: str) -> tuple[float, dict]:
+def _unsplit(kind: str, **options) -> tuple[float, dict]:
     model = build(kind)
     mb = packed_micro_batch(model)
     use_varlen_attention(model)
-    return train_step(model, mb)
+    return train_step(model, mb, **options)
 
 
 @pytest.mark.slow
@@ -30,3 +30,21 @@ def test_split_sequence_has_the_unsplit_loss_and_gradient(sp, kind):
         for name, grad in grads.items():
             np.testing.assert_allclose(rank_grads[name], grad, atol=1e-5, rtol=0, err_msg=f"rank {rank}: {name}")
         assert any(np.abs(g).max() > 1e-4 for g in grads.values())  # a gradient that could differ
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"only_loss_tokens": True}, id="response-only-head"),
+        pytest.param({"head": "full"}, id="full-head"),
+        pytest.param({"head": "verl"}, id="verl-head"),
+    ],
+)
+def test_every_head_trains_a_split_sequence_as_the_unsplit_one(options):
+    loss, grads = _unsplit("llama", **options)
+    results = run_ranks(sequence_parallel_worker, 2, "llama", options, world=2, timeout=120)
+    for rank, (rank_loss, rank_grads, _) in results.items():
+        assert rank_loss == pytest.approx(loss, abs=1e-5), rank
+        for name, grad in grads.items():
+            np.testing.assert_allclose(rank_grads[name], grad, atol=1e-5, rtol=0, err_msg=f"rank {rank}: {name}")

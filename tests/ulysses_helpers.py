@@ -50,17 +50,17 @@ def packed_micro_batch(model: torch.nn.Module) -> Any:
     return mb
 
 
-def train_step(model: torch.nn.Module, mb: Any, scale: float = 1.0) -> tuple[float, dict[str, Any]]:
-    """``micro_batch_loss(model, mb, scale=scale).backward()``: the loss and each parameter's whole gradient."""
+def train_step(model: torch.nn.Module, mb: Any, scale: float = 1.0, **options: Any) -> tuple[float, dict[str, Any]]:
+    """``micro_batch_loss(model, mb, scale=scale, **options).backward()``: the loss and each parameter's whole gradient."""
     from batchfit.train import micro_batch_loss
     from sharded_helpers import full_gradients
 
-    loss = micro_batch_loss(model, mb, scale=scale)
+    loss = micro_batch_loss(model, mb, scale=scale, **options)
     loss.backward()
     return float(loss.detach()) / scale, full_gradients(model)
 
 
-def sequence_parallel_worker(rank: int, sp: int, kind: str) -> tuple[float, dict[str, Any], int]:
+def sequence_parallel_worker(rank: int, sp: int, kind: str, options: dict | None = None) -> tuple[float, dict[str, Any], int]:
     """One gloo rank: the tiny model under Ulysses over groups of ``sp`` and FSDP2 over the world, one step.
 
     Returns the loss, the whole gradients and the tokens the decoder's first layer ran on this rank.
@@ -78,5 +78,5 @@ def sequence_parallel_worker(rank: int, sp: int, kind: str) -> tuple[float, dict
     model.model.layers[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
     fully_shard_layers(model)
     # FSDP2 averages over dp × sp ranks; the group's ranks share one loss (NOTE [ Ulysses sequence parallelism ])
-    loss, grads = train_step(model, mb, scale=dist.get_world_size())
+    loss, grads = train_step(model, mb, scale=dist.get_world_size(), **(options or {}))
     return loss, grads, seen[0]
