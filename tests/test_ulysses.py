@@ -48,3 +48,23 @@ def test_every_head_trains_a_split_sequence_as_the_unsplit_one(options):
         assert rank_loss == pytest.approx(loss, abs=1e-5), rank
         for name, grad in grads.items():
             np.testing.assert_allclose(rank_grads[name], grad, atol=1e-5, rtol=0, err_msg=f"rank {rank}: {name}")
+
+
+@pytest.mark.slow
+def test_a_layer_whose_attention_bypasses_the_interface_is_refused_not_run_unsplit():
+    # verl #7476: Ulysses silently a no-op on some models; here layer 1's attention ignores the interface
+    import torch
+
+    from batchfit.errors import InvalidArgument
+    from batchfit.models import use_ulysses_attention
+    from batchfit.parallel import sequence_parallel_group, sequence_shard, simulated_world, split_packed
+
+    with simulated_world(2):
+        model = build("llama")
+        use_ulysses_attention(model, sequence_parallel_group(2))
+        model.model.layers[1].self_attn.forward = lambda hidden_states, *args, **kwargs: (hidden_states, None)
+        row = {"input_ids": torch.arange(1, 9)[None], "position_ids": torch.arange(8)[None], "cu_seq_lens": torch.tensor([0, 8])}
+        local = split_packed(row, sequence_shard(8, 2, 0))
+        cu = local["cu_seq_lens"]
+        with pytest.raises(InvalidArgument, match=r"Ulysses attention ran in 1 of 2 attention layers of LlamaForCausalLM"):
+            model(input_ids=local["input_ids"], position_ids=local["position_ids"], cu_seq_lens_q=cu, cu_seq_lens_k=cu, use_cache=False)
