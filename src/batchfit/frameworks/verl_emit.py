@@ -153,19 +153,6 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         if critic:
             keys.append(Key(_V_CRITIC_ENGINE + "offload_policy", offload))
     keys += _verl_precision(a, critic)
-    sp = s.sequence_parallel
-    if sp > 1 or (run.batch.sequence_parallel or 1) > 1:
-        keys.append(
-            Key(
-                _V_ENGINE + "ulysses_sequence_parallel_size",
-                sp,
-                f"each micro-batch split over {sp} GPUs (Ulysses), as profiled" if sp > 1 else "sequences unsplit, as profiled",
-            )
-        )
-        # FSDPActorConfig.__post_init__: the deprecated actor key, when > 1, overrides the engine's
-        keys.append(Key(_V_ACTOR + "ulysses_sequence_parallel_size", sp, "the same (verl reads this one first when > 1)"))
-        if critic:
-            keys.append(Key(_V_CRITIC_ENGINE + "ulysses_sequence_parallel_size", sp))
     keys.append(
         Key(
             _V_MODEL + "enable_gradient_checkpointing",
@@ -179,6 +166,25 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         if role in a.roles:
             keys += lora_adapter_keys(a.lora.get(role), prefix + "lora_rank", prefix + "lora_alpha", prefix + "target_modules")
     keys += _verl_head(run, a, same)
+    return keys + _verl_sequence_parallel(run, a, critic)
+
+
+def _verl_sequence_parallel(run: RunConfig, a: Assumptions, critic: bool) -> list[Key]:
+    """The Ulysses size profiled (NOTE [ verl multiplies by the Ulysses size ]), when it or the config's is above 1."""
+    sp = a.sharding.sequence_parallel
+    if sp == 1 and (run.batch.sequence_parallel or 1) == 1:
+        return []
+    keys = [
+        Key(
+            _V_ENGINE + "ulysses_sequence_parallel_size",
+            sp,
+            f"each micro-batch split over {sp} GPUs (Ulysses), as profiled" if sp > 1 else "sequences unsplit, as profiled",
+        ),
+        # FSDPActorConfig.__post_init__: the deprecated actor key, when > 1, overrides the engine's
+        Key(_V_ACTOR + "ulysses_sequence_parallel_size", sp, "the same (verl reads this one first when > 1)"),
+    ]
+    if critic:
+        keys.append(Key(_V_CRITIC_ENGINE + "ulysses_sequence_parallel_size", sp))
     return keys
 
 
