@@ -338,12 +338,7 @@ def test_a_flat_field_beside_a_frameworks_sections_is_no_unknown_key():
             "set them alike",
             id="verl-critic-offload-differs",
         ),
-        pytest.param(
-            _set(_verl(), "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size", 2),
-            "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2 (the verl 0.9.1 default is 1)",
-            "Ulysses",
-            id="verl-ulysses",
-        ),
+        # issue 30: the policy's Ulysses size is modelled now (tests/test_cli_sequence_parallel.py)
         pytest.param(
             _set(_verl(), "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params", 1000),
             "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=1000 (the verl 0.9.1 default is 0)",

@@ -68,3 +68,23 @@ def test_as_sharding_accepts_none_a_name_or_a_sharding():
     assert as_sharding(s) is s
     with pytest.raises(InvalidArgument, match="sharding must be a Sharding"):
         as_sharding(8)
+
+
+def test_sequence_parallel_splits_the_world_into_data_parallel_groups():
+    s = Sharding("fsdp2", world_size=8, sequence_parallel=4)
+    assert s.data_parallel_size == 2 and s.to_dict()["sequence_parallel"] == 4
+    assert s.describe() == "fsdp2 over 8 ranks (fp32 params, bf16 compute, fp32 reduce, Ulysses sequence parallel 4 × data parallel 2)"
+    assert "sequence_parallel" not in Sharding("fsdp2", world_size=8).to_dict()  # 1: the old dict
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({"strategy": "ddp", "world_size": 4, "sequence_parallel": 2}, r"sequence_parallel=2 needs strategy='fsdp1' or 'fsdp2'", id="ddp"),
+        pytest.param({"strategy": "fsdp2", "world_size": 6, "sequence_parallel": 4}, r"sequence_parallel must divide world_size=6 .* but got sequence_parallel=4", id="divides"),
+        pytest.param({"strategy": "fsdp2", "world_size": 4, "sequence_parallel": 0}, r"sequence_parallel must be an integer >= 1", id="zero"),
+    ],
+)
+def test_sequence_parallel_is_refused_where_it_cannot_split(kwargs, message):
+    with pytest.raises(InvalidArgument, match=message):
+        Sharding(kwargs.pop("strategy"), **kwargs)

@@ -219,6 +219,8 @@ class DoesNotFitError(BatchfitError):
         self.remedies = tuple(r if isinstance(r, Phrase) else Phrase(r) for r in remedies)
         #: the smallest fsdp2 world size that would fit, when the raiser looked for one
         self.world_size_hint: int | None = None
+        #: the smallest sequence-parallel size that would fit one sequence (at ``world_size_hint`` ranks), when looked for
+        self.sequence_parallel_hint: int | None = None
         super().__init__(self.say())
 
     def say(self, vocabulary: Vocabulary | None = None) -> str:
@@ -230,7 +232,7 @@ class DoesNotFitError(BatchfitError):
 
     def to_dict(self, vocabulary: Vocabulary | None = None) -> dict[str, Any]:
         """The numbers and the remedies as plain values (the CLI's ``--json`` error), settings in ``vocabulary``."""
-        return {
+        out = {
             "needed_bytes": self.needed,
             "limit_bytes": self.available,
             "reserve_bytes": self.reserve_bytes,
@@ -239,6 +241,9 @@ class DoesNotFitError(BatchfitError):
             "remedies": [{"text": r.say(vocabulary), "change": r.changes(vocabulary)} for r in self.remedies],
             "world_size_hint": self.world_size_hint,
         }
+        if self.sequence_parallel_hint is not None:
+            out["sequence_parallel_hint"] = self.sequence_parallel_hint
+        return out
 
     def replace(self, message: str | Phrase | None = None, *, remedies: Sequence[str | Phrase] | None = None) -> DoesNotFitError:
         """The same error with another message or remedies; its numbers, hint and other attributes kept."""
@@ -252,6 +257,7 @@ class DoesNotFitError(BatchfitError):
             remedies=self.remedies if remedies is None else remedies,
         )
         out.world_size_hint = self.world_size_hint
+        out.sequence_parallel_hint = self.sequence_parallel_hint
         out.__dict__.update({k: v for k, v in vars(self).items() if k not in vars(out)})  # e.g. marks set on it
         return out
 

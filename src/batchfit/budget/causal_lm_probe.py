@@ -62,7 +62,9 @@ from batchfit.memory.categories import (
 )
 from batchfit.models.attention import use_varlen_attention
 from batchfit.models.build import resolve_backend
+from batchfit.models.ulysses import use_ulysses_attention
 from batchfit.parallel.distributed import is_distributed
+from batchfit.parallel.sequence import sequence_parallel_group
 from batchfit.parallel.shard import decoder_layers, unwrap
 from batchfit.parallel.sharding import Sharding
 from batchfit.patching import undo_all
@@ -666,7 +668,16 @@ def causal_lm_step(
     if isinstance(optimizer, str) and optimizer == "auto":
         optimizer = None if forward_only else "adamw"
     opt = _make_optimizer(model, optimizer, lr, chosen)
-    if cost == "packed":
+    sequence_parallel = getattr(getattr(model, "batchfit_sharding", None), "sequence_parallel", 1)
+    if sequence_parallel > 1:
+        if cost != "packed":
+            raise InvalidArgument(
+                f"sequence_parallel={sequence_parallel} splits packed micro-batches (verl and SkyRL need padding removed "
+                f"for it), but got cost={cost!r}; use cost='packed'"
+            )
+        # NOTE [ Ulysses sequence parallelism ]: each rank runs its share of the packed micro-batch
+        use_ulysses_attention(unwrap(model), sequence_parallel_group(sequence_parallel))
+    elif cost == "packed":
         use_varlen_attention(unwrap(model))  # packed rows attend per sequence, no T × T mask
     step = TrainingStep(
         model,

@@ -126,7 +126,7 @@ class ModelProfile:
         ``tokens`` (and ``response_tokens``), and ``binding_role``, the role whose budget
         it is — the breakdown is that role's.
         """
-        return {
+        out = {
             "model": self.model,
             "dtype": self.dtype,
             "compute_dtype": self.compute_dtype or self.dtype,
@@ -151,6 +151,19 @@ class ModelProfile:
             "lora": None if self.lora is None else self.lora.to_dict(),
             "activation_offload": self.activation_offload,
         }
+        # NOTE [ A group's budget ]
+        # Under sequence parallelism (sharding.sequence_parallel = sp > 1) the probe runs one rank's
+        # share of a packed micro-batch split over the sp GPUs of its group, so a budget C counts the
+        # micro-batch's tokens: the group's. Each GPU runs ⌈C / sp⌉ of them through the decoder (and
+        # every one through attention for heads/sp heads). verl's *_max_token_len_per_gpu means C // sp
+        # (verl multiplies it by sp, dp_actor.py); SkyRL's max_tokens_per_microbatch means C (counted
+        # before the split). The JSON gives both: ``tokens`` and ``tokens_per_gpu``.
+        sp = self.sharding.sequence_parallel
+        if sp > 1:
+            for role, b in self.budgets.items():
+                out["budgets"][role]["tokens_per_gpu"] = b.tokens // sp
+            out["combined"]["tokens_per_gpu"] = self.combined.tokens // sp
+        return out
 
     @property
     def train(self) -> TokenBudget:
@@ -722,6 +735,63 @@ def smallest_fitting_world_size(
     return world if peak(world) <= limit else None
 
 
+#: The Ulysses sizes a "does not fit" hint tries, smallest first.
+_HINT_SEQUENCE_PARALLEL = (2, 4, 8, 16, 32, 64)
+
+
+def smallest_fitting_sequence_parallel(
+    build: RoleBuilder, role: str, seq_len: int, limit: int, start: int = 1
+) -> tuple[int, int] | None:
+    """The smallest Ulysses size ``sp`` (and its world size) at which one sequence of ``seq_len`` fits under ``limit``.
+
+    Each size the model's attention can be split over (:func:`batchfit.models.ulysses.check_ulysses`)
+    is measured, smallest first, with ``fsdp2`` over ``max(start, sp)`` ranks (a whole number of
+    groups), checkpointing on, one packed sequence split over the group: the step that trains.
+    Estimate backend only, each in its own simulated world, without a memory limit. At most
+    :data:`_HINT_SEQUENCE_PARALLEL`'s six measurements.
+
+    Returns:
+        ``(sp, world_size)``, or ``None`` when no size up to 64 fits (or the attention cannot be split).
+    """
+    from batchfit.memory import get_backend
+    from batchfit.models import parse_dtype
+    from batchfit.models.ulysses import check_ulysses
+    from batchfit.parallel.distributed import simulated_world
+
+    base = build.sharding
+    precision = base.mixed_precision if base.strategy == "fsdp2" else "bf16"
+    offload = base.offload if base.strategy == "fsdp2" else "none"
+    be = build.backend
+    unlimited = get_backend("estimate", reserve_bytes=be.reserve_bytes or 1, round_to=be.round_to)
+    for sp in _HINT_SEQUENCE_PARALLEL:
+        if sp <= base.sequence_parallel:
+            continue
+        try:
+            check_ulysses(build.config, sp)
+        except InvalidArgument:
+            continue
+        world = -(-max(start, sp) // sp) * sp
+        if world > _MAX_HINT_WORLD:
+            return None
+        sharding = Sharding("fsdp2", world_size=world, mixed_precision=precision, offload=offload, sequence_parallel=sp)
+        builder = build.with_options(sharding=sharding, gradient_checkpointing=True, cost="packed").with_backend(unlimited)
+        if base.strategy != "fsdp2":  # the hint's flags keep fsdp2's default: fp32 master weights
+            builder = RoleBuilder(
+                builder.config, unlimited, parse_dtype(default_dtype(sharding)), builder.options,
+                builder.extrapolate, builder.depth,
+            )
+        with simulated_world(world):
+            step = builder.step(role)
+            try:
+                peak = step.measure([seq_len]).peak_bytes
+            finally:
+                del step
+                gc.collect()
+        if peak <= limit:
+            return sp, world
+    return None
+
+
 def _world_at_least(n: int) -> int:
     """The smallest world size >= ``n`` that clusters have: 1, 2, 4, 8, then whole 8-GPU nodes."""
     if n <= 8:
@@ -741,7 +811,27 @@ def _with_world_size_hint(exc: DoesNotFitError, role: str, build: RoleBuilder, s
         limit -= untracked_memory(world_size=2).nccl_bytes
     start = build.sharding.world_size if build.sharding.strategy == "fsdp2" else 1
     world = smallest_fitting_world_size(build, role, seq_len, limit, start=start)
-    if world is None:
+    split = None if world is not None else smallest_fitting_sequence_parallel(build, role, seq_len, limit, start=start)
+    if split is not None:
+        # NOTE [ A group's budget ]: one sequence fits once it is split over sp GPUs
+        sp, split_world = split
+        fits_split = Phrase(
+            "it fits with ",
+            (
+                Setting("sharding", {"strategy": "fsdp2", "world_size": split_world, "sequence_parallel": sp}),
+                Setting("cost", "packed"),
+                Setting("gradient_checkpointing", True),
+            ),
+            f" (Ulysses: each GPU holds 1/{sp} of the sequence; verl ulysses_sequence_parallel_size, "
+            "SkyRL sequence_parallel_size)",
+        )
+        no_world = Phrase(
+            f"{role}: ", *exc.message.parts, f"; no fsdp2 world size up to {_MAX_HINT_WORLD} fits it unsplit, "
+            f"sequence parallelism {sp} over {split_world} GPUs does"
+        )
+        unsharded = [r for r in exc.remedies if not any(getattr(p, "name", None) == "sharding" for p in r.parts)]
+        out = exc.replace(no_world, remedies=(fits_split, *unsharded))
+    elif world is None:
         # a finding, not a remedy: the step's own remedies (a shorter sequence, a fused head) still apply
         no_world = Phrase(
             f"{role}: ", *exc.message.parts, f"; no fsdp2 world size up to {_MAX_HINT_WORLD} fits it either "
@@ -756,5 +846,6 @@ def _with_world_size_hint(exc: DoesNotFitError, role: str, build: RoleBuilder, s
             " (one sequence per rank; sequence parallelism splits longer ones)",
         )
         out = exc.replace(Phrase(f"{role}: ", *exc.message.parts), remedies=(fits_with, *exc.remedies))
-    out.world_size_hint = world
+    out.world_size_hint = world if split is None else split[1]
+    out.sequence_parallel_hint = None if split is None else split[0]
     return out

@@ -15,7 +15,7 @@ from typing import Any
 
 from batchfit.budget.budget_search import check_max_seq_len
 from batchfit.budget.causal_lm_probe import check_response_fraction
-from batchfit.errors import KEYWORDS, InvalidArgument, Setting, Vocabulary
+from batchfit.errors import KEYWORDS, InvalidArgument, Phrase, Setting, Vocabulary
 from batchfit.memory import BACKEND_NAMES
 from batchfit.memory.cuda_untracked import DEFAULT_SAFETY_MARGIN
 from batchfit.models.lora import LoraSpec, as_lora
@@ -129,6 +129,16 @@ class ProfileOptions:
             raise InvalidArgument(
                 f"response_fraction={self.response_fraction} is read only by the response-only head, but got "
                 "response_only=False; pass response_only=True (--response-only) or drop response_fraction"
+            )
+        if self.sharding.sequence_parallel > 1 and self.cost != "packed":
+            raise InvalidArgument(
+                Phrase(
+                    Setting("sharding", {"sequence_parallel": self.sharding.sequence_parallel}),
+                    " splits packed micro-batches over its ranks (verl and SkyRL need padding removed for it), but got ",
+                    Setting("cost", self.cost),
+                    "; use ",
+                    Setting("cost", "packed"),
+                ).say(vocabulary)
             )
         if self.depth_extrapolation is not None and not isinstance(self.depth_extrapolation, bool):
             raise InvalidArgument(

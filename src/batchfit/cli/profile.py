@@ -118,6 +118,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="fsdp2: cpu = parameters, gradients, optimizer on the host (default none)",
     )
     p.add_argument(
+        "--sequence-parallel",
+        type=int,
+        metavar="N",
+        help="Ulysses sequence parallelism: each packed micro-batch split over N ranks (divides --world-size; fsdp1/fsdp2; "
+        "default 1, or the config's ulysses_sequence_parallel_size / sequence_parallel_size)",
+    )
+    p.add_argument(
+        "--context-parallel",
+        type=int,
+        metavar="N",
+        help="ring attention over N ranks: refused above 1 (PyTorch's context_parallel has no CPU sharding strategy "
+        "for sdpa and no packed rows); use --sequence-parallel",
+    )
+    p.add_argument(
         "--dtype",
         metavar="bf16|fp32",
         help="dtype parameters are stored in (default fp32 under --mixed-precision bf16, else bf16)",

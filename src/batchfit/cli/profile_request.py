@@ -49,6 +49,7 @@ FLAGS = {
     "sharding": "--sharding",
     "world_size": "--world-size",
     "offload": "--offload",
+    "sequence_parallel": "--sequence-parallel",
     "mixed_precision": "--mixed-precision",
     "dtype": "--dtype",
     "gradient_checkpointing": "--gradient-checkpointing",
@@ -61,6 +62,33 @@ FLAGS = {
     "depth_extrapolation": "--depth-extrapolation",
     "emit": "--emit",
 }
+
+
+def _check_context_parallel(size: int | None) -> None:
+    """Refuse ring attention (``--context-parallel`` above 1) in one line, with the reason and the flag that serves.
+
+    NOTE [ Ring attention is refused ]: PyTorch's own ring attention
+    (``torch.distributed.tensor.experimental.context_parallel``) dispatches only the CUDA sdpa kernels;
+    on the CPU (gloo, and the estimate's fake tensors) it raises "Operator
+    aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+    registered" (torch 2.13), and it takes no packed rows (no per-sequence boundaries), so batchfit
+    cannot run it, measure it or estimate it. Ulysses (``--sequence-parallel``) gives each rank the
+    same share of the tokens.
+
+    Raises:
+        InvalidArgument: ``size`` is not a positive int, or above 1.
+    """
+    if size is None:
+        return
+    from batchfit.validation import check_int
+
+    check_int("--context-parallel", size, minimum=1)
+    if size > 1:
+        raise InvalidArgument(
+            f"--context-parallel {size} (ring attention) is not modelled: PyTorch's context_parallel runs only CUDA's "
+            "sdpa kernels (no CPU, no estimate) and no packed rows; use --sequence-parallel "
+            f"{size} (Ulysses: the same tokens per rank)"
+        )
 
 
 @dataclass(frozen=True)
@@ -162,6 +190,7 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
         world = launched if args.world_size is None else args.world_size  # never the config's: the group's
         default_world = launched
     _check_response_flags(args)
+    _check_context_parallel(args.context_parallel)
     chosen = ProfileChoices(
         max_seq_len=args.max_seq_len,
         backend=backend,
@@ -181,6 +210,7 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
         reshard_after_forward=args.reshard_after_forward,
         mixed_precision=args.mixed_precision,
         offload=args.offload,
+        sequence_parallel=args.sequence_parallel,
     )
     defaults = ProfileChoices(
         max_seq_len=DEFAULT_MAX_SEQ_LEN,

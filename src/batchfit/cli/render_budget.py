@@ -128,8 +128,12 @@ def breakdown_table(profile: ModelProfile) -> Table:
     return table
 
 
-def budget_lines(budget: TokenBudget) -> list[str]:
-    """The budget, its guarantee, the limit, the memory model and the model check, as lines."""
+def budget_lines(budget: TokenBudget, *, sequence_parallel: int = 1) -> list[str]:
+    """The budget, its guarantee, the limit, the memory model and the model check, as lines.
+
+    Under sequence parallelism (``sequence_parallel > 1``) a line says what the budget means per
+    group and per GPU (NOTE [ A group's budget ] in :mod:`batchfit.budget.model_profile`).
+    """
     if budget.cost == "padded":
         meaning = (
             f"b sequences padded to s ≤ {budget.max_seq_len:,} fit when b·s ≤ {budget.tokens:,} "
@@ -143,6 +147,13 @@ def budget_lines(budget: TokenBudget) -> list[str]:
     from batchfit.frameworks.emit import provenance
 
     lines = [f"token budget C = {budget.tokens:,} tokens ({budget.cost}), {provenance(budget.backend)}: {meaning}"]
+    if sequence_parallel > 1:
+        sp = sequence_parallel
+        lines.append(
+            f"per group of {sp} GPUs (Ulysses sequence parallelism): a micro-batch of ≤ {budget.tokens:,} tokens is "
+            f"split over them, ≤ {budget.tokens // sp:,} tokens per GPU (verl's *_max_token_len_per_gpu, which verl "
+            f"multiplies by {sp}; SkyRL's max_tokens_per_microbatch is C)"
+        )
     if budget.response_tokens is not None:
         share = (
             "every token but each sequence's first"

@@ -62,7 +62,7 @@ def render_profile(console: Any, profile: Any, request: ProfileRequest) -> None:
     for role, budget in profile.budgets.items():
         console.print()
         console.print(budget_table(budget, title=pass_title(role)))
-        for line in budget_lines(budget):
+        for line in budget_lines(budget, sequence_parallel=profile.sharding.sequence_parallel):
             console.print(line, highlight=False)
     console.print()
     console.print(breakdown_table(profile))

@@ -66,6 +66,7 @@ class ProfileChoices:
     reshard_after_forward: bool | None = None
     mixed_precision: str | None = None
     offload: str | None = None
+    sequence_parallel: int | None = None
 
     def or_(self, other: ProfileChoices) -> ProfileChoices:
         """These choices, each one not made taken from ``other``."""
@@ -88,15 +89,20 @@ class ProfileChoices:
             "reshard_after_forward": self.reshard_after_forward,
             "mixed_precision": self.mixed_precision,
             "offload": self.offload,
+            "sequence_parallel": None
+            if self.sequence_parallel is None
+            else check_positive_int(name(Setting("sequence_parallel")), self.sequence_parallel),
         }
         # what was chosen (max_seq_len has no default: a missing one is named by ProfileOptions)
         settings = {k: v for k, v in vars(self).items() if k not in _SHARDING and (v is not None or k == "max_seq_len")}
+        if (sharding["sequence_parallel"] or 1) > 1 and self.cost is None:
+            settings["cost"] = "packed"  # a sequence is split only as a packed row (verl: use_remove_padding)
         settings["sharding"] = Sharding(**{k: v for k, v in sharding.items() if v is not None})
         return ProfileOptions(**settings, vocabulary=vocabulary)
 
 
 # the ProfileChoices fields that make the Sharding (the others are ProfileOptions fields as they are)
-_SHARDING = frozenset({"strategy", "world_size", "reshard_after_forward", "mixed_precision", "offload"})
+_SHARDING = frozenset({"strategy", "world_size", "reshard_after_forward", "mixed_precision", "offload", "sequence_parallel"})
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,19 @@ def run_profile_options(
         )
         run = run.replace(warnings=(*run.warnings, warning.say(say)))
     strategy = chosen.strategy if chosen.strategy is not None else sharding_strategy(run, say)
+    ring = run.batch.context_parallel or 1
+    if ring > 1 and chosen.sequence_parallel is None:
+        # NOTE [ Ring attention is refused ] in batchfit.cli.profile_request: OpenRLHF's --ds.ring_attn_size,
+        # Megatron's context parallelism (slime)
+        key = (run.key_names or {}).get("context_parallel", "context_parallel")
+        raise InvalidArgument(
+            Phrase(
+                f"the config's {key}={ring} splits each sequence with ring attention, which batchfit does not model "
+                "(PyTorch's context_parallel runs no CPU sdpa and no packed rows); pass ",
+                Setting("sequence_parallel", ring),
+                " to profile it as Ulysses sequence parallelism (the same tokens per GPU)",
+            ).say(say)
+        )
     fsdp = str(strategy).lower() in FSDP_STRATEGIES  # FSDP's options, as the config sets them
     step = framework_step(run)  # the head and layout of the framework's own micro-batch
     notes = list(step.notes) if step is not None else []
@@ -211,6 +230,8 @@ def run_profile_options(
         activation_offload=None if run.activation_offload is None else bool(run.activation_offload),
         logprobs=logprobs,
         cost=cost,
+        # verl's ulysses_sequence_parallel_size, SkyRL's policy.sequence_parallel_size (the RunConfig's)
+        sequence_parallel=run.batch.sequence_parallel if fsdp and run.batch.sequence_parallel > 1 else None,
     )
     filled = chosen.or_(from_config).or_(defaults or ProfileChoices())
     return RunOptions(run=run, options=with_run_fraction(run, filled.options(vocabulary)), notes=tuple(notes))

@@ -121,13 +121,14 @@ def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: flo
 def _token_keys(profile: RunProfile, target: str, max_seq_len: int, margin: float, world: int) -> list[Key]:
     """The token budgets' keys of ``target`` (and the micro sizes and switches that go with them): its emit module's ``token_keys``."""
     budgets = {role: b.tokens for role, b in profile.budgets.items()}
+    sp = profile.options["policy"].sharding.sequence_parallel
 
     def why(role: str, what: str) -> str:
         b = profile.budgets[role]
-        return (
-            f"{what}: {provenance(b.backend)} budget {b.tokens:,} tokens per GPU ({margin:g} of "
-            f"{b.usable_bytes / 2**30:.1f} GiB usable)"
-        )
+        # NOTE [ A group's budget ] (batchfit.budget.model_profile): under sequence parallelism a budget counts the tokens of a
+        # micro-batch split over the sp GPUs of a group
+        held = f"{b.tokens:,} tokens per GPU" if sp == 1 else f"{b.tokens:,} tokens per micro-batch split over {sp} GPUs"
+        return f"{what}: {provenance(b.backend)} budget {held} ({margin:g} of {b.usable_bytes / 2**30:.1f} GiB usable)"
 
     return get_framework(target).emit_module().token_keys(profile, budgets, why, max_seq_len, world)
 

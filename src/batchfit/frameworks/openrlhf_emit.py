@@ -99,6 +99,14 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         "OpenRLHF trains with DeepSpeed ZeRO, whose stage 3 batchfit profiles as FSDP2 (--ds.zero_stage 3); it has no "
         "DDP or FSDP1",
     )
+    if s.sequence_parallel > 1:
+        raise refuse(
+            target,
+            f"--sequence-parallel {s.sequence_parallel}",
+            "OpenRLHF splits a sequence with ring attention (--ds.ring_attn_size), whose meaning for "
+            "--train.max_tokens_per_gpu batchfit has not read, and which it does not model",
+            "drop --sequence-parallel, or emit verl or SkyRL (Ulysses)",
+        )
     if not s.reshard_after_forward:
         raise refuse(
             target,

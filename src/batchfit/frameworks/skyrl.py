@@ -74,8 +74,6 @@ UNMODELLED: dict[str, str] = {
     + "flash_attn": "False runs attention without flash-attention (SDPA or eager kernels keep other buffers)",
     T + "gradient_checkpointing_use_reentrant": "reentrant activation checkpointing (batchfit checkpoints "
     "non-reentrantly)",
-    T + "policy.sequence_parallel_size": "Ulysses sequence parallelism splits each sequence over GPUs (the "
-    "budgets hold whole sequences on one GPU)",
     T + "critic.sequence_parallel_size": "Ulysses sequence parallelism for the critic",
     T + "ref.sequence_parallel_size": "Ulysses sequence parallelism for the reference",
     T + "policy.fsdp_config.fsdp_size": "hybrid sharding: state sharded over fsdp_size GPUs, not all of them",

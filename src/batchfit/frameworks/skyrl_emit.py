@@ -35,11 +35,16 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
     trained = min(budgets[r] for r in ("policy", "critic") if r in budgets)
     forward = min(budgets[r] for r in ("policy_forward", "critic_forward", "reference") if r in budgets)
     binding = min(budgets, key=budgets.get)
+    sp = profile.options["policy"].sharding.sequence_parallel
+    # SkyRL counts a micro-batch's valid tokens before the sequence-parallel split (worker_utils.py
+    # TokenBasedBatchIterator: attention_mask.sum over the micro-batch; the model wrapper then slices
+    # it over sequence_parallel_size): the group's budget as it is, not per GPU
+    split = f"; SkyRL counts the micro-batch before splitting it over sequence_parallel_size={sp}" if sp > 1 else ""
     keys = [
         Key(
             "trainer.max_tokens_per_microbatch",
             min(trained, forward),
-            why(binding, f"every pass (SkyRL uses one key): the smallest budget, set by {binding}"),
+            why(binding, f"every pass (SkyRL uses one key): the smallest budget, set by {binding}") + split,
         ),
         Key("trainer.remove_microbatch_padding", True, REMOVE_PADDING.format(framework="SkyRL")),
     ]
@@ -121,6 +126,13 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
                 Key(_S_PLACEMENT + f"{name}_num_gpus_per_node", per_node),
             ]
     keys.append(Key("trainer.strategy", "fsdp", "fully_shard (FSDP2) over the GPUs, as profiled"))
+    sp = s.sequence_parallel
+    if sp > 1 or (run.batch.sequence_parallel or 1) > 1:
+        for role, name in (("policy", "policy"), ("critic", "critic"), ("reference", "ref")):
+            if role in a.roles:
+                keys.append(
+                    Key(f"trainer.{name}.sequence_parallel_size", sp, "Ulysses split of each micro-batch, as profiled" if role == "policy" else "")
+                )
     bf16 = s.mixed_precision == "bf16"
     for role in a.roles:
         prefix = _S_FSDP[role]

@@ -37,21 +37,21 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
     parsed but not read at that commit, so it is not emitted.
     """
     del max_seq_len, world
+    sp = profile.options["policy"].sharding.sequence_parallel
     binding = smallest_budget(budgets, tuple(budgets))
     keys = [
         Key("--use-dynamic-batch-size", True, "micro-batches by the token count below (build_dp_schedule)")
     ]
     if binding is not None:
-        keys.append(
-            Key(
-                "--max-tokens-per-gpu",
-                budgets[binding],
-                why(
-                    binding,
-                    f"every pass (slime runs log-probs and values over the training micro-batches), set by {binding}",
-                ),
-            )
+        comment = why(
+            binding, f"every pass (slime runs log-probs and values over the training micro-batches), set by {binding}"
         )
+        if sp > 1:  # a micro-batch holds max_tokens_per_gpu × context_parallel_size tokens (module docstring of slime)
+            comment += (
+                f"; per GPU: slime multiplies it by --context-parallel-size {sp}, a micro-batch of "
+                f"{budgets[binding] // sp * sp:,} tokens split over {sp} GPUs"
+            )
+        keys.append(Key("--max-tokens-per-gpu", budgets[binding] // sp, comment))
     keys.append(Key("", False, f"the budget counts {cost_note(profile, 'slime')}"))
     return keys
 
@@ -66,6 +66,16 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         "slime trains with Megatron-LM only (--train-backend megatron), which batchfit approximates by FSDP2 over the "
         "same GPUs",
     )
+    keys_cp: list[Key] = []
+    if s.sequence_parallel > 1 or (run.batch.context_parallel or 1) > 1:
+        keys_cp.append(
+            Key(
+                "--context-parallel-size",
+                s.sequence_parallel,
+                "each sequence split over these GPUs: Megatron's ring attention, profiled as Ulysses sequence "
+                "parallelism (the same tokens per GPU outside attention)",
+            )
+        )
     if not s.reshard_after_forward:
         raise refuse(
             target,
@@ -128,4 +138,4 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         "another head",
         "drop --logprobs (full is slime's)",
     )
-    return keys
+    return keys + keys_cp

@@ -91,10 +91,6 @@ UNMODELLED: dict[str, str] = {
     + "use_torch_compile": "torch.compile of the entropy (fuses its [tokens, vocab] temporaries; measured "
     "eagerly)",
     ENGINE + "dtype": "the compute (autocast) dtype",
-    ACTOR
-    + "ulysses_sequence_parallel_size": "Ulysses sequence parallelism splits each sequence over GPUs (the "
-    "budgets hold whole sequences on one GPU)",
-    ENGINE + "ulysses_sequence_parallel_size": "Ulysses sequence parallelism splits each sequence over GPUs",
     CRITIC_ENGINE + "ulysses_sequence_parallel_size": "Ulysses sequence parallelism for the critic",
     ENGINE + "fsdp_size": "hybrid sharding: state sharded over fsdp_size GPUs, not all of them",
     ENGINE + "forward_prefetch": "the next unit's parameters gathered while one computes",

@@ -61,8 +61,17 @@ VERL_KEYS = (
 
 
 def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
-    """verl has a switch and a token length per pass (:data:`VERL_KEYS`)."""
-    del profile, max_seq_len, world
+    """verl has a switch and a token length per pass (:data:`VERL_KEYS`), per GPU: the budget over the Ulysses size.
+
+    NOTE [ verl multiplies by the Ulysses size ]: verl 0.9.1's actor multiplies each token length by
+    ``ulysses_sequence_parallel_size`` (``verl/workers/actor/dp_actor.py``: ``max_token_len =
+    ppo_max_token_len_per_gpu * self.ulysses_sequence_parallel_size`` for the update,
+    ``data.meta_info["max_token_len"] * self.ulysses_sequence_parallel_size`` for log-probs; the
+    critic and reward passes alike) and splits each micro-batch over the sp GPUs of its group. A
+    budget of ``C`` tokens per group's micro-batch is therefore written as ``C // sp``.
+    """
+    del max_seq_len, world
+    sp = profile.options["policy"].sharding.sequence_parallel
     keys = [
         Key("actor_rollout_ref.actor.use_dynamic_bsz", True, "micro-batches by the token lengths below"),
         Key("actor_rollout_ref.model.use_remove_padding", True, REMOVE_PADDING.format(framework="verl")),
@@ -79,7 +88,13 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
                 else budgets[role]
             )
             bound = "critic" if role == "critic_forward" and value == budgets.get("critic") else role
-            keys.append(Key(length, value, why(bound, what)))
+            comment = why(bound, what)
+            if sp > 1:
+                comment += (
+                    f"; per GPU: verl multiplies it by ulysses_sequence_parallel_size={sp} (dp_actor.py), so a "
+                    f"micro-batch holds {value // sp * sp:,} tokens split over {sp} GPUs"
+                )
+            keys.append(Key(length, value // sp, comment))
     return keys
 
 
@@ -167,6 +182,25 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         if role in a.roles:
             keys += lora_adapter_keys(a.lora.get(role), rank, alpha, targets)
     keys += _verl_head(run, a, same)
+    return keys + _verl_sequence_parallel(run, a, critic)
+
+
+def _verl_sequence_parallel(run: RunConfig, a: Assumptions, critic: bool) -> list[Key]:
+    """The Ulysses size profiled (NOTE [ verl multiplies by the Ulysses size ]), when it or the config's is above 1."""
+    sp = a.sharding.sequence_parallel
+    if sp == 1 and (run.batch.sequence_parallel or 1) == 1:
+        return []
+    keys = [
+        Key(
+            _V_ENGINE + "ulysses_sequence_parallel_size",
+            sp,
+            f"each micro-batch split over {sp} GPUs (Ulysses), as profiled" if sp > 1 else "sequences unsplit, as profiled",
+        ),
+        # FSDPActorConfig.__post_init__: the deprecated actor key, when > 1, overrides the engine's
+        Key(_V_ACTOR + "ulysses_sequence_parallel_size", sp, "the same (verl reads this one first when > 1)"),
+    ]
+    if critic:
+        keys.append(Key(_V_CRITIC_ENGINE + "ulysses_sequence_parallel_size", sp))
     return keys
 
 

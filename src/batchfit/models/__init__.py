@@ -7,6 +7,7 @@
   context (fake tensors for the estimate backend), sharded as a
   :class:`~batchfit.parallel.Sharding` says.
 - :func:`use_varlen_attention`: packed rows attend per sequence without a ``T × T`` mask.
+- :func:`use_ulysses_attention`: packed rows split over a sequence-parallel group (Ulysses).
 - :class:`LoraSpec`: LoRA adapters (PEFT's ``get_peft_model``) for ``build_causal_lm(lora=...)``.
 """
 
@@ -19,6 +20,7 @@ from batchfit.models.build import (
 )
 from batchfit.models.lora import LoraSpec
 from batchfit.models.specs import DEFAULT_PRESET, list_presets, load_config, preset_info
+from batchfit.models.ulysses import use_ulysses_attention
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
@@ -30,5 +32,6 @@ __all__ = [
     "load_config",
     "parse_dtype",
     "preset_info",
+    "use_ulysses_attention",
     "use_varlen_attention",
 ]

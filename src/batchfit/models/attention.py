@@ -46,19 +46,22 @@ from batchfit.errors import InvalidArgument
 
 #: The name :func:`use_varlen_attention` registers with transformers.
 VARLEN = "batchfit_varlen"
+#: The name :func:`batchfit.models.ulysses.use_ulysses_attention` registers with transformers.
+ULYSSES = "batchfit_ulysses"
 
 # attention implementations that build a full mask for packed rows
 _MASKED = ("sdpa", "eager", "flex_attention")
 
 # attention implementations that read a packed row's boundaries themselves, cache or not
-_VARLEN_AWARE = ("flash_attention_2", "flash_attention_3", VARLEN)
+_VARLEN_AWARE = ("flash_attention_2", "flash_attention_3", VARLEN, ULYSSES)
 
 _registered = False
 _warned = False
 _warned_unchecked: set[str] = set()
 
 
-def _sequence_bounds(kwargs: dict[str, Any], length: int) -> list[tuple[int, int]] | None:
+def sequence_bounds(kwargs: Mapping[str, Any], length: int) -> list[tuple[int, int]] | None:
+    """``(start, end)`` of each sequence of a packed row of ``length`` tokens, from ``cu_seq_lens_q`` or ``position_ids``; ``None`` if neither tells."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         edges = [int(x) for x in cu.tolist()]
@@ -93,14 +96,30 @@ def varlen_attention(
 
     bounds = None
     if attention_mask is None and query.shape[0] == 1:
-        bounds = _sequence_bounds(kwargs, query.shape[2])
+        bounds = sequence_bounds(kwargs, query.shape[2])
     if bounds is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    return attend_within_sequences(query, key, value, bounds, dropout=dropout if module.training else 0.0, scaling=scaling), None
+
+
+def attend_within_sequences(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: list[tuple[int, int]],
+    *,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of one packed row within each ``(start, end)`` of ``bounds``.
+
+    ``query`` is ``[1, heads, T, dim]``, key and value ``[1, kv_heads, T, dim]`` (grouped-query
+    attention without copies); returns ``[1, T, heads, dim]``, transformers' layout.
+    """
     # grouped-query attention without copies of key and value (transformers' sdpa path does the same)
     gqa = query.shape[1] != key.shape[1]
-    p = dropout if module.training else 0.0
     outputs = []
     for start, count, length in _equal_runs(bounds):
         # NOTE [ Sequences of one length attend as one batch ]: a run of ``count`` adjacent
@@ -111,10 +130,10 @@ def varlen_attention(
             t[0, :, start:stop].unflatten(1, (count, length)).transpose(0, 1) for t in (query, key, value)
         )
         out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=p, is_causal=True, scale=scaling, enable_gqa=gqa
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
         )
         outputs.append(out.transpose(0, 1).flatten(1, 2)[None] if count > 1 else out)
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
 def _equal_runs(bounds: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

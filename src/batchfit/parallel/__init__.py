@@ -7,12 +7,30 @@
 - :mod:`~batchfit.parallel.shard`: :func:`shard_model` (``fully_shard`` per layer and root,
   FSDP1 or DDP), :func:`unwrap`.
 - :mod:`~batchfit.parallel.fsdp1`: FSDP1 (``FullyShardedDataParallel``) wrapped as verl wraps it.
+- :mod:`~batchfit.parallel.sequence`: :func:`sequence_parallel_group` and Ulysses' collectives
+  (all-to-all between the split of the sequence and of the heads, the gather of outputs).
+- :mod:`~batchfit.parallel.sequence_split`: :func:`split_packed` / :func:`gather_packed`, a packed
+  micro-batch cut over a sequence-parallel group and its per-token outputs put back.
 - :mod:`~batchfit.parallel.behaviour`: what the installed torch does that changes a budget
   (FSDP2's root resharded after forward or kept), probed or read from its version.
 """
 
 from batchfit.parallel.distributed import simulated_world, sync_micro_batch_count
+from batchfit.parallel.sequence import sequence_parallel_group
+from batchfit.parallel.sequence_split import SequenceShard, gather_packed, sequence_shard, split_packed
 from batchfit.parallel.shard import shard_model, unwrap
 from batchfit.parallel.sharding import Sharding, as_sharding
 
-__all__ = ["Sharding", "as_sharding", "shard_model", "simulated_world", "sync_micro_batch_count", "unwrap"]
+__all__ = [
+    "SequenceShard",
+    "Sharding",
+    "as_sharding",
+    "gather_packed",
+    "sequence_parallel_group",
+    "sequence_shard",
+    "shard_model",
+    "simulated_world",
+    "split_packed",
+    "sync_micro_batch_count",
+    "unwrap",
+]

@@ -24,6 +24,14 @@ FSDP1's ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32, buffer_dtype=fp32)
 memory, the optimizer step on the CPU; FSDP1's ``CPUOffload(offload_params=True)``, which
 verl gives its forward-only reference model).
 
+``sequence_parallel`` (``sp``, ``fsdp1``/``fsdp2`` only) splits each packed micro-batch over groups
+of ``sp`` consecutive ranks with Ulysses attention (NOTE [ Ulysses sequence parallelism ] in
+:mod:`batchfit.parallel.sequence`), as verl's ``ulysses_sequence_parallel_size`` and SkyRL's
+``sequence_parallel_size`` do: parameters, gradients and optimizer state stay sharded over the
+whole ``world_size`` (``dp × sp``: verl's ``fsdp_workers.py`` and SkyRL's FSDP2 strategy shard over
+every rank and build the ``(dp, sp)`` mesh only for the data), and each rank runs ``1/sp`` of a
+micro-batch's tokens.
+
 This module is configuration only (no process groups): :func:`batchfit.models.shard_model`
 applies a :class:`Sharding` to a model.
 """
@@ -56,6 +64,8 @@ class Sharding:
         mixed_precision: ``"bf16"`` or ``"none"``; default (``None``) ``"bf16"`` with
             ``fsdp1``/``fsdp2``, ``"none"`` otherwise. ``"bf16"`` is ``fsdp1``/``fsdp2`` only.
         offload: ``"none"`` or ``"cpu"`` (``fsdp1``/``fsdp2`` only).
+        sequence_parallel: ranks each packed micro-batch is split over (Ulysses; ``fsdp1``/``fsdp2``
+            only); divides ``world_size``; default 1 (no split).
 
     Raises:
         InvalidArgument: an unknown name (the choices and the closest are listed), a bad
@@ -76,6 +86,7 @@ class Sharding:
     reshard_after_forward: bool = True
     mixed_precision: str | None = None
     offload: str = "none"
+    sequence_parallel: int = 1
 
     def __post_init__(self) -> None:
         strategy = check_choice("sharding", self.strategy, STRATEGIES)
@@ -102,7 +113,23 @@ class Sharding:
                 raise InvalidArgument(
                     f"reshard_after_forward=False needs strategy='fsdp1' or 'fsdp2' (only FSDP gathers parameters), but got strategy={strategy!r}; keep reshard_after_forward=True or use strategy='fsdp2'"
                 )
+        check_positive_int("sequence_parallel", self.sequence_parallel)
+        if self.sequence_parallel > 1 and strategy not in FSDP_STRATEGIES:
+            raise InvalidArgument(
+                f"sequence_parallel={self.sequence_parallel} needs strategy='fsdp1' or 'fsdp2' (verl and SkyRL split "
+                f"sequences under FSDP), but got strategy={strategy!r}; use strategy='fsdp2' or sequence_parallel=1"
+            )
+        if self.world_size % self.sequence_parallel:
+            raise InvalidArgument(
+                f"sequence_parallel must divide world_size={self.world_size} (world = data-parallel × sequence-parallel "
+                f"ranks), but got sequence_parallel={self.sequence_parallel}; use a divisor of {self.world_size}"
+            )
         object.__setattr__(self, "mixed_precision", precision)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Groups that run different micro-batches: ``world_size // sequence_parallel``."""
+        return self.world_size // self.sequence_parallel
 
     @property
     def shards_state(self) -> bool:
@@ -134,14 +161,19 @@ class Sharding:
             parts.append("no reshard after forward")
         if self.offload == "cpu":
             parts.append("CPU offload")
+        if self.sequence_parallel > 1:
+            parts.append(f"Ulysses sequence parallel {self.sequence_parallel} × data parallel {self.data_parallel_size}")
         return f"{self.strategy} over {self._ranks()} ({', '.join(parts)})"
 
     def _ranks(self) -> str:
         return "1 rank" if self.world_size == 1 else f"{self.world_size} ranks"
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain values (JSON-ready)."""
-        return asdict(self)
+        """The fields as plain values (JSON-ready); ``sequence_parallel`` only when above 1."""
+        out = asdict(self)
+        if out["sequence_parallel"] == 1:
+            del out["sequence_parallel"]
+        return out
 
 
 def as_sharding(value: Any) -> Sharding:

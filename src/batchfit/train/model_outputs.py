@@ -88,6 +88,9 @@ from batchfit.logprobs.chunks import (
 )
 from batchfit.memory.shadow_values import shadow_of
 from batchfit.models.attention import check_packed_attention, warn_if_masked
+from batchfit.models.ulysses import sequence_group
+from batchfit.parallel.sequence import group_rank, group_size
+from batchfit.parallel.sequence_split import gather_packed, sequence_shard, split_packed
 from batchfit.parallel.shard import unwrap
 from batchfit.train.framework_heads import (
     FRAMEWORK_HEADS,
@@ -383,6 +386,8 @@ class _TokenAligned:
         input_ids_key, attention_mask_key, position_ids_key = keys
         fields = _fields(batch)
         self.fields, self.keys = fields, keys
+        self.group = sequence_group(unwrap(model))
+        self.shard: Any = None  # this rank's columns of a row split over a sequence-parallel group
         ids = fields.get(input_ids_key)
         _tensor_field(fields, input_ids_key, required=True)
         starts = _row_starts(batch, fields, attention_mask_key)
@@ -400,7 +405,9 @@ class _TokenAligned:
             )
             check_packed_attention(unwrap(model), self.inputs)  # NOTE [ Packed rows must not attend across sequences ]
             warn_if_masked(unwrap(model))  # NOTE [ Packed rows need varlen attention ]
-        else:
+        if group_size(self.group) > 1:
+            self._split(fields, mask is None and isinstance(positions, torch.Tensor))
+        elif mask is not None or not isinstance(positions, torch.Tensor):
             self.inputs = {"input_ids": ids, "use_cache": False}
             if starts is None:  # rows with holes keep their mask (and positions)
                 if mask is not None:
@@ -408,6 +415,22 @@ class _TokenAligned:
                 if positions is not None:
                     self.inputs["position_ids"] = positions
         self.starts = starts
+
+    def _split(self, fields: Mapping[str, Any], packed: bool) -> None:
+        """This rank's columns of the packed row: inputs and labels cut alike (NOTE [ A packed row split over a group ])."""
+        input_ids_key, _, position_ids_key = self.keys
+        if not packed:
+            raise BatchError(
+                f"sequence parallelism (a group of {group_size(self.group)} ranks) splits packed rows only, but the "
+                "micro-batch has padded rows; make it with iter_micro_batches(layout='packed')"
+            )
+        self.full_labels = self.labels()  # on the whole row: a rank's last label is the next rank's first token
+        row = {key: fields[key] for key in (input_ids_key, position_ids_key, "cu_seq_lens", "max_length") if key in fields}
+        row["labels"] = self.full_labels
+        self.shard = sequence_shard(int(self.ids.shape[1]), group_size(self.group), group_rank(self.group))
+        local = split_packed(row, self.shard, input_ids_key=input_ids_key, position_ids_key=position_ids_key)
+        self.local_labels = local["labels"]
+        self.inputs = packed_model_inputs(local, input_ids_key=input_ids_key, position_ids_key=position_ids_key)
 
     def loss_positions(self, loss_mask_key: str) -> torch.Tensor:
         """``[rows, T]`` bool in the model's columns: the hidden rows whose next token is in the loss mask (NOTE [ Response-only head ]).
@@ -432,10 +455,15 @@ class _TokenAligned:
         if self.shifts is not None:
             wanted = _roll_left(wanted, self.shifts)
         predicts = torch.nn.functional.pad(wanted[:, 1:], (0, 1))  # column c predicts the token of c + 1
+        if self.shard is not None:
+            predicts &= self.full_labels != IGNORE_INDEX
+            return split_packed({self.keys[0]: self.ids, "predicts": predicts}, self.shard)["predicts"]
         return predicts & (self.labels() != IGNORE_INDEX)
 
     def labels(self) -> torch.Tensor:
-        """Next-token labels of the columns the model runs (``IGNORE_INDEX`` where none)."""
+        """Next-token labels of the columns the model runs (``IGNORE_INDEX`` where none): this rank's under sequence parallelism."""
+        if self.shard is not None:
+            return self.local_labels
         input_ids_key, attention_mask_key, position_ids_key = self.keys
         if self.shifts is None:
             return next_token_labels(
@@ -448,7 +476,12 @@ class _TokenAligned:
         return next_token_labels({"input_ids": self.ids, "attention_mask": valid})
 
     def restore(self, out: torch.Tensor) -> torch.Tensor:
-        """``out[:, c]`` (about the token after column ``c``) moved to column ``c + 1``, back at the batch's columns."""
+        """``out[:, c]`` (about the token after column ``c``) moved to column ``c + 1``, back at the batch's columns.
+
+        Under sequence parallelism ``out`` holds this rank's columns; every rank's are gathered first.
+        """
+        if self.shard is not None:
+            out = gather_packed(out, self.shard, self.group)
         shifted = torch.nn.functional.pad(out[:, :-1], (0, 0, 1, 0) if out.ndim == 3 else (1, 0))
         if self.shifts is not None:
             shifted = _roll_back(shifted, self.shifts, self.fields[self.keys[1]] != 0)

@@ -1,0 +1,124 @@
+"""``batchfit profile`` under sequence parallelism: the flags, framework keys, the group's budget and verl's per-GPU keys."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from batchfit.cli import main
+
+FAST = ["--model", "tiny", "--max-seq-len", "512", "--memory", "1GiB", "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(["--context-parallel", "4"], "--context-parallel 4 (ring attention) is not modelled", id="ring"),
+        pytest.param(["--sequence-parallel", "4", "--cost", "padded"], "--sequence-parallel 4 splits packed micro-batches", id="padded"),
+        pytest.param(["--sequence-parallel", "3"], "sequence_parallel must divide world_size=8", id="divides"),
+        pytest.param(["--sequence-parallel", "2", "--sharding", "ddp"], "sequence_parallel=2 needs strategy='fsdp1' or 'fsdp2'", id="ddp"),
+        pytest.param(["--sequence-parallel", "0"], "--sequence-parallel must be an integer >= 1, but got --sequence-parallel=0", id="zero"),
+    ],
+)
+def test_what_cannot_be_split_is_one_line_and_exit_2(capsys, argv, message):
+    assert main(["profile", *FAST, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def _verl_config(path, sp: int) -> str:
+    path.write_text(
+        "data: {train_batch_size: 16, max_prompt_length: 64, max_response_length: 448}\n"
+        "actor_rollout_ref:\n"
+        "  model: {path: tiny, use_remove_padding: true, enable_gradient_checkpointing: true}\n"
+        "  actor: {strategy: fsdp2, ppo_mini_batch_size: 8, use_dynamic_bsz: true, ppo_max_token_len_per_gpu: 4096,\n"
+        f"          ulysses_sequence_parallel_size: {sp}}}\n"
+        "  rollout: {n: 4}\n"
+        "algorithm: {adv_estimator: grpo}\n"
+        "trainer: {nnodes: 1, n_gpus_per_node: 8}\n",
+        encoding="utf-8",
+    )
+    return str(path)
+
+
+def _emitted(capsys, config: str, *memory: str) -> dict[str, int]:
+    assert main(["profile", "--config", config, *memory, "--no-progress", "--emit", "verl"]) == 0
+    out = capsys.readouterr().out
+    return {k: int(v) for k, v in re.findall(r"(\w+_max_token_len_per_gpu|ulysses_sequence_parallel_size): (\d+)", out)}
+
+
+@pytest.mark.slow
+def test_verl_s_ulysses_size_changes_the_per_gpu_budget_in_the_split_s_direction(tmp_path, capsys):
+    one = _emitted(capsys, _verl_config(tmp_path / "sp1.yaml", 1), "--memory", "1GiB")
+    four = _emitted(capsys, _verl_config(tmp_path / "sp4.yaml", 4), "--memory", "1GiB")
+    assert four["ulysses_sequence_parallel_size"] == 4 and "ulysses_sequence_parallel_size" not in one
+    per_gpu_1, per_gpu_4 = one["ppo_max_token_len_per_gpu"], four["ppo_max_token_len_per_gpu"]
+    # verl runs micro-batches of 4 × per_gpu_4 tokens over 4 GPUs: far more than one GPU holds alone,
+    # but each GPU's share is at most what it holds unsplit (the split adds the all-to-all buffers and
+    # keeps the micro-batch's per-token fields whole on every rank)
+    assert per_gpu_4 != per_gpu_1
+    assert 4 * per_gpu_4 > 3 * per_gpu_1 and per_gpu_4 <= per_gpu_1
+
+
+@pytest.mark.slow
+def test_the_policy_s_ulysses_key_is_read_into_the_sharding_not_warned_about(tmp_path):
+    from batchfit.frameworks import read_run_config
+    from batchfit.frameworks.config_options import ProfileChoices, run_profile_options
+
+    run = read_run_config(_verl_config(tmp_path / "sp4.yaml", 4))
+    assert not [w for w in run.warnings if "ulysses" in w]
+    options = run_profile_options(run, ProfileChoices(backend="estimate")).options
+    assert options.sharding.sequence_parallel == 4 and options.sharding.world_size == 8 and options.cost == "packed"
+
+
+SLIME = (
+    "python train.py --hf-checkpoint tiny --actor-num-nodes 1 --actor-num-gpus-per-node 8 --rollout-batch-size 8 "
+    "--n-samples-per-prompt 4 --global-batch-size 32 --use-dynamic-batch-size --max-tokens-per-gpu 4096 "
+    "--rollout-max-prompt-len 64 --rollout-max-response-len 448 --context-parallel-size 2\n"
+)
+
+
+def test_a_config_s_ring_attention_is_refused_in_one_line_naming_its_key(tmp_path, capsys):
+    config = tmp_path / "slime.sh"
+    config.write_text(SLIME, encoding="utf-8")
+    assert main(["profile", "--config", str(config), "--memory", "1GiB", "--no-progress", "--sharding", "fsdp2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the config's --context-parallel-size=2 splits each sequence with ring attention" in err
+    assert "pass --sequence-parallel 2 to profile it as Ulysses" in err
+
+
+@pytest.mark.slow
+def test_slime_s_max_tokens_per_gpu_is_the_group_s_budget_over_its_context_parallel_size(tmp_path, capsys):
+    config = tmp_path / "slime.sh"
+    config.write_text(SLIME, encoding="utf-8")
+    argv = ["profile", "--config", str(config), "--memory", "1GiB", "--no-progress", "--sharding", "fsdp2"]
+    assert main([*argv, "--sequence-parallel", "2", "--emit", "slime"]) == 0
+    out = capsys.readouterr().out
+    group = int(re.search(r"budget ([\d,]+) tokens per micro-batch split over 2 GPUs", out)[1].replace(",", ""))
+    assert f"--max-tokens-per-gpu {group // 2} " in out and "--context-parallel-size 2" in out
+
+
+VERL_128K = (
+    "data: {train_batch_size: 32, max_prompt_length: 2048, max_response_length: 129024}\n"
+    "actor_rollout_ref:\n"
+    "  model: {path: qwen2.5-7b, use_remove_padding: true, enable_gradient_checkpointing: true}\n"
+    "  actor: {strategy: fsdp2, ppo_mini_batch_size: 8, use_dynamic_bsz: true, ppo_max_token_len_per_gpu: 32768,\n"
+    "          ulysses_sequence_parallel_size: 4}\n"
+    "  rollout: {n: 8}\n"
+    "algorithm: {adv_estimator: grpo}\n"
+    "trainer: {nnodes: 1, n_gpus_per_node: 8}\n"
+)
+
+
+@pytest.mark.slow
+def test_a_verl_128k_config_at_ulysses_4_fits_8_h100(tmp_path, capsys):
+    # issue 30's bar: 2,048 + 129,024 tokens of Qwen2.5-7B, sp 4, FSDP2 on 8 × H100 (the estimate's default
+    # target); before sequence parallelism was modelled: "one sequence of max_seq_len=131072 does not fit"
+    config = tmp_path / "verl_128k.yaml"
+    config.write_text(VERL_128K, encoding="utf-8")
+    emitted = _emitted(capsys, str(config))
+    assert emitted["ulysses_sequence_parallel_size"] == 4
+    # a micro-batch of 4 × the per-GPU value holds one whole sequence of 131,072 tokens
+    assert 4 * emitted["ppo_max_token_len_per_gpu"] >= 131_072
+    assert 4 * emitted["log_prob_max_token_len_per_gpu"] >= 131_072
