@@ -68,6 +68,7 @@ from batchfit.patching import undo_all
 from batchfit.plan.packing import COSTS, plan_micro_batches
 from batchfit.train.micro_batch_step import micro_batch_loss, micro_batch_outputs
 from batchfit.train.model_outputs import HEADS, check_head
+from batchfit.parallel.zero import ZeroOptimizer, zero_state
 from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state
 from batchfit.validation import check_choice, check_number, check_positive_int
 
@@ -146,8 +147,12 @@ class TrainingStep:
         self.sharding: Sharding = getattr(model, "batchfit_sharding", None) or Sharding()
         comm = tuple(getattr(model, "batchfit_comm_buffers", ()))
         state: tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
-        self.persistent: tuple[Any, ...] = (*state, *comm)
-        self.categories: tuple[str | None, ...] = (None,) * len(state) + (COMMUNICATION,) * len(comm)
+        zero = zero_state(model)  # ZeRO's master partition and gradient buffer (batchfit.parallel.zero)
+        extra = () if zero is None or optimizer is None else zero.state_buffers()
+        self.persistent: tuple[Any, ...] = (*state, *comm, *(t for t, _ in extra))
+        self.categories: tuple[str | None, ...] = (
+            (None,) * len(state) + (COMMUNICATION,) * len(comm) + tuple(c for _, c in extra)
+        )
         self.host_categories: tuple[str, ...] = HOST_CATEGORIES if self.sharding.offload == "cpu" else ()
         self._head = _head_module(unwrap(model))
         self._layers = _layer_stack(unwrap(model))
@@ -511,11 +516,17 @@ def _make_optimizer(
         opt = optimizer
     else:
         check_choice("optimizer", optimizer, OPTIMIZERS)
-        params = [p for p in unwrap(model).parameters() if p.requires_grad]
+        zero = zero_state(model)
+        # ZeRO: the optimizer steps the fp32 master partition (batchfit.parallel.zero)
+        params = [zero.master] if zero is not None else [p for p in unwrap(model).parameters() if p.requires_grad]
         if optimizer == "adamw":
             opt = default_optimizer(params, lr=lr)
         else:
             opt = torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
+        if zero is not None:
+            with backend.context():
+                initialize_optimizer_state(opt)
+            return ZeroOptimizer(zero, opt)
     with backend.context():
         initialize_optimizer_state(opt)
     return opt

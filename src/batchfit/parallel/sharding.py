@@ -24,6 +24,12 @@ FSDP1's ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32, buffer_dtype=fp32)
 memory, the optimizer step on the CPU; FSDP1's ``CPUOffload(offload_params=True)``, which
 verl gives its forward-only reference model).
 
+- ``zero1`` / ``zero2``: DeepSpeed ZeRO stage 1 / 2 (what OpenRLHF and many TRL users run):
+  parameters replicated (one flat 16-bit buffer), the fp32 master copy and AdamW's state
+  partitioned over the ranks, and for ``zero2`` the gradients too
+  (:mod:`batchfit.parallel.zero`). Their options: ``reduce_bucket_size`` (elements,
+  DeepSpeed's default 500,000,000) and ``overlap_comm`` (two buckets).
+
 This module is configuration only (no process groups): :func:`batchfit.models.shard_model`
 applies a :class:`Sharding` to a model.
 """
@@ -36,9 +42,13 @@ from typing import Any
 from batchfit.errors import InvalidArgument
 from batchfit.validation import check_choice, check_positive_int
 
-STRATEGIES = ("none", "ddp", "fsdp1", "fsdp2")
+STRATEGIES = ("none", "ddp", "fsdp1", "fsdp2", "zero1", "zero2")
 #: The strategies that shard parameters, gradients and optimizer state (and have the FSDP options).
 FSDP_STRATEGIES = ("fsdp1", "fsdp2")
+#: DeepSpeed ZeRO stages 1 and 2: parameters replicated, optimizer state (and stage 2's gradients) partitioned.
+ZERO_STRATEGIES = ("zero1", "zero2")
+#: DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements).
+DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
 MIXED_PRECISION = ("bf16", "none")
 OFFLOAD = ("none", "cpu")
 
@@ -56,6 +66,9 @@ class Sharding:
         mixed_precision: ``"bf16"`` or ``"none"``; default (``None``) ``"bf16"`` with
             ``fsdp1``/``fsdp2``, ``"none"`` otherwise. ``"bf16"`` is ``fsdp1``/``fsdp2`` only.
         offload: ``"none"`` or ``"cpu"`` (``fsdp1``/``fsdp2`` only).
+        reduce_bucket_size: ``zero1``/``zero2`` only: the gradient bucket's elements
+            (DeepSpeed's ``zero_optimization.reduce_bucket_size``, default 500,000,000).
+        overlap_comm: ``zero1``/``zero2`` only: DeepSpeed's ``overlap_comm`` (two buckets).
 
     Raises:
         InvalidArgument: an unknown name (the choices and the closest are listed), a bad
@@ -76,6 +89,8 @@ class Sharding:
     reshard_after_forward: bool = True
     mixed_precision: str | None = None
     offload: str = "none"
+    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
+    overlap_comm: bool = False
 
     def __post_init__(self) -> None:
         strategy = check_choice("sharding", self.strategy, STRATEGIES)
@@ -102,6 +117,15 @@ class Sharding:
                 raise InvalidArgument(
                     f"reshard_after_forward=False needs strategy='fsdp1' or 'fsdp2' (only FSDP gathers parameters), but got strategy={strategy!r}; keep reshard_after_forward=True or use strategy='fsdp2'"
                 )
+        check_positive_int("reduce_bucket_size", self.reduce_bucket_size)
+        if not isinstance(self.overlap_comm, bool):
+            raise InvalidArgument(f"overlap_comm must be True or False, but got overlap_comm={self.overlap_comm!r}")
+        if strategy not in ZERO_STRATEGIES and (
+            self.overlap_comm or self.reduce_bucket_size != DEFAULT_REDUCE_BUCKET_SIZE
+        ):
+            raise InvalidArgument(
+                f"reduce_bucket_size and overlap_comm are DeepSpeed ZeRO's options and need strategy='zero1' or 'zero2', but got strategy={strategy!r}; use strategy='zero2' or leave them at their defaults"
+            )
         object.__setattr__(self, "mixed_precision", precision)
 
     @property
@@ -123,6 +147,12 @@ class Sharding:
             return "none (one device)"
         if self.strategy == "ddp":
             return f"ddp over {self._ranks()} (full replica + gradient buckets)"
+        if self.strategy in ZERO_STRATEGIES:
+            what = "optimizer state and gradients" if self.strategy == "zero2" else "optimizer state"
+            return (
+                f"{self.strategy} over {self._ranks()} (DeepSpeed ZeRO-{self.strategy[-1]}: parameters replicated, "
+                f"fp32 master weights, {what} partitioned)"
+            )
         parts = [
             "fp32 params, bf16 compute, fp32 reduce"
             if self.mixed_precision == "bf16"
