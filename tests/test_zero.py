@@ -58,7 +58,7 @@ def _deepspeed_layout(numels: list[int], world: int) -> tuple[int, list[int], li
     flat = torch.cat(align_dense_tensors(tensors, 2 * world))  # nccl_start_alignment_factor × dp
 
     class _Stub:  # what get_data_parallel_partitions reads: the dp group's size
-        real_dp_process_group = [None]
+        real_dp_process_group = (None,)
 
     import deepspeed.comm as ds_dist
 

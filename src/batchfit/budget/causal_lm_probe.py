@@ -64,11 +64,11 @@ from batchfit.models.build import resolve_backend
 from batchfit.parallel.distributed import is_distributed
 from batchfit.parallel.shard import decoder_layers, unwrap
 from batchfit.parallel.sharding import Sharding
+from batchfit.parallel.zero import ZeroOptimizer, zero_state
 from batchfit.patching import undo_all
 from batchfit.plan.packing import COSTS, plan_micro_batches
 from batchfit.train.micro_batch_step import micro_batch_loss, micro_batch_outputs
 from batchfit.train.model_outputs import HEADS, check_head
-from batchfit.parallel.zero import ZeroOptimizer, zero_state
 from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state
 from batchfit.validation import check_choice, check_number, check_positive_int
 
