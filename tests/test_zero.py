@@ -138,7 +138,8 @@ def test_zero2_below_zero1_below_ddp_with_the_state_each_partitions():
     assert b1["optimizer_state"] == b2["optimizer_state"] == 223_552 + 447_104 + 4
     assert b1["gradients"] == 447_104  # ZeRO-1: every bf16 gradient
     assert b2["gradients"] < 447_104 / 3  # ZeRO-2: this rank's partition's parameters only
-    assert b1["communication"] == b2["communication"] == BUCKET * 2
+    assert b1["communication"] == BUCKET * 2  # ZeRO-1 holds its bucket between micro-batches
+    assert "communication" not in b2  # ZeRO-2's lives in the backward, after this peak
     assert z2 < z1 < ddp[0]
 
 
@@ -149,5 +150,5 @@ def test_estimate_runs_zero2_in_a_simulated_world():
         peak, breakdown = _measure(be, Sharding("zero2", world_size=2, reduce_bucket_size=BUCKET))
     # 223,552 / 2 = 111,776 per partition: fp32 master 447,104 B and two moments 894,208 B (+ step 4 B)
     assert breakdown["optimizer_state"] == 447_104 + 894_208 + 4
-    assert breakdown["communication"] == 100_000
+    assert "communication" not in breakdown  # the bucket lives in the backward (NOTE [ ZeRO's reduce bucket ])
     assert peak > sum(breakdown[k] for k in ("parameters", "optimizer_state", "gradients"))

@@ -154,7 +154,7 @@ def shard_model(
         _check_world(sharding)
         zero = ZeroState(model, sharding, _model_group())
         # NOTE [ ZeRO's reduce bucket ]
-        comm = (torch.empty(zero.bucket_bytes, dtype=torch.uint8, device="meta"),)
+        comm = (torch.empty(zero.registered_bucket_bytes, dtype=torch.uint8, device="meta"),) if zero.stage == 1 else ()
         model.batchfit_zero = zero
         out = model
     elif sharding.strategy == "fsdp1":  # FullyShardedDataParallel as verl wraps it

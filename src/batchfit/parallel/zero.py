@@ -12,8 +12,8 @@ partitions ] in :mod:`batchfit.parallel.zero_layout`):
 - gradients: ZeRO-1 keeps each parameter's whole 16-bit gradient (``.grad``) until the step;
   ZeRO-2 all-reduces each gradient as autograd finishes it, keeps the parameters of its own
   partition in one 16-bit buffer (DeepSpeed's ``grads_in_partition``) and drops the rest;
-- communication: the ``reduce_bucket_size``-element 16-bit bucket (two with ``overlap_comm``),
-  counted as registered state of that size (NOTE [ ZeRO's reduce bucket ]).
+- communication: the ``reduce_bucket_size``-element 16-bit bucket (two with ``overlap_comm``):
+  ZeRO-2 holds it during each backward, ZeRO-1 all along (NOTE [ ZeRO's reduce bucket ]).
 
 The step builds the partition's flat gradient, converts it to fp32, steps AdamW on the master
 partition, copies it back into the flat buffer and all-gathers the partitions, as
@@ -37,12 +37,14 @@ __all__ = ["ZeroOptimizer", "ZeroState", "zero_state"]
 
 
 # NOTE [ ZeRO's reduce bucket ]
-# DeepSpeed allocates its reduce bucket (``reduce_bucket_size`` 16-bit elements, 500M = 1 GB by
-# default, twice with ``overlap_comm``) at the first gradient of every backward
-# (``setup_buckets``) and frees it when the backward ends (``_release_ipg_buffers``). batchfit
-# counts it for the whole step as registered state of that size (a meta tensor, like DDP's
-# buckets): a step's peak falls in the backward, where DeepSpeed holds it too; in the forward it
-# is counted though DeepSpeed does not yet hold it (an overestimate, never an underestimate).
+# DeepSpeed fills a ``reduce_bucket_size``-element 16-bit bucket (500M = 1 GB by default, two with
+# ``overlap_comm``), allocated at the first gradient of a backward (``setup_buckets``). Measured
+# with batchfit's cpu tracker on 2 gloo ranks (tests/test_zero_referee.py): ZeRO-2 frees it when
+# the backward ends (``independent_gradient_partition_epilogue`` → ``_release_ipg_buffers``), so
+# batchfit allocates it at the first gradient hook of each backward and frees it from a callback
+# queued on the autograd engine for the end of that backward; ZeRO-1 still holds it between
+# micro-batches (its ``ipg_buckets``), so batchfit counts it there as registered state of that size
+# (a meta tensor, like DDP's buckets).
 
 
 class ZeroState:
@@ -59,6 +61,7 @@ class ZeroState:
         master: the fp32 copy of this rank's partition (what AdamW steps).
         gradients: ZeRO-2's ``grads_in_partition`` (16-bit), ``None`` under ZeRO-1.
         bucket_bytes: bytes of the reduce bucket(s) (NOTE [ ZeRO's reduce bucket ]).
+        registered_bucket_bytes: the bucket's bytes held between steps (ZeRO-1), else 0.
     """
 
     def __init__(self, model: torch.nn.Module, sharding: Sharding, group: Any = None):
@@ -78,6 +81,7 @@ class ZeroState:
         dtype = self.params[0].dtype
         self.bucket_bytes = sharding.reduce_bucket_size * torch.empty((), dtype=dtype).element_size()
         self.bucket_bytes *= 2 if sharding.overlap_comm else 1
+        self.registered_bucket_bytes = self.bucket_bytes if self.stage == 1 else 0
         self._offsets: list[int] = []
         offset = 0
         for p in self.params:
@@ -96,6 +100,7 @@ class ZeroState:
             self.master = self._own(self.flat).detach().clone().float()
         self.master.requires_grad_(True)  # as DeepSpeed sets it: the optimizer steps it
         self.gradients: torch.Tensor | None = None
+        self._bucket: torch.Tensor | None = None
         self._slots: dict[int, int] = {}
         if self.stage == 2:
             kept = self.layout.params_in_partition(self.rank)
@@ -124,11 +129,26 @@ class ZeroState:
             dist.all_reduce(grad, group=self.group)
         grad.mul_(1.0 / self.world_size)
 
+    def _open_bucket(self) -> None:
+        """ZeRO-2: the reduce bucket, from the first gradient of a backward to its end (NOTE [ ZeRO's reduce bucket ])."""
+        if self._bucket is not None:
+            return
+        from batchfit.memory import labels
+        from batchfit.memory.categories import COMMUNICATION
+
+        with labels.region(COMMUNICATION):
+            self._bucket = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.flat.device)
+        torch.autograd.Variable._execution_engine.queue_callback(self._close_bucket)
+
+    def _close_bucket(self) -> None:
+        self._bucket = None
+
     def _hook(self, index: int) -> Any:
         def hook(param: torch.Tensor) -> None:  # ZeRO-2: reduce as autograd finishes the gradient
             grad = param.grad
             if grad is None:
                 return
+            self._open_bucket()
             with torch.no_grad():
                 self._average(grad)
                 slot = self._slots.get(index)
