@@ -26,7 +26,7 @@ def _deepspeed_run(stage: int, bucket: int, lengths: list[int]) -> dict[str, Any
     import deepspeed
 
     from batchfit.budget.causal_lm_probe import CLIP_RATIO, VALUE_CLIP, causal_lm_step, on_device
-    from batchfit.memory import get_backend
+    from batchfit.memory import get_backend, labels
     from batchfit.models import build_causal_lm
     from batchfit.train.micro_batch_step import micro_batch_loss
 
@@ -46,12 +46,15 @@ def _deepspeed_run(stage: int, bucket: int, lengths: list[int]) -> dict[str, Any
     engine, zero_opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     options = probe.loss_options
 
-    def run() -> None:
-        inputs, _held = on_device(mb, backend)  # copied inside the measured call, as batchfit's probe does
-        loss = micro_batch_loss(engine, inputs, clip_ratio=CLIP_RATIO, value_clip=VALUE_CLIP, **options)
-        engine.backward(loss)
+    def run() -> None:  # in the probe's phases (TrainingStep.run), so that each phase's peak compares
+        with labels.phase(labels.FORWARD):
+            inputs, _held = on_device(mb, backend)  # copied inside the measured call, as batchfit's probe does
+            loss = micro_batch_loss(engine, inputs, clip_ratio=CLIP_RATIO, value_clip=VALUE_CLIP, **options)
+        with labels.phase(labels.BACKWARD):
+            engine.backward(loss)
         del loss
-        engine.step()
+        with labels.phase(labels.OPTIMIZER):
+            engine.step()
 
     for _ in range(2 * ACCUMULATION):  # AdamW's state exists from the first step on
         run()
@@ -68,10 +71,20 @@ def _deepspeed_run(stage: int, bucket: int, lengths: list[int]) -> dict[str, Any
     return {
         "held": {name: sum(t.untyped_storage().nbytes() for t in ts) for name, ts in held.items()},
         "peak": m.peak_bytes,
+        "phases": _coarse(m.phase_peaks),
         "breakdown": dict(m.breakdown),
         "flat_numel": [int(f.numel()) for f in zero_opt.bit16_groups_flat],
         "partition_size": [int(p.numel()) for p in masters],
     }
+
+
+def _coarse(phase_peaks: dict[str, int]) -> dict[str, int]:
+    """The peak of each phase (forward, backward, optimizer), positions within it merged."""
+    out: dict[str, int] = {}
+    for key, peak in phase_peaks.items():
+        name = str(key).split("/")[0].split(":")[0]
+        out[name] = max(out.get(name, 0), peak)
+    return out
 
 
 def _tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
@@ -121,6 +134,7 @@ def _batchfit_run(stage: int, bucket: int, world: int, lengths: list[int]) -> di
     zero = model.batchfit_zero
     return {
         "peak": m.peak_bytes,
+        "phases": _coarse(m.phase_peaks),
         "breakdown": dict(m.breakdown),
         "flat_numel": [int(zero.flat.numel())],
         "partition_size": [int(zero.master.numel())],

@@ -9,7 +9,8 @@ partitions ] in :mod:`batchfit.parallel.zero_layout`):
   multiple of ``2 × world_size`` elements, replicated on every rank;
 - optimizer state: an fp32 copy of this rank's partition of that buffer (the master weights),
   and AdamW's two fp32 moments of it (a ``torch.optim.AdamW`` over the master partition);
-- gradients: ZeRO-1 keeps each parameter's whole 16-bit gradient (``.grad``) until the step;
+- gradients: ZeRO-1 keeps each parameter's whole 16-bit gradient (``.grad``) until the step
+  (which drops those outside the rank's partition first, and the rest after it);
   ZeRO-2 all-reduces each gradient as autograd finishes it, keeps the parameters of its own
   partition in one 16-bit buffer (DeepSpeed's ``grads_in_partition``) and drops the rest;
 - communication: the ``reduce_bucket_size``-element 16-bit bucket (two with ``overlap_comm``):
@@ -162,7 +163,7 @@ class ZeroState:
         """Parameter ``index``'s flat gradient as this rank holds it (ZeRO-2: its slot, when kept)."""
         if self.stage == 1:
             grad = self.params[index].grad
-            return None if grad is None else grad.reshape(-1)
+            return None if grad is None else grad.reshape(-1)  # a kept parameter's (step drops the rest)
         slot = self._slots.get(index)
         if slot is None or self.gradients is None:
             return None
@@ -191,15 +192,31 @@ class ZeroState:
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """One optimizer step as ``DeepSpeedZeroOptimizer.step`` takes it (ZeRO-1 reduces the gradients first)."""
-        if self.stage == 1:  # reduce_gradients: every gradient averaged over the ranks
-            for p in self.params:
+        if self.stage == 1:
+            # reduce_gradients: every gradient averaged over the ranks; the gradients of the
+            # parameters outside this rank's partition dropped (clear_grad_attribute), the others
+            # moved into grads_in_partition (the same bytes: kept here as they are) until the
+            # partition's fp32 gradient is built
+            kept = set(self.layout.params_in_partition(self.rank))
+            for i, p in enumerate(self.params):
                 if p.grad is not None:
                     self._average(p.grad)
+                    if i not in kept:
+                        p.grad = None
         flat = self.flat_gradient()
         self.master.grad = flat.to(torch.float32)
         del flat
+        if self.stage == 1:  # free_grad_in_param_list(params_in_partition): the fp32 copy is all that is kept
+            for p in self.params:
+                p.grad = None
         optimizer.step()
         self.master.grad = None
+        if self.stage == 1:
+            # the next micro-batch's backward allocates the gradients again and holds them to the
+            # next step: they are given back here, zeroed (NOTE [ Gradients are resident between
+            # micro-batches ] in batchfit.train.optim)
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
         own = self._own(self.flat)
         own.copy_(self.master)
         if self.world_size > 1 and dist.is_initialized():  # all_gather_into_tensor_dp_groups
