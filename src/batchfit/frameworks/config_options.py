@@ -19,7 +19,7 @@ from batchfit.frameworks.registry import framework_of, get_framework
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import with_run_fraction
 from batchfit.models.lora import LoraSpec
-from batchfit.parallel.sharding import STRATEGIES, Sharding
+from batchfit.parallel.sharding import STRATEGIES, ZERO_STRATEGIES, Sharding
 from batchfit.train.framework_heads import FrameworkHead
 from batchfit.validation import check_choice, check_positive_int, is_int, short_repr
 
@@ -65,6 +65,7 @@ class ProfileChoices:
     reshard_after_forward: bool | None = None
     mixed_precision: str | None = None
     offload: str | None = None
+    overlap_comm: bool | None = None
 
     def or_(self, other: ProfileChoices) -> ProfileChoices:
         """These choices, each one not made taken from ``other``."""
@@ -87,6 +88,7 @@ class ProfileChoices:
             "reshard_after_forward": self.reshard_after_forward,
             "mixed_precision": self.mixed_precision,
             "offload": self.offload,
+            "overlap_comm": self.overlap_comm,
         }
         # what was chosen (max_seq_len has no default: a missing one is named by ProfileOptions)
         settings = {k: v for k, v in vars(self).items() if k not in _SHARDING and (v is not None or k == "max_seq_len")}
@@ -95,7 +97,7 @@ class ProfileChoices:
 
 
 # the ProfileChoices fields that make the Sharding (the others are ProfileOptions fields as they are)
-_SHARDING = frozenset({"strategy", "world_size", "reshard_after_forward", "mixed_precision", "offload"})
+_SHARDING = frozenset({"strategy", "world_size", "reshard_after_forward", "mixed_precision", "offload", "overlap_comm"})
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,7 @@ def run_profile_options(
         offload=run.offload,
         mixed_precision=run.mixed_precision if fsdp else None,
         reshard_after_forward=False if fsdp and run.reshard_after_forward is False else None,
+        overlap_comm=True if strategy in ZERO_STRATEGIES and run.overlap_comm else None,  # DeepSpeed's two buckets
         gradient_checkpointing=None if run.gradient_checkpointing is None else bool(run.gradient_checkpointing),
         logprobs=logprobs,
         cost=cost,
@@ -284,6 +287,8 @@ def sharding_strategy(run: RunConfig, vocabulary: Vocabulary | None = None) -> s
                 ).say(vocabulary)
             )
         return "fsdp2"
+    if strategy in ZERO_STRATEGIES:  # DeepSpeed ZeRO-1/2, as a framework reader names them
+        return strategy
     refusal = strategy_refusal(run)  # OpenRLHF's DeepSpeed stages, slime's Megatron: the framework's own hint
     if refusal is not None:
         raise InvalidArgument(refusal)

@@ -134,6 +134,14 @@ class Sharding:
         return self.strategy in FSDP_STRATEGIES
 
     @property
+    def partitioned(self) -> tuple[str, ...]:
+        """The state categories split over the ranks: FSDP's parameters, gradients and optimizer state; ZeRO-1's
+        optimizer state (fp32 master weights and AdamW's moments); ZeRO-2's gradients too."""
+        if self.strategy in FSDP_STRATEGIES:
+            return ("parameters", "gradients", "optimizer_state")
+        return {"zero1": ("optimizer_state",), "zero2": ("gradients", "optimizer_state")}.get(self.strategy, ())
+
+    @property
     def distributed(self) -> bool:
         """True when the strategy talks to other ranks (``ddp``, ``fsdp1`` or ``fsdp2``)."""
         return self.strategy != "none"
@@ -149,9 +157,10 @@ class Sharding:
             return f"ddp over {self._ranks()} (full replica + gradient buckets)"
         if self.strategy in ZERO_STRATEGIES:
             what = "optimizer state and gradients" if self.strategy == "zero2" else "optimizer state"
+            overlap = ", overlap_comm: two reduce buckets" if self.overlap_comm else ""
             return (
                 f"{self.strategy} over {self._ranks()} (DeepSpeed ZeRO-{self.strategy[-1]}: parameters replicated, "
-                f"fp32 master weights, {what} partitioned)"
+                f"fp32 master weights, {what} partitioned{overlap})"
             )
         parts = [
             "fp32 params, bf16 compute, fp32 reduce"
