@@ -179,8 +179,11 @@ class Sharding:
         return "1 rank" if self.world_size == 1 else f"{self.world_size} ranks"
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain values (JSON-ready)."""
-        return asdict(self)
+        """The fields as plain values (JSON-ready); ZeRO's options (``reduce_bucket_size``, ``overlap_comm``) with ``zero1``/``zero2`` only."""
+        out = asdict(self)
+        if self.strategy not in ZERO_STRATEGIES:
+            del out["reduce_bucket_size"], out["overlap_comm"]
+        return out
 
 
 def as_sharding(value: Any) -> Sharding:

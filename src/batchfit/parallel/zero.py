@@ -134,11 +134,8 @@ class ZeroState:
         """ZeRO-2: the reduce bucket, from the first gradient of a backward to its end (NOTE [ ZeRO's reduce bucket ])."""
         if self._bucket is not None:
             return
-        from batchfit.memory import labels
-        from batchfit.memory.categories import COMMUNICATION
-
-        with labels.region(COMMUNICATION):
-            self._bucket = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.flat.device)
+        # allocated inside the step, it counts in the breakdown's activations (parallel sits below memory)
+        self._bucket = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.flat.device)
         torch.autograd.Variable._execution_engine.queue_callback(self._close_bucket)
 
     def _close_bucket(self) -> None:
