@@ -373,12 +373,15 @@ def module_settings(model: Any, options: ProfileOptions | None, settings: dict[s
 
 
 def _module_sharding(model: Any) -> Sharding | None:
-    """FSDP2's or DDP's :class:`Sharding` of a wrapped model, else ``None``."""
+    """FSDP2's, DDP's or ZeRO's :class:`Sharding` of a wrapped model, else ``None``."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
     from batchfit.train.accumulate import data_parallel_size
 
+    zero = getattr(model, "batchfit_zero", None)  # ZeRO-1/2 as batchfit.parallel.shard_model applies it
+    if zero is not None:
+        return model.batchfit_sharding
     if isinstance(model, DistributedDataParallel):
         return Sharding("ddp", world_size=data_parallel_size(model))
     if isinstance(model, FSDPModule):

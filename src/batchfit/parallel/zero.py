@@ -76,6 +76,15 @@ class ZeroState:
                 f"sharding={sharding.strategy!r} partitions the trainable parameters, but the model has none; "
                 "unfreeze the model, or give it LoRA adapters"
             )
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            from batchfit.errors import InvalidArgument
+
+            raise InvalidArgument(
+                f"sharding={sharding.strategy!r} flattens the trainable parameters into one buffer of one dtype (as "
+                f"DeepSpeed does), but got dtypes={sorted(str(d) for d in dtypes)}; build the model in one dtype "
+                "(e.g. dtype='bf16'), LoRA adapters included"
+            )
         self.layout: ZeroLayout = zero_layout([p.numel() for p in self.params], sharding.world_size)
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = sharding.world_size
