@@ -106,8 +106,8 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             target,
             "--no-reshard-after-forward",
             "ZeRO-3 gathers each layer's parameters again for backward, and ZeRO-2 keeps whole parameters on every "
-            "GPU, which batchfit does not model",
-            "drop --no-reshard-after-forward",
+            "GPU, which batchfit models as --sharding zero2",
+            "drop --no-reshard-after-forward, or profile --sharding zero2 --dtype bf16",
         )
     if s.offload == "cpu":
         raise refuse(
