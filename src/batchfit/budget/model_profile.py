@@ -288,7 +288,7 @@ def profile_model(
     if opts.lora is not None and opts.lora.enabled and set(chosen_roles) != {"reference"}:
         critic_only = all(role in VALUE_ROLES or role == "reference" for role in chosen_roles)
         adapters = lora_parameters(config, opts.lora, value_head=critic_only)  # a bad target fails here
-    depth, extrapolate = depth_plan(config, be, opts.depth_extrapolation)
+    depth, extrapolate = depth_plan(config, be, opts.depth_extrapolation, plan)
     build = RoleBuilder(config, be, torch_dtype, opts, extrapolate, depth)
     budgets: dict[str, TokenBudget] = {}
     failed: tuple[str, DoesNotFitError] | None = None
@@ -421,11 +421,18 @@ def model_name(model: Any) -> str:
     return str(name) if name else type(model).__name__
 
 
-def depth_plan(config: Any, backend: Backend, depth_extrapolation: bool | None) -> tuple[int, bool]:
-    """The model's depth, and whether it is extrapolated from two shallow copies (default: when estimating)."""
+def depth_plan(
+    config: Any, backend: Backend, depth_extrapolation: bool | None, sharding: Sharding | None = None
+) -> tuple[int, bool]:
+    """The model's depth, and whether it is extrapolated from two shallow copies (default: when estimating).
+
+    Never under ``zero2``, whose gradient buffer is not affine in depth (NOTE [ The simulated
+    ZeRO rank ] in :mod:`batchfit.parallel.zero`).
+    """
     depth = int(config.num_hidden_layers)
     wanted = backend.extrapolates_depth if depth_extrapolation is None else bool(depth_extrapolation)
-    return depth, wanted and uniform_layers(config) and depth > max(DEFAULT_DEPTHS)
+    affine = sharding is None or sharding.strategy != "zero2"
+    return depth, wanted and affine and uniform_layers(config) and depth > max(DEFAULT_DEPTHS)
 
 
 def _take_resident(backend: Backend, resident: int) -> None:
@@ -470,7 +477,7 @@ def resident_state_bytes(
     torch_dtype = parse_dtype(default_dtype(plan) if options.dtype is None else options.dtype)
     config = load_config(model)
     be = get_backend(options.backend, memory_limit=options.memory_limit, reserve_bytes=0)
-    depth, extrapolate = depth_plan(config, be, options.depth_extrapolation)
+    depth, extrapolate = depth_plan(config, be, options.depth_extrapolation, plan)
     build = RoleBuilder(config, be, torch_dtype, options.replace(gradient_checkpointing=False), extrapolate, depth)
     with simulated_world_for(be, plan):
         step = agree(lambda: build.step(role), what=f"building the {role} model")

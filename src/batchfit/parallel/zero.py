@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from batchfit.parallel.distributed import is_simulated
 from batchfit.parallel.sharding import Sharding
 from batchfit.parallel.zero_layout import ZeroLayout, zero_layout
 
@@ -57,7 +58,7 @@ class ZeroState:
     Attributes:
         stage: 1 or 2.
         layout: the :class:`~batchfit.parallel.zero_layout.ZeroLayout` of the trainable parameters.
-        rank: this rank's partition index.
+        rank: this rank's partition index (simulated: NOTE [ The simulated ZeRO rank ]).
         flat: the flat 16-bit buffer every trainable parameter is a view into.
         master: the fp32 copy of this rank's partition (what AdamW steps).
         gradients: ZeRO-2's ``grads_in_partition`` (16-bit), ``None`` under ZeRO-1.
@@ -86,8 +87,10 @@ class ZeroState:
                 "(e.g. dtype='bf16'), LoRA adapters included"
             )
         self.layout: ZeroLayout = zero_layout([p.numel() for p in self.params], sharding.world_size)
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = sharding.world_size
+        self.rank = _simulated_rank(self.layout, self.stage) if is_simulated() else (
+            dist.get_rank(group) if dist.is_initialized() else 0
+        )
         dtype = self.params[0].dtype
         self.bucket_bytes = sharding.reduce_bucket_size * torch.empty((), dtype=dtype).element_size()
         self.bucket_bytes *= 2 if sharding.overlap_comm else 1
@@ -258,6 +261,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     p.grad = None
                 else:
                     p.grad.zero_()
+
+
+def _simulated_rank(layout: ZeroLayout, stage: int) -> int:
+    """The rank a simulated world stands for: the one holding the most (NOTE [ The simulated ZeRO rank ]).
+
+    NOTE [ The simulated ZeRO rank ]
+    Every rank holds the same parameters and partitions of equal size, but ZeRO-2's gradient
+    buffer holds whole parameters: those starting in the rank's partition and the one
+    straddling its start, so it differs between ranks by up to a parameter's size (an
+    embedding: a gigabyte for a 7B model). The estimate simulates the rank whose buffer is
+    largest (the first such), so its peak is the largest rank's; real ranks each measure
+    themselves. For the same reason a ZeRO-2 model is not extrapolated from shallow copies:
+    which parameter straddles a boundary changes with the depth.
+    """
+    if stage == 1:
+        return 0
+    sizes = [layout.gradient_partition_numel(r) for r in range(layout.world_size)]
+    return sizes.index(max(sizes))
 
 
 def zero_state(model: torch.nn.Module) -> ZeroState | None:
