@@ -169,4 +169,11 @@ def test_estimate_runs_zero2_in_a_simulated_world():
     # 223,552 / 2 = 111,776 per partition: fp32 master 447,104 B and two moments 894,208 B (+ step 4 B)
     assert breakdown["optimizer_state"] == 447_104 + 894_208 + 4
     assert "communication" not in breakdown  # the bucket lives in the backward (NOTE [ ZeRO's reduce bucket ])
+    be = get_backend("estimate", round_to=1, reserve_bytes=0)
+    with simulated_world(2):
+        model = build_causal_lm("tiny", backend=be, dtype="bf16", sharding=Sharding("zero2", world_size=2, reduce_bucket_size=BUCKET))
+        step = causal_lm_step(model, backend=be)
+        m = step.measure([SEQ] * BATCH)
+    # in the backward the 50,000 bf16 elements are held as communication
+    assert m.phase_breakdowns and max(b.get("communication", 0) for b in m.phase_breakdowns.values()) == 100_000
     assert peak > sum(breakdown[k] for k in ("parameters", "optimizer_state", "gradients"))

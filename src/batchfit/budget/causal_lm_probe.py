@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -526,6 +527,7 @@ def _make_optimizer(
         if zero is not None:
             with backend.context():
                 initialize_optimizer_state(opt)
+            zero.bucket_region = functools.partial(labels.region, COMMUNICATION)  # ZeRO-2's bucket, in the backward
             return ZeroOptimizer(zero, opt)
     with backend.context():
         initialize_optimizer_state(opt)

@@ -26,6 +26,7 @@ estimate runs the same code. What differs from DeepSpeed's own timeline is in
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -114,6 +115,8 @@ class ZeroState:
         self.master.requires_grad_(True)  # as DeepSpeed sets it: the optimizer steps it
         self.gradients: torch.Tensor | None = None
         self._bucket: torch.Tensor | None = None
+        #: A context manager factory the bucket is allocated inside (a probe sets its tracker's category).
+        self.bucket_region: Any = contextlib.nullcontext
         self._slots: dict[int, int] = {}
         if self.stage == 2:
             kept = self.layout.params_in_partition(self.rank)
@@ -146,8 +149,8 @@ class ZeroState:
         """ZeRO-2: the reduce bucket, from the first gradient of a backward to its end (NOTE [ ZeRO's reduce bucket ])."""
         if self._bucket is not None:
             return
-        # allocated inside the step, it counts in the breakdown's activations (parallel sits below memory)
-        self._bucket = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.flat.device)
+        with self.bucket_region():  # a tracker's category for it, set from above (parallel sits below memory)
+            self._bucket = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.flat.device)
         torch.autograd.Variable._execution_engine.queue_callback(self._close_bucket)
 
     def _close_bucket(self) -> None:
