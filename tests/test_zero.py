@@ -177,3 +177,23 @@ def test_estimate_runs_zero2_in_a_simulated_world():
     # in the backward the 50,000 bf16 elements are held as communication
     assert m.phase_breakdowns and max(b.get("communication", 0) for b in m.phase_breakdowns.values()) == 100_000
     assert peak > sum(breakdown[k] for k in ("parameters", "optimizer_state", "gradients"))
+
+
+@pytest.mark.slow
+def test_cli_profiles_zero2_on_two_real_cpu_ranks_under_torchrun():
+    import json
+    import subprocess
+    import sys
+
+    from multirank import scaled
+
+    # DeepSpeed's default bucket (500M bf16 elements, 1 GB) is allocated in each backward: 1,200 MiB leaves room
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "batchfit", "profile", "--backend", "cpu", "--model", "tiny", "--sharding", "zero2"]
+    command += ["--memory", "1200MiB", "--max-seq-len", "64", "--json", "--no-progress"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=scaled(400))
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(done.stdout)
+    assert data["sharding"]["strategy"] == "zero2" and data["sharding"]["world_size"] == 2
+    policy = data["budgets"]["policy"]
+    assert policy["tokens"] > 0 and policy["breakdown"]["communication"] == 1_000_000_000  # the bucket, at the peak
