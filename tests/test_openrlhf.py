@@ -272,18 +272,28 @@ def test_overrides_apply_before_openrlhfs_rules(tmp_path):
     )
 
 
-def test_zero_stage_2_is_refused_by_profile_with_the_flags_that_model_it(tmp_path, capsys):
+@pytest.mark.slow
+def test_zero_stage_2_profiles_as_zero2_and_emits_its_stage(tmp_path, capsys):
+    # issue 32: OpenRLHF's default stage 2 (refused before) profiles as DeepSpeed ZeRO-2 over the actor's 8 GPUs
     from batchfit.cli import main
 
-    path = _script(tmp_path, **{"--ds.zero_stage": None})  # OpenRLHF's default stage 2
+    path = _script(tmp_path, **{"--ds.zero_stage": None, "--ds.overlap_comm": True})
+    assert main(["profile", "--config", str(path), "--backend", "estimate", "--no-progress", "--emit", "openrlhf"]) == 0
+    out = capsys.readouterr().out
+    assert "zero2 over 8 ranks (DeepSpeed ZeRO-2: parameters replicated, fp32 master weights, optimizer state and gradients partitioned, overlap_comm: two reduce buckets)" in out
+    assert "\n--ds.zero_stage 2 \\\n" in out and "\n--ds.overlap_comm \\\n" in out
+    assert "--train.max_tokens_per_gpu " in out
+
+
+def test_zero_stage_0_is_refused_by_profile_with_the_stages_that_model_it(tmp_path, capsys):
+    from batchfit.cli import main
+
+    path = _script(tmp_path, **{"--ds.zero_stage": 0})
     assert main(["profile", "--config", str(path), "--backend", "estimate", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert "OpenRLHF trains with DeepSpeed ZeRO stage 2 (--ds.zero_stage 2; 2 is OpenRLHF's default)" in err
-    assert (
-        "add --ds.zero_stage 3 to the launch command" in err
-        and "--sharding fsdp2 --no-reshard-after-forward" in err
-    )
+    assert "OpenRLHF trains with DeepSpeed ZeRO stage 0 (--ds.zero_stage 0)" in err
+    assert "use --ds.zero_stage 2 (OpenRLHF's default, profiled as zero2)" in err
 
 
 def _budget(tokens, backend="estimate"):

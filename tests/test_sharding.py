@@ -45,7 +45,7 @@ def test_describe_names_every_memory_option():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        pytest.param({"strategy": "fsdp"}, r"sharding must be one of 'none', 'ddp', 'fsdp1', 'fsdp2', but got sharding='fsdp'; did you mean 'fsdp2'\?", id="unknown-strategy"),
+        pytest.param({"strategy": "fsdp"}, r"sharding must be one of 'none', 'ddp', 'fsdp1', 'fsdp2', 'zero1', 'zero2', but got sharding='fsdp'; did you mean 'fsdp2'\?", id="unknown-strategy"),
         pytest.param({"world_size": 0}, r"world_size must be an integer >= 1, but got world_size=0", id="zero-world"),
         pytest.param({"world_size": True}, r"world_size", id="bool-world"),
         pytest.param({"strategy": "ddp", "world_size": 2, "offload": "cpu"}, r"offload='cpu' needs strategy='fsdp1' or 'fsdp2'", id="offload-without-fsdp2"),

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -67,6 +68,7 @@ from batchfit.parallel.distributed import is_distributed
 from batchfit.parallel.sequence import sequence_parallel_group
 from batchfit.parallel.shard import decoder_layers, unwrap
 from batchfit.parallel.sharding import Sharding
+from batchfit.parallel.zero import ZeroOptimizer, zero_state
 from batchfit.patching import undo_all
 from batchfit.plan.packing import COSTS, plan_micro_batches
 from batchfit.train.activation_offload import MIN_LAYERS as MIN_OFFLOAD_LAYERS
@@ -158,8 +160,12 @@ class TrainingStep:
         self.sharding: Sharding = getattr(model, "batchfit_sharding", None) or Sharding()
         comm = tuple(getattr(model, "batchfit_comm_buffers", ()))
         state: tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
-        self.persistent: tuple[Any, ...] = (*state, *comm)
-        self.categories: tuple[str | None, ...] = (None,) * len(state) + (COMMUNICATION,) * len(comm)
+        zero = zero_state(model)  # ZeRO's master partition and gradient buffer (batchfit.parallel.zero)
+        extra = () if zero is None or optimizer is None else zero.state_buffers()
+        self.persistent: tuple[Any, ...] = (*state, *comm, *(t for t, _ in extra))
+        self.categories: tuple[str | None, ...] = (
+            (None,) * len(state) + (COMMUNICATION,) * len(comm) + tuple(c for _, c in extra)
+        )
         self.host_categories: tuple[str, ...] = HOST_CATEGORIES if self.sharding.offload == "cpu" else ()
         if self.activation_offload:
             self.host_categories += (OFFLOADED_ACTIVATIONS,)
@@ -539,11 +545,18 @@ def _make_optimizer(
         opt = optimizer
     else:
         check_choice("optimizer", optimizer, OPTIMIZERS)
-        params = [p for p in unwrap(model).parameters() if p.requires_grad]
+        zero = zero_state(model)
+        # ZeRO: the optimizer steps the fp32 master partition (batchfit.parallel.zero)
+        params = [zero.master] if zero is not None else [p for p in unwrap(model).parameters() if p.requires_grad]
         if optimizer == "adamw":
             opt = default_optimizer(params, lr=lr)
         else:
             opt = torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
+        if zero is not None:
+            with backend.context():
+                initialize_optimizer_state(opt)
+            zero.bucket_region = functools.partial(labels.region, COMMUNICATION)  # ZeRO-2's bucket, in the backward
+            return ZeroOptimizer(zero, opt)
     with backend.context():
         initialize_optimizer_state(opt)
     return opt

@@ -306,7 +306,7 @@ def profile_model(
     if opts.lora is not None and opts.lora.enabled and set(chosen_roles) != {"reference"}:
         critic_only = all(role in VALUE_ROLES or role == "reference" for role in chosen_roles)
         adapters = lora_parameters(config, opts.lora, value_head=critic_only)  # a bad target fails here
-    depth, extrapolate = depth_plan(config, be, opts.depth_extrapolation)
+    depth, extrapolate = depth_plan(config, be, opts.depth_extrapolation, plan)
     build = RoleBuilder(config, be, torch_dtype, opts, extrapolate, depth)
     budgets: dict[str, TokenBudget] = {}
     failed: tuple[str, DoesNotFitError] | None = None
@@ -392,12 +392,15 @@ def module_settings(model: Any, options: ProfileOptions | None, settings: dict[s
 
 
 def _module_sharding(model: Any) -> Sharding | None:
-    """FSDP2's or DDP's :class:`Sharding` of a wrapped model, else ``None``."""
+    """FSDP2's, DDP's or ZeRO's :class:`Sharding` of a wrapped model, else ``None``."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
     from batchfit.train.accumulate import data_parallel_size
 
+    zero = getattr(model, "batchfit_zero", None)  # ZeRO-1/2 as batchfit.parallel.shard_model applies it
+    if zero is not None:
+        return model.batchfit_sharding
     if isinstance(model, DistributedDataParallel):
         return Sharding("ddp", world_size=data_parallel_size(model))
     if isinstance(model, FSDPModule):
@@ -437,11 +440,18 @@ def model_name(model: Any) -> str:
     return str(name) if name else type(model).__name__
 
 
-def depth_plan(config: Any, backend: Backend, depth_extrapolation: bool | None) -> tuple[int, bool]:
-    """The model's depth, and whether it is extrapolated from two shallow copies (default: when estimating)."""
+def depth_plan(
+    config: Any, backend: Backend, depth_extrapolation: bool | None, sharding: Sharding | None = None
+) -> tuple[int, bool]:
+    """The model's depth, and whether it is extrapolated from two shallow copies (default: when estimating).
+
+    Never under ``zero2``, whose gradient buffer is not affine in depth (NOTE [ The simulated
+    ZeRO rank ] in :mod:`batchfit.parallel.zero`).
+    """
     depth = int(config.num_hidden_layers)
     wanted = backend.extrapolates_depth if depth_extrapolation is None else bool(depth_extrapolation)
-    return depth, wanted and uniform_layers(config) and depth > max(DEFAULT_DEPTHS)
+    affine = sharding is None or sharding.strategy != "zero2"
+    return depth, wanted and affine and uniform_layers(config) and depth > max(DEFAULT_DEPTHS)
 
 
 def _collect(backend: Backend) -> None:
@@ -497,7 +507,7 @@ def resident_state_bytes(
     torch_dtype = parse_dtype(default_dtype(plan) if options.dtype is None else options.dtype)
     config = load_config(model)
     be = get_backend(options.backend, memory_limit=options.memory_limit, reserve_bytes=0)
-    depth, extrapolate = depth_plan(config, be, options.depth_extrapolation)
+    depth, extrapolate = depth_plan(config, be, options.depth_extrapolation, plan)
     build = RoleBuilder(config, be, torch_dtype, options.replace(gradient_checkpointing=False), extrapolate, depth)
     with simulated_world_for(be, plan):
         step = agree(lambda: build.step(role), what=f"building the {role} model")

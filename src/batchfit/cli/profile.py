@@ -96,9 +96,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--sharding",
-        metavar="none|ddp|fsdp1|fsdp2",
+        metavar="none|ddp|fsdp1|fsdp2|zero1|zero2",
         help="how the model is spread over the ranks (default fsdp2 when estimating or under torchrun, else none; "
-        "fsdp1: FullyShardedDataParallel as verl's strategy fsdp wraps it)",
+        "fsdp1: FullyShardedDataParallel as verl's strategy fsdp wraps it; zero1/zero2: DeepSpeed ZeRO-1/2, "
+        "parameters replicated, optimizer state (zero2: and gradients) partitioned)",
     )
     p.add_argument(
         "--no-reshard-after-forward",

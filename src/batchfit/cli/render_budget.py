@@ -88,7 +88,7 @@ def breakdown_rows(profile: ModelProfile) -> list[tuple[str, list[int | None]]]:
     batch at the binding length); then the peak, the reserve no tracker sees, the limit
     and, under CPU offload, the host bytes.
     """
-    sharded = profile.sharding.shards_state
+    partitioned = profile.sharding.partitioned
     budgets = list(profile.budgets.values())
     points = [b.binding_point for b in budgets]
     cats = [c for c in _CATEGORY_LABELS if any(p is not None and p.breakdown.get(c) for p in points)]
@@ -96,7 +96,7 @@ def breakdown_rows(profile: ModelProfile) -> list[tuple[str, list[int | None]]]:
     rows: list[tuple[str, list[int | None]]] = []
     for cat in cats:
         label = _CATEGORY_LABELS.get(cat, cat.replace("_", " "))
-        if sharded and cat in ("parameters", "gradients", "optimizer_state"):
+        if cat in partitioned:
             label += f" (1/{profile.sharding.world_size} shard)"
         rows.append((label, [None if p is None else p.breakdown.get(cat, 0) for p in points]))
     rows.append(("peak at C", [None if p is None else p.peak_bytes for p in points]))

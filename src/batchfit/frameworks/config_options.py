@@ -19,7 +19,7 @@ from batchfit.frameworks.registry import framework_of, get_framework
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import with_run_fraction
 from batchfit.models.lora import LoraSpec
-from batchfit.parallel.sharding import STRATEGIES, Sharding
+from batchfit.parallel.sharding import STRATEGIES, ZERO_STRATEGIES, Sharding
 from batchfit.train.framework_heads import FrameworkHead
 from batchfit.validation import check_choice, check_positive_int, is_int, short_repr
 
@@ -67,6 +67,7 @@ class ProfileChoices:
     mixed_precision: str | None = None
     offload: str | None = None
     sequence_parallel: int | None = None
+    overlap_comm: bool | None = None
 
     def or_(self, other: ProfileChoices) -> ProfileChoices:
         """These choices, each one not made taken from ``other``."""
@@ -92,6 +93,7 @@ class ProfileChoices:
             "sequence_parallel": None
             if self.sequence_parallel is None
             else check_positive_int(name(Setting("sequence_parallel")), self.sequence_parallel),
+            "overlap_comm": self.overlap_comm,
         }
         # what was chosen (max_seq_len has no default: a missing one is named by ProfileOptions)
         settings = {k: v for k, v in vars(self).items() if k not in _SHARDING and (v is not None or k == "max_seq_len")}
@@ -102,7 +104,9 @@ class ProfileChoices:
 
 
 # the ProfileChoices fields that make the Sharding (the others are ProfileOptions fields as they are)
-_SHARDING = frozenset({"strategy", "world_size", "reshard_after_forward", "mixed_precision", "offload", "sequence_parallel"})
+_SHARDING = frozenset(
+    {"strategy", "world_size", "reshard_after_forward", "mixed_precision", "offload", "sequence_parallel", "overlap_comm"}
+)
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,7 @@ def run_profile_options(
         offload=run.offload,
         mixed_precision=run.mixed_precision if fsdp else None,
         reshard_after_forward=False if fsdp and run.reshard_after_forward is False else None,
+        overlap_comm=True if strategy in ZERO_STRATEGIES and run.overlap_comm else None,  # DeepSpeed's two buckets
         gradient_checkpointing=None if run.gradient_checkpointing is None else bool(run.gradient_checkpointing),
         activation_offload=None if run.activation_offload is None else bool(run.activation_offload),
         logprobs=logprobs,
@@ -307,6 +312,8 @@ def sharding_strategy(run: RunConfig, vocabulary: Vocabulary | None = None) -> s
                 ).say(vocabulary)
             )
         return "fsdp2"
+    if strategy in ZERO_STRATEGIES:  # DeepSpeed ZeRO-1/2, as a framework reader names them
+        return strategy
     refusal = strategy_refusal(run)  # OpenRLHF's DeepSpeed stages, slime's Megatron: the framework's own hint
     if refusal is not None:
         raise InvalidArgument(refusal)

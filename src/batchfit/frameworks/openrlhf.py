@@ -127,6 +127,15 @@ def read(command: Command) -> FrameworkRun:
             "same ranks; DeepSpeed keeps a bf16 shard of the parameters beside its fp32 master shard (2 bytes per "
             "parameter / dp more) and fills reduce buckets of its own size"
         )
+    if stage in (1, 2):
+        notes.append(
+            f"DeepSpeed ZeRO-{stage} (--ds.zero_stage {stage}) is profiled as batchfit's zero{stage}: DeepSpeed 0.19.8's "
+            "flat bf16 parameters replicated, fp32 master weights and AdamW's moments partitioned"
+            + (", gradients partitioned" if stage == 2 else "")
+            + ", its reduce bucket of 500M elements (get_train_ds_config's reduce_bucket_size 'auto' keeps DeepSpeed's "
+            "default)"
+            + ("; --ds.overlap_comm doubles it" if v.get("ds.overlap_comm") else "")
+        )
     if v.get("ds.adam_offload"):
         notes.append(
             "--ds.adam_offload keeps the optimizer state on the host; batchfit counts it on the GPU (the budgets "
@@ -144,8 +153,9 @@ def read(command: Command) -> FrameworkRun:
         critic_model=critic,
         reference=reference,
         max_seq_len=v["data.max_len"],
-        strategy="fsdp2" if stage == 3 else f"deepspeed-zero{stage}",
+        strategy=_STAGES.get(stage, f"deepspeed-zero{stage}"),
         offload="none",
+        overlap_comm=bool(v.get("ds.overlap_comm")) and stage in (1, 2),
         gradient_checkpointing=bool(v.get("actor.gradient_checkpointing_enable")),
         # train_ppo_ray turns --ds.packing_samples on with dynamic batches: one padding-free row per micro-batch
         remove_padding=bool(v.get("ds.packing_samples")) or dynamic,
@@ -355,16 +365,19 @@ def _placement(v: dict[str, Any], roles: list[str]) -> tuple[tuple[str, ...], di
     return (), {}
 
 
+#: --ds.zero_stage → the Sharding strategy that models it (stage 3 as FSDP2, which shards the same state).
+_STAGES = {1: "zero1", 2: "zero2", 3: "fsdp2"}
+
+
 def strategy_refusal(run: Any) -> str | None:
-    """Why ``profile`` cannot model OpenRLHF's DeepSpeed stage, with the flags that can; ``None`` for ZeRO-3."""
-    if run.strategy == "fsdp2":
+    """Why ``profile`` cannot model OpenRLHF's DeepSpeed stage, with the flags that can; ``None`` for ZeRO-1, 2 and 3."""
+    if run.strategy in _STAGES.values():
         return None
     stage = run.strategy.removeprefix("deepspeed-zero")
     return (
-        f"OpenRLHF trains with DeepSpeed ZeRO stage {stage} (--ds.zero_stage {stage}; 2 is OpenRLHF's default), which "
-        "keeps whole parameters on every GPU and batchfit does not model; add --ds.zero_stage 3 to the launch command "
-        "(profiled as FSDP2, which shards the same state), or pass --sharding fsdp2 --no-reshard-after-forward to "
-        "profile FSDP2 keeping every layer's gathered parameters from forward to backward (PyTorch's ZeRO-2 analogue)"
+        f"OpenRLHF trains with DeepSpeed ZeRO stage {stage} (--ds.zero_stage {stage}), whose bf16 optimizer batchfit "
+        "does not model; use --ds.zero_stage 2 (OpenRLHF's default, profiled as zero2) or 1 (zero1), or 3 "
+        "(profiled as FSDP2)"
     )
 
 

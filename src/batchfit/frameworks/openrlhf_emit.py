@@ -28,6 +28,7 @@ from batchfit.frameworks.emit import cost_note, smallest_budget
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import RunProfile
 from batchfit.models.lora import LoraSpec
+from batchfit.parallel.sharding import ZERO_STRATEGIES
 
 __all__ = ["assumption_keys", "token_keys"]
 
@@ -95,9 +96,9 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     check_strategy(
         target,
         a,
-        ("fsdp2",),
-        "OpenRLHF trains with DeepSpeed ZeRO, whose stage 3 batchfit profiles as FSDP2 (--ds.zero_stage 3); it has no "
-        "DDP or FSDP1",
+        ("zero1", "zero2", "fsdp2"),
+        "OpenRLHF trains with DeepSpeed ZeRO: stages 1 and 2 batchfit profiles as zero1 and zero2, stage 3 as FSDP2 "
+        "(--ds.zero_stage 3); it has no DDP or FSDP1",
     )
     if s.sequence_parallel > 1:
         raise refuse(
@@ -107,13 +108,14 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             "--train.max_tokens_per_gpu batchfit has not read, and which it does not model",
             "drop --sequence-parallel, or emit verl or SkyRL (Ulysses)",
         )
+    zero = s.strategy in ZERO_STRATEGIES
     if not s.reshard_after_forward:
         raise refuse(
             target,
             "--no-reshard-after-forward",
             "ZeRO-3 gathers each layer's parameters again for backward, and ZeRO-2 keeps whole parameters on every "
-            "GPU, which batchfit does not model",
-            "drop --no-reshard-after-forward",
+            "GPU, which batchfit models as --sharding zero2",
+            "drop --no-reshard-after-forward, or profile --sharding zero2 --dtype bf16",
         )
     if s.offload == "cpu":
         raise refuse(
@@ -123,12 +125,22 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             "--ds.adam_offload moves the optimizer state only",
             "profile with --offload none",
         )
-    check_precision(
-        target,
-        a,
-        "OpenRLHF trains with DeepSpeed in bf16 or fp16 (--ds.param_dtype) with fp32 master weights, which batchfit "
-        "models as fp32 parameters with bf16 compute (fsdp2, --mixed-precision bf16 --dtype fp32)",
-    )
+    if zero:  # ZeRO-1/2: bf16 parameters, the fp32 master weights in the partitioned optimizer state
+        if a.trained_dtype != "bf16":
+            raise refuse(
+                target,
+                f"--dtype {a.trained_dtype}",
+                f"OpenRLHF's DeepSpeed ZeRO-{s.strategy[-1]} trains bf16 parameters (--ds.param_dtype bf16) with fp32 "
+                "master weights in the optimizer's partition",
+                "pass --dtype bf16",
+            )
+    else:
+        check_precision(
+            target,
+            a,
+            "OpenRLHF trains with DeepSpeed in bf16 or fp16 (--ds.param_dtype) with fp32 master weights, which batchfit "
+            "models as fp32 parameters with bf16 compute (fsdp2, --mixed-precision bf16 --dtype fp32)",
+        )
     nodes, per_node = nodes_and_gpus(run, a, target)
     keys = [
         Key("--actor.num_nodes", nodes, f"the {s.world_size} GPUs profiled, for every model"),
@@ -137,14 +149,22 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     for role, name in (("critic", "critic"), ("reference", "ref")):
         if role in a.roles:
             keys += [Key(f"--{name}.num_nodes", nodes), Key(f"--{name}.num_gpus_per_node", per_node)]
-    keys.append(Key("--ds.zero_stage", 3, "ZeRO-3, profiled as FSDP2 over the same GPUs"))
-    keys.append(
-        Key(
-            "--ds.param_dtype",
-            "bf16",
-            "bf16 compute over fp32 master weights, profiled as fp32 parameters with bf16 mixed precision",
+    if zero:
+        stage = int(s.strategy[-1])
+        what = "optimizer state and gradients" if stage == 2 else "optimizer state"
+        keys.append(Key("--ds.zero_stage", stage, f"ZeRO-{stage}: parameters replicated, {what} partitioned"))
+        keys.append(Key("--ds.param_dtype", "bf16", "bf16 parameters, fp32 master weights in each partition"))
+        if s.overlap_comm:
+            keys.append(Key("--ds.overlap_comm", True, "two reduce buckets, as profiled"))
+    else:
+        keys.append(Key("--ds.zero_stage", 3, "ZeRO-3, profiled as FSDP2 over the same GPUs"))
+        keys.append(
+            Key(
+                "--ds.param_dtype",
+                "bf16",
+                "bf16 compute over fp32 master weights, profiled as fp32 parameters with bf16 mixed precision",
+            )
         )
-    )
     if "reference" in a.roles and a.dtypes["reference"] != "bf16":
         raise refuse(
             target,

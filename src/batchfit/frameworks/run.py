@@ -39,6 +39,7 @@ class RunConfig:
         reshard_after_forward: FSDP frees each layer's gathered parameters after its forward
             (verl ``actor.fsdp_config.reshard_after_forward``, SkyRL
             ``policy.fsdp_config.reshard_after_forward``), or ``None`` when not given.
+        overlap_comm: DeepSpeed ZeRO-1/2's ``overlap_comm`` (two reduce buckets; OpenRLHF ``--ds.overlap_comm``).
         mixed_precision: FSDP's mixed precision as :class:`~batchfit.parallel.Sharding` names it
             (``bf16``: bf16 compute, fp32 reduction; ``none``: compute and reduction in the
             parameters' dtype), read from the policy's ``mixed_precision`` keys (verl
@@ -119,6 +120,7 @@ class RunConfig:
     offload: str = "none"
     reshard_after_forward: bool | None = None
     mixed_precision: str | None = None
+    overlap_comm: bool = False
     dtype: str | None = None
     reference_dtype: str | None = None
     gradient_checkpointing: bool | None = None

@@ -54,7 +54,8 @@ class TrackedBackend(Backend):
                 for p in state.parameters:
                     handles.append(
                         p.register_post_accumulate_grad_hook(
-                            lambda p: tracker.recategorize(p.grad, GRADIENTS)
+                            # a hook registered before this one may have taken the gradient (ZeRO-2)
+                            lambda p: None if p.grad is None else tracker.recategorize(p.grad, GRADIENTS)
                         )
                     )
                 state.parameters = []

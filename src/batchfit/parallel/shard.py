@@ -1,5 +1,8 @@
 """Applying a :class:`~batchfit.parallel.sharding.Sharding` to a causal LM with PyTorch's own DDP and FSDP2.
 
+``zero1``/``zero2``: DeepSpeed ZeRO's flat partitions on PyTorch's collectives
+(:mod:`batchfit.parallel.zero`), real or simulated alike.
+
 ``fsdp2``: ``fully_shard`` on every decoder layer, then on the root, over a 1-D device mesh
 of ``world_size`` ranks (the default process group), with the sharding's
 ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``. On the estimate backend the process group
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 
 from batchfit.errors import InvalidArgument
-from batchfit.parallel.sharding import Sharding
+from batchfit.parallel.sharding import ZERO_STRATEGIES, Sharding
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -122,7 +125,9 @@ def shard_model(
             it; default the parameters' own device.
 
     Returns:
-        ``none``: ``model``. ``fsdp2``: ``model`` itself, now an ``FSDPModule`` whose
+        ``none``: ``model``. ``zero1``/``zero2``: ``model``, its trainable parameters now views
+        into one flat buffer, with ``batchfit_zero`` (a :class:`~batchfit.parallel.zero.ZeroState`:
+        the optimizer is made from it). ``fsdp2``: ``model`` itself, now an ``FSDPModule`` whose
         parameters are ``DTensor`` shards. ``ddp``: a ``DistributedDataParallel`` wrapper
         (``model`` on fake tensors). On real ranks its collectives run on a process group of
         its own (NOTE [ A model's own process group ]). The result has ``batchfit_sharding`` and
@@ -143,6 +148,15 @@ def shard_model(
         _check_world(sharding)
         comm = (torch.empty(ddp_bucket_bytes(model), dtype=torch.uint8, device="meta"),)
         out = model if fake else _wrap_ddp(model, _model_group())
+    elif sharding.strategy in ZERO_STRATEGIES:  # DeepSpeed ZeRO-1/2 (batchfit.parallel.zero)
+        from batchfit.parallel.zero import ZeroState
+
+        _check_world(sharding)
+        zero = ZeroState(model, sharding, _model_group())
+        # NOTE [ ZeRO's reduce bucket ]
+        comm = (torch.empty(zero.registered_bucket_bytes, dtype=torch.uint8, device="meta"),) if zero.stage == 1 else ()
+        model.batchfit_zero = zero
+        out = model
     elif sharding.strategy == "fsdp1":  # FullyShardedDataParallel as verl wraps it
         from batchfit.parallel.fsdp1 import wrap_fsdp1
 

@@ -24,6 +24,12 @@ FSDP1's ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32, buffer_dtype=fp32)
 memory, the optimizer step on the CPU; FSDP1's ``CPUOffload(offload_params=True)``, which
 verl gives its forward-only reference model).
 
+- ``zero1`` / ``zero2``: DeepSpeed ZeRO stage 1 / 2 (what OpenRLHF and many TRL users run):
+  parameters replicated (one flat 16-bit buffer), the fp32 master copy and AdamW's state
+  partitioned over the ranks, and for ``zero2`` the gradients too
+  (:mod:`batchfit.parallel.zero`). Their options: ``reduce_bucket_size`` (elements,
+  DeepSpeed's default 500,000,000) and ``overlap_comm`` (two buckets).
+
 ``sequence_parallel`` (``sp``, ``fsdp1``/``fsdp2`` only) splits each packed micro-batch over groups
 of ``sp`` consecutive ranks with Ulysses attention (NOTE [ Ulysses sequence parallelism ] in
 :mod:`batchfit.parallel.sequence`), as verl's ``ulysses_sequence_parallel_size`` and SkyRL's
@@ -44,9 +50,13 @@ from typing import Any
 from batchfit.errors import InvalidArgument
 from batchfit.validation import check_choice, check_positive_int
 
-STRATEGIES = ("none", "ddp", "fsdp1", "fsdp2")
+STRATEGIES = ("none", "ddp", "fsdp1", "fsdp2", "zero1", "zero2")
 #: The strategies that shard parameters, gradients and optimizer state (and have the FSDP options).
 FSDP_STRATEGIES = ("fsdp1", "fsdp2")
+#: DeepSpeed ZeRO stages 1 and 2: parameters replicated, optimizer state (and stage 2's gradients) partitioned.
+ZERO_STRATEGIES = ("zero1", "zero2")
+#: DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements).
+DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
 MIXED_PRECISION = ("bf16", "none")
 OFFLOAD = ("none", "cpu")
 
@@ -66,6 +76,9 @@ class Sharding:
         offload: ``"none"`` or ``"cpu"`` (``fsdp1``/``fsdp2`` only).
         sequence_parallel: ranks each packed micro-batch is split over (Ulysses; ``fsdp1``/``fsdp2``
             only); divides ``world_size``; default 1 (no split).
+        reduce_bucket_size: ``zero1``/``zero2`` only: the gradient bucket's elements
+            (DeepSpeed's ``zero_optimization.reduce_bucket_size``, default 500,000,000).
+        overlap_comm: ``zero1``/``zero2`` only: DeepSpeed's ``overlap_comm`` (two buckets).
 
     Raises:
         InvalidArgument: an unknown name (the choices and the closest are listed), a bad
@@ -87,6 +100,8 @@ class Sharding:
     mixed_precision: str | None = None
     offload: str = "none"
     sequence_parallel: int = 1
+    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
+    overlap_comm: bool = False
 
     def __post_init__(self) -> None:
         strategy = check_choice("sharding", self.strategy, STRATEGIES)
@@ -124,6 +139,15 @@ class Sharding:
                 f"sequence_parallel must divide world_size={self.world_size} (world = data-parallel × sequence-parallel "
                 f"ranks), but got sequence_parallel={self.sequence_parallel}; use a divisor of {self.world_size}"
             )
+        check_positive_int("reduce_bucket_size", self.reduce_bucket_size)
+        if not isinstance(self.overlap_comm, bool):
+            raise InvalidArgument(f"overlap_comm must be True or False, but got overlap_comm={self.overlap_comm!r}")
+        if strategy not in ZERO_STRATEGIES and (
+            self.overlap_comm or self.reduce_bucket_size != DEFAULT_REDUCE_BUCKET_SIZE
+        ):
+            raise InvalidArgument(
+                f"reduce_bucket_size and overlap_comm are DeepSpeed ZeRO's options and need strategy='zero1' or 'zero2', but got strategy={strategy!r}; use strategy='zero2' or leave them at their defaults"
+            )
         object.__setattr__(self, "mixed_precision", precision)
 
     @property
@@ -135,6 +159,14 @@ class Sharding:
     def shards_state(self) -> bool:
         """True when parameters, gradients and optimizer state are split over the ranks (``fsdp1``, ``fsdp2``)."""
         return self.strategy in FSDP_STRATEGIES
+
+    @property
+    def partitioned(self) -> tuple[str, ...]:
+        """The state categories split over the ranks: FSDP's parameters, gradients and optimizer state; ZeRO-1's
+        optimizer state (fp32 master weights and AdamW's moments); ZeRO-2's gradients too."""
+        if self.strategy in FSDP_STRATEGIES:
+            return ("parameters", "gradients", "optimizer_state")
+        return {"zero1": ("optimizer_state",), "zero2": ("gradients", "optimizer_state")}.get(self.strategy, ())
 
     @property
     def distributed(self) -> bool:
@@ -150,6 +182,13 @@ class Sharding:
             return "none (one device)"
         if self.strategy == "ddp":
             return f"ddp over {self._ranks()} (full replica + gradient buckets)"
+        if self.strategy in ZERO_STRATEGIES:
+            what = "optimizer state and gradients" if self.strategy == "zero2" else "optimizer state"
+            overlap = ", overlap_comm: two reduce buckets" if self.overlap_comm else ""
+            return (
+                f"{self.strategy} over {self._ranks()} (DeepSpeed ZeRO-{self.strategy[-1]}: parameters replicated, "
+                f"fp32 master weights, {what} partitioned{overlap})"
+            )
         parts = [
             "fp32 params, bf16 compute, fp32 reduce"
             if self.mixed_precision == "bf16"
@@ -169,10 +208,13 @@ class Sharding:
         return "1 rank" if self.world_size == 1 else f"{self.world_size} ranks"
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain values (JSON-ready); ``sequence_parallel`` only when above 1."""
+        """The fields as plain values (JSON-ready); ``sequence_parallel`` only when above 1, ZeRO's options
+        (``reduce_bucket_size``, ``overlap_comm``) with ``zero1``/``zero2`` only."""
         out = asdict(self)
         if out["sequence_parallel"] == 1:
             del out["sequence_parallel"]
+        if self.strategy not in ZERO_STRATEGIES:
+            del out["reduce_bucket_size"], out["overlap_comm"]
         return out
 
 

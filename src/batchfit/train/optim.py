@@ -77,6 +77,9 @@ def allocate_gradients(model: torch.nn.Module) -> None:
     allocated before and kept after (``zero_grad`` with ``set_to_none=False``): every
     micro-batch of an accumulation fits, the first included.
     """
+    zero = getattr(model, "batchfit_zero", None)
+    if zero is not None and zero.gradients is not None:
+        return  # ZeRO-2 keeps its partition's gradients in a buffer of its own (batchfit.parallel.zero)
     for p in unwrap(model).parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
