@@ -5,7 +5,8 @@ tokens, packed rows as verl's ``use_remove_padding`` runs them, FSDP2 over 8 ran
 master weights and bf16 compute, gradient checkpointing, the policy's update step, the estimate
 backend with an H100's 80 GB), it prints:
 
-- the per-GPU token budget C (what ``ppo_max_token_len_per_gpu`` may be), or "does not fit";
+- the token budget C of one micro-batch (split over the sp ranks of a group) and its per-GPU share
+  C / sp (what ``ppo_max_token_len_per_gpu`` may be: verl multiplies it by sp), or "does not fit";
 - verl's rule of thumb (docs/perf/perf_tuning.rst: ``ppo_max_token_len_per_gpu`` at least
   2 × (max_prompt_length + max_response_length)) and whether the budget meets it;
 - the peak's breakdown at the budget (one rank's device bytes by category) and the host bytes
@@ -17,8 +18,12 @@ backend with an H100's 80 GB), it prints:
     python benchmarks/long_context.py --logprobs fused         # the fused head (no logits kept)
     python benchmarks/long_context.py --models qwen2.5-7b --lengths 32768
 
-The sequence-parallel sizes (sp / cp = 2, 4, 8) join when ``Sharding`` models them (issue 30
-parts 1-3): see ``SEQUENCE_PARALLEL`` below.
+    python benchmarks/long_context.py --models qwen2.5-7b --lengths 131072 --sequence-parallel 1,2,4,8
+
+With ``--sequence-parallel``, each size splits every packed micro-batch over a group of that many
+ranks with Ulysses attention (docs/sequence_parallel.md); C is then the tokens of a micro-batch
+the group holds, and the per-GPU share is C / sp. Ring attention (cp) is refused by batchfit on
+this torch (docs/sequence_parallel.md says why), so it has no rows.
 """
 
 from __future__ import annotations
@@ -38,19 +43,13 @@ LENGTHS = (32_768, 65_536, 131_072)
 WORLD_SIZE = 8
 TARGET = "h100-80gb"
 
-# ---------------------------------------------------------------------------------------------
-# SEQUENCE / CONTEXT PARALLELISM: the place for sp and cp sizes (h-sp, issue 30 parts 1-3).
-# Today only sp = 1 runs. Once ``Sharding`` takes a sequence-parallel size, add 2, 4, 8 here and
-# build it in ``sharding_for``; the tables then gain one block per size.
 SEQUENCE_PARALLEL: tuple[int, ...] = (1,)
+"""The sequence-parallel sizes by default (``--sequence-parallel 1,2,4,8`` adds more)."""
 
 
 def sharding_for(sp: int) -> Sharding:
-    """FSDP2 over :data:`WORLD_SIZE` ranks with sequence-parallel size ``sp`` (only 1 until Sharding models it)."""
-    if sp != 1:
-        raise NotImplementedError(f"sequence parallelism sp={sp}: Sharding does not model it yet (issue 30 parts 1-3)")
-    return Sharding("fsdp2", world_size=WORLD_SIZE)
-# ---------------------------------------------------------------------------------------------
+    """FSDP2 over :data:`WORLD_SIZE` ranks, each packed micro-batch split over ``sp`` of them (Ulysses)."""
+    return Sharding("fsdp2", world_size=WORLD_SIZE, sequence_parallel=sp)
 
 
 @dataclass
@@ -124,16 +123,18 @@ def _gib(n: int | None) -> str:
 
 def render(rows: Iterable[Row]) -> str:
     lines = [
-        f"{'model':12} {'sp':>2} {'offload':>7} {'seq len':>8} {'budget C':>10} {'verl 2×len':>10} {'meets':>5} "
+        f"{'model':12} {'sp':>2} {'offload':>7} {'seq len':>8} {'budget C':>10} {'per GPU':>9} {'verl 2×len':>10} {'meets':>5} "
         f"{'peak':>10} {'host':>10} {'s':>6}  breakdown at the peak"
     ]
     for r in rows:
         rule = 2 * r.seq_len
-        meets = "-" if r.tokens is None else ("yes" if r.tokens >= rule else "no")
+        per_gpu = None if r.tokens is None else r.tokens // r.sp  # verl's ppo_max_token_len_per_gpu (× sp inside verl)
+        meets = "-" if per_gpu is None else ("yes" if per_gpu >= rule else "no")
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(r.breakdown.items(), key=lambda kv: -kv[1]) if v)
         lines.append(
             f"{r.model:12} {r.sp:>2} {'on' if r.offload else 'off':>7} {r.seq_len:>8,} "
-            f"{('no fit' if r.tokens is None else f'{r.tokens:,}'):>10} {rule:>10,} {meets:>5} "
+            f"{('no fit' if r.tokens is None else f'{r.tokens:,}'):>10} {('-' if per_gpu is None else f'{per_gpu:,}'):>9} "
+            f"{rule:>10,} {meets:>5} "
             f"{(_gib(r.peak) if r.tokens is not None else '≥ ' + _gib(r.peak)):>10} "
             f"{(_gib(r.host) if r.host else '-'):>10} {r.seconds:>6.1f}  {parts}"
         )
@@ -146,6 +147,9 @@ def main() -> None:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma-separated max_seq_len values")
     parser.add_argument("--logprobs", default="verl", help="the policy's head (verl, full, chunked, fused)")
     parser.add_argument("--no-longest", action="store_true", help="skip the longest-sequence search")
+    parser.add_argument(
+        "--sequence-parallel", default=",".join(map(str, SEQUENCE_PARALLEL)), help="comma-separated Ulysses sizes"
+    )
     args = parser.parse_args()
     models = [m for m in args.models.split(",") if m]
     lengths = [int(n) for n in args.lengths.split(",") if n]
@@ -157,7 +161,7 @@ def main() -> None:
     rows: list[Row] = []
     longest: list[str] = []
     for model in models:
-        for sp in SEQUENCE_PARALLEL:
+        for sp in [int(x) for x in args.sequence_parallel.split(",")]:
             for offload in (False, True):
                 these = [measure(model, n, offload, sp, args.logprobs) for n in lengths]
                 rows += these
