@@ -1,0 +1,259 @@
+"""Mixtures of experts: what a config says about its experts, how transformers runs them, fixed routing.
+
+NOTE [ Experts as transformers runs them ]
+transformers 5 stores each MoE layer's experts as 3-D parameters (``gate_up_proj`` of
+``[experts, 2·I, H]``, ``down_proj``) in a class decorated by ``use_experts_implementation``
+(``transformers/integrations/moe.py``), whose forward ``(hidden_states, top_k_index,
+top_k_weights)`` is chosen by ``config._experts_implementation``:
+
+- ``grouped_mm`` (transformers 5's default, ``PreTrainedModel.get_correct_experts_implementation``):
+  the token-expert pairs are sorted by expert and multiplied by ``torch.nn.functional.grouped_mm``
+  with per-expert offsets; every tensor has ``tokens × top-k`` rows whatever the routing, so its
+  memory does not depend on the routing (balanced, random and skewed routing give the same
+  peak: ``tests/test_moe.py``). The CPU kernel takes bf16 only.
+- ``batched_mm``: each token repeated ``top-k`` times and the expert weights *gathered per pair*
+  (``gate_up_proj[expert_ids]``: ``tokens × top-k`` copies of an expert's matrices); routing-
+  independent shapes too, and far more memory.
+- ``eager``: the per-expert loop (what transformers 4.x ran, and the class's own ``forward``):
+  ``nonzero`` of the routing picks the experts hit, then each expert runs on its own tokens. Its
+  shapes follow the routing, which the router decides from float data; the estimate cannot run it
+  on the router's choice (fake tensors have no values) and would not want to: the budget must hold
+  for whatever routing training produces.
+
+NOTE [ The worst case of a routing-dependent loop ]
+For a routing-dependent implementation the probe replaces the router's choice by a fixed index
+tensor built from integers (``torch.arange``), so on the estimate its values are known (NOTE
+[ Integer tensors keep their values ] in :mod:`batchfit.memory.shadow_values`) and ``nonzero``
+runs; the weights of the choice stay the router's (its gradient flows as in training). The
+routing fixed is the worst case the router can produce: every token of the micro-batch routed
+to the same ``top-k`` experts (``"skewed"``): each of them runs on all the tokens at once, the
+largest per-expert tensors there can be (the total over experts, ``tokens × top-k`` rows, is the
+same for any routing). ``"balanced"`` (token ``t``'s slot ``j`` to expert ``(t·k + j) mod E``) is
+offered to compare. The hook is a forward pre-hook on each experts module (no process-wide
+change); the router itself, its logits, the auxiliary load-balancing loss
+(``output_router_logits``) and their memory stay as the model's own code allocates them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchfit.errors import InvalidArgument
+from batchfit.validation import check_choice
+
+#: What ``--experts-implementation`` accepts: transformers' own names.
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
+#: Implementations whose tensors' shapes follow the routing (NOTE [ The worst case of a routing-dependent loop ]).
+ROUTING_DEPENDENT = frozenset({"eager"})
+#: Fixed routings a probe can impose: the worst case, and the balanced one to compare with.
+ROUTINGS = ("skewed", "balanced")
+
+# Config fields naming the routed experts per MoE layer, by family (Qwen, DeepSeek/GLM, Mixtral/gpt-oss).
+_EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def moe_fields(config: Any) -> tuple[int, int] | None:
+    """``(experts per MoE layer, experts per token)`` read from a transformers config, or ``None`` for a dense model.
+
+    Reads ``num_experts`` (Qwen), ``n_routed_experts`` (DeepSeek, GLM) or ``num_local_experts``
+    (Mixtral, gpt-oss), and ``num_experts_per_tok``; a sub-config ``text_config`` is followed.
+    """
+    inner = getattr(config, "text_config", None) or config
+    per_token = _positive(getattr(inner, "num_experts_per_tok", None))
+    for name in _EXPERT_FIELDS:
+        experts = _positive(getattr(inner, name, None))
+        if experts is not None and per_token is not None:
+            return experts, per_token
+    return None
+
+
+def is_moe(config: Any) -> bool:
+    """The config describes a mixture of experts (:func:`moe_fields` finds its experts)."""
+    return moe_fields(config) is not None
+
+
+def default_experts_implementation(config: Any = None) -> str:
+    """The experts implementation the installed transformers runs when none is asked for.
+
+    transformers 5 chooses ``grouped_mm`` (``PreTrainedModel.get_correct_experts_implementation``
+    with no request) for every class decorated by ``use_experts_implementation``; older
+    releases have no such choice and run the per-expert loop, ``eager``.
+    """
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # transformers 4.x: the per-expert loop only
+        return "eager"
+    return "grouped_mm" if "grouped_mm" in ALL_EXPERTS_FUNCTIONS else "eager"
+
+
+def check_experts_implementation(name: str, value: Any) -> str | None:
+    """``value`` as an experts implementation (one of :data:`EXPERTS_IMPLEMENTATIONS`), or ``None`` (the default).
+
+    Raises:
+        InvalidArgument: any other value, naming ``name`` and the choices.
+    """
+    if value is None:
+        return None
+    return check_choice(name, value, EXPERTS_IMPLEMENTATIONS)
+
+
+def set_experts_implementation(config: Any, implementation: str | None) -> None:
+    """Ask transformers to build ``config``'s experts with ``implementation`` (``None``: its default); dense configs are left as they are."""
+    if implementation is None or not is_moe(config):
+        return
+    config._experts_implementation = implementation
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts modules of a transformers MoE (classes decorated by ``use_experts_implementation``)."""
+    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and _positive(getattr(m, "num_experts", None))]
+
+
+def fixed_routing(num_tokens: int, top_k: int, num_experts: int, routing: str, device: Any) -> torch.Tensor:
+    """A ``[num_tokens, top_k]`` int64 index tensor built from integers (NOTE [ The worst case of a routing-dependent loop ]).
+
+    ``"skewed"``: every token to experts ``0 … top_k-1``; ``"balanced"``: token ``t``'s slot ``j``
+    to expert ``(t·top_k + j) mod num_experts`` (each expert gets ``num_tokens·top_k/num_experts``
+    pairs, a token's experts distinct when ``top_k <= num_experts``).
+    """
+    if routing == "skewed":
+        return torch.arange(top_k, device=device).repeat(num_tokens, 1)
+    return (torch.arange(num_tokens * top_k, device=device) % num_experts).view(num_tokens, top_k)
+
+
+@contextlib.contextmanager
+def routing_fixed(model: torch.nn.Module, routing: str | None) -> Iterator[int]:
+    """Inside, every experts module of ``model`` runs on :func:`fixed_routing` instead of its router's choice.
+
+    Yields the number of experts modules hooked (0 for a dense model). ``routing=None`` changes
+    nothing. The router's weights for its choice are kept (their gradient flows).
+
+    Raises:
+        InvalidArgument: ``routing`` is not one of :data:`ROUTINGS`.
+    """
+    if routing is None:
+        yield 0
+        return
+    check_choice("routing", routing, ROUTINGS)
+    handles = [m.register_forward_pre_hook(_fixing_hook(routing)) for m in experts_modules(model)]
+    try:
+        yield len(handles)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def fix_routing(model: torch.nn.Module, routing: str | None) -> int:
+    """:func:`routing_fixed` for the model's lifetime (the hooks stay); returns the experts modules hooked."""
+    if routing is None:
+        return 0
+    check_choice("routing", routing, ROUTINGS)
+    modules = experts_modules(model)
+    for m in modules:
+        m.register_forward_pre_hook(_fixing_hook(routing))
+    return len(modules)
+
+
+def _fixing_hook(routing: str) -> Any:
+    def hook(module: torch.nn.Module, args: tuple) -> tuple | None:
+        if len(args) < 3:  # called by keywords: not transformers' own call, leave it alone
+            raise InvalidArgument(
+                f"routing={routing!r}: the experts module {type(module).__name__} was called without its routing as positional arguments (hidden_states, top_k_index, top_k_weights); run it with routing=None"
+            )
+        hidden, index, weights, *rest = args
+        fixed = fixed_routing(index.shape[0], index.shape[-1], module.num_experts, routing, index.device)
+        return (hidden, fixed.view(index.shape).to(index.dtype), weights, *rest)
+
+    return hook
+
+
+@dataclass(frozen=True)
+class MoeSummary:
+    """What a report says about a mixture of experts.
+
+    Attributes:
+        total_parameters: every parameter of the model.
+        active_parameters: those one token runs through: the dense ones and ``per_token /
+            experts`` of each MoE layer's routed experts (embeddings and head included).
+        experts: routed experts per MoE layer.
+        experts_per_token: experts each token is routed to.
+        moe_layers: decoder layers with routed experts.
+        implementation: the experts implementation measured (NOTE [ Experts as transformers runs them ]).
+        default_implementation: the one the installed transformers runs unasked.
+        routing: ``"any"`` (the implementation's memory does not depend on it) or the routing
+            fixed in the probe (``"skewed"``: the worst case).
+    """
+
+    total_parameters: int
+    active_parameters: int
+    experts: int
+    experts_per_token: int
+    moe_layers: int
+    implementation: str
+    default_implementation: str
+    routing: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (JSON-ready)."""
+        return {
+            "total_parameters": self.total_parameters,
+            "active_parameters": self.active_parameters,
+            "experts": self.experts,
+            "experts_per_token": self.experts_per_token,
+            "moe_layers": self.moe_layers,
+            "experts_implementation": self.implementation,
+            "default_experts_implementation": self.default_implementation,
+            "routing": self.routing,
+        }
+
+
+def probe_routing(implementation: str) -> str | None:
+    """The routing a probe fixes for ``implementation``: the worst case where memory follows the routing, else none."""
+    return "skewed" if implementation in ROUTING_DEPENDENT else None
+
+
+def moe_summary(config: Any, implementation: str | None = None) -> MoeSummary | None:
+    """Parameters, experts and implementation of a MoE config (built on the meta device: nothing allocated), or ``None`` for a dense one.
+
+    Args:
+        config: a transformers config (:func:`batchfit.models.load_config`).
+        implementation: the experts implementation asked for; ``None``: the default.
+    """
+    fields = moe_fields(config)
+    if fields is None:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    from batchfit.models.specs import load_config, quiet_transformers_logs
+
+    experts, per_token = fields
+    default = default_experts_implementation(config)
+    chosen = implementation or default
+    copy = load_config(config)
+    with quiet_transformers_logs(), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy, dtype=torch.bfloat16)
+    total = sum(p.numel() for p in model.parameters())
+    modules = experts_modules(model)
+    routed = sum(p.numel() for m in modules for p in m.parameters(recurse=False))
+    active = total - routed + sum(
+        p.numel() * per_token // m.num_experts for m in modules for p in m.parameters(recurse=False)
+    )
+    return MoeSummary(
+        total_parameters=total,
+        active_parameters=active,
+        experts=experts,
+        experts_per_token=per_token,
+        moe_layers=len(modules),
+        implementation=chosen,
+        default_implementation=default,
+        routing=probe_routing(chosen) or "any",
+    )
