@@ -19,6 +19,7 @@ from batchfit.errors import KEYWORDS, InvalidArgument, Setting, Vocabulary
 from batchfit.memory import BACKEND_NAMES
 from batchfit.memory.cuda_untracked import DEFAULT_SAFETY_MARGIN
 from batchfit.models.lora import LoraSpec, as_lora
+from batchfit.models.moe import ROUTINGS, check_experts_implementation
 from batchfit.parallel.sharding import Sharding, as_sharding
 from batchfit.plan import COSTS
 from batchfit.train.framework_heads import FrameworkHead
@@ -70,6 +71,15 @@ class ProfileOptions:
         response_fraction: with ``response_only``, the share of a sequence's tokens that are
             response (loss) tokens, in ``(0, 1]`` (a 4:1 prompt:response ratio is 0.2);
             ``None``: every token but the first (the most there can be).
+        experts_implementation: how a mixture of experts runs its experts: ``grouped_mm``,
+            ``batched_mm`` or ``eager`` (NOTE [ Experts as transformers runs them ] in
+            :mod:`batchfit.models.moe`); ``None``: what the installed transformers runs
+            (``grouped_mm`` in 5.x). ``eager`` is probed with the worst-case routing. Dense
+            models ignore it.
+        routing: the routing a mixture of experts is probed with: ``None`` (automatic: the
+            router's own where memory does not depend on it, the worst case ``"skewed"``
+            where it does), ``"skewed"`` or ``"balanced"`` (to compare; a budget probed with it
+            does not hold for every routing).
 
     Args:
         vocabulary: how a bad value's message names its setting (not a field): ``None``
@@ -101,6 +111,8 @@ class ProfileOptions:
     lora: LoraSpec | None = None
     response_only: bool = False
     response_fraction: float | None = None
+    experts_implementation: str | None = None
+    routing: str | None = None
     vocabulary: InitVar[Vocabulary | None] = None
 
     def __post_init__(self, vocabulary: Vocabulary | None) -> None:
@@ -116,6 +128,9 @@ class ProfileOptions:
         set_(self, "sharding", as_sharding(self.sharding))
         set_(self, "lora", as_lora(self.lora))
         set_(self, "response_fraction", check_response_fraction(self.response_fraction, name(Setting("response_fraction"))))
+        set_(self, "experts_implementation", check_experts_implementation(name(Setting("experts_implementation")), self.experts_implementation))
+        if self.routing is not None:
+            set_(self, "routing", check_choice(name(Setting("routing")), self.routing, ROUTINGS))
         for name in ("gradient_checkpointing", "suggest_world_size", "response_only"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")

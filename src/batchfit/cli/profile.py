@@ -179,6 +179,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --lora-rank: the modules to adapt (default all-linear: every linear layer but the LM head)",
     )
     p.add_argument(
+        "--experts-implementation",
+        metavar="grouped_mm|batched_mm|eager",
+        help="how a mixture of experts runs its experts (default: what the installed transformers runs, grouped_mm in "
+        "5.x); eager, the per-expert loop, is budgeted for the worst routing (every token to the same experts)",
+    )
+    p.add_argument(
+        "--expert-parallel",
+        type=int,
+        metavar="N",
+        help="expert parallelism is not modelled: any N above 1 is refused (docs/moe.md)",
+    )
+    p.add_argument(
         "--safety-margin",
         type=float,
         metavar="F",

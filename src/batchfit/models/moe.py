@@ -32,6 +32,15 @@ same for any routing). ``"balanced"`` (token ``t``'s slot ``j`` to expert ``(t·
 offered to compare. The hook is a forward pre-hook on each experts module (no process-wide
 change); the router itself, its logits, the auxiliary load-balancing loss
 (``output_router_logits``) and their memory stay as the model's own code allocates them.
+
+NOTE [ Expert parallelism is not modelled ]
+Expert parallelism (each rank of an EP group holds ``experts / EP`` of a layer's experts and
+tokens travel to them by all-to-all, as Megatron-based frameworks run MoE) is not modelled:
+transformers' own EP path (``_is_expert_parallel``, its distributed ``tp_plan``) is built for
+inference, and an all-to-all dispatch whose per-rank buffers are sized by the routing would
+have to be written here, not taken from PyTorch. batchfit refuses ``expert_parallel > 1`` in
+one line rather than answer it with a formula; a MoE is profiled under FSDP2 over every rank
+(each layer's experts gathered whole: the ``gathered_parameters`` category).
 """
 
 from __future__ import annotations
@@ -104,6 +113,20 @@ def check_experts_implementation(name: str, value: Any) -> str | None:
     if value is None:
         return None
     return check_choice(name, value, EXPERTS_IMPLEMENTATIONS)
+
+
+def check_expert_parallel(name: str, value: Any) -> None:
+    """Refuse expert parallelism above 1 (NOTE [ Expert parallelism is not modelled ]); ``None`` and 1 pass.
+
+    Raises:
+        InvalidArgument: any other value.
+    """
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
+        return
+    raise InvalidArgument(
+        f"{name} {value!r}: expert parallelism (experts sharded over an EP group, tokens sent by all-to-all) is not modelled by batchfit, "
+        "and a dense formula would not be its memory; drop it to profile the MoE under FSDP2 over all ranks (every expert of a layer gathered), see docs/moe.md"
+    )
 
 
 def set_experts_implementation(config: Any, implementation: str | None) -> None:
@@ -191,6 +214,8 @@ class MoeSummary:
         default_implementation: the one the installed transformers runs unasked.
         routing: ``"any"`` (the implementation's memory does not depend on it) or the routing
             fixed in the probe (``"skewed"``: the worst case).
+        balanced_tokens: with the worst case fixed automatically, the binding role's budget
+            with balanced routing (to set beside the worst case's); else ``None``.
     """
 
     total_parameters: int
@@ -201,6 +226,7 @@ class MoeSummary:
     implementation: str
     default_implementation: str
     routing: str
+    balanced_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON-ready)."""
@@ -213,7 +239,36 @@ class MoeSummary:
             "experts_implementation": self.implementation,
             "default_experts_implementation": self.default_implementation,
             "routing": self.routing,
+            "balanced_tokens": self.balanced_tokens,
         }
+
+    def short(self) -> str:
+        """``mixture of experts (30.5B parameters, 3.35B active, 128 experts, 8 per token, experts grouped_mm)``."""
+        routing = ", worst-case routing" if self.routing == "skewed" else ", balanced routing" if self.routing == "balanced" else ""
+        return (
+            f"mixture of experts ({_billions(self.total_parameters)} parameters, {_billions(self.active_parameters)} active, "
+            f"{self.experts} experts, {self.experts_per_token} per token, experts {self.implementation}{routing})"
+        )
+
+    def describe(self) -> str:
+        """One line: ``mixture of experts: 30.5B parameters, 3.35B active; 48 MoE layers of 128 experts, 8 per token; experts grouped_mm (transformers' default), any routing``."""
+        default = " (transformers' default)" if self.implementation == self.default_implementation else f" (transformers' default: {self.default_implementation})"
+        routing = (
+            "its memory does not depend on the routing"
+            if self.routing == "any"
+            else "routing fixed as every token to the same experts (the worst case)"
+            if self.routing == "skewed"
+            else "routing fixed as balanced (not the worst case)"
+        )
+        return (
+            f"mixture of experts: {_billions(self.total_parameters)} parameters, {_billions(self.active_parameters)} active; "
+            f"{self.moe_layers} MoE layers of {self.experts} experts, {self.experts_per_token} per token; "
+            f"experts {self.implementation}{default}, {routing}"
+        )
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e8 else f"{n / 1e6:.3g}M"
 
 
 def probe_routing(implementation: str) -> str | None:
