@@ -20,7 +20,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from batchfit.dtypes import parse_dtype
 from batchfit.errors import InvalidArgument
 from batchfit.memory import Backend, get_backend
-from batchfit.models.moe import ROUTINGS, check_experts_implementation, fix_routing, set_experts_implementation
+from batchfit.models.moe import (
+    ROUTINGS,
+    check_experts_implementation,
+    fix_routing,
+    set_experts_implementation,
+)
 from batchfit.models.specs import DEFAULT_PRESET, load_config, quiet_transformers_logs, spec_name
 from batchfit.validation import check_choice, check_int
 
@@ -168,6 +173,7 @@ def build_causal_lm(
         config.num_labels = 1
         config.classifier_dropout = 0.0
     factory = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    attn_implementation = _attention_the_class_runs(factory, config, attn_implementation)
     context = chosen.context() if chosen is not None else contextlib.nullcontext()
     device = chosen.device if chosen is not None else torch.device("cpu")
     from torch._guards import active_fake_mode
@@ -199,6 +205,22 @@ def build_causal_lm(
             if plan.strategy == "fsdp2":
                 model = _shard_on_meta(model, plan, device)
         return _materialise(model, plan, device, seed, spec)
+
+
+def _attention_the_class_runs(factory: Any, config: Any, asked: str) -> str:
+    """``asked``, or ``"eager"`` when ``asked`` is sdpa and the model class has no sdpa path.
+
+    transformers itself falls back to eager attention for such a class when none is asked for
+    (``PreTrainedModel.get_correct_attn_implementation``): gpt-oss, whose attention sinks sdpa
+    cannot express, runs eager attention unless a kernel is installed.
+    """
+    if asked != "sdpa":
+        return asked
+    try:
+        cls = factory._model_mapping[type(config)]
+    except (KeyError, AttributeError):  # transformers decides (and may refuse) at build
+        return asked
+    return asked if getattr(cls, "_supports_sdpa", True) else "eager"
 
 
 def resolve_seed(seed: int | None, sharding: Any) -> int:

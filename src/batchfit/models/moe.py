@@ -167,9 +167,11 @@ def routing_fixed(model: torch.nn.Module, routing: str | None) -> Iterator[int]:
         yield 0
         return
     check_choice("routing", routing, ROUTINGS)
-    handles = [m.register_forward_pre_hook(_fixing_hook(routing)) for m in experts_modules(model)]
+    handles = []
+    for m in experts_modules(model):
+        handles += [m.register_forward_pre_hook(_fixing_hook(routing)), m.register_forward_hook(_restore_limit, always_call=True)]
     try:
-        yield len(handles)
+        yield len(handles) // 2
     finally:
         for handle in handles:
             handle.remove()
@@ -183,7 +185,36 @@ def fix_routing(model: torch.nn.Module, routing: str | None) -> int:
     modules = experts_modules(model)
     for m in modules:
         m.register_forward_pre_hook(_fixing_hook(routing))
+        m.register_forward_hook(_restore_limit, always_call=True)
     return len(modules)
+
+
+# NOTE [ The routing mask keeps its values ]
+# The per-expert loop builds ``one_hot(top_k_index, experts + 1)``, an int64 tensor of
+# ``tokens × top-k × (experts + 1)`` entries (67 MB for 8,192 tokens of Qwen3-30B-A3B), and takes
+# its ``nonzero``: on the estimate its values must be kept, beyond the usual limit per tensor
+# (NOTE [ Integer tensors keep their values ]). While an experts module with fixed routing runs
+# forward (again under checkpointing's recomputation), the limit of the active fake mode is
+# raised to that tensor's bytes, then restored. The estimate spends that much host memory.
+
+
+def _raised_limit(module: torch.nn.Module, index: torch.Tensor) -> None:
+    from torch._guards import active_fake_mode
+
+    mode = active_fake_mode()
+    if mode is None or not hasattr(mode, "shadow_limit_bytes"):
+        return
+    need = index.numel() * (module.num_experts + 1) * 8
+    saved = module.__dict__.setdefault("_batchfit_saved_limits", [])
+    saved.append((mode, mode.shadow_limit_bytes))
+    mode.shadow_limit_bytes = max(mode.shadow_limit_bytes, need)
+
+
+def _restore_limit(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    saved = module.__dict__.get("_batchfit_saved_limits")
+    if saved:
+        mode, limit = saved.pop()
+        mode.shadow_limit_bytes = limit
 
 
 def _fixing_hook(routing: str) -> Any:
@@ -194,6 +225,7 @@ def _fixing_hook(routing: str) -> Any:
             )
         hidden, index, weights, *rest = args
         fixed = fixed_routing(index.shape[0], index.shape[-1], module.num_experts, routing, index.device)
+        _raised_limit(module, index)  # NOTE [ The routing mask keeps its values ]
         return (hidden, fixed.view(index.shape).to(index.dtype), weights, *rest)
 
     return hook
