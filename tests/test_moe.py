@@ -168,3 +168,37 @@ def test_bad_moe_settings_are_refused(call, match):
         call()
     check_expert_parallel("--expert-parallel", 1)  # 1 is no expert parallelism
     assert EXPERTS_IMPLEMENTATIONS == ("grouped_mm", "batched_mm", "eager")
+
+
+@pytest.mark.slow  # a verl run's five passes on the estimate (tens of seconds)
+def test_a_verl_config_whose_model_is_moe_profiles_every_pass_with_it(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from batchfit.cli import main
+
+    model_dir = tmp_path / "small-moe"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(SMALL_MOE))
+    config = {
+        "data": {"train_batch_size": 16, "max_prompt_length": 32, "max_response_length": 96},
+        "actor_rollout_ref": {
+            "model": {"path": str(model_dir), "enable_gradient_checkpointing": True},
+            "actor": {"strategy": "fsdp2", "ppo_mini_batch_size": 8, "use_kl_loss": True},
+            "rollout": {"n": 2},
+        },
+        "algorithm": {"adv_estimator": "grpo"},
+        "trainer": {"nnodes": 1, "n_gpus_per_node": 2},
+    }
+    path = tmp_path / "verl.yaml"
+    path.write_text(yaml.safe_dump(config))
+    fast = ["--backend", "estimate", "--memory", "128MiB", "--reserve", "0", "--no-progress"]
+    args = ["profile", "--config", str(path), *fast, "--experts-implementation", "eager", "--emit", "verl"]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    roles = {role for p in data["profiles"].values() for role in p["budgets"]}
+    assert roles == {"policy", "policy_forward", "reference"}
+    for profile in data["profiles"].values():  # every pass measured the per-expert loop on the worst case
+        assert profile["moe"]["experts_implementation"] == "eager" and profile["moe"]["routing"] == "skewed"
+        assert profile["moe"]["balanced_tokens"] is not None  # the balanced budget beside the worst case's
