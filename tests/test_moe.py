@@ -202,3 +202,12 @@ def test_a_verl_config_whose_model_is_moe_profiles_every_pass_with_it(tmp_path, 
     for profile in data["profiles"].values():  # every pass measured the per-expert loop on the worst case
         assert profile["moe"]["experts_implementation"] == "eager" and profile["moe"]["routing"] == "skewed"
         assert profile["moe"]["balanced_tokens"] is not None  # the balanced budget beside the worst case's
+
+
+@pytest.mark.slow  # the CLI's imports
+def test_the_cli_refuses_expert_parallelism_in_one_line(capsys):
+    from batchfit.cli import main
+
+    assert main(["profile", "--model", "tiny", "--backend", "estimate", "--memory", "1GiB", "--expert-parallel", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--expert-parallel 4: expert parallelism" in err and "docs/moe.md" in err
