@@ -318,16 +318,15 @@ def moe_summary(config: Any, implementation: str | None = None) -> MoeSummary | 
     fields = moe_fields(config)
     if fields is None:
         return None
-    from transformers import AutoModelForCausalLM
+    import copy
 
-    from batchfit.models.specs import load_config, quiet_transformers_logs
+    from transformers import AutoModelForCausalLM
 
     experts, per_token = fields
     default = default_experts_implementation(config)
     chosen = implementation or default
-    copy = load_config(config)
-    with quiet_transformers_logs(), torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy, dtype=torch.bfloat16)
+    with torch.device("meta"):  # a copy: from_config writes the dtype and implementations into it
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16)
     total = sum(p.numel() for p in model.parameters())
     modules = experts_modules(model)
     routed = sum(p.numel() for m in modules for p in m.parameters(recurse=False))
