@@ -13,6 +13,8 @@ budget searched at ``max_seq_len`` only (``seq_lens=[max_seq_len]``).
    gradients, twice that for AdamW's two moments, and one decoder layer gathered whole by FSDP2
    in bf16 (all of its 128 experts) when the peak falls inside the layers.
 3. The eager loop: balanced routing beside the worst case, at one cell.
+4. A fused log-prob head (no ``[tokens, vocab]`` logits) at 8k × 16: the peak falls inside the
+   layers, where FSDP2 holds gathered layers, all of their experts (``gathered_parameters``).
 
     python benchmarks/moe.py            # everything (about 25 minutes on 2 loaded CPU cores)
     python benchmarks/moe.py --quick    # 8k × 8 ranks with offload (both implementations), and 2.
@@ -32,7 +34,9 @@ MODEL = "qwen3-30b-a3b"
 PARAMETERS = 30_532_122_624  # every parameter of the preset (batchfit.models.moe.moe_summary)
 
 
-def profile(seq_len: int, world: int, offload: bool, implementation: str, routing: str | None = None) -> tuple[object, float]:
+def profile(
+    seq_len: int, world: int, offload: bool, implementation: str, routing: str | None = None, logprobs: str = "full"
+) -> tuple[object, float]:
     t0 = time.perf_counter()
     try:
         result = profile_model(
@@ -46,15 +50,20 @@ def profile(seq_len: int, world: int, offload: bool, implementation: str, routin
             experts_implementation=implementation,
             routing=routing,
             suggest_world_size=False,
+            logprobs=logprobs,
         )
     except DoesNotFitError as exc:
         result = exc
     return result, time.perf_counter() - t0
 
 
-def cell(seq_len: int, world: int, offload: bool, implementation: str, routing: str | None = None) -> object:
-    result, seconds = profile(seq_len, world, offload, implementation, routing)
+def cell(
+    seq_len: int, world: int, offload: bool, implementation: str, routing: str | None = None, logprobs: str = "full"
+) -> object:
+    result, seconds = profile(seq_len, world, offload, implementation, routing, logprobs)
     where = f"{seq_len // 1024}k × {world}, {'offload' if offload else 'no offload'}, {implementation}"
+    if logprobs != "full":
+        where += f", {logprobs} log-probs"
     if routing:
         where += f" ({routing} routing)"
     if isinstance(result, DoesNotFitError):
@@ -77,11 +86,11 @@ def layer_parameters() -> int:
     return sum(p.numel() for p in model.model.layers[0].parameters())
 
 
-def hand_arithmetic(result: object, world: int) -> None:
+def hand_arithmetic(result: object, world: int, what: str) -> None:
     breakdown = (result.breakdown or {}) if isinstance(result, DoesNotFitError) else result.combined.breakdown
     shard = PARAMETERS * 4 / world  # fp32 master weights, FSDP2's even split
     layer = layer_parameters()
-    print(f"\n2. per-rank breakdown at 8k × {world}, no offload, grouped_mm (estimate), and hand arithmetic")
+    print(f"\n{what}: per-rank breakdown (estimate) and hand arithmetic")
     rows = (
         ("parameters", shard, f"{PARAMETERS:,} × 4 B / {world}"),
         ("gradients", shard, f"{PARAMETERS:,} × 4 B / {world}"),
@@ -111,10 +120,16 @@ def main() -> None:
         cell(seq_len, world, offload, "eager", "skewed")
     if args.quick:
         cells[8192, 16, False] = cell(8192, 16, False, "grouped_mm")
-    hand_arithmetic(cells[8192, 16, False], 16)
+    hand_arithmetic(cells[8192, 16, False], 16, "2. 8k × 16, no offload, grouped_mm, full log-probs")
     if not args.quick:
         print("\n3. the eager loop, 8k × 16 without offload: balanced routing beside the worst case")
         cell(8192, 16, False, "eager", "balanced")
+    print("\n4. 8k × 16 without offload, fused log-probs: the peak inside the layers, FSDP2's gathered layers in it")
+    fused = cell(8192, 16, False, "grouped_mm", logprobs="fused")
+    if not args.quick:
+        cell(8192, 16, False, "eager", "skewed", logprobs="fused")
+        cell(8192, 16, False, "eager", "balanced", logprobs="fused")
+    hand_arithmetic(fused, 16, "4. 8k × 16, no offload, grouped_mm, fused log-probs")
 
 
 if __name__ == "__main__":
