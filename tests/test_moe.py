@@ -211,3 +211,20 @@ def test_the_cli_refuses_expert_parallelism_in_one_line(capsys):
     assert main(["profile", "--model", "tiny", "--backend", "estimate", "--memory", "1GiB", "--expert-parallel", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--expert-parallel 4: expert parallelism" in err and "docs/moe.md" in err
+
+
+@pytest.mark.slow  # two real cpu steps
+def test_the_router_logits_and_aux_loss_are_counted_as_the_model_allocates_them():
+    # output_router_logits=True: the model keeps every layer's router logits and computes the
+    # load-balancing loss in its forward; the estimate counts them as the cpu run allocates them
+    peaks = []
+    for name in ("cpu", "estimate"):
+        backend = get_backend(name) if name == "cpu" else get_backend("estimate", memory_limit="1GiB", reserve_bytes=0, round_to=1)
+        config = _config()
+        config.output_router_logits = True
+        model = build_causal_lm(config, backend=backend, dtype="bf16")
+        peaks.append(causal_lm_step(model, backend=backend).measure(LENGTHS).peak_bytes)
+        if name == "cpu":  # the model's own code computes them in this build
+            out = model(input_ids=torch.randint(0, 512, (1, 16)))
+            assert out.aux_loss is not None and len(out.router_logits) == 2
+    assert peaks[0] == peaks[1]
