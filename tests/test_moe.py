@@ -228,3 +228,14 @@ def test_the_router_logits_and_aux_loss_are_counted_as_the_model_allocates_them(
             out = model(input_ids=torch.randint(0, 512, (1, 16)))
             assert out.aux_loss is not None and len(out.router_logits) == 2
     assert peaks[0] == peaks[1]
+
+
+@pytest.mark.slow  # the 30B preset's first probes on the estimate (seconds)
+def test_qwen3_30b_a3b_answers_at_8k_on_8_h100_naming_the_moe(capsys):
+    from batchfit.cli import main
+
+    # fsdp2 × 8, fp32 master weights: the sharded state alone is 30,532,122,624 × 16 B / 8 = 56.9 GiB per rank
+    assert main(["profile", "--model", "qwen3-30b-a3b", "--max-seq-len", "8192", "--world-size", "8", "--no-progress"]) == 1  # does not fit
+    err = capsys.readouterr().err
+    assert "mixture of experts (30.5B parameters, 3.35B active, 128 experts, 8 per token, experts grouped_mm)" in err
+    assert "parameters 14.22 GiB" in err and "--offload cpu" in err and "--world-size 16" in err
