@@ -127,7 +127,7 @@ def test_eager_loop_runs_on_the_estimate_with_integer_routing_and_its_budget_cov
     # the budget, found on the estimate with the worst case, covers the real worst case and any routing
     profile = profile_model(
         _config(), max_seq_len=256, backend="estimate", memory_limit="48MiB", reserve_bytes=0, experts_implementation="eager",
-        seq_lens=[256],
+        seq_lens=[256], compare_routing=True,
     )
     assert profile.moe.routing == "skewed" and profile.moe.balanced_tokens is not None
     rows = profile.combined.tokens // 256
@@ -194,7 +194,7 @@ def test_a_verl_config_whose_model_is_moe_profiles_every_pass_with_it(tmp_path, 
     path = tmp_path / "verl.yaml"
     path.write_text(yaml.safe_dump(config))
     fast = ["--backend", "estimate", "--memory", "128MiB", "--reserve", "0", "--no-progress"]
-    args = ["profile", "--config", str(path), *fast, "--experts-implementation", "eager", "--emit", "verl"]
+    args = ["profile", "--config", str(path), *fast, "--experts-implementation", "eager", "--compare-routing", "--emit", "verl"]
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     roles = {role for p in data["profiles"].values() for role in p["budgets"]}

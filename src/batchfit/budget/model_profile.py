@@ -93,7 +93,7 @@ class ModelProfile:
         moe: for a mixture of experts, its parameters (total and active), experts per layer and
             per token, the experts implementation measured and the routing assumed
             (:class:`~batchfit.models.moe.MoeSummary`; ``balanced_tokens`` beside the worst
-            case's budget where the routing decides the memory); ``None`` for a dense model.
+            case's budget with ``compare_routing``); ``None`` for a dense model.
     """
 
     model: str
@@ -338,7 +338,7 @@ def profile_model(
         if moe is not None:  # the report names the mixture of experts, even when nothing fits
             out = out.replace(Phrase(f"{moe.short()}; ", *out.message.parts))
         raise out from None
-    if moe is not None and moe.routing == "skewed" and opts.routing is not None and options_routing_auto(options, settings):
+    if moe is not None and moe.routing == "skewed" and opts.compare_routing:
         moe = dataclasses.replace(moe, balanced_tokens=_balanced_tokens(build, budgets, be, plan))
     return ModelProfile(
         model=model_name(model),
@@ -362,13 +362,8 @@ def profile_model(
     )
 
 
-def options_routing_auto(options: ProfileOptions | None, settings: dict[str, Any]) -> bool:
-    """The caller left the routing to batchfit (no ``routing`` in ``options`` or ``settings``)."""
-    return settings.get("routing") is None and (options is None or options.routing is None)
-
-
 def _balanced_tokens(build: RoleBuilder, budgets: dict[str, TokenBudget], backend: Backend, plan: Sharding) -> int | None:
-    """The binding role's budget with balanced routing, to set beside the worst case's (NOTE [ The worst case of a routing-dependent loop ]).
+    """The binding role's budget with balanced routing at ``max_seq_len``, to set beside the worst case's (NOTE [ The worst case of a routing-dependent loop ]).
 
     ``None`` when one sequence does not fit even so.
     """
@@ -379,7 +374,7 @@ def _balanced_tokens(build: RoleBuilder, budgets: dict[str, TokenBudget], backen
         step = agree(lambda: balanced.step(role), what=f"building the {role} model")
         try:
             return find_token_budget(
-                step, max_seq_len=opts.max_seq_len, safety_margin=opts.safety_margin, seq_lens=opts.seq_lens,
+                step, max_seq_len=opts.max_seq_len, safety_margin=opts.safety_margin, seq_lens=[opts.max_seq_len],
                 cost=opts.cost, progress=opts.progress, role=role,
             ).tokens
         except DoesNotFitError:

@@ -80,6 +80,10 @@ class ProfileOptions:
             router's own where memory does not depend on it, the worst case ``"skewed"``
             where it does), ``"skewed"`` or ``"balanced"`` (to compare; a budget probed with it
             does not hold for every routing).
+        compare_routing: where the worst case is probed (the ``eager`` loop), also search the
+            budget with balanced routing and report it beside the worst case's
+            (``ModelProfile.moe.balanced_tokens``). Off by default: the loop then runs every
+            expert of every layer, slowly on the estimate (minutes for 128 experts).
 
     Args:
         vocabulary: how a bad value's message names its setting (not a field): ``None``
@@ -113,6 +117,7 @@ class ProfileOptions:
     response_fraction: float | None = None
     experts_implementation: str | None = None
     routing: str | None = None
+    compare_routing: bool = False
     vocabulary: InitVar[Vocabulary | None] = None
 
     def __post_init__(self, vocabulary: Vocabulary | None) -> None:
@@ -131,7 +136,7 @@ class ProfileOptions:
         set_(self, "experts_implementation", check_experts_implementation(name(Setting("experts_implementation")), self.experts_implementation))
         if self.routing is not None:
             set_(self, "routing", check_choice(name(Setting("routing")), self.routing, ROUTINGS))
-        for name in ("gradient_checkpointing", "suggest_world_size", "response_only"):
+        for name in ("gradient_checkpointing", "suggest_world_size", "response_only", "compare_routing"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")
         if self.response_fraction is not None and not self.response_only:

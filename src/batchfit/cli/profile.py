@@ -185,6 +185,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "5.x); eager, the per-expert loop, is budgeted for the worst routing (every token to the same experts)",
     )
     p.add_argument(
+        "--compare-routing",
+        action="store_true",
+        help="with the eager experts (budgeted for the worst routing): also search the budget with balanced routing "
+        "and print both (slow: the loop runs every expert)",
+    )
+    p.add_argument(
         "--expert-parallel",
         type=int,
         metavar="N",

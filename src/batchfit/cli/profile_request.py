@@ -43,6 +43,7 @@ MAX_ESTIMATE_WORLD_SIZE = 2**20
 FLAGS = {
     "max_seq_len": "--max-seq-len",
     "experts_implementation": "--experts-implementation",
+    "compare_routing": "--compare-routing",
     "memory_limit": "--memory",
     "reserve_bytes": "--reserve",
     "safety_margin": "--safety-margin",
@@ -322,6 +323,8 @@ def _experts(args: argparse.Namespace, options: ProfileOptions) -> ProfileOption
     from batchfit.models.moe import check_expert_parallel, check_experts_implementation
 
     check_expert_parallel("--expert-parallel", getattr(args, "expert_parallel", None))
+    if getattr(args, "compare_routing", False):
+        options = options.replace(compare_routing=True)
     chosen = getattr(args, "experts_implementation", None)
     if chosen is None:
         return options

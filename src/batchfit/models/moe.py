@@ -29,7 +29,7 @@ routing fixed is the worst case the router can produce: every token of the micro
 to the same ``top-k`` experts (``"skewed"``): each of them runs on all the tokens at once, the
 largest per-expert tensors there can be (the total over experts, ``tokens × top-k`` rows, is the
 same for any routing). ``"balanced"`` (token ``t``'s slot ``j`` to expert ``(t·k + j) mod E``) is
-offered to compare. The hook is a forward pre-hook on each experts module (no process-wide
+offered to compare (``compare_routing``; slow on the estimate: the loop then runs every expert). The hook is a forward pre-hook on each experts module (no process-wide
 change); the router itself, its logits, the auxiliary load-balancing loss
 (``output_router_logits``) and their memory stay as the model's own code allocates them.
 
@@ -246,8 +246,8 @@ class MoeSummary:
         default_implementation: the one the installed transformers runs unasked.
         routing: ``"any"`` (the implementation's memory does not depend on it) or the routing
             fixed in the probe (``"skewed"``: the worst case).
-        balanced_tokens: with the worst case fixed automatically, the binding role's budget
-            with balanced routing (to set beside the worst case's); else ``None``.
+        balanced_tokens: with the worst case probed and ``compare_routing`` asked, the binding
+            role's budget with balanced routing at ``max_seq_len`` (beside the worst case's); else ``None``.
     """
 
     total_parameters: int
