@@ -16,8 +16,8 @@ budget searched at ``max_seq_len`` only (``seq_lens=[max_seq_len]``).
 4. A fused log-prob head (no ``[tokens, vocab]`` logits) at 8k × 16: the peak falls inside the
    layers, where FSDP2 holds gathered layers, all of their experts (``gathered_parameters``).
 
-    python benchmarks/moe.py            # everything (about 25 minutes on 2 loaded CPU cores)
-    python benchmarks/moe.py --quick    # 8k × 8 ranks with offload (both implementations), and 2.
+    python benchmarks/moe.py            # everything (parts 1-3 took 21 min 33 s on 2 shared CPU cores; 4 adds minutes)
+    python benchmarks/moe.py --quick    # 8k × 8 with offload (both implementations), 8k × 16: 2 and 4's grouped_mm
 """
 
 from __future__ import annotations
