@@ -86,8 +86,9 @@ def test_summary_counts_total_and_active_parameters():
 
 
 def test_fixed_routing_is_integers_of_the_asked_shape():
-    skewed = fixed_routing(5, 2, 8, "skewed", "cpu")
-    assert skewed.tolist() == [[0, 1]] * 5
+    skewed = fixed_routing(7, 2, 8, "skewed", "cpu")
+    # ceil(8 / 2) = 4 tokens hit every expert once, the other 3 go to experts 0 and 1
+    assert skewed.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1], [0, 1], [0, 1]]
     balanced = fixed_routing(8, 2, 8, "balanced", "cpu")
     assert torch.bincount(balanced.flatten(), minlength=8).tolist() == [2] * 8  # 8 tokens × 2 / 8 experts
 
@@ -100,10 +101,11 @@ def test_routing_fixed_replaces_the_routers_choice_and_is_undone():
     with routing_fixed(model, "skewed") as hooked:
         handles = [m.register_forward_pre_hook(lambda m, a: seen.append(a[1].clone())) for m in experts_modules(model)]
         model(input_ids=ids)
-    assert hooked == 2 and len(seen) == 2 and all(t.tolist() == [[0, 1]] * 16 for t in seen)
+    fixed = [[0, 1], [2, 3], [4, 5], [6, 7]] + [[0, 1]] * 12
+    assert hooked == 2 and len(seen) == 2 and all(t.tolist() == fixed for t in seen)
     seen.clear()
     model(input_ids=ids)
-    assert len(seen) == 2 and any(t.tolist() != [[0, 1]] * 16 for t in seen)  # the router's own choice again
+    assert len(seen) == 2 and any(t.tolist() != fixed for t in seen)  # the router's own choice again
     for h in handles:
         h.remove()
 

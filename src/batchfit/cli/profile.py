@@ -182,7 +182,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--experts-implementation",
         metavar="grouped_mm|batched_mm|eager",
         help="how a mixture of experts runs its experts (default: what the installed transformers runs, grouped_mm in "
-        "5.x); eager, the per-expert loop, is budgeted for the worst routing (every token to the same experts)",
+        "5.x); eager, the per-expert loop, is budgeted for the worst routing (every expert hit, the other tokens all on the same experts)",
     )
     p.add_argument(
         "--compare-routing",

@@ -93,9 +93,9 @@ def worst_case_line(profile: Any) -> str | None:
         return None
     worst = profile.combined.tokens
     if moe.balanced_tokens < WORST_CASE_GAP * worst:
-        return f"routing: the worst case (every token to the same experts) costs little here: C = {worst:,} tokens, {moe.balanced_tokens:,} with balanced routing"
+        return f"routing: the worst case (every expert hit, the other tokens on the same experts) costs little here: C = {worst:,} tokens, {moe.balanced_tokens:,} with balanced routing"
     return (
-        f"routing: the worst case (every token to the same experts) sets C = {worst:,} tokens per rank; balanced routing "
+        f"routing: the worst case (every expert hit, the other tokens on the same experts) sets C = {worst:,} tokens per rank; balanced routing "
         f"would allow {moe.balanced_tokens:,} ({moe.balanced_tokens / worst:.2g}×), but the {moe.implementation} experts' memory "
         "follows the routing and the router can produce the worst case: use --experts-implementation grouped_mm for a budget that does not depend on it"
     )
