@@ -27,6 +27,7 @@ from batchfit.errors import BudgetError, DoesNotFitError, InvalidArgument, Phras
 from batchfit.memory.base import Backend
 from batchfit.memory.cuda_untracked import UntrackedMemory, untracked_memory
 from batchfit.models.lora import LoraParameters, lora_parameters
+from batchfit.models.moe import MoeSummary, moe_summary
 from batchfit.parallel.behaviour import TorchBehaviours, torch_behaviours
 from batchfit.parallel.distributed import agree
 from batchfit.parallel.sharding import Sharding
@@ -92,6 +93,10 @@ class ModelProfile:
         activation_offload: the trained roles offloaded their layers' saved activations to
             the host (verl's ``enable_activation_offload``); their host bytes are in each
             budget's ``host_bytes``.
+        moe: for a mixture of experts, its parameters (total and active), experts per layer and
+            per token, the experts implementation measured and the routing assumed
+            (:class:`~batchfit.models.moe.MoeSummary`; ``balanced_tokens`` beside the worst
+            case's budget with ``compare_routing``); ``None`` for a dense model.
     """
 
     model: str
@@ -112,6 +117,7 @@ class ModelProfile:
     torch: TorchBehaviours | None = None
     lora: LoraParameters | None = None
     activation_offload: bool = False
+    moe: MoeSummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Settings, each role's budget and the combined budget as plain values (JSON-ready).
@@ -150,6 +156,7 @@ class ModelProfile:
             "torch": None if self.torch is None else self.torch.to_dict(),
             "lora": None if self.lora is None else self.lora.to_dict(),
             "activation_offload": self.activation_offload,
+            "moe": None if self.moe is None else self.moe.to_dict(),
         }
         # NOTE [ A group's budget ]
         # Under sequence parallelism (sharding.sequence_parallel = sp > 1) the probe runs one rank's
@@ -306,6 +313,11 @@ def profile_model(
     if opts.lora is not None and opts.lora.enabled and set(chosen_roles) != {"reference"}:
         critic_only = all(role in VALUE_ROLES or role == "reference" for role in chosen_roles)
         adapters = lora_parameters(config, opts.lora, value_head=critic_only)  # a bad target fails here
+    moe = moe_summary(config, opts.experts_implementation)
+    if moe is not None:
+        routing = opts.routing or (None if moe.routing == "any" else moe.routing)
+        moe = dataclasses.replace(moe, routing=routing or "any")
+        opts = opts.replace(experts_implementation=moe.implementation, routing=routing)
     depth, extrapolate = depth_plan(config, be, opts.depth_extrapolation, plan)
     build = RoleBuilder(config, be, torch_dtype, opts, extrapolate, depth)
     budgets: dict[str, TokenBudget] = {}
@@ -338,8 +350,14 @@ def profile_model(
     if failed is not None:
         role, exc = failed
         if opts.suggest_world_size and be.suggests_world_sizes:
-            raise _with_world_size_hint(exc, role, build, opts.max_seq_len) from None
-        raise exc.replace(Phrase(f"{role}: ", *exc.message.parts)) from None
+            out = _with_world_size_hint(exc, role, build, opts.max_seq_len)
+        else:
+            out = exc.replace(Phrase(f"{role}: ", *exc.message.parts))
+        if moe is not None:  # the report names the mixture of experts, even when nothing fits
+            out = out.replace(Phrase(f"{moe.short()}; ", *out.message.parts))
+        raise out from None
+    if moe is not None and moe.routing == "skewed" and opts.compare_routing:
+        moe = dataclasses.replace(moe, balanced_tokens=_balanced_tokens(build, budgets, be, plan))
     return ModelProfile(
         model=model_name(model),
         dtype=_dtype_name(torch_dtype),
@@ -359,7 +377,30 @@ def profile_model(
         torch=behaviours,
         lora=adapters,
         activation_offload=opts.activation_offload,
+        moe=moe,
     )
+
+
+def _balanced_tokens(build: RoleBuilder, budgets: dict[str, TokenBudget], backend: Backend, plan: Sharding) -> int | None:
+    """The binding role's budget with balanced routing at ``max_seq_len``, to set beside the worst case's (NOTE [ The worst case of a routing-dependent loop ]).
+
+    ``None`` when one sequence does not fit even so.
+    """
+    role = TokenBudget.min(*budgets.values()).binding_role or next(iter(budgets))
+    balanced = build.with_options(routing="balanced")
+    opts = balanced.options
+    with simulated_world_for(backend, plan), backend.probing():
+        step = agree(lambda: balanced.step(role), what=f"building the {role} model")
+        try:
+            return find_token_budget(
+                step, max_seq_len=opts.max_seq_len, safety_margin=opts.safety_margin, seq_lens=[opts.max_seq_len],
+                cost=opts.cost, progress=opts.progress, role=role,
+            ).tokens
+        except DoesNotFitError:
+            return None
+        finally:
+            del step
+            gc.collect()
 
 
 def module_settings(model: Any, options: ProfileOptions | None, settings: dict[str, Any]) -> dict[str, Any]:
@@ -655,6 +696,8 @@ class RoleBuilder:
                 value_head=role in VALUE_ROLES,
                 sharding=options.sharding,
                 lora=None if role == "reference" else options.lora,  # a reference is the frozen base
+                experts_implementation=options.experts_implementation,
+                routing=options.routing,
                 **overrides,
             )
             return causal_lm_step(

@@ -19,6 +19,7 @@ from batchfit.errors import KEYWORDS, InvalidArgument, Phrase, Setting, Vocabula
 from batchfit.memory import BACKEND_NAMES
 from batchfit.memory.cuda_untracked import DEFAULT_SAFETY_MARGIN
 from batchfit.models.lora import LoraSpec, as_lora
+from batchfit.models.moe import ROUTINGS, check_experts_implementation
 from batchfit.parallel.sharding import Sharding, as_sharding
 from batchfit.plan import COSTS
 from batchfit.train.framework_heads import FrameworkHead
@@ -75,6 +76,19 @@ class ProfileOptions:
             backward to host memory, as verl's ``enable_activation_offload`` does (NOTE
             [ Activation offload as verl runs it ] in :mod:`batchfit.train.activation_offload`):
             the device budget rises and the host copies are reported as host bytes.
+        experts_implementation: how a mixture of experts runs its experts: ``grouped_mm``,
+            ``batched_mm`` or ``eager`` (NOTE [ Experts as transformers runs them ] in
+            :mod:`batchfit.models.moe`); ``None``: what the installed transformers runs
+            (``grouped_mm`` in 5.x). ``eager`` is probed with the worst-case routing. Dense
+            models ignore it.
+        routing: the routing a mixture of experts is probed with: ``None`` (automatic: the
+            router's own where memory does not depend on it, the worst case ``"skewed"``
+            where it does), ``"skewed"`` or ``"balanced"`` (to compare; a budget probed with it
+            does not hold for every routing).
+        compare_routing: where the worst case is probed (the ``eager`` loop), also search the
+            budget with balanced routing and report it beside the worst case's
+            (``ModelProfile.moe.balanced_tokens``). Off by default: the loop then runs every
+            expert of every layer, slowly on the estimate (minutes for 128 experts).
 
     Args:
         vocabulary: how a bad value's message names its setting (not a field): ``None``
@@ -107,6 +121,9 @@ class ProfileOptions:
     response_only: bool = False
     response_fraction: float | None = None
     activation_offload: bool = False
+    experts_implementation: str | None = None
+    routing: str | None = None
+    compare_routing: bool = False
     vocabulary: InitVar[Vocabulary | None] = None
 
     def __post_init__(self, vocabulary: Vocabulary | None) -> None:
@@ -122,7 +139,10 @@ class ProfileOptions:
         set_(self, "sharding", as_sharding(self.sharding))
         set_(self, "lora", as_lora(self.lora))
         set_(self, "response_fraction", check_response_fraction(self.response_fraction, name(Setting("response_fraction"))))
-        for name in ("gradient_checkpointing", "suggest_world_size", "response_only", "activation_offload"):
+        set_(self, "experts_implementation", check_experts_implementation(name(Setting("experts_implementation")), self.experts_implementation))
+        if self.routing is not None:
+            set_(self, "routing", check_choice(name(Setting("routing")), self.routing, ROUTINGS))
+        for name in ("gradient_checkpointing", "suggest_world_size", "response_only", "compare_routing", "activation_offload"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")
         if self.response_fraction is not None and not self.response_only:

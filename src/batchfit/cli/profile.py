@@ -203,6 +203,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --lora-rank: the modules to adapt (default all-linear: every linear layer but the LM head)",
     )
     p.add_argument(
+        "--experts-implementation",
+        metavar="grouped_mm|batched_mm|eager",
+        help="how a mixture of experts runs its experts (default: what the installed transformers runs, grouped_mm in "
+        "5.x); eager, the per-expert loop, is budgeted for the worst routing (every expert hit, the other tokens all on the same experts)",
+    )
+    p.add_argument(
+        "--compare-routing",
+        action="store_true",
+        help="with the eager experts (budgeted for the worst routing): also search the budget with balanced routing "
+        "and print both (slow: the loop runs every expert)",
+    )
+    p.add_argument(
+        "--expert-parallel",
+        type=int,
+        metavar="N",
+        help="expert parallelism is not modelled: any N above 1 is refused (docs/moe.md)",
+    )
+    p.add_argument(
         "--safety-margin",
         type=float,
         metavar="F",

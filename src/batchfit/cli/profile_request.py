@@ -42,6 +42,8 @@ MAX_ESTIMATE_WORLD_SIZE = 2**20
 #: as these flags (NOTE [ Messages in the caller's vocabulary ] in :mod:`batchfit.errors`).
 FLAGS = {
     "max_seq_len": "--max-seq-len",
+    "experts_implementation": "--experts-implementation",
+    "compare_routing": "--compare-routing",
     "memory_limit": "--memory",
     "reserve_bytes": "--reserve",
     "safety_margin": "--safety-margin",
@@ -264,6 +266,7 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
     lora = _lora(args, model if run is None else run.models.get("policy"))
     if lora is not None:
         options = options.replace(lora=lora)
+    options = _experts(args, options)
     if args.plot:
         from batchfit.cli.render_budget import require_matplotlib
 
@@ -341,6 +344,23 @@ def check_reserve_fits(memory: Any, reserve: int | None, backend: str, world: in
             f"{format_bytes(untracked.reserve_bytes)} is taken off (what no tracker sees on a GPU{ranks}: "
             f"{untracked.describe()}); raise --memory, or pass --reserve SIZE (e.g. --reserve 0) to set it yourself"
         )
+
+
+def _experts(args: argparse.Namespace, options: ProfileOptions) -> ProfileOptions:
+    """``--experts-implementation`` into the options; ``--expert-parallel`` above 1 refused (NOTE [ Expert parallelism is not modelled ] in batchfit.models.moe).
+
+    Raises:
+        InvalidArgument: an unknown implementation, or ``--expert-parallel N`` with ``N > 1``.
+    """
+    from batchfit.models.moe import check_expert_parallel, check_experts_implementation
+
+    check_expert_parallel("--expert-parallel", getattr(args, "expert_parallel", None))
+    if getattr(args, "compare_routing", False):
+        options = options.replace(compare_routing=True)
+    chosen = getattr(args, "experts_implementation", None)
+    if chosen is None:
+        return options
+    return options.replace(experts_implementation=check_experts_implementation("--experts-implementation", chosen))
 
 
 def _lora(args: argparse.Namespace, model: Any) -> LoraSpec | None:

@@ -194,6 +194,8 @@ def _run_config(
             shared = ", ".join(f"{role} {format_bytes(b)}" for role, b in result.resident.items())
             header.append(f"colocated models' state taken off each budget: {shared}")
         header += [f"note: {note}" for note in (*notes, *run.notes)]
+        moe_lines = dict.fromkeys(f"{p.model}: {p.moe.describe()}" for p in result.profiles.values() if p.moe is not None)
+        header += [f"note: {line}" for line in moe_lines]  # the passes measured a mixture of experts so
         header += [f"warning: {warning}" for warning in run.warnings]
         text = render_keys(keys, request.emit, header, request.emit_format)
         sys.stdout.write(text)

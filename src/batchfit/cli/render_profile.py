@@ -37,6 +37,11 @@ def render_profile(console: Any, profile: Any, request: ProfileRequest) -> None:
         from batchfit.cli.render_budget import lora_text
 
         console.print(lora_text(profile), highlight=False)
+    if profile.moe is not None:
+        console.print(profile.moe.describe(), highlight=False)
+        line = worst_case_line(profile)
+        if line:
+            console.print(line, highlight=False)
     console.print(f"sharding: {profile.sharding.describe()}", highlight=False)
     if profile.torch is not None:
         for b in profile.torch.behaviours:
@@ -76,3 +81,22 @@ def render_profile(console: Any, profile: Any, request: ProfileRequest) -> None:
         )
     if request.plot:
         console.print(f"plot written to {request.plot}", highlight=False)
+
+
+#: A balanced-routing budget this much larger than the worst case's is called out.
+WORST_CASE_GAP = 1.1
+
+
+def worst_case_line(profile: Any) -> str | None:
+    """The worst-case routing's budget beside the balanced one's, when the gap is large (``None`` otherwise)."""
+    moe = profile.moe
+    if moe is None or moe.routing != "skewed" or moe.balanced_tokens is None:
+        return None
+    worst = profile.combined.tokens
+    if moe.balanced_tokens < WORST_CASE_GAP * worst:
+        return f"routing: the worst case (every expert hit, the other tokens on the same experts) costs little here: C = {worst:,} tokens, {moe.balanced_tokens:,} with balanced routing"
+    return (
+        f"routing: the worst case (every expert hit, the other tokens on the same experts) sets C = {worst:,} tokens per rank; balanced routing "
+        f"would allow {moe.balanced_tokens:,} ({moe.balanced_tokens / worst:.2g}×), but the {moe.implementation} experts' memory "
+        "follows the routing and the router can produce the worst case: use --experts-implementation grouped_mm for a budget that does not depend on it"
+    )

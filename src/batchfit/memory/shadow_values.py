@@ -31,9 +31,11 @@ integer or bool dtype whose values can be known:
   mask becomes ``index`` with the mask's ``nonzero`` columns (ATen does the same inside its
   kernel), and ``masked_select`` an output of ``mask.sum()`` elements. Otherwise
   :class:`UnknownValuesError` names the op and the argument whose values are missing,
-  never a guess: a shape decided by float data (mixture-of-experts routing, whose tokens
-  per expert come from the router's logits; ``nonzero`` of sampled tokens) cannot be
-  estimated, nor an ``out=`` form of a data-dependent op (its ``out`` would have to be
+  never a guess: a shape decided by float data (the per-expert loop of a mixture of experts
+  on its router's own choice, whose tokens per expert come from the router's logits: the
+  probe fixes the worst-case routing as integers instead, NOTE [ The worst case of a
+  routing-dependent loop ] in :mod:`batchfit.models.moe`, and ``grouped_mm`` has no
+  data-dependent shape; ``nonzero`` of sampled tokens) cannot be estimated, nor an ``out=`` form of a data-dependent op (its ``out`` would have to be
   resized). An op whose run on the shadows fails leaves its outputs unknown.
 - **Writes.** An in-place op (or ``out=``) that runs on the shadows keeps them valid; any
   other write to a shadowed fake (unknown values, a collective, a non-aten op) drops the

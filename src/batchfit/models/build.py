@@ -20,6 +20,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from batchfit.dtypes import parse_dtype
 from batchfit.errors import InvalidArgument
 from batchfit.memory import Backend, get_backend
+from batchfit.models.moe import (
+    ROUTINGS,
+    check_experts_implementation,
+    fix_routing,
+    set_experts_implementation,
+)
 from batchfit.models.specs import DEFAULT_PRESET, load_config, quiet_transformers_logs, spec_name
 from batchfit.validation import check_choice, check_int
 
@@ -76,6 +82,8 @@ def build_causal_lm(
     sharding: Any = None,
     seed: int | None = None,
     lora: Any = None,
+    experts_implementation: str | None = None,
+    routing: str | None = None,
     **config_overrides: Any,
 ) -> torch.nn.Module:
     """A randomly initialised causal LM (or value-head critic) in training mode, sharded if asked.
@@ -115,6 +123,12 @@ def build_causal_lm(
             :mod:`batchfit.models.lora`; needs ``pip install 'batchfit[lora]'``). The adapters
             are fp32 whatever ``dtype`` is, and are initialised by PEFT (B zeros) from ``seed``.
             ``None`` or rank 0: no adapters.
+        experts_implementation: how a mixture of experts runs its experts, ``grouped_mm``,
+            ``batched_mm`` or ``eager`` (NOTE [ Experts as transformers runs them ] in
+            :mod:`batchfit.models.moe`); ``None``: transformers' default. Ignored by dense models.
+        routing: ``"skewed"`` (every token to the same experts: the worst case) or
+            ``"balanced"`` fixes the experts' routing as integers for the model's lifetime
+            (NOTE [ The worst case of a routing-dependent loop ]); ``None``: the router decides.
         **config_overrides: config attributes to override, e.g. ``num_hidden_layers=2``
             (a per-layer list such as ``layer_types`` is cut to the new depth).
 
@@ -144,17 +158,22 @@ def build_causal_lm(
     if adapters is not None and not adapters.enabled:
         adapters = None
     check_choice("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
+    experts_implementation = check_experts_implementation("experts_implementation", experts_implementation)
+    if routing is not None:
+        check_choice("routing", routing, ROUTINGS)
     plan = as_sharding(sharding)
     if seed is not None:
         seed = check_int("seed", seed, minimum=0)
     chosen = resolve_backend(backend)
     config = load_config(spec, **config_overrides)
+    set_experts_implementation(config, experts_implementation)
     _cut_layer_lists(config)
     config.use_cache = False
     if value_head:
         config.num_labels = 1
         config.classifier_dropout = 0.0
     factory = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    attn_implementation = _attention_the_class_runs(factory, config, attn_implementation)
     context = chosen.context() if chosen is not None else contextlib.nullcontext()
     device = chosen.device if chosen is not None else torch.device("cpu")
     from torch._guards import active_fake_mode
@@ -162,6 +181,7 @@ def build_causal_lm(
     if (chosen is not None and chosen.simulated) or active_fake_mode() is not None:
         with context:  # fake tensors (estimate, or a task built inside its context): nothing allocated
             model = _from_config(factory, config, spec, dtype=torch_dtype, attn_implementation=attn_implementation)
+            fix_routing(model, routing)
             if gradient_checkpointing:
                 enable_activation_checkpointing(model)
             if adapters is not None:
@@ -174,6 +194,7 @@ def build_causal_lm(
         seed = resolve_seed(seed, plan)
         with torch.device("meta"):
             model = _from_config(factory, config, spec, dtype=torch_dtype, attn_implementation=attn_implementation)
+            fix_routing(model, routing)
             if gradient_checkpointing:
                 enable_activation_checkpointing(model)
             if adapters is not None:
@@ -184,6 +205,22 @@ def build_causal_lm(
             if plan.strategy == "fsdp2":
                 model = _shard_on_meta(model, plan, device)
         return _materialise(model, plan, device, seed, spec)
+
+
+def _attention_the_class_runs(factory: Any, config: Any, asked: str) -> str:
+    """``asked``, or ``"eager"`` when ``asked`` is sdpa and the model class has no sdpa path.
+
+    transformers itself falls back to eager attention for such a class when none is asked for
+    (``PreTrainedModel.get_correct_attn_implementation``): gpt-oss, whose attention sinks sdpa
+    cannot express, runs eager attention unless a kernel is installed.
+    """
+    if asked != "sdpa":
+        return asked
+    try:
+        cls = factory._model_mapping[type(config)]
+    except (KeyError, AttributeError):  # transformers decides (and may refuse) at build
+        return asked
+    return asked if getattr(cls, "_supports_sdpa", True) else "eager"
 
 
 def resolve_seed(seed: int | None, sharding: Any) -> int:

@@ -166,10 +166,17 @@ def _causal_lm_families() -> tuple[dict[str, Any], frozenset[str]]:
 
 @cache
 def built_architectures() -> tuple[str, ...]:
-    """The causal-LM classes of the presets' model types: what batchfit builds and is tested on."""
+    """The causal-LM classes of the presets' model types: what batchfit builds and is tested on (dense ones first)."""
+    from types import SimpleNamespace
+
+    from batchfit.models.moe import is_moe
+
     causal, _ = _causal_lm_families()
-    types = {preset_info(name)["config"]["model_type"] for name in list_presets()}
-    return tuple(sorted({str(causal.get(t, t)) for t in types}))
+    kinds = {}
+    for name in list_presets():
+        config = preset_info(name)["config"]
+        kinds[str(causal.get(config["model_type"], config["model_type"]))] = is_moe(SimpleNamespace(**config))
+    return tuple(sorted(kinds, key=lambda cls: (kinds[cls], cls)))
 
 
 def _not_a_causal_lm(config: Any, spec: Any) -> str | None:

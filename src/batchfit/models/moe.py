@@ -1,0 +1,355 @@
+"""Mixtures of experts: what a config says about its experts, how transformers runs them, fixed routing.
+
+NOTE [ Experts as transformers runs them ]
+transformers 5 stores each MoE layer's experts as 3-D parameters (``gate_up_proj`` of
+``[experts, 2·I, H]``, ``down_proj``) in a class decorated by ``use_experts_implementation``
+(``transformers/integrations/moe.py``), whose forward ``(hidden_states, top_k_index,
+top_k_weights)`` is chosen by ``config._experts_implementation``:
+
+- ``grouped_mm`` (transformers 5's default, ``PreTrainedModel.get_correct_experts_implementation``):
+  the token-expert pairs are sorted by expert and multiplied by ``torch.nn.functional.grouped_mm``
+  with per-expert offsets; every tensor has ``tokens × top-k`` rows whatever the routing, so its
+  memory does not depend on the routing (balanced, random and skewed routing give the same
+  peak: ``tests/test_moe.py``). The CPU kernel takes bf16 only.
+- ``batched_mm``: each token repeated ``top-k`` times and the expert weights *gathered per pair*
+  (``gate_up_proj[expert_ids]``: ``tokens × top-k`` copies of an expert's matrices); routing-
+  independent shapes too, and far more memory.
+- ``eager``: the per-expert loop (what transformers 4.x ran, and the class's own ``forward``):
+  ``nonzero`` of the routing picks the experts hit, then each expert runs on its own tokens. Its
+  shapes follow the routing, which the router decides from float data; the estimate cannot run it
+  on the router's choice (fake tensors have no values) and would not want to: the budget must hold
+  for whatever routing training produces.
+
+NOTE [ The worst case of a routing-dependent loop ]
+For a routing-dependent implementation the probe replaces the router's choice by a fixed index
+tensor built from integers (``torch.arange``), so on the estimate its values are known (NOTE
+[ Integer tensors keep their values ] in :mod:`batchfit.memory.shadow_values`) and ``nonzero``
+runs; the weights of the choice stay the router's (its gradient flows as in training). The
+routing fixed is the worst case the router can produce: every token of the micro-batch routed
+to the same ``top-k`` experts (``"skewed"``): each of them runs on all the tokens at once, the
+largest per-expert tensors there can be (the total over experts, ``tokens × top-k`` rows, is the
+same for any routing). The loop also costs something per expert hit (its backward accumulates a
+gradient of the whole 3-D parameter for each): measured on qwen3-30b-a3b (8k × 16, fused head,
+73,728 tokens), balanced routing, every expert hit, peaked 1.6 GiB above all tokens on 8
+experts. So the fixed routing is both: the first ``ceil(experts / top-k)`` tokens hit every
+expert once, every other token goes to experts ``0 … top-k-1``. ``"balanced"`` (token ``t``'s slot ``j`` to expert ``(t·k + j) mod E``) is
+offered to compare (``compare_routing``; slow on the estimate: the loop then runs every expert). The hook is a forward pre-hook on each experts module (no process-wide
+change); the router itself, its logits, the auxiliary load-balancing loss
+(``output_router_logits``) and their memory stay as the model's own code allocates them.
+
+NOTE [ Expert parallelism is not modelled ]
+Expert parallelism (each rank of an EP group holds ``experts / EP`` of a layer's experts and
+tokens travel to them by all-to-all, as Megatron-based frameworks run MoE) is not modelled:
+transformers' own EP path (``_is_expert_parallel``, its distributed ``tp_plan``) is built for
+inference, and an all-to-all dispatch whose per-rank buffers are sized by the routing would
+have to be written here, not taken from PyTorch. batchfit refuses ``expert_parallel > 1`` in
+one line rather than answer it with a formula; a MoE is profiled under FSDP2 over every rank
+(each layer's experts gathered whole: the ``gathered_parameters`` category).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchfit.errors import InvalidArgument
+from batchfit.validation import check_choice
+
+#: What ``--experts-implementation`` accepts: transformers' own names.
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
+#: Implementations whose tensors' shapes follow the routing (NOTE [ The worst case of a routing-dependent loop ]).
+ROUTING_DEPENDENT = frozenset({"eager"})
+#: Fixed routings a probe can impose: the worst case, and the balanced one to compare with.
+ROUTINGS = ("skewed", "balanced")
+
+# Config fields naming the routed experts per MoE layer, by family (Qwen, DeepSeek/GLM, Mixtral/gpt-oss).
+_EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def moe_fields(config: Any) -> tuple[int, int] | None:
+    """``(experts per MoE layer, experts per token)`` read from a transformers config, or ``None`` for a dense model.
+
+    Reads ``num_experts`` (Qwen), ``n_routed_experts`` (DeepSeek, GLM) or ``num_local_experts``
+    (Mixtral, gpt-oss), and ``num_experts_per_tok``; a sub-config ``text_config`` is followed.
+    """
+    inner = getattr(config, "text_config", None) or config
+    per_token = _positive(getattr(inner, "num_experts_per_tok", None))
+    for name in _EXPERT_FIELDS:
+        experts = _positive(getattr(inner, name, None))
+        if experts is not None and per_token is not None:
+            return experts, per_token
+    return None
+
+
+def is_moe(config: Any) -> bool:
+    """The config describes a mixture of experts (:func:`moe_fields` finds its experts)."""
+    return moe_fields(config) is not None
+
+
+def default_experts_implementation(config: Any = None) -> str:
+    """The experts implementation the installed transformers runs when none is asked for.
+
+    transformers 5 chooses ``grouped_mm`` (``PreTrainedModel.get_correct_experts_implementation``
+    with no request) for every class decorated by ``use_experts_implementation``; older
+    releases have no such choice and run the per-expert loop, ``eager``.
+    """
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # transformers 4.x: the per-expert loop only
+        return "eager"
+    return "grouped_mm" if "grouped_mm" in ALL_EXPERTS_FUNCTIONS else "eager"
+
+
+def check_experts_implementation(name: str, value: Any) -> str | None:
+    """``value`` as an experts implementation (one of :data:`EXPERTS_IMPLEMENTATIONS`), or ``None`` (the default).
+
+    Raises:
+        InvalidArgument: any other value, naming ``name`` and the choices.
+    """
+    if value is None:
+        return None
+    return check_choice(name, value, EXPERTS_IMPLEMENTATIONS)
+
+
+def check_expert_parallel(name: str, value: Any) -> None:
+    """Refuse expert parallelism above 1 (NOTE [ Expert parallelism is not modelled ]); ``None`` and 1 pass.
+
+    Raises:
+        InvalidArgument: any other value.
+    """
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
+        return
+    raise InvalidArgument(
+        f"{name} {value!r}: expert parallelism (experts sharded over an EP group, tokens sent by all-to-all) is not modelled by batchfit, "
+        "and a dense formula would not be its memory; drop it to profile the MoE under FSDP2 over all ranks (every expert of a layer gathered), see docs/moe.md"
+    )
+
+
+def set_experts_implementation(config: Any, implementation: str | None) -> None:
+    """Ask transformers to build ``config``'s experts with ``implementation`` (``None``: its default); dense configs are left as they are."""
+    if implementation is None or not is_moe(config):
+        return
+    config._experts_implementation = implementation
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts modules of a transformers MoE (classes decorated by ``use_experts_implementation``)."""
+    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and _positive(getattr(m, "num_experts", None))]
+
+
+def fixed_routing(num_tokens: int, top_k: int, num_experts: int, routing: str, device: Any) -> torch.Tensor:
+    """A ``[num_tokens, top_k]`` int64 index tensor built from integers (NOTE [ The worst case of a routing-dependent loop ]).
+
+    ``"skewed"``: the first ``ceil(num_experts / top_k)`` tokens hit every expert once, every
+    other token goes to experts ``0 … top_k-1`` (NOTE [ The worst case of a routing-dependent
+    loop ]); ``"balanced"``: token ``t``'s slot ``j``
+    to expert ``(t·top_k + j) mod num_experts`` (each expert gets ``num_tokens·top_k/num_experts``
+    pairs, a token's experts distinct when ``top_k <= num_experts``).
+    """
+    if routing == "skewed":
+        # NOTE [ The worst case of a routing-dependent loop ]: every expert hit once, the rest concentrated
+        spread = min(num_tokens, -(-num_experts // top_k))
+        every = (torch.arange(spread * top_k, device=device) % num_experts).view(spread, top_k)
+        same = torch.arange(top_k, device=device).repeat(num_tokens - spread, 1)
+        return torch.cat([every, same])
+    return (torch.arange(num_tokens * top_k, device=device) % num_experts).view(num_tokens, top_k)
+
+
+@contextlib.contextmanager
+def routing_fixed(model: torch.nn.Module, routing: str | None) -> Iterator[int]:
+    """Inside, every experts module of ``model`` runs on :func:`fixed_routing` instead of its router's choice.
+
+    Yields the number of experts modules hooked (0 for a dense model). ``routing=None`` changes
+    nothing. The router's weights for its choice are kept (their gradient flows).
+
+    Raises:
+        InvalidArgument: ``routing`` is not one of :data:`ROUTINGS`.
+    """
+    if routing is None:
+        yield 0
+        return
+    check_choice("routing", routing, ROUTINGS)
+    handles = []
+    for m in experts_modules(model):
+        handles += [m.register_forward_pre_hook(_fixing_hook(routing)), m.register_forward_hook(_restore_limit, always_call=True)]
+    try:
+        yield len(handles) // 2
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def fix_routing(model: torch.nn.Module, routing: str | None) -> int:
+    """:func:`routing_fixed` for the model's lifetime (the hooks stay); returns the experts modules hooked."""
+    if routing is None:
+        return 0
+    check_choice("routing", routing, ROUTINGS)
+    modules = experts_modules(model)
+    for m in modules:
+        m.register_forward_pre_hook(_fixing_hook(routing))
+        m.register_forward_hook(_restore_limit, always_call=True)
+    return len(modules)
+
+
+# NOTE [ The routing mask keeps its values ]
+# The per-expert loop builds ``one_hot(top_k_index, experts + 1)``, an int64 tensor of
+# ``tokens × top-k × (experts + 1)`` entries (67 MB for 8,192 tokens of Qwen3-30B-A3B), and takes
+# its ``nonzero``: on the estimate its values must be kept, beyond the usual limit per tensor
+# (NOTE [ Integer tensors keep their values ]). While an experts module with fixed routing runs
+# forward (again under checkpointing's recomputation), the limit of the active fake mode is
+# raised to that tensor's bytes, then restored. The estimate spends that much host memory.
+
+
+def _raised_limit(module: torch.nn.Module, index: torch.Tensor) -> None:
+    from torch._guards import active_fake_mode
+
+    mode = active_fake_mode()
+    if mode is None or not hasattr(mode, "shadow_limit_bytes"):
+        return
+    need = index.numel() * (module.num_experts + 1) * 8
+    saved = module.__dict__.setdefault("_batchfit_saved_limits", [])
+    saved.append((mode, mode.shadow_limit_bytes))
+    mode.shadow_limit_bytes = max(mode.shadow_limit_bytes, need)
+
+
+def _restore_limit(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    saved = module.__dict__.get("_batchfit_saved_limits")
+    if saved:
+        mode, limit = saved.pop()
+        mode.shadow_limit_bytes = limit
+
+
+def _fixing_hook(routing: str) -> Any:
+    def hook(module: torch.nn.Module, args: tuple) -> tuple | None:
+        if len(args) < 3:  # called by keywords: not transformers' own call, leave it alone
+            raise InvalidArgument(
+                f"routing={routing!r}: the experts module {type(module).__name__} was called without its routing as positional arguments (hidden_states, top_k_index, top_k_weights); run it with routing=None"
+            )
+        hidden, index, weights, *rest = args
+        fixed = fixed_routing(index.shape[0], index.shape[-1], module.num_experts, routing, index.device)
+        _raised_limit(module, index)  # NOTE [ The routing mask keeps its values ]
+        return (hidden, fixed.view(index.shape).to(index.dtype), weights, *rest)
+
+    return hook
+
+
+@dataclass(frozen=True)
+class MoeSummary:
+    """What a report says about a mixture of experts.
+
+    Attributes:
+        total_parameters: every parameter of the model.
+        active_parameters: those one token runs through: the dense ones and ``per_token /
+            experts`` of each MoE layer's routed experts (embeddings and head included).
+        experts: routed experts per MoE layer.
+        experts_per_token: experts each token is routed to.
+        moe_layers: decoder layers with routed experts.
+        implementation: the experts implementation measured (NOTE [ Experts as transformers runs them ]).
+        default_implementation: the one the installed transformers runs unasked.
+        routing: ``"any"`` (the implementation's memory does not depend on it) or the routing
+            fixed in the probe (``"skewed"``: the worst case).
+        balanced_tokens: with the worst case probed and ``compare_routing`` asked, the binding
+            role's budget with balanced routing at ``max_seq_len`` (beside the worst case's); else ``None``.
+    """
+
+    total_parameters: int
+    active_parameters: int
+    experts: int
+    experts_per_token: int
+    moe_layers: int
+    implementation: str
+    default_implementation: str
+    routing: str
+    balanced_tokens: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (JSON-ready)."""
+        return {
+            "total_parameters": self.total_parameters,
+            "active_parameters": self.active_parameters,
+            "experts": self.experts,
+            "experts_per_token": self.experts_per_token,
+            "moe_layers": self.moe_layers,
+            "experts_implementation": self.implementation,
+            "default_experts_implementation": self.default_implementation,
+            "routing": self.routing,
+            "balanced_tokens": self.balanced_tokens,
+        }
+
+    def short(self) -> str:
+        """``mixture of experts (30.5B parameters, 3.35B active, 128 experts, 8 per token, experts grouped_mm)``."""
+        routing = ", worst-case routing" if self.routing == "skewed" else ", balanced routing" if self.routing == "balanced" else ""
+        return (
+            f"mixture of experts ({_billions(self.total_parameters)} parameters, {_billions(self.active_parameters)} active, "
+            f"{self.experts} experts, {self.experts_per_token} per token, experts {self.implementation}{routing})"
+        )
+
+    def describe(self) -> str:
+        """One line: ``mixture of experts: 30.5B parameters, 3.35B active; 48 MoE layers of 128 experts, 8 per token; experts grouped_mm (transformers' default), any routing``."""
+        default = " (transformers' default)" if self.implementation == self.default_implementation else f" (transformers' default: {self.default_implementation})"
+        routing = (
+            "its memory does not depend on the routing"
+            if self.routing == "any"
+            else "routing fixed as the worst case (every expert hit, the other tokens all on the same experts)"
+            if self.routing == "skewed"
+            else "routing fixed as balanced (not the worst case)"
+        )
+        return (
+            f"mixture of experts: {_billions(self.total_parameters)} parameters, {_billions(self.active_parameters)} active; "
+            f"{self.moe_layers} MoE layers of {self.experts} experts, {self.experts_per_token} per token; "
+            f"experts {self.implementation}{default}, {routing}"
+        )
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e8 else f"{n / 1e6:.3g}M"
+
+
+def probe_routing(implementation: str) -> str | None:
+    """The routing a probe fixes for ``implementation``: the worst case where memory follows the routing, else none."""
+    return "skewed" if implementation in ROUTING_DEPENDENT else None
+
+
+def moe_summary(config: Any, implementation: str | None = None) -> MoeSummary | None:
+    """Parameters, experts and implementation of a MoE config (built on the meta device: nothing allocated), or ``None`` for a dense one.
+
+    Args:
+        config: a transformers config (:func:`batchfit.models.load_config`).
+        implementation: the experts implementation asked for; ``None``: the default.
+    """
+    fields = moe_fields(config)
+    if fields is None:
+        return None
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    experts, per_token = fields
+    default = default_experts_implementation(config)
+    chosen = implementation or default
+    with torch.device("meta"):  # a copy: from_config writes the dtype and implementations into it
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16)
+    total = sum(p.numel() for p in model.parameters())
+    modules = experts_modules(model)
+    routed = sum(p.numel() for m in modules for p in m.parameters(recurse=False))
+    active = total - routed + sum(
+        p.numel() * per_token // m.num_experts for m in modules for p in m.parameters(recurse=False)
+    )
+    return MoeSummary(
+        total_parameters=total,
+        active_parameters=active,
+        experts=experts,
+        experts_per_token=per_token,
+        moe_layers=len(modules),
+        implementation=chosen,
+        default_implementation=default,
+        routing=probe_routing(chosen) or "any",
+    )
