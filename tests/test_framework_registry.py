@@ -29,7 +29,7 @@ def test_an_unknown_framework_is_a_value_error_naming_it_and_the_choices():
 
 def test_registering_another_spec_under_a_taken_name_is_refused():
     register_framework(get_framework("verl"))  # the same spec again: nothing changes
-    spec = FrameworkSpec(name="verl", title="verl 0", read_config=lambda data, given: None)
+    spec = FrameworkSpec(name="verl", title="verl 0", markers=("x.y",), read_config=lambda data, given: None)
     with pytest.raises(ValueError, match="registered already"):
         register_framework(spec)
 
@@ -88,7 +88,7 @@ def test_each_framework_names_its_emit_module_which_writes_its_token_and_assumpt
         assert module.__name__ == f"batchfit.frameworks.{spec.name}_emit"
         assert callable(module.token_keys) and callable(module.assumption_keys)
     with pytest.raises(ValueError, match=r"framework 'x' has no emit module \(FrameworkSpec.emit is None\)"):
-        FrameworkSpec(name="x", title="x 1", read_config=print).emit_module()
+        FrameworkSpec(name="x", title="x 1", markers=("x.y",), read_config=print).emit_module()
 
 
 def test_import_batchfit_imports_no_emit_module():
