@@ -193,7 +193,7 @@ class _Recorder:
             )
             for role in roles
         }
-        return types.SimpleNamespace(budgets=budgets, torch=None, sharding=options.sharding)
+        return types.SimpleNamespace(budgets=budgets, torch=None, sharding=options.sharding, moe=None)
 
     def resident_state_bytes(self, model, role, options, *, kinds=()):
         # what a colocated model keeps on the device reaches profile_model as resident_bytes (recorded there);
