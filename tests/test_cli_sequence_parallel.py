@@ -122,3 +122,29 @@ def test_a_verl_128k_config_at_ulysses_4_fits_8_h100(tmp_path, capsys):
     # a micro-batch of 4 × the per-GPU value holds one whole sequence of 131,072 tokens
     assert 4 * emitted["ppo_max_token_len_per_gpu"] >= 131_072
     assert 4 * emitted["log_prob_max_token_len_per_gpu"] >= 131_072
+
+
+OPENRLHF = (
+    "python3 -m openrlhf.cli.train_ppo_ray --actor.model_name_or_path tiny --actor.num_gpus_per_node 8 "
+    "--vllm.num_engines 1 --ds.zero_stage 3 --reward.remote_url http://localhost:5000/get_reward "
+    "--rollout.batch_size 8 --rollout.n_samples_per_prompt 4 --rollout.micro_batch_size 2 "
+    "--train.batch_size 32 --train.micro_batch_size 1 --data.max_len 512 --algo.advantage.estimator group_norm "
+    "--ds.ring_attn_size 2\n"
+)
+
+
+@pytest.mark.slow
+def test_openrlhf_s_max_tokens_per_gpu_is_the_group_s_budget_over_its_ring_size(tmp_path, capsys):
+    # OpenRLHF packs max_tokens_per_gpu × ring_attn_size tokens into a micro-batch split over the ring
+    # (utils/seqlen_balancing.py get_minimum_num_micro_batch_size), for the updates and the experience passes
+    config = tmp_path / "openrlhf.sh"
+    config.write_text(OPENRLHF, encoding="utf-8")
+    argv = ["profile", "--config", str(config), "--memory", "1GiB", "--no-progress", "--sequence-parallel", "2"]
+    assert main([*argv, "--emit", "openrlhf"]) == 0
+    out = capsys.readouterr().out
+    assert "--ds.ring_attn_size 2" in out
+    for flag in ("--train.max_tokens_per_gpu", "--rollout.max_tokens_per_gpu"):
+        value = int(re.search(rf"^{flag} (\d+)", out, re.M)[1])
+        comment = re.search(rf"^# {flag}: .*", out, re.M)[0]
+        group = int(re.search(r"a micro-batch of ([\d,]+) tokens split over 2 GPUs", comment)[1].replace(",", ""))
+        assert group == 2 * value, comment

@@ -38,9 +38,25 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
 
     ``--train.max_tokens_per_gpu`` bounds the training micro-batches of the actor and the critic
     (replay_buffer.setup_dynamic_batch); ``--rollout.max_tokens_per_gpu`` the forward passes that
-    make experience: old log-probs, reference log-probs, values (experience_maker).
+    make experience: old log-probs, reference log-probs, values (experience_maker). Both count
+    tokens per GPU: with ring attention OpenRLHF packs ``max_tokens_per_gpu × --ds.ring_attn_size ×
+    --ds.tensor_parallel_size`` tokens into a micro-batch split over that group
+    (``utils/seqlen_balancing.py`` ``get_minimum_num_micro_batch_size``, called with
+    ``train_max_tokens_per_gpu`` and ``rollout_max_tokens_per_gpu``), so a budget ``C`` of the group
+    is written as ``C // sp``.
     """
     del max_seq_len, world
+    options = profile.options.get("policy") or next(iter(profile.options.values()), None)
+    sp = 1 if options is None else options.sharding.sequence_parallel
+
+    def per_gpu(role: str, comment: str) -> tuple[int, str]:
+        if sp == 1:
+            return budgets[role], comment
+        return budgets[role] // sp, (
+            f"{comment}; per GPU: OpenRLHF multiplies it by --ds.ring_attn_size {sp} (seqlen_balancing.py), "
+            f"a micro-batch of {budgets[role] // sp * sp:,} tokens split over {sp} GPUs"
+        )
+
     trained = smallest_budget(budgets, ("policy", "critic"))
     forward = smallest_budget(budgets, ("policy_forward", "reference", "critic_forward"))
     values = getattr(profile.run, "values", {})
@@ -63,16 +79,13 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
             if "critic" in budgets
             else "actor update"
         )
-        keys.append(
-            Key("--train.max_tokens_per_gpu", budgets[trained], why(trained, f"{what}, set by {trained}"))
-        )
+        keys.append(Key("--train.max_tokens_per_gpu", *per_gpu(trained, why(trained, f"{what}, set by {trained}"))))
     if forward is not None:
         passes = [p for p in ("policy_forward", "reference", "critic_forward") if p in budgets]
         keys.append(
             Key(
                 "--rollout.max_tokens_per_gpu",
-                budgets[forward],
-                why(forward, f"experience passes ({', '.join(passes)}; no_grad), set by {forward}"),
+                *per_gpu(forward, why(forward, f"experience passes ({', '.join(passes)}; no_grad), set by {forward}")),
             )
         )
     keys.append(
@@ -100,13 +113,15 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         "OpenRLHF trains with DeepSpeed ZeRO: stages 1 and 2 batchfit profiles as zero1 and zero2, stage 3 as FSDP2 "
         "(--ds.zero_stage 3); it has no DDP or FSDP1",
     )
-    if s.sequence_parallel > 1:
-        raise refuse(
-            target,
-            f"--sequence-parallel {s.sequence_parallel}",
-            "OpenRLHF splits a sequence with ring attention (--ds.ring_attn_size), whose meaning for "
-            "--train.max_tokens_per_gpu batchfit has not read, and which it does not model",
-            "drop --sequence-parallel, or emit verl or SkyRL (Ulysses)",
+    ring: list[Key] = []
+    if s.sequence_parallel > 1 or (run.batch.context_parallel or 1) > 1:
+        ring.append(
+            Key(
+                "--ds.ring_attn_size",
+                s.sequence_parallel,
+                "each sequence split over these GPUs: OpenRLHF's ring attention, profiled as Ulysses sequence "
+                "parallelism (the same tokens per GPU outside attention)",
+            )
         )
     zero = s.strategy in ZERO_STRATEGIES
     if not s.reshard_after_forward:
@@ -210,7 +225,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         "another head",
         "drop --logprobs (full is OpenRLHF's)",
     )
-    return keys
+    return keys + ring
 
 
 def _openrlhf_targets(run: RunConfig, spec: LoraSpec, same: bool) -> list[Key]:
