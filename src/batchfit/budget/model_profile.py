@@ -739,33 +739,11 @@ def smallest_fitting_world_size(
         The smallest world size measured to fit (its predecessor measured not to), or
         ``None`` when none up to :data:`_MAX_HINT_WORLD` fits.
     """
-    from batchfit.memory import get_backend
-    from batchfit.models import parse_dtype
-    from batchfit.parallel.distributed import simulated_world
-
-    base = build.sharding
-    precision = base.mixed_precision if base.strategy == "fsdp2" else "bf16"
-    offload = base.offload if base.strategy == "fsdp2" else "none"
-    be = build.backend
-    unlimited = get_backend("estimate", reserve_bytes=be.reserve_bytes or 1, round_to=be.round_to)
     peaks: dict[int, int] = {}
 
     def peak(world: int) -> int:
         if world not in peaks:
-            sharding = Sharding("fsdp2", world_size=world, mixed_precision=precision, offload=offload)
-            builder = build.with_options(sharding=sharding, gradient_checkpointing=True).with_backend(unlimited)
-            if base.strategy != "fsdp2":  # the hint's flags keep fsdp2's default: fp32 master weights
-                builder = RoleBuilder(
-                    builder.config, unlimited, parse_dtype(default_dtype(sharding)), builder.options,
-                    builder.extrapolate, builder.depth,
-                )
-            with simulated_world(world):
-                step = builder.step(role)
-                try:
-                    peaks[world] = step.measure([seq_len]).peak_bytes
-                finally:
-                    del step
-                    _collect(unlimited)
+            peaks[world] = _hint_peak(build, role, seq_len, world)
         return peaks[world]
 
     n1 = max(2, start)
@@ -806,18 +784,10 @@ def smallest_fitting_sequence_parallel(
     Returns:
         ``(sp, world_size)``, or ``None`` when no size up to 64 fits (or the attention cannot be split).
     """
-    from batchfit.memory import get_backend
-    from batchfit.models import parse_dtype
     from batchfit.models.ulysses import check_ulysses
-    from batchfit.parallel.distributed import simulated_world
 
-    base = build.sharding
-    precision = base.mixed_precision if base.strategy == "fsdp2" else "bf16"
-    offload = base.offload if base.strategy == "fsdp2" else "none"
-    be = build.backend
-    unlimited = get_backend("estimate", reserve_bytes=be.reserve_bytes or 1, round_to=be.round_to)
     for sp in _HINT_SEQUENCE_PARALLEL:
-        if sp <= base.sequence_parallel:
+        if sp <= build.sharding.sequence_parallel:
             continue
         try:
             check_ulysses(build.config, sp)
@@ -826,23 +796,48 @@ def smallest_fitting_sequence_parallel(
         world = -(-max(start, sp) // sp) * sp
         if world > _MAX_HINT_WORLD:
             return None
-        sharding = Sharding("fsdp2", world_size=world, mixed_precision=precision, offload=offload, sequence_parallel=sp)
-        builder = build.with_options(sharding=sharding, gradient_checkpointing=True, cost="packed").with_backend(unlimited)
-        if base.strategy != "fsdp2":  # the hint's flags keep fsdp2's default: fp32 master weights
-            builder = RoleBuilder(
-                builder.config, unlimited, parse_dtype(default_dtype(sharding)), builder.options,
-                builder.extrapolate, builder.depth,
-            )
-        with simulated_world(world):
-            step = builder.step(role)
-            try:
-                peak = step.measure([seq_len]).peak_bytes
-            finally:
-                del step
-                gc.collect()
-        if peak <= limit:
+        if _hint_peak(build, role, seq_len, world, sequence_parallel=sp) <= limit:
             return sp, world
     return None
+
+
+def _hint_peak(build: RoleBuilder, role: str, seq_len: int, world: int, sequence_parallel: int = 1) -> int:
+    """One sequence of ``seq_len``'s peak for a "does not fit" hint: ``fsdp2`` over ``world`` simulated ranks
+    (``sequence_parallel`` of them splitting it, packed), checkpointing on, the estimate without a limit.
+
+    The hint's flags keep ``fsdp2``'s precision and offload where the run has them, else its defaults
+    (bf16 compute over fp32 master weights, no offload).
+    """
+    from batchfit.memory import get_backend
+    from batchfit.models import parse_dtype
+    from batchfit.parallel.distributed import simulated_world
+
+    base = build.sharding
+    fsdp2 = base.strategy == "fsdp2"
+    unlimited = get_backend("estimate", reserve_bytes=build.backend.reserve_bytes or 1, round_to=build.backend.round_to)
+    sharding = Sharding(
+        "fsdp2",
+        world_size=world,
+        mixed_precision=base.mixed_precision if fsdp2 else "bf16",
+        offload=base.offload if fsdp2 else "none",
+        sequence_parallel=sequence_parallel,
+    )
+    changes: dict[str, Any] = {"sharding": sharding, "gradient_checkpointing": True}
+    if sequence_parallel > 1:
+        changes["cost"] = "packed"
+    builder = build.with_options(**changes).with_backend(unlimited)
+    if not fsdp2:  # the hint's flags keep fsdp2's default: fp32 master weights
+        builder = RoleBuilder(
+            builder.config, unlimited, parse_dtype(default_dtype(sharding)), builder.options,
+            builder.extrapolate, builder.depth,
+        )
+    with simulated_world(world):
+        step = builder.step(role)
+        try:
+            return step.measure([seq_len]).peak_bytes
+        finally:
+            del step
+            _collect(unlimited)
 
 
 def _world_at_least(n: int) -> int:
