@@ -227,6 +227,25 @@ def setting_keys(run: RunConfig, by_role: Mapping[str, Any], target: str) -> lis
 ACTIVATION_OFFLOAD_TARGETS = ("verl",)
 
 
+def ring_keys(run: Any, a: Assumptions, flag: str, attention: str) -> list[Key]:
+    """``flag`` set to the profiled sequence-parallel size, when the profile or the run splits sequences.
+
+    For a framework whose ring attention (``attention``, e.g. ``"OpenRLHF's ring attention"``)
+    batchfit profiles as Ulysses over the same GPUs; ``[]`` when neither splits.
+    """
+    sp = a.sharding.sequence_parallel
+    if sp == 1 and (run.batch.context_parallel or 1) == 1:
+        return []
+    return [
+        Key(
+            flag,
+            sp,
+            f"each sequence split over these GPUs: {attention}, profiled as Ulysses sequence parallelism (the same "
+            "tokens per GPU outside attention)",
+        )
+    ]
+
+
 def refuse(target: str, setting: str, why: str, fix: str) -> EmitError:
     """The :class:`EmitError` that says ``--emit target`` cannot carry ``setting``, why, and the fix (the caller raises it)."""
     return EmitError(f"--emit {target} cannot carry {setting}: {why}; {fix}")

@@ -22,6 +22,7 @@ from batchfit.frameworks.assumptions import (
     lora_value,
     nodes_and_gpus,
     refuse,
+    ring_keys,
     switch_keys,
 )
 from batchfit.frameworks.emit import cost_note, smallest_budget
@@ -113,16 +114,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         "OpenRLHF trains with DeepSpeed ZeRO: stages 1 and 2 batchfit profiles as zero1 and zero2, stage 3 as FSDP2 "
         "(--ds.zero_stage 3); it has no DDP or FSDP1",
     )
-    ring: list[Key] = []
-    if s.sequence_parallel > 1 or (run.batch.context_parallel or 1) > 1:
-        ring.append(
-            Key(
-                "--ds.ring_attn_size",
-                s.sequence_parallel,
-                "each sequence split over these GPUs: OpenRLHF's ring attention, profiled as Ulysses sequence "
-                "parallelism (the same tokens per GPU outside attention)",
-            )
-        )
+    ring = ring_keys(run, a, "--ds.ring_attn_size", "OpenRLHF's ring attention")
     zero = s.strategy in ZERO_STRATEGIES
     if not s.reshard_after_forward:
         raise refuse(

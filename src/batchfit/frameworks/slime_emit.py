@@ -19,6 +19,7 @@ from batchfit.frameworks.assumptions import (
     check_strategy,
     nodes_and_gpus,
     refuse,
+    ring_keys,
     switch_keys,
 )
 from batchfit.frameworks.emit import cost_note, smallest_budget
@@ -66,16 +67,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         "slime trains with Megatron-LM only (--train-backend megatron), which batchfit approximates by FSDP2 over the "
         "same GPUs",
     )
-    keys_cp: list[Key] = []
-    if s.sequence_parallel > 1 or (run.batch.context_parallel or 1) > 1:
-        keys_cp.append(
-            Key(
-                "--context-parallel-size",
-                s.sequence_parallel,
-                "each sequence split over these GPUs: Megatron's ring attention, profiled as Ulysses sequence "
-                "parallelism (the same tokens per GPU outside attention)",
-            )
-        )
+    keys_cp = ring_keys(run, a, "--context-parallel-size", "Megatron's ring attention")
     if not s.reshard_after_forward:
         raise refuse(
             target,
