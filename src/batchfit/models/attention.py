@@ -55,7 +55,7 @@ _MASKED = ("sdpa", "eager", "flex_attention")
 # attention implementations that read a packed row's boundaries themselves, cache or not
 _VARLEN_AWARE = ("flash_attention_2", "flash_attention_3", VARLEN, ULYSSES)
 
-_registered = False
+_registered: set[str] = set()  # the names register_packed_attention registered
 _warned = False
 _warned_unchecked: set[str] = set()
 
@@ -157,17 +157,22 @@ def varlen_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
-def register_varlen_attention() -> str:
-    """Register :data:`VARLEN` with transformers' attention and mask interfaces (once); return the name."""
-    global _registered
-    if not _registered:
+def register_packed_attention(name: str, attention: Any) -> str:
+    """Register ``attention`` as ``name`` with transformers' attention interface, with :func:`varlen_mask`
+    (no mask for packed rows) as its mask function, once per name; return ``name``."""
+    if name not in _registered:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
 
-        AttentionInterface.register(VARLEN, varlen_attention)
-        AttentionMaskInterface.register(VARLEN, varlen_mask)
-        _registered = True
-    return VARLEN
+        AttentionInterface.register(name, attention)
+        AttentionMaskInterface.register(name, varlen_mask)
+        _registered.add(name)
+    return name
+
+
+def register_varlen_attention() -> str:
+    """Register :data:`VARLEN` with transformers' attention and mask interfaces (once); return the name."""
+    return register_packed_attention(VARLEN, varlen_attention)
 
 
 def use_varlen_attention(model: torch.nn.Module) -> str:

@@ -37,7 +37,12 @@ import torch
 import torch.distributed as dist
 
 from batchfit.errors import InvalidArgument
-from batchfit.models.attention import ULYSSES, attend_within_sequences, sequence_bounds, varlen_mask
+from batchfit.models.attention import (
+    ULYSSES,
+    attend_within_sequences,
+    register_packed_attention,
+    sequence_bounds,
+)
 from batchfit.parallel.sequence import group_size, heads_to_seq, seq_to_heads
 
 __all__ = ["ULYSSES", "check_ulysses", "sequence_group", "ulysses_attention", "use_ulysses_attention"]
@@ -45,7 +50,6 @@ __all__ = ["ULYSSES", "check_ulysses", "sequence_group", "ulysses_attention", "u
 #: The attribute the model and its attention layers carry: the sequence-parallel group.
 GROUP_ATTR = "batchfit_sequence_group"
 
-_registered = False
 
 
 def _attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -168,15 +172,7 @@ def ulysses_attention(
 
 def register_ulysses_attention() -> str:
     """Register :data:`ULYSSES` with transformers' attention and mask interfaces (once); return the name."""
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
-
-        AttentionInterface.register(ULYSSES, ulysses_attention)
-        AttentionMaskInterface.register(ULYSSES, varlen_mask)
-        _registered = True
-    return ULYSSES
+    return register_packed_attention(ULYSSES, ulysses_attention)
 
 
 def _check_every_layer(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
