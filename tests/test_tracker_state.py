@@ -23,6 +23,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from batchfit.memory import MemoryTracker, get_backend, labels
+from batchfit.memory.cpu import CpuBackend
 from multirank import scaled
 from sharded_helpers import fully_shard_layers
 
@@ -435,7 +436,7 @@ def test_pytorchs_trackers_and_ours_measure_what_they_measure_alone_in_either_ne
     fsdp2_on_two_simulated_ranks, kind, order
 ):
     model, optimizer, input_ids = fsdp2_on_two_simulated_ranks
-    cpu = get_backend("cpu")
+    cpu = CpuBackend(attention_kernels="own")  # the referees run the CPU's own attention kernel
     state = (model, optimizer, input_ids)
     before = _class_entries()
     with _simulated_world(2):

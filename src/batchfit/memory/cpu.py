@@ -40,6 +40,9 @@ class CpuBackend(TrackedBackend):
         memory_limit: simulated device size (bytes, ``"2GiB"``, a device preset) or ``None``.
         reserve_bytes: subtracted from ``memory_limit`` (default 0).
         round_to: round each storage up to a multiple of this (default 1 = exact bytes).
+        attention_kernels: ``"cuda"`` (default): attention runs the kernel CUDA would choose,
+            as the estimate does; ``"own"``: the CPU's own choice (NOTE [ The estimate runs
+            CUDA's attention kernel ]).
 
     Example:
         >>> import torch
@@ -54,12 +57,20 @@ class CpuBackend(TrackedBackend):
     estimate_is_exact = True
     simulates_one_rank = True
 
-    def __init__(self, *, memory_limit: Any = None, reserve_bytes: Any = None, round_to: int | None = None):
+    def __init__(
+        self,
+        *,
+        memory_limit: Any = None,
+        reserve_bytes: Any = None,
+        round_to: int | None = None,
+        attention_kernels: str = "cuda",
+    ):
         super().__init__(
             memory_limit=memory_limit,
             reserve_bytes=0 if reserve_bytes is None else reserve_bytes,
             round_to=1 if round_to is None else round_to,
         )
+        self._set_attention_kernels(attention_kernels)
 
     def probing(self) -> contextlib.AbstractContextManager[None]:
         """Keep freed host pages in the heap between probes (NOTE [ Probing reuses host pages ])."""

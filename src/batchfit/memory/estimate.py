@@ -57,9 +57,10 @@ class EstimateBackend(TrackedBackend):
     What it models of a CUDA device: ``round_to`` (default 512 B, the caching allocator's
     block) and ``reserve_bytes`` (subtracted from ``memory_limit``; by default what no
     tracker sees on the named device, term by term: :func:`batchfit.memory.cuda_untracked.untracked_memory`).
-    Not modelled: fragmentation and kernels whose CUDA version allocates differently from
-    the CPU one (e.g. flash/efficient SDPA keeps a log-sum-exp, the CPU math path differs)
-    -- the budget search's safety margin covers these (NOTE [ The margin's evidence ]).
+    and the attention kernel CUDA would run: the math path where no fused kernel takes the
+    inputs (NOTE [ The estimate runs CUDA's attention kernel ]). Not modelled: fragmentation
+    and kernels whose CUDA version allocates differently from the CPU one -- the budget
+    search's safety margin covers these (NOTE [ The margin's evidence ]).
     Fake *cuda* tensors are never used: they abort a CPU-only build.
 
     Args:
@@ -67,6 +68,8 @@ class EstimateBackend(TrackedBackend):
         reserve_bytes: bytes of ``memory_limit`` not available to tensors (default: the
             untracked memory of one rank of the device; :meth:`expect_world_size` adds NCCL's).
         round_to: storage rounding in bytes (default 512; 1 reproduces the cpu backend).
+        attention_kernels: ``"cuda"`` (default): attention runs the kernel CUDA would choose;
+            ``"own"``: the CPU's (NOTE [ The estimate runs CUDA's attention kernel ]).
 
     Attributes:
         untracked: the terms of the default reserve, ``None`` when ``reserve_bytes`` was given.
@@ -78,13 +81,21 @@ class EstimateBackend(TrackedBackend):
     extrapolates_depth = True
     suggests_world_sizes = True
 
-    def __init__(self, *, memory_limit: Any = None, reserve_bytes: Any = None, round_to: int | None = None):
+    def __init__(
+        self,
+        *,
+        memory_limit: Any = None,
+        reserve_bytes: Any = None,
+        round_to: int | None = None,
+        attention_kernels: str = "cuda",
+    ):
         self._device = memory_limit if isinstance(memory_limit, str) else None
         super().__init__(
             memory_limit=memory_limit,
             reserve_bytes=0 if reserve_bytes is None else reserve_bytes,
             round_to=DEFAULT_ROUND_TO if round_to is None else round_to,
         )
+        self._set_attention_kernels(attention_kernels)
         self.untracked: UntrackedMemory | None = None
         self._default_reserve = reserve_bytes is None
         self.expect_world_size(1)

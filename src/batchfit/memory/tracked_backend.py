@@ -10,9 +10,14 @@ import torch
 
 from batchfit.memory.base import Backend
 from batchfit.memory.categories import GRADIENTS
+from batchfit.memory.cuda_attention import cuda_attention
 from batchfit.memory.measurement import MemoryMeasurement
 from batchfit.memory.tracker import MemoryLimitExceeded, MemoryTracker
 from batchfit.patching import undo_all
+from batchfit.validation import check_choice
+
+#: Whose attention kernels a tracked step runs: CUDA's choice, or the CPU's own.
+ATTENTION_KERNELS = ("cuda", "own")
 
 
 @dataclass
@@ -30,9 +35,18 @@ class TrackedBackend(Backend):
     the limit costs little. Gradients are counted as ``"gradients"`` from the moment autograd
     accumulates them into ``param.grad`` (post-accumulate-grad hooks on the registered
     modules' parameters).
+
+    The step's ``scaled_dot_product_attention`` runs the kernel CUDA would choose
+    (``attention_kernels="cuda"``, the default: batchfit sizes GPU steps, and the cpu backend
+    is the estimate's referee), or the CPU's own choice (``"own"``): NOTE [ The estimate runs
+    CUDA's attention kernel ] in :mod:`batchfit.memory.cuda_attention`.
     """
 
     runs_past_limit = True
+    attention_kernels = "cuda"
+
+    def _set_attention_kernels(self, attention_kernels: str) -> None:
+        self.attention_kernels = check_choice("attention_kernels", attention_kernels, ATTENTION_KERNELS)
 
     def _prepare(
         self,
@@ -48,7 +62,8 @@ class TrackedBackend(Backend):
     @contextlib.contextmanager
     def _running(self, state: _Trial) -> Iterator[None]:
         tracker = state.tracker
-        with self.context():
+        kernels = cuda_attention() if self.attention_kernels == "cuda" else contextlib.nullcontext()
+        with self.context(), kernels:
             handles = []
             try:  # a hook that fails to register removes the ones registered before it
                 for p in state.parameters:
