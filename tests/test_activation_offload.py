@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchfit.budget.causal_lm_probe import causal_lm_step
-from batchfit.memory import get_backend
+from batchfit.memory.backends import BACKENDS
 from batchfit.memory.categories import OFFLOADED_ACTIVATIONS
 from batchfit.models import build_causal_lm
 from batchfit.train.activation_offload import activation_offload
@@ -79,8 +79,8 @@ def test_fewer_than_three_layers_offload_nothing_as_verl():
     assert off is None
 
 
-def _measure(backend: str, *, offload: bool, checkpointing: bool, logprobs: str = "full"):
-    be = get_backend(backend, memory_limit="8GiB", reserve_bytes=0, round_to=1)
+def _measure(backend: str, *, offload: bool, checkpointing: bool, logprobs: str = "full", attention_kernels: str = "cuda"):
+    be = BACKENDS[backend](memory_limit="8GiB", reserve_bytes=0, round_to=1, attention_kernels=attention_kernels)
     net = build_causal_lm("tiny", backend=be, num_hidden_layers=4, gradient_checkpointing=checkpointing)
     step = causal_lm_step(net, backend=be, activation_offload=offload, logprobs=logprobs)
     return step.measure([256, 256])
@@ -103,10 +103,14 @@ def test_offload_lowers_the_device_peak_and_moves_the_saved_activations_to_the_h
     with_ = _measure("estimate", offload=True, checkpointing=False, logprobs="fused")
     assert with_.peak_bytes < without.peak_bytes
     assert without.host_bytes == 0
-    # checkpointed: the host holds layers 0..2's inputs, hidden states [2, 256, 64] fp32 = 131,072 B
-    # and position_ids [1, 256] int64 = 2,048 B each: 3 × 133,120 = 399,360
-    ckpt = _measure("estimate", offload=True, checkpointing=True)
+    # checkpointed, the head binding (the CPU's own attention kernel): at the peak the host holds
+    # layers 0..2's inputs, hidden states [2, 256, 64] fp32 = 131,072 B and position_ids [1, 256]
+    # int64 = 2,048 B each: 3 × 133,120 = 399,360
+    ckpt = _measure("estimate", offload=True, checkpointing=True, attention_kernels="own")
     assert ckpt.host_bytes == 399_360
+    # CUDA's math attention path (float32, grouped heads) binds in layer 2's recomputed backward,
+    # its input back on the device: the host holds layers 0 and 1's, 2 × 133,120
+    assert _measure("estimate", offload=True, checkpointing=True).host_bytes == 266_240
 
 
 def test_verls_key_is_read_profiled_and_emitted_and_other_targets_refuse_it():

@@ -474,3 +474,26 @@ def test_a_cuda_confirm_that_does_not_fit_exits_1_with_the_message(fake_cuda):
     assert data["error"]["type"] == "DoesNotFitError" and data["error"]["faults"] == [
         err.split("error: ", 1)[1].strip()
     ]
+
+
+def test_a_run_out_of_memory_below_the_limit_says_the_estimate_missed_an_allocation():
+    # the H200's tiny float32 run (docs/budget.md): out of memory holding 21,873,486,848 B of a
+    # 149,557,477,376 B limit, on a request the estimate did not make (no margin could have helped)
+    from batchfit.budget.confirm_report import ConfirmReport, RoleConfirmation
+
+    role = RoleConfirmation(
+        role="policy", cost="padded", seq_len=2048, lengths=(2048,) * 4558, tokens=4558 * 2048, categories=(),
+        estimated_peak_bytes=127_106_220_544, measured_peak_bytes=21_873_486_848,
+        profiled_peak_bytes=127_106_220_544, reserved_bytes=25_713_180_672, limit_bytes=149_557_477_376,
+        budget_limit_bytes=127_123_855_769, safety_margin=0.85, fits=False, exceeded=True,
+        max_rank_bytes=25_713_180_672, seconds=0.6,
+    )  # fmt: skip
+    report = ConfirmReport(
+        profile=None, model="tiny", backend="cuda", device="NVIDIA H200", memory_limit=150_109_880_320,  # type: ignore[arg-type]
+        reserve_bytes=552_402_944, round_to=512, profiled_round_to=512, roles={"policy": role}, untracked_bytes=720_175_104,
+    )  # fmt: skip
+    message = str(report.error())
+    assert message.startswith("policy: the confirm run of 4558 × 2,048 tokens (padded) on cuda ran out of memory holding 23.95 GiB")
+    assert "below the 139.29 GiB the device allows: one allocation asked for more than was left" in message
+    assert "Search on the device itself (--backend cuda, without --confirm)" in message
+    assert "safety margin" not in message and "reserve" not in message

@@ -318,6 +318,16 @@ class ConfirmReport:
 
     def _failure(self, r: RoleConfirmation) -> str:
         needed = r.footprint_bytes
+        if r.exceeded and needed < self.limit_bytes:
+            # NOTE [ The estimate runs CUDA's attention kernel ] was found this way: no margin or
+            # reserve brings such a step under the limit, since what it held was already under it
+            return (
+                f"{r.role}: the confirm run of {r.shape} ({r.cost}) on {self.backend} ran out of memory holding "
+                f"{format_bytes(needed)}, below the {format_bytes(self.limit_bytes)} the device allows: one "
+                f"allocation asked for more than was left, which the estimate ({format_bytes(r.estimated_peak_bytes)}) "
+                f"did not foresee, so the step runs code the estimate does not. Search on the device itself "
+                f"(--backend {self.backend}, without --confirm), and report the model and this shape"
+            )
         if r.exceeded:
             stop = "ran out of memory" if backend_class(self.backend).reads_device else "was stopped at the limit"
             ran = f"{stop} after {format_bytes(needed)}"
