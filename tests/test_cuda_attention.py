@@ -112,3 +112,23 @@ def test_the_estimate_asks_for_the_scores_where_the_h200_ran_out_of_memory():
     scores = 4558 * 4 * 2048 * 2048 * 4  # the first layer's scores, asked for at once
     held = measured.peak_bytes - scores
     assert abs(held - H200_ALLOCATED_AT_OOM) <= 0.01 * H200_ALLOCATED_AT_OOM, held
+
+
+def test_only_the_callers_inside_take_cudas_choice():
+    import threading
+
+    seen = {}
+    inside, go = threading.Event(), threading.Event()
+
+    def elsewhere():  # another thread, not inside cuda_attention(), while the patch is installed
+        inside.wait()
+        seen["other"] = _attention_peak(CpuBackend(attention_kernels="own"), F32, 2)
+        go.set()
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    with cuda_attention():
+        inside.set()
+        go.wait(timeout=60)
+    thread.join(timeout=60)
+    assert seen["other"] == _attention_peak(CpuBackend(attention_kernels="own"), F32, 2)

@@ -45,6 +45,7 @@ where PyTorch 2.6 to 2.13 agree; where they do not, the estimate takes the large
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -131,11 +132,16 @@ def cuda_attention_kernel(
 
 # NOTE [ Shared and counted ] in batchfit.patching: nested and concurrent estimates share it
 _PATCH = AttributePatch(lambda: F, "scaled_dot_product_attention")
+# inside cuda_attention() in this context (thread): a measurement running the CPU's own kernels
+# on another thread while the patch is installed keeps them
+_INSIDE: contextvars.ContextVar[int] = contextvars.ContextVar("batchfit_cuda_attention", default=0)
 
 
 @_PATCH.bind
 def _scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """``scaled_dot_product_attention`` running CUDA's math path where CUDA would (NOTE [ The estimate runs CUDA's attention kernel ])."""
+    if not _INSIDE.get():
+        return _PATCH.call_below(query, key, value, *args, **kwargs)
     attn_mask = kwargs.get("attn_mask", args[0] if args else None)
     is_causal = bool(kwargs.get("is_causal", args[2] if len(args) > 2 else False))
     enable_gqa = bool(kwargs.get("enable_gqa", args[4] if len(args) > 4 else False))
@@ -151,7 +157,13 @@ def cuda_attention() -> Iterator[None]:
     """Inside, ``F.scaled_dot_product_attention`` takes the math path wherever CUDA would (NOTE [ The estimate runs CUDA's attention kernel ]).
 
     Shared by nested and concurrent blocks (one installation, NOTE [ Shared and counted ]);
-    the function is put back on exit, also on errors.
+    the function is put back on exit, also on errors. Only calls made inside the block (its
+    thread or context) take CUDA's choice: a measurement running the CPU's own kernels on
+    another thread meanwhile keeps them.
     """
-    with _PATCH.active():
-        yield
+    token = _INSIDE.set(_INSIDE.get() + 1)
+    try:
+        with _PATCH.active():
+            yield
+    finally:
+        _INSIDE.reset(token)
