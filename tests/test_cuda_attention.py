@@ -132,3 +132,33 @@ def test_only_the_callers_inside_take_cudas_choice():
         go.wait(timeout=60)
     thread.join(timeout=60)
     assert seen["other"] == _attention_peak(CpuBackend(attention_kernels="own"), F32, 2)
+
+
+def test_a_models_cuda_attention_says_why_the_math_path_runs():
+    from batchfit.models import load_config
+    from batchfit.models.attention import cuda_attention_of
+
+    fp32 = cuda_attention_of(load_config("tiny"), F32)
+    assert fp32.kernel == "math" and "float32, 4 query and 2 key/value heads" in fp32.note
+    assert cuda_attention_of(load_config("tiny"), BF16).to_dict() == {"kernel": "flash", "note": None}
+    assert cuda_attention_of(load_config("qwen2.5-0.5b"), F32).kernel == "math"  # 14 query, 2 key/value heads
+    eager = load_config("tiny")
+    eager._attn_implementation = "eager"
+    assert cuda_attention_of(eager, F32) is None
+
+
+@pytest.mark.slow  # three whole profiles
+def test_the_profile_names_cudas_math_path_and_what_runs_flash(capsys):
+    import json
+
+    from batchfit.cli import main
+
+    flags = ["profile", "--model", "tiny", "--sharding", "none", "--max-seq-len", "256", "--memory", "1GB", "--no-progress"]
+    assert main([*flags, "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "attention: CUDA runs its math path (float32, 4 query and 2 key/value heads" in out
+    assert "bf16 compute runs flash (--dtype bf16, or --mixed-precision bf16 with fsdp2)" in out
+    assert main([*flags, "--dtype", "bf16"]) == 0
+    assert "attention:" not in capsys.readouterr().out
+    assert main([*flags, "--dtype", "fp32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["attention"]["kernel"] == "math"

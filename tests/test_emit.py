@@ -193,7 +193,7 @@ class _Recorder:
             )
             for role in roles
         }
-        return types.SimpleNamespace(budgets=budgets, torch=None, sharding=options.sharding, moe=None)
+        return types.SimpleNamespace(budgets=budgets, torch=None, sharding=options.sharding, moe=None, attention=None)
 
     def resident_state_bytes(self, model, role, options, *, kinds=()):
         # what a colocated model keeps on the device reaches profile_model as resident_bytes (recorded there);
@@ -398,3 +398,20 @@ def test_real_budgets_round_trip(tmp_path, capsys, monkeypatch, micro_model, fra
     fast = ["--memory", "8MiB"]
     before, after = _round_trip(tmp_path, framework, flags, capsys, path=path, fast=fast)
     assert after == before and "max_tokens" in str(before)
+
+
+def test_a_model_on_cudas_math_attention_path_is_named_in_the_emitted_header(tmp_path, capsys, monkeypatch):
+    # NOTE [ The estimate runs CUDA's attention kernel ]: the budgets assume it, so the emitted keys say so
+    from batchfit.models.attention import CudaAttention
+
+    rec = _Recorder()
+
+    def profile_model(model, options, *, roles, resident_bytes=0):
+        out = rec.profile_model(model, options, roles=roles, resident_bytes=resident_bytes)
+        out.model, out.attention = model, CudaAttention("math", "attention: CUDA runs its math path (…)")
+        return out
+
+    monkeypatch.setattr(framework_profile, "profile_model", profile_model)
+    monkeypatch.setattr(framework_profile, "resident_state_bytes", rec.resident_state_bytes)
+    out = _profile(_verl(tmp_path), "verl", [], capsys)
+    assert out.count("note: tiny: attention: CUDA runs its math path (…)") == 1  # once per model, not per pass

@@ -26,6 +26,7 @@ from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import BudgetError, DoesNotFitError, InvalidArgument, Phrase, Setting
 from batchfit.memory.base import Backend
 from batchfit.memory.cuda_untracked import UntrackedMemory, untracked_memory
+from batchfit.models.attention import CudaAttention, cuda_attention_of
 from batchfit.models.lora import LoraParameters, lora_parameters
 from batchfit.models.moe import MoeSummary, moe_summary
 from batchfit.parallel.behaviour import TorchBehaviours, torch_behaviours
@@ -97,6 +98,10 @@ class ModelProfile:
             per token, the experts implementation measured and the routing assumed
             (:class:`~batchfit.models.moe.MoeSummary`; ``balanced_tokens`` beside the worst
             case's budget with ``compare_routing``); ``None`` for a dense model.
+        attention: the kernel CUDA runs for the model's sdpa attention, which the budget
+            assumed (:class:`~batchfit.models.attention.CudaAttention`, with a line for the
+            report when it is the math path); ``None`` when the backend runs the CPU's own
+            kernels or the attention is not sdpa.
     """
 
     model: str
@@ -118,6 +123,7 @@ class ModelProfile:
     lora: LoraParameters | None = None
     activation_offload: bool = False
     moe: MoeSummary | None = None
+    attention: CudaAttention | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Settings, each role's budget and the combined budget as plain values (JSON-ready).
@@ -157,6 +163,7 @@ class ModelProfile:
             "lora": None if self.lora is None else self.lora.to_dict(),
             "activation_offload": self.activation_offload,
             "moe": None if self.moe is None else self.moe.to_dict(),
+            "attention": None if self.attention is None else self.attention.to_dict(),
         }
         # NOTE [ A group's budget ]
         # Under sequence parallelism (sharding.sequence_parallel = sp > 1) the probe runs one rank's
@@ -378,6 +385,7 @@ def profile_model(
         lora=adapters,
         activation_offload=opts.activation_offload,
         moe=moe,
+        attention=cuda_attention_of(config, compute_dtype(plan, torch_dtype)) if be.runs_cuda_attention else None,
     )
 
 

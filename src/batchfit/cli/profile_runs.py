@@ -196,6 +196,7 @@ def _run_config(
         header += [f"note: {note}" for note in (*notes, *run.notes)]
         moe_lines = dict.fromkeys(f"{p.model}: {p.moe.describe()}" for p in result.profiles.values() if p.moe is not None)
         header += [f"note: {line}" for line in moe_lines]  # the passes measured a mixture of experts so
+        header += [f"note: {line}" for line in _attention_notes(result)]
         header += [f"warning: {warning}" for warning in run.warnings]
         text = render_keys(keys, request.emit, header, request.emit_format)
         sys.stdout.write(text)
@@ -210,6 +211,8 @@ def _run_config(
     )
     for note in (*notes, *run.notes):
         console.print(f"note: {note}", highlight=False)
+    for line in _attention_notes(result):
+        console.print(f"note: {line}", highlight=False)
     for warning in run.warnings:
         console.print(f"warning: {warning}", highlight=False)
     for role, profile in result.profiles.items():
@@ -241,3 +244,9 @@ def _select_device(request: ProfileRequest) -> None:
     """Under torchrun with cuda: this rank's GPU (``LOCAL_RANK``) becomes the current device."""
     if backend_class(request.backend).reads_device and request.launched > 1:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _attention_notes(result: Any) -> list[str]:
+    """Each model whose attention takes CUDA's math path, once (NOTE [ The estimate runs CUDA's attention kernel ])."""
+    notes = (f"{p.model}: {p.attention.note}" for p in result.profiles.values() if p.attention and p.attention.note)
+    return list(dict.fromkeys(notes))

@@ -37,6 +37,8 @@ def render_profile(console: Any, profile: Any, request: ProfileRequest) -> None:
         from batchfit.cli.render_budget import lora_text
 
         console.print(lora_text(profile), highlight=False)
+    if profile.attention is not None and profile.attention.note:
+        console.print(profile.attention.note, highlight=False)
     if profile.moe is not None:
         console.print(profile.moe.describe(), highlight=False)
         line = worst_case_line(profile)

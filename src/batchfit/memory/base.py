@@ -73,9 +73,13 @@ class Backend(abc.ABC):
             subtracted from it to give :attr:`limit_bytes`.
         round_to: each storage is rounded up to a multiple of this many bytes (tracked
             backends only; the CUDA allocator rounds by itself).
+        attention_kernels: whose attention kernels a step runs: ``"cuda"`` (CUDA's choice: the
+            cuda backend, and by default the tracked ones, NOTE [ The estimate runs CUDA's
+            attention kernel ]) or ``"own"`` (the CPU's, a tracked backend asked for it).
     """
 
     name: str = ""
+    attention_kernels: str = "cuda"
     _stop_bytes: int | None = None  # NOTE [ Stop at the search's limit ]: set inside stopping_above
     _to_the_end: bool = False  # NOTE [ Real ranks run their probes to the end ]: set inside running_to_the_end
 
@@ -94,6 +98,11 @@ class Backend(abc.ABC):
             raise InvalidArgument(
                 f"reserve_bytes must be smaller than memory_limit={self.memory_limit}, but got reserve_bytes={self.reserve_bytes}; lower reserve_bytes or raise memory_limit"
             )
+
+    @property
+    def runs_cuda_attention(self) -> bool:
+        """A step here runs the attention kernel CUDA would choose (NOTE [ The estimate runs CUDA's attention kernel ])."""
+        return self.attention_kernels == "cuda"
 
     @property
     def device(self) -> torch.device:

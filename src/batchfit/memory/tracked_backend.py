@@ -43,7 +43,6 @@ class TrackedBackend(Backend):
     """
 
     runs_past_limit = True
-    attention_kernels = "cuda"
 
     def _set_attention_kernels(self, attention_kernels: str) -> None:
         self.attention_kernels = check_choice("attention_kernels", attention_kernels, ATTENTION_KERNELS)

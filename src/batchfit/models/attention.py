@@ -37,6 +37,7 @@ import itertools
 import sys
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -313,3 +314,62 @@ def _warn_unchecked(name: str, why: str) -> None:
         "micro-batch with its sequences run alone",
         stacklevel=3,
     )
+
+
+
+@dataclass(frozen=True)
+class CudaAttention:
+    """The kernel CUDA runs for a model's sdpa attention, and the report's line when it is the math path.
+
+    Attributes:
+        kernel: ``"flash"``, ``"efficient"`` or ``"math"``.
+        note: one line saying why the math path runs, what it holds and what runs flash;
+            ``None`` for a fused kernel.
+    """
+
+    kernel: str
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain values."""
+        return {"kernel": self.kernel, "note": self.note}
+
+
+def cuda_attention_of(config: Any, compute_dtype: torch.dtype) -> CudaAttention | None:
+    """The kernel CUDA runs for ``config``'s sdpa attention in ``compute_dtype``.
+
+    As transformers calls it on rows without a padding mask (``enable_gqa`` when the key/value
+    heads are fewer, NOTE [ The estimate runs CUDA's attention kernel ] in
+    :mod:`batchfit.memory.cuda_attention`). ``None`` when the model's attention is not sdpa or
+    its heads are not in the config.
+
+    Example:
+        >>> from batchfit.models import load_config
+        >>> cuda_attention_of(load_config("tiny"), torch.bfloat16).kernel, cuda_attention_of(load_config("tiny"), torch.float32).kernel
+        ('flash', 'math')
+    """
+    from batchfit.memory.cuda_attention import cuda_attention_kernel
+
+    name = getattr(config, "_attn_implementation", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if name not in (None, "sdpa") or not heads:
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    q = torch.empty(1, heads, 1, head_dim, dtype=compute_dtype, device="meta")
+    kv = torch.empty(1, kv_heads, 1, head_dim, dtype=compute_dtype, device="meta")
+    kernel = cuda_attention_kernel(q, kv, kv, is_causal=True, enable_gqa=kv_heads != heads)
+    if kernel != "math":
+        return CudaAttention(kernel)
+    dtype = str(compute_dtype).removeprefix("torch.")
+    why = (
+        "flash takes only bf16/fp16 and the memory-efficient kernel only equal heads"
+        if compute_dtype == torch.float32 and kv_heads != heads
+        else "no fused kernel takes these inputs"
+    )
+    note = (
+        f"attention: CUDA runs its math path ({dtype}, {heads} query and {kv_heads} key/value heads: {why}), "
+        f"which holds each layer's b × {heads} × s² scores; bf16 compute runs flash "
+        f"(--dtype bf16, or --mixed-precision bf16 with fsdp2)"
+    )
+    return CudaAttention(kernel, note)
