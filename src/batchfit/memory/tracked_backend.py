@@ -61,7 +61,7 @@ class TrackedBackend(Backend):
     @contextlib.contextmanager
     def _running(self, state: _Trial) -> Iterator[None]:
         tracker = state.tracker
-        kernels = cuda_attention() if self.attention_kernels == "cuda" else contextlib.nullcontext()
+        kernels = cuda_attention() if self.runs_cuda_attention else contextlib.nullcontext()
         with self.context(), kernels:
             handles = []
             try:  # a hook that fails to register removes the ones registered before it
