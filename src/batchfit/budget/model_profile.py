@@ -580,11 +580,14 @@ def _estimated_hints(build: RoleBuilder, role: str, options: ProfileOptions) -> 
     ones (the tiny preset: 0.12 s each) and run unguided. ``(lengths, hints)``;
     ``(seq_lens, None)`` when the estimate fails (the cpu search then runs unguided).
     """
-    from batchfit.memory import get_backend
+    from batchfit.memory.estimate import EstimateBackend
 
     be = build.backend
-    twin = get_backend(
-        "estimate", memory_limit=be.memory_limit, reserve_bytes=be.reserve_bytes or 0, round_to=be.round_to
+    twin = EstimateBackend(
+        memory_limit=be.memory_limit,
+        reserve_bytes=be.reserve_bytes or 0,
+        round_to=be.round_to,
+        attention_kernels=be.attention_kernels,  # the kernels the cpu search runs
     )
     estimate = build.with_backend(twin)
     try:

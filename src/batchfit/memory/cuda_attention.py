@@ -140,7 +140,7 @@ _INSIDE: contextvars.ContextVar[int] = contextvars.ContextVar("batchfit_cuda_att
 @_PATCH.bind
 def _scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """``scaled_dot_product_attention`` running CUDA's math path where CUDA would (NOTE [ The estimate runs CUDA's attention kernel ])."""
-    if not _INSIDE.get():
+    if not _INSIDE.get() or query.is_nested:  # nested tensors: the CPU's own choice (not modelled)
         return _PATCH.call_below(query, key, value, *args, **kwargs)
     attn_mask = kwargs.get("attn_mask", args[0] if args else None)
     is_causal = bool(kwargs.get("is_causal", args[2] if len(args) > 2 else False))
