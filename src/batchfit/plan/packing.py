@@ -675,7 +675,8 @@ def plan_micro_batches(
     response_costs = frozen_resp = None
     if resp is not None:
         rs = resp.tolist()
-        response_costs = tuple(tuple(sum(rs[i] for i in mb) for mb in rank) for rank in padded_ranks)
+        at = rs.__getitem__
+        response_costs = tuple(tuple(sum(map(at, mb)) for mb in rank) for rank in padded_ranks)
         frozen_resp = resp.copy()
         frozen_resp.setflags(write=False)
     return MicroBatchPlan(

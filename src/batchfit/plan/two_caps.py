@@ -39,7 +39,7 @@ from batchfit.plan.single_cap import (
 #   that holds it and has a free row (every open micro-batch is at least as wide as the
 #   sequence, so rows are the only token constraint), else a new one of ``C // length`` rows.
 #   Each best fit finds its micro-batch in O(log m) plus the shorter of two scans (NOTE [ Least
-#   room where both fit ]): 20,000 rollouts in 0.21 s of CPU (`benchmarks/packing.py --two-caps`);
+#   room where both fit ]): 20,000 rollouts in 0.19 s of CPU (`benchmarks/packing.py --two-caps`);
 # - then, for at most SMALL_PLAN_MAX_SEQUENCES sequences above the lower bound (the larger of
 #   the response bound ``⌈Σ responses / R⌉`` and ``⌈Σ lengths / C⌉``, packed, or the one-cap
 #   optimum, padded), the depth-first search of NOTE [ Small plans are searched ] with both
@@ -49,16 +49,22 @@ from batchfit.plan.single_cap import (
 
 def _group_costs(lens: list[int], groups: list[list[int]], padded: bool) -> list[int]:
     """Token cost of each group of positions of ``lens``."""
+    at = lens.__getitem__
     if padded:
-        return [len(g) * max(lens[p] for p in g) for g in groups]
-    return [sum(lens[p] for p in g) for g in groups]
+        return [len(g) * max(map(at, g)) for g in groups]
+    return [sum(map(at, g)) for g in groups]
 
 
 def _two_cap_order(lens: np.ndarray, resps: np.ndarray, budget: int, rbudget: int, by: str) -> np.ndarray:
     """Positions, largest first by ``by`` (``"length"``, then the larger response; or ``"size"``,
     ``max(length / C, response / R)``); ties by position (lens is sorted descending, ties by index)."""
     if by == "length":
-        return np.lexsort((np.arange(len(lens)), -resps, -lens))
+        if not len(lens):
+            return np.arange(0)
+        scale = int(resps.max()) + 1
+        if int(lens[0]) < (1 << 62) // scale:  # one int64 key (lens[0] is the longest): sorted in one pass
+            return np.argsort(-(lens * scale + resps), kind="stable")
+        return np.lexsort((-resps, -lens))  # stable: ties keep their positions
     size = np.maximum(lens / budget, resps / rbudget)
     return np.argsort(-size, kind="stable")
 
@@ -76,37 +82,29 @@ def _two_cap_order(lens: np.ndarray, resps: np.ndarray, budget: int, rbudget: in
 # - across the ``ny`` of ``by_O``: the least D key among them (``min`` in C) that holds the
 #   sequence. It reads all ``ny``, few when O binds (when responses bind, nearly every
 #   micro-batch has token room and few have response room).
-# A few steps along ``by_D``, then the shorter of the two: O(log m + min(nx, ny)) steps per
-# sequence, plus list insertions (a memmove in C). A micro-batch whose room in either dimension
+# The least room in D first (most sequences stop there when D binds), then the shorter of the
+# two: O(log m + min(nx, ny)) steps per sequence, plus list insertions (a memmove in C). Both
+# dimensions run the same steps on the lists swapped, and a micro-batch that takes a sequence
+# goes back in below where it was (its room only shrinks). A micro-batch whose room in either dimension
 # is below every sequence still to place (the least length and the least response after this
 # step) holds nothing more and leaves the lists. Neither changes the choice: before issue 29 the
 # scan ran along ``by_D`` alone, to the answer or the end, O(m) per sequence when O binds (6.8 s
 # for 20,000 rollouts); tests/packing_two_caps_oracle.py keeps it, and the tests compare.
 
-LEAST_ROOM_FIRST_STEPS = 4
-"""Steps along the micro-batches sorted by room before counting the other dimension (NOTE [ Least room where both fit ])."""
-
-
 def _least_room_fit(
-    by_d: list[int], o_of_d: list[int], need_d: int, by_o: list[int], d_of_o: list[int], need_o: int
+    by_d: list[int], o_of_d: list[int], need_d: int, by_o: list[int], d_of_o: list[int], need_o: int, kx: int
 ) -> int:
     """The position in ``by_d`` of the least key that is at least ``need_d`` and whose key in the
     other dimension is at least ``need_o``, or -1 (NOTE [ Least room where both fit ]).
 
     ``by_d`` and ``by_o`` are the sorted keys of the open micro-batches in each dimension;
-    ``o_of_d[i]`` is the other key of ``by_d[i]``, and ``d_of_o[i]`` that of ``by_o[i]``.
+    ``o_of_d[i]`` is the other key of ``by_d[i]``, and ``d_of_o[i]`` that of ``by_o[i]``; ``kx`` is
+    where ``need_d`` bisects ``by_d`` (the caller has looked at the first candidate already).
     """
-    kx = bisect.bisect_left(by_d, need_d)
-    i = kx
-    for key in o_of_d[kx : kx + LEAST_ROOM_FIRST_STEPS]:
-        if key >= need_o:
-            return i
-        i += 1
-    if i == len(by_d):  # all nx read
-        return -1
     ky = bisect.bisect_left(by_o, need_o)
-    if len(by_d) - kx <= len(by_o) - ky:  # nx <= ny: the rest along by_d
-        for key in o_of_d[i:]:
+    if len(by_d) - kx <= len(by_o) - ky:  # nx <= ny: along by_d
+        i = kx
+        for key in o_of_d[kx:]:
             if key >= need_o:
                 return i
             i += 1
@@ -164,6 +162,7 @@ def _best_fit_packed(
     shift = _shift(ls)
     mask = (1 << shift) - 1
     rest_l, rest_r = least_still_to_place(ls, rs, order) if rests is None else rests
+    bisect_left = bisect.bisect_left
     groups: list[list[int]] = []
     by_l: list[int] = []  # sorted keys (token room << shift | micro-batch) of the open micro-batches
     r_of_l: list[int] = []  # the response key of each, aligned with by_l
@@ -171,36 +170,48 @@ def _best_fit_packed(
     l_of_r: list[int] = []  # the token key of each, aligned with by_r
     for p, open_l, open_r in zip(order, rest_l, rest_r):
         length, r = ls[p], rs[p]
-        i = -1
-        if length <= budget and r <= rbudget:
-            if dimension == "tokens" or (dimension == "tighter" and length * rbudget >= r * budget):
-                i = _least_room_fit(by_l, r_of_l, length << shift, by_r, l_of_r, r << shift)
-                if i >= 0:
-                    kl, kr = by_l.pop(i), r_of_l.pop(i)
-                    j = bisect.bisect_left(by_r, kr)
-                    del by_r[j], l_of_r[j]
-            else:
-                i = _least_room_fit(by_r, l_of_r, r << shift, by_l, r_of_l, length << shift)
-                if i >= 0:
-                    kr, kl = by_r.pop(i), l_of_r.pop(i)
-                    j = bisect.bisect_left(by_l, kl)
-                    del by_l[j], r_of_l[j]
-        if i >= 0:
-            groups[kl & mask].append(p)
-            kl -= length << shift
-            kr -= r << shift
-        else:
-            b = len(groups)
+        if length > budget or r > rbudget:  # oversize: alone
             groups.append([p])
-            if length > budget or r > rbudget:  # oversize: alone
-                continue
-            kl = (budget - length) << shift | b
-            kr = (rbudget - r) << shift | b
+            continue
+        need_l, need_r = length << shift, r << shift
+        # D, the dimension of least room, and O, the other: the same steps serve both
+        if dimension == "tokens" or (dimension == "tighter" and length * rbudget >= r * budget):
+            by_d, o_of_d, need_d, open_d, by_o, d_of_o, need_o, open_o = (
+                by_l, r_of_l, need_l, open_l, by_r, l_of_r, need_r, open_r
+            )
+        else:
+            by_d, o_of_d, need_d, open_d, by_o, d_of_o, need_o, open_o = (
+                by_r, l_of_r, need_r, open_r, by_l, r_of_l, need_l, open_l
+            )
+        i = bisect_left(by_d, need_d)
+        if i == len(by_d):
+            i = -1
+        elif o_of_d[i] < need_o:  # the least room in D lacks room in O
+            i = _least_room_fit(by_d, o_of_d, need_d, by_o, d_of_o, need_o, i)
+        if i >= 0:
+            kd, ko = by_d.pop(i), o_of_d.pop(i)
+            j = bisect_left(by_o, ko)
+            del by_o[j], d_of_o[j]
+            groups[kd & mask].append(p)
+            kd -= need_d
+            ko -= need_o
+            if kd >= open_d and ko >= open_o:  # less room than before: back in below where it was
+                i = bisect_left(by_d, kd, 0, i)
+                by_d.insert(i, kd)
+                o_of_d.insert(i, ko)
+                j = bisect_left(by_o, ko, 0, j)
+                by_o.insert(j, ko)
+                d_of_o.insert(j, kd)
+            continue
+        b = len(groups)
+        groups.append([p])
+        kl = (budget - length) << shift | b
+        kr = (rbudget - r) << shift | b
         if kl >= open_l and kr >= open_r:
-            j = bisect.bisect_left(by_l, kl)
+            j = bisect_left(by_l, kl)
             by_l.insert(j, kl)
             r_of_l.insert(j, kr)
-            j = bisect.bisect_left(by_r, kr)
+            j = bisect_left(by_r, kr)
             by_r.insert(j, kr)
             l_of_r.insert(j, kl)
     return groups
@@ -211,18 +222,20 @@ def _shift(ls: list[int]) -> int:
     return max(len(ls), 1).bit_length()
 
 
-def least_still_to_place(ls: list[int], rs: list[int], order: list[int]) -> tuple[list[int], list[int]]:
+def least_still_to_place(
+    ls: list[int] | np.ndarray, rs: list[int] | np.ndarray, order: list[int] | np.ndarray
+) -> tuple[list[int], list[int]]:
     """Per step of ``order``, the least length and the least response still to place after it, shifted
     as keys: a micro-batch with less room than that in either dimension holds nothing more and leaves
-    the lists (NOTE [ Least room where both fit ])."""
+    the lists (NOTE [ Least room where both fit ]). Lists or arrays (arrays skip a conversion)."""
     shift = _shift(ls)
     return _least_after(ls, order, shift), _least_after(rs, order, shift)
 
 
-def _least_after(values: list[int], order: list[int], shift: int) -> list[int]:
+def _least_after(values: list[int] | np.ndarray, order: list[int] | np.ndarray, shift: int) -> list[int]:
     """Per step of ``order``, the least of ``values`` over the steps after it, shifted left by ``shift``
     (0 after the last step: nothing is placed after it)."""
-    if not order:
+    if not len(order):
         return []
     least = np.minimum.accumulate(np.asarray(values, dtype=np.int64)[order][::-1])[::-1]
     if int(least[-1]) < 1 << (62 - shift):  # least[-1] is the largest: shifted in int64 exactly
@@ -248,8 +261,8 @@ def _pack_two_caps(
     orders: dict[str, tuple[list[int], tuple[list[int], list[int]]]] = {}  # two variants share an order
     for by, dimension in TWO_CAP_PACKED_VARIANTS:
         if by not in orders:
-            order = _two_cap_order(lens, resps, budget, rbudget, by).tolist()
-            orders[by] = order, least_still_to_place(ls, rs, order)
+            order = _two_cap_order(lens, resps, budget, rbudget, by)
+            orders[by] = order.tolist(), least_still_to_place(lens, resps, order)
         order, rests = orders[by]
         groups = _best_fit_packed(ls, rs, order, budget, rbudget, dimension, rests=rests)
         if best is None or len(groups) < len(best):
@@ -324,7 +337,7 @@ def _pack_two_caps_then_search(
     """Two-cap best fit, then for small plans the search (NOTE [ Two caps ]); groups of input indices."""
     groups = _pack_two_caps(lens, idx, budget, resps, rbudget, padded)
     ls, rs = lens.tolist(), resps.tolist()
-    oversize = any(length > budget for length in ls) or any(r > rbudget for r in rs)
+    oversize = bool(len(ls)) and (ls[0] > budget or int(resps.max()) > rbudget)  # ls is sorted descending
     if 0 < len(ls) <= SMALL_PLAN_MAX_SEQUENCES and not oversize:
         if padded:
             bound = len(pack_padded(lens, idx, budget)[0])  # the one-cap optimum
