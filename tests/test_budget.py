@@ -356,19 +356,50 @@ def test_two_ranks_agree_on_a_smaller_budget_when_one_rank_runs_out():
     assert got[0][1][0] == 35
 
 
-def test_a_batch_size_probed_twice_counts_once_in_the_per_sequence_cost():
-    # a length's whole-sequence probes may repeat a batch size (a predicted probe, then the run):
-    # the secant must use two distinct sizes, not divide by zero
-    from batchfit.budget.budget_search import _per_sequence
-    from batchfit.budget.probe import Probe
+def test_a_token_count_probed_twice_counts_once_in_the_phase_guess():
+    # a length's probes may repeat a token count (a predicted probe, then the run): the line must
+    # go through two distinct counts, not divide by zero
+    from batchfit.budget.memory_model import guess_tokens_by_phase
 
-    def probe(size: int, peak: int) -> Probe:
-        return Probe(batch_size=size, seq_len=10, peak_bytes=peak, fits=True, tokens=size * 10)
+    twice = [(200, {"fwd": 5_800}, {}), (260, {"fwd": 7_000}, {}), (260, {"fwd": 7_000}, {})]
+    assert guess_tokens_by_phase(twice, 10, 8_200) == pytest.approx(320.5)  # 5,800 + 20·(T − 200)
+    assert guess_tokens_by_phase(twice[1:], 10, 8_200) == pytest.approx(304.5)  # one count: 7,000 / 260 per token
 
-    base = probe(26, 7_000)
-    probes = [probe(20, 5_800), base, probe(26, 7_000)]
-    assert _per_sequence(probes, 10, base) == pytest.approx((7_000 - 5_800) / 6)
-    assert _per_sequence([base, base], 10, base) == pytest.approx(7_000 / 26)  # one size: the base's share
+
+@settings(max_examples=60, deadline=None)
+@given(
+    base=st.integers(0, 10**9),
+    a=st.integers(1, 10**5),
+    q=st.integers(0, 100),
+    s=st.sampled_from([512, 1000, 4096]),
+    tokens=st.lists(st.integers(1, 400_000), min_size=3, max_size=3, unique=True),
+    headroom=st.integers(1, 10**11),
+)
+def test_the_phase_guess_is_exact_on_the_memory_model(base, a, q, s, tokens, headroom):
+    # NOTE [ Each phase is a line in tokens ]: three probes of base + a·T + q·(k·s² + r²) give the answer
+    from batchfit.budget.memory_model import guess_tokens_by_phase
+
+    def peak(t: int) -> int:
+        k, r = divmod(t, s)
+        return base + a * t + q * (k * s * s + r * r)
+
+    limit = base + headroom
+    guess = guess_tokens_by_phase([(t, {"step": peak(t)}, {}) for t in tokens], s, limit)
+    answer = math.floor(guess)
+    assert peak(answer) <= limit < peak(answer + 1) or (answer < 0 and peak(0) > limit)
+
+
+def test_the_phase_guess_is_the_phase_that_reaches_the_limit_first():
+    from batchfit.budget.memory_model import guess_tokens_by_phase
+
+    # the forward holds 100 + 2·T, the backward 300 + 1·T: at a limit of 1,000 the forward binds first
+    points = [(t, {"forward": 100 + 2 * t, "backward": 300 + t}, {}) for t in (10, 20)]
+    assert guess_tokens_by_phase(points, 64, 1_000) == pytest.approx(450.5)
+    # one probe: each phase's line from the state it holds whatever the batch
+    one = [(10, {"forward": 120, "backward": 310}, {"forward": 100, "backward": 300})]
+    assert guess_tokens_by_phase(one, 64, 1_000) == pytest.approx(450.5)
+    assert guess_tokens_by_phase([(10, {"step": 50}, {"step": 50})], 64, 1_000) == math.inf  # nothing grows
+    assert guess_tokens_by_phase([], 64, 1_000) is None
 
 
 # --------------------------------------------------------------------------- profile_model: one call, a model object

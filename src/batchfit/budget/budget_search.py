@@ -20,17 +20,18 @@ from typing import Any
 import numpy as np
 
 from batchfit.budget.guard import RankLeftSearch, SearchGuard, guarded_search
-from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_max_batch
+from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_max_batch, guess_tokens_by_phase
 from batchfit.budget.probe import BudgetStep, CallableStep, Probe, candidate_lengths, response_cap
 from batchfit.budget.token_budget import BudgetPoint, TokenBudget, check_cost
 from batchfit.errors import DoesNotFitError, InvalidArgument, Phrase, ProbeAbandoned, Setting
 from batchfit.memory import BACKEND_NAMES, DEFAULT_SAFETY_MARGIN, Backend
-from batchfit.memory.categories import BUFFERS, GRADIENTS, OPTIMIZER_STATE, PARAMETERS
+from batchfit.memory.categories import BUFFERS, GRADIENTS, OPTIMIZER_STATE, PARAMETERS, STATE_CATEGORIES
 from batchfit.parallel.distributed import (
     agree,
     agreed_max,
     all_reduce_min,
     check_same_arguments,
+    is_distributed,
     mark_agreed,
 )
 from batchfit.plan.bracket import SearchResult, Trial, largest_fitting
@@ -216,6 +217,7 @@ def find_token_budget(
             limit=limit,
             role=role,
             hints=hints,
+            group=group,
         )
         with contextlib.ExitStack() as search:
             if guard is not None:
@@ -251,6 +253,7 @@ class _Search:
     limit: int
     role: str | None
     hints: Mapping[int, int] | None
+    group: Any = None
 
 
 def _search(run: _Search) -> TokenBudget:
@@ -284,20 +287,19 @@ def _search(run: _Search) -> TokenBudget:
             return point
 
         hint = (run.hints or {}).get(seq_len)
-        rows_hint, rest_hint = (hint, None) if hint is None or cost == "padded" else divmod(hint, seq_len)
         if points:  # NOTE [ A length that does not bind ]
             so_far = min(p.tokens for p in points)
             whole = so_far // seq_len
             tokens = so_far if cost == "packed" else whole * seq_len
             if whole >= 1 and probe(candidate_lengths(tokens, seq_len, "packed")).fits:
                 return finish(_point(seq_len, whole, tokens, trials[before:], cost, largest=False))
-        rows = _search_rows(probe, trials, seq_len, limit, rows_hint, _warm_start(points, seq_len))
-        tokens = rows.batch_size * seq_len
-        if cost == "packed" and rows.batch_size >= 1:
-            # NOTE [ Packed budgets count tokens ]: then the tokens of one more, shorter sequence
-            rest = _search_rest(probe, trials[before:], rows.batch_size, seq_len, limit, rest_hint)
-            tokens += 0 if rest is None else rest.batch_size
-        return finish(_point(seq_len, rows.batch_size, tokens, trials[before:], cost))
+        warm = _warm_start(points, seq_len)
+        if cost == "packed":  # NOTE [ Packed budgets count tokens ]
+            found = _search_tokens(probe, trials, seq_len, limit, hint, warm, run.group).batch_size
+            whole = found // seq_len
+            return finish(_point(seq_len, whole, found if whole else 0, trials[before:], cost))
+        rows = _search_rows(probe, trials, seq_len, limit, hint, warm, run.group)
+        return finish(_point(seq_len, rows.batch_size, rows.batch_size * seq_len, trials[before:], cost))
 
     # NOTE [ Lengths the probes already decide ]: the longest and the shortest first, then the rest
     order = [*lengths[:1], *lengths[-1:][: len(lengths) > 1], *lengths[1:-1]]
@@ -369,15 +371,39 @@ def _response_budget(points: Sequence[BudgetPoint]) -> int | None:
 # NOTE [ Packed budgets count tokens ]
 # A packed micro-batch costs the sum of its lengths, so its budget is a token count, not a
 # multiple of max_seq_len: rounding it down to whole sequences left 11% of the tokens unused
-# for qwen2.5-7b at 8192 over 8 ranks (24,576 tokens where 27,708 fit). At each length
-# s the packed search therefore finds, after the most whole sequences of s that fit (k, as
-# a padded search does), the most tokens r < s of one more sequence that still fit: the
-# budget at s is T = k·s + r, measured to fit, and T + 1 measured not to (k·s + r + 1
-# tokens, or k + 1 whole sequences when r = s − 1). A candidate of T tokens is always
-# k whole sequences and one remainder (candidate_lengths): the worst split of T tokens
-# into sequences no longer than s, since a sequence's attention and head terms grow with
-# its length. The memory model sees it as T / s sequences of s (a fractional batch), which
-# it is up to the remainder's quadratic term.
+# for qwen2.5-7b at 8192 over 8 ranks (24,576 tokens where 27,708 fit). At each length s the
+# packed search therefore searches tokens: the budget at s is the most tokens T whose
+# candidate, measured, fits while T + 1 tokens' does not. A candidate of T tokens is always
+# ⌊T/s⌋ whole sequences and one remainder (candidate_lengths): the worst split of T tokens into
+# sequences no longer than s, since a sequence's attention and head terms grow with its length.
+# It starts from one sequence (or the hint, or the previous length's tokens) and is guided
+# phase by phase (NOTE [ Each phase is a line in tokens ] in batchfit.budget.memory_model).
+# Until issue 29 it searched whole rows first, then the remainder, which spent two probes on
+# the rows either side of the answer. A candidate within one sequence of a measured fit runs
+# to the end (its exact peak guides the next guess). The memory model sees a candidate as
+# T / s sequences of s (a fractional batch), which it is up to the remainder's quadratic term.
+
+# A guess at or above this many (sequences or tokens) is "everything fits" (inf) once agreed.
+NO_GUESS_ABOVE = 2**62
+
+
+def _agreed_guess(predicted: float | None, group: Any) -> float | None:
+    """``predicted`` the same on every rank: the least over the ranks, as ``⌊p⌋ + 0.5``.
+
+    A guess reads this rank's breakdowns and phase peaks, which differ between ranks where a
+    model shards unevenly, and the ranks must pick the same candidate (NOTE [ Lockstep
+    probes ]). ``None`` (or NaN) on any rank is ``None`` on every rank.
+    """
+    if not is_distributed(group):
+        return predicted
+    if predicted is None or math.isnan(predicted):
+        code = -1
+    else:
+        code = NO_GUESS_ABOVE if predicted >= NO_GUESS_ABOVE else max(0, math.floor(predicted))
+    agreed = all_reduce_min(code, group)
+    if agreed < 0:
+        return None
+    return math.inf if agreed >= NO_GUESS_ABOVE else agreed + 0.5
 
 
 def _search_rows(
@@ -387,6 +413,7 @@ def _search_rows(
     limit: int,
     hint: int | None,
     warm: int,
+    group: Any = None,
 ) -> SearchResult:
     """The most sequences of ``seq_len`` that fit (``0`` if one does not), guided by the memory model."""
 
@@ -395,7 +422,8 @@ def _search_rows(
             return hint + 0.5  # probe the hint, then the size above it
         # a remainder probe here is not a row count: the rows' secant takes whole rows only
         whole = [p for p in trials if p.seq_len != seq_len or p.total_tokens % seq_len == 0]
-        return guess_max_batch(_completed(whole), seq_len, limit, _resident_state(trials))
+        predicted = guess_max_batch(_completed(whole), seq_len, limit, _resident_state(trials))
+        return _agreed_guess(predicted, group)
 
     def rows(size: int) -> Trial:
         return _trial(size, probe([seq_len] * size))
@@ -404,86 +432,48 @@ def _search_rows(
     return largest_fitting(rows, guess=guess, start=min(start, MAX_BATCH_SIZE), cap=MAX_BATCH_SIZE)
 
 
-def _search_rest(
+def _search_tokens(
     probe: Callable[..., Probe],
-    at_length: Sequence[Probe],
-    whole: int,
+    trials: Sequence[Probe],
     seq_len: int,
     limit: int,
     hint: int | None,
-) -> SearchResult | None:
-    """The most tokens ``r < seq_len`` of one more sequence beside ``whole`` sequences of ``seq_len`` that fit.
+    warm: int,
+    group: Any = None,
+) -> SearchResult:
+    """The most tokens in sequences no longer than ``seq_len`` that fit (NOTE [ Packed budgets count tokens ]).
 
-    ``None`` when ``seq_len`` is 1 (no shorter sequence). These candidates run to the end
-    unless the device's own limit stops them (they are within one sequence of the search's
-    limit), so their peaks guide the next guess (:func:`_rest_guess`); a guess at or above a
-    size that did not fit gives way to bisection.
+    Below ``seq_len`` when one sequence of it does not fit. The guess: the hint while no probe
+    contradicts it; else each phase's line through this length's probes (NOTE [ Each phase is
+    a line in tokens ]); before any, the memory model of the other lengths; none (bisection)
+    when it reaches a size measured not to fit. ``warm``: the sequences to start from when
+    nothing guesses.
     """
-    if seq_len < 2:
-        return None
-    base = next(p for p in at_length if p.batch_size == whole and p.tokens == whole * seq_len and p.fits)
-    measured: dict[int, int] = {}
 
     def guess(done: Sequence[Trial]) -> float | None:
         if hint is not None and all((t.batch_size <= hint) == t.fits for t in done):
-            return hint + 0.5
-        predicted = _rest_guess(measured, base.peak_bytes, _per_sequence(at_length, seq_len, base), seq_len, limit)
+            return hint + 0.5  # probe the hint, then one token above it
+        here = [
+            (p.total_tokens, p.phase_peaks or {"step": p.peak_bytes}, p.phase_state)
+            for p in trials
+            if p.seq_len == seq_len and not p.exceeded
+        ]
+        predicted = guess_tokens_by_phase(here, seq_len, limit)
+        if predicted is None:
+            rows = guess_max_batch(_completed(trials), seq_len, limit, _resident_state(trials))
+            predicted = None if rows is None else rows * seq_len
         failing = [t.batch_size for t in done if not t.fits]
         if predicted is not None and failing and predicted >= min(failing):
-            return None  # the model is wrong above: bisect
-        return predicted
+            predicted = None  # the lines are wrong above (a probe stopped there has no phases): bisect
+        return _agreed_guess(predicted, group)
 
-    def rest(size: int) -> Trial:
-        result = probe([seq_len] * whole + [size], to_the_end=True)
-        if not result.exceeded:
-            measured[size] = result.peak_bytes
-        return _trial(size, result)
+    def tokens(size: int) -> Trial:
+        near = any(p.fits and size - seq_len <= p.total_tokens < size for p in trials if p.seq_len == seq_len)
+        return _trial(size, probe(candidate_lengths(size, seq_len, "packed"), to_the_end=near))
 
-    return largest_fitting(rest, high=seq_len - 1, guess=guess)
-
-
-def _rest_guess(
-    measured: Mapping[int, int], base: int, whole_cost: float, seq_len: int, limit: int
-) -> float | None:
-    """The remainder ``r`` whose peak reaches ``limit``, from the remainders measured so far.
-
-    Two or more: the line through the two nearest the limit (one on each side when there
-    are both). One, ``r₁``: the cost ``a·r + q·r²`` through it and through one whole
-    sequence's cost at ``r = seq_len``. None: one whole sequence's cost per token, which
-    over-states a shorter sequence's (``q >= 0``), so the guess errs small.
-    """
-    if whole_cost <= 0:
-        return None
-    room = limit - base
-    if len(measured) >= 2:
-        below = sorted((r, p) for r, p in measured.items() if p <= limit)
-        above = sorted((r, p) for r, p in measured.items() if p > limit)
-        (r1, p1), (r2, p2) = below[-1:] + above[:1] if below and above else (below or above)[-2:]
-        slope = (p2 - p1) / (r2 - r1)
-        return math.inf if slope <= 0 else r1 + (limit - p1) / slope
-    if measured:
-        (r1, p1), s = next(iter(measured.items())), seq_len
-        # a·r1 + q·r1² = p1 − base and a·s + q·s² = whole_cost
-        q = ((p1 - base) / r1 - whole_cost / s) / (r1 - s) if r1 != s else 0.0
-        a = whole_cost / s - q * s
-        if q <= 0 or a < 0:
-            slope = (p1 - base) / r1
-            return math.inf if slope <= 0 else room / slope
-        return (-a + math.sqrt(a * a + 4 * q * room)) / (2 * q)
-    return room / (whole_cost / seq_len)
-
-
-def _per_sequence(at_length: Sequence[Probe], seq_len: int, base: Probe) -> float:
-    """Bytes one more sequence of ``seq_len`` adds here: the secant of the whole-sequence probes, or the base's share."""
-    peaks: dict[int, int] = {}  # a batch size probed twice (predicted, then run) counts once
-    for p in at_length:
-        if p.tokens == p.batch_size * seq_len and not p.exceeded:
-            peaks[p.batch_size] = max(p.peak_bytes, peaks.get(p.batch_size, 0))
-    rows = sorted(peaks.items())
-    if len(rows) >= 2:
-        (b1, p1), (b2, p2) = rows[-2:]
-        return (p2 - p1) / (b2 - b1)
-    return base.peak_bytes / max(base.batch_size, 1)
+    start = hint if hint is not None and hint >= seq_len else warm * seq_len
+    cap = MAX_BATCH_SIZE * seq_len
+    return largest_fitting(tokens, low=seq_len, guess=guess, start=min(start, cap), cap=cap)
 
 
 def _count(n: int, noun: str) -> str:
@@ -640,6 +630,8 @@ def _make_probe(step: BudgetStep, limit: int, group: Any, guard: SearchGuard | N
         error: BaseException | None = None
         peak, fits, exceeded, abandoned = 0, False, False, False
         breakdown: dict[str, int] = {}
+        phase_peaks: dict[str, int] = {}
+        phase_state: dict[str, int] = {}
         host = 0
         with contextlib.ExitStack() as guarded:
             guarded_probe = guarded.enter_context(guard.probe(index, what)) if guard is not None else None
@@ -662,6 +654,11 @@ def _make_probe(step: BudgetStep, limit: int, group: Any, guard: SearchGuard | N
                 peak, exceeded = int(m.peak_bytes), bool(m.exceeded)
                 fits = m.fits and not exceeded and m.footprint_bytes <= limit
                 breakdown, host = dict(m.breakdown), int(m.host_bytes)
+                phase_peaks = {phase: int(peak) for phase, peak in m.phase_peaks.items()}
+                phase_state = {
+                    phase: sum(b for c, b in m.phase_breakdowns.get(phase, {}).items() if c in STATE_CATEGORIES)
+                    for phase in phase_peaks
+                }
             except RankLeftSearch:
                 raise  # another rank left the search: no agreement to wait for
             except BaseException as exc:  # an interrupt too: agreed on below, re-raised on this rank
@@ -693,6 +690,8 @@ def _make_probe(step: BudgetStep, limit: int, group: Any, guard: SearchGuard | N
             breakdown=breakdown,
             host_bytes=host,
             tokens=sum(lengths),
+            phase_peaks=phase_peaks,
+            phase_state=phase_state,
         )
 
     return probe

@@ -11,7 +11,7 @@ the budget search. Pure arithmetic on numbers: no tensors, no devices.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -239,3 +239,108 @@ def _solve_line(intercept: float, slope: float, limit_bytes: float) -> float:
     if slope <= 0:
         return math.inf
     return (limit_bytes - intercept) / slope
+
+
+# NOTE [ Each phase is a line in tokens ]
+# A step's peak is the largest of its phases' peaks (NOTE [ Phases and regions ]: forward,
+# backward and optimizer, at each position of the layer stack), and at one length s each phase's
+# peak follows the memory model over the candidate's sequences: what it holds whatever the batch
+# (state, gathered parameters, communication buffers, the optimizer step's temporaries) plus
+# a·T + q·(k·s² + r²) for T = k·s + r tokens (k whole sequences, one remainder r). Where the
+# overall peak sits moves with the tokens: one sequence of qwen2.5-7b peaks in the backward
+# through the embedding, 22 in the backward through the head, so a line through the overall
+# peaks mispredicts the first far candidate (7 rows where 22 fit). The packed search therefore
+# guesses tokens phase by phase, from this length's probes that ran to completion:
+# - three or more: the model through the three whose peaks are nearest the limit (exact when
+#   the step is the model, as the synthetic steps of tests/test_budget.py are);
+# - two: the line through them (q = 0);
+# - one: the line from what it holds whatever the batch (its breakdown's state categories,
+#   STATE_CATEGORIES) through its peak, which errs small where the breakdown counts a
+#   batch-independent temporary as activations;
+# and takes the fewest tokens at which any phase reaches the limit. A fit with a negative term
+# falls back to the line. On the verl example every role's first length takes 4-6 probes where
+# rows then a remainder took 6-7 (`batchfit profile --config examples/verl_grpo.yaml --json`,
+# the trials). A guess only picks the next candidate: every answer is still measured to fit,
+# and one token more not to.
+
+PhasePoint = tuple[int, Mapping[str, int], Mapping[str, int]]
+"""``(tokens, phase peaks, state bytes at each phase's peak)`` of one probe that ran to completion."""
+
+
+def guess_tokens_by_phase(points: Sequence[PhasePoint], seq_len: int, limit_bytes: float) -> float | None:
+    """The (fractional) token count at which the first phase's peak reaches ``limit_bytes`` (NOTE [ Each phase is a line in tokens ]).
+
+    Args:
+        points: completed probes at ``seq_len``, as :data:`PhasePoint`.
+        seq_len: the length of the candidates' whole sequences.
+        limit_bytes: the search's limit.
+
+    Returns:
+        ``T + 0.5`` for the most tokens ``T`` every phase's model keeps within the limit; ``inf``
+        when no phase grows with the tokens; ``None`` without points.
+
+    Example:
+        >>> guess_tokens_by_phase([(100, {"fwd": 1_100}, {"fwd": 1_000})], 1_000, 2_000)  # 1000 + 1·T
+        1000.5
+        >>> guess_tokens_by_phase([(100, {"fwd": 1_100}, {}), (200, {"fwd": 1_300}, {})], 1_000, 2_000)
+        550.5
+    """
+    by_phase: dict[str, dict[int, tuple[int, int]]] = {}
+    for tokens, peaks, state in points:
+        for phase, peak in peaks.items():
+            by_phase.setdefault(phase, {})[int(tokens)] = (int(peak), int(state.get(phase, 0)))
+    if not by_phase:
+        return None
+    best = math.inf
+    for seen in by_phase.values():
+        model = _phase_model(seen, seq_len, limit_bytes)
+        if model is not None:
+            best = min(best, _most_tokens_within(model, seq_len, limit_bytes) + 0.5)
+    return best
+
+
+_BYTE_ROUNDING = 0.25  # under half a byte: the float error of a model of whole-byte peaks
+
+
+def _rows_term(tokens: int, seq_len: int) -> int:
+    """``k·s² + r²`` of ``tokens = k·s + r``: the quadratic term's tokens × positions."""
+    whole, rest = divmod(tokens, seq_len)
+    return whole * seq_len * seq_len + rest * rest
+
+
+def _phase_model(seen: dict[int, tuple[int, int]], seq_len: int, limit: float) -> tuple[float, float, float] | None:
+    """``(base, a, q)`` of one phase's peaks ``{tokens: (peak, state)}``; ``None`` when it does not grow."""
+    near = sorted(seen.items(), key=lambda item: abs(item[1][0] - limit))
+    if len(near) >= 3:
+        (t1, (p1, _)), (t2, (p2, _)), (t3, (p3, _)) = near[:3]
+        rows = np.array([[1.0, t, _rows_term(t, seq_len)] for t in (t1, t2, t3)])
+        try:
+            base, a, q = np.linalg.solve(rows, np.array([p1, p2, p3], dtype=float))
+        except np.linalg.LinAlgError:
+            base = a = q = -1.0
+        if q * _rows_term(max(t1, t2, t3), seq_len) >= 0.5 and a >= 0:  # a curvature of a byte or more
+            return float(base), float(a), float(q)
+    if len(near) >= 2:
+        (t1, (p1, _)), (t2, (p2, _)) = near[:2]
+        slope = (p2 - p1) / (t2 - t1)
+        return None if slope <= 0 else (p1 - slope * t1, slope, 0.0)
+    ((t1, (p1, state)),) = near
+    return None if p1 <= state or t1 <= 0 else (float(state), (p1 - state) / t1, 0.0)
+
+
+def _most_tokens_within(model: tuple[float, float, float], seq_len: int, limit: float) -> int:
+    """The most tokens whose ``base + a·T + q·(k·s² + r²)`` stays within ``limit`` (−1 when none)."""
+    base, a, q = model
+    limit += _BYTE_ROUNDING  # peaks are whole bytes: a model that meets the limit exactly fits
+    if q == 0:
+        return math.floor((limit - base) / a)
+    low, high = -1, 1
+    while base + a * high + q * _rows_term(high, seq_len) <= limit:
+        low, high = high, high * 2  # the model grows at least linearly: a few doublings
+    while high - low > 1:
+        mid = (low + high) // 2
+        if base + a * mid + q * _rows_term(mid, seq_len) <= limit:
+            low = mid
+        else:
+            high = mid
+    return low

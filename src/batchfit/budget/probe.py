@@ -140,6 +140,11 @@ class Probe:
             device that cannot run past its limit) that it might run out (real ranks only,
             NOTE [ Skipped only when proven ] in :mod:`batchfit.budget.budget_search`); ``peak_bytes``
             is the bound that decided it.
+        phase_peaks: this rank's peak of each phase of the step (NOTE [ Phases and regions ]);
+            empty when the backend has none (cuda). Guides the next guess only (NOTE [ Each
+            phase is a line in tokens ]), not in :meth:`to_dict`.
+        phase_state: this rank's bytes in :data:`~batchfit.memory.categories.STATE_CATEGORIES`
+            at each phase's peak.
     """
 
     batch_size: int
@@ -151,6 +156,8 @@ class Probe:
     host_bytes: int = 0
     tokens: int | None = None
     predicted: bool = False
+    phase_peaks: dict[str, int] = field(default_factory=dict, compare=False)
+    phase_state: dict[str, int] = field(default_factory=dict, compare=False)
 
     @property
     def total_tokens(self) -> int:
@@ -178,7 +185,9 @@ class Probe:
 
     def to_dict(self) -> dict[str, object]:
         """The fields as plain values (JSON-ready), ``tokens`` filled in."""
-        return {**asdict(self), "tokens": self.total_tokens}
+        out = {**asdict(self), "tokens": self.total_tokens}
+        del out["phase_peaks"], out["phase_state"]
+        return out
 
 
 __all__ = ["GENERIC_REMEDIES", "BudgetStep", "CallableStep", "Probe", "candidate_lengths", "response_cap", "response_tokens"]

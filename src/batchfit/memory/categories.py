@@ -35,6 +35,13 @@ OPTIMIZER_STEP = "optimizer_step"
 #: verl runs it ] in :mod:`batchfit.train.activation_offload`): host memory on every backend.
 OFFLOADED_ACTIVATIONS = "offloaded_activations"
 
+#: What a step holds whatever its micro-batch: the state it keeps, the parameters FSDP gathers,
+#: the gradient communication buffers and the optimizer step's temporaries (the rest grows with
+#: the tokens: inputs, activations, the head's tensors).
+STATE_CATEGORIES = frozenset(
+    {PARAMETERS, GRADIENTS, BUFFERS, OPTIMIZER_STATE, GATHERED_PARAMETERS, COMMUNICATION, OPTIMIZER_STEP}
+)
+
 
 def plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
     """The plain tensors holding ``tensor``'s memory: itself, or a wrapper subclass' inner tensors.
