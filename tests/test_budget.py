@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from batchfit.budget import (
@@ -372,21 +372,34 @@ def test_a_token_count_probed_twice_counts_once_in_the_phase_guess():
     a=st.integers(1, 10**5),
     q=st.integers(0, 100),
     s=st.sampled_from([512, 1000, 4096]),
-    tokens=st.lists(st.integers(1, 400_000), min_size=3, max_size=3, unique=True),
+    rows=st.lists(st.integers(0, 100), min_size=3, max_size=3, unique=True),
     headroom=st.integers(1, 10**11),
 )
-def test_the_phase_guess_is_exact_on_the_memory_model(base, a, q, s, tokens, headroom):
-    # NOTE [ Each phase is a line in tokens ]: three probes of base + a·T + q·(k·s² + r²) give the answer
-    from batchfit.budget.memory_model import guess_tokens_by_phase
+def test_the_phase_guess_is_exact_on_the_memory_model(base, a, q, s, rows, headroom):
+    # NOTE [ Each phase is a line in tokens ]: three probes of base + a·T + q·(k·s² + r²) give the
+    # answer when q is 0 or their remainders show it (a half row beside whole rows, spread apart)
+    from batchfit.budget.memory_model import _curvature_shows, guess_tokens_by_phase
+
+    tokens = [rows[0] * s + s // 2, rows[1] * s + s, rows[2] * s + s]
+    assume(q == 0 or _curvature_shows(*tokens, s))
 
     def peak(t: int) -> int:
         k, r = divmod(t, s)
         return base + a * t + q * (k * s * s + r * r)
 
-    limit = base + headroom
+    limit = max(peak(t) for t in tokens) + headroom  # below the limit, as a device that stops above it leaves them
     guess = guess_tokens_by_phase([(t, {"step": peak(t)}, {}) for t in tokens], s, limit)
     answer = math.floor(guess)
     assert peak(answer) <= limit < peak(answer + 1) or (answer < 0 and peak(0) > limit)
+
+
+def test_the_phase_guess_keeps_to_a_line_where_the_remainders_cannot_show_a_curvature():
+    # three remainders on a line in r·(s − r) (whole rows) say nothing of q: the secant of the two
+    # nearest, not a fit that reads a real step's wobble as curvature
+    from batchfit.budget.memory_model import guess_tokens_by_phase
+
+    points = [(t, {"step": 1_000 + 10 * t + (7 if t == 300 else 0)}, {}) for t in (100, 200, 300)]
+    assert guess_tokens_by_phase(points, 100, 5_000) == pytest.approx(200 + (5_000 - 3_000) / ((4_007 - 3_000) / 100) + 0.5, abs=1)
 
 
 def test_the_phase_guess_is_the_phase_that_reaches_the_limit_first():

@@ -251,9 +251,10 @@ def _solve_line(intercept: float, slope: float, limit_bytes: float) -> float:
 # through the embedding, 22 in the backward through the head, so a line through the overall
 # peaks mispredicts the first far candidate (7 rows where 22 fit). The packed search therefore
 # guesses tokens phase by phase, from this length's probes that ran to completion:
-# - three or more: the model through the three whose peaks are nearest the limit (exact when
-#   the step is the model, as the synthetic steps of tests/test_budget.py are);
-# - two: the line through them (q = 0);
+# - three or more whose remainders show the curvature (CURVATURE_SHOWS): the model through the
+#   three whose peaks are nearest the limit, exact when the step is the model (the synthetic
+#   steps of tests/test_budget.py), where lines creep up on the answer one overshoot at a time;
+# - else two: the line through the two nearest (q = 0), the secant method;
 # - one: the line from what it holds whatever the batch (its breakdown's state categories,
 #   STATE_CATEGORIES) through its peak, which errs small where the breakdown counts a
 #   batch-independent temporary as activations;
@@ -311,7 +312,7 @@ def _rows_term(tokens: int, seq_len: int) -> int:
 def _phase_model(seen: dict[int, tuple[int, int]], seq_len: int, limit: float) -> tuple[float, float, float] | None:
     """``(base, a, q)`` of one phase's peaks ``{tokens: (peak, state)}``; ``None`` when it does not grow."""
     near = sorted(seen.items(), key=lambda item: abs(item[1][0] - limit))
-    if len(near) >= 3:
+    if len(near) >= 3 and _curvature_shows(near[0][0], near[1][0], near[2][0], seq_len):
         (t1, (p1, _)), (t2, (p2, _)), (t3, (p3, _)) = near[:3]
         rows = np.array([[1.0, t, _rows_term(t, seq_len)] for t in (t1, t2, t3)])
         try:
@@ -326,6 +327,24 @@ def _phase_model(seen: dict[int, tuple[int, int]], seq_len: int, limit: float) -
         return None if slope <= 0 else (p1 - slope * t1, slope, 0.0)
     ((t1, (p1, state)),) = near
     return None if p1 <= state or t1 <= 0 else (float(state), (p1 - state) / t1, 0.0)
+
+
+# The share of the largest remainder term (s²/4) by which three probes' remainders must stand off
+# a line in tokens for their peaks to tell the q term from the line's (NOTE [ Each phase is a line
+# in tokens ]).
+CURVATURE_SHOWS = 0.1
+
+
+def _curvature_shows(t1: int, t2: int, t3: int, seq_len: int) -> bool:
+    """Whether three candidates' remainders identify ``q``: ``k·s² + r² = T·s − r·(s − r)``, so ``q``
+    is only seen through ``r·(s − r)``, which must stand off a line through the three by
+    :data:`CURVATURE_SHOWS` of its largest value, else the fit turns a real step's small
+    nonlinearity into a curvature (verl's policy_forward: 4 tokens off)."""
+    tokens = np.array([t1, t2, t3], dtype=float)
+    rest = tokens % seq_len
+    bend = rest * (seq_len - rest)
+    line = np.polyfit(tokens, bend, 1)
+    return float(np.max(np.abs(bend - np.polyval(line, tokens)))) >= CURVATURE_SHOWS * seq_len * seq_len / 4
 
 
 def _most_tokens_within(model: tuple[float, float, float], seq_len: int, limit: float) -> int:
