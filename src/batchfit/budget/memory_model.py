@@ -259,10 +259,10 @@ def _solve_line(intercept: float, slope: float, limit_bytes: float) -> float:
 #   STATE_CATEGORIES) through its peak, which errs small where the breakdown counts a
 #   batch-independent temporary as activations;
 # and takes the fewest tokens at which any phase reaches the limit. A fit with a negative term
-# falls back to the line. On the verl example every role's first length takes 4-6 probes where
-# rows then a remainder took 6-7 (`batchfit profile --config examples/verl_grpo.yaml --json`,
-# the trials). A guess only picks the next candidate: every answer is still measured to fit,
-# and one token more not to.
+# falls back to the line. On the verl example the first length takes 5, 5 and 4 probes (policy,
+# its old log-probs, the reference) where rows then a remainder took 6, 6 and 7 (`batchfit
+# profile --config examples/verl_grpo.yaml --json`, the trials). A guess only picks the next
+# candidate: every answer is still measured to fit, and one token more not to.
 
 PhasePoint = tuple[int, Mapping[str, int], Mapping[str, int]]
 """``(tokens, phase peaks, state bytes at each phase's peak)`` of one probe that ran to completion."""
