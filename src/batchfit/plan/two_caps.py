@@ -62,7 +62,7 @@ def _two_cap_order(lens: np.ndarray, resps: np.ndarray, budget: int, rbudget: in
         if not len(lens):
             return np.arange(0)
         scale = int(resps.max()) + 1
-        if int(lens[0]) < (1 << 62) // scale:  # one int64 key (lens[0] is the longest): sorted in one pass
+        if int(lens.max()) < (1 << 62) // scale:  # one int64 key, sorted in one pass
             return np.argsort(-(lens * scale + resps), kind="stable")
         return np.lexsort((-resps, -lens))  # stable: ties keep their positions
     size = np.maximum(lens / budget, resps / rbudget)
@@ -337,7 +337,7 @@ def _pack_two_caps_then_search(
     """Two-cap best fit, then for small plans the search (NOTE [ Two caps ]); groups of input indices."""
     groups = _pack_two_caps(lens, idx, budget, resps, rbudget, padded)
     ls, rs = lens.tolist(), resps.tolist()
-    oversize = bool(len(ls)) and (ls[0] > budget or int(resps.max()) > rbudget)  # ls is sorted descending
+    oversize = bool(len(ls)) and (int(lens.max()) > budget or int(resps.max()) > rbudget)
     if 0 < len(ls) <= SMALL_PLAN_MAX_SEQUENCES and not oversize:
         if padded:
             bound = len(pack_padded(lens, idx, budget)[0])  # the one-cap optimum
