@@ -33,7 +33,9 @@ announced.** On real ranks (:func:`~batchfit.parallel.distributed.is_distributed
    :class:`~batchfit.memory.base.RankRanOutOfMemory`, which
    :meth:`batchfit.memory.Backend.measure` counts as running out, so the step unwinds and its
    state is restored (NOTE [ Probes are isolated ]). On NCCL, ``wait`` does not block the
-   host: a watcher thread aborts the model's communicator (``ProcessGroup.abort``).
+   host: a watcher thread aborts the model's communicator (``ProcessGroup.abort``). The keys,
+   the polling wait and the watcher are :mod:`batchfit.parallel.rank_signals`' (NOTE [ Ranks
+   signal through the store ]), shared with the training loop's guard (:mod:`batchfit.train.guard`).
 3. Every rank learns the verdict before anyone enters another collective of that model: the
    probe ends in one all-reduce on the default group, which the abandoned collective did not
    touch. A model group left with a collective one rank never entered is never used again:
@@ -66,65 +68,46 @@ announced.** On real ranks (:func:`~batchfit.parallel.distributed.is_distributed
 from __future__ import annotations
 
 import contextlib
-import datetime
 import itertools
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from batchfit.errors import BatchfitError
 from batchfit.memory.base import RankRanOutOfMemory
 from batchfit.memory.tracker import WORK_WAIT
 from batchfit.parallel.distributed import gather_through_store, is_agreed, mark_agreed
+from batchfit.parallel.rank_signals import (
+    POLL_SECONDS,
+    RankSignals,
+    aborting_nccl,
+    install_polling_wait,
+    listening,
+    ranks_tag,
+)
 from batchfit.parallel.shard import model_groups
 
-#: How long a guarded ``Work.wait`` blocks before it looks at the store again.
-POLL_SECONDS = 0.05
+__all__ = ["POLL_SECONDS", "RankLeftSearch", "SearchGuard", "guarded_search"]
+
+# NOTE [ Ranks signal through the store ] in batchfit.parallel.rank_signals: the keys, the
+# polling Work.wait and the NCCL watcher this guard uses, shared with the training loop's guard
+install_polling_wait(WORK_WAIT)
 
 _counters: dict[tuple[int, ...], Any] = {}  # the searches of each set of ranks, counted on every rank alike
-_active = threading.local()  # the guarded search of this thread (and its probe), if any
 
 
 class RankLeftSearch(BatchfitError):
     """Another rank left the search without the others (an error of its own, an interrupt): this rank stops too."""
 
 
-@WORK_WAIT.layer
-def _polling_wait(call: Callable[..., Any], work: Any, timeout: Any = None, *args: Any, **kwargs: Any) -> Any:
-    """``Work.wait`` that, inside a guarded search, gives up when another rank ran out or left (NOTE above).
-
-    A layer of the one ``Work.wait`` patch (:data:`batchfit.memory.tracker.WORK_WAIT`), inside
-    the tracker's: the polling wait's allocations are the backend's, as the whole wait's are.
-    """
-    guard = getattr(_active, "guard", None)
-    if guard is None or args or kwargs:
-        return call(work, *(() if timeout is None else (timeout,)), *args, **kwargs)
-    given = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 0.0
-    deadline = time.monotonic() + given if given > 0 else None
-    step = datetime.timedelta(seconds=POLL_SECONDS)
-    while True:
-        try:
-            return call(work, step)
-        except RuntimeError as exc:
-            if "timed out" not in str(exc).lower():
-                raise
-        guard.check()
-        if deadline is not None and time.monotonic() > deadline:
-            raise RuntimeError(f"Work.wait timed out after {given:g} s")
-
-
 class _Probe:
-    """One guarded probe: its store key, what it measures, whether this rank abandoned a collective."""
+    """One guarded probe: its index, what it measures, whether this rank abandoned a collective."""
 
-    def __init__(self, store: Any, key: str, what: str):
-        self.store, self.key, self.what = store, key, what
+    def __init__(self, signals: RankSignals, index: int, what: str):
+        self.signals, self.index, self.what = signals, index, what
         self.abandoned = False
 
     def failed_rank(self) -> int | None:
-        if not self.store.check([self.key]):
-            return None
-        return int(self.store.get(self.key).decode())
+        return self.signals.failed_rank(self.index)
 
 
 def _agreed(exc: BaseException) -> bool:
@@ -141,20 +124,11 @@ class SearchGuard:
     """
 
     def __init__(self, ranks: list[int], rank: int, tag: str) -> None:
-        import torch.distributed as dist
-
         self.ranks, self.rank, self.tag = ranks, rank, tag
         self.number = next(_counters.setdefault(tuple(ranks), itertools.count()))
-        self.search = f"{'-'.join(map(str, ranks))}/{self.number}"
-        self._store = dist.distributed_c10d._get_default_store()
+        self.search = f"{ranks_tag(ranks)}/{self.number}"
+        self._signals = RankSignals(f"batchfit/search/{self.search}", "probe")
         self._probe: _Probe | None = None
-
-    # ----------------------------------------------------------------- keys
-    def _key(self, index: int) -> str:
-        return f"batchfit/search/{self.search}/probe/{index}/ran_out"
-
-    def _left_key(self) -> str:
-        return f"batchfit/search/{self.search}/left"
 
     # ----------------------------------------------------------------- joining
     def join(self) -> None:
@@ -183,62 +157,51 @@ class SearchGuard:
             if failed is not None:
                 probe.abandoned = True
                 raise RankRanOutOfMemory(failed, probe.what)
-        if self._store.check([self._left_key()]):
-            rank, _, why = self._store.get(self._left_key()).decode().partition(":")
-            if int(rank) != self.rank:
-                raise RankLeftSearch(
-                    f"rank {rank} left {self.tag} alone ({why}); rank {self.rank} stops too (see rank {rank}'s error)"
-                )
+        left = self._signals.left()
+        if left is not None and left[0] != self.rank:
+            rank, why = left
+            raise RankLeftSearch(
+                f"rank {rank} left {self.tag} alone ({why}); rank {self.rank} stops too (see rank {rank}'s error)"
+            )
 
     def leave(self, exc: BaseException) -> None:
         """This rank leaves the search with ``exc``, which the others do not know of: tell them."""
-        first = " ".join(str(exc).split())[:160]
-        why = type(exc).__name__ + (f": {first}" if first else "")
-        with contextlib.suppress(Exception):  # the store itself may be gone
-            self._store.set(self._left_key(), f"{self.rank}:{why}")
+        self._signals.leave(self.rank, exc)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[SearchGuard]:
         """The search's body: waits poll the store; a way out that is not agreed is announced (NOTE above)."""
-        with WORK_WAIT.active():
-            outer, _active.guard = getattr(_active, "guard", None), self
+        with WORK_WAIT.active(), listening(self.check):
             try:
                 yield self
             except BaseException as exc:
                 if not _agreed(exc):
                     self.leave(exc)
                 raise
-            finally:
-                _active.guard = outer
 
     # ----------------------------------------------------------------- probes
     @contextlib.contextmanager
     def probe(self, index: int, what: str) -> Iterator[_Probe]:
         """Guard one probe: waits give up and NCCL communicators are aborted when another rank runs out."""
-        probe = _Probe(self._store, self._key(index), what)
-        stop = threading.Event()
-        watcher = None
-        nccl = [g for g in model_groups() if _backend(g) == "nccl"]
-        if nccl:
-            watcher = threading.Thread(target=_watch, args=(probe, nccl, stop), daemon=True)
-            watcher.start()
+        probe = _Probe(self._signals, index, what)
+
+        def abandon() -> None:
+            probe.abandoned = True
+
         self._probe = probe
         try:
-            yield probe
+            with aborting_nccl(lambda: probe.failed_rank() is not None, model_groups(), abandon):
+                yield probe
         finally:
             self._probe = None
-            stop.set()
-            if watcher is not None:
-                watcher.join()
 
     def signal(self, index: int) -> None:
         """This rank left probe ``index`` early (out of memory, an error): tell the others at once."""
-        self._store.set(self._key(index), str(self.rank))
+        self._signals.signal(index, self.rank)
 
     def forget(self, index: int) -> None:
         """Drop probe ``index``'s key once every rank has agreed on it."""
-        with contextlib.suppress(Exception):  # a key never set, or a store without delete
-            self._store.delete_key(self._key(index))
+        self._signals.forget(index)
 
 
 @contextlib.contextmanager
@@ -267,22 +230,3 @@ def guarded_search(tag: str, group: Any = None) -> Iterator[SearchGuard | None]:
     with guard.running():
         yield guard
 
-
-def _backend(group: Any) -> str:
-    import torch.distributed as dist
-
-    try:
-        return str(dist.get_backend(group))
-    except (RuntimeError, ValueError):  # destroyed or aborted
-        return ""
-
-
-def _watch(probe: _Probe, groups: list[Any], stop: threading.Event) -> None:
-    """NCCL: abort the models' communicators as soon as another rank has run out."""
-    while not stop.wait(POLL_SECONDS):
-        if probe.failed_rank() is not None:
-            probe.abandoned = True
-            for group in groups:
-                with contextlib.suppress(Exception):
-                    group.abort()
-            return
