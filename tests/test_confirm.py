@@ -80,9 +80,10 @@ def test_confirm_json_schema(cpu_confirm):
     assert set(confirm) == {
         "model", "backend", "device", "memory_limit", "reserve_bytes", "limit_bytes", "round_to",
         "profiled_round_to", "untracked_bytes", "world_size", "differences", "fits", "max_relative_error",
-        "estimate_seconds", "roles",
+        "estimate_seconds", "allocator", "roles",
     }  # fmt: skip
     assert (confirm["backend"], confirm["device"], confirm["world_size"]) == ("cpu", "cpu", 1)
+    assert confirm["allocator"] == ""  # cpu: no caching allocator (cuda: NOTE [ The allocator setting ])
     assert (confirm["memory_limit"], confirm["reserve_bytes"], confirm["limit_bytes"]) == (
         64 * MiB,
         0,
@@ -127,6 +128,7 @@ def test_calibration_round_trip_applies_its_reserve_and_margin(cpu_confirm):
         0,
     )
     assert (cal.estimate_ratio, cal.allocator_overhead_fraction) == (1.0, 0.0)
+    assert cal.allocator == ""  # cpu: no caching allocator
     assert set(cal.category_ratios) == CPU_CATEGORIES and set(cal.category_ratios.values()) == {1.0}
     assert Calibration.from_dict(json.loads(path.read_text())) == cal
     # profiling with it: the device's 64 MiB, reserve 0, margin (1 − 0.02) / (1.0 × 1.0) = 0.98
@@ -164,6 +166,7 @@ def test_calibration_round_trip_applies_its_reserve_and_margin(cpu_confirm):
         ),
         pytest.param({"runs": [{"role": "policy"}]}, r"field runs[0].seq_len is missing", id="run"),
         pytest.param({"category_ratios": {"parameters": "x"}}, "field category_ratios must be", id="ratios"),
+        pytest.param({"allocator": "cudaMallocAsync"}, "field allocator must be one of", id="allocator"),
     ],
 )
 def test_a_bad_calibration_file_is_one_line_naming_the_path_and_field_exit_2(
@@ -432,8 +435,10 @@ def test_cuda_confirm_reports_reserved_minus_allocated_and_folds_untracked_categ
 
 
 @pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
-def test_cuda_confirm_writes_a_calibration_that_the_estimate_then_uses(fake_cuda, tmp_path):
+def test_cuda_confirm_writes_a_calibration_that_the_estimate_then_uses(fake_cuda, tmp_path, monkeypatch):
     path = tmp_path / "gpu.json"
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the setting it records
     fake_cuda.allocated, fake_cuda.reserved = 40 * MiB, 42 * MiB  # below the estimate; 2 MiB reserved beyond
     code, out, err = _run(["profile", *CUDA, "--confirm", "--calibration", str(path)])
     assert (code, err) == (0, "")
@@ -446,6 +451,7 @@ def test_cuda_confirm_writes_a_calibration_that_the_estimate_then_uses(fake_cuda
         2 * MiB,
     )
     assert (cal.allocator_overhead_bytes, cal.allocator_overhead_fraction) == (2 * MiB, 0.05)  # 2 / 40
+    assert cal.allocator == "expandable_segments"
     assert cal.estimate_ratio < 1
     # profiling with it: r = max(1, ratio) = 1, f = 0.05 → margin 0.98 / 1.05 = 0.9333… → 0.933; reserve 2 MiB
     code, out, _ = _run(

@@ -76,6 +76,7 @@ from batchfit.budget.options import ProfileOptions
 from batchfit.budget.probe import candidate_lengths
 from batchfit.errors import InvalidArgument
 from batchfit.memory import DEFAULT_ROUND_TO, backend_class, backend_name, format_bytes, get_backend
+from batchfit.memory.calibration import process_allocator_setting
 from batchfit.memory.categories import (
     ACTIVATIONS,
     BUFFERS,
@@ -360,6 +361,8 @@ def run_confirm(plan: ConfirmPlan, *, check: bool = True) -> ConfirmReport:
         world_size=world,
         differences=_differences(plan),
         estimate_seconds=plan.seconds,
+        # the setting the caching allocator ran with (NOTE [ The allocator setting ]); a cpu run has none
+        allocator=process_allocator_setting() if device.reads_device else "",
     )
     if check and not report.fits:
         raise report.error()  # type: ignore[misc]

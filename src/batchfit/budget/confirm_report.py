@@ -270,6 +270,9 @@ class ConfirmReport:
         differences: what differs between the estimate and the run, in words (NOTE [ Confirm
             like with like ]).
         estimate_seconds: wall time of the estimate half.
+        allocator: cuda: the allocator setting the runs ran under (``caching`` or
+            ``expandable_segments``, from ``PYTORCH_CUDA_ALLOC_CONF``: NOTE [ The allocator setting ]
+            in :mod:`batchfit.memory.calibration`); ``""`` on cpu or when unknown.
     """
 
     profile: ModelProfile
@@ -285,6 +288,7 @@ class ConfirmReport:
     world_size: int = 1
     differences: tuple[str, ...] = ()
     estimate_seconds: float = 0.0
+    allocator: str = ""
 
     @property
     def fits(self) -> bool:
@@ -391,6 +395,7 @@ class ConfirmReport:
             model=self.model,
             torch_version=str(torch.__version__),
             batchfit_version=_batchfit_version(),
+            allocator=self.allocator,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -410,6 +415,7 @@ class ConfirmReport:
             "fits": self.fits,
             "max_relative_error": self.max_relative_error,
             "estimate_seconds": self.estimate_seconds,
+            "allocator": self.allocator,
             "roles": {role: r.to_dict() for role, r in self.roles.items()},
         }
 
