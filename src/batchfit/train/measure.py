@@ -5,6 +5,7 @@ Both are dispatch modes around a block of the loop (the memory tracker of
 loop cares about. They count real execution on the CPU, the way the ``cpu`` backend
 measures a budget's probes, so a micro-batch's peak compares directly with the
 ``limit_bytes`` of the :class:`~batchfit.budget.TokenBudget` it was planned with.
+:class:`DevicePeaks` reads the same peak from the CUDA allocator's statistics, with no mode.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchfit.memory import MemoryTracker
 from batchfit.memory.categories import registered_tensors
+from batchfit.validation import check_positive_int
 
-__all__ = ["COLLECTIVES", "HOST", "CollectiveBytes", "PeakTracker"]
+__all__ = ["COLLECTIVES", "HOST", "CollectiveBytes", "DevicePeaks", "PeakTracker"]
 
 #: The category of tensors :class:`PeakTracker` registers as host memory (not counted).
 HOST = "host"
@@ -43,11 +45,19 @@ class PeakTracker:
         ...     first = t.take()
         >>> first  # weight, bias, input, output
         271360
+
+    ``limit_bytes`` caps the block as the cpu backend caps a probe: the op whose output takes
+    the bytes held above it raises :class:`~batchfit.memory.MemoryLimitExceeded` (the simulated
+    counterpart of ``torch.OutOfMemoryError``, which :class:`~batchfit.train.MicroBatchGuard`
+    counts as running out).
     """
 
-    def __init__(self, *state: Any, host: Any = (), round_to: int = 1):
+    def __init__(self, *state: Any, host: Any = (), round_to: int = 1, limit_bytes: int | None = None):
         self._state, self._host = state, host
-        self._tracker = MemoryTracker(round_to=round_to, host_categories=(HOST,))
+        if limit_bytes is not None:
+            limit_bytes = check_positive_int("limit_bytes", limit_bytes)
+        self.limit_bytes = limit_bytes
+        self._tracker = MemoryTracker(round_to=round_to, host_categories=(HOST,), limit_bytes=limit_bytes)
 
     def __enter__(self) -> PeakTracker:
         self._tracker.__enter__()
@@ -72,6 +82,34 @@ class PeakTracker:
         """The peak bytes since the last :meth:`take` (or the start); starts the next peak from now."""
         peak = self._tracker.peak_bytes
         self._tracker.reset_peak()
+        return peak
+
+
+class DevicePeaks:
+    """The CUDA allocator's own peak per block: ``torch.cuda.max_memory_allocated``, then ``reset_peak_memory_stats``.
+
+    What :class:`PeakTracker` reads on the CPU, read from the device: :meth:`take` returns the
+    largest allocated bytes since the previous call and starts the next peak from the bytes
+    held now (one statistics read and one reset, no synchronisation); :attr:`current_bytes` is
+    ``torch.cuda.memory_allocated``. Both count what torch's allocator hands to tensors, not
+    what it reserves beyond them (the safety margin's share, docs/budget.md).
+
+    Args:
+        device: the CUDA device (default the current one).
+    """
+
+    def __init__(self, device: Any = None):
+        self.device = device
+
+    @property
+    def current_bytes(self) -> int:
+        """Bytes torch's allocator holds for tensors now."""
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def take(self) -> int:
+        """The peak allocated bytes since the last :meth:`take` (or the last reset); starts the next peak from now."""
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
         return peak
 
 
