@@ -35,7 +35,8 @@ announced.** On real ranks (:func:`~batchfit.parallel.distributed.is_distributed
    state is restored (NOTE [ Probes are isolated ]). On NCCL, ``wait`` does not block the
    host: a watcher thread aborts the model's communicator (``ProcessGroup.abort``). The keys,
    the polling wait and the watcher are :mod:`batchfit.parallel.rank_signals`' (NOTE [ Ranks
-   signal through the store ]), shared with the training loop's guard (:mod:`batchfit.train.guard`).
+   signal through the store ]), shared with the training loop's guard
+   (:mod:`batchfit.train.micro_batch_guard`).
 3. Every rank learns the verdict before anyone enters another collective of that model: the
    probe ends in one all-reduce on the default group, which the abandoned collective did not
    touch. A model group left with a collective one rank never entered is never used again:

@@ -22,8 +22,9 @@ group's store, which every rank reaches without a collective:
 
 This module holds the mechanism only, shared by the budget search's guard (NOTE [ One rank runs
 out ] in :mod:`batchfit.budget.guard`) and the training loop's (NOTE [ A micro-batch runs out ]
-in :mod:`batchfit.train.guard`); each decides what a signal means. It imports nothing above
-``parallel``: the patch it layers on is handed to :func:`install_polling_wait` by its users.
+in :mod:`batchfit.train.micro_batch_guard`); each decides what a signal means. It imports
+nothing above ``parallel``: the patch it layers on is handed to :func:`install_polling_wait`
+by its users.
 """
 
 from __future__ import annotations

@@ -21,7 +21,10 @@
 - :func:`activation_offload`: what each decoder layer saves for backward waits in host memory, as
   verl's ``enable_activation_offload`` runs it (NOTE [ Activation offload as verl runs it ]).
 - :class:`PeakTracker` / :class:`CollectiveBytes`: peak bytes per micro-batch (cpu tracker)
-  and bytes of collectives per optimizer step.
+  and bytes of collectives per optimizer step; :class:`DevicePeaks`, the CUDA allocator's peak.
+- :class:`MicroBatchGuard`: the loop's micro-batches guarded: each peak against its prediction,
+  and a micro-batch that runs out of memory lowers the budget and runs its mini-batch again on
+  every rank (NOTE [ A micro-batch runs out ], ``docs/guard.md``).
 
 The loop, per optimizer step (``examples/grpo_stepwise.py`` runs it, single process or
 FSDP2 under ``torchrun``)::
@@ -47,7 +50,17 @@ from batchfit.train.advantages import ESTIMATORS, group_advantages, group_ids
 from batchfit.train.forward import forward_logprobs, forward_values
 from batchfit.train.long_sequence import micro_batch_backward, split_loss_backward, split_outputs
 from batchfit.train.loss import policy_loss, response_columns, value_loss
-from batchfit.train.measure import CollectiveBytes, PeakTracker
+from batchfit.train.measure import CollectiveBytes, DevicePeaks, PeakTracker
+from batchfit.train.micro_batch_guard import (
+    MicroBatchesDoNotFit,
+    MicroBatchGuard,
+    MicroBatchRecord,
+    MiniBatchRecord,
+    OutOfMemoryOutsideMicroBatch,
+    RankLeftTraining,
+    RestartAtLowerBudget,
+    Shortfall,
+)
 from batchfit.train.micro_batch_step import micro_batch_loss, micro_batch_outputs
 from batchfit.train.model_outputs import (
     HEADS,
@@ -62,7 +75,16 @@ __all__ = [
     "ESTIMATORS",
     "HEADS",
     "CollectiveBytes",
+    "DevicePeaks",
+    "MicroBatchGuard",
+    "MicroBatchRecord",
+    "MicroBatchesDoNotFit",
+    "MiniBatchRecord",
+    "OutOfMemoryOutsideMicroBatch",
     "PeakTracker",
+    "RankLeftTraining",
+    "RestartAtLowerBudget",
+    "Shortfall",
     "accumulate",
     "accumulated_gradient_bytes",
     "activation_offload",
