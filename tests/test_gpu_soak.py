@@ -487,6 +487,4 @@ def test_a_bad_flag_is_one_line_exit_2(soak, capsys, argv, match):
     with pytest.raises(SystemExit) as exit_:
         soak.main(["--device", "cpu", *argv])
     err = capsys.readouterr().err
-    assert (
-        exit_.value.code == 2 and match in err and err.strip().splitlines()[-1].startswith("usage") is False
-    )
+    assert exit_.value.code == 2 and match in err.strip().splitlines()[-1]  # argparse's usage, then one line
