@@ -17,7 +17,7 @@ from batchfit.parallel.behaviour import ROOT_RESHARD, Behaviour, TorchBehaviours
 from batchfit.parallel.sharding import Sharding
 from script_helpers import flag_words
 
-FAST = ["--backend", "estimate", "--memory", "64MiB", "--reserve", "0", "--no-progress"]
+FAST = ["--backend", "estimate", "--memory", "64MiB", "--reserve", "0", "--engine-reserve", "0", "--no-progress"]
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from batchfit.frameworks import read_run_config
 from batchfit.frameworks.emit import EmitError, Key, emit_keys, render_flags, render_overrides, render_yaml
 from script_helpers import flag_words
 
-FAST = ["--backend", "estimate", "--memory", "64MiB", "--reserve", "0", "--no-progress", "--max-seq-len", "32"]
+FAST = ["--backend", "estimate", "--memory", "64MiB", "--reserve", "0", "--engine-reserve", "0", "--no-progress", "--max-seq-len", "32"]
 FLAG_TARGETS = ("openrlhf", "slime")
 # slime trains with Megatron, which profile approximates only when asked (--sharding fsdp2): both runs pass it
 BASE = {"verl": [], "skyrl": [], "openrlhf": [], "slime": ["--sharding", "fsdp2"]}
@@ -179,8 +179,8 @@ class _Recorder:
     def _key(model, options, *rest):
         return (model, options.replace(progress=False), *rest)
 
-    def profile_model(self, model, options, *, roles, resident_bytes=0):
-        key = self._key(model, options, tuple(roles), resident_bytes)
+    def profile_model(self, model, options, *, roles, resident_bytes=0, engine=None):
+        key = self._key(model, options, tuple(roles), resident_bytes, None if engine is None else engine.bytes)
         self.calls.append(key)
         budgets = {
             role: types.SimpleNamespace(
@@ -193,7 +193,10 @@ class _Recorder:
             )
             for role in roles
         }
-        return types.SimpleNamespace(budgets=budgets, torch=None, sharding=options.sharding, moe=None, attention=None)
+        return types.SimpleNamespace(
+            budgets=budgets, torch=None, sharding=options.sharding, moe=None, attention=None, engine=engine,
+            allocator=options.allocator, safety_margin=options.safety_margin,
+        )  # fmt: skip
 
     def resident_state_bytes(self, model, role, options, *, kinds=()):
         # what a colocated model keeps on the device reaches profile_model as resident_bytes (recorded there);
@@ -406,8 +409,8 @@ def test_a_model_on_cudas_math_attention_path_is_named_in_the_emitted_header(tmp
 
     rec = _Recorder()
 
-    def profile_model(model, options, *, roles, resident_bytes=0):
-        out = rec.profile_model(model, options, roles=roles, resident_bytes=resident_bytes)
+    def profile_model(model, options, *, roles, resident_bytes=0, engine=None):
+        out = rec.profile_model(model, options, roles=roles, resident_bytes=resident_bytes, engine=engine)
         out.model, out.attention = model, CudaAttention("math", "attention: CUDA runs its math path (…)")
         return out
 

@@ -42,7 +42,7 @@ DOWNLOADS = {
 }
 VERL_CONFIG = "verl/trainer/config/"
 # estimate backend, a tiny model, short sequences and a small device: each profile takes seconds
-FAST = ["--backend", "estimate", "--memory", "8MiB", "--reserve", "0", "--no-progress", "--max-seq-len", "32"]
+FAST = ["--backend", "estimate", "--memory", "8MiB", "--reserve", "0", "--engine-reserve", "0", "--no-progress", "--max-seq-len", "32"]
 
 # verl 0.9.1 refuses to start without them (actor: ActorConfig.__post_init__; rollout:
 # validate_config's check_mutually_exclusive; critic, trained by default since

@@ -21,6 +21,7 @@ from typing import Any
 
 from batchfit.budget.budget_search import find_token_budget
 from batchfit.budget.depth import DEFAULT_DEPTHS, uniform_layers
+from batchfit.budget.engine import EngineReserve, given_engine_reserve
 from batchfit.budget.options import ProfileOptions
 from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import BudgetError, DoesNotFitError, InvalidArgument, Phrase, Setting
@@ -78,6 +79,12 @@ class ModelProfile:
         reserve_bytes: bytes of ``memory_limit`` no tracker sees.
         resident_bytes: bytes other models sharing the device keep on it (colocated
             roles), taken off the usable memory like the reserve.
+        engine: what a rollout engine sharing the device keeps on it while the trainer steps,
+            term by term (:class:`~batchfit.budget.engine.EngineReserve`), taken off the usable
+            memory like the reserve; ``None`` without an engine.
+        allocator: the allocator setting the budgets assume (NOTE [ The allocator's share ] in
+            :mod:`batchfit.memory.cuda_untracked`).
+        safety_margin: the fraction of the usable memory a peak may reach.
         budgets: role -> its :class:`TokenBudget`, in the order profiled.
         combined: :meth:`TokenBudget.min` of the budgets (the one to configure).
         sharding: the :class:`~batchfit.parallel.sharding.Sharding` profiled.
@@ -124,6 +131,36 @@ class ModelProfile:
     activation_offload: bool = False
     moe: MoeSummary | None = None
     attention: CudaAttention | None = None
+    engine: EngineReserve | None = None
+    allocator: str = "expandable_segments"
+    safety_margin: float = 0.85
+
+    @property
+    def engine_bytes(self) -> int:
+        """What the rollout engine keeps on each GPU while the trainer steps (0 without one)."""
+        return 0 if self.engine is None else self.engine.bytes
+
+    def device_terms(self) -> list[tuple[str, int | None]]:
+        """How one rank's limit comes from its device, term by term: ``(what, bytes)``, in order.
+
+        The device, each amount taken off it (what no tracker sees, the sleeping engine, the
+        colocated models), what is left (``usable``), and the limit (``safety_margin`` × usable, the
+        margin the allocator needs); a ``None`` amount is the device's own (cuda).
+        """
+        terms: list[tuple[str, int | None]] = [("device", self.memory_limit)]
+        reserve = "reserve" + ("" if self.untracked is None else f" ({self.untracked.describe()})")
+        terms.append((reserve, self.reserve_bytes))
+        if self.engine is not None and (self.engine.bytes or self.engine.given_bytes is not None):
+            terms.append((f"rollout engine: {self.engine.describe()}", self.engine.bytes))
+        if self.resident_bytes:
+            terms.append(("colocated models' state", self.resident_bytes))
+        usable = None
+        if self.memory_limit is not None:
+            usable = self.memory_limit - self.reserve_bytes - self.engine_bytes - self.resident_bytes
+        terms.append(("usable", usable))
+        limit = None if usable is None else int(self.safety_margin * usable)
+        terms.append((f"limit: safety margin {self.safety_margin:g} ({_allocator_words(self.allocator)})", limit))
+        return terms
 
     def to_dict(self) -> dict[str, Any]:
         """Settings, each role's budget and the combined budget as plain values (JSON-ready).
@@ -149,6 +186,10 @@ class ModelProfile:
             "memory_limit": self.memory_limit,
             "reserve_bytes": self.reserve_bytes,
             "resident_bytes": self.resident_bytes,
+            "engine_bytes": self.engine_bytes,
+            "engine": None if self.engine is None else self.engine.to_dict(),
+            "allocator": self.allocator,
+            "safety_margin": self.safety_margin,
             "sharding": self.sharding.to_dict(),
             "depth": self.depth,
             "measured_depths": None if self.measured_depths is None else list(self.measured_depths),
@@ -245,6 +286,7 @@ def profile_model(
     *,
     roles: str | Sequence[str] = ("policy",),
     resident_bytes: int = 0,
+    engine: EngineReserve | None = None,
     forward_too: bool = False,
     **settings: Any,
 ) -> ModelProfile:
@@ -275,6 +317,9 @@ def profile_model(
         roles: any of :data:`ROLES` (``"policy,critic"``).
         resident_bytes: bytes other models sharing the device keep on it (colocated roles),
             taken off the usable memory like the reserve.
+        engine: what a rollout engine sharing the device keeps on it while the trainer steps
+            (:func:`batchfit.budget.engine.engine_reserve`), taken off like the reserve;
+            ``options.engine_reserve``, when set, replaces it.
         forward_too: also profile each trained role's forward-only pass (``policy`` →
             ``policy_forward``, ``critic`` → ``critic_forward``), so one call gives the
             training budget (:attr:`ModelProfile.train`) and the forward-only one
@@ -312,8 +357,10 @@ def profile_model(
     be = get_backend(opts.backend, memory_limit=opts.memory_limit, reserve_bytes=opts.reserve_bytes)
     be.expect_world_size(plan.world_size)  # NCCL's buffers on a sharded simulated device
     resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
-    if resident_bytes:
-        _take_resident(be, resident_bytes)
+    if opts.engine_reserve is not None:
+        engine = given_engine_reserve(opts.engine_reserve)
+    if resident_bytes or (engine is not None and engine.bytes):
+        _take_resident(be, resident_bytes, engine)
     parameters = check_host_memory(config, model_name(model)) if be.host_memory else 0
     behaviours = torch_behaviours() if plan.strategy == "fsdp2" else None  # before any simulated world
     adapters = None
@@ -372,8 +419,11 @@ def profile_model(
         logprobs=opts.logprobs,
         backend=be.name,
         memory_limit=be.memory_limit,
-        reserve_bytes=int(be.reserve_bytes or 0) - resident_bytes,
+        reserve_bytes=int(be.reserve_bytes or 0) - resident_bytes - (0 if engine is None else engine.bytes),
         resident_bytes=resident_bytes,
+        engine=engine,
+        allocator=str(opts.allocator),
+        safety_margin=float(opts.safety_margin),
         budgets=budgets,
         combined=TokenBudget.min(*budgets.values()),
         sharding=plan,
@@ -514,19 +564,31 @@ def _collect(backend: Backend) -> None:
         gc.collect()
 
 
-def _take_resident(backend: Backend, resident: int) -> None:
-    """Count ``resident`` bytes (other models' state on the device) like the reserve."""
+def _take_resident(backend: Backend, resident: int, engine: EngineReserve | None = None) -> None:
+    """Count ``resident`` bytes (other models' state on the device) and the sleeping engine's like the reserve."""
     from batchfit.memory import format_bytes
 
-    if backend.memory_limit is not None and backend.reserve_bytes + resident >= backend.memory_limit:
+    engine_bytes = 0 if engine is None else engine.bytes
+    taken = resident + engine_bytes
+    if backend.memory_limit is not None and backend.reserve_bytes + taken >= backend.memory_limit:
+        sharing = []
+        if resident:
+            sharing.append(f"the models sharing this device keep {format_bytes(resident)} on it")
+        if engine_bytes:
+            sharing.append(f"the rollout engine keeps {format_bytes(engine_bytes)} ({engine.describe()})")
         raise DoesNotFitError(
-            f"the models sharing this device keep {format_bytes(resident)} on it, which with the reserve "
-            f"of {format_bytes(backend.reserve_bytes)} leaves nothing of {format_bytes(backend.memory_limit)}; "
-            "offload their state between phases, place the models on separate GPUs, or shard over more ranks",
-            needed=backend.reserve_bytes + resident,
+            f"{' and '.join(sharing)}, which with the reserve of {format_bytes(backend.reserve_bytes)} leaves nothing "
+            f"of {format_bytes(backend.memory_limit)}; offload their state between phases, let the engine sleep, place "
+            "the models or the engine on separate GPUs, or shard over more ranks",
+            needed=backend.reserve_bytes + taken,
             available=backend.memory_limit,
         )
-    backend.reserve_bytes += resident
+    backend.reserve_bytes += taken
+
+
+def _allocator_words(allocator: str) -> str:
+    """``expandable segments`` / ``the caching allocator's default segments``, for reports."""
+    return "expandable segments" if allocator == "expandable_segments" else "the caching allocator's default segments"
 
 
 def resident_state_bytes(
@@ -717,13 +779,22 @@ class RoleBuilder:
                 logprobs=options.logprobs,
                 cost=options.cost,
                 forward_only=forward_role(role),
-                optimizer="auto" if role == "reference" else "adamw",
+                optimizer=_optimizer(role, options),
                 only_loss_tokens=options.response_only and role not in VALUE_ROLES,
                 response_fraction=options.response_fraction if options.response_only else None,
                 activation_offload=options.activation_offload,
             )
 
         return build_depth_steps(make, self.depth) if self.extrapolate else make(self.depth)
+
+
+def _optimizer(role: str, options: ProfileOptions) -> str | None:
+    """The optimizer a role's probe holds: none for a frozen reference, none for a forward pass whose optimizer state is offloaded."""
+    if role == "reference":
+        return "auto"
+    if forward_role(role) and options.optimizer_offload:
+        return None  # verl's optimizer_offload: compute_log_prob and compute_values load the parameters only
+    return "adamw"
 
 
 # The largest world size the does-not-fit hint names.

@@ -17,7 +17,8 @@ from batchfit.budget.budget_search import check_max_seq_len
 from batchfit.budget.causal_lm_probe import check_response_fraction
 from batchfit.errors import KEYWORDS, InvalidArgument, Phrase, Setting, Vocabulary
 from batchfit.memory import BACKEND_NAMES
-from batchfit.memory.cuda_untracked import DEFAULT_SAFETY_MARGIN
+from batchfit.memory.cuda_untracked import ALLOCATOR_MARGINS, ALLOCATORS, DEFAULT_ALLOCATOR
+from batchfit.memory.sizes import parse_size
 from batchfit.models.lora import LoraSpec, as_lora
 from batchfit.models.moe import ROUTINGS, check_experts_implementation
 from batchfit.parallel.sharding import Sharding, as_sharding
@@ -48,7 +49,23 @@ class ProfileOptions:
             fp32 ``log_softmax`` of the whole logits, ``chunked``, ``fused``; ``trl``: TRL's own
             fused kernel, NOTE [ TRL's head ] in :mod:`batchfit.train.trl_head`, needs TRL).
         cost: ``padded`` (rows × longest) or ``packed`` (sum of lengths, counted to the token).
-        safety_margin: the fraction of the usable bytes a peak may reach, in ``(0, 1]``.
+        safety_margin: the fraction of the usable bytes a peak may reach, in ``(0, 1]``;
+            ``None``: the margin ``allocator`` needs (NOTE [ The allocator's share ] in
+            :mod:`batchfit.memory.cuda_untracked`: 0.85 with expandable segments, 0.83 without).
+            Read back, it is always the margin in force.
+        allocator: the allocator setting the training processes run with, one of
+            :data:`~batchfit.memory.cuda_untracked.ALLOCATORS`: ``"expandable_segments"``
+            (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, what batchfit's emitted
+            settings turn on) or ``"caching"`` (the default segments, which fragment over a run);
+            ``None``: ``expandable_segments``.
+        engine_reserve: bytes per GPU a rollout engine sharing the GPUs keeps on them while it
+            sleeps (its CUDA context, communicators and CUDA-graph pool: :mod:`batchfit.budget.engine`),
+            taken off the usable memory like the reserve; a size (``"7GiB"``), bytes, or 0.
+            ``None``: none for a model profile, the config's engine for a framework run
+            (:func:`batchfit.frameworks.run_profile.profile_run`); given, it replaces the config's.
+        optimizer_offload: the trained roles' optimizer state lives on the host outside their
+            update (verl's ``optimizer_offload``: loaded for ``update_actor``, offloaded after), so
+            their forward-only passes (``policy_forward``, ``critic_forward``) run without it.
         seq_lens: lengths to probe (``None`` = :func:`batchfit.budget.default_seq_lens`).
         sharding: a :class:`~batchfit.parallel.Sharding` (a strategy name is accepted and
             converted); ``None`` = one device.
@@ -111,7 +128,7 @@ class ProfileOptions:
     gradient_checkpointing: bool = False
     logprobs: str | FrameworkHead = "full"
     cost: str = "padded"
-    safety_margin: float = DEFAULT_SAFETY_MARGIN
+    safety_margin: float | None = None
     seq_lens: Sequence[int] | None = None
     sharding: Sharding = field(default_factory=Sharding)
     depth_extrapolation: bool | None = None
@@ -124,7 +141,12 @@ class ProfileOptions:
     experts_implementation: str | None = None
     routing: str | None = None
     compare_routing: bool = False
+    allocator: str | None = None
+    engine_reserve: int | str | None = None
+    optimizer_offload: bool = False
     vocabulary: InitVar[Vocabulary | None] = None
+    # the margin was left to the allocator (safety_margin=None): replace(allocator=...) derives it again
+    _margin_defaulted: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self, vocabulary: Vocabulary | None) -> None:
         # each value is validated here, where it enters the library, named as the caller writes it
@@ -134,15 +156,25 @@ class ProfileOptions:
         set_(self, "backend", check_choice(name(Setting("backend")), self.backend, BACKEND_NAMES))
         set_(self, "logprobs", check_head(name(Setting("logprobs")), self.logprobs))
         set_(self, "cost", check_choice(name(Setting("cost")), self.cost, COSTS))
+        allocator = DEFAULT_ALLOCATOR if self.allocator is None else self.allocator
+        set_(self, "allocator", check_choice(name(Setting("allocator")), allocator, ALLOCATORS))
+        set_(self, "_margin_defaulted", self.safety_margin is None)
+        if self.safety_margin is None:
+            set_(self, "safety_margin", ALLOCATOR_MARGINS[self.allocator])
         margin = check_number(name(Setting("safety_margin")), self.safety_margin, low=0.0, high=1.0, low_open=True)
         set_(self, "safety_margin", margin)
+        if self.engine_reserve is not None:
+            set_(self, "engine_reserve", parse_size(self.engine_reserve, name=name(Setting("engine_reserve"))))
         set_(self, "sharding", as_sharding(self.sharding))
         set_(self, "lora", as_lora(self.lora))
         set_(self, "response_fraction", check_response_fraction(self.response_fraction, name(Setting("response_fraction"))))
         set_(self, "experts_implementation", check_experts_implementation(name(Setting("experts_implementation")), self.experts_implementation))
         if self.routing is not None:
             set_(self, "routing", check_choice(name(Setting("routing")), self.routing, ROUTINGS))
-        for name in ("gradient_checkpointing", "suggest_world_size", "response_only", "compare_routing", "activation_offload"):
+        for name in (
+            "gradient_checkpointing", "suggest_world_size", "response_only", "compare_routing", "activation_offload",
+            "optimizer_offload",
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")
         if self.response_fraction is not None and not self.response_only:
@@ -171,8 +203,11 @@ class ProfileOptions:
         Raises:
             InvalidArgument: an unknown field (the message lists the fields) or a bad value.
         """
-        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        fields = [f.name for f in dataclasses.fields(self) if f.init]
+        unknown = sorted(set(changes) - set(fields))
         if unknown:
-            names = ", ".join(f.name for f in dataclasses.fields(self))
+            names = ", ".join(fields)
             raise InvalidArgument(f"ProfileOptions has no field {unknown[0]!r}; its fields are {names}")
+        if self._margin_defaulted and "safety_margin" not in changes:
+            changes["safety_margin"] = None  # still the allocator's margin, whichever allocator now
         return dataclasses.replace(self, **changes)

@@ -29,7 +29,8 @@ from batchfit.cli.profile_request import (
 )
 from batchfit.cli.profile_runs import run
 from batchfit.errors import Vocabulary
-from batchfit.memory import DEFAULT_ESTIMATE_TARGET, DEFAULT_SAFETY_MARGIN
+from batchfit.memory import DEFAULT_ESTIMATE_TARGET
+from batchfit.memory.cuda_untracked import ALLOCATOR_MARGINS, ALLOCATORS
 
 __all__ = ["FLAGS", "add_parser"]
 
@@ -224,7 +225,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--safety-margin",
         type=float,
         metavar="F",
-        help=f"fraction of usable memory (default {DEFAULT_SAFETY_MARGIN:g}, or the --calibration file's)",
+        help="fraction of usable memory (default: what --allocator needs, "
+        + ", ".join(f"{ALLOCATOR_MARGINS[a]:g} for {a}" for a in ALLOCATORS)
+        + "; or the --calibration file's)",
+    )
+    p.add_argument(
+        "--allocator",
+        metavar="|".join(ALLOCATORS),
+        help="the CUDA allocator setting the training processes run with: expandable_segments "
+        "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the default, and what --emit turns on) or caching (the "
+        "default segments, which fragment over a run: a lower margin); with --config the framework's own",
+    )
+    p.add_argument(
+        "--engine-reserve",
+        metavar="SIZE",
+        help="memory per GPU a rollout engine sharing the GPUs keeps while it sleeps (CUDA context, NCCL, CUDA "
+        "graphs), taken off --memory; with --config the config's engine modelled (vLLM, SGLang); 0 for none",
     )
     p.add_argument(
         "--depth-extrapolation",

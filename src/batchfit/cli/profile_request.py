@@ -47,6 +47,8 @@ FLAGS = {
     "memory_limit": "--memory",
     "reserve_bytes": "--reserve",
     "safety_margin": "--safety-margin",
+    "allocator": "--allocator",
+    "engine_reserve": "--engine-reserve",
     "backend": "--backend",
     "sharding": "--sharding",
     "world_size": "--world-size",
@@ -158,7 +160,7 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
     from batchfit.models import load_config, parse_dtype
     from batchfit.validation import check_choice, check_int
 
-    for flag, value in (("--memory", args.memory), ("--reserve", args.reserve)):
+    for flag, value in (("--memory", args.memory), ("--reserve", args.reserve), ("--engine-reserve", args.engine_reserve)):
         check_size_text(flag, value)
     backend = backend_name(check_choice("--backend", args.backend, BACKEND_NAMES))
     check_choice("--emit-format", args.emit_format, FORMATS)
@@ -213,6 +215,8 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
         mixed_precision=args.mixed_precision,
         offload=args.offload,
         sequence_parallel=args.sequence_parallel,
+        allocator=args.allocator,
+        engine_reserve=args.engine_reserve,
     )
     defaults = ProfileChoices(
         max_seq_len=DEFAULT_MAX_SEQ_LEN,

@@ -19,7 +19,7 @@ import torch
 from batchfit.cli._ranks import process_group
 from batchfit.cli.probe_progress import ProbeProgress
 from batchfit.cli.profile_request import ProfileRequest, request_from_args
-from batchfit.cli.render_profile import render_profile
+from batchfit.cli.render_profile import device_lines, render_profile
 from batchfit.memory import backend_class
 
 
@@ -193,6 +193,7 @@ def _run_config(
         if result.resident:
             shared = ", ".join(f"{role} {format_bytes(b)}" for role, b in result.resident.items())
             header.append(f"colocated models' state taken off each budget: {shared}")
+        header += device_lines(result.profiles["policy"] if "policy" in result.profiles else next(iter(result.profiles.values())))
         header += [f"note: {note}" for note in (*notes, *run.notes)]
         moe_lines = dict.fromkeys(f"{p.model}: {p.moe.describe()}" for p in result.profiles.values() if p.moe is not None)
         header += [f"note: {line}" for line in moe_lines]  # the passes measured a mixture of experts so

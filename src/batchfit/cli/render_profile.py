@@ -53,9 +53,15 @@ def render_profile(console: Any, profile: Any, request: ProfileRequest) -> None:
     terms = "" if profile.untracked is None else f" ({profile.untracked.describe()})"
     console.print(
         f"backend {profile.backend} → {target} per rank: {limit}, reserve {format_bytes(profile.reserve_bytes)}{terms}, "
-        f"safety margin {request.options.safety_margin:g}",
+        f"safety margin {profile.safety_margin:g}",
         highlight=False,
     )
+    from batchfit.memory import backend_class
+
+    cls = backend_class(profile.backend)
+    if cls.simulated or cls.reads_device:  # a CUDA device, estimated or measured
+        for line in device_lines(profile):
+            console.print(line, highlight=False)
     if request.calibration is not None:
         console.print(
             f"calibration {request.calibration_path}: {request.calibration.describe()}", highlight=False
@@ -83,6 +89,22 @@ def render_profile(console: Any, profile: Any, request: ProfileRequest) -> None:
         )
     if request.plot:
         console.print(f"plot written to {request.plot}", highlight=False)
+
+
+def device_lines(profile: Any) -> list[str]:
+    """What the limit assumes beyond the reserve: the allocator setting, and the rollout engine's share when there is one."""
+    from batchfit.memory import format_bytes
+    from batchfit.memory.cuda_untracked import ALLOCATOR_CONF
+
+    if profile.allocator == "expandable_segments":
+        setting = f"PYTORCH_CUDA_ALLOC_CONF={ALLOCATOR_CONF[profile.allocator]} in the training processes; without it, --allocator caching"
+    else:
+        setting = "the default segments, which fragment over a run; with expandable segments, --allocator expandable_segments"
+    lines = [f"allocator: {profile.allocator} ({setting}): safety margin {profile.safety_margin:g}"]
+    engine = profile.engine
+    if engine is not None and (engine.bytes or engine.given_bytes is not None):
+        lines.append(f"rollout engine: {engine.describe()} = {format_bytes(engine.bytes)} per GPU, taken off the usable memory")
+    return lines
 
 
 #: A balanced-routing budget this much larger than the worst case's is called out.

@@ -48,6 +48,7 @@ __all__ = [
     "Assumptions",
     "EmitError",
     "Key",
+    "allocator_comment",
     "assumptions",
     "check_emit",
     "check_head",
@@ -103,6 +104,10 @@ class Assumptions:
         response_only: the head ran on the loss tokens only.
         activation_offload: the trained models offloaded their layers' saved activations to the
             host (:func:`batchfit.train.activation_offload`, verl's ``enable_activation_offloading``).
+        allocator: the CUDA allocator setting the budgets assume (``expandable_segments`` or
+            ``caching``: NOTE [ The allocator's share ] in :mod:`batchfit.memory.cuda_untracked`).
+        optimizer_offload: the forward-only passes were profiled without the optimizer state
+            (verl's ``optimizer_offload``).
     """
 
     roles: tuple[str, ...]
@@ -114,6 +119,8 @@ class Assumptions:
     lora: dict[str, LoraSpec | None]
     response_only: bool
     activation_offload: bool = False
+    allocator: str = "expandable_segments"
+    optimizer_offload: bool = False
 
     @property
     def trained_dtype(self) -> str:
@@ -148,6 +155,8 @@ def assumptions(by_role: Mapping[str, Any]) -> Assumptions:
         lora={role: _enabled(by_role[role].lora) for role in ("policy", "critic") if role in by_role},
         response_only=policy.response_only,
         activation_offload=policy.activation_offload,
+        allocator=str(policy.allocator),
+        optimizer_offload=bool(policy.optimizer_offload),
     )
 
 
@@ -219,7 +228,19 @@ def setting_keys(run: RunConfig, by_role: Mapping[str, Any], target: str) -> lis
             f"{get_framework(target).title} offloads activations, if it does",
             "profile without --activation-offload",
         )
-    return get_framework(target).emit_module().assumption_keys(run, a, run.vocabulary == target)
+    module = get_framework(target).emit_module()
+    return [*module.assumption_keys(run, a, run.vocabulary == target), *module.allocator_keys(a)]
+
+
+def allocator_comment(a: Assumptions, how: str) -> Key:
+    """A comment saying which allocator setting the budgets assume and ``how`` the target gets it (no key to set)."""
+    from batchfit.memory.cuda_untracked import ALLOCATOR_CONF
+
+    if a.allocator == "expandable_segments":
+        said = f"the budgets assume expandable segments (PYTORCH_CUDA_ALLOC_CONF={ALLOCATOR_CONF[a.allocator]})"
+    else:
+        said = "the budgets assume the caching allocator's default segments (a lower safety margin)"
+    return Key("", False, f"{said}: {how}")
 
 
 #: The frameworks whose activation offload batchfit runs (NOTE [ Activation offload as verl runs it ]

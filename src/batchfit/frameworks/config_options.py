@@ -68,6 +68,9 @@ class ProfileChoices:
     offload: str | None = None
     sequence_parallel: int | None = None
     overlap_comm: bool | None = None
+    allocator: str | None = None
+    engine_reserve: int | str | None = None
+    optimizer_offload: bool | None = None
 
     def or_(self, other: ProfileChoices) -> ProfileChoices:
         """These choices, each one not made taken from ``other``."""
@@ -237,6 +240,9 @@ def run_profile_options(
         cost=cost,
         # verl's ulysses_sequence_parallel_size, SkyRL's policy.sequence_parallel_size (the RunConfig's)
         sequence_parallel=run.batch.sequence_parallel if fsdp and run.batch.sequence_parallel > 1 else None,
+        allocator=run.allocator,
+        # what the config's own framework does between its passes; another target's run keeps the state
+        optimizer_offload=True if run.optimizer_offload and emit in (None, run.vocabulary) else None,
     )
     filled = chosen.or_(from_config).or_(defaults or ProfileChoices())
     return RunOptions(run=run, options=with_run_fraction(run, filled.options(vocabulary)), notes=tuple(notes))

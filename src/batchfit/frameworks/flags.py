@@ -159,6 +159,9 @@ class Command:
         unresolved: argument index → the shell expression it came from, for words that
             refer to variables or arrays the file does not define.
         notes: what the shell reading assumed (variables used, arrays not found).
+        environment: the variables the trainer's processes get from the file: those it
+            exports, the ``NAME=value`` words before the launch on its line, and the
+            ``env_vars`` of a ``ray job submit --runtime-env-json`` there (values resolved).
     """
 
     path: str
@@ -166,6 +169,7 @@ class Command:
     args: tuple[str, ...]
     unresolved: dict[int, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    environment: dict[str, str] = field(default_factory=dict, compare=False)
 
 
 def is_command_file(path: str | Path) -> bool:
@@ -200,6 +204,7 @@ def read_command(path: str | Path) -> Command:
     arrays: dict[str, list[tuple[str, str | None]]] = {}
     used: dict[str, str] = {}
     plain: list[str] = []
+    exported: set[str] = set()
     for words in _logical_lines(text, str(path)):
         launch = _launch_index(words)
         if launch is not None:
@@ -209,7 +214,10 @@ def read_command(path: str | Path) -> Command:
                     "shell variables taken from the file (control flow is not evaluated; the last assignment wins): "
                     + ", ".join(f"{k}={v}" for k, v in used.items())
                 )
-            return Command(str(path), words[launch], tuple(expanded), unresolved, tuple(notes))
+            environment = _environment(words[:launch], variables, exported)
+            return Command(str(path), words[launch], tuple(expanded), unresolved, tuple(notes), environment)
+        if words[0] == "export":
+            exported.update(m.group(1) for w in words[1:] if (m := re.match(r"([A-Za-z_]\w*)", w)))
         if _assign(words, variables, arrays, used):
             continue
         plain.extend(words)
@@ -224,6 +232,29 @@ def read_command(path: str | Path) -> Command:
             "end in .yaml, .yml or .json"
         ]
     )
+
+
+def _environment(prefix: list[str], variables: Mapping[str, str | None], exported: set[str]) -> dict[str, str]:
+    """What the trainer's processes get from the file: exported variables, ``NAME=value`` before the launch, Ray's ``env_vars``."""
+    env = {name: value for name in exported if (value := variables.get(name)) is not None}
+    for i, word in enumerate(prefix):
+        scalar = _ASSIGN.match(word)
+        if scalar is not None and i == len([w for w in prefix[:i] if _ASSIGN.match(w)]):  # leading NAME=value words
+            value, resolved = _substitute(scalar.group(2), variables, {})
+            if resolved:
+                env[scalar.group(1)] = value
+        text = None
+        if word == "--runtime-env-json" and i + 1 < len(prefix):
+            text = prefix[i + 1]
+        elif word.startswith("--runtime-env-json="):
+            text = word.split("=", 1)[1]
+        if text is not None:
+            try:
+                given = json.loads(_substitute(text, variables, {})[0]).get("env_vars", {})
+            except (ValueError, AttributeError):
+                continue
+            env.update({str(k): str(v) for k, v in given.items()} if isinstance(given, dict) else {})
+    return env
 
 
 def _logical_lines(text: str, where: str) -> list[list[str]]:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from batchfit.budget.engine import RolloutEngine
 from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
 from batchfit.frameworks.registry import FrameworkSpec
+from batchfit.memory.calibration import allocator_setting
 from batchfit.plan.config import BatchConfig
 
 # The trainer's dest names batchfit reads (an unresolved shell value for one is a fault).
@@ -50,6 +52,12 @@ READ = frozenset(
         "algo.advantage.estimator",
         "algo.kl.init_coef",
         "vllm.num_engines",
+        "vllm.tensor_parallel_size",
+        "vllm.gpu_memory_utilization",
+        "vllm.enable_sleep",
+        "vllm.enforce_eager",
+        "train.colocate_all",
+        "ds.enable_sleep",
         "ds.packing_samples",
         "ds.lora.rank",
         "ds.lora.alpha",
@@ -163,6 +171,11 @@ def read(command: Command) -> FrameworkRun:
         critic_lora=lora if critic else None,
         colocated=colocated,
         resident=resident,
+        generation_resident=_generation_resident(v, roles),
+        engine=_engine(v),
+        # OpenRLHF sets no allocator setting (no PYTORCH_CUDA_ALLOC_CONF in the package): what the launch gives
+        allocator=allocator_setting(command.environment.get("PYTORCH_CUDA_ALLOC_CONF", command.environment.get("PYTORCH_ALLOC_CONF")))
+        or None,
         key_names={
             **KEY_NAMES,
             "policy_mini_batch_size": "--train.batch_size / --rollout.n_samples_per_prompt"
@@ -363,6 +376,55 @@ def _placement(v: dict[str, Any], roles: list[str]) -> tuple[tuple[str, ...], di
     if "reference" in roles and v.get("train.colocate_actor_ref"):
         return ("policy", "reference"), {"policy": kept["policy"], "reference": kept["reference"]}
     return (), {}
+
+
+def _engine(v: dict[str, Any]) -> RolloutEngine | None:
+    """The vLLM engines as OpenRLHF 0.11.2 runs them (``trainer/ray/vllm_engine.py``), or ``None`` without engines.
+
+    On the actor's GPUs with ``--train.colocate_all`` (a share of the placement group each), else
+    on GPUs of their own; ``--vllm.enable_sleep`` (forced off without ``colocate_all``) sleeps them at
+    level 1 between generations (``RolloutRayActor.sleep(level=1)``); each rank a Ray actor.
+    """
+    if not _positive(v.get("vllm.num_engines")):
+        return None
+    colocated = bool(v.get("train.colocate_all"))
+    keys = {
+        "tensor_parallel": "--vllm.tensor_parallel_size",
+        "memory_fraction": "--vllm.gpu_memory_utilization",
+        "sleeps": "--vllm.enable_sleep",
+        "cuda_graphs": "--vllm.enforce_eager",
+        "offload": "add --ds.enable_sleep (the actor's optimizer state and fp32 weights leave the GPUs while the "
+        "engines generate)",
+    }
+    return RolloutEngine(
+        name="vllm",
+        colocated=colocated,
+        tensor_parallel=v.get("vllm.tensor_parallel_size") or 1,
+        memory_fraction=v.get("vllm.gpu_memory_utilization"),
+        sleeps=colocated and bool(v.get("vllm.enable_sleep")),
+        sleep_level=1,
+        cuda_graphs=not v.get("vllm.enforce_eager"),
+        own_process=True,
+        keys=keys,
+    )
+
+
+def _generation_resident(v: dict[str, Any], roles: list[str]) -> dict[str, tuple[str, ...]]:
+    """What the models keep on the actor's GPUs while colocated engines generate (``--train.colocate_all``).
+
+    ``--ds.enable_sleep`` offloads the optimizer state, gradients and fp32 master weights but keeps
+    the bf16 parameters (``deepspeed_utils.py`` ``offload_deepspeed_states``: ``lp_params`` stays);
+    without it every model keeps its state.
+    """
+    if not v.get("train.colocate_all"):
+        return {}
+    optimizer = () if v.get("ds.adam_offload") or v.get("ds.enable_sleep") else ("optimizer_state",)
+    kept = {
+        "policy": ("parameters", *optimizer),
+        "critic": ("parameters", *optimizer),
+        "reference": () if v.get("ref.offload") else ("parameters",),
+    }
+    return {role: kept[role] for role in roles}
 
 
 #: --ds.zero_stage → the Sharding strategy that models it (stage 3 as FSDP2, which shards the same state).

@@ -16,6 +16,7 @@ from typing import Any
 from batchfit.frameworks.assumptions import (
     Assumptions,
     Key,
+    allocator_comment,
     check_head,
     check_precision,
     check_strategy,
@@ -243,3 +244,15 @@ def _openrlhf_targets(run: RunConfig, spec: LoraSpec, same: bool) -> list[Key]:
 
 def _lora_text(spec: LoraSpec | None) -> str:
     return "no LoRA" if spec is None else spec.describe()
+
+
+def allocator_keys(a: Assumptions) -> list[Key]:
+    """OpenRLHF 0.11.2 sets no allocator setting: the launch's environment decides."""
+    how = (
+        "OpenRLHF sets none, so export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before `ray start` (or pass it "
+        "in ray job submit --runtime-env-json's env_vars)"
+        if a.allocator == "expandable_segments"
+        else "what OpenRLHF runs unless the launch exports PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (then "
+        "profile with --allocator expandable_segments)"
+    )
+    return [allocator_comment(a, how)]

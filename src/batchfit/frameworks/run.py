@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from batchfit.budget.engine import RolloutEngine
 from batchfit.errors import BatchConfigError
 from batchfit.plan.config import BatchConfig, BatchPlan
 from batchfit.validation import short_repr
@@ -99,6 +100,15 @@ class RunConfig:
         resident: per colocated model, the state it keeps on the device while another
             model runs (``parameters``, ``optimizer_state``); what the framework offloads
             between phases is left out.
+        generation_resident: per model, the state it keeps on the device while a colocated
+            rollout engine generates (``parameters``, ``optimizer_state``): what the engine's
+            awake share must leave room for (:func:`batchfit.budget.engine.check_awake_phase`).
+        engine: the rollout engine and how it shares the trainer's GPUs
+            (:class:`~batchfit.budget.engine.RolloutEngine`), or ``None`` when the config has none.
+        allocator: the allocator setting the framework runs its trainer with
+            (:data:`~batchfit.memory.cuda_untracked.ALLOCATORS`), or ``None`` when it does not say.
+        optimizer_offload: the trained models' optimizer state leaves the device outside their
+            update (verl's ``optimizer_offload``): their forward-only passes run without it.
         faults: the framework's own rules that the config breaks (beyond the batch plan's).
         warnings: what the config sets that batchfit does not model or the framework would
             refuse outside its batch rules (keys not in the framework's schema, settings that
@@ -139,6 +149,10 @@ class RunConfig:
     critic_lora: dict[str, Any] | None = field(default=None, compare=False)
     colocated: tuple[str, ...] = ()
     resident: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
+    generation_resident: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)
+    engine: RolloutEngine | None = None
+    allocator: str | None = None
+    optimizer_offload: bool = False
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()

@@ -4,7 +4,11 @@
 :func:`batchfit.budget.model_profile.profile_model` that its run makes: the policy's training step
 and its old-log-prob pass, the critic's training step and value pass, the reference's
 log-prob pass. Models that share GPUs (the config's ``colocated``) are profiled with the
-state the others keep on the device (``resident``) taken off the usable memory.
+state the others keep on the device (``resident``) taken off the usable memory, and every pass
+with what the config's rollout engine keeps on the GPUs while it sleeps
+(:func:`batchfit.budget.engine.engine_reserve`); a config whose engine, awake, cannot start
+beside what the trainer keeps on the GPUs while it generates is refused first
+(:func:`batchfit.budget.engine.check_awake_phase`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchfit.budget.engine import EngineReserve, check_awake_phase, engine_reserve, given_engine_reserve
 from batchfit.budget.model_profile import ModelProfile, default_dtype, profile_model, resident_state_bytes
 from batchfit.budget.options import ProfileOptions
 from batchfit.budget.token_budget import TokenBudget
@@ -45,6 +50,8 @@ class RunProfile:
             LoRA policy itself), one sentence each.
         options: model role → the options it was profiled with (:func:`role_options`): what
             its budgets assume, which :func:`batchfit.frameworks.emit.emit_keys` writes as keys.
+        engine: what the rollout engine keeps on each GPU while the trainer steps (taken off
+            every pass's usable memory), ``None`` when the config has no engine and none was given.
     """
 
     run: RunConfig
@@ -52,6 +59,7 @@ class RunProfile:
     resident: dict[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     options: dict[str, ProfileOptions] = field(default_factory=dict, compare=False)
+    engine: EngineReserve | None = None
 
     @property
     def budgets(self) -> dict[str, TokenBudget]:
@@ -73,6 +81,8 @@ class RunProfile:
             "max_seq_len": run.max_seq_len,
             "colocated": list(run.colocated),
             "resident_bytes": self.resident,
+            "engine": None if self.engine is None else self.engine.to_dict(),
+            "allocator": run.allocator,
             "profiles": {name: p.to_dict() for name, p in self.profiles.items()},
             "notes": list(self.notes),
         }
@@ -103,20 +113,67 @@ def profile_run(run: RunConfig, options: ProfileOptions) -> RunProfile:
         DoesNotFitError: a pass does not fit one sequence of ``options.max_seq_len``.
     """
     by_role, notes = _passes(run, options)
+    kept: dict[tuple[str, tuple[str, ...]], int] = {}  # (role, kinds) → bytes: each measured once
+
+    def state(role: str, kinds: tuple[str, ...]) -> int:
+        if (role, kinds) not in kept:
+            kept[role, kinds] = resident_state_bytes(run.models[role], PASSES[role][0], by_role[role], kinds=kinds)
+        return kept[role, kinds]
+
     resident = {
-        role: resident_state_bytes(
-            run.models[role], PASSES[role][0], by_role[role], kinds=run.resident.get(role, ())
-        )
-        for role in by_role
-        if role in run.colocated and run.resident.get(role)
+        role: state(role, run.resident[role]) for role in by_role if role in run.colocated and run.resident.get(role)
     }
+    engine = _engine(run, options)
+    if options.engine_reserve is None:  # a given engine_reserve replaces the engine's model, awake and asleep
+        _check_generation(run, options, by_role, state)
     profiles = {}
     for role, role_opts in by_role.items():
         others = sum(b for other, b in resident.items() if other != role)
         profiles[role] = profile_model(
-            run.models[role], role_opts, roles=PASSES[role], resident_bytes=others
+            run.models[role], role_opts, roles=PASSES[role], resident_bytes=others, engine=engine
         )
-    return RunProfile(run=run, profiles=profiles, resident=resident, notes=tuple(notes), options=by_role)
+    return RunProfile(
+        run=run, profiles=profiles, resident=resident, notes=tuple(notes), options=by_role, engine=engine
+    )
+
+
+def _engine(run: RunConfig, options: ProfileOptions) -> EngineReserve | None:
+    """What the run's engine keeps on each GPU while the trainer steps: ``options.engine_reserve`` when given, else the model's."""
+    from batchfit.memory import parse_memory
+    from batchfit.models import load_config
+
+    if options.engine_reserve is not None:
+        return given_engine_reserve(options.engine_reserve)
+    if run.engine is None:
+        return None
+    device = None if options.memory_limit is None else parse_memory(options.memory_limit, name="memory_limit")
+    return engine_reserve(run.engine, load_config(run.models["policy"]), device_bytes=device)
+
+
+def _check_generation(run: RunConfig, options: ProfileOptions, by_role: dict[str, ProfileOptions], state: Any) -> None:
+    """Refuse a run whose engine, awake, cannot start beside what its models keep on the GPUs (NOTE [ What a sleeping engine keeps ])."""
+    from batchfit.memory import backend_class, parse_memory, untracked_memory
+    from batchfit.memory.sizes import parse_size
+
+    engine = run.engine
+    if engine is None or not engine.colocated or options.memory_limit is None:
+        return
+    device = parse_memory(options.memory_limit, name="memory_limit")
+    trainer = sum(state(role, kinds) for role, kinds in run.generation_resident.items() if role in by_role and kinds)
+    world = options.sharding.world_size if options.sharding.strategy != "none" else 1
+    if options.reserve_bytes is not None:
+        untracked = parse_size(options.reserve_bytes, name="reserve_bytes")
+    elif backend_class(options.backend).simulated:
+        untracked = untracked_memory(str(options.memory_limit), world_size=world, total_bytes=device).reserve_bytes
+    else:
+        untracked = 0
+    check_awake_phase(
+        engine,
+        device_bytes=device,
+        trainer_bytes=trainer,
+        untracked_bytes=untracked,
+        fix=engine.key("offload") if "offload" in engine.keys else "offload the trainer's state while the engine generates",
+    )
 
 
 def role_options(run: RunConfig, options: ProfileOptions) -> dict[str, ProfileOptions]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from batchfit.budget.engine import ENGINES, RolloutEngine
 from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     RunConfig,
@@ -56,6 +57,8 @@ STEP_WISE_KEY = "generator.step_wise_trajectories"
 REMOVE_PADDING_KEY = T + "remove_microbatch_padding"
 REMOVE_PADDING_ALIAS = T + "use_sample_packing"  # deprecated; from_cli_overrides renames it
 LORA = T + "policy.model.lora."
+ENGINE_PREFIX = "generator.inference_engine."
+EXPANDABLE_KEY = T + "use_expandable_segments"
 
 # Keys that change memory in ways batchfit's budgets do not reproduce: a config that sets one
 # away from SkyRL's default gets a warning naming it. Remove a key once profile models it.
@@ -232,6 +235,10 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         critic_lora=_lora(flat, T + "critic.model.lora.") if critic_model else None,
         colocated=colocated,
         resident=resident,
+        generation_resident=_generation_resident(flat, bool(critic_model), offload),
+        engine=_engine(flat, _lora(flat, LORA)),
+        # FSDPWorker.init_model ends with expandable segments on (workers/worker.py, PR #1768), unless turned off
+        allocator="caching" if as_bool(flat.get(EXPANDABLE_KEY)) is False else "expandable_segments",
         faults=tuple(faults),
         warnings=tuple(warnings),
         key_names=_key_names(megatron),
@@ -418,6 +425,53 @@ def _placement(
         kept = () if offload == "cpu" else ("parameters", "optimizer_state")
         return ("policy", "reference"), {"policy": kept, "reference": ("parameters",)}
     return (), {}
+
+
+def _engine(flat: dict[str, Any], lora: dict[str, Any] | None) -> RolloutEngine:
+    """The inference engines as SkyRL 0.4.0 runs them: on the trainer's GPUs under ``colocate_all``, asleep while it trains.
+
+    ``inference_servers/utils.py``: ``enable_sleep_mode = colocate_all or offload_kv_for_weight_sync``;
+    ``remote_inference_client.py``: ``sleep(level=2)``, level 1 when only LoRA adapters are synced;
+    each engine rank is a Ray actor (a process of its own).
+    """
+    colocated = as_bool(flat.get(PLACEMENT + "colocate_all")) is True
+    name = flat.get(ENGINE_PREFIX + "backend")
+    keys = {
+        "tensor_parallel": ENGINE_PREFIX + "tensor_parallel_size",
+        "memory_fraction": ENGINE_PREFIX + "gpu_memory_utilization",
+        "max_num_seqs": ENGINE_PREFIX + "max_num_seqs",
+        "cuda_graphs": ENGINE_PREFIX + "enforce_eager",
+        "offload": "keep trainer.policy.optimizer_config.offload_after_step=true (the optimizer state leaves the "
+        "GPUs while the engines generate)",
+    }
+    return RolloutEngine(
+        name=name if name in ENGINES else "vllm",
+        colocated=colocated,
+        tensor_parallel=as_int(flat.get(ENGINE_PREFIX + "tensor_parallel_size")) or 1,
+        memory_fraction=flat.get(ENGINE_PREFIX + "gpu_memory_utilization"),
+        sleeps=colocated or as_bool(flat.get(ENGINE_PREFIX + "offload_kv_for_weight_sync")) is True,
+        sleep_level=1 if lora else 2,
+        cuda_graphs=as_bool(flat.get(ENGINE_PREFIX + "enforce_eager")) is not True,
+        max_num_seqs=as_int(flat.get(ENGINE_PREFIX + "max_num_seqs")),
+        own_process=True,
+        keys=keys,
+    )
+
+
+def _generation_resident(flat: dict[str, Any], critic: bool, offload: str) -> dict[str, tuple[str, ...]]:
+    """What the trained models keep on the GPUs while colocated engines generate.
+
+    ``worker_dispatch.py`` (SkyRL 0.4.0): before the engines wake, each model is offloaded
+    (``offload_model=True``) and its optimizer state too when ``optimizer_config.offload_after_step``
+    (the default); with ``fsdp_config.cpu_offload`` FSDP2 keeps everything on the host.
+    """
+    if as_bool(flat.get(PLACEMENT + "colocate_all")) is not True or offload == "cpu":
+        return {}
+    out = {}
+    for role, prefix in (("policy", T + "policy."), *((("critic", T + "critic."),) if critic else ())):
+        if as_bool(flat.get(prefix + "optimizer_config.offload_after_step")) is False:
+            out[role] = ("optimizer_state",)
+    return out
 
 
 def _key_names(megatron: bool) -> dict[str, str]:

@@ -213,3 +213,16 @@ def _skyrl_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     else:
         keys.append(Key("", False, f"the budgets assume SkyRL's head where {algorithm}: keep the config's alike"))
     return keys
+
+
+def allocator_keys(a: Assumptions) -> list[Key]:
+    """``trainer.use_expandable_segments``: SkyRL's trainer switches expandable segments on after init (PR #1768)."""
+    on = a.allocator == "expandable_segments"
+    return [
+        Key(
+            "trainer.use_expandable_segments",
+            on,
+            ("expandable segments, as profiled" if on else "the caching allocator's default segments, as profiled")
+            + " (workers/worker.py: torch._C._accelerator_setAllocatorSettings after init_model)",
+        )
+    ]

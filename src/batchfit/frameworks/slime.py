@@ -18,8 +18,11 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from batchfit.budget.engine import RolloutEngine
 from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
 from batchfit.frameworks.registry import FrameworkSpec
+from batchfit.frameworks.run import as_int
+from batchfit.memory.calibration import allocator_setting
 from batchfit.plan.config import BatchConfig
 
 # Megatron-LM flags slime reads (Megatron's parser, not slime's file): ModelParallelConfig's
@@ -155,6 +158,10 @@ def read(command: Command) -> FrameworkRun:
         # with a critic slime offloads the idle model (use_critic forces offload_train)
         colocated=("policy", "critic") if critic else (),
         resident={},
+        # --colocate: the train actor pauses all its memory under torch_memory_saver while SGLang generates
+        generation_resident={},
+        engine=_engine(v, command),
+        allocator=_allocator(v, command),
         key_names={
             **KEY_NAMES,
             "policy_mini_batch_size": "--global-batch-size / --n-samples-per-prompt"
@@ -303,6 +310,72 @@ def rules(run: FrameworkRun) -> Verdict:
                 "(slime's own help text); drop it to keep the token cap"
             )
     return Verdict(tuple(faults), tuple(warnings), tuple(notes))
+
+
+def _engine(v: dict[str, Any], command: Command) -> RolloutEngine:
+    """The SGLang engines as slime runs them (``slime/backends/sglang_utils/sglang_engine.py``).
+
+    On the trainer's GPUs with ``--colocate``; ``--offload-rollout`` (on under ``--colocate``) releases
+    every memory tag, the CUDA-graph pool included (``release_memory_occupation()`` without tags);
+    each engine a server process of its own. Its own flags pass through as ``--sglang-*``.
+    """
+    sglang = _sglang_flags(command.args)
+    colocated = bool(v.get("colocate"))
+    offload = v.get("offload_rollout")
+    sleeps = bool(v.get("offload") or offload or (offload is None and colocated))
+    sizes = sglang.get("--sglang-cuda-graph-bs")
+    largest = sglang.get("--sglang-cuda-graph-max-bs-decode", sglang.get("--sglang-cuda-graph-max-bs"))
+    if sizes is None and largest:
+        sizes = [as_int(largest[0])]
+    fraction = sglang.get("--sglang-mem-fraction-static")
+    return RolloutEngine(
+        name="sglang",
+        colocated=colocated,
+        tensor_parallel=v.get("rollout_num_gpus_per_engine") or 1,
+        memory_fraction=_float(fraction[0]) if fraction else None,
+        sleeps=sleeps,
+        cuda_graphs="--sglang-disable-cuda-graph" not in sglang,
+        capture_sizes=None if sizes is None else tuple(as_int(x) for x in sizes),
+        releases_graphs=True,
+        own_process=True,
+        keys={
+            "tensor_parallel": "--rollout-num-gpus-per-engine",
+            "memory_fraction": "--sglang-mem-fraction-static",
+            "capture_sizes": "--sglang-cuda-graph-bs",
+            "sleeps": "--offload-rollout",
+        },
+    )
+
+
+def _allocator(v: dict[str, Any], command: Command) -> str:
+    """The train actors' allocator: expandable segments only when asked (``SLIME_ENABLE_EXPANDABLE_SEGMENTS=1``,
+    ``slime/utils/accelerator/torch_accelerator.py``, or ``PYTORCH_CUDA_ALLOC_CONF`` in ``--train-env-vars``)."""
+    env = {**command.environment, **(v.get("train_env_vars") if isinstance(v.get("train_env_vars"), dict) else {})}
+    if str(env.get("SLIME_ENABLE_EXPANDABLE_SEGMENTS", "0")) == "1":
+        return "expandable_segments"
+    return allocator_setting(env.get("PYTORCH_CUDA_ALLOC_CONF", env.get("PYTORCH_ALLOC_CONF"))) or "caching"
+
+
+def _sglang_flags(args: tuple[str, ...]) -> dict[str, list[str]]:
+    """slime's ``--sglang-*`` pass-through flags (SGLang's own, registered at run time) → their values."""
+    out: dict[str, list[str]] = {}
+    flag = None
+    for word in args:
+        if word.startswith("--"):
+            flag, _, value = word.partition("=")
+            flag = flag if flag.startswith("--sglang-") else None
+            if flag is not None:
+                out[flag] = [value] if value else []
+        elif flag is not None:
+            out[flag].append(word)
+    return out
+
+
+def _float(value: Any) -> Any:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
 
 
 def _max_seq_len(v: dict[str, Any]) -> int | None:

@@ -14,6 +14,7 @@ from typing import Any
 from batchfit.frameworks.assumptions import (
     Assumptions,
     Key,
+    allocator_comment,
     check_head,
     check_precision,
     check_strategy,
@@ -131,3 +132,14 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         "drop --logprobs (full is slime's)",
     )
     return keys + keys_cp
+
+
+def allocator_keys(a: Assumptions) -> list[Key]:
+    """slime's train actors get expandable segments only with ``SLIME_ENABLE_EXPANDABLE_SEGMENTS=1`` (torch_accelerator.py)."""
+    how = (
+        "slime turns them on only with SLIME_ENABLE_EXPANDABLE_SEGMENTS=1 in the train actors' environment "
+        "(--train-env-vars '{\"SLIME_ENABLE_EXPANDABLE_SEGMENTS\": \"1\"}')"
+        if a.allocator == "expandable_segments"
+        else "slime's default (SLIME_ENABLE_EXPANDABLE_SEGMENTS unset)"
+    )
+    return [allocator_comment(a, how)]

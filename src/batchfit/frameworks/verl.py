@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchfit.budget.engine import ENGINES, RolloutEngine
 from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     RunConfig,
@@ -223,6 +224,13 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     if critic:
         warnings += differing_warnings(flat, CRITIC_SAME, "the critic", "the actor's", schema.title)
     roles = ["policy", *(["reference"] if reference else []), *(["critic"] if critic else [])]
+    resident = {
+        "policy": _kept(flat, ENGINE, optimizer=True),
+        "reference": _kept(flat, REF + "fsdp_config.", optimizer=False),
+        "critic": _kept(flat, CRITIC_ENGINE, optimizer=True),
+    }
+    resident = {role: kept for role, kept in resident.items() if role in roles}
+    notes: list[str] = []
     run = RunConfig(
         vocabulary="verl",
         batch=BatchConfig(**values, framework="verl"),
@@ -257,11 +265,16 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         critic_lora=critic_lora,
         # actor, rollout and reference share one worker; the critic shares the global pool
         colocated=tuple(roles) if len(roles) > 1 else (),
-        resident={
-            "policy": _kept(flat, ENGINE, optimizer=True),
-            "reference": _kept(flat, REF + "fsdp_config.", optimizer=False),
-            "critic": _kept(flat, CRITIC_ENGINE, optimizer=True),
-        },
+        resident=resident,
+        # the hybrid engine: the rollout generates on the actor's GPUs, whose models keep what they do not offload
+        generation_resident=resident,
+        engine=_engine(flat, lora, notes),
+        # engine_workers.update_weights turns expandable segments on for the trainer after each weight sync
+        # (set_expandable_segments(True), verl/workers/engine_workers.py): the log-prob and update passes run with them
+        allocator="expandable_segments",
+        # BaseEngineCtx._context_switch: eval_mode (compute_log_prob) loads the parameters only, train_mode the optimizer
+        optimizer_offload=as_bool(flat.get(ENGINE + "optimizer_offload")) is True,
+        notes=tuple(notes),
         faults=tuple(faults),
         warnings=tuple(warnings),
         key_names=KEY_NAMES,
@@ -335,6 +348,53 @@ def _kept(flat: dict[str, Any], prefix: str, *, optimizer: bool) -> tuple[str, .
     if optimizer and as_bool(flat.get(prefix + "optimizer_offload")) is not True:
         kept.append("optimizer_state")
     return tuple(kept)
+
+
+def _engine(flat: dict[str, Any], lora: dict[str, Any] | None, notes: list[str]) -> RolloutEngine:
+    """The rollout engine as verl 0.9.1 runs it: on the actor's GPUs (its hybrid mode), asleep between generations.
+
+    ``verl/workers/rollout/llm_server.py``: with a trainer, every vLLM or SGLang replica is
+    ``init_hybrid`` (the trainer's GPUs). ``vllm_async_server.py``: the engine runs in processes of
+    its own (``distributed_executor_backend="mp"``) with ``enable_sleep_mode``; ``sleep()`` frees
+    it only with ``free_cache_engine``, at level 2 (1 for LoRA adapters, ``_resolve_sleep_level``);
+    ``enforce_eager`` captures no graphs, ``cudagraph_capture_sizes`` replaces vLLM's list.
+    SGLang (``async_sglang_server.py``) releases ``kv_cache`` and ``weights``: its graph pool stays.
+    """
+    name = flat.get(ROLLOUT + "name")
+    if name not in ENGINES:
+        notes.append(
+            f"{ROLLOUT}name={short_repr(name)}: the budgets take off what a sleeping vLLM engine keeps (verl requires "
+            "vllm or sglang there)"
+        )
+        name = "vllm"
+    sleeps = as_bool(flat.get(ROLLOUT + "free_cache_engine")) is not False and (
+        as_bool(flat.get(ROLLOUT + "enable_sleep_mode")) is not False
+    )
+    sizes = flat.get(ROLLOUT + "cudagraph_capture_sizes")
+    keys = {
+        "tensor_parallel": ROLLOUT + "tensor_model_parallel_size",
+        "memory_fraction": ROLLOUT + "gpu_memory_utilization",
+        "capture_sizes": ROLLOUT + "cudagraph_capture_sizes",
+        "max_num_seqs": ROLLOUT + "max_num_seqs",
+        "sleeps": ROLLOUT + "free_cache_engine",
+        "cuda_graphs": ROLLOUT + "enforce_eager",
+        "offload": f"set {ENGINE}param_offload=true and optimizer_offload=true (the actor's state leaves the GPUs "
+        "while the engine generates)",
+    }
+    return RolloutEngine(
+        name=name,
+        colocated=True,
+        tensor_parallel=as_int(flat.get(ROLLOUT + "tensor_model_parallel_size")) or 1,
+        memory_fraction=_number(flat.get(ROLLOUT + "gpu_memory_utilization")),
+        sleeps=sleeps,
+        sleep_level=(1 if lora else 2) if name == "vllm" else None,
+        cuda_graphs=as_bool(flat.get(ROLLOUT + "enforce_eager")) is not True,
+        capture_sizes=tuple(as_int(x) for x in sizes) if isinstance(sizes, (list, tuple)) else sizes,
+        max_num_seqs=as_int(flat.get(ROLLOUT + "max_num_seqs")),
+        releases_graphs=False,
+        own_process=True,
+        keys=keys,
+    )
 
 
 def _uses_critic(flat: dict[str, Any]) -> bool:

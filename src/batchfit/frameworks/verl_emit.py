@@ -14,6 +14,7 @@ from typing import Any
 from batchfit.frameworks.assumptions import (
     Assumptions,
     Key,
+    allocator_comment,
     check_head,
     check_strategy,
     lora_adapter_keys,
@@ -297,4 +298,25 @@ def _verl_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             )
     else:
         keys.append(Key("", False, f"the budgets assume verl's head where {algorithm}: keep the config's alike"))
+    return keys
+
+
+def allocator_keys(a: Assumptions) -> list[Key]:
+    """verl turns expandable segments on in its trainer itself; the optimizer offload the forward budgets assume."""
+    keys = [
+        allocator_comment(
+            a,
+            "verl 0.9.1 switches them on in the trainer after each weight sync (verl/workers/engine_workers.py "
+            "update_weights: set_expandable_segments(True)), nothing to set",
+        )
+    ]
+    if a.optimizer_offload:
+        keys.append(
+            Key(
+                "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+                True,
+                "the old log-probs' budget holds without the optimizer state on the GPU (BaseEngineCtx: eval_mode "
+                "loads the parameters only)",
+            )
+        )
     return keys

@@ -47,6 +47,32 @@ tensors held, and 0.3% to spare under the default margin. The memory outside the
 after that step was 804,061,184 B against the 354,156,544 B of this module's terms for one
 Hopper rank (context + workspaces): lazily loaded kernels of a whole training step, which
 the margin covers as well. The calibration of that run gives a margin of 0.83.
+
+NOTE [ The allocator's share ]
+What the caching allocator holds beyond the tensors (``reserved − allocated``) depends on one
+setting of the training processes, ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF``, and a
+budget names the one it assumes (:data:`ALLOCATORS`); the safety margin it needs follows
+(:data:`ALLOCATOR_MARGINS`), unless a margin is given or calibrated:
+
+- ``caching`` (the default segments): each ``cudaMalloc`` segment is kept whole; a block freed
+  inside it serves only requests that fit it, and a segment is given back only when every block
+  in it is free. Over a run whose shapes change every step the holes grow: SkyRL saw out-of-memory
+  errors from step 2 on with 15.50 GiB reserved but unallocated beside 124.24 GiB allocated (PR
+  #1470, which turned expandable segments on by default), and one step of qwen2.5-0.5b on an
+  H200 reserved 17.6% above its tensors. The margin is what
+  :func:`batchfit.memory.calibration.calibrated_limits` derives from that overhead with its slack
+  for what one step cannot show: 0.98 / 1.176 = 0.833 → **0.83**, until ``benchmarks/gpu_soak.py``
+  measures a whole run.
+- ``expandable_segments`` (``expandable_segments:True``): a segment is a range of virtual
+  addresses mapped in pages; when a request finds no free block, the allocator unmaps the pages
+  of the free blocks and maps what the request needs at the segment's end, so a hole never
+  keeps memory from a request, and ``reserved − allocated`` is page rounding (2 MiB pages). The
+  margin is the default **0.85**: the estimate missed 0.05% of an H200's step and the kernels a
+  step loads lazily held 0.3% of the device (above), far inside it.
+
+A sleeping vLLM engine with its own allocator (``CuMemAllocator``) in the trainer's process
+refuses expandable segments; where a framework runs one so, the budget is the caching
+allocator's (:mod:`batchfit.budget.engine`).
 """
 
 from __future__ import annotations
@@ -63,8 +89,17 @@ CONTEXT_BYTES = 287_047_680
 NCCL_BUFFSIZE = 4 * MiB
 #: Channels per communicator assumed (NCCL chooses at run time; up to 32 on NVLink systems).
 NCCL_CHANNELS = 16
-#: The safety margin when nothing calibrated it (NOTE [ The margin's evidence ]).
-DEFAULT_SAFETY_MARGIN = 0.85
+#: The allocator settings a budget assumes (NOTE [ The allocator's share ]): ``PYTORCH_CUDA_ALLOC_CONF``
+#: with ``expandable_segments:True``, or without it (the caching allocator's default segments).
+ALLOCATORS = ("expandable_segments", "caching")
+#: The allocator a budget assumes when none is named: the one batchfit's emitted settings turn on.
+DEFAULT_ALLOCATOR = "expandable_segments"
+#: The safety margin each allocator setting needs when nothing calibrated it (NOTE [ The allocator's share ]).
+ALLOCATOR_MARGINS = {"expandable_segments": 0.85, "caching": 0.83}
+#: The safety margin when nothing calibrated it (NOTE [ The margin's evidence ]): the default allocator's.
+DEFAULT_SAFETY_MARGIN = ALLOCATOR_MARGINS[DEFAULT_ALLOCATOR]
+#: What ``PYTORCH_CUDA_ALLOC_CONF`` says of each allocator setting, for messages and emitted environments.
+ALLOCATOR_CONF = {"expandable_segments": "expandable_segments:True", "caching": "expandable_segments:False"}
 
 # compute capability of each device preset (the workspace size depends on it)
 _CAPABILITY = {
@@ -150,7 +185,11 @@ def untracked_memory(
 
 
 __all__ = [
+    "ALLOCATORS",
+    "ALLOCATOR_CONF",
+    "ALLOCATOR_MARGINS",
     "CONTEXT_BYTES",
+    "DEFAULT_ALLOCATOR",
     "DEFAULT_SAFETY_MARGIN",
     "NCCL_BUFFSIZE",
     "NCCL_CHANNELS",

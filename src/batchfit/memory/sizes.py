@@ -112,6 +112,23 @@ def parse_memory(value: Any, *, name: str = "memory") -> int:
     raise InvalidArgument(f"{name} is not a memory size or device preset: got {name}={value!r}; {fix}{hint}")
 
 
+def parse_size(value: Any, *, name: str) -> int:
+    """Bytes from a size as :func:`parse_memory` reads it, where ``0`` (``"0"``, ``"0B"``) means none.
+
+    For amounts taken off a device (a reserve, what an engine keeps), not the device itself.
+
+    Raises:
+        InvalidArgument: as :func:`parse_memory`, or a negative number.
+
+    Example:
+        >>> parse_size("0", name="reserve"), parse_size(0, name="reserve"), parse_size("2GiB", name="reserve")
+        (0, 0, 2147483648)
+    """
+    if (is_int(value) and value == 0) or (isinstance(value, str) and value.strip().lower() in ("0", "0b")):
+        return 0
+    return parse_memory(value, name=name)
+
+
 def format_bytes(nbytes: int | None) -> str:
     """Human-readable binary size: ``format_bytes(3 * 1024**3) == "3.00 GiB"``; ``None`` -> ``"unlimited"``."""
     if nbytes is None:
