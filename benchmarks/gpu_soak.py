@@ -76,6 +76,8 @@ TURN_WEIGHTS = (0.35, 0.25, 0.2, 0.12, 0.08)
 CLIP_RATIO = 0.2
 #: Micro-batches whose predicted peak is at least this share of the budget's limit give the measured/predicted ratio.
 RATIO_FROM = 0.5
+#: A run stops after this many out-of-memory errors (each costs the allocator a cache flush and a retry).
+MAX_OOMS = 20
 #: A run with less time than this left is skipped; a run past its share by this much is killed.
 MIN_RUN_SECONDS = 30.0
 KILL_AFTER_SECONDS = 60.0
@@ -406,8 +408,8 @@ def run_soak(
     optimizer step, ``kind="optimizer_step"``: the meter's reading, and for a micro-batch its
     ``step``, ``mini_batch``, ``position``, ``sequences``, ``tokens``, ``longest``, ``predicted``
     (the budget's memory model), ``seconds``), ``ooms`` (``kind="oom"``: where, the message, the
-    peaks reached and what is held after), counts, ``stopped_by`` (``micro_batches`` or
-    ``minutes``), ``expandable_segments`` (what the allocator's segments are, cuda) and times.
+    peaks reached and what is held after), counts, ``stopped_by`` (``micro_batches``, ``minutes``
+    or ``ooms``: :data:`MAX_OOMS` of them), ``expandable_segments`` (what the allocator's segments are, cuda) and times.
     ``on_mini_batch`` gets the state so far after each mini-batch (to write it down).
 
     Only an out of memory is caught (NOTE [ What counts as OOM ] in ``batchfit.memory.base``):
@@ -432,9 +434,8 @@ def run_soak(
     else:
         dev = torch.device("cpu")
         model = build_causal_lm(model_name, dtype=dtype, seed=seed)
-    use_varlen_attention(
-        model
-    )  # packed rows attend per sequence (NOTE [ Packed rows need varlen attention ])
+    # packed rows attend per sequence (NOTE [ Packed rows need varlen attention ])
+    use_varlen_attention(model)
     optimizer = default_optimizer(model.parameters(), lr=lr)
     initialize_optimizer_state(optimizer)
     allocate_gradients(model)  # NOTE [ Gradients are resident between micro-batches ]
@@ -446,10 +447,13 @@ def run_soak(
     }  # fmt: skip
     records, ooms = state["records"], state["ooms"]
     seconds: list[float] = []
+    segments_read = False
 
     def stop_now() -> str | None:
         if state["micro_batches"] >= micro_batches:
             return "micro_batches"
+        if len(ooms) >= MAX_OOMS:
+            return "ooms"
         expected = sum(seconds) / len(seconds) if seconds else 0.0
         return "minutes" if time.time() + expected > deadline else None
 
@@ -498,8 +502,6 @@ def run_soak(
                         **meter.read(), "seconds": seconds[-1],
                     })  # fmt: skip
                     state["micro_batches"] += 1
-                    if state["micro_batches"] == 1:
-                        state["expandable_segments"] = meter.expandable_segments()
                 if failed is None and state["stopped_by"] is None:
                     try:
                         optimizer.step()
@@ -520,6 +522,8 @@ def run_soak(
                 after = meter.read()
                 failed.update(allocated_after=after["allocated"], reserved_after=after["reserved"])
                 ooms.append(failed)
+            if not segments_read and (records or ooms):  # once the allocator holds segments
+                state["expandable_segments"], segments_read = meter.expandable_segments(), True
             if on_mini_batch is not None:
                 on_mini_batch(state)
         step += 1

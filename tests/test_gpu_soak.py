@@ -488,3 +488,45 @@ def test_a_bad_flag_is_one_line_exit_2(soak, capsys, argv, match):
         soak.main(["--device", "cpu", *argv])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and match in err.strip().splitlines()[-1]  # argparse's usage, then one line
+
+
+def test_a_run_that_only_runs_out_of_memory_stops(soak, monkeypatch):
+    def always(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(soak, "train_micro_batch", always)
+    monkeypatch.setattr(soak, "MAX_OOMS", 3)
+    state = _tiny_soak(soak)
+    assert (state["stopped_by"], len(state["ooms"]), state["micro_batches"], state["optimizer_steps"]) == (
+        "ooms",
+        3,
+        0,
+        0,
+    )
+
+
+def test_the_cuda_meter_reads_the_allocator_and_resets_its_peaks(soak, monkeypatch):
+    cuda, resets = torch.cuda, []
+    monkeypatch.setattr(cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 1000})())
+    monkeypatch.setattr(cuda, "mem_get_info", lambda d=None: (300, 1000))
+    monkeypatch.setattr(cuda, "memory_allocated", lambda d=None: 200)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda d=None: 650)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda d=None: 600)
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda d=None: 680)
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda d=None: resets.append(d))
+    meter = soak.CudaMeter(torch.device("cuda", 0))
+    assert meter.read() == {
+        "allocated": 200,
+        "reserved": 650,
+        "peak_allocated": 600,
+        "peak_reserved": 680,
+        "free": 300,
+    }
+    assert len(resets) == 1 and meter.total == 1000
+    segments = [{"device": 0, "is_expandable": True}, {"device": 1, "is_expandable": False}]
+    monkeypatch.setattr(cuda, "memory_snapshot", lambda: segments)
+    assert meter.expandable_segments() is True
+    segments[0]["is_expandable"] = False
+    assert meter.expandable_segments() is False
+    del segments[0]["is_expandable"]  # a torch that does not say
+    assert meter.expandable_segments() is None
