@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import shlex
 import types
-import zlib
 
 import pytest
 import yaml
@@ -24,6 +23,7 @@ from batchfit.cli import main
 from batchfit.errors import BatchfitError, InvalidArgument
 from batchfit.frameworks import read_run_config
 from batchfit.frameworks.emit import EmitError, Key, emit_keys, render_flags, render_overrides, render_yaml
+from recorder_helpers import ProfileRecorder, use_recorder
 from script_helpers import flag_words
 
 FAST = ["--backend", "estimate", "--memory", "64MiB", "--reserve", "0", "--engine-reserve", "0", "--no-progress", "--max-seq-len", "32"]
@@ -169,49 +169,9 @@ def _option_flags(option: str, framework: str) -> list[str]:
     return flags.get(framework, _FLIP_ON) if isinstance(flags, dict) else flags
 
 
-class _Recorder:
-    """Stands in for profile_model and resident_state_bytes: records the profiles' inputs, budgets a function of them."""
-
-    def __init__(self):
-        self.calls: list[tuple] = []
-
-    @staticmethod
-    def _key(model, options, *rest):
-        return (model, options.replace(progress=False), *rest)
-
-    def profile_model(self, model, options, *, roles, resident_bytes=0, engine=None):
-        key = self._key(model, options, tuple(roles), resident_bytes, None if engine is None else engine.bytes)
-        self.calls.append(key)
-        budgets = {
-            role: types.SimpleNamespace(
-                tokens=1_000 + zlib.crc32(repr((key, role)).encode()) % 90_000,
-                backend=options.backend,
-                usable_bytes=64 * 2**20,
-                cost=options.cost,
-                response_tokens=None,
-                response_fraction=None,
-            )
-            for role in roles
-        }
-        return types.SimpleNamespace(
-            budgets=budgets, torch=None, sharding=options.sharding, moe=None, attention=None, engine=engine,
-            allocator=options.allocator, safety_margin=options.safety_margin,
-        )  # fmt: skip
-
-    def resident_state_bytes(self, model, role, options, *, kinds=()):
-        # what a colocated model keeps on the device reaches profile_model as resident_bytes (recorded there);
-        # state offloaded to the host counts 0, as the real function says
-        if options.sharding.offload == "cpu":
-            return 0
-        return 1_000 + zlib.crc32(repr(self._key(model, options, role, tuple(kinds))).encode()) % 10_000
-
-
 @pytest.fixture
 def recorder(monkeypatch):
-    rec = _Recorder()
-    monkeypatch.setattr(framework_profile, "profile_model", rec.profile_model)
-    monkeypatch.setattr(framework_profile, "resident_state_bytes", rec.resident_state_bytes)
-    return rec
+    return use_recorder(monkeypatch)
 
 
 def _emitted(text: str, target: str):
@@ -407,7 +367,7 @@ def test_a_model_on_cudas_math_attention_path_is_named_in_the_emitted_header(tmp
     # NOTE [ The estimate runs CUDA's attention kernel ]: the budgets assume it, so the emitted keys say so
     from batchfit.models.attention import CudaAttention
 
-    rec = _Recorder()
+    rec = ProfileRecorder()
 
     def profile_model(model, options, *, roles, resident_bytes=0, engine=None):
         out = rec.profile_model(model, options, roles=roles, resident_bytes=resident_bytes, engine=engine)
