@@ -89,7 +89,10 @@ class Injected:
     def __call__(self, mb, plan):
         if mb.position == 0:
             self.attempt += 1
-        hit = (self.mini, self.attempt, mb.position) in self.at
+        last = mb.position == plan.num_micro_batches - 1  # position -1 in ``at``: the plan's last micro-batch
+        if last and all(plan.is_padding(r, mb.position) for r in range(plan.dp_size)):
+            return micro_batch_backward(self.model, mb, plan=plan, scale=data_parallel_size(self.model))  # DDP's pass
+        hit = (self.mini, self.attempt, mb.position) in self.at or (last and (self.mini, self.attempt, -1) in self.at)
         if hit and self.where == "before":
             self.raised.append((self.mini, self.attempt, mb.position))
             raise self.error()
@@ -137,7 +140,12 @@ def reference_run(minis, budgets, initialized=False):
 
 
 def parameters(model) -> dict[str, np.ndarray]:
-    return {name.removeprefix("module."): p.detach().clone().numpy() for name, p in model.named_parameters()}
+    """``{name: value}`` of every parameter, whole (FSDP2: gathered, a collective) and named without DDP's ``module.``."""
+    out = {}
+    for name, p in model.named_parameters():
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name.removeprefix("module.")] = value.detach().clone().numpy()
+    return out
 
 
 def assert_same(got: dict, expected: dict, atol: float = 1e-6) -> None:
@@ -497,3 +505,168 @@ def test_a_token_budget_gives_its_tokens_margin_limit_and_memory_model():
     guard = MicroBatchGuard(torch.nn.Linear(2, 2), Budget(), peaks=None)
     assert (guard.token_budget, guard.margin, guard.limit_bytes) == (777, 0.9, 123_456)
     assert guard._predict(np.array([4]), "packed") == 9.0  # 1 + 2 × 4
+
+
+# --------------------------------------------------------------------------- 2 gloo ranks (DDP)
+
+DDP_ROWS, DDP_BUDGET = 12, 42  # 6 rows per rank, 3 rows of 14 per micro-batch: 2 or 3 micro-batches each
+
+# where an out-of-memory is injected: (the rank, its (mini-batch, attempt, position) set, before or after the backward)
+Scenario = tuple[int, frozenset, str]
+
+
+def _ddp_train(rank: int, minis: list[dict], at=(), where="after", budgets=None) -> tuple[dict, list, list]:
+    """One DDP run on this rank: guarded, the failures ``at`` injected here; or, given ``budgets``, the referee's."""
+    model = torch.nn.parallel.DistributedDataParallel(tiny_lm())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if budgets is not None:  # the uninterrupted run at the budgets the guarded one ended each mini-batch at
+        for mini, budget in zip(minis, budgets):
+            plan = plan_micro_batches(mini["attention_mask"].sum(-1), budget, dp_size=2, oversize="split")
+            for mb in accumulate(model, iter_micro_batches(mini, plan, rank), plan.num_micro_batches):
+                micro_batch_backward(model, mb, plan=plan, scale=2)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return parameters(model), list(budgets), []
+    guard = MicroBatchGuard(model, DDP_BUDGET, peaks=None)
+    run = Injected(model, at, where)
+    records = []
+    for m, mini in enumerate(minis):
+        run.start(m)
+        lengths = mini["attention_mask"].sum(-1)
+        records.append(
+            guard.mini_batch(
+                plan=lambda c, lengths=lengths: plan_micro_batches(lengths, c, dp_size=2, oversize="split"),
+                micro_batches=lambda p, mini=mini: iter_micro_batches(mini, p, rank),
+                run=run,
+            )
+        )
+        guard.step(optimizer)
+    shortfalls = [(s.rank, s.mini_batch, s.attempt, s.position, s.token_budget, s.lowered_to) for s in guard.shortfalls]
+    return parameters(model), [r.token_budget for r in records], shortfalls
+
+
+def _ddp_scenarios(rank: int, scenarios: list[Scenario]) -> list[dict]:
+    """Each rank, each scenario: the guarded run's parameters, budgets and failures, and the referee's parameters."""
+    torch.set_num_threads(1)
+    minis = mini_batches(3, rows=DDP_ROWS)
+    out = []
+    for failing, at, where in scenarios:
+        got, budgets, shortfalls = _ddp_train(rank, minis, at if rank == failing else (), where)
+        expected, _, _ = _ddp_train(rank, minis, budgets=budgets)
+        out.append({"got": got, "expected": expected, "budgets": budgets, "shortfalls": shortfalls})
+    return out
+
+
+def _check_ddp(scenarios: list[Scenario], results: dict) -> None:
+    for i, (failing, at, _where) in enumerate(scenarios):
+        zero, one = results[0][i], results[1][i]
+        assert zero["budgets"] == one["budgets"] and zero["shortfalls"] == one["shortfalls"], (i, zero, one)
+        assert all(s[0] == failing for s in zero["shortfalls"])  # the rank that ran out, named on both
+        assert len(zero["shortfalls"]) <= len(at)
+        for mine in (zero, one):
+            assert_same(mine["got"], mine["expected"])  # the uninterrupted run at the lower budgets
+        assert_same(zero["got"], one["got"], atol=0)  # and the ranks agree, to the bit
+
+
+def test_two_ddp_ranks_recover_from_an_out_of_memory_on_one_rank_and_end_as_the_lower_budget_run():
+    from multirank import run_ranks
+
+    scenarios = [
+        (1, frozenset({(1, 0, 1)}), "after"),  # mid-mini-batch on rank 1, partial gradients accumulated
+        (0, frozenset({(0, 0, 0), (2, 0, 1)}), "before"),  # rank 0, twice in the run
+        (1, frozenset({(2, 0, 0), (2, 1, 1)}), "after"),  # rank 1, twice in the same mini-batch
+    ]
+    results = run_ranks(_ddp_scenarios, scenarios, timeout=150)
+    _check_ddp(scenarios, results)
+    assert all(r["shortfalls"] for r in results[0])  # every scenario did run out
+
+
+_WHERE = st.tuples(st.integers(0, 2), st.integers(0, 1), st.integers(0, 2))
+_SCENARIO = st.tuples(
+    st.integers(0, 1), st.frozensets(_WHERE, min_size=1, max_size=2), st.sampled_from(["before", "after"])
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios=st.lists(_SCENARIO, min_size=3, max_size=3))
+def test_two_ddp_ranks_recover_wherever_one_rank_runs_out(scenarios):
+    from multirank import run_ranks
+
+    _check_ddp(scenarios, run_ranks(_ddp_scenarios, scenarios, timeout=150))
+
+
+# --------------------------------------------------------------------------- 2 gloo ranks (FSDP2)
+
+
+def _fsdp2_train(rank: int, minis: list[dict], at=(), where="after", budgets=None):
+    """One FSDP2 run on this rank (its own process group, batchfit's shard_model): guarded, or the referee's."""
+    from batchfit.parallel import Sharding, shard_model
+
+    model = shard_model(tiny_lm(), Sharding("fsdp2", world_size=2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plan = lambda c, lengths: plan_micro_batches(lengths, c, dp_size=2, oversize="split")  # noqa: E731
+    if budgets is not None:
+        for mini, budget in zip(minis, budgets):
+            p = plan(budget, mini["attention_mask"].sum(-1))
+            for mb in accumulate(model, iter_micro_batches(mini, p, rank), p.num_micro_batches):
+                micro_batch_backward(model, mb, plan=p, scale=2)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return parameters(model), list(budgets), None
+    guard = MicroBatchGuard(model, DDP_BUDGET, peaks=None)
+    run = Injected(model, at, where)
+    records = []
+    try:
+        for m, mini in enumerate(minis):
+            run.start(m)
+            lengths = mini["attention_mask"].sum(-1)
+            records.append(
+                guard.mini_batch(
+                    plan=lambda c, lengths=lengths: plan(c, lengths),
+                    micro_batches=lambda p, mini=mini: iter_micro_batches(mini, p, rank),
+                    run=run,
+                )
+            )
+            guard.step(optimizer)
+    except Exception as exc:  # the stop on every rank: its type, message and budget
+        return None, [r.token_budget for r in records], (type(exc).__name__, str(exc), getattr(exc, "token_budget", None))
+    return parameters(model), [r.token_budget for r in records], None
+
+
+def _fsdp2_scenarios(rank: int) -> list[dict]:
+    """No failure; one after the last collective of a mini-batch (recovered); one mid-mini-batch (the stop), last."""
+    torch.set_num_threads(1)
+    minis = mini_batches(2, rows=DDP_ROWS)
+    out = []
+    for at, where in (((), "after"), ({(1, 0, -1)}, "after"), ({(0, 0, 1)}, "before")):
+        got, budgets, stopped = _fsdp2_train(rank, minis, at if rank == 1 else (), where)
+        expected = None
+        if stopped is None:
+            expected, _, _ = _fsdp2_train(rank, minis, budgets=budgets)
+        out.append({"got": got, "expected": expected, "budgets": budgets, "stopped": stopped})
+    return out
+
+
+@pytest.mark.slow  # about 30 s: FSDP2's collectives on gloo
+def test_two_fsdp2_ranks_recover_after_the_last_collective_and_stop_together_inside_a_mini_batch():
+    from multirank import run_ranks
+
+    results = run_ranks(_fsdp2_scenarios, timeout=150)
+    clean, after, inside = zip(results[0], results[1])
+    for mine in clean:  # no failure: exactly accumulate's gradients, step for step
+        assert mine["stopped"] is None and mine["budgets"] == [DDP_BUDGET, DDP_BUDGET]
+        assert_same(mine["got"], mine["expected"], atol=0)
+    assert after[0]["budgets"] == after[1]["budgets"] and after[0]["budgets"][1] < DDP_BUDGET
+    for mine in after:  # rank 1 ran out after its last reduce-scatter: the group is whole, the mini-batch runs again
+        assert mine["stopped"] is None
+        assert_same(mine["got"], mine["expected"])
+    # rank 1 ran out before micro-batch 1 of mini-batch 0: rank 0 gave up its all-gather; both stop, one error
+    assert inside[0]["stopped"] == inside[1]["stopped"], inside
+    kind, message, budget = inside[0]["stopped"]
+    assert kind == "RestartAtLowerBudget" and budget < DDP_BUDGET
+    assert message.startswith("micro-batch 1 of mini-batch 0 (") and message.endswith(
+        f"a rank gave up a collective of the sharded model's, whose process group cannot be used again: restart the "
+        f"run with token_budget={budget} (NOTE [ A micro-batch runs out ])"
+    )
