@@ -111,6 +111,6 @@ def test_a_file_written_before_the_allocator_field_still_loads_as_unknown(tmp_pa
 def test_an_unknown_allocator_names_the_field_and_the_choices():
     with pytest.raises(
         InvalidArgument,
-        match="Calibration: field allocator must be one of '', 'caching', 'expandable_segments', but got 'async'",
+        match="Calibration: field allocator must be one of '', 'expandable_segments', 'caching', but got 'async'",
     ):
         Calibration(**FIELDS, allocator="async")

@@ -215,7 +215,7 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
         mixed_precision=args.mixed_precision,
         offload=args.offload,
         sequence_parallel=args.sequence_parallel,
-        allocator=args.allocator,
+        allocator=args.allocator if limits is None else _calibrated_allocator(args.allocator, limits),
         engine_reserve=args.engine_reserve,
     )
     defaults = ProfileChoices(
@@ -451,6 +451,22 @@ def _calibration(args: argparse.Namespace, backend: str) -> CalibratedLimits | N
             f"--calibration FILE"
         )
     return limits
+
+
+def _calibrated_allocator(chosen: str | None, limits: CalibratedLimits) -> str | None:
+    """The allocator a calibrated profile assumes: the one its runs had (NOTE [ The allocator setting ] in
+    :mod:`batchfit.memory.calibration`); ``--allocator`` must agree with it.
+
+    Raises:
+        InvalidArgument: ``--allocator`` names another setting than the calibration's runs had.
+    """
+    measured = limits.calibration.allocator or None
+    if chosen is not None and measured is not None and chosen != measured:
+        raise InvalidArgument(
+            f"--allocator {chosen} differs from the calibration's ({measured}: its margin was measured under it); drop "
+            f"--allocator, or calibrate under {chosen} (profile --confirm --calibration FILE with that setting)"
+        )
+    return chosen or measured
 
 
 def _read_config(args: argparse.Namespace) -> RunConfig | None:

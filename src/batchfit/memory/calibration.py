@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from batchfit.errors import InvalidArgument
+from batchfit.memory.cuda_untracked import ALLOCATORS
 from batchfit.memory.sizes import format_bytes
 from batchfit.validation import check_choice, check_number, is_int
 
@@ -42,7 +43,7 @@ CALIBRATION_VERSION = 1
 #: The devices a calibration is measured on.
 CALIBRATION_BACKENDS = ("cpu", "cuda")
 #: The allocator settings a calibration names (NOTE [ The allocator setting ]); ``""``: unknown.
-ALLOCATOR_SETTINGS = ("", "caching", "expandable_segments")
+ALLOCATOR_SETTINGS = ("", *ALLOCATORS)
 #: The environment variables torch reads its CUDA allocator's settings from, in the order torch 2.13 reads them.
 ALLOCATOR_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 #: Fraction of the usable memory :func:`calibrated_limits` keeps back for what one fresh confirm
