@@ -334,3 +334,19 @@ def test_engine_reserve_given_to_a_model_profile_is_taken_off_and_named():
     terms = dict(p.device_terms())
     assert terms["rollout engine: engine_reserve 8.00 MiB (given)"] == 8 * MiB
     assert terms["usable"] == p.combined.usable_bytes == 64 * MiB - 8 * MiB
+
+
+def test_a_calibrated_profile_assumes_the_allocator_its_runs_had(tmp_path, capsys):
+    from batchfit.memory.calibration import Calibration
+
+    path = tmp_path / "cal.json"
+    Calibration(
+        backend="cuda", device="gpu", device_total_bytes=GiB, untracked_bytes=0, allocator_overhead_bytes=0,
+        allocator_overhead_fraction=0.10, estimate_ratio=1.0, allocator="caching",
+    ).save(path)  # fmt: skip
+    flags = ["profile", "--model", "tiny", "--max-seq-len", "32", "--backend", "estimate", "--no-progress"]
+    assert main([*flags, "--calibration", str(path), "--allocator", "expandable_segments"]) == 2
+    assert "--allocator expandable_segments differs from the calibration's (caching" in capsys.readouterr().err
+    assert main([*flags, "--calibration", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "allocator: caching (the default segments" in out and "safety margin 0.89" in out  # 0.98 / 1.10 = 0.8909
