@@ -25,9 +25,10 @@ twice (no optimizer step runs between the attempts), nothing is lost (the attemp
 succeeds runs every micro-batch of the plan), and no rank waits in a collective another rank
 will not enter. How, by what the model's collectives do inside a micro-batch:
 
-- **One process** (a bare model, or DDP / FSDP2 over one rank): the micro-batches run as
-  :func:`~batchfit.train.accumulate` runs them; a failure is this process's alone.
-- **DDP on real ranks.** DDP talks inside a micro-batch only where it syncs: the backward's
+- **A bare model** (one process, or ranks that synchronise by hand after the guard): the
+  micro-batches run as :func:`~batchfit.train.accumulate` runs them; a failure is this
+  process's own (on real ranks the agreement below tells the others).
+- **DDP.** DDP talks inside a micro-batch only where it syncs: the backward's
   all-reduce (in C++, where no wait can listen), the forward's broadcast of buffers (the first
   forward after a synchronising backward) and, once, the rebuilt buckets' broadcast. So every
   micro-batch of the plan runs in ``no_sync()`` with the buffer broadcast off
@@ -43,7 +44,8 @@ will not enter. How, by what the model's collectives do inside a micro-batch:
   buffers that do not change (rotary frequencies), not for running statistics (BatchNorm).
   A rank that ran out learns nothing from the others until the agreement: they finish their
   micro-batches of the attempt (work thrown away), which costs no polling on the path that
-  does not fail.
+  does not fail. DDP over one process runs the same way (with no agreement), so that no
+  synchronising backward is ever left half done in DDP's reducer.
 - **FSDP2 (and FSDP1) on real ranks** all-gather and reduce-scatter inside every micro-batch.
   The micro-batches run as :func:`~batchfit.train.accumulate` runs them, with every
   ``Work.wait`` listening to the store (NOTE [ Ranks signal through the store ] in
@@ -144,7 +146,7 @@ from batchfit.parallel.rank_signals import (
 )
 from batchfit.parallel.shard import model_groups
 from batchfit.plan.packing import MicroBatchPlan
-from batchfit.train.accumulate import _is_ddp, _is_fsdp, _is_fsdp1, gradient_sync
+from batchfit.train.accumulate import _is_ddp, _is_fsdp, _is_fsdp1
 from batchfit.train.measure import DevicePeaks
 from batchfit.validation import check_int, check_number, check_positive_int, describe
 
@@ -610,6 +612,8 @@ class MicroBatchGuard:
         self.rank = None if rank is None else check_int("rank", rank, minimum=0)
         self.peaks = self._peak_source(model, peaks)
         self.model = model
+        self._params = [p for p in model.parameters() if p.requires_grad]  # read once: the model keeps them
+        self._kept: set[int] = set()  # the parameters whose gradient was allocated (zero) at the mini-batch's start
         self.strategy = _strategy(model)
         self.logger = logger if logger is not None else _LOG
         self.shortfalls: list[Shortfall] = []
@@ -800,10 +804,14 @@ class MicroBatchGuard:
             raise
 
     def _check_fresh_gradients(self, index: int) -> None:
-        """Every trainable parameter's gradient is ``None`` or zero (NOTE [ A micro-batch runs out ]), else BatchError."""
-        present = [(name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None]
-        for name, grad in present:
-            if bool((_local(grad) != 0).any()):
+        """Every trainable parameter's gradient is ``None`` or zero (NOTE [ A micro-batch runs out ]), else BatchError.
+
+        Remembers which are allocated (zero): a failed attempt leaves those zero, the others ``None``.
+        """
+        self._kept = {id(p) for p in self._params if p.grad is not None}
+        for p in self._params:
+            if p.grad is not None and bool((_local(p.grad) != 0).any()):
+                name = next((n for n, q in self.model.named_parameters() if q is p), "a parameter")
                 raise BatchError(
                     f"MicroBatchGuard.mini_batch starts each mini-batch from no gradient, but {name} holds a non-zero "
                     f"gradient before mini-batch {index}; call optimizer.zero_grad() (or guard.step(optimizer)) after "
@@ -860,11 +868,12 @@ class MicroBatchGuard:
         source: Any,
     ) -> _Attempt:
         out = _Attempt()
-        ddp_ranks = self._distributed and self.strategy == "ddp"
+        ddp = self.strategy == "ddp"  # one process too: no synchronising backward is ever left half done
         listens = self._distributed and self.strategy == "sharded"
         self._attempt_key = f"{index}.{attempt_number}" if self._distributed else None
         self._failed_wait = False
-        out.snapshot = isolate(self.model)  # NOTE [ Probes are isolated ]: put back if the attempt fails
+        if self.strategy == "sharded":  # NOTE [ Probes are isolated ]: the FSDP state put back if it fails
+            out.snapshot = isolate(self.model)
         try:
             with contextlib.ExitStack() as stack:
                 if listens:
@@ -878,7 +887,7 @@ class MicroBatchGuard:
                     )
                 plan = self._plan(plan_fn, self.token_budget, lowered=bool(self.shortfalls))
                 count = plan.num_micro_batches
-                if ddp_ranks:
+                if ddp:
                     plan = plan.pad_to(count + 1)  # the synchronising pass: NOTE [ A micro-batch runs out ]
                     stack.enter_context(self.model.no_sync())
                     self.model.require_forward_param_sync = False  # no buffer broadcast in the micro-batches
@@ -896,10 +905,7 @@ class MicroBatchGuard:
                                 f"micro_batches(plan) gave {k} micro-batches but the plan has {plan.num_micro_batches}; "
                                 "yield every micro-batch of the plan it is given (iter_micro_batches(batch, plan, rank))"
                             )
-                        with gradient_sync(
-                            self.model, ddp_ranks or listens or k == count - 1 or not _is_ddp(self.model)
-                        ):
-                            result = run(mb, plan)
+                        result = run(mb, plan)  # DDP inside no_sync(); FSDP2 and FSDP1 sync, as accumulate runs them
                         del mb
                     except BaseException as exc:
                         if ran_out(exc):
@@ -912,7 +918,7 @@ class MicroBatchGuard:
                     out.outputs.append(result)
                     out.records.append(self._record(index, plan, r, k, source))
                 if out.failure is None and not out.learned:
-                    if ddp_ranks:
+                    if ddp:
                         out.pending = items
                     elif next(items, _END) is not _END:
                         raise BatchError(
@@ -1017,17 +1023,18 @@ class MicroBatchGuard:
 
     def _drop(self, attempt: _Attempt) -> None:
         """Drop the attempt's partial gradients and reset the model's sharded state (NOTE [ Probes are isolated ])."""
-        attempt.snapshot.restore(finished=False)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                _local(
-                    p.grad
-                ).zero_()  # a gradient kept allocated (zero_grad(set_to_none=False)) starts from zero
+        if attempt.snapshot is not None:
+            attempt.snapshot.restore(finished=False)
+        for p in self._params:
+            if id(p) not in self._kept:
+                p.grad = None
+            elif p.grad is not None:  # kept allocated (zero_grad(set_to_none=False)): back to zero
+                _local(p.grad).zero_()
         attempt.records.clear()
         attempt.outputs.clear()
         attempt.pending = None
         gc.collect()  # reference cycles through the failed micro-batch's frames and graph
-        if torch.cuda.is_available() and any(p.is_cuda for p in self.model.parameters()):
+        if torch.cuda.is_available() and any(p.is_cuda for p in self._params):
             torch.cuda.empty_cache()  # the retry starts from an allocator without the failed attempt's cached blocks
 
     def _lower(
