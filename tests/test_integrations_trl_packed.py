@@ -69,6 +69,40 @@ def test_token_budget_step_gives_trls_loss_and_gradient_with_fewer_micro_batches
     assert all(tokens <= 48 for _, tokens in ours.micro_batches)  # each within the budget
 
 
+def test_an_out_of_memory_in_a_packed_micro_batch_lowers_the_budget_and_the_gradient_is_still_trls():
+    # NOTE [ The guard around TRL's packed micro-batches ]: step (2) runs again at a lower budget
+    from trl.trainer.utils import split_tensor_dict
+
+    theirs, ours, example = _trainers("grpo")
+    theirs.model.train()
+    ours.model.train()
+    torch.manual_seed(0)
+    rows = [{"prompt": p} for p in example.PROMPTS[:2] for _ in range(4)]
+    inputs = theirs._generate_and_score_completions(rows)
+    for micro in split_tensor_dict(inputs, 4):
+        theirs.compute_loss(theirs.model, micro).backward()
+    backward, calls = ours._micro_batch_backward, []
+
+    def runs_out_once(model, mb, *, sync):
+        backward(model, mb, sync=sync)  # its gradient is in .grad when it runs out: the guard drops it
+        calls.append(mb.position)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which "
+                "1.00 MiB is free. Of the allocated memory 1.00 GiB is allocated by PyTorch, and 0 bytes is "
+                "reserved by PyTorch but unallocated."
+            )
+
+    ours._micro_batch_backward = runs_out_once
+    ours.compute_loss(ours.model, inputs)
+    (shortfall,) = ours.guard.shortfalls
+    assert shortfall.position == 0 and ours.token_budget == shortfall.lowered_to < 48
+    for p, q in zip(theirs.model.parameters(), ours.model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-5)  # TRL's gradient, counted once
+    assert sum(r for r, _ in ours.micro_batches) == 8  # the rows of the attempt that succeeded, once each
+    assert all(tokens <= ours.token_budget for _, tokens in ours.micro_batches)
+
+
 def test_a_padded_budget_is_refused():
     pytest.importorskip("trl")
     from batchfit.budget import profile_model
@@ -133,6 +167,9 @@ def test_refusals_name_the_setting():
     with pytest.raises(InvalidArgument, match="token_budget"):
         TokenBudgetGRPOTrainer(model=example.tiny_llama(len(tokenizer)), token_budget=0, args=GRPOConfig(**common),
                                **kwargs)
+    with pytest.raises(InvalidArgument, match=r"^guard must be 'auto', True or False, but got guard=1 "):
+        TokenBudgetGRPOTrainer(model=example.tiny_llama(len(tokenizer)), token_budget=48, guard=1,
+                               args=GRPOConfig(**common), **kwargs)
     trainer = TokenBudgetGRPOTrainer(model=example.tiny_llama(len(tokenizer)), token_budget=4,
                                      args=GRPOConfig(**common), **kwargs)
     rows = torch.ones(2, 6, dtype=torch.long)

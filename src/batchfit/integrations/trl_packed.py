@@ -29,6 +29,20 @@ loss, with no padding token run. The price is one forward pass per micro-batch w
 gradients (about a third of a training step's compute). Forward-only passes (old and
 reference log-probs in ``_generate_and_score_completions``) run step (1) only.
 
+NOTE [ The guard around TRL's packed micro-batches ]
+Step (2) runs inside :class:`batchfit.train.MicroBatchGuard` (NOTE [ A micro-batch runs out ] in
+:mod:`batchfit.train.micro_batch_guard`): a packed micro-batch that runs out of memory drops the
+step's partial gradients, the rows are planned again at a budget lowered by the measured
+shortfall, and step (2) runs again; the gradient is still exactly TRL's (it does not depend on
+the plan), the lower budget holds for the rest of the run (step (1) plans with it too) and is
+logged. Each micro-batch's peak is compared with the budget's memory model when the budget is a
+``TokenBudget`` or ``ModelProfile`` (drift, logged once). ``guard="auto"`` (the default) guards
+a trainer in one process, where it costs one peak read per micro-batch (``benchmarks/guard.py``:
+within the noise of the loop's own time); under DDP the guard adds one synchronising pass of one
+token per optimizer step (DDP's all-reduce, run after the ranks agree that no micro-batch ran
+out), so it is off there unless ``guard=True``. The forward-only passes of step (1) and of
+generation are not guarded; an out-of-memory in TRL's optimizer step is TRL's.
+
 Not supported (refused): MoE auxiliary losses, multimodal inputs, ``cast_lm_head_to_fp32``,
 DeepSpeed and FSDP (every rank plans its own rows, so ranks run different numbers of
 micro-batches: DDP allows that with ``no_sync``, sharded engines do not).
@@ -46,8 +60,8 @@ from batchfit.budget import ModelProfile, TokenBudget
 from batchfit.errors import BudgetError, InvalidArgument
 from batchfit.models.attention import use_varlen_attention
 from batchfit.plan import plan_micro_batches
-from batchfit.train import model_logprobs
-from batchfit.validation import check_positive_int
+from batchfit.train import MicroBatchGuard, model_logprobs
+from batchfit.validation import check_positive_int, describe
 
 __all__ = ["TokenBudgetGRPOTrainer", "packed_budget_tokens"]
 
@@ -79,20 +93,33 @@ class TokenBudgetGRPOTrainer(GRPOTrainer):
     Args:
         token_budget: a packed :class:`~batchfit.budget.TokenBudget` (profiled with
             ``logprobs="trl"`` and ``cost="packed"``), a ``ModelProfile`` or a token count.
+        guard: run the gradient passes inside a :class:`~batchfit.train.MicroBatchGuard` (NOTE
+            [ The guard around TRL's packed micro-batches ]): ``"auto"`` (in one process, not
+            under DDP), ``True`` or ``False``.
         *args, **kwargs: as ``GRPOTrainer``. Give ``per_device_train_batch_size`` the rows one
             optimizer step trains per process and ``gradient_accumulation_steps=1``: the
             memory of a step is bounded by the budget, not by the row count.
 
     Attributes:
-        micro_batches: ``(rows, tokens)`` of every packed micro-batch run with gradients, in order.
+        micro_batches: ``(rows, tokens)`` of every packed micro-batch run with gradients, in order
+            (of a guarded step, the micro-batches of the attempt that succeeded).
+        token_budget: the packed budget now (a guard lowers it after an out-of-memory).
+        guard: the :class:`~batchfit.train.MicroBatchGuard` once a guarded step has run, else ``None``.
 
     Raises:
         BudgetError: a padded budget, or a sequence longer than the budget.
         InvalidArgument: a setting this trainer does not support (see the NOTE).
     """
 
-    def __init__(self, *args: Any, token_budget: TokenBudget | ModelProfile | int, **kwargs: Any):
+    def __init__(
+        self, *args: Any, token_budget: TokenBudget | ModelProfile | int, guard: bool | str = "auto", **kwargs: Any
+    ):
         self.token_budget = packed_budget_tokens(token_budget)
+        if not (guard == "auto" or isinstance(guard, bool)):
+            raise InvalidArgument(f"guard must be 'auto', True or False, but got guard={describe(guard)}")
+        self._guard_option = guard
+        self._budget = token_budget.combined if isinstance(token_budget, ModelProfile) else token_budget
+        self.guard: MicroBatchGuard | None = None
         super().__init__(*args, **kwargs)
         if self.aux_loss_enabled:
             raise InvalidArgument(
@@ -116,15 +143,28 @@ class TokenBudgetGRPOTrainer(GRPOTrainer):
         self._pending: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------ the packed passes
-    def _plan(self, attention_mask: torch.Tensor) -> Any:
+    def _plan(self, attention_mask: torch.Tensor, token_budget: int | None = None) -> Any:
         lengths = attention_mask.sum(-1).tolist()
+        budget = self.token_budget if token_budget is None else token_budget
         try:
-            return plan_micro_batches(lengths, self.token_budget, cost="packed")
+            return plan_micro_batches(lengths, budget, cost="packed")
         except BudgetError as exc:
             raise BudgetError(
-                f"a sequence of {max(lengths)} tokens is longer than token_budget={self.token_budget}; profile for "
+                f"a sequence of {max(lengths)} tokens is longer than token_budget={budget}; profile for "
                 "longer sequences (max_seq_len) or lower max_completion_length"
             ) from exc
+
+    def _guarded(self) -> bool:
+        if self._guard_option == "auto":
+            return self.accelerator.num_processes == 1
+        return bool(self._guard_option)
+
+    def _make_guard(self, model: torch.nn.Module) -> MicroBatchGuard:
+        """The guard of ``model`` (as the Trainer wraps it): the budget's memory model and margin when it has them."""
+        budget = self._budget if isinstance(self._budget, TokenBudget) else self.token_budget
+        guard = MicroBatchGuard(model, budget)
+        guard.token_budget = min(guard.token_budget, self.token_budget)  # a budget lowered before stays lowered
+        return guard
 
     def _micro_batches(self, fields: dict[str, torch.Tensor], plan: Any) -> Any:
         return iter_micro_batches(fields, plan, 0, layout="packed", token_fields=tuple(fields))
@@ -186,10 +226,24 @@ class TokenBudgetGRPOTrainer(GRPOTrainer):
             full = torch.zeros((fields["input_ids"].shape[0], width), dtype=torch.float32, device=logps.device)
             full[:, width - keep :] = grad
             fields = {**fields, name: full}
-        micro = list(self._micro_batches(fields, plan))
-        for k, mb in enumerate(micro):
-            last = k == len(micro) - 1
-            self._micro_batch_backward(model, mb, sync=last)
+        if not self._guarded():
+            micro = list(self._micro_batches(fields, plan))
+            for k, mb in enumerate(micro):
+                last = k == len(micro) - 1
+                self._micro_batch_backward(model, mb, sync=last)
+            return loss.detach().requires_grad_(True)
+        # NOTE [ The guard around TRL's packed micro-batches ]
+        if self.guard is None or self.guard.model is not model:
+            self.guard = self._make_guard(model)
+        ran = len(self.micro_batches)
+        record = self.guard.mini_batch(
+            plan=lambda budget: self._plan(fields["attention_mask"], budget),
+            micro_batches=lambda p: self._micro_batches(fields, p),
+            # the plan's last micro-batch synchronises (under DDP the guard's padding pass, after the agreement)
+            run=lambda mb, p: self._micro_batch_backward(model, mb, sync=mb.position == p.num_micro_batches - 1),
+        )
+        self.token_budget = self.guard.token_budget
+        self.micro_batches[ran:] = [(m.rows, m.cost) for m in record.micro_batches]
         return loss.detach().requires_grad_(True)
 
     def _micro_batch_backward(self, model: torch.nn.Module, mb: Any, *, sync: bool) -> None:
