@@ -84,6 +84,7 @@ _LAZY = {
     "response_columns": "batchfit.train",
     "value_loss": "batchfit.train",
     "PeakTracker": "batchfit.train",
+    "MicroBatchGuard": "batchfit.train",
     # token budgets and batch sizes
     "find_token_budget": "batchfit.budget",
     "profile_model": "batchfit.budget",
