@@ -378,6 +378,35 @@ def test_micro_batches_that_do_not_match_the_plan_are_refused():
                          lambda p: iter_micro_batches(mini, p), lambda mb, p: None)  # fmt: skip
 
 
+def test_ddp_over_one_process_runs_its_synchronising_pass_and_trains_as_accumulate(tmp_path):
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        minis = mini_batches(2)
+        model = torch.nn.parallel.DistributedDataParallel(tiny_lm())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        guard = MicroBatchGuard(model, BUDGET, peaks=None)
+        run = Injected(model, {(1, 0, 0)})
+        passes = []
+        for m, mini in enumerate(minis):
+            run.start(m)
+            lengths = mini["attention_mask"].sum(-1)
+            record = guard.mini_batch(
+                lambda c, lengths=lengths: plan_micro_batches(lengths, c, oversize="split"),
+                lambda p, mini=mini: iter_micro_batches(mini, p),
+                lambda mb, p: passes.append(mb.position) or run(mb, p),
+            )
+            guard.step(optimizer)
+            assert passes[-1] == len(record.micro_batches) and passes[-2] == passes[-1] - 1  # the padding pass last
+        # mini-batch 1's first micro-batch (48 tokens) ran out: 37 from there on
+        assert [s.lowered_to for s in guard.shortfalls] == [37]
+        assert_same(parameters(model), reference_run(minis, [56, 37]))
+    finally:
+        dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------- drift and peaks
 
 

@@ -749,8 +749,8 @@ class MicroBatchGuard:
                 that budget (e.g. ``plan_micro_batches(lengths, token_budget, dp_size=dp)``); called
                 again after a failure, with the lower budget.
             micro_batches: ``micro_batches(plan)``: this rank's micro-batches of ``plan``, in order
-                (e.g. ``iter_micro_batches(mini, plan, rank)``); under DDP on real ranks the plan
-                has one padding micro-batch more than ``plan`` gave (NOTE above).
+                (e.g. ``iter_micro_batches(mini, plan, rank)``); under DDP the plan has one
+                padding micro-batch more than ``plan`` gave, the synchronising pass (NOTE above).
             run: ``run(micro_batch, plan)``: its forward and backward (e.g.
                 ``micro_batch_backward(model, mb, plan=plan, scale=dp)``); what it returns is kept
                 in the record's ``outputs``. It must run a padding micro-batch too (zero loss).
@@ -791,7 +791,7 @@ class MicroBatchGuard:
                         tuple(attempt.outputs),
                         tuple(shortfalls),
                     )
-                    if attempt.pending is not None:  # DDP on real ranks: NOTE [ A micro-batch runs out ]
+                    if attempt.pending is not None:  # DDP: NOTE [ A micro-batch runs out ]
                         self._synchronise(attempt, run)
                     return record
                 self._drop(attempt)
@@ -1098,7 +1098,7 @@ class MicroBatchGuard:
         return shortfall
 
     def _synchronise(self, attempt: _Attempt, run: Callable[[Any, MicroBatchPlan], Any]) -> None:
-        """DDP on real ranks: the plan's padding micro-batch, synchronising (NOTE [ A micro-batch runs out ])."""
+        """DDP: the plan's padding micro-batch, synchronising (NOTE [ A micro-batch runs out ])."""
         model, plan = self.model, attempt.plan
         with self.outside("DDP's synchronising pass (the gradients' all-reduce)"):
             last = next(attempt.pending, _END)  # type: ignore[arg-type]
