@@ -117,6 +117,7 @@ def main(output_dir: str, max_steps: int = 3, logprobs: str = "trl", memory: str
     )
     args = grpo_config(
         profile,
+        model=model,  # the generation phase's KV cache is counted from its config
         max_prompt_length=MAX_PROMPT_LENGTH,
         generation_batch_size=GENERATION_BATCH_SIZE,
         output_dir=output_dir,

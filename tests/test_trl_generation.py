@@ -3,7 +3,7 @@
 The first tier needs no TRL: the KV-cache arithmetic, the generation phase of the issue's run
 (Llama-3.1-8B, LoRA 16, one A100-40GB) from a profile holding that run's measured figures, vLLM's
 share colocated, asleep or on a server, and the bound held against a real ``generate`` on the
-CPU.
+CPU. The second tier (``-m slow``) profiles the issue's model for real and builds TRL's config.
 """
 
 from __future__ import annotations
@@ -308,3 +308,49 @@ def _tiny_phase(**kwargs):
 def test_bad_arguments_name_the_field(call, match):
     with pytest.raises(InvalidArgument, match=match):
         call()
+
+
+# ---------------------------------------------------------------- with TRL (second tier)
+
+_CONFIG = {"output_dir": "unused", "report_to": "none", "use_cpu": True, "bf16": False}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_grpo_config_refuses_the_issues_run_from_a_real_profile():
+    pytest.importorskip("trl")
+    from batchfit.budget import profile_model
+    from batchfit.integrations.trl import grpo_config
+
+    profile = profile_model("llama-3.1-8b", max_seq_len=4096, backend="estimate", memory_limit="a100-40gb",
+                            lora={"rank": 16}, logprobs="trl", gradient_checkpointing=True)  # fmt: skip
+    assert profile.combined.tokens == 28_672  # NOTE [ The issue's profile ]: 7 rows of 4,096
+    with pytest.raises(DoesNotFitError, match=r"KV cache \(31\.99 GiB\) .* the largest generation_batch_size that fits is 32"):
+        grpo_config(profile, max_prompt_length=512, generation_batch_size=64, num_generations=8,
+                    max_completion_length=3584, **_CONFIG)  # fmt: skip
+    args = grpo_config(profile, max_prompt_length=512, generation_batch_size=32, num_generations=8,
+                       max_completion_length=3584, **_CONFIG)  # fmt: skip
+    # 7 rows fit; 32 rows per step: largest divisor <= 7 is 4 -> 8 accumulation steps
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.generation_batch_size) == (4, 8, 32)
+
+
+@pytest.mark.slow
+def test_grpo_config_checks_the_colocated_engine_of_the_config_trl_built():
+    pytest.importorskip("trl")
+    from batchfit.budget import profile_model
+    from batchfit.integrations.trl import grpo_config, token_budget_grpo_config
+
+    run = {"max_prompt_length": 128, "generation_batch_size": 64, "num_generations": 8, "max_completion_length": 384}
+    fields = {"use_vllm": True, "vllm_enable_sleep_mode": True}
+    bare = profile_model("tiny", max_seq_len=512, backend="estimate", memory_limit="1GiB")
+    with pytest.raises(BudgetError, match=r"profile with engine=trl_engine_reserve\('tiny'"):
+        grpo_config(bare, **run, **fields, **_CONFIG)
+    engine = trl_engine_reserve("tiny", memory_limit="1GiB", generation_batch_size=64, **fields)
+    profiled = profile_model("tiny", max_seq_len=512, backend="estimate", memory_limit="1GiB", engine=engine)
+    args = grpo_config(profiled, **run, **fields, **_CONFIG)
+    assert args.use_vllm and args.generation_batch_size == 64
+    packed = token_budget_grpo_config(profile=profiled, generation_batch_size=64, max_prompt_length=128, num_generations=8,
+                                      max_completion_length=384, **fields, **_CONFIG)  # fmt: skip
+    assert packed.per_device_train_batch_size == 64
+    with pytest.raises(InvalidArgument, match="without max_prompt_length"):
+        token_budget_grpo_config(profile=profiled, generation_batch_size=64, num_generations=8, **_CONFIG)

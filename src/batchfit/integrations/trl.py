@@ -4,8 +4,11 @@ TRL refuses ``auto_find_batch_size`` for GRPO and RLOO (a generation batch must 
 prompt groups), so its users guess ``per_device_train_batch_size``. :func:`grpo_config` builds a
 TRL ``GRPOConfig`` (or ``RLOOConfig``) whose micro-batches fit a batchfit token budget (measured
 or estimated with :func:`batchfit.budget.profile_model`) and whose numbers keep every rule TRL
-checks; :func:`plan_grpo_batches` is the same arithmetic without TRL. TRL is imported only
-inside the functions that build its objects (``pip install batchfit[trl]``).
+checks; :func:`plan_grpo_batches` is the same arithmetic without TRL. Given a
+:class:`~batchfit.budget.ModelProfile`, :func:`grpo_config` checks TRL's generation phase too (the
+policy's own ``generate`` or a colocated vLLM on the same GPU: :mod:`batchfit.integrations.trl_generation`,
+NOTE [ Both phases, refused not resized ]). TRL is imported only inside the functions that build
+its objects (``pip install batchfit[trl]``).
 
 NOTE [ TRL's batch rules ]
 Read from TRL 1.16.0, ``trl/trainer/grpo_config.py`` ``GRPOConfig.__post_init__`` (``rloo_config.py``
@@ -275,6 +278,7 @@ def grpo_config(
     generation_batch_size: int,
     optimizer_steps_per_generation: int = 1,
     config_class: type | None = None,
+    model: Any = None,
     **config_kwargs: Any,
 ) -> Any:
     """TRL's ``GRPOConfig`` (or ``config_class``, e.g. ``RLOOConfig``) with its micro-batches sized to ``budget``.
@@ -285,13 +289,25 @@ def grpo_config(
     under ``torchrun``, every rank calls this and gets the same numbers). The sizes are
     :func:`plan_grpo_batches`'s; :func:`grpo_batch_sizes` of the result gives them back.
 
+    Given a :class:`~batchfit.budget.ModelProfile`, both phases of the run are checked on the
+    config TRL built (:func:`~batchfit.integrations.trl_generation.check_trl_phases`): a colocated
+    vLLM's reserve must be in the profile (profile with
+    :func:`~batchfit.integrations.trl_generation.trl_engine_reserve`), and generating
+    ``generation_batch_size`` sequences must fit beside the trainer's state. What does not fit is
+    refused, with both figures and the largest ``generation_batch_size`` that fits; it is never
+    resized (NOTE [ Both phases, refused not resized ]).
+
     Args:
         budget: a padded :class:`~batchfit.budget.TokenBudget` (one rank's), a
-            :class:`~batchfit.budget.ModelProfile` (its ``combined`` budget) or a token count.
+            :class:`~batchfit.budget.ModelProfile` (its ``combined`` budget; both phases checked) or
+            a token count (the training phase only).
         max_prompt_length: the longest prompt in tokens (TRL does not truncate prompts).
         generation_batch_size: sequences generated at once over all processes.
         optimizer_steps_per_generation: optimizer steps one generation batch feeds.
         config_class: TRL's config class (default ``trl.GRPOConfig``).
+        model: the model the profile measured (preset, directory, hub id, config or module),
+            for the generation phase's KV cache; default the profile's own name (pass it when the
+            profile was taken of a model object).
         config_kwargs: any other field of the config (``output_dir``, ``num_generations``, …);
             the fields batchfit sets (:data:`SIZED_FIELDS`) are refused.
 
@@ -302,7 +318,10 @@ def grpo_config(
         InvalidArgument: TRL is not installed, a field of :data:`SIZED_FIELDS` was given,
             ``auto_find_batch_size=True``, or a bad count.
         BudgetError: a budget that counts packed tokens, or one row does not fit, or the row
-            is longer than the budget's ``max_seq_len``.
+            is longer than the budget's ``max_seq_len``; a profile without the colocated vLLM's
+            reserve (the message gives it), or whose model's config cannot be read (pass ``model``).
+        DoesNotFitError: the generation phase does not fit (one line: what it needs, the limit, the
+            largest ``generation_batch_size`` that fits and the vLLM fraction that would).
         BatchConfigError: the numbers break TRL's rules (NOTE [ TRL's batch rules ]).
 
     Example (needs TRL)::
@@ -333,7 +352,26 @@ def grpo_config(
         optimizer_steps_per_generation=optimizer_steps_per_generation,
         limit_bytes=limit_bytes,
     )
-    return config_class(**config_kwargs, **sizes.config_fields())
+    args = config_class(**config_kwargs, **sizes.config_fields())
+    if isinstance(budget, ModelProfile):
+        _check_phases(budget, args, model, max_prompt_length, generation_batch_size, optimizer_steps_per_generation)
+    return args
+
+
+def _check_phases(
+    profile: ModelProfile, args: Any, model: Any, max_prompt_length: int, generation_batch_size: int, k: int
+) -> None:
+    """Both phases of the run TRL's built config ``args`` describes (NOTE [ Both phases, refused not resized ])."""
+    from batchfit.integrations.trl_generation import check_trl_phases, trl_config_fields
+
+    check_trl_phases(
+        profile,
+        model=model,
+        max_prompt_length=max_prompt_length,
+        generation_batch_size=generation_batch_size,
+        optimizer_steps_per_generation=k,
+        **trl_config_fields(args),
+    )
 
 
 def _check_config_kwargs(config_kwargs: dict[str, Any]) -> None:
@@ -367,6 +405,9 @@ def token_budget_grpo_config(
     generation_batch_size: int,
     optimizer_steps_per_generation: int = 1,
     config_class: type | None = None,
+    profile: ModelProfile | None = None,
+    max_prompt_length: int | None = None,
+    model: Any = None,
     **config_kwargs: Any,
 ) -> Any:
     """TRL's ``GRPOConfig`` for :class:`~batchfit.integrations.trl_packed.TokenBudgetGRPOTrainer`: one TRL micro-batch per optimizer step.
@@ -375,10 +416,13 @@ def token_budget_grpo_config(
     ``gradient_accumulation_steps`` is 1 and ``steps_per_generation`` is
     ``optimizer_steps_per_generation``: the trainer cuts each step's rows into packed
     micro-batches under its token budget, so TRL's micro-batch is no longer what bounds memory.
-    TRL's rules hold as for :func:`grpo_config` (NOTE [ TRL's batch rules ]).
+    TRL's rules hold as for :func:`grpo_config` (NOTE [ TRL's batch rules ]). Given the
+    trainer's ``profile`` (and ``max_prompt_length``), TRL's generation phase is checked as
+    :func:`grpo_config` checks it: the token budget bounds the micro-batches, not the generation.
 
     Raises:
-        InvalidArgument, BatchConfigError: as :func:`grpo_config`.
+        InvalidArgument, BatchConfigError: as :func:`grpo_config`; ``profile`` without ``max_prompt_length``.
+        BudgetError, DoesNotFitError: the generation phase, as :func:`grpo_config`.
     """
     config_class = _config_class("GRPOConfig") if config_class is None else config_class
     _check_config_kwargs(config_kwargs)
@@ -392,7 +436,15 @@ def token_budget_grpo_config(
         num_processes=_world_size(config_class, num_generations, config_kwargs),
         optimizer_steps_per_generation=optimizer_steps_per_generation,
     )
-    return config_class(**config_kwargs, **sizes.config_fields())
+    if profile is not None and max_prompt_length is None:
+        raise InvalidArgument(
+            "the generation phase needs the longest prompt, but got profile= without max_prompt_length; pass "
+            "max_prompt_length (TRL does not truncate prompts)"
+        )
+    args = config_class(**config_kwargs, **sizes.config_fields())
+    if profile is not None:
+        _check_phases(profile, args, model, max_prompt_length, generation_batch_size, optimizer_steps_per_generation)
+    return args
 
 
 def grpo_batch_sizes(config: Any, *, row_length: int, token_budget: int, limit_bytes: int | None = None) -> GrpoBatchSizes:
