@@ -20,7 +20,7 @@ Read from TRL 1.16.0 (``trl/trainer/grpo_trainer.py``, ``trl/generation/vllm_gen
   ``generation_batch_size / num_processes`` (NOTE [ TRL's batch rules ] in
   :mod:`batchfit.integrations.trl`); ``_prepare_inputs`` (l. 1522-1548) generates for all of them
   once and splits the result into micro-batches afterwards.
-- **Without vLLM** ``_generate_single_turn`` (l. 1851-1875) left-pads every local prompt into one
+- **Without vLLM** ``_generate_single_turn`` (l. 1814-1875) left-pads every local prompt into one
   tensor (``pad(..., padding_side="left", pad_to_multiple_of=...)``) and calls
   ``unwrapped_model.generate(**generate_inputs, generation_config=self.generation_config)`` once,
   under ``torch.no_grad()``, with gradient checkpointing switched off
@@ -473,14 +473,12 @@ class _PrefillStep:
                 ids = torch.zeros(rows, prompt, dtype=torch.long, device=be.device)
                 mask = torch.ones(rows, prompt, dtype=torch.long, device=be.device)
                 mask[0, 0] = 0  # TRL left-pads: the masked path (sdpa with a mask, GQA's keys repeated)
-                # generate's positions per row, from the mask (prepare_inputs_for_generation): RoPE's tables per row too
+                # generate's positions per row, from the mask (transformers 5.24 prepare_inputs_for_generation,
+                # generation/utils.py l. 679-709): RoPE's cos and sin per row too
                 positions = (mask.cumsum(-1) - 1).clamp(min=0)
                 return net(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
 
         return be.measure(prefill, register=(self.model,))
-
-    def measure_state(self) -> Any:
-        return self.backend.measure(lambda: None, register=(self.model,))
 
 
 @dataclass(frozen=True)
@@ -955,12 +953,13 @@ def _check_training_phase(
     need = engine_reserve(engine, _text_config(config), device_bytes=device)
     if profile.engine_bytes >= need.bytes:
         return
-    name = profile.model if model is None else (model if isinstance(model, str) else "<model>")
+    spec = profile.model if model is None else model
+    name = repr(spec) if isinstance(spec, str) else "model"  # a module or a config: the caller's own name for it
     call = ", ".join(f"{k}={v!r}" for k, v in fields.items() if k != "vllm_mode" or v != "colocate")
     raise BudgetError(
         f"TRL's colocated vLLM keeps {format_bytes(need.bytes)} on each GPU while the trainer steps "
         f"({need.describe()}), but the profile takes off {format_bytes(profile.engine_bytes)} for a rollout engine; "
-        f"profile with engine=trl_engine_reserve({name!r}, memory_limit={device}, generation_batch_size={gbs}, "
+        f"profile with engine=trl_engine_reserve({name}, memory_limit={device}, generation_batch_size={gbs}, "
         f"num_processes={processes}, {call}) (engine_reserve={need.bytes}, --engine-reserve {need.bytes})"
     )
 
