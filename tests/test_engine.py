@@ -13,17 +13,16 @@ from batchfit.budget import ProfileOptions, profile_model
 from batchfit.budget.engine import (
     ENGINE_CONTEXT_BYTES,
     EngineReserve,
-    RolloutEngine,
     awake_engine_bytes,
     check_awake_phase,
     engine_reserve,
-    vllm_capture_sizes,
 )
 from batchfit.cli import main
 from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.frameworks import read_run_config
 from batchfit.frameworks.flags import read_command
 from batchfit.models import load_config
+from batchfit.plan.placement import RolloutEngine, vllm_capture_sizes
 from recorder_helpers import use_recorder
 
 MiB, GiB = 2**20, 2**30

@@ -2,8 +2,8 @@
 
 In verl's, SkyRL's, OpenRLHF's and slime's colocated modes a vLLM or SGLang engine generates on
 the trainer's GPUs and sleeps while the trainer steps. Asleep it still holds memory no trainer
-tensor is: a budget searched under the whole device would leave that out. :class:`RolloutEngine`
-says how a framework config runs its engine; :func:`engine_reserve` gives what it keeps on each
+tensor is: a budget searched under the whole device would leave that out.
+:class:`~batchfit.plan.placement.RolloutEngine` says how a framework config runs its engine; :func:`engine_reserve` gives what it keeps on each
 GPU while the trainer steps, term by term (:class:`EngineReserve`), which
 :func:`batchfit.budget.profile_model` takes off the usable memory like the reserve;
 :func:`awake_engine_bytes` gives what it takes while it generates, which the trainer's own
@@ -31,7 +31,7 @@ figures marked *reported* are other people's measurements):
   attention). Fitted on the reported pools: Kimi-K2.6 (61 layers, 86 graphs) 1.40 GiB per rank
   (vLLM #47654), 0.27 MiB per graph and layer; Llama-3.2-1B (16 layers, 35 graphs) 0.21 GiB
   (vLLM PR #11349), 0.38 MiB; batchfit takes 0.375 MiB, the larger. The graphs are vLLM's
-  default list, :func:`vllm_capture_sizes` (``config/vllm.py``: 51 piecewise and 35 full
+  default list, :func:`~batchfit.plan.placement.vllm_capture_sizes` (``config/vllm.py``: 51 piecewise and 35 full
   graphs at ``max_num_seqs`` 256), or the config's ``cudagraph_capture_sizes``;
   ``enforce_eager`` captures none. SGLang's pool follows its own reserve heuristic,
   :data:`SGLANG_GRAPH_BYTES_PER_BATCH` per decode batch size (``reserve_for_graph_mb``:
@@ -64,32 +64,26 @@ use" (the device's whole use, the trainer's included), "Graph capturing finished
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from batchfit.errors import DoesNotFitError, InvalidArgument
 from batchfit.memory.sizes import GiB, MiB, format_bytes
-from batchfit.validation import check_choice, check_number, check_positive_int
+from batchfit.plan.placement import SGLANG_MAX_BATCH, RolloutEngine
 
 __all__ = [
     "CUSTOM_ALL_REDUCE_BYTES",
-    "ENGINES",
     "ENGINE_CONTEXT_BYTES",
     "ENGINE_NCCL_BYTES",
     "GRAPH_BYTES_PER_LAYER",
     "SGLANG_GRAPH_BYTES_PER_BATCH",
     "EngineReserve",
-    "RolloutEngine",
     "awake_engine_bytes",
     "check_awake_phase",
     "engine_reserve",
     "given_engine_reserve",
-    "vllm_capture_sizes",
 ]
 
-#: The inference engines a framework runs beside its trainer.
-ENGINES = ("vllm", "sglang")
 #: A CUDA context of an engine process (NOTE [ What a sleeping engine keeps ]).
 ENGINE_CONTEXT_BYTES = 512 * MiB
 #: NCCL's buffers of a tensor-parallel engine rank (reported, NOTE [ What a sleeping engine keeps ]).
@@ -102,119 +96,6 @@ GRAPH_BYTES_PER_LAYER = 384 * 1024
 SGLANG_GRAPH_BYTES_PER_BATCH = 2 * 1000**2
 #: vLLM's ``gpu_memory_utilization`` when a config leaves it out (``config/cache.py``, 0.24–0.33).
 VLLM_MEMORY_FRACTION = 0.92
-#: vLLM's largest captured size (``config/vllm.py``: ``min(max_num_seqs × 2, 512)``, 1024 on Blackwell).
-VLLM_MAX_CAPTURE = 512
-#: SGLang's default decode ``cuda_graph_max_bs`` on 60–160 GiB GPUs (``memory_hook.py``; 512 at TP ≥ 4).
-SGLANG_MAX_BATCH = 256
-
-
-def vllm_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    """vLLM's default CUDA-graph sizes for ``max_num_seqs`` (``config/vllm.py``, 0.24–0.33).
-
-    ``[1, 2, 4] + range(8, 256, 8) + range(256, top + 1, 16)`` up to ``top = min(2 × max_num_seqs, 512)``.
-
-    Example:
-        >>> sizes = vllm_capture_sizes(256)
-        >>> len(sizes), sizes[-1], len([s for s in sizes if s <= 256])   # piecewise, largest, full
-        (51, 512, 35)
-    """
-    top = min(2 * check_positive_int("max_num_seqs", max_num_seqs), VLLM_MAX_CAPTURE)
-    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16)]
-    return tuple(s for s in sizes if s <= top)
-
-
-@dataclass(frozen=True)
-class RolloutEngine:
-    """How a run's inference engine shares the trainer's GPUs, as its framework config says.
-
-    Attributes:
-        name: ``vllm`` or ``sglang``.
-        colocated: the engine runs on the trainer's GPUs (else it costs them nothing).
-        tensor_parallel: GPUs per engine (its ranks, one per GPU).
-        memory_fraction: vLLM's ``gpu_memory_utilization`` (of the device's total) or SGLang's
-            ``mem_fraction_static`` (of its free memory at start); ``None``: the engine's default.
-        sleeps: the engine frees its weights and KV cache while the trainer steps.
-        sleep_level: vLLM's sleep level (1: weights to the host, 2: discarded), for the report.
-        cuda_graphs: the engine captures CUDA graphs (not ``enforce_eager`` /
-            ``disable_cuda_graph``).
-        capture_sizes: the batch sizes captured, ``None``: the engine's default list.
-        max_num_seqs: the most sequences a step runs (vLLM's default list follows it), ``None``:
-            the engine's default.
-        releases_graphs: a sleep releases the CUDA-graph pool too (SGLang with every tag: slime).
-        own_process: each engine rank runs in a process of its own (a CUDA context of its own);
-            ``False`` for an engine inside the trainer's process (TRL's colocate mode).
-        keys: the config keys these were read from (field → key), for messages.
-    """
-
-    name: str = "vllm"
-    colocated: bool = True
-    tensor_parallel: int = 1
-    memory_fraction: float | None = None
-    sleeps: bool = True
-    sleep_level: int | None = None
-    cuda_graphs: bool = True
-    capture_sizes: tuple[int, ...] | None = None
-    max_num_seqs: int | None = None
-    releases_graphs: bool = False
-    own_process: bool = True
-    keys: Mapping[str, str] = field(default_factory=dict, compare=False)
-
-    def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        set_(self, "name", check_choice("engine", self.name, ENGINES))
-        set_(self, "tensor_parallel", check_positive_int(self.key("tensor_parallel"), self.tensor_parallel))
-        if self.memory_fraction is not None:
-            fraction = check_number(self.key("memory_fraction"), self.memory_fraction, low=0.0, high=1.0, low_open=True)
-            set_(self, "memory_fraction", fraction)
-        if self.max_num_seqs is not None:
-            set_(self, "max_num_seqs", check_positive_int(self.key("max_num_seqs"), self.max_num_seqs))
-        if self.capture_sizes is not None:
-            sizes = self.capture_sizes
-            if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
-                raise InvalidArgument(
-                    f"{self.key('capture_sizes')} must be a list of batch sizes, but got {sizes!r}; write e.g. [1, 2, 4, 8]"
-                )
-            set_(self, "capture_sizes", tuple(check_positive_int(self.key("capture_sizes"), s) for s in sizes))
-
-    def key(self, name: str) -> str:
-        """The config key a field was read from (the field's name when none was)."""
-        return self.keys.get(name, name)
-
-    def graph_count(self) -> int:
-        """The CUDA graphs the engine captures: vLLM's piecewise and full graphs, SGLang's decode batch sizes."""
-        if not self.cuda_graphs:
-            return 0
-        if self.name == "sglang":
-            return len(self.capture_sizes) if self.capture_sizes else SGLANG_MAX_BATCH
-        seqs = self.max_num_seqs or 256
-        sizes = self.capture_sizes if self.capture_sizes is not None else vllm_capture_sizes(seqs)
-        # FULL_AND_PIECEWISE (vLLM's default; verl sets it too): every size piecewise, decode sizes also whole
-        return len(sizes) + len([s for s in sizes if s <= seqs])
-
-    def describe(self) -> str:
-        """``vllm, TP 2, gpu_memory_utilization 0.5, asleep at level 2``."""
-        fraction = "gpu_memory_utilization" if self.name == "vllm" else "mem_fraction_static"
-        shown = "default" if self.memory_fraction is None else f"{self.memory_fraction:g}"
-        state = (f"asleep at level {self.sleep_level}" if self.sleep_level else "asleep") if self.sleeps else "awake"
-        where = "on the trainer's GPUs" if self.colocated else "on GPUs of its own"
-        return f"{self.name}, TP {self.tensor_parallel}, {fraction} {shown}, {state} while the trainer steps, {where}"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as plain values (JSON-ready)."""
-        return {
-            "name": self.name,
-            "colocated": self.colocated,
-            "tensor_parallel": self.tensor_parallel,
-            "memory_fraction": self.memory_fraction,
-            "sleeps": self.sleeps,
-            "sleep_level": self.sleep_level,
-            "cuda_graphs": self.cuda_graphs,
-            "capture_sizes": None if self.capture_sizes is None else list(self.capture_sizes),
-            "max_num_seqs": self.max_num_seqs,
-            "releases_graphs": self.releases_graphs,
-            "own_process": self.own_process,
-            "keys": dict(self.keys),
-        }
 
 
 @dataclass(frozen=True)

@@ -193,7 +193,7 @@ def _run_config(
         if result.resident:
             shared = ", ".join(f"{role} {format_bytes(b)}" for role, b in result.resident.items())
             header.append(f"colocated models' state taken off each budget: {shared}")
-        header += device_lines(result.profiles["policy"] if "policy" in result.profiles else next(iter(result.profiles.values())))
+        header += device_lines(result.profiles.get("policy") or next(iter(result.profiles.values())))
         header += [f"note: {note}" for note in (*notes, *run.notes)]
         moe_lines = dict.fromkeys(f"{p.model}: {p.moe.describe()}" for p in result.profiles.values() if p.moe is not None)
         header += [f"note: {line}" for line in moe_lines]  # the passes measured a mixture of experts so

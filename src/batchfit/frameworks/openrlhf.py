@@ -16,11 +16,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from batchfit.budget.engine import RolloutEngine
 from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
 from batchfit.frameworks.registry import FrameworkSpec
-from batchfit.memory.calibration import allocator_setting
 from batchfit.plan.config import BatchConfig
+from batchfit.plan.placement import RolloutEngine, process_allocator_setting
 
 # The trainer's dest names batchfit reads (an unresolved shell value for one is a fault).
 READ = frozenset(
@@ -174,8 +173,7 @@ def read(command: Command) -> FrameworkRun:
         generation_resident=_generation_resident(v, roles),
         engine=_engine(v),
         # OpenRLHF sets no allocator setting (no PYTORCH_CUDA_ALLOC_CONF in the package): what the launch gives
-        allocator=allocator_setting(command.environment.get("PYTORCH_CUDA_ALLOC_CONF", command.environment.get("PYTORCH_ALLOC_CONF")))
-        or None,
+        allocator=process_allocator_setting(command.environment) or None,
         key_names={
             **KEY_NAMES,
             "policy_mini_batch_size": "--train.batch_size / --rollout.n_samples_per_prompt"

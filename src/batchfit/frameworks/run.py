@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from batchfit.budget.engine import RolloutEngine
 from batchfit.errors import BatchConfigError
 from batchfit.plan.config import BatchConfig, BatchPlan
+from batchfit.plan.placement import RolloutEngine
 from batchfit.validation import short_repr
 
 #: How a pass computes entropy over the vocabulary (the values of :attr:`RunConfig.entropy`).

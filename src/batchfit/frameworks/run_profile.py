@@ -172,7 +172,7 @@ def _check_generation(run: RunConfig, options: ProfileOptions, by_role: dict[str
         device_bytes=device,
         trainer_bytes=trainer,
         untracked_bytes=untracked,
-        fix=engine.key("offload") if "offload" in engine.keys else "offload the trainer's state while the engine generates",
+        fix=engine.keys.get("offload", "offload the trainer's state while the engine generates"),
     )
 
 

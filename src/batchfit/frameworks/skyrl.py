@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from batchfit.budget.engine import ENGINES, RolloutEngine
 from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     RunConfig,
@@ -28,6 +27,7 @@ from batchfit.frameworks.run import (
 from batchfit.frameworks.skyrl_rules import SKYRL
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
 from batchfit.plan.config import BatchConfig
+from batchfit.plan.placement import ENGINES, RolloutEngine
 from batchfit.validation import short_repr
 
 T = "trainer."

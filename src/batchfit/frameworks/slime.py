@@ -18,12 +18,11 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from batchfit.budget.engine import RolloutEngine
 from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
 from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import as_int
-from batchfit.memory.calibration import allocator_setting
 from batchfit.plan.config import BatchConfig
+from batchfit.plan.placement import RolloutEngine, process_allocator_setting
 
 # Megatron-LM flags slime reads (Megatron's parser, not slime's file): ModelParallelConfig's
 # tensor/pipeline/context_parallel_size, TrainingConfig.decrease_batch_size_if_needed,
@@ -353,7 +352,7 @@ def _allocator(v: dict[str, Any], command: Command) -> str:
     env = {**command.environment, **(v.get("train_env_vars") if isinstance(v.get("train_env_vars"), dict) else {})}
     if str(env.get("SLIME_ENABLE_EXPANDABLE_SEGMENTS", "0")) == "1":
         return "expandable_segments"
-    return allocator_setting(env.get("PYTORCH_CUDA_ALLOC_CONF", env.get("PYTORCH_ALLOC_CONF"))) or "caching"
+    return process_allocator_setting(env) or "caching"
 
 
 def _sglang_flags(args: tuple[str, ...]) -> dict[str, list[str]]:

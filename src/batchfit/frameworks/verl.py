@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchfit.budget.engine import ENGINES, RolloutEngine
 from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     RunConfig,
@@ -34,6 +33,7 @@ from batchfit.frameworks.run import (
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
 from batchfit.frameworks.verl_rules import VERL
 from batchfit.plan.config import BatchConfig
+from batchfit.plan.placement import ENGINES, RolloutEngine
 from batchfit.validation import short_repr
 
 MODEL = "actor_rollout_ref.model."

@@ -97,15 +97,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfit.budget import ModelProfile
-from batchfit.budget.engine import (
-    EngineReserve,
-    RolloutEngine,
-    awake_engine_bytes,
-    check_awake_phase,
-    engine_reserve,
-)
+from batchfit.budget.engine import EngineReserve, awake_engine_bytes, check_awake_phase, engine_reserve
 from batchfit.errors import BudgetError, DoesNotFitError, InvalidArgument
 from batchfit.memory.sizes import format_bytes, parse_memory
+from batchfit.plan.placement import RolloutEngine
 from batchfit.validation import check_bool, check_choice, check_int, check_number, check_positive_int
 
 __all__ = [

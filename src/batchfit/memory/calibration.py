@@ -27,13 +27,17 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from batchfit.errors import InvalidArgument
-from batchfit.memory.cuda_untracked import ALLOCATORS
 from batchfit.memory.sizes import format_bytes
+from batchfit.plan.placement import (
+    ALLOCATOR_CONF_VARIABLES,
+    ALLOCATORS,
+    allocator_setting,
+    process_allocator_setting,
+)
 from batchfit.validation import check_choice, check_number, is_int
 
 #: The ``format`` field of a calibration file.
@@ -44,8 +48,6 @@ CALIBRATION_VERSION = 1
 CALIBRATION_BACKENDS = ("cpu", "cuda")
 #: The allocator settings a calibration names (NOTE [ The allocator setting ]); ``""``: unknown.
 ALLOCATOR_SETTINGS = ("", *ALLOCATORS)
-#: The environment variables torch reads its CUDA allocator's settings from, in the order torch 2.13 reads them.
-ALLOCATOR_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 #: Fraction of the usable memory :func:`calibrated_limits` keeps back for what one fresh confirm
 #: run cannot show (NOTE [ Calibrated reserve and margin ]).
 DEFAULT_SLACK = 0.02
@@ -178,74 +180,6 @@ def load_calibration(path: str | os.PathLike[str]) -> Calibration:
             f"{where} is not JSON (line {exc.lineno} column {exc.colno}: {exc.msg}); {again}"
         ) from None
     return Calibration.from_dict(data, where=where, fix=again)
-
-
-def allocator_setting(conf: str | None) -> str:
-    """The CUDA allocator setting a ``PYTORCH_CUDA_ALLOC_CONF`` value asks for: ``caching``, ``expandable_segments`` or ``""``.
-
-    NOTE [ The allocator setting ]
-    The caching allocator's overhead (``reserved − allocated``) depends on one of its settings
-    above all: ``expandable_segments:True`` grows a segment in place instead of reserving a new
-    one for each size, so it fragments far less (NOTE [ The margin's evidence ] in
-    :mod:`batchfit.memory.cuda_untracked`). A calibration records which setting its runs had,
-    parsed as torch's ``c10`` allocator config parses it (``c10/core/AllocatorConfig.cpp``,
-    ``c10/cuda/CUDAAllocatorConfig.h``): comma-separated ``key:value`` pairs, spaces ignored,
-    the last ``expandable_segments`` wins and only ``True`` turns it on (torch refuses any other
-    value at CUDA's start). Unset or empty, or without ``expandable_segments:True``: ``caching``.
-    ``backend:cudaMallocAsync`` is another allocator altogether (CUDA's own pool): ``""``, as is
-    a value torch would refuse, since neither says what the caching allocator did. The setting
-    is what the process asked for; a platform without expandable segments (torch warns
-    "expandable_segments not supported on this platform") runs the caching allocator anyway.
-
-    Args:
-        conf: the variable's value, or ``None`` when it is unset.
-
-    Returns:
-        One of :data:`ALLOCATOR_SETTINGS`.
-
-    Example:
-        >>> allocator_setting(None), allocator_setting("max_split_size_mb:128, expandable_segments:True")
-        ('caching', 'expandable_segments')
-        >>> allocator_setting("expandable_segments:True,expandable_segments:False"), allocator_setting("backend:cudaMallocAsync")
-        ('caching', '')
-    """
-    if conf is None:
-        return "caching"
-    if not isinstance(conf, str):
-        raise InvalidArgument(
-            f"conf must be the value of PYTORCH_CUDA_ALLOC_CONF (a string) or None, but got conf={conf!r}"
-        )
-    expandable = False
-    for item in conf.replace(" ", "").split(","):
-        if not item:
-            continue
-        key, _, value = item.partition(":")
-        if key == "backend" and value != "native":
-            return ""  # cudaMallocAsync: not the caching allocator
-        if key == "expandable_segments":
-            if value not in ("True", "False"):
-                return ""  # torch refuses it: "Expected 'True' or 'False'"
-            expandable = value == "True"
-    return "expandable_segments" if expandable else "caching"
-
-
-def process_allocator_setting(environ: Mapping[str, str] | None = None) -> str:
-    """The allocator setting of this process (``environ``, default ``os.environ``): :func:`allocator_setting` of its variable.
-
-    torch reads ``PYTORCH_CUDA_ALLOC_CONF`` and, when it is unset, ``PYTORCH_ALLOC_CONF`` (the
-    name recent torch prefers; torch 2.13's ``c10`` reads them in that order, some earlier
-    releases the other way round). When both are set and ask for different settings, which one
-    applies depends on the torch release: ``""`` (unknown).
-
-    Example:
-        >>> process_allocator_setting({"PYTORCH_ALLOC_CONF": "expandable_segments:True"})
-        'expandable_segments'
-    """
-    env = os.environ if environ is None else environ
-    settings = {allocator_setting(env[name]) for name in ALLOCATOR_CONF_VARIABLES if name in env}
-    if not settings:
-        return allocator_setting(None)
-    return settings.pop() if len(settings) == 1 else ""
 
 
 # The fields of a document, each with its check: value -> the fault after the field's name, or None.

@@ -70,9 +70,13 @@ budget names the one it assumes (:data:`ALLOCATORS`); the safety margin it needs
   margin is the default **0.85**: the estimate missed 0.05% of an H200's step and the kernels a
   step loads lazily held 0.3% of the device (above), far inside it.
 
-A sleeping vLLM engine with its own allocator (``CuMemAllocator``) in the trainer's process
-refuses expandable segments; where a framework runs one so, the budget is the caching
-allocator's (:mod:`batchfit.budget.engine`).
+An engine's own allocator can rule them out: vLLM before 0.20.1 asserted that
+``expandable_segments:True`` is not set beside its sleep mode's ``CuMemAllocator`` (NeMo-RL
+#2319 met it on vLLM 0.17.1); since vLLM PR #40812 it switches them off around its own pool only
+(``device_allocator/cumem.py`` in the 0.24.0 wheel). Every framework release batchfit reads pins
+a later vLLM (verl 0.9.1: 0.24.0, SkyRL 0.4.0: 0.30.0, OpenRLHF 0.11.2: 0.29.0, TRL 1.16.0:
+0.22–0.31), so none rules them out; with an older vLLM in the trainer's process, budget with
+``allocator="caching"`` (``--allocator caching``).
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from batchfit.memory.sizes import MiB, format_bytes
+from batchfit.plan.placement import ALLOCATOR_CONF, ALLOCATORS, DEFAULT_ALLOCATOR
 from batchfit.validation import check_positive_int
 
 #: The CUDA context with lazy module loading (PyTorch PR #86509, measured: 287,047,680 B).
@@ -89,17 +94,10 @@ CONTEXT_BYTES = 287_047_680
 NCCL_BUFFSIZE = 4 * MiB
 #: Channels per communicator assumed (NCCL chooses at run time; up to 32 on NVLink systems).
 NCCL_CHANNELS = 16
-#: The allocator settings a budget assumes (NOTE [ The allocator's share ]): ``PYTORCH_CUDA_ALLOC_CONF``
-#: with ``expandable_segments:True``, or without it (the caching allocator's default segments).
-ALLOCATORS = ("expandable_segments", "caching")
-#: The allocator a budget assumes when none is named: the one batchfit's emitted settings turn on.
-DEFAULT_ALLOCATOR = "expandable_segments"
 #: The safety margin each allocator setting needs when nothing calibrated it (NOTE [ The allocator's share ]).
 ALLOCATOR_MARGINS = {"expandable_segments": 0.85, "caching": 0.83}
 #: The safety margin when nothing calibrated it (NOTE [ The margin's evidence ]): the default allocator's.
 DEFAULT_SAFETY_MARGIN = ALLOCATOR_MARGINS[DEFAULT_ALLOCATOR]
-#: What ``PYTORCH_CUDA_ALLOC_CONF`` says of each allocator setting, for messages and emitted environments.
-ALLOCATOR_CONF = {"expandable_segments": "expandable_segments:True", "caching": "expandable_segments:False"}
 
 # compute capability of each device preset (the workspace size depends on it)
 _CAPABILITY = {
