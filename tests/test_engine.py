@@ -84,8 +84,10 @@ def test_a_vllm_engine_that_cannot_start_beside_the_trainer_is_refused_with_both
         check_awake_phase(engine, device_bytes=80 * GiB, trainer_bytes=20 * GiB, untracked_bytes=0, fix="offload it")
     # (80 − 20 − 0.5) GiB / 80 GiB = 0.74375 → 0.74
     assert "lower rollout.gpu_memory_utilization to 0.74 or less, or offload it" in str(caught.value)
-    check_awake_phase(RolloutEngine(memory_fraction=0.7), device_bytes=80 * GiB, trainer_bytes=20 * GiB, untracked_bytes=0, fix="")
-    check_awake_phase(RolloutEngine(name="sglang"), device_bytes=80 * GiB, trainer_bytes=79 * GiB, untracked_bytes=0, fix="")
+    phase = check_awake_phase(RolloutEngine(memory_fraction=0.7), device_bytes=80 * GiB, trainer_bytes=20 * GiB, untracked_bytes=0, fix="")
+    assert phase.spare_bytes == 80 * GiB - 56 * GiB - 512 * MiB - 20 * GiB  # 0.7 × 80 GiB + its context, the trainer's 20 GiB
+    assert phase.describe().endswith("of 80.00 GiB: 3.50 GiB to spare")
+    assert check_awake_phase(RolloutEngine(name="sglang"), device_bytes=80 * GiB, trainer_bytes=79 * GiB, untracked_bytes=0, fix="") is None
 
 
 @pytest.mark.parametrize(
@@ -278,6 +280,7 @@ def test_the_verl_emit_header_states_the_engine_and_the_allocator(tmp_path, caps
     out = capsys.readouterr().out
     assert "# allocator: expandable_segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in out
     assert "# rollout engine: vllm asleep (TP 2): CUDA context 512.00 MiB + NCCL 1.03 GiB + CUDA graphs 64.50 MiB" in out
+    assert "# awake phase: while vLLM generates: it takes 2.00 GiB, the trainer keeps" in out  # 0.5 × 3 GiB + 512 MiB
     assert "verl 0.9.1 switches them on in the trainer after each weight sync" in out  # the allocator's comment
 
 

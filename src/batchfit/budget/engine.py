@@ -77,6 +77,7 @@ __all__ = [
     "ENGINE_NCCL_BYTES",
     "GRAPH_BYTES_PER_LAYER",
     "SGLANG_GRAPH_BYTES_PER_BATCH",
+    "AwakePhase",
     "EngineReserve",
     "awake_engine_bytes",
     "check_awake_phase",
@@ -234,6 +235,46 @@ def engine_reserve(engine: RolloutEngine | None, config: Any, *, device_bytes: i
     )
 
 
+@dataclass(frozen=True)
+class AwakePhase:
+    """One GPU while a colocated vLLM engine generates: what it takes, what the trainer keeps beside it.
+
+    Attributes:
+        engine_bytes: what the engine takes awake (:func:`awake_engine_bytes`).
+        trainer_bytes: the trainer's state kept on the GPU while the engine generates.
+        untracked_bytes: the trainer's own memory outside its tensors (context, workspaces, NCCL).
+        device_bytes: the GPU's memory.
+    """
+
+    engine_bytes: int
+    trainer_bytes: int
+    untracked_bytes: int
+    device_bytes: int
+
+    @property
+    def spare_bytes(self) -> int:
+        """What is left of the GPU (negative: the engine cannot start)."""
+        return self.device_bytes - self.engine_bytes - self.trainer_bytes - self.untracked_bytes
+
+    def describe(self) -> str:
+        """``while vLLM generates: it takes 40.50 GiB, the trainer keeps 14.19 GiB (+ 593.75 MiB untracked): 24.90 GiB to spare``."""
+        return (
+            f"while vLLM generates: it takes {format_bytes(self.engine_bytes)}, the trainer keeps "
+            f"{format_bytes(self.trainer_bytes)} (+ {format_bytes(self.untracked_bytes)} outside its tensors) of "
+            f"{format_bytes(self.device_bytes)}: {format_bytes(self.spare_bytes)} to spare"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The figures and what is left (JSON-ready)."""
+        return {
+            "engine_bytes": self.engine_bytes,
+            "trainer_bytes": self.trainer_bytes,
+            "untracked_bytes": self.untracked_bytes,
+            "device_bytes": self.device_bytes,
+            "spare_bytes": self.spare_bytes,
+        }
+
+
 def check_awake_phase(
     engine: RolloutEngine | None,
     *,
@@ -241,8 +282,8 @@ def check_awake_phase(
     trainer_bytes: int,
     untracked_bytes: int,
     fix: str,
-) -> None:
-    """Refuse a run whose engine, awake, cannot start beside what the trainer keeps on the GPU.
+) -> AwakePhase | None:
+    """The GPU while ``engine`` generates beside the trainer; refuse a run where the engine cannot start.
 
     vLLM refuses to start unless ``gpu_memory_utilization × total`` is free
     (``v1/worker/utils.py``); while it generates, the trainer keeps ``trainer_bytes`` per GPU
@@ -257,23 +298,26 @@ def check_awake_phase(
         untracked_bytes: the trainer's own memory outside its tensors.
         fix: what to change, in the config's words (the engine's fraction key and the offload keys).
 
+    Returns:
+        The :class:`AwakePhase` when it was checked (and fits), else ``None``.
+
     Raises:
         DoesNotFitError: one line with both figures and ``fix``.
     """
     if engine is None or not engine.colocated or engine.name != "vllm" or device_bytes is None:
-        return
-    awake = awake_engine_bytes(engine, device_bytes)
-    if awake + trainer_bytes + untracked_bytes <= device_bytes:
-        return
+        return None
+    phase = AwakePhase(awake_engine_bytes(engine, device_bytes), trainer_bytes, untracked_bytes, device_bytes)
+    if phase.spare_bytes >= 0:
+        return phase
     room = device_bytes - trainer_bytes - untracked_bytes - (ENGINE_CONTEXT_BYTES if engine.own_process else 0)
     most = math.floor(100 * max(room, 0) / device_bytes) / 100
     fraction = VLLM_MEMORY_FRACTION if engine.memory_fraction is None else engine.memory_fraction
     raise DoesNotFitError(
         f"the colocated vLLM engine cannot start while the trainer keeps its state on the GPU: "
-        f"{engine.key('memory_fraction')}={fraction:g} asks for {format_bytes(awake)} of {format_bytes(device_bytes)} "
-        f"per GPU, but the trainer keeps {format_bytes(trainer_bytes)} there while it generates (and "
-        f"{format_bytes(untracked_bytes)} outside its tensors); lower {engine.key('memory_fraction')} to {most:g} or "
-        f"less, or {fix}",
-        needed=awake + trainer_bytes + untracked_bytes,
+        f"{engine.key('memory_fraction')}={fraction:g} asks for {format_bytes(phase.engine_bytes)} of "
+        f"{format_bytes(device_bytes)} per GPU, but the trainer keeps {format_bytes(trainer_bytes)} there while it "
+        f"generates (and {format_bytes(untracked_bytes)} outside its tensors); lower {engine.key('memory_fraction')} "
+        f"to {most:g} or less, or {fix}",
+        needed=phase.engine_bytes + trainer_bytes + untracked_bytes,
         available=device_bytes,
     )

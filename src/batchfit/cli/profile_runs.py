@@ -194,6 +194,8 @@ def _run_config(
             shared = ", ".join(f"{role} {format_bytes(b)}" for role, b in result.resident.items())
             header.append(f"colocated models' state taken off each budget: {shared}")
         header += device_lines(result.profiles.get("policy") or next(iter(result.profiles.values())))
+        if result.awake is not None:
+            header.append(f"awake phase: {result.awake.describe()}")
         header += [f"note: {note}" for note in (*notes, *run.notes)]
         moe_lines = dict.fromkeys(f"{p.model}: {p.moe.describe()}" for p in result.profiles.values() if p.moe is not None)
         header += [f"note: {line}" for line in moe_lines]  # the passes measured a mixture of experts so
@@ -210,6 +212,8 @@ def _run_config(
         + (f"; colocated {', '.join(run.colocated)}" if run.colocated else ""),
         highlight=False,
     )
+    if result.awake is not None:
+        console.print(f"awake phase: {result.awake.describe()}", highlight=False)
     for note in (*notes, *run.notes):
         console.print(f"note: {note}", highlight=False)
     for line in _attention_notes(result):

@@ -17,7 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchfit.budget.engine import EngineReserve, check_awake_phase, engine_reserve, given_engine_reserve
+from batchfit.budget.engine import (
+    AwakePhase,
+    EngineReserve,
+    check_awake_phase,
+    engine_reserve,
+    given_engine_reserve,
+)
 from batchfit.budget.model_profile import ModelProfile, default_dtype, profile_model, resident_state_bytes
 from batchfit.budget.options import ProfileOptions
 from batchfit.budget.token_budget import TokenBudget
@@ -52,6 +58,9 @@ class RunProfile:
             its budgets assume, which :func:`batchfit.frameworks.emit.emit_keys` writes as keys.
         engine: what the rollout engine keeps on each GPU while the trainer steps (taken off
             every pass's usable memory), ``None`` when the config has no engine and none was given.
+        awake: one GPU while a colocated vLLM engine generates (what it takes, what the trainer
+            keeps beside it, what is left), ``None`` when not checked (no such engine, a given
+            ``engine_reserve``, or the device's own memory).
     """
 
     run: RunConfig
@@ -60,6 +69,7 @@ class RunProfile:
     notes: tuple[str, ...] = ()
     options: dict[str, ProfileOptions] = field(default_factory=dict, compare=False)
     engine: EngineReserve | None = None
+    awake: AwakePhase | None = None
 
     @property
     def budgets(self) -> dict[str, TokenBudget]:
@@ -82,6 +92,7 @@ class RunProfile:
             "colocated": list(run.colocated),
             "resident_bytes": self.resident,
             "engine": None if self.engine is None else self.engine.to_dict(),
+            "awake": None if self.awake is None else self.awake.to_dict(),
             "allocator": run.allocator,
             "profiles": {name: p.to_dict() for name, p in self.profiles.items()},
             "notes": list(self.notes),
@@ -124,8 +135,8 @@ def profile_run(run: RunConfig, options: ProfileOptions) -> RunProfile:
         role: state(role, run.resident[role]) for role in by_role if role in run.colocated and run.resident.get(role)
     }
     engine = _engine(run, options)
-    if options.engine_reserve is None:  # a given engine_reserve replaces the engine's model, awake and asleep
-        _check_generation(run, options, by_role, state)
+    # a given engine_reserve replaces the engine's model, awake and asleep
+    awake = _check_generation(run, options, by_role, state) if options.engine_reserve is None else None
     profiles = {}
     for role, role_opts in by_role.items():
         others = sum(b for other, b in resident.items() if other != role)
@@ -133,7 +144,7 @@ def profile_run(run: RunConfig, options: ProfileOptions) -> RunProfile:
             run.models[role], role_opts, roles=PASSES[role], resident_bytes=others, engine=engine
         )
     return RunProfile(
-        run=run, profiles=profiles, resident=resident, notes=tuple(notes), options=by_role, engine=engine
+        run=run, profiles=profiles, resident=resident, notes=tuple(notes), options=by_role, engine=engine, awake=awake
     )
 
 
@@ -150,14 +161,16 @@ def _engine(run: RunConfig, options: ProfileOptions) -> EngineReserve | None:
     return engine_reserve(run.engine, load_config(run.models["policy"]), device_bytes=device)
 
 
-def _check_generation(run: RunConfig, options: ProfileOptions, by_role: dict[str, ProfileOptions], state: Any) -> None:
-    """Refuse a run whose engine, awake, cannot start beside what its models keep on the GPUs (NOTE [ What a sleeping engine keeps ])."""
+def _check_generation(
+    run: RunConfig, options: ProfileOptions, by_role: dict[str, ProfileOptions], state: Any
+) -> AwakePhase | None:
+    """One GPU while the run's engine generates; refuse a run whose engine cannot start beside what its models keep there."""
     from batchfit.memory import backend_class, parse_memory, untracked_memory
     from batchfit.memory.sizes import parse_size
 
     engine = run.engine
     if engine is None or not engine.colocated or options.memory_limit is None:
-        return
+        return None
     device = parse_memory(options.memory_limit, name="memory_limit")
     trainer = sum(state(role, kinds) for role, kinds in run.generation_resident.items() if role in by_role and kinds)
     world = options.sharding.world_size if options.sharding.strategy != "none" else 1
@@ -167,7 +180,7 @@ def _check_generation(run: RunConfig, options: ProfileOptions, by_role: dict[str
         untracked = untracked_memory(str(options.memory_limit), world_size=world, total_bytes=device).reserve_bytes
     else:
         untracked = 0
-    check_awake_phase(
+    return check_awake_phase(
         engine,
         device_bytes=device,
         trainer_bytes=trainer,
