@@ -1,4 +1,4 @@
-"""Run a test function on several gloo ranks in spawned processes, bounded by timeouts.
+"""Run a test function on several gloo ranks, each a process of its own, bounded by timeouts.
 
 A rank that hangs (stuck in a collective) makes the test fail instead of stalling CI; an
 exception on a rank is reported back as ``("error", repr(exc))`` instead of hanging the parent.
@@ -74,6 +74,38 @@ def scaled(seconds: float) -> float:
     return seconds * timeout_scale()
 
 
+#: What the ranks' fork server imports once, so that a rank starts in a fraction of a second instead
+#: of importing torch, transformers' model classes and batchfit itself (about 6 s per 2-rank run on
+#: the shared 2-core machine, 0.3 s forked); a module that fails to import here is imported by the
+#: rank that needs it.
+PRELOAD = [
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen2.modeling_qwen2",
+    "batchfit.budget",
+    "batchfit.memory",
+    "batchfit.models",
+    "batchfit.parallel",
+    "batchfit.train",
+    "multirank",
+]
+
+
+def context() -> Any:
+    """The ranks' multiprocessing context: processes forked from a server that has imported :data:`PRELOAD`.
+
+    The server is a fresh interpreter started once per test process (forking the test process
+    itself, with its threads and state, would not be); each rank is a new process of its own, as
+    with ``spawn``, and gets the caller's environment and ``sys.path`` when it starts (:func:`_entry`).
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _entry(
     worker: Callable[..., Any],
     rank: int,
@@ -82,7 +114,11 @@ def _entry(
     group_timeout: float,
     results: Any,
     args: tuple,
+    environ: dict[str, str],
 ) -> None:
+    # the server's environment is the one of the test that started it: take the caller's
+    os.environ.clear()
+    os.environ.update(environ)
     import torch.distributed as dist
 
     # a file store: nothing listens on a port, so no other job can take it between choosing and binding
@@ -105,20 +141,21 @@ def run_ranks(
     timeout: float = 90.0,
     silent: tuple[int, ...] = (),
 ) -> dict[int, Any]:
-    """``{rank: worker(rank, *args)}`` from ``world`` spawned gloo ranks; fails the test on a hang or an error.
+    """``{rank: worker(rank, *args)}`` from ``world`` gloo ranks (:func:`context`); fails the test on a hang or an error.
 
-    ``worker`` must be a module-level function (spawn pickles it by name). Ranks in ``silent``
+    ``worker`` must be a module-level function (it is pickled by name). Ranks in ``silent``
     are expected to exit without reporting (a rank killed on purpose); the others must report.
     ``timeout`` is the wait for each rank's result on an unloaded machine; it is :func:`scaled`,
     as is the ranks' process-group timeout (:data:`GROUP_TIMEOUT`).
     """
-    ctx = multiprocessing.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="batchfit-ranks-") as folder:
         store_path = os.path.join(folder, "store")
         procs = [
             ctx.Process(
-                target=_entry, args=(worker, r, world, store_path, scaled(GROUP_TIMEOUT), results, args)
+                target=_entry,
+                args=(worker, r, world, store_path, scaled(GROUP_TIMEOUT), results, args, dict(os.environ)),
             )
             for r in range(world)
         ]

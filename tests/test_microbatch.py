@@ -23,7 +23,7 @@ from microbatch_helpers import (
     weighted_loss,
     whole_batch_grads,
 )
-from multirank import scaled
+from multirank import context, scaled
 
 # ---------------------------------------------------------------- trimming
 
@@ -187,12 +187,13 @@ def test_per_micro_batch_means_would_bias_the_gradient():
 @pytest.mark.timeout(180)
 def test_two_rank_ddp_gradient_equals_whole_mini_batch_gradient(tmp_path):
     budget, costs = 24, ("padded", "packed")
+    context()  # the ranks fork from the server that has imported torch (tests/multirank.py)
     ctx = mp.start_processes(
         ddp_worker,
         args=(2, str(tmp_path / "init"), str(tmp_path), costs, budget),
         nprocs=2,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     deadline = time.monotonic() + scaled(150)
     try:
