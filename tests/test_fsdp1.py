@@ -27,6 +27,7 @@ from batchfit.parallel.shard import decoder_layers, shard_model, unwrap
 from isolation_helpers import ABORTS, OutOfMemoryAt, aborted_probe, held
 from isolation_helpers import figures as _figures  # the name the assertions use
 from multirank import run_ranks
+from tiers import second_tier_except
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -129,22 +130,29 @@ def test_a_lora_model_is_refused_with_the_fix():
 
 # --------------------------------------------------------------------------- estimate = cpu
 
-# (id, Sharding options, build options, step options)
+# (id, Sharding options, build options, step options); the first tier keeps training and forward-only,
+# padded and packed, mixed and pure bf16, checkpointing and offload
 CASES = [
     pytest.param({}, {}, {}, id="bf16-train-padded"),
-    pytest.param({}, {}, {"cost": "packed"}, id="bf16-train-packed"),
-    pytest.param({}, {}, {"forward_only": True}, id="bf16-forward-only-padded"),
+    pytest.param({}, {}, {"cost": "packed"}, id="bf16-train-packed", marks=pytest.mark.slow),
+    pytest.param({}, {}, {"forward_only": True}, id="bf16-forward-only-padded", marks=pytest.mark.slow),
     pytest.param({}, {}, {"forward_only": True, "cost": "packed"}, id="bf16-forward-only-packed"),
-    pytest.param({"mixed_precision": "none"}, {"dtype": "bf16"}, {}, id="pure-bf16-train-padded"),
+    pytest.param(
+        {"mixed_precision": "none"}, {"dtype": "bf16"}, {}, id="pure-bf16-train-padded", marks=pytest.mark.slow
+    ),
     pytest.param(
         {"mixed_precision": "none"}, {"dtype": "bf16"}, {"cost": "packed"}, id="pure-bf16-train-packed"
     ),
     pytest.param(
-        {"mixed_precision": "none"}, {"dtype": "bf16"}, {"forward_only": True}, id="pure-bf16-forward-only"
+        {"mixed_precision": "none"},
+        {"dtype": "bf16"},
+        {"forward_only": True},
+        id="pure-bf16-forward-only",
+        marks=pytest.mark.slow,
     ),
-    pytest.param({"reshard_after_forward": False}, {}, {}, id="shard-grad-op"),
+    pytest.param({"reshard_after_forward": False}, {}, {}, id="shard-grad-op", marks=pytest.mark.slow),
     pytest.param({}, {"gradient_checkpointing": True}, {}, id="checkpointing"),
-    pytest.param({}, {"value_head": True}, {}, id="critic"),
+    pytest.param({}, {"value_head": True}, {}, id="critic", marks=pytest.mark.slow),
     pytest.param({"offload": "cpu"}, {}, {"forward_only": True}, id="offloaded-reference"),
 ]
 
@@ -511,9 +519,22 @@ def _holds_the_same(model, optimizer, before: tuple[list, dict]) -> None:
         assert all(now[key][k] is v for k, v in entries.items())
 
 
-@pytest.mark.parametrize("abort", ABORTS)
-@pytest.mark.parametrize(("sharding", "build"), OPTIONS)
-@pytest.mark.parametrize("backend_name", ["estimate", "cpu"])
+# the first tier runs each backend, option and abort at least once
+@pytest.mark.parametrize(
+    ("backend_name", "sharding", "build", "abort"),
+    second_tier_except(
+        [
+            "estimate-full-shard-oom-in-backward",
+            "estimate-shard-grad-op-oom-in-forward",
+            "estimate-pure-bf16-limit",
+            "cpu-shard-grad-op-checkpointing-limit",
+            "cpu-pure-bf16-oom-in-backward",
+        ],
+        ["estimate", "cpu"],
+        OPTIONS,
+        ABORTS,
+    ),
+)
 def test_a_probe_after_an_aborted_probe_equals_a_probe_on_a_fresh_model(backend_name, sharding, build, abort):
     with simulated_world(WORLD):
         backend = get_backend(backend_name, round_to=1, reserve_bytes=0)
@@ -528,8 +549,14 @@ def test_a_probe_after_an_aborted_probe_equals_a_probe_on_a_fresh_model(backend_
         assert _figures(backend.measure(step, register=(model, optimizer))) == _figures(fresh)
 
 
-@pytest.mark.parametrize(("sharding", "build"), OPTIONS)
-@pytest.mark.parametrize("backend_name", ["estimate", "cpu"])
+@pytest.mark.parametrize(
+    ("backend_name", "sharding", "build"),
+    second_tier_except(
+        ["estimate-shard-grad-op", "cpu-full-shard", "cpu-shard-grad-op-checkpointing", "cpu-pure-bf16"],
+        ["estimate", "cpu"],
+        OPTIONS,
+    ),
+)
 def test_a_probe_after_a_finished_forward_only_probe_equals_a_probe_on_a_fresh_model(
     backend_name, sharding, build
 ):

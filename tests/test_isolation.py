@@ -24,6 +24,7 @@ from batchfit.models import build_causal_lm
 from batchfit.parallel import Sharding, simulated_world
 from isolation_helpers import ABORTS, OutOfMemoryAt, aborted_probe, held
 from isolation_helpers import figures as _figures  # the name the assertions use
+from tiers import second_tier_except
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -140,9 +141,22 @@ def _holds_the_same(model, optimizer, before: tuple[list, dict]) -> None:
 # --------------------------------------------------------------------------- estimate and cpu
 
 
-@pytest.mark.parametrize("abort", ABORTS)
-@pytest.mark.parametrize(("sharding", "build"), OPTIONS)
-@pytest.mark.parametrize("backend_name", ["estimate", "cpu"])
+# the first tier runs each backend, option and abort at least once (the issue's case: tests below)
+@pytest.mark.parametrize(
+    ("backend_name", "sharding", "build", "abort"),
+    second_tier_except(
+        [
+            "estimate-reshard-oom-in-backward",
+            "estimate-no-reshard-oom-in-forward",
+            "estimate-no-reshard-checkpointing-limit",
+            "cpu-reshard-limit",
+            "cpu-no-reshard-offload-oom-in-backward",
+        ],
+        ["estimate", "cpu"],
+        OPTIONS,
+        ABORTS,
+    ),
+)
 def test_a_probe_after_an_aborted_probe_equals_a_probe_on_a_fresh_model(backend_name, sharding, build, abort):
     with simulated_world(2):
         backend = get_backend(backend_name, round_to=1, reserve_bytes=0)
@@ -157,8 +171,14 @@ def test_a_probe_after_an_aborted_probe_equals_a_probe_on_a_fresh_model(backend_
         assert _figures(backend.measure(step, register=(model, optimizer))) == _figures(fresh)
 
 
-@pytest.mark.parametrize(("sharding", "build"), OPTIONS)
-@pytest.mark.parametrize("backend_name", ["estimate", "cpu"])
+@pytest.mark.parametrize(
+    ("backend_name", "sharding", "build"),
+    second_tier_except(
+        ["estimate-no-reshard", "cpu-reshard", "cpu-no-reshard-offload", "cpu-no-reshard-checkpointing"],
+        ["estimate", "cpu"],
+        OPTIONS,
+    ),
+)
 def test_a_probe_after_a_finished_forward_only_probe_equals_a_probe_on_a_fresh_model(
     backend_name, sharding, build
 ):
@@ -204,9 +224,15 @@ def test_the_issues_probe_is_counted_in_full_after_an_abort():
         assert (after.peak_bytes, after.breakdown) == (4_582_676, fresh.breakdown)
 
 
-@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.8, 0.95])
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "no-reshard"])
-@pytest.mark.parametrize("backend_name", ["estimate", "cpu"])
+@pytest.mark.parametrize(
+    ("backend_name", "reshard", "fraction"),
+    second_tier_except(
+        ["estimate-no-reshard-0.5", "estimate-reshard-0.95", "cpu-reshard-0.1", "cpu-no-reshard-0.8"],
+        ["estimate", "cpu"],
+        [pytest.param(True, id="reshard"), pytest.param(False, id="no-reshard")],
+        [pytest.param(f, id=str(f)) for f in (0.1, 0.5, 0.8, 0.95)],
+    ),
+)
 def test_the_budgets_probe_after_an_abort_at_any_fraction_equals_a_fresh_probe(backend_name, reshard, fraction):
     # issue 28: the budget's own probe (causal_lm_step), tiny preset, FSDP2 over 2 ranks, 2 x 64 tokens:
     # stopped at 50% of its peak without reshard after forward (inside the root's all-gather copy-out),
@@ -377,8 +403,19 @@ def fake_cuda(monkeypatch):
     return state
 
 
-@pytest.mark.parametrize("probe", [*ABORTS[1:], "forward-only"])
-@pytest.mark.parametrize(("sharding", "build"), OPTIONS)
+@pytest.mark.parametrize(
+    ("sharding", "build", "probe"),
+    second_tier_except(
+        [
+            "reshard-oom-in-forward",
+            "no-reshard-forward-only",
+            "no-reshard-offload-oom-in-backward",
+            "no-reshard-checkpointing-oom-in-forward",
+        ],
+        OPTIONS,
+        [*ABORTS[1:], "forward-only"],
+    ),
+)
 def test_on_cuda_a_probe_resets_fsdp2_keeps_the_state_and_releases_the_cache(
     fake_cuda, monkeypatch, sharding, build, probe
 ):
