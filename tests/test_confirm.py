@@ -118,6 +118,9 @@ def test_confirm_table_shows_the_estimate_first_then_each_category(capsys):
     assert "what differs:" in confirm and "fits:" in confirm
 
 
+# the first tier's time (issue 41): two cpu profiles more; the confirm writes the file (tests above) and
+# test_engine.py's test_a_calibrated_profile_assumes_the_allocator_its_runs_had profiles with one
+@pytest.mark.slow
 def test_calibration_round_trip_applies_its_reserve_and_margin(cpu_confirm):
     data, path = cpu_confirm
     cal = load_calibration(path)

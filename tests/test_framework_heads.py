@@ -15,6 +15,7 @@ from batchfit.memory.estimate import EstimateBackend
 from batchfit.memory.tracker import MemoryTracker
 from batchfit.models import build_causal_lm
 from batchfit.train.framework_heads import FrameworkHead, framework_logprobs
+from tiers import second_tier_except
 
 
 def _reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -121,9 +122,23 @@ HEADS = {
 }
 
 
-@pytest.mark.parametrize("cost", ["padded", "packed"])
-@pytest.mark.parametrize("forward_only", [False, True], ids=["train", "forward-only"])
-@pytest.mark.parametrize("name", list(HEADS))
+# the first tier runs every head once, training and forward-only, padded and packed
+@pytest.mark.parametrize(
+    ("name", "forward_only", "cost"),
+    second_tier_except(
+        [
+            "verl-train-padded",
+            "verl-entropy-full-forward-only-packed",
+            "verl-entropy-loss-train-packed",
+            "verl-entropy-checkpointed-forward-only-padded",
+            "skyrl-train-packed",
+            "skyrl-entropy-loss-train-padded",
+        ],
+        list(HEADS),
+        [pytest.param(False, id="train"), pytest.param(True, id="forward-only")],
+        ["padded", "packed"],
+    ),
+)
 def test_every_framework_head_estimate_equals_cpu(name, forward_only, cost):
     lengths = [300, 300, 120]
     measured = []

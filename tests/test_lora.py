@@ -185,10 +185,11 @@ def test_the_optimizer_holds_the_adapters_only():
 @pytest.mark.parametrize(
     ("build", "step"),
     [
-        pytest.param({}, {}, id="fp32"),
+        # the first tier's time (issue 41): bf16 base, checkpointing, forward-only and some targets stay
+        pytest.param({}, {}, id="fp32", marks=pytest.mark.slow),
         pytest.param({"dtype": "bf16"}, {}, id="bf16-base-fp32-adapters"),
         pytest.param({"gradient_checkpointing": True}, {"cost": "packed"}, id="checkpointing-packed"),
-        pytest.param({"value_head": True}, {}, id="critic"),
+        pytest.param({"value_head": True}, {}, id="critic", marks=pytest.mark.slow),
         pytest.param({}, {"forward_only": True}, id="forward-only"),
         pytest.param(
             {"lora": LoraSpec(4, targets="q_proj,down_proj")}, {"logprobs": "fused"}, id="some-targets-fused"

@@ -107,8 +107,12 @@ def test_sampling_holds_more_with_each_logits_processor(sampling, per_logit):
 
 @pytest.mark.parametrize(
     ("rows", "prompt", "completion", "top_p"),
-    [(8, 8, 100, 1.0), (8, 16, 100, 0.95), (4, 200, 20, 1.0)],
-    ids=["decode-binds", "decode-top-p", "prefill-binds"],
+    [
+        pytest.param(8, 8, 100, 1.0, id="decode-binds"),
+        # the first tier's time (issue 41): decode-binds runs the decode, test_sampling_* top-p's bytes
+        pytest.param(8, 16, 100, 0.95, id="decode-top-p", marks=pytest.mark.slow),
+        pytest.param(4, 200, 20, 1.0, id="prefill-binds"),
+    ],
 )
 def test_the_predicted_peak_bounds_a_real_generate_within_5_percent(rows, prompt, completion, top_p):
     from transformers import GenerationConfig

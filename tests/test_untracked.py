@@ -59,7 +59,8 @@ def test_a_reserve_that_leaves_nothing_is_refused_by_name():
     ("vocab", "seq", "chunk", "measured"),
     [
         pytest.param(32_000, 32_768, None, 15_601, id="whole-32k"),
-        pytest.param(64_000, 131_072, 1024, 81_003, id="chunk1024-131k"),
+        # the first tier's time (issue 41): 13 s of its 131K-token estimate; the other two rows stay
+        pytest.param(64_000, 131_072, 1024, 81_003, id="chunk1024-131k", marks=pytest.mark.slow),
         pytest.param(128_000, 65_536, 16_384, 112_001, id="chunk16384-64k"),
     ],
 )
