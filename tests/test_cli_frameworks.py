@@ -348,7 +348,7 @@ def test_budgets_from_a_real_run_read_measured(tmp_path, model_dir, capsys):
     # group, and the emitted keys keep the framework's mixed precision
     path = _openrlhf_command(tmp_path, model_dir, "--algo.kl.init_coef 0")
     path.write_text(path.read_text().replace("--actor.num_gpus_per_node 2", "--actor.num_gpus_per_node 1"))
-    argv = ["profile", "--config", str(path), "--backend", "cpu", "--memory", "24MiB", "--max-seq-len", "64"]
+    argv = ["profile", "--config", str(path), "--backend", "cpu", "--memory", "24MiB", "--engine-reserve", "0", "--max-seq-len", "64"]
     assert main([*argv, "--no-progress", "--emit", "openrlhf"]) == 0
     out = capsys.readouterr().out
     assert "fsdp2 over 1 rank" in out and "--ds.param_dtype bf16" in out

@@ -43,7 +43,7 @@ def _verl_config(path, sp: int) -> str:
 
 
 def _emitted(capsys, config: str, *memory: str) -> dict[str, int]:
-    assert main(["profile", "--config", config, *memory, "--no-progress", "--emit", "verl"]) == 0
+    assert main(["profile", "--config", config, *memory, "--engine-reserve", "0", "--no-progress", "--emit", "verl"]) == 0
     out = capsys.readouterr().out
     return {k: int(v) for k, v in re.findall(r"(\w+_max_token_len_per_gpu|ulysses_sequence_parallel_size): (\d+)", out)}
 
@@ -92,7 +92,7 @@ def test_a_config_s_ring_attention_is_refused_in_one_line_naming_its_key(tmp_pat
 def test_slime_s_max_tokens_per_gpu_is_the_group_s_budget_over_its_context_parallel_size(tmp_path, capsys):
     config = tmp_path / "slime.sh"
     config.write_text(SLIME, encoding="utf-8")
-    argv = ["profile", "--config", str(config), "--memory", "1GiB", "--no-progress", "--sharding", "fsdp2"]
+    argv = ["profile", "--config", str(config), "--memory", "1GiB", "--engine-reserve", "0", "--no-progress", "--sharding", "fsdp2"]
     assert main([*argv, "--sequence-parallel", "2", "--emit", "slime"]) == 0
     out = capsys.readouterr().out
     group = int(re.search(r"budget ([\d,]+) tokens per micro-batch split over 2 GPUs", out)[1].replace(",", ""))
@@ -139,7 +139,7 @@ def test_openrlhf_s_max_tokens_per_gpu_is_the_group_s_budget_over_its_ring_size(
     # (utils/seqlen_balancing.py get_minimum_num_micro_batch_size), for the updates and the experience passes
     config = tmp_path / "openrlhf.sh"
     config.write_text(OPENRLHF, encoding="utf-8")
-    argv = ["profile", "--config", str(config), "--memory", "1GiB", "--no-progress", "--sequence-parallel", "2"]
+    argv = ["profile", "--config", str(config), "--memory", "1GiB", "--engine-reserve", "0", "--no-progress", "--sequence-parallel", "2"]
     assert main([*argv, "--emit", "openrlhf"]) == 0
     out = capsys.readouterr().out
     assert "--ds.ring_attn_size 2" in out

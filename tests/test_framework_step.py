@@ -100,7 +100,7 @@ def test_a_flat_config_has_no_framework_step():
 def _profile_json(tmp_path, capsys, config: dict, *flags: str) -> dict:
     path = tmp_path / "run.json"
     path.write_text(json.dumps(config))
-    small = ["--memory", "96MiB", "--reserve", "0", "--max-seq-len", "256", "--cost", "padded"]
+    small = ["--memory", "96MiB", "--reserve", "0", "--engine-reserve", "0", "--max-seq-len", "256", "--cost", "padded"]
     assert main(["profile", "--config", str(path), "--backend", "estimate", "--json", *small, *flags]) == 0
     return json.loads(capsys.readouterr().out)
 
@@ -140,7 +140,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def test_emit_verl_turns_padding_removal_on_even_when_the_config_keeps_padding(tmp_path, capsys):
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_verl(model={"use_remove_padding": False})))
-    argv = ["profile", "--config", str(path), "--backend", "estimate", "--memory", "96MiB", "--reserve", "0"]
+    argv = ["profile", "--config", str(path), "--backend", "estimate", "--memory", "96MiB", "--reserve", "0", "--engine-reserve", "0"]
     assert main([*argv, "--max-seq-len", "256", "--emit", "verl"]) == 0
     text = capsys.readouterr().out
     emitted = yaml.load(text, Loader=_UniqueKeyLoader)  # one mapping per section

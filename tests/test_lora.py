@@ -515,6 +515,7 @@ def test_a_verl_config_with_lora_rank_gets_a_larger_policy_budget_and_no_referen
         backend="estimate",
         memory_limit="48MiB",
         reserve_bytes=0,
+        engine_reserve=0,  # the engine's term is tests/test_engine.py's
         sharding=Sharding("fsdp2", world_size=2),
         gradient_checkpointing=True,
         cost="packed",

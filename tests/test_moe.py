@@ -195,7 +195,7 @@ def test_a_verl_config_whose_model_is_moe_profiles_every_pass_with_it(tmp_path, 
     }
     path = tmp_path / "verl.yaml"
     path.write_text(yaml.safe_dump(config))
-    fast = ["--backend", "estimate", "--memory", "128MiB", "--reserve", "0", "--no-progress"]
+    fast = ["--backend", "estimate", "--memory", "128MiB", "--reserve", "0", "--engine-reserve", "0", "--no-progress"]
     args = ["profile", "--config", str(path), *fast, "--experts-implementation", "eager", "--compare-routing", "--emit", "verl"]
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
