@@ -609,6 +609,9 @@ def test_a_full_stdout_in_a_real_process_is_one_line_and_exit_2():
     assert done.stderr.count("\n") == 1 and "train_batch_size='x'" in done.stderr, done.stderr
 
 
+# the first tier's time (issue 41): a Python start; the closed pipe in this process
+# (test_a_stdout_that_fails_is_at_most_one_line_and_a_defined_code) and the full stdout's real process stay
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_closed_stdout_is_one_line_and_exit_2():
     done = _run([*PLAN, "4"], preexec_fn=lambda: os.close(1))
@@ -619,6 +622,9 @@ def test_a_closed_stdout_is_one_line_and_exit_2():
     )
 
 
+# the first tier's time (issue 41): a Python start; a task that exits in this process stays
+# (test_a_task_that_exits_or_returns_junk_is_the_tasks_error)
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_task_that_exits_is_exit_2_in_a_real_process(tmp_path):
     done = _run(

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from batchfit.cli import main
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -76,6 +78,7 @@ def test_missing_file_exits_2_without_traceback():
     assert proc.stderr.strip() == "batchfit plan: error: config file 'no-such-file.yaml' does not exist"
 
 
+@pytest.mark.slow  # a Python start (issue 41): test_missing_file_exits_2_without_traceback is the real process
 def test_unknown_flag_is_one_line_exit_2():
     proc = subprocess.run(
         [sys.executable, "-m", "batchfit", "plan", "--polcy", "3"], capture_output=True, text=True

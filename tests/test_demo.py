@@ -36,6 +36,9 @@ def small(**changes) -> object:
     return example.Settings(**{**SMALL, **changes})
 
 
+# the first tier's time (issue 41): the count whatever the turns stays in the first tier
+# (tests/test_minibatch.py's test_mini_batch_count_does_not_depend_on_turns), and the demo's training
+@pytest.mark.slow
 def test_optimizer_steps_are_the_plans_count_whatever_the_turns():
     one_turn = example.train(small(steps=2, max_turns=1))
     five_turns = example.train(small(steps=2, max_turns=5))

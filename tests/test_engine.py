@@ -318,6 +318,9 @@ def test_verls_optimizer_offload_runs_the_log_prob_pass_without_the_optimizer_st
     assert recorder.calls[-1][1].optimizer_offload is False  # SkyRL's run keeps the state: not assumed there
 
 
+# the first tier's time (issue 41): two profiles; the caching allocator's margin 0.83 stays in the first tier
+# (test_skyrl_colocate_all_takes_its_engine_off_and_the_emit_writes_its_allocator_key)
+@pytest.mark.slow
 def test_the_allocator_chooses_the_margin_unless_one_is_given():
     options = ProfileOptions(max_seq_len=64)
     assert (options.allocator, options.safety_margin) == ("expandable_segments", 0.85)
@@ -331,6 +334,9 @@ def test_the_allocator_chooses_the_margin_unless_one_is_given():
     assert b.combined.limit_bytes < a.combined.limit_bytes and b.device_terms()[-1][0].startswith("limit: safety margin 0.83")
 
 
+# the first tier's time (issue 41): engine_reserve taken as given stays in the first tier
+# (test_an_engine_lowers_the_usable_memory_by_its_bytes_and_nothing_else, engine_reserve=0)
+@pytest.mark.slow
 def test_engine_reserve_given_to_a_model_profile_is_taken_off_and_named():
     p = profile_model("tiny", max_seq_len=32, backend="estimate", memory_limit="64MiB", reserve_bytes=0, engine_reserve="8MiB")
     terms = dict(p.device_terms())

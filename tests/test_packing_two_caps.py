@@ -208,6 +208,9 @@ def best_fit_inputs(draw):
     return lengths, responses, list(order), budget, rbudget, dimension
 
 
+# the first tier's time (issue 41): the old scan is compared in the first tier on fixed cases
+# (test_a_sequence_that_fits_no_micro_batch_in_both_dimensions_opens_one, test_rl_rollout_plans_equal_*)
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(best_fit_inputs())
 def test_the_packed_best_fit_puts_every_sequence_where_the_old_scan_did(inputs):

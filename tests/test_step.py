@@ -230,7 +230,8 @@ def _trainer_peak(model, optimizer, lengths, vocab_size, cost):
         return peaks.take()
 
 
-@pytest.mark.parametrize("cost", ["packed", "padded"])
+# the first tier's time (issue 41): packed stays in the first tier
+@pytest.mark.parametrize("cost", ["packed", pytest.param("padded", marks=pytest.mark.slow)])
 def test_a_trainer_micro_batch_at_the_budget_fits_and_one_token_more_does_not_as_the_probe_predicted(cost):
     options = ProfileOptions(
         max_seq_len=64, backend="cpu", memory_limit="12MiB", dtype="fp32", logprobs="fused", cost=cost
