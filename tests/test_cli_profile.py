@@ -371,6 +371,10 @@ def test_plot_without_matplotlib_is_a_one_line_error_before_profiling(capsys, mo
     assert err.count("\n") == 1 and "needs matplotlib" in err and "batchfit[plot]" in err
 
 
+# the first tier's time (issue 41): the world-size search stays in the first tier (tests/test_profile.py's
+# test_activations_that_never_fit_say_no_world_size_helps), and the flags of a sequence that does not fit
+# (test_one_sequence_that_does_not_fit_exits_1_with_its_breakdown_and_the_flags_to_change)
+@pytest.mark.slow
 def test_a_sequence_too_long_for_one_device_names_the_flags_that_fit(capsys, tmp_path):
     from batchfit.models import preset_info
 

@@ -131,12 +131,12 @@ def test_a_lora_model_is_refused_with_the_fix():
 # --------------------------------------------------------------------------- estimate = cpu
 
 # (id, Sharding options, build options, step options); the first tier keeps training and forward-only,
-# padded and packed, mixed and pure bf16, checkpointing and offload
+# padded and packed, mixed and pure bf16, and offload
 CASES = [
     pytest.param({}, {}, {}, id="bf16-train-padded"),
     pytest.param({}, {}, {"cost": "packed"}, id="bf16-train-packed", marks=pytest.mark.slow),
     pytest.param({}, {}, {"forward_only": True}, id="bf16-forward-only-padded", marks=pytest.mark.slow),
-    pytest.param({}, {}, {"forward_only": True, "cost": "packed"}, id="bf16-forward-only-packed"),
+    pytest.param({}, {}, {"forward_only": True, "cost": "packed"}, id="bf16-forward-only-packed", marks=pytest.mark.slow),
     pytest.param(
         {"mixed_precision": "none"}, {"dtype": "bf16"}, {}, id="pure-bf16-train-padded", marks=pytest.mark.slow
     ),
@@ -151,7 +151,7 @@ CASES = [
         marks=pytest.mark.slow,
     ),
     pytest.param({"reshard_after_forward": False}, {}, {}, id="shard-grad-op", marks=pytest.mark.slow),
-    pytest.param({}, {"gradient_checkpointing": True}, {}, id="checkpointing"),
+    pytest.param({}, {"gradient_checkpointing": True}, {}, id="checkpointing", marks=pytest.mark.slow),
     pytest.param({}, {"value_head": True}, {}, id="critic", marks=pytest.mark.slow),
     pytest.param({"offload": "cpu"}, {}, {"forward_only": True}, id="offloaded-reference"),
 ]

@@ -148,7 +148,7 @@ def _holds_the_same(model, optimizer, before: tuple[list, dict]) -> None:
         [
             "estimate-reshard-oom-in-backward",
             "estimate-no-reshard-oom-in-forward",
-            "estimate-no-reshard-checkpointing-limit",
+            "cpu-no-reshard-checkpointing-limit",
             "cpu-reshard-limit",
             "cpu-no-reshard-offload-oom-in-backward",
         ],
@@ -227,7 +227,7 @@ def test_the_issues_probe_is_counted_in_full_after_an_abort():
 @pytest.mark.parametrize(
     ("backend_name", "reshard", "fraction"),
     second_tier_except(
-        ["estimate-no-reshard-0.5", "estimate-reshard-0.95", "cpu-reshard-0.1", "cpu-no-reshard-0.8"],
+        ["estimate-no-reshard-0.5", "cpu-reshard-0.95"],
         ["estimate", "cpu"],
         [pytest.param(True, id="reshard"), pytest.param(False, id="no-reshard")],
         [pytest.param(f, id=str(f)) for f in (0.1, 0.5, 0.8, 0.95)],
@@ -406,12 +406,7 @@ def fake_cuda(monkeypatch):
 @pytest.mark.parametrize(
     ("sharding", "build", "probe"),
     second_tier_except(
-        [
-            "reshard-oom-in-forward",
-            "no-reshard-forward-only",
-            "no-reshard-offload-oom-in-backward",
-            "no-reshard-checkpointing-oom-in-forward",
-        ],
+        ["reshard-forward-only", "no-reshard-offload-oom-in-backward", "no-reshard-checkpointing-oom-in-forward"],
         OPTIONS,
         [*ABORTS[1:], "forward-only"],
     ),
