@@ -526,7 +526,6 @@ def _holds_the_same(model, optimizer, before: tuple[list, dict]) -> None:
         [
             "estimate-full-shard-oom-in-backward",
             "estimate-shard-grad-op-oom-in-forward",
-            "estimate-pure-bf16-limit",
             "cpu-shard-grad-op-checkpointing-limit",
             "cpu-pure-bf16-oom-in-backward",
         ],

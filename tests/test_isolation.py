@@ -149,7 +149,6 @@ def _holds_the_same(model, optimizer, before: tuple[list, dict]) -> None:
             "estimate-reshard-oom-in-backward",
             "estimate-no-reshard-oom-in-forward",
             "cpu-no-reshard-checkpointing-limit",
-            "cpu-reshard-limit",
             "cpu-no-reshard-offload-oom-in-backward",
         ],
         ["estimate", "cpu"],
