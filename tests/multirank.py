@@ -125,13 +125,24 @@ def _entry(
     store = dist.FileStore(store_path, world)
     timeout = datetime.timedelta(seconds=group_timeout)
     store.set_timeout(timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        # Gloo's init is no barrier: a rank that connected, ran a short worker and left could close its
+        # sockets while a peer was still connecting to it ("Connection closed by peer", that rank hung)
+        dist.barrier()
+    except BaseException as exc:  # report, do not hang the parent
+        results.put((rank, ("error", f"{INIT_FAILED}{exc!r}")))
+        return
     try:
         results.put((rank, worker(rank, *args)))
     except BaseException as exc:  # report, do not hang the parent
         results.put((rank, ("error", repr(exc))))
     finally:
         dist.destroy_process_group()
+
+
+#: How a rank's report begins when its process group could not be set up (the others are not waited for).
+INIT_FAILED = "the process group did not start: "
 
 
 def run_ranks(
@@ -162,16 +173,22 @@ def run_ranks(
         for p in procs:
             p.start()
         got: dict[int, Any] = {}
+        failed_to_start = False
         try:
             for _ in range(world - len(silent)):
                 rank, value = results.get(timeout=scaled(timeout))
                 got[rank] = value
+                failed_to_start = isinstance(value, tuple) and value[:1] == ("error",) and value[1].startswith(INIT_FAILED)
+                if failed_to_start:
+                    break
         except queue.Empty:
             pytest.fail(
                 f"a rank hung; got results from ranks {sorted(got)} of {world} in {scaled(timeout):.0f} s"
             )
         finally:
             for p in procs:
+                if failed_to_start:  # the others wait for it in vain
+                    p.kill()
                 p.join(timeout=scaled(30))
                 if p.is_alive():
                     p.kill()
