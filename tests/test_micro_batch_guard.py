@@ -216,9 +216,6 @@ def test_without_a_failure_the_guard_trains_exactly_as_accumulate_does():
     assert_same(got, reference_run(minis, [BUDGET] * 3), atol=0)  # bit for bit
 
 
-# the first tier's time (issue 41): fixed failures end as the lower budget run in the first tier
-# (test_a_micro_batch_that_runs_out_again_lowers_again_from_its_own_figures, the cpu cap's, two DDP ranks')
-@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     at=st.sets(st.tuples(st.integers(0, 2), st.integers(0, 1), st.integers(0, 2)), min_size=1, max_size=2),
