@@ -286,6 +286,16 @@ def test_min_batch_size_over_target_says_by_how_much(cpu4):
     assert info.value.breakdown and info.value.usable_bytes == 4 * 1024**2
 
 
+def test_min_batch_size_of_one_that_does_not_fit_offers_no_lower_min_batch_size(cpu4):
+    # 5 MiB per sample against the 4 MiB limit: even batch 1 does not fit, and nothing is lower than 1
+    with pytest.raises(DoesNotFitError, match=r"even min_batch_size=1 does not fit") as info:
+        find_batch_size(lambda b: torch.zeros(b, 5 << 18), backend=cpu4, progress=False)
+    assert "lower min_batch_size" not in str(info.value)
+    assert str(info.value).endswith(
+        "to make it fit: raise target_memory_fraction or memory_limit; use a smaller model"
+    )
+
+
 def test_a_trial_error_is_raised_unchanged(cpu4):
     def trial(b: int) -> None:
         raise KeyError("broken batch")

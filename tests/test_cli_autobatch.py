@@ -264,7 +264,9 @@ def test_nothing_fits_exits_1_and_says_by_how_much_naming_the_flags(capsys):
     lines = _errors(capsys)
     assert len(lines) == 1 and "even --min-bs 1 does not fit in train mode" in lines[0] and " by " in lines[0]
     # NOTE [ Messages in the caller's vocabulary ]: the flags, not find_batch_size's keywords
-    assert "to make it fit: lower --min-bs; raise --fractions or --memory; use a smaller model" in lines[0]
+    # at --min-bs 1 nothing is lower to offer
+    assert "to make it fit: raise --fractions or --memory; use a smaller model" in lines[0]
+    assert "lower --min-bs" not in lines[0]
     assert "min_batch_size" not in lines[0] and "memory_limit" not in lines[0]
 
 
@@ -274,7 +276,7 @@ def test_nothing_fits_in_json_carries_the_numbers_and_the_flags(capsys):
     assert error["type"] == "DoesNotFitError" and error["limit_bytes"] == int(0.8 * 16 * 1024)  # 13,107
     assert error["usable_bytes"] == 16 * 1024 and error["reserve_bytes"] == 0
     assert error["needed_bytes"] > error["limit_bytes"] and error["breakdown"]  # where the trial was stopped
-    assert [c for r in error["remedies"] for c in r["change"]] == ["--min-bs", "--fractions", "--memory"]
+    assert [c for r in error["remedies"] for c in r["change"]] == ["--fractions", "--memory"]  # at --min-bs 1, no "lower --min-bs"
 
 
 def _autobatch_rank(rank: int, memories: tuple[str, str]) -> dict:

@@ -384,7 +384,8 @@ def find_batch_size(
             reserve_bytes=int(be.reserve_bytes or 0),
             usable_bytes=limit,
             remedies=[
-                Phrase("lower ", Setting("min_batch_size")),
+                # at 1 there is nothing lower to offer
+                *([Phrase("lower ", Setting("min_batch_size"))] if low > 1 else []),
                 Phrase("raise ", Setting("target_memory_fraction"), " or ", Setting("memory_limit")),
                 "use a smaller model",
             ],
