@@ -9,6 +9,7 @@ module imports a private module (``_name``) of another package.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import batchfit
@@ -127,6 +128,18 @@ def _layer(module: str) -> tuple[int, str]:
         if top in names:
             return level, top
     raise AssertionError(f"{module} is in no layer of LAYERS; add its package there")
+
+
+def _readme_layers() -> tuple[tuple[str, ...], ...]:
+    """The packages of the README's "Layout" table, a row each, in the table's order."""
+    readme = (SRC.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return tuple(tuple(re.findall(r"`(\w+)`", row.split("|")[1])) for row in rows)
+
+
+def test_the_readmes_layout_table_lists_the_layers_in_the_order_the_import_check_holds():
+    assert _readme_layers() == LAYERS
 
 
 def test_every_import_goes_down_the_layers():
