@@ -117,6 +117,27 @@ def test_min_of_roles_is_the_smallest_and_keeps_every_part():
     json.dumps(both.to_dict())
 
 
+def test_print_of_a_budget_is_one_short_line_with_its_numbers():
+    # a budget carrying a long breakdown (the dataclass repr printed every category, point and trial)
+    breakdown = {f"category_{i}": 10**9 + i for i in range(60)}
+    point = BudgetPoint(
+        seq_len=4096, max_batch_size=7, peak_bytes=3 * 1024**3, next_peak_bytes=4 * 1024**3, probes=9,
+        breakdown=breakdown,
+    )  # fmt: skip
+    budget = TokenBudget(
+        tokens=28_672, max_seq_len=4096, cost="padded", points=(point,) * 5, memory_model=None, probes=9,
+        limit_bytes=61 * 1024**3, usable_bytes=68 * 1024**3, safety_margin=0.9, backend="estimate", role="policy",
+    )  # fmt: skip
+    assert str(budget) == repr(budget) == (
+        "TokenBudget(tokens=28,672, max_seq_len=4,096, cost='padded', role='policy', backend='estimate', "
+        "limit=61.00 GiB, probes=9)"
+    )
+    assert repr(point) == "BudgetPoint(seq_len=4,096, max_batch_size=7, tokens=28,672, peak=3.00 GiB)"
+    both = TokenBudget.min(budget, _budget(8192, "critic"))
+    assert repr(both).endswith("probes=12, parts=[policy: 28,672, critic: 8,192])")  # 9 + 3 probes
+    assert len(repr(both)) < 200
+
+
 @pytest.mark.parametrize(
     "budgets, match",
     [

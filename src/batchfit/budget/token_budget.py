@@ -8,6 +8,7 @@ from typing import Any
 from batchfit.budget.memory_model import MemoryModel
 from batchfit.budget.probe import Probe
 from batchfit.errors import InvalidArgument
+from batchfit.memory.sizes import format_bytes
 from batchfit.plan.packing import COSTS
 from batchfit.validation import check_choice, check_positive_int
 
@@ -56,6 +57,16 @@ class BudgetPoint:
     response_tokens: int | None = None
     largest: bool = True
     measured: bool = True
+
+    def __repr__(self) -> str:
+        """One short line: the length, what fits there and its peak (the breakdown is in :meth:`to_dict`)."""
+        how = "" if self.largest and self.measured else (" (not probed)" if not self.measured else " (fits, not the largest)")
+        return (
+            f"BudgetPoint(seq_len={self.seq_len:,}, max_batch_size={self.max_batch_size:,}, tokens={self.tokens:,}, "
+            f"peak={format_bytes(self.peak_bytes)}{', capped' if self.capped else ''}){how}"
+        )
+
+    __str__ = __repr__
 
     @property
     def tokens(self) -> int:
@@ -127,6 +138,28 @@ class TokenBudget:
     parts: tuple[TokenBudget, ...] = field(default=())
     response_tokens: int | None = None
     response_fraction: float | None = None
+
+    def __repr__(self) -> str:
+        """One short line: ``C``, its length, cost, role, backend, limit and probe count.
+
+        The points, trials and memory model (thousands of characters) are left to
+        :meth:`to_dict`; a combined budget lists its parts' roles and tokens.
+
+        Example: ``TokenBudget(tokens=28,672, max_seq_len=4,096, cost='padded', role='policy',
+        backend='estimate', limit=61.20 GiB, probes=9)``.
+        """
+        fields = [f"tokens={self.tokens:,}"]
+        if self.response_tokens is not None:
+            fields.append(f"response_tokens={self.response_tokens:,}")
+        fields += [f"max_seq_len={self.max_seq_len:,}", f"cost={self.cost!r}"]
+        if self.role is not None:
+            fields.append(f"role={self.role!r}")
+        fields += [f"backend={self.backend!r}", f"limit={format_bytes(self.limit_bytes)}", f"probes={self.probes}"]
+        if self.parts:
+            fields.append("parts=[" + ", ".join(f"{p.role or '?'}: {p.tokens:,}" for p in self.parts) + "]")
+        return f"TokenBudget({', '.join(fields)})"
+
+    __str__ = __repr__
 
     def max_batch_size(self, seq_len: int) -> int:
         """Sequences of ``seq_len`` tokens (padded) one micro-batch may hold: ``tokens // seq_len``.
