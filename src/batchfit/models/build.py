@@ -9,6 +9,7 @@ a seed ]). The estimate backend builds fake tensors.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 from collections.abc import Iterator
@@ -178,33 +179,61 @@ def build_causal_lm(
     device = chosen.device if chosen is not None else torch.device("cpu")
     from torch._guards import active_fake_mode
 
+    construct = functools.partial(
+        _construct,
+        factory,
+        config,
+        spec,
+        dtype=torch_dtype,
+        attn_implementation=attn_implementation,
+        routing=routing,
+        gradient_checkpointing=gradient_checkpointing,
+        adapters=adapters,
+        value_head=value_head,
+    )
     if (chosen is not None and chosen.simulated) or active_fake_mode() is not None:
         with context:  # fake tensors (estimate, or a task built inside its context): nothing allocated
-            model = _from_config(factory, config, spec, dtype=torch_dtype, attn_implementation=attn_implementation)
-            fix_routing(model, routing)
-            if gradient_checkpointing:
-                enable_activation_checkpointing(model)
+            model = construct()
             if adapters is not None:
-                from batchfit.models.lora import apply_lora, materialise_adapters
+                from batchfit.models.lora import materialise_adapters
 
-                model = apply_lora(model, adapters, value_head=value_head)
                 materialise_adapters(model, device)  # fake tensors of PEFT's dtype
-            return shard_model(model.train(), plan, fake=True)
+            return shard_model(model, plan, fake=True)
     with context:  # NOTE [ Models are built on the meta device ]
         seed = resolve_seed(seed, plan)
         with torch.device("meta"):
-            model = _from_config(factory, config, spec, dtype=torch_dtype, attn_implementation=attn_implementation)
-            fix_routing(model, routing)
-            if gradient_checkpointing:
-                enable_activation_checkpointing(model)
-            if adapters is not None:
-                from batchfit.models.lora import apply_lora
-
-                model = apply_lora(model, adapters, value_head=value_head)
-            model.train()
+            model = construct()
             if plan.strategy == "fsdp2":
                 model = _shard_on_meta(model, plan, device)
         return _materialise(model, plan, device, seed, spec)
+
+
+def _construct(
+    factory: Any,
+    config: Any,
+    spec: Any,
+    *,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    routing: str | None,
+    gradient_checkpointing: bool,
+    adapters: Any,
+    value_head: bool,
+) -> torch.nn.Module:
+    """The model in ``train()`` mode as transformers (and PEFT, with ``adapters``) construct it, on whatever device or mode is current.
+
+    One sequence for the fake build and the meta build (NOTE [ Models are built on the meta
+    device ]): construct, fix the routing, enable checkpointing, wrap the adapters.
+    """
+    model = _from_config(factory, config, spec, dtype=dtype, attn_implementation=attn_implementation)
+    fix_routing(model, routing)
+    if gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    if adapters is not None:
+        from batchfit.models.lora import apply_lora
+
+        model = apply_lora(model, adapters, value_head=value_head)
+    return model.train()
 
 
 def _attention_the_class_runs(factory: Any, config: Any, asked: str) -> str:
