@@ -22,8 +22,17 @@ from typing import Any
 
 from batchfit.errors import BatchConfigError, BatchfitError, DoesNotFitError, TaskError, Vocabulary
 
-# Subcommand modules, in the order `batchfit --help` lists them.
-COMMANDS = ("profile", "plan", "autobatch", "bench", "demo")
+# Subcommand modules, in the order `batchfit --help` lists them, with the one line it shows for each
+# (each module's own `help=` says the same; tests/test_cli_help.py holds them equal).
+# NOTE [ A light --help ]: a subcommand module may import torch (seconds); `batchfit --help`,
+# `--version` and a bare or mistyped command import none of them, and a command imports its own only.
+COMMANDS: dict[str, str] = {
+    "profile": "find the token budget per rank: the largest micro-batch cost that fits in memory",
+    "plan": "validate and explain train / mini / micro batch sizes and the data-parallel layout",
+    "autobatch": "find the largest batch size that fits a target memory fraction (train and val), any model",
+    "bench": "benchmarks (logprobs: time and peak memory of log-prob paths)",
+    "demo": "run examples/grpo_stepwise.py: step-wise GRPO on a tiny model, token budgets, packed micro-batches",
+}
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -34,8 +43,15 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_parser() -> ArgumentParser:
+def build_parser(commands: Sequence[str] | None = None) -> ArgumentParser:
+    """The ``batchfit`` parser; ``commands``: the subcommands whose modules are imported (default: all).
+
+    The others are registered by name and help line only (NOTE [ A light --help ]): enough for
+    ``--help``, ``--version`` and argparse's "invalid choice" message, nothing to run.
+    """
     from batchfit import __version__
+
+    wanted = COMMANDS if commands is None else commands
 
     parser = ArgumentParser(
         prog="batchfit",
@@ -46,7 +62,10 @@ def build_parser() -> ArgumentParser:
         "--debug", action="store_true", help="show the full traceback when your own code (a task file) raises"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
-    for name in COMMANDS:
+    for name, summary in COMMANDS.items():
+        if name not in wanted:
+            sub.add_parser(name, help=summary)
+            continue
         try:
             module = importlib.import_module(f"batchfit.cli.{name}")
         except ModuleNotFoundError as exc:  # a subcommand not built yet
@@ -55,6 +74,11 @@ def build_parser() -> ArgumentParser:
             raise
         module.add_parser(sub)
     return parser
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (the top level takes no values)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def _faults(exc: BaseException, vocabulary: Vocabulary | None = None) -> list[str]:
@@ -202,8 +226,8 @@ def _silence(stream: Any) -> None:
 
 
 def _run(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser([c for c in [_command(argv)] if c in COMMANDS])  # NOTE [ A light --help ]
     # --debug may stand anywhere: the full traceback of what the user's own code raised
     debug = "--debug" in argv
     args = parser.parse_args([a for a in argv if a != "--debug"])
