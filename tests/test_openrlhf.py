@@ -215,10 +215,10 @@ def test_openrlhf_rules_are_faults_in_its_own_words(tmp_path, changes, match):
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        pytest.param(
-            "python -m openrlhf.cli.train_ppo_ray --train_batch_size 8 --pretrain x\n",
-            r"OpenRLHF 0.11.2 has no flag --train_batch_size \(did you mean --train.batch_size\?\), --pretrain",
-            id="older-release-flags",
+        pytest.param(  # an old release's flags are read (see test_an_old_flag_script_reads_…); a typo is not
+            "python -m openrlhf.cli.train_ppo_ray --train.micro_batchsize 8 --pretrain_model x\n",
+            r"OpenRLHF 0.11.2 has no flag --train.micro_batchsize \(did you mean --train.micro_batch_size\?\), --pretrain_model",
+            id="unknown-flags",
         ),
         pytest.param(
             "python -m openrlhf.cli.train_ppo_ray --train.batch_size many\n",
@@ -377,3 +377,115 @@ def test_the_divisor_near_a_size_is_the_closest_the_smaller_on_a_tie():
             assert _divisor_near(n, target) == min(every, key=lambda d: (abs(d - target), d))
     # O(√n): 10**12 + 39 is prime, so √n ≈ 10**6 trials, not 10**12
     assert _divisor_near(10**12 + 39, 10**6) == 1
+
+
+# --------------------------------------------------------------------------- pre-0.11 flags (issue 40, item 4)
+
+# BASE written with OpenRLHF's flags from before its rename (ed62d0e2), as a 0.9/0.10 example script had them.
+OLD_SCRIPT = """#!/bin/bash
+# a GRPO run written for OpenRLHF 0.10 (flat flags)
+MODEL=tiny
+python3 -m openrlhf.cli.train_ppo_ray \\
+   --pretrain $MODEL --actor_num_nodes 1 --actor_num_gpus_per_node 8 --ref_num_gpus_per_node 8 \\
+   --vllm_num_engines 4 --remote_rm_url http://localhost:5000/get_reward \\
+   --rollout_batch_size 32 --n_samples_per_prompt 8 --micro_rollout_batch_size 4 \\
+   --train_batch_size 64 --micro_train_batch_size 4 \\
+   --prompt_max_len 256 --generate_max_len 768 \\
+   --zero_stage 3 --bf16 --flash_attn --advantage_estimator group_norm --colocate_actor_ref \\
+   --init_kl_coef 0.01 --use_kl_loss --actor_learning_rate 5e-7 --max_norm 1.0 --perf
+"""
+
+
+def test_an_old_flag_script_reads_as_the_same_run_as_its_new_flags(tmp_path):
+    old = tmp_path / "old.sh"
+    old.write_text(OLD_SCRIPT)
+    run, new = read_run_config(old), read_run_config(_script(tmp_path))
+    # --data.max_len = --prompt_max_len + --generate_max_len = 256 + 768 = 1024, BASE's
+    assert (run.batch, run.model, run.max_seq_len, run.strategy, run.reference, run.colocated) == (
+        new.batch,
+        new.model,
+        new.max_seq_len,
+        new.strategy,
+        new.reference,
+        new.colocated,
+    )
+    assert run.max_seq_len == 1024
+    assert run.plan().gradient_accumulation_steps == new.plan().gradient_accumulation_steps
+    v = run.values
+    assert v["ds.param_dtype"] == "bf16" and v["ds.attn_implementation"] == "flash_attention_2"
+    assert v["algo.kl.use_loss"] is True and v["algo.kl.init_coef"] == 0.01
+    assert v["actor.max_norm"] == 1.0 and v["critic.max_norm"] == 1.0 and v["actor.adam.lr"] == 5e-7
+    notes = " ".join(run.notes)
+    assert "--micro_train_batch_size → --train.micro_batch_size" in notes
+    assert "--micro_rollout_batch_size → --rollout.micro_batch_size" in notes
+    assert "--n_samples_per_prompt → --rollout.n_samples_per_prompt" in notes
+    assert "--bf16 → --ds.param_dtype bf16" in notes and "rename them in the script" in notes
+    assert "--perf (ed62d0e2" in notes  # removed, dropped with its commit
+
+
+def test_an_old_flag_left_unset_whose_default_changed_is_reported(tmp_path):
+    old = tmp_path / "old.sh"
+    old.write_text(OLD_SCRIPT.replace("--micro_train_batch_size 4 ", ""))
+    run = read_run_config(old)
+    # a2978694 (2026-04-11) changed --micro_train_batch_size's default from 4 to 1; 0.11.2 reads 1
+    assert run.batch.micro_train_batch_size_per_gpu == 1
+    assert any(
+        "leaves --micro_train_batch_size unset: OpenRLHF defaulted it to 4 before a2978694" in n for n in run.notes
+    )
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        # the three the 0.11.2 parser's closest-match hint got wrong (it offered the global batch, the
+        # prompt batch and the eval samples), and the eleven it had no hint for
+        ("--micro_train_batch_size", ("--train.micro_batch_size",)),
+        ("--micro_rollout_batch_size", ("--rollout.micro_batch_size",)),
+        ("--n_samples_per_prompt", ("--rollout.n_samples_per_prompt",)),
+        ("--pretrain", ("--actor.model_name_or_path",)),
+        ("--prompt_max_len", ("--data.max_len",)),
+        ("--generate_max_len", ("--rollout.max_new_tokens",)),
+        ("--flash_attn", ("--ds.attn_implementation",)),
+        ("--bf16", ("--ds.param_dtype",)),
+        ("--init_kl_coef", ("--algo.kl.init_coef",)),
+        ("--use_kl_loss", ("--algo.kl.use_loss",)),
+        ("--ref_reward_offload", ("--ref.offload", "--reward.offload")),
+        ("--train_max_tokens_per_gpu", ("--train.max_tokens_per_gpu",)),
+        ("--ring_attn_size", ("--ds.ring_attn_size",)),
+        ("--perf", ()),
+    ],
+)
+def test_each_old_flag_maps_to_its_renamed_flag(old, new):
+    from batchfit.frameworks.openrlhf_renames import new_flags
+
+    assert new_flags(old) == new
+
+
+def test_every_renamed_flag_is_a_flag_of_the_release():
+    from batchfit.frameworks.openrlhf_renames import renames
+
+    flags = flag_spec("openrlhf").by_flag
+    table = renames()["renamed"]
+    assert len(table) == 148  # every flag train_ppo_ray.py lost between v0.8.0 and ed62d0e2
+    assert [(old, f) for old, row in table.items() for f in row["flags"] if f not in flags] == []
+    assert [old for old in table if old in flags] == []  # an old name is never a 0.11.2 flag
+
+
+def test_an_old_flag_with_an_unset_shell_value_is_a_fault_under_its_new_name(tmp_path):
+    old = tmp_path / "old.sh"
+    old.write_text(OLD_SCRIPT.replace("--micro_train_batch_size 4", "--micro_train_batch_size ${MICRO}"))
+    with pytest.raises(BatchConfigError, match=r"--train.micro_batch_size \$\{MICRO\}: the file does not set"):
+        read_run_config(old)
+
+
+@pytest.mark.slow
+def test_the_shipped_renames_are_what_openrlhfs_history_gives():
+    source = Path(os.environ.get("BATCHFIT_OPENRLHF_SOURCE", "/work/.mirror/OpenRLHF+OpenRLHF/repo"))
+    if not (source / "HEAD").is_file() or not WHEEL.is_file():
+        pytest.skip(f"OpenRLHF's git history ({source}; BATCHFIT_OPENRLHF_SOURCE) or wheel is not on this machine")
+    from batchfit.frameworks.openrlhf_renames import renames
+    from script_helpers import load_script
+
+    module = load_script(Path(__file__).parents[1] / "scripts" / "extract_openrlhf_renames.py", "extract_openrlhf_renames")
+    data = module.build(str(source), str(WHEEL))
+    assert data["renamed"] == renames()["renamed"] and data["changed_defaults"] == renames()["changed_defaults"]

@@ -13,10 +13,12 @@ and ``--rollout.micro_batch_size`` samples per GPU, ``--train.max_tokens_per_gpu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
+from batchfit.frameworks.openrlhf_renames import translate
 from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.plan.config import BatchConfig
 from batchfit.plan.placement import RolloutEngine, process_allocator_setting
@@ -85,6 +87,9 @@ def read(command: Command) -> FrameworkRun:
             a bad value), or an unresolved shell value of a flag batchfit reads.
     """
     spec = flag_spec("openrlhf")
+    # NOTE [ Old OpenRLHF flags are translated ]: a pre-0.11 script is read under 0.11.2's names
+    translated = translate(command, known=frozenset(spec.by_flag), read=READ)
+    command = dataclasses.replace(translated.command, notes=(*command.notes, *translated.notes))
     parsed = parse_command(command, spec, read=READ)
     v = parsed.values
     n, rollout, train = v["rollout.n_samples_per_prompt"], v["rollout.batch_size"], v["train.batch_size"]
