@@ -156,3 +156,44 @@ def test_the_real_trainer_at_the_sizes_found_peaks_within_the_targets(tmp_path):
     evaluated = tracker.measure(trainer.evaluate, register=(model,))
     assert evaluated.peak_bytes <= sized.eval.target_bytes
     assert abs(evaluated.peak_bytes - sized.eval.peak_bytes) <= 64  # no KV cache: use_cache as the Trainer sets it
+
+
+def _pad(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Pads to the batch's longest row (ids 0, labels -100), as a tokenizer's padding collator does."""
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = [r["input_ids"] + [0] * (width - len(r["input_ids"])) for r in rows]
+    labels = [r["labels"] + [-100] * (width - len(r["labels"])) for r in rows]
+    mask = [[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows]
+    return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "attention_mask": torch.tensor(mask)}
+
+
+def _short_then_long(short: int = 1024, long: int = 1024) -> list[dict]:
+    # the first 1,024 rows hold 4 tokens, the rest SEQ = 32 (issue 40: rows <= 128 tokens, then 512)
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.randint(0, 128, (4,), generator=g).tolist() for _ in range(short)]
+    rows += [torch.randint(0, 128, (SEQ,), generator=g).tolist() for _ in range(long)]
+    return [{"input_ids": r, "labels": r} for r in rows]
+
+
+@pytest.mark.parametrize("as_dataset", [False, True], ids=["list", "datasets"])
+def test_long_rows_after_row_1024_are_sized_and_the_real_trainer_peaks_within_the_target(tmp_path, as_dataset):
+    from batchfit.memory import get_backend
+
+    rows = _short_then_long()
+    data = rows
+    if as_dataset:
+        datasets = pytest.importorskip("datasets")
+        data = datasets.Dataset.from_list(rows).shuffle(seed=0)  # Arrow lengths, through the shuffle's indices
+    model = _model()
+    args = _args(tmp_path, max_steps=2, learning_rate=1e-3, logging_strategy="no", disable_tqdm=True,
+                 dataloader_num_workers=0)
+    sized = find_trainer_batch_sizes(model, args, data, data_collator=_pad, backend="cpu", memory_limit="8MiB",
+                                     progress=False)
+    assert (sized.train_rows.length, sized.train_rows.shortest, sized.train_rows.rows) == (SEQ, 4, 2048)
+    assert data[sized.train_rows.index]["input_ids"] == data[sized.train_rows.index]["labels"]
+    assert len(data[sized.train_rows.index]["input_ids"]) == SEQ
+    # the Trainer's own loop over batches of only long rows: the worst its sampler can draw
+    long_rows = rows[1024:]
+    trainer = transformers.Trainer(model=model, args=sized.args, train_dataset=long_rows, data_collator=_pad)
+    peak = get_backend("cpu", memory_limit="1GiB").measure(trainer.train, register=(model,)).peak_bytes
+    assert peak <= sized.train.target_bytes

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,10 +46,11 @@ from batchfit.autobatch import BatchSizeResult, find_batch_size
 from batchfit.autobatch.batch_search import limited_backend
 from batchfit.errors import InvalidArgument
 from batchfit.integrations.model_values import values_kept
+from batchfit.integrations.row_lengths import LongestRow, longest_row
+from batchfit.parallel.distributed import get_rank
 from batchfit.train.optim import initialize_optimizer_state
 
-#: Rows scanned for the longest one when no ``make_batch`` is given.
-SCANNED_ROWS = 1024
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,16 @@ class TrainerBatchSizes:
             (and ``per_device_eval_batch_size`` when an eval search ran) set; pass it to ``Trainer``.
         train: the training search (every trial, the peak, the target).
         eval: the evaluation search, or ``None`` when none ran.
+        train_rows: the longest row of ``train_dataset`` the trials repeat, with how every row's
+            length was read (NOTE [ Every row's length, not a sample ]); ``None`` with ``make_batch``.
+        eval_rows: the same for the eval search's rows, or ``None``.
     """
 
     args: Any
     train: BatchSizeResult
     eval: BatchSizeResult | None
+    train_rows: LongestRow | None = None
+    eval_rows: LongestRow | None = None
 
 
 def find_trainer_batch_sizes(
@@ -117,10 +124,13 @@ def find_trainer_batch_sizes(
             Reading ``args.device`` first sets up torch.distributed under ``torchrun`` (the
             ``Trainer``'s own ``PartialState``), so the group exists for the search.
         train_dataset: the rows the ``Trainer`` will train on (a ``datasets.Dataset`` or any
-            indexable sequence of mappings); a trial batch is ``batch_size`` copies of the longest
-            of its first :data:`SCANNED_ROWS` rows (by ``len(row["input_ids"])``), columns the
-            model's forward does not take dropped when ``args.remove_unused_columns`` (as the
-            ``Trainer`` does), collated by ``data_collator``.
+            indexable sequence of mappings); a trial batch is ``batch_size`` copies of its longest
+            row, found from every row's length (``len(row["input_ids"])``, read from the Arrow
+            column, ``args.length_column_name`` or a pass over the rows: NOTE [ Every row's length,
+            not a sample ] in :mod:`batchfit.integrations.row_lengths`; the result's
+            ``train_rows`` says which row and how), columns the model's forward does not take
+            dropped when ``args.remove_unused_columns`` (as the ``Trainer`` does), collated by
+            ``data_collator``.
         eval_dataset: rows for the eval search (default: ``train_dataset``).
         data_collator: the collator you will pass to the ``Trainer`` (default:
             ``transformers.default_data_collator``). It must produce labels (e.g.
@@ -173,7 +183,9 @@ def find_trainer_batch_sizes(
         "progress": progress,
         "group": group,
     }
-    train_batch = make_batch or _batch_maker(train_dataset, collate, columns, "train_dataset")
+    length_column = getattr(args, "length_column_name", "length")
+    train_rows = None if make_batch is not None else _read_lengths(train_dataset, length_column, "train_dataset", progress, group)
+    train_batch = make_batch or _batch_maker(train_dataset, train_rows, collate, columns)
     optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     with values_kept(model), _checkpointing(model, args), _cache_as_the_trainer_sets_it(model, args):
         optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], **optimizer_kwargs)
@@ -187,10 +199,12 @@ def find_trainer_batch_sizes(
             **search,
         )
         del optimizer
-    evaluated = None
+    evaluated = eval_rows = None
     if include_eval:
         rows = train_dataset if eval_dataset is None else eval_dataset
-        eval_batch = make_batch or _batch_maker(rows, collate, columns, "eval_dataset")
+        if make_batch is None:
+            eval_rows = train_rows if eval_dataset is None else _read_lengths(rows, length_column, "eval_dataset", progress, group)
+        eval_batch = make_batch or _batch_maker(rows, eval_rows, collate, columns)
         with _cache_as_the_trainer_sets_it(model, args):
             evaluated = find_batch_size(
                 _EvalStep(model, eval_batch, _autocast(args, be.device), be.device),
@@ -202,7 +216,7 @@ def find_trainer_batch_sizes(
     sized.per_device_train_batch_size = train.batch_size
     if evaluated is not None:
         sized.per_device_eval_batch_size = evaluated.batch_size
-    return TrainerBatchSizes(args=sized, train=train, eval=evaluated)
+    return TrainerBatchSizes(args=sized, train=train, eval=evaluated, train_rows=train_rows, eval_rows=eval_rows)
 
 
 def _move(model: torch.nn.Module, device: torch.device) -> None:
@@ -221,35 +235,26 @@ def _kept_columns(model: torch.nn.Module, args: Any) -> set[str] | None:
     return names | {"label", "label_ids", *(getattr(args, "label_names", None) or [])}
 
 
+def _read_lengths(rows: Any, length_column: str, name: str, progress: Any, group: Any) -> LongestRow:
+    """The longest of every row of ``rows`` (NOTE [ Every row's length, not a sample ]), logged on rank 0 when ``progress``."""
+    found = longest_row(rows, length_column=length_column, name=name)
+    if progress is True and get_rank(group) == 0:
+        logger.info(f"{name}: trials repeat {found.describe()}")
+    return found
+
+
 def _batch_maker(
-    rows: Any, collate: Callable[[list[Any]], Any], columns: set[str] | None, name: str
+    rows: Any, longest: LongestRow, collate: Callable[[list[Any]], Any], columns: set[str] | None
 ) -> Callable[[int], Any]:
-    """``make(batch_size)``: ``batch_size`` copies of the longest scanned row, collated."""
-    try:
-        count = len(rows)
-    except TypeError:
-        raise InvalidArgument(
-            f"{name} must be an indexable dataset (len() and [i]), but got {type(rows).__name__}; pass a datasets.Dataset or a list of rows, or make_batch(batch_size)"
-        ) from None
-    if count == 0:
-        raise InvalidArgument(f"{name} is empty (len={count}); pass the rows the Trainer will use, or make_batch(batch_size)")
-    scanned = [rows[i] for i in range(min(count, SCANNED_ROWS))]
-    longest = max(scanned, key=_row_length)
-    if columns is not None and isinstance(longest, Mapping):
-        longest = {k: v for k, v in longest.items() if k in columns}
+    """``make(batch_size)``: ``batch_size`` copies of the longest row (``longest.index``), collated."""
+    row = rows[longest.index]
+    if columns is not None and isinstance(row, Mapping):
+        row = {k: v for k, v in row.items() if k in columns}
 
     def make(batch_size: int) -> Any:
-        return collate([dict(longest) if isinstance(longest, Mapping) else longest for _ in range(batch_size)])
+        return collate([dict(row) if isinstance(row, Mapping) else row for _ in range(batch_size)])
 
     return make
-
-
-def _row_length(row: Any) -> int:
-    ids = row.get("input_ids") if isinstance(row, Mapping) else None
-    try:
-        return len(ids) if ids is not None else 0
-    except TypeError:
-        return 0
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
