@@ -173,6 +173,15 @@ def test_a_cpu_profile_confirms_the_estimate_with_two_real_steps_per_length(one_
     assert budget.probes < blind.probes
 
 
+def test_one_device_over_eight_ranks_reserves_no_nccl_buffers():
+    # sharding "none" runs no collective: no NCCL communicator, whatever world_size says (the CLI's default
+    # --world-size is 8). 400 MB holds the context (287,047,680) and workspaces (67,108,864) = 354,156,544 bytes
+    # of reserve; NCCL's 2 × 2 × 16 × 4 MiB = 268,435,456 more would leave nothing (main refused it)
+    one = profile_model("tiny", max_seq_len=32, backend="estimate", memory_limit="400MB", sharding=Sharding("none", world_size=8))
+    assert one.untracked.nccl_bytes == 0 and one.untracked.reserve_bytes == 354_156_544
+    assert one.combined.usable_bytes == 400_000_000 - 354_156_544  # 45,843,456
+
+
 def test_the_cpu_backend_refuses_a_model_this_host_cannot_hold():
     with pytest.raises(InvalidArgument, match=r"backend='cpu' runs 'qwen2.5-72b' for real.*use backend='estimate'"):
         profile_model("qwen2.5-72b", max_seq_len=128, backend="cpu", memory_limit="80GiB")

@@ -355,7 +355,8 @@ def profile_model(
     torch_dtype = parse_dtype(default_dtype(plan) if opts.dtype is None else opts.dtype)
     config = load_config(model)  # a bad spec fails here, before any backend work
     be = get_backend(opts.backend, memory_limit=opts.memory_limit, reserve_bytes=opts.reserve_bytes)
-    be.expect_world_size(plan.world_size)  # NCCL's buffers on a sharded simulated device
+    # NCCL's buffers on a simulated device whose strategy talks to other ranks; "none" runs no collective
+    be.expect_world_size(plan.world_size if plan.distributed else 1)
     resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
     if opts.engine_reserve is not None:
         engine = given_engine_reserve(opts.engine_reserve)
