@@ -26,8 +26,10 @@ from batchfit.validation import check_choice, check_positive_int, is_int, short_
 __all__ = [
     "ProfileChoices",
     "RunOptions",
+    "as_data_parallel",
     "check_emit_plan",
     "check_run_settings",
+    "modelled_strategy",
     "run_profile_options",
     "sharding_strategy",
 ]
@@ -183,6 +185,10 @@ def run_profile_options(
         )
         run = run.replace(warnings=(*run.warnings, warning.say(say)))
     strategy = chosen.strategy if chosen.strategy is not None else sharding_strategy(run, say)
+    retrained = None
+    if chosen.strategy is not None and not modelled_strategy(run):
+        # NOTE [ An unmodelled strategy profiled as another ]: the run the budgets are for has dp over every GPU
+        run, retrained = as_data_parallel(run, str(chosen.strategy), chosen.sequence_parallel)
     ring = run.batch.context_parallel or 1
     if ring > 1 and chosen.sequence_parallel is None:
         # NOTE [ Ring attention is refused ] in batchfit.cli.profile_request: OpenRLHF's --ds.ring_attn_size,
@@ -199,11 +205,13 @@ def run_profile_options(
     fsdp = str(strategy).lower() in FSDP_STRATEGIES  # FSDP's options, as the config sets them
     step = framework_step(run)  # the head and layout of the framework's own micro-batch
     notes = list(step.notes) if step is not None else []
+    if retrained is not None:
+        notes.insert(0, retrained)
     logprobs = chosen.logprobs
     if emit is not None and emit != run.vocabulary and logprobs is None:
         logprobs = target_head(emit)  # the head the emitted run computes log-probs with
         run = run.replace(reference_dtype=target_reference_dtype(emit))  # and the reference it loads
-        notes = [f"the budgets' probe runs {emit}'s log-prob head, the one the emitted run uses"]
+        notes = [*([retrained] if retrained else []), f"the budgets' probe runs {emit}'s log-prob head, the one the emitted run uses"]
     if step is not None and logprobs is None:
         logprobs = step.head
     config_cost = step.cost if step is not None else ("packed" if run.remove_padding else "padded")
@@ -325,8 +333,76 @@ def sharding_strategy(run: RunConfig, vocabulary: Vocabulary | None = None) -> s
         raise InvalidArgument(refusal)
     raise InvalidArgument(
         Phrase(
-            f"the config trains with strategy={run.strategy!r}, which batchfit does not model; pass ",
+            f"the config trains with strategy={run.strategy!r}{_model_parallel_words(run)}, which batchfit does not "
+            "model (tensor and pipeline parallelism split each layer's weights and activations, which no FSDP2 profile "
+            "bounds either way); `batchfit plan` checks its batch sizes as it runs, and ",
             fsdp2,
-            " to profile it as FSDP2 (an upper bound for tensor/pipeline parallelism)",
+            f" profiles another run instead, FSDP2 with data parallelism over all {_gpus_words(run)} (its budgets and "
+            "emitted keys are for that run)",
         ).say(vocabulary)
     )
+
+
+def modelled_strategy(run: RunConfig) -> bool:
+    """Whether :func:`sharding_strategy` models the config's training strategy as it runs (FSDP, DeepSpeed ZeRO), or
+    the framework's own refusal names the approximation (OpenRLHF's stage 0, slime's Megatron).
+
+    ``False`` for the rest (verl's and SkyRL's Megatron): profiling such a run with a chosen sharding profiles another
+    run (:func:`as_data_parallel`).
+    """
+    from batchfit.frameworks import strategy_refusal
+
+    strategy = (run.strategy or "fsdp").lower()
+    return strategy in ("fsdp", "fsdp2", *ZERO_STRATEGIES) or strategy_refusal(run) is not None
+
+
+# NOTE [ An unmodelled strategy profiled as another ]
+# A config that trains with Megatron (tensor × pipeline × context parallel, data parallel over the rest) profiled with
+# a chosen sharding (--sharding fsdp2) is profiled as the run that sharding trains: data parallel over every GPU. Its
+# batch plan must be that run's too, or the emitted micro sizes (SkyRL's micro_train_batch_size_per_gpu divides the
+# per-GPU mini-batch) come from Megatron's dp beside `strategy: fsdp` over all the GPUs, and the framework refuses
+# them (SkyRL 0.4.0 validate_batch_sizes: dp = world // sequence_parallel_size under fsdp). FSDP2's budget is neither
+# an upper nor a lower bound of Megatron's: FSDP2 shards the weights over every GPU where Megatron splits them over
+# tp × pp, and keeps whole activations that tensor parallelism splits.
+
+
+def as_data_parallel(run: RunConfig, strategy: str, sequence_parallel: int | None = None) -> tuple[RunConfig, str]:
+    """``run`` as ``strategy`` trains it (data parallel over every GPU), and the note that says so.
+
+    The batch's tensor, pipeline and context sizes become 1 (the reference's model-parallel size too), its
+    sequence-parallel size ``sequence_parallel`` (default 1): NOTE [ An unmodelled strategy profiled as another ].
+    """
+    batch = run.batch
+    sp = sequence_parallel or 1
+    changed = batch.replace(
+        tensor_parallel=1,
+        pipeline_parallel=1,
+        context_parallel=1,
+        sequence_parallel=sp,
+        reference_model_parallel=None if batch.reference_model_parallel is None else 1,
+    )
+    note = (
+        f"the config's strategy={run.strategy}{_model_parallel_words(run)} is profiled as {strategy} with data "
+        f"parallelism over all {_gpus_words(run)}{f' (sequence parallel {sp})' if sp > 1 else ''}, as asked: the "
+        f"budgets and any emitted keys are for that run, not {run.strategy}'s (neither an upper nor a lower bound of "
+        "it); its batch plan is that run's too"
+    )
+    return run.replace(batch=changed), note
+
+
+def _model_parallel_words(run: RunConfig) -> str:
+    """`` (tensor 2 × pipeline 2 × context 1: dp 2 of 8 GPUs)`` where the config splits the model, else ``""``."""
+    b = run.batch
+    sizes = (b.tensor_parallel, b.pipeline_parallel, b.context_parallel)
+    if not all(is_int(x) and x >= 1 for x in sizes) or sizes == (1, 1, 1):
+        return ""
+    words = f" (tensor {sizes[0]} × pipeline {sizes[1]} × context {sizes[2]}"
+    world = run.world_size
+    if is_int(world) and world % (sizes[0] * sizes[1] * sizes[2]) == 0:
+        words += f": dp {world // (sizes[0] * sizes[1] * sizes[2])} of {world} GPUs"
+    return words + ")"
+
+
+def _gpus_words(run: RunConfig) -> str:
+    world = run.world_size
+    return f"{world} GPUs" if is_int(world) else "its GPUs"
