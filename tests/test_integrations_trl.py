@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -30,6 +31,74 @@ def test_largest_micro_batch_that_divides_each_processes_rows():
                           optimizer_steps_per_generation=2)
     assert (s.per_device_train_batch_size, s.gradient_accumulation_steps, s.steps_per_generation) == (6, 8, 16)
     assert s.generation_batch_size == 192 and s.sequences_per_step == 96 and s.largest_fitting == 7
+
+
+def test_rows_the_divisor_rule_leaves_unused_are_said_with_the_generation_batch_sizes_that_use_them():
+    # 3584 // 512 = 7 rows fit; 64 sequences / 2 processes = 32 rows each, whose divisors <= 7 are 1, 2, 4 -> 4 of 7;
+    # all 7 need generation_batch_size a multiple of lcm(8 generations, 1 step x 2 processes x 7 rows) = 56
+    s = plan_grpo_batches(3584, row_length=512, num_generations=8, generation_batch_size=64, num_processes=2)
+    assert (s.per_device_train_batch_size, s.largest_fitting) == (4, 7)
+    assert s.generation_batch_sizes_using_every_row() == (56, 112)
+    assert s.unused_rows_note() == (
+        "7 rows of 512 tokens fit the budget of 3,584 tokens, but per_device_train_batch_size must divide the 32 rows "
+        "each process trains per optimizer step (generation_batch_size=64 / optimizer_steps_per_generation=1 / 2 "
+        "process(es)), so it is 4; generation_batch_size=56 or generation_batch_size=112 would use all 7")
+    for g in s.generation_batch_sizes_using_every_row():  # and they do
+        assert plan_grpo_batches(3584, row_length=512, num_generations=8, generation_batch_size=g,
+                                 num_processes=2).per_device_train_batch_size == 7
+    # two optimizer steps of 24 rows: 6 of 7; lcm(4, 2 x 1 x 7) = 28 -> 28 (14 rows a step) or 56 (28)
+    s = plan_grpo_batches(1000, row_length=128, num_generations=4, generation_batch_size=48,
+                          optimizer_steps_per_generation=2)
+    assert (s.per_device_train_batch_size, s.generation_batch_sizes_using_every_row()) == (6, (28, 56))
+    # nothing to say: 8 divides 48, or every row of a step fits in one micro-batch
+    assert plan_grpo_batches(4096, row_length=512, num_generations=8, generation_batch_size=96,
+                             num_processes=2).unused_rows_note() is None
+    assert plan_grpo_batches(40960, row_length=512, num_generations=8, generation_batch_size=16,
+                             num_processes=2).unused_rows_note() is None
+
+
+@dataclasses.dataclass
+class _Config:
+    """The fields of TRL's GRPOConfig that grpo_config reads and sets, and its bf16 default (None: not fp16)."""
+
+    output_dir: str = "unused"
+    num_generations: int = 8
+    max_completion_length: int = 256
+    pad_to_multiple_of: int | None = None
+    bf16: bool | None = None
+    fp16: bool = False
+    use_cpu: bool = False
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    steps_per_generation: int | None = None
+    generation_batch_size: int | None = None
+    world_size: int = 2
+
+
+def test_grpo_config_warns_of_unused_rows_naming_the_sizes_that_use_them():
+    from batchfit.integrations.trl import UnusedRowsWarning, grpo_config
+
+    with pytest.warns(UnusedRowsWarning, match=r"7 rows of 512 tokens fit .* so it is 4; generation_batch_size=56 or"):
+        args = grpo_config(3584, max_prompt_length=256, generation_batch_size=64, config_class=_Config, use_cpu=True)
+    assert args.per_device_train_batch_size == 4
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        pytest.param({"bf16": True}, r"trains in bf16 \(bf16=True\)", id="bf16-given"),
+        pytest.param({}, r"bf16=None, which _Config turns into True when fp16 is not set", id="bf16-default"),
+    ],
+)
+def test_bf16_on_a_machine_without_it_is_refused_naming_the_field_and_the_fixes(monkeypatch, fields, match):
+    from batchfit.integrations import trl
+    from batchfit.integrations.trl import grpo_config
+
+    monkeypatch.setattr(trl, "_bf16_available", lambda: False)  # transformers' own test, on a machine without a GPU
+    with pytest.raises(InvalidArgument, match=match + r".*pass use_cpu=True \(bf16 on the CPU\) or bf16=False"):
+        grpo_config(4096, max_prompt_length=256, generation_batch_size=64, config_class=_Config, **fields)
+    assert grpo_config(4096, max_prompt_length=256, generation_batch_size=64, config_class=_Config,
+                       bf16=False).per_device_train_batch_size == 8  # 4096 // 512 = 8 rows, 32 per process
 
 
 def test_pad_to_multiple_of_rounds_prompt_and_completion_apart():
@@ -137,12 +206,13 @@ _CONFIG = {"output_dir": "unused", "report_to": "none", "use_cpu": True, "bf16":
 @pytest.mark.parametrize("config_name", ["GRPOConfig", "RLOOConfig"])
 def test_grpo_config_builds_trls_config_with_the_sized_fields(config_name):
     trl = pytest.importorskip("trl")
-    from batchfit.integrations.trl import grpo_config, token_budget_grpo_config
+    from batchfit.integrations.trl import UnusedRowsWarning, grpo_config, token_budget_grpo_config
 
     cls = getattr(trl, config_name)
     # 1000 // (100 + 28) = 7 rows fit; 48 sequences in 2 optimizer steps: 24 rows a step, largest divisor <= 7 is 6
-    args = grpo_config(1000, max_prompt_length=100, generation_batch_size=48, optimizer_steps_per_generation=2,
-                       config_class=cls, num_generations=4, max_completion_length=28, **_CONFIG)
+    with pytest.warns(UnusedRowsWarning, match=r"so it is 6; generation_batch_size=28 or generation_batch_size=56"):
+        args = grpo_config(1000, max_prompt_length=100, generation_batch_size=48, optimizer_steps_per_generation=2,
+                           config_class=cls, num_generations=4, max_completion_length=28, **_CONFIG)
     assert type(args) is cls
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == (6, 4, 8)
     assert args.generation_batch_size == 48  # derived by TRL's own __post_init__
@@ -175,3 +245,26 @@ def test_grpo_config_refusals_name_the_field(budget, kwargs, error, match):
     with pytest.raises(error, match=match):
         grpo_config(budget, max_prompt_length=100, generation_batch_size=48, max_completion_length=28,
                     **{"num_generations": 4, **kwargs}, **_CONFIG)
+
+
+@pytest.mark.slow
+def test_trls_own_config_with_bf16_on_this_cpu_machine_is_one_line_naming_the_fixes():
+    trl = pytest.importorskip("trl")
+    import torch
+
+    from batchfit.integrations.trl import UnusedRowsWarning, grpo_config
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine: bf16 is available")
+    fields = {**_CONFIG, "use_cpu": False, "bf16": True, "num_generations": 4, "max_completion_length": 28}
+    with pytest.raises(InvalidArgument, match=r"GRPOConfig trains in bf16 \(bf16=True\).*pass use_cpu=True"):
+        grpo_config(1000, max_prompt_length=100, generation_batch_size=48, **fields)
+    del fields["bf16"]  # TRL's default: bf16 = not fp16
+    with pytest.raises(InvalidArgument, match=r"bf16=None, which GRPOConfig turns into True"):
+        grpo_config(1000, max_prompt_length=100, generation_batch_size=48, **fields)
+    # use_cpu=True: bf16 on the CPU, which transformers accepts; the 6-of-7 rows are said
+    with pytest.warns(UnusedRowsWarning, match=r"generation_batch_size=28 or generation_batch_size=56"):
+        args = grpo_config(1000, max_prompt_length=100, generation_batch_size=48, optimizer_steps_per_generation=2,
+                           **{**fields, "use_cpu": True, "bf16": True})
+    assert type(args) is trl.GRPOConfig and args.bf16 and args.per_device_train_batch_size == 6
+

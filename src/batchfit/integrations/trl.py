@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ from batchfit.validation import check_int, check_positive_int
 __all__ = [
     "SIZED_FIELDS",
     "GrpoBatchSizes",
+    "UnusedRowsWarning",
     "grpo_batch_sizes",
     "grpo_config",
     "padded_row_length",
@@ -66,6 +68,10 @@ SIZED_FIELDS = (
 )
 
 
+class UnusedRowsWarning(UserWarning):
+    """Warned by :func:`grpo_config` when TRL's divisor rule keeps the micro-batch below the rows that fit (NOTE [ The divisor rule leaves rows unused ])."""
+
+
 @dataclass(frozen=True)
 class GrpoBatchSizes:
     """The batch numbers of a TRL GRPO/RLOO run sized from a token budget.
@@ -80,7 +86,8 @@ class GrpoBatchSizes:
         token_budget: the budget ``C`` the micro-batch was sized for (padded cost).
         largest_fitting: the most rows of ``row_length`` the budget holds; the chosen
             ``per_device_train_batch_size`` is the largest divisor of the rows each process
-            trains per optimizer step not above it.
+            trains per optimizer step not above it (:meth:`unused_rows_note` says when that is
+            fewer, and :meth:`generation_batch_sizes_using_every_row` which sizes would use them).
         limit_bytes: the peak the budget's probes were held to (``None``: a bare token count).
     """
 
@@ -108,6 +115,50 @@ class GrpoBatchSizes:
     def micro_batch_tokens(self) -> int:
         """The padded cost of the largest micro-batch: rows × ``row_length`` (``<= token_budget``)."""
         return self.per_device_train_batch_size * self.row_length
+
+    @property
+    def optimizer_steps_per_generation(self) -> int:
+        """Optimizer steps one generation batch feeds (``steps_per_generation / gradient_accumulation_steps``)."""
+        return self.steps_per_generation // self.gradient_accumulation_steps
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows each process trains per optimizer step (``per_device_train_batch_size × gradient_accumulation_steps``)."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    def generation_batch_sizes_using_every_row(self) -> tuple[int, ...]:
+        """The ``generation_batch_size`` nearest below and above this one whose micro-batches hold all :attr:`largest_fitting` rows.
+
+        NOTE [ The divisor rule leaves rows unused ]: the micro-batch must divide :attr:`rows_per_step`,
+        so it holds all ``largest_fitting`` rows only when ``generation_batch_size`` is a multiple of
+        ``lcm(num_generations, optimizer_steps_per_generation × num_processes × largest_fitting)``
+        (whole prompt groups, whole optimizer steps, whole micro-batches on every process).
+        Empty when every row that fits is used already.
+
+        Example:
+            >>> s = plan_grpo_batches(3584, row_length=512, num_generations=8, generation_batch_size=64, num_processes=2)
+            >>> s.per_device_train_batch_size, s.largest_fitting, s.generation_batch_sizes_using_every_row()  # 32 rows each: 4 of 7
+            (4, 7, (56, 112))
+        """
+        if self.per_device_train_batch_size >= min(self.largest_fitting, self.rows_per_step):
+            return ()
+        step = math.lcm(self.num_generations, self.optimizer_steps_per_generation * self.num_processes * self.largest_fitting)
+        below = self.generation_batch_size // step * step
+        return tuple(g for g in (below, below + step) if g > 0)
+
+    def unused_rows_note(self) -> str | None:
+        """One sentence when the divisor rule keeps the micro-batch below :attr:`largest_fitting`, with the fix; else ``None``."""
+        better = self.generation_batch_sizes_using_every_row()
+        if not better:
+            return None
+        choices = " or ".join(f"generation_batch_size={g}" for g in better)
+        return (
+            f"{self.largest_fitting} rows of {self.row_length} tokens fit the budget of {self.token_budget:,} tokens, "
+            f"but per_device_train_batch_size must divide the {self.rows_per_step} rows each process trains per "
+            f"optimizer step (generation_batch_size={self.generation_batch_size} / optimizer_steps_per_generation="
+            f"{self.optimizer_steps_per_generation} / {self.num_processes} process(es)), so it is "
+            f"{self.per_device_train_batch_size}; {choices} would use all {self.largest_fitting}"
+        )
 
     def config_fields(self) -> dict[str, int]:
         """The three fields to give TRL's config (it derives ``generation_batch_size`` from them)."""
@@ -314,6 +365,12 @@ def grpo_config(
     Returns:
         the config, built by TRL (so TRL's own checks ran on it).
 
+    Warns:
+        UnusedRowsWarning: the micro-batch is below the rows that fit, because it must divide the
+            rows each process trains per optimizer step; the message names the
+            ``generation_batch_size`` values that would use them all (NOTE [ The divisor rule
+            leaves rows unused ]).
+
     Raises:
         InvalidArgument: TRL is not installed, a field of :data:`SIZED_FIELDS` was given,
             ``auto_find_batch_size=True``, or a bad count.
@@ -352,9 +409,12 @@ def grpo_config(
         optimizer_steps_per_generation=optimizer_steps_per_generation,
         limit_bytes=limit_bytes,
     )
-    args = config_class(**config_kwargs, **sizes.config_fields())
+    args = _build(config_class, config_kwargs, sizes.config_fields())
     if isinstance(budget, ModelProfile):
         _check_phases(budget, args, model, max_prompt_length, generation_batch_size, optimizer_steps_per_generation)
+    note = sizes.unused_rows_note()
+    if note is not None:  # NOTE [ The divisor rule leaves rows unused ]: said, not silent
+        warnings.warn(note, UnusedRowsWarning, stacklevel=2)
     return args
 
 
@@ -390,14 +450,66 @@ def _check_config_kwargs(config_kwargs: dict[str, Any]) -> None:
 
 def _world_size(config_class: type, num_generations: int, config_kwargs: dict[str, Any]) -> int:
     """TRL's ``world_size``, read from a config TRL builds (one whole prompt group per process passes its checks)."""
-    probe = config_class(
-        **config_kwargs,
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=1,
-        generation_batch_size=None,
-        steps_per_generation=num_generations,
+    probe = _build(
+        config_class,
+        config_kwargs,
+        {
+            "per_device_train_batch_size": 1,
+            "gradient_accumulation_steps": 1,
+            "generation_batch_size": None,
+            "steps_per_generation": num_generations,
+        },
     )
     return probe.world_size
+
+
+def _build(config_class: type, config_kwargs: dict[str, Any], sized: dict[str, Any]) -> Any:
+    """``config_class(**config_kwargs, **sized)``, TRL's and transformers' refusals raised as :class:`InvalidArgument`.
+
+    NOTE [ bf16 on a machine without it ]: TRL's configs default ``bf16`` to ``not fp16``
+    (``trl/trainer/base_config.py`` ``__post_init__``, TRL 1.16), and transformers'
+    ``TrainingArguments._validate_args`` then refuses a machine without bf16 on a GPU
+    ("Your setup doesn't support bf16/gpu", unless ``use_cpu``) using
+    ``transformers.utils.is_torch_bf16_gpu_available``; the same check is made here first, so
+    the refusal names the field, where its value came from and the fixes.
+    """
+    _check_bf16(config_class, config_kwargs)
+    try:
+        return config_class(**config_kwargs, **sized)
+    except ValueError as exc:
+        if isinstance(exc, InvalidArgument | BatchConfigError | BudgetError):
+            raise
+        raise InvalidArgument(
+            f"{config_class.__name__} refused the fields given: {exc} (fix the field it names; batchfit set "
+            f"{', '.join(f'{k}={v}' for k, v in sized.items() if v is not None)})"
+        ) from exc
+
+
+def _bf16_available() -> bool:
+    """transformers' own test of bf16 on this machine (``TrainingArguments._validate_args``'s)."""
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    return bool(is_torch_bf16_gpu_available() or is_torch_xla_available())
+
+
+def _check_bf16(config_class: type, config_kwargs: dict[str, Any]) -> None:
+    """NOTE [ bf16 on a machine without it ]."""
+    names = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set()
+    if "bf16" not in names or config_kwargs.get("use_cpu"):
+        return
+    given = config_kwargs.get("bf16", _default(config_class, "bf16"))
+    bf16 = (not config_kwargs.get("fp16", False)) if given is None else bool(given)  # TRL's base_config rule
+    if not bf16 and not config_kwargs.get("bf16_full_eval"):
+        return
+    if _bf16_available():
+        return
+    where = "bf16=True" if given else f"bf16={given!r}, which {config_class.__name__} turns into True when fp16 is not set"
+    raise InvalidArgument(
+        f"{config_class.__name__} trains in bf16 ({where}), but this machine has no GPU with bf16 "
+        "(transformers' is_torch_bf16_gpu_available() is False: no GPU, or one older than Ampere), and "
+        "transformers refuses it; call grpo_config on the machine that trains, or pass use_cpu=True (bf16 on the "
+        "CPU) or bf16=False (fp32)"
+    )
 
 
 def token_budget_grpo_config(
@@ -441,7 +553,7 @@ def token_budget_grpo_config(
             "the generation phase needs the longest prompt, but got profile= without max_prompt_length; pass "
             "max_prompt_length (TRL does not truncate prompts)"
         )
-    args = config_class(**config_kwargs, **sizes.config_fields())
+    args = _build(config_class, config_kwargs, sizes.config_fields())
     if profile is not None:
         _check_phases(profile, args, model, max_prompt_length, generation_batch_size, optimizer_steps_per_generation)
     return args
