@@ -335,6 +335,28 @@ class CudaAttention:
         return {"kernel": self.kernel, "note": self.note}
 
 
+def attention_head_dims(config: Any) -> tuple[int, int]:
+    """The head sizes of ``config``'s queries/keys and of its values, as its attention passes them to sdpa.
+
+    Multi-head latent attention (DeepSeek-V2/V3 and the configs built like them) gives query and
+    key heads of ``qk_nope_head_dim + qk_rope_head_dim`` (``qk_head_dim``) and value heads of
+    ``v_head_dim``; its ``head_dim`` is the rotary part alone. Other configs: ``head_dim``, or
+    ``hidden_size / num_attention_heads``, for both.
+
+    Example:
+        >>> from batchfit.models import load_config
+        >>> attention_head_dims(load_config("deepseek-v3")), attention_head_dims(load_config("qwen2.5-0.5b"))
+        ((192, 128), (64, 64))
+    """
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    v_dim = getattr(config, "v_head_dim", None)
+    if not v_dim:
+        return head_dim, head_dim
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    qk_dim = getattr(config, "qk_head_dim", None) or (nope + rope if nope and rope else head_dim)
+    return qk_dim, v_dim
+
+
 def cuda_attention_of(config: Any, compute_dtype: torch.dtype) -> CudaAttention | None:
     """The kernel CUDA runs for ``config``'s sdpa attention in ``compute_dtype``.
 
@@ -355,10 +377,11 @@ def cuda_attention_of(config: Any, compute_dtype: torch.dtype) -> CudaAttention 
     if name not in (None, "sdpa") or not heads:
         return None
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    q = torch.empty(1, heads, 1, head_dim, dtype=compute_dtype, device="meta")
-    kv = torch.empty(1, kv_heads, 1, head_dim, dtype=compute_dtype, device="meta")
-    kernel = cuda_attention_kernel(q, kv, kv, is_causal=True, enable_gqa=kv_heads != heads)
+    qk_dim, v_dim = attention_head_dims(config)
+    q = torch.empty(1, heads, 1, qk_dim, dtype=compute_dtype, device="meta")
+    k = torch.empty(1, kv_heads, 1, qk_dim, dtype=compute_dtype, device="meta")
+    v = torch.empty(1, kv_heads, 1, v_dim, dtype=compute_dtype, device="meta")
+    kernel = cuda_attention_kernel(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
     if kernel != "math":
         return CudaAttention(kernel)
     dtype = str(compute_dtype).removeprefix("torch.")
