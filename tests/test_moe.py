@@ -21,6 +21,7 @@ from batchfit.models.moe import (
     moe_fields,
     moe_summary,
     routing_fixed,
+    shared_experts,
 )
 
 # A small Qwen3-MoE: 2 layers of 8 experts, 2 per token.
@@ -83,6 +84,69 @@ def test_summary_counts_total_and_active_parameters():
     assert (s.moe_layers, s.experts, s.experts_per_token) == (48, 128, 8)
     assert s.implementation == default_experts_implementation() == "grouped_mm" and s.routing == "any"
     assert "30.5B parameters, 3.35B active" in s.describe()
+
+
+# A small DeepSeek-V2 (V2-Lite's shape, scaled down): 3 layers, the first dense; 8 routed + 2 shared experts, 2 per token.
+SMALL_DEEPSEEK = {
+    "model_type": "deepseek_v2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 8,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "vocab_size": 512,
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_group": 1,
+    "topk_group": 1,
+}
+
+
+def test_the_moe_line_names_deepseek_s_shared_experts_and_dense_layers():
+    from transformers import AutoConfig
+
+    summary = moe_summary(AutoConfig.for_model(**SMALL_DEEPSEEK))  # built on meta
+    assert (summary.experts, summary.shared_experts, summary.moe_layers, summary.dense_layers) == (8, 2, 2, 1)
+    assert "2 MoE layers (1 dense layer first) of 8 routed + 2 shared experts, 2 per token;" in summary.describe()
+    assert "8 routed + 2 shared experts, 2 per token" in summary.short()
+    assert summary.to_dict()["shared_experts"] == 2
+    # Qwen3-MoE has none; Qwen2-MoE's one gated shared expert is told by its intermediate size
+    assert shared_experts(_config()) == 0
+    assert shared_experts(SimpleNamespace(shared_expert_intermediate_size=5632)) == 1
+    assert "8 experts, 2 per token" in moe_summary(_config()).short()
+
+
+def test_fewer_experts_than_fsdp2_ranks_is_said_one_expert_per_rank():
+    summary = moe_summary(_config())  # 8 experts
+    note = summary.expert_shard_note(16)
+    # ceil(8 / 16) = 1 expert row per rank, padded: ranks 8..15 hold padding only
+    assert note.startswith("FSDP2 shards each layer's expert parameters along their 8 experts: over 16 ranks each rank")
+    assert "(8 of the 16 ranks hold padding only)" in note and "are 1/8 of them, not 1/16" in note
+    assert summary.expert_shard_note(8) is None and summary.expert_shard_note(4) is None
+
+
+def test_an_fsdp2_expert_shard_never_holds_less_than_one_expert():
+    # the fact the note states, on PyTorch's own fully_shard over a simulated group of 16
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from batchfit.parallel import simulated_world
+
+    with simulated_world(16):
+        module = torch.nn.Module()
+        module.experts = torch.nn.Parameter(torch.zeros(8, 32, 16))  # [experts, 2·I, H]
+        fully_shard(module, mesh=init_device_mesh("cpu", (16,)))
+        shard = module._get_fsdp_state()._fsdp_param_group.fsdp_params[0]._sharded_param_data
+    # one expert's 32 × 16 = 512 elements per rank, not 8 × 512 / 16 = 256
+    assert shard.numel() == 512
 
 
 def test_fixed_routing_is_integers_of_the_asked_shape():

@@ -89,6 +89,19 @@ def moe_fields(config: Any) -> tuple[int, int] | None:
     return None
 
 
+def shared_experts(config: Any) -> int:
+    """Experts every token runs through beside its routed ones, per MoE layer (0 when none).
+
+    Reads ``n_shared_experts`` (DeepSeek, GLM); Qwen2-MoE's one gated shared expert is told by
+    ``shared_expert_intermediate_size > 0``. A sub-config ``text_config`` is followed.
+    """
+    inner = getattr(config, "text_config", None) or config
+    counted = _positive(getattr(inner, "n_shared_experts", None))
+    if counted is not None:
+        return counted
+    return 1 if _positive(getattr(inner, "shared_expert_intermediate_size", None)) else 0
+
+
 def is_moe(config: Any) -> bool:
     """The config describes a mixture of experts (:func:`moe_fields` finds its experts)."""
     return moe_fields(config) is not None
@@ -258,6 +271,9 @@ class MoeSummary:
             fixed in the probe (``"skewed"``: the worst case).
         balanced_tokens: with the worst case probed and ``compare_routing`` asked, the binding
             role's budget with balanced routing at ``max_seq_len`` (beside the worst case's); else ``None``.
+        shared_experts: experts per MoE layer every token runs through beside its routed ones
+            (DeepSeek's ``n_shared_experts``; their parameters are all active).
+        dense_layers: decoder layers without routed experts (DeepSeek's ``first_k_dense_replace``).
     """
 
     total_parameters: int
@@ -269,6 +285,8 @@ class MoeSummary:
     default_implementation: str
     routing: str
     balanced_tokens: int | None = None
+    shared_experts: int = 0
+    dense_layers: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON-ready)."""
@@ -282,18 +300,30 @@ class MoeSummary:
             "default_experts_implementation": self.default_implementation,
             "routing": self.routing,
             "balanced_tokens": self.balanced_tokens,
+            "shared_experts": self.shared_experts,
+            "dense_layers": self.dense_layers,
         }
 
+    def _experts_words(self) -> str:
+        shared = f" routed + {self.shared_experts} shared" if self.shared_experts else ""
+        return f"{self.experts}{shared} experts"
+
     def short(self) -> str:
-        """``mixture of experts (30.5B parameters, 3.35B active, 128 experts, 8 per token, experts grouped_mm)``."""
+        """``mixture of experts (30.5B parameters, 3.35B active, 128 experts, 8 per token, experts grouped_mm)``.
+
+        With shared experts: ``…, 64 routed + 2 shared experts, 6 per token, …``.
+        """
         routing = ", worst-case routing" if self.routing == "skewed" else ", balanced routing" if self.routing == "balanced" else ""
         return (
             f"mixture of experts ({_billions(self.total_parameters)} parameters, {_billions(self.active_parameters)} active, "
-            f"{self.experts} experts, {self.experts_per_token} per token, experts {self.implementation}{routing})"
+            f"{self._experts_words()}, {self.experts_per_token} per token, experts {self.implementation}{routing})"
         )
 
     def describe(self) -> str:
-        """One line: ``mixture of experts: 30.5B parameters, 3.35B active; 48 MoE layers of 128 experts, 8 per token; experts grouped_mm (transformers' default), any routing``."""
+        """One line: ``mixture of experts: 30.5B parameters, 3.35B active; 48 MoE layers of 128 experts, 8 per token; experts grouped_mm (transformers' default), any routing``.
+
+        DeepSeek-V2-Lite's: ``…; 26 MoE layers (1 dense layer first) of 64 routed + 2 shared experts, 6 per token; …``.
+        """
         default = " (transformers' default)" if self.implementation == self.default_implementation else f" (transformers' default: {self.default_implementation})"
         routing = (
             "its memory does not depend on the routing"
@@ -302,10 +332,35 @@ class MoeSummary:
             if self.routing == "skewed"
             else "routing fixed as balanced (not the worst case)"
         )
+        dense = "" if not self.dense_layers else f" ({self.dense_layers} dense layer{'s' if self.dense_layers > 1 else ''} first)"
         return (
             f"mixture of experts: {_billions(self.total_parameters)} parameters, {_billions(self.active_parameters)} active; "
-            f"{self.moe_layers} MoE layers of {self.experts} experts, {self.experts_per_token} per token; "
+            f"{self.moe_layers} MoE layers{dense} of {self._experts_words()}, {self.experts_per_token} per token; "
             f"experts {self.implementation}{default}, {routing}"
+        )
+
+
+    def expert_shard_note(self, world_size: int) -> str | None:
+        """What FSDP2's sharding of the experts leaves on each of ``world_size`` ranks, when it is not ``1/world_size``.
+
+        NOTE [ One expert per rank at least ]: FSDP2 (``fully_shard``, ``Shard(0)``)
+        shards a layer's 3-D expert parameter (``[experts, …]``) along its first dimension, each
+        rank holding ``ceil(experts / world_size)`` rows, padded: with fewer experts than ranks
+        (8 experts over 16 ranks) every rank still holds one whole expert's share (half of them
+        padding), so the experts' sharded parameters, gradients and optimizer state per rank
+        stop falling at ``world_size = experts`` (torch 2.13, a fake group of 16: an ``[8, 32, 16]``
+        parameter leaves a ``[1, 32, 16]`` shard, 512 elements padded, on every rank; FSDP1's flat
+        parameter splits elements evenly and has no such floor). The estimate runs FSDP2's own sharding, so its
+        figures hold the padding; this says why. ``None`` when there are at least as many
+        experts as ranks (uneven counts above pad less than one expert per rank).
+        """
+        if self.experts >= world_size:
+            return None
+        return (
+            f"FSDP2 shards each layer's expert parameters along their {self.experts} experts: over {world_size} ranks "
+            f"each rank still holds one whole expert ({world_size - self.experts} of the {world_size} ranks hold padding "
+            f"only), so the experts' sharded parameters, gradients and optimizer state per rank are 1/{self.experts} "
+            f"of them, not 1/{world_size}: more ranks stop lowering them past {self.experts} (docs/moe.md)"
         )
 
 
@@ -352,4 +407,11 @@ def moe_summary(config: Any, implementation: str | None = None) -> MoeSummary | 
         implementation=chosen,
         default_implementation=default,
         routing=probe_routing(chosen) or "any",
+        shared_experts=shared_experts(config),
+        dense_layers=max(0, _layers(config) - len(modules)),
     )
+
+
+def _layers(config: Any) -> int:
+    inner = getattr(config, "text_config", None) or config
+    return _positive(getattr(inner, "num_hidden_layers", None)) or 0
