@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -268,3 +269,21 @@ def test_trls_own_config_with_bf16_on_this_cpu_machine_is_one_line_naming_the_fi
                            **{**fields, "use_cpu": True, "bf16": True})
     assert type(args) is trl.GRPOConfig and args.bf16 and args.per_device_train_batch_size == 6
 
+
+
+def test_without_trl_the_refusal_says_how_to_install_it_from_the_checkout(monkeypatch):
+    from batchfit.integrations.trl import grpo_config
+
+    monkeypatch.setitem(sys.modules, "trl", None)  # import trl raises ImportError
+    with pytest.raises(InvalidArgument, match=r"needs TRL: pip install -e '\.\[trl\]' in batchfit's checkout"):
+        grpo_config(4096, max_prompt_length=256, generation_batch_size=64)
+
+
+def test_no_install_line_names_a_package_index_batchfit_is_not_on():
+    # batchfit is installed from its checkout: `pip install 'batchfit[trl]'` fails (issue 40, item 8)
+    root = Path(__file__).resolve().parents[1]
+    texts = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "src").rglob("*.py")]
+    wrong = re.compile(r"pip install '?batchfit\[(trl|lora|hf|lightning)")
+    found = [f"{p.relative_to(root)}: {line.strip()}" for p in texts for line in p.read_text().splitlines()
+             if wrong.search(line) and "fails" not in line]
+    assert found == []

@@ -107,7 +107,7 @@ def test_options_take_a_spec_or_its_fields_and_name_the_field():
 def test_without_peft_the_lora_path_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
     with pytest.raises(
-        InvalidArgument, match=r"LoRA needs PEFT, which is not installed .*pip install 'batchfit\[lora\]'"
+        InvalidArgument, match=r"LoRA needs PEFT, which is not installed .*pip install -e '\.\[lora\]' in batchfit's checkout"
     ):
         build_causal_lm("tiny", lora=RANK8)
     assert (

@@ -189,7 +189,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--lora-rank",
         type=int,
         metavar="N",
-        help="train LoRA adapters of rank N on a frozen base, built with PEFT (pip install 'batchfit[lora]'); "
+        help="train LoRA adapters of rank N on a frozen base, built with PEFT (pip install -e '.[lora]' in batchfit's checkout); "
         "0 = full fine-tuning (default 0, or the config's policy LoRA)",
     )
     p.add_argument(

@@ -159,7 +159,7 @@ def find_trainer_batch_sizes(
             without a loss (no labels), or a bad search argument.
         DoesNotFitError: even ``min_batch_size`` does not fit (the message says by how much).
         BatchfitError: another rank's trial raised.
-        ImportError: transformers' ``Trainer`` cannot be imported (``pip install 'batchfit[hf]'``).
+        ImportError: transformers' ``Trainer`` cannot be imported (``pip install -e '.[hf]'`` in batchfit's checkout).
     """
     from transformers import Trainer, default_data_collator
 

@@ -8,7 +8,7 @@ checks; :func:`plan_grpo_batches` is the same arithmetic without TRL. Given a
 :class:`~batchfit.budget.ModelProfile`, :func:`grpo_config` checks TRL's generation phase too (the
 policy's own ``generate`` or a colocated vLLM on the same GPU: :mod:`batchfit.integrations.trl_generation`,
 NOTE [ Both phases, refused not resized ]). TRL is imported only inside the functions that build
-its objects (``pip install batchfit[trl]``).
+its objects (``pip install -e '.[trl]'`` in batchfit's checkout).
 
 NOTE [ TRL's batch rules ]
 Read from TRL 1.16.0, ``trl/trainer/grpo_config.py`` ``GRPOConfig.__post_init__`` (``rloo_config.py``
@@ -311,7 +311,7 @@ def _config_class(name: str) -> type:
     try:
         import trl
     except ImportError as exc:  # the optional extra
-        raise InvalidArgument("batchfit.integrations.trl needs TRL: pip install 'batchfit[trl]'") from exc
+        raise InvalidArgument("batchfit.integrations.trl needs TRL: pip install -e '.[trl]' in batchfit's checkout (with -c constraints-cpu.txt on a CPU-only machine)") from exc
     return getattr(trl, name)
 
 

@@ -1,6 +1,6 @@
 """TRL's GRPO with batchfit's token-budget micro-batches: packed without padding, TRL's own loss and gradient.
 
-Importing this module imports TRL (``pip install 'batchfit[trl]'``).
+Importing this module imports TRL (``pip install -e '.[trl]'`` in batchfit's checkout).
 
 NOTE [ TRL's loss over packed micro-batches ]
 TRL's ``GRPOTrainer`` runs fixed micro-batches of ``per_device_train_batch_size`` rows, each

@@ -121,7 +121,7 @@ def build_causal_lm(
         lora: a :class:`~batchfit.models.lora.LoraSpec` (or a mapping of its fields): the model
             is wrapped by PEFT's ``get_peft_model`` before sharding, its base frozen, as verl and
             SkyRL build it (NOTE [ LoRA as the frameworks build it ] in
-            :mod:`batchfit.models.lora`; needs ``pip install 'batchfit[lora]'``). The adapters
+            :mod:`batchfit.models.lora`; needs ``pip install -e '.[lora]'`` in batchfit's checkout). The adapters
             are fp32 whatever ``dtype`` is, and are initialised by PEFT (B zeros) from ``seed``.
             ``None`` or rank 0: no adapters.
         experts_implementation: how a mixture of experts runs its experts, ``grouped_mm``,

@@ -2,7 +2,7 @@
 
 :class:`LoraSpec` says which adapters (rank, alpha, target modules); :func:`apply_lora` wraps
 a transformers model as verl and SkyRL do; :func:`lora_parameters` counts what a spec trains.
-PEFT is an optional dependency (``pip install 'batchfit[lora]'``), imported only here and only
+PEFT is an optional dependency (``pip install -e '.[lora]'`` in batchfit's checkout), imported only here and only
 when an adapter is asked for.
 
 NOTE [ LoRA as the frameworks build it ]
@@ -236,7 +236,7 @@ def import_peft() -> Any:
         import peft
     except ImportError as exc:
         raise InvalidArgument(
-            f"LoRA needs PEFT, which is not installed ({exc}); pip install 'batchfit[lora]' (or pass lora rank 0 for full fine-tuning)"
+            f"LoRA needs PEFT, which is not installed ({exc}); pip install -e '.[lora]' in batchfit's checkout (or pass lora rank 0 for full fine-tuning)"
         ) from None
     return peft
 

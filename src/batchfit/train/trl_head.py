@@ -45,7 +45,7 @@ def trl_kernel() -> Any:
         from trl.kernels import ChunkedLogProbFunction
     except ImportError as exc:
         raise InvalidArgument(
-            "logprobs='trl' runs TRL's own log-prob kernel, but TRL is not installed; pip install 'batchfit[trl]' "
+            "logprobs='trl' runs TRL's own log-prob kernel, but TRL is not installed; pip install -e '.[trl]' in batchfit's checkout "
             "or pick another head (logprobs='fused')"
         ) from exc
     return ChunkedLogProbFunction
