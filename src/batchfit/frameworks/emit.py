@@ -22,6 +22,7 @@ from batchfit.errors import InvalidArgument
 from batchfit.frameworks.assumptions import EmitError, Key, check_emit, setting_keys
 from batchfit.frameworks.registry import framework_names, get_framework
 from batchfit.frameworks.run_profile import RunProfile
+from batchfit.frameworks.your_sizes import compare, describe
 from batchfit.memory import backend_class
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "render_yaml",
     "smallest_budget",
     "target_head",
+    "yours_keys",
 ]
 
 TARGETS = tuple(name for name in framework_names() if get_framework(name).emit is not None)
@@ -115,7 +117,16 @@ def emit_keys(profile: RunProfile, target: str, *, max_seq_len: int, margin: flo
         )
     settings = setting_keys(profile.run, options, target)
     world = options["policy"].sharding.world_size
-    return _token_keys(profile, target, max_seq_len, margin, world) + settings
+    return _token_keys(profile, target, max_seq_len, margin, world) + settings + yours_keys(profile)
+
+
+def yours_keys(profile: RunProfile) -> list[Key]:
+    """Comments (keys without a path) putting each size the config sets beside batchfit's budget (:func:`your_sizes.compare`).
+
+    Compared in the profiled config's own keys, whatever the target: the config's value, batchfit's, the
+    ratio and the micro-batches per step each gives (issue 40's "say what the user's own number was").
+    """
+    return [Key("", False, describe(c)) for c in compare(profile)]
 
 
 def _token_keys(profile: RunProfile, target: str, max_seq_len: int, margin: float, world: int) -> list[Key]:

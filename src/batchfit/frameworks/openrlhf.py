@@ -20,6 +20,7 @@ from typing import Any
 from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
 from batchfit.frameworks.openrlhf_renames import translate
 from batchfit.frameworks.registry import FrameworkSpec
+from batchfit.frameworks.your_sizes import pass_sizes
 from batchfit.plan.config import BatchConfig
 from batchfit.plan.placement import RolloutEngine, process_allocator_setting
 
@@ -194,6 +195,18 @@ def read(command: Command) -> FrameworkRun:
         rules=rules,
         values=v,
         notes=tuple(notes),
+        # the sizes the command sets, put beside batchfit's budgets (your_sizes.compare)
+        configured=pass_sizes(
+            ("--train.max_tokens_per_gpu", v["train.max_tokens_per_gpu"], "tokens")
+            if dynamic
+            else ("--train.micro_batch_size", v["train.micro_batch_size"], "sequences"),
+            # --rollout.max_tokens_per_gpu defaults to the train one (train_ppo_ray)
+            ("--rollout.max_tokens_per_gpu", v.get("rollout.max_tokens_per_gpu") or v["train.max_tokens_per_gpu"], "tokens")
+            if dynamic
+            else ("--rollout.micro_batch_size", v["rollout.micro_batch_size"], "sequences"),
+            reference=reference,
+            critic=bool(critic),
+        ),
     )
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from batchfit.errors import BatchConfigError
+from batchfit.frameworks.your_sizes import YourSize
 from batchfit.plan.config import BatchConfig, BatchPlan
 from batchfit.plan.placement import RolloutEngine
 from batchfit.validation import short_repr
@@ -117,6 +118,10 @@ class RunConfig:
         source: batchfit's terms → the config keys they were read from (for messages).
         key_names: :class:`BatchConfig` field → the framework's key, so that the plan's
             faults and warnings name the keys the user wrote.
+        configured: what the config bounds each pass's micro-batches by (a token count or a
+            number of sequences, :class:`~batchfit.frameworks.your_sizes.YourSize`), put beside
+            batchfit's budgets in ``--emit`` comments and ``--json``
+            (:func:`~batchfit.frameworks.your_sizes.compare`).
     """
 
     vocabulary: str
@@ -158,6 +163,7 @@ class RunConfig:
     notes: tuple[str, ...] = ()
     source: dict[str, str] = field(default_factory=dict, compare=False)
     key_names: dict[str, str] = field(default_factory=dict, compare=False)
+    configured: tuple[YourSize, ...] = field(default=(), compare=False)
 
     @property
     def response_fraction(self) -> float | None:

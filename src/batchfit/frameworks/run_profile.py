@@ -31,6 +31,7 @@ from batchfit.errors import InvalidArgument
 from batchfit.frameworks.lora_keys import as_lora_spec
 from batchfit.frameworks.registry import framework_of
 from batchfit.frameworks.run import RunConfig
+from batchfit.frameworks.your_sizes import compare
 from batchfit.train.framework_heads import FrameworkHead
 
 # Model role -> the profile roles its model runs (trained step first, then its forward pass).
@@ -77,7 +78,7 @@ class RunProfile:
         return {role: b for profile in self.profiles.values() for role, b in profile.budgets.items()}
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the vocabulary, what was read, each model's profile, the resident bytes.
+        """JSON-ready: the vocabulary, what was read, each model's profile, the resident bytes, the config's own sizes.
 
         Each pass's budget appears once, in its model's profile:
         ``profiles.<model>.budgets.<role>`` (``profiles.policy.budgets.policy_forward.tokens``
@@ -95,6 +96,8 @@ class RunProfile:
             "awake": None if self.awake is None else self.awake.to_dict(),
             "allocator": run.allocator,
             "profiles": {name: p.to_dict() for name, p in self.profiles.items()},
+            # the sizes the config sets beside batchfit's budgets, one per pass (your_sizes.compare)
+            "yours": [c.to_dict() for c in compare(self)],
             "notes": list(self.notes),
         }
 

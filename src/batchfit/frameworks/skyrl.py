@@ -26,6 +26,7 @@ from batchfit.frameworks.run import (
 )
 from batchfit.frameworks.skyrl_rules import SKYRL
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
+from batchfit.frameworks.your_sizes import pass_sizes
 from batchfit.plan.config import BatchConfig
 from batchfit.plan.placement import ENGINES, RolloutEngine
 from batchfit.validation import short_repr
@@ -242,6 +243,19 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         faults=tuple(faults),
         warnings=tuple(warnings),
         key_names=_key_names(megatron),
+        # the sizes the config sets, put beside batchfit's budgets (your_sizes.compare); SkyRL's one token key
+        # bounds every pass and counts the micro-batch before its sequence-parallel split
+        configured=pass_sizes(
+            (TOKEN_KEY, values["max_tokens_per_micro_batch"], "tokens")
+            if values["max_tokens_per_micro_batch"]
+            else (T + "micro_train_batch_size_per_gpu", values.get("micro_train_batch_size_per_gpu"), "sequences"),
+            (TOKEN_KEY, values["max_tokens_per_micro_batch"], "tokens")
+            if values["max_tokens_per_micro_batch"]
+            else (T + "micro_forward_batch_size_per_gpu", values.get("micro_forward_batch_size_per_gpu"), "sequences"),
+            reference=bool(reference),
+            critic=bool(critic_model),
+            per_gpu=False,
+        ),
         source={
             "max_seq_len": "generator.max_input_length + generator.sampling_params.max_generate_length",
             "world_size": "trainer.placement.policy_num_nodes × policy_num_gpus_per_node",

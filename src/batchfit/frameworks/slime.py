@@ -21,6 +21,7 @@ from typing import Any
 from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
 from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import as_int
+from batchfit.frameworks.your_sizes import pass_sizes
 from batchfit.plan.config import BatchConfig
 from batchfit.plan.placement import RolloutEngine, process_allocator_setting
 
@@ -176,6 +177,14 @@ def read(command: Command) -> FrameworkRun:
         rules=rules,
         values={**v, "global_batch_size": gbs},
         notes=tuple(notes),
+        # the sizes the command sets, put beside batchfit's budgets (your_sizes.compare): one for every pass
+        configured=pass_sizes(
+            *[("--max-tokens-per-gpu", v["max_tokens_per_gpu"], "tokens")] * 2
+            if dynamic
+            else [("--micro-batch-size", v["micro_batch_size"], "sequences")] * 2,
+            reference=False,
+            critic=critic,
+        ),
     )
 
 

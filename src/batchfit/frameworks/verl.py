@@ -32,6 +32,7 @@ from batchfit.frameworks.run import (
 )
 from batchfit.frameworks.source import flatten, framework_defaults, framework_schema
 from batchfit.frameworks.verl_rules import VERL
+from batchfit.frameworks.your_sizes import verl_sizes
 from batchfit.plan.config import BatchConfig
 from batchfit.plan.placement import ENGINES, RolloutEngine
 from batchfit.validation import short_repr
@@ -278,6 +279,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         faults=tuple(faults),
         warnings=tuple(warnings),
         key_names=KEY_NAMES,
+        # issue 40 item 9: the sizes the config sets, put beside batchfit's budgets (your_sizes.compare)
+        configured=verl_sizes(flat, reference=reference, critic=critic),
         source={
             "max_seq_len": "data.max_prompt_length + data.max_response_length",
             "world_size": WORLD,
