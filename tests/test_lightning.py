@@ -148,3 +148,72 @@ def test_what_it_cannot_search_is_refused_naming_the_fix(lit, case, match):
         fit, data = {"train_dataloaders": data.train_dataloader()}, None
     with pytest.raises(InvalidArgument, match=match):
         _fit(lit, lit.Finder("16MiB", backend="cpu", progress=False), model=model, data=data, **fit)
+
+
+def _token_rows(short: int, long: int) -> list[dict]:
+    # the first rows hold 4 tokens, the rest 32 (issue 40: the long rows come after the first batches)
+    g = torch.Generator().manual_seed(3)
+    lengths = [4] * short + [32] * long
+    return [{"input_ids": torch.randint(0, 64, (n,), generator=g).tolist()} for n in lengths]
+
+
+def _pad(rows: list[dict]) -> torch.Tensor:
+    width = max(len(r["input_ids"]) for r in rows)
+    return torch.tensor([r["input_ids"] + [0] * (width - len(r["input_ids"])) for r in rows])
+
+
+def _token_model(lit: SimpleNamespace):
+    class TokenLM(lit.pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed, self.mlp, self.head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 128), torch.nn.Linear(128, 64)
+
+        def training_step(self, batch, batch_idx):
+            logits = self.head(torch.relu(self.mlp(self.embed(batch))))
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+    return TokenLM()
+
+
+def _token_data(lit: SimpleNamespace, rows: list[dict]):
+    class Rows(lit.pl.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batch_size, self.rows = 1, rows
+
+        def train_dataloader(self):  # in order: the first batches hold only short rows
+            return torch.utils.data.DataLoader(self.rows, batch_size=self.batch_size, shuffle=False, collate_fn=_pad)
+
+    return Rows()
+
+
+def test_long_rows_after_the_first_batch_are_sized_and_the_real_fit_loop_peaks_within_the_target(lit):
+    from batchfit.memory import get_backend
+
+    model, data = _token_model(lit), _token_data(lit, _token_rows(1024, 1024))
+    finder = lit.Finder("1MiB", backend="cpu", max_batch_size=1024, progress=False)
+    _fit(lit, finder, model=model, data=data, trainer={"max_steps": 0})
+    assert (finder.rows.index, finder.rows.length, finder.rows.shortest, finder.rows.rows) == (1024, 32, 4, 2048)
+    assert 1 < finder.result.batch_size < 1024  # bounded by memory, not by the range
+    long_only = _token_data(lit, _token_rows(0, 1024))
+    long_only.batch_size = finder.result.batch_size
+    fit = lit.pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    real = get_backend("cpu", memory_limit="1GiB").measure(lambda: fit.fit(model, datamodule=long_only),
+                                                           register=(model,))
+    assert real.peak_bytes <= finder.result.target_bytes
+
+
+def test_rows_of_one_length_or_unread_keep_the_first_batch(lit):
+    finder = lit.Finder("16MiB", backend="cpu", max_batch_size=2048, progress=False)
+    _fit(lit, finder, data=lit.example.Data())
+    assert finder.rows is None  # a TensorDataset is not read unless read_lengths=True
+    finder = lit.Finder("16MiB", backend="cpu", max_batch_size=2048, progress=False, read_lengths=True)
+    _fit(lit, finder, data=lit.example.Data())
+    assert finder.rows is not None and not finder.rows.varies  # one length: the first batch, as before
+    with pytest.raises(InvalidArgument, match=r"read_lengths must be None, True or False, but got read_lengths='yes'"):
+        lit.Finder("16MiB", read_lengths="yes")

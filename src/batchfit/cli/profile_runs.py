@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from batchfit.cli._ranks import process_group
+from batchfit.cli.json_document import profile_document
 from batchfit.cli.probe_progress import ProbeProgress
 from batchfit.cli.profile_request import ProfileRequest, request_from_args
 from batchfit.cli.render_profile import device_lines, render_profile
@@ -51,10 +52,10 @@ def run(args: argparse.Namespace) -> int:
 
             data = profile.to_dict()
             data["memory_defaulted"] = request.memory_defaulted
-            data["budget"] = provenance(profile.backend)  # estimated (estimate backend) or measured
             if request.calibration is not None:
                 data["calibration"] = {"path": request.calibration_path, **request.calibration.to_dict()}
-            json.dump(data, sys.stdout, indent=2)
+            # NOTE [ The --json schema ] in batchfit.cli.json_document: estimated (estimate backend) or measured
+            json.dump(profile_document(data, provenance=provenance(profile.backend)), sys.stdout, indent=2)
             sys.stdout.write("\n")
             return 0
         render_profile(console, profile, request)
@@ -103,7 +104,7 @@ def _run_confirm(request: ProfileRequest) -> int:
                 data["calibration"].update(calibration.to_dict())
         if error is not None:
             data["error"] = {"type": type(error).__name__, "faults": [str(error)]}
-        json.dump(data, sys.stdout, indent=2)
+        json.dump(profile_document(data), sys.stdout, indent=2)  # NOTE [ The --json schema ]
         sys.stdout.write("\n")
         if error is not None:
             sys.stderr.write(f"batchfit profile: error: {error}\n")
@@ -172,13 +173,13 @@ def _run_config(
         data["memory_defaulted"] = request.memory_defaulted
         data["older_torch"] = older_torch_notes(result)
         data["notes"] = notes  # the framework step's, the older torch's and the run's
-        data["budget"] = provenance(request.backend)  # estimated (estimate backend) or measured
         data["run_notes"] = list(run.notes)
         data["warnings"] = list(run.warnings)  # what the config sets that the budgets do not model
         if keys is not None:
             data["emit"] = {k.path: list(k.value) if isinstance(k.value, tuple) else k.value for k in keys if k.path}
             data["emit_notes"] = [k.comment for k in keys if not k.path]  # what no key can say
-        json.dump(data, sys.stdout, indent=2)
+        # NOTE [ The --json schema ] in batchfit.cli.json_document: estimated (estimate backend) or measured
+        json.dump(profile_document(data, provenance=provenance(request.backend)), sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     if keys is not None:

@@ -30,12 +30,25 @@ At ``on_fit_start`` Lightning's result collection does not exist yet, so ``self.
 trial's ``training_step`` raises; with ``sync_dist=True`` it would also all-reduce inside the
 trial. The callback replaces the module's ``log`` and ``log_dict`` by no-ops on the instance for
 the search and removes them afterwards.
+
+# NOTE [ The first batch may be a short one ]
+A trial's batch is the first of ``train_dataloader()``; when the rows' lengths vary, the first
+batch need not hold the longest row, and a size found on short rows runs out of memory on the
+long ones later (the trap of issue 40's HF Trainer sizing: NOTE [ Every row's length, not a
+sample ] in :mod:`batchfit.integrations.row_lengths`). So when the dataloader's dataset is cheap
+to read whole (a ``datasets.Dataset``, read from Arrow, or an in-memory ``list``/``tuple`` of
+rows), or ``read_lengths=True`` asks for a pass over any dataset, every row's length is read and,
+when they differ, a trial batch is ``batch_size`` copies of the longest row, collated by the
+dataloader's own ``collate_fn``. Rows of one length keep the first batch (the same shapes).
+Another dataset (a ``torch.utils.data.Dataset`` that loads or tokenizes on access) keeps the first
+batch unless ``read_lengths=True``: :attr:`DistributedBatchSizeFinder.rows` says which was done.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -44,8 +57,11 @@ from batchfit.autobatch import BatchSizeResult, find_batch_size
 from batchfit.autobatch.batch_search import limited_backend
 from batchfit.errors import InvalidArgument
 from batchfit.integrations.model_values import values_kept
+from batchfit.integrations.row_lengths import LongestRow, longest_row
 from batchfit.train.optim import initialize_optimizer_state
 from batchfit.validation import check_positive_int
+
+log = logging.getLogger(__name__)
 
 try:  # the pytorch-lightning package (batchfit[lightning]); the unified `lightning` package otherwise
     import pytorch_lightning as pl
@@ -90,6 +106,15 @@ class DistributedBatchSizeFinder(pl.Callback):
         min_batch_size, max_batch_size: the candidate range (``max_batch_size`` is also capped
             at the training dataset's length, when it has one).
         progress: as :func:`batchfit.autobatch.find_batch_size` (``True`` logs on rank 0).
+        read_lengths: read every row's length to size on the longest (NOTE [ The first batch
+            may be a short one ]): ``None`` (default) when the dataset is cheap to read whole (a
+            ``datasets.Dataset`` or a list/tuple of rows), ``True`` for any dataset with ``len``
+            (a pass over every row), ``False`` never (the first batch).
+
+    Attributes (after the search):
+        optimal_batch_size, result: the size found and the search behind it.
+        rows: the longest row and how the lengths were read, or ``None`` when the trial used
+            the dataloader's first batch without reading them.
 
     Raises (at ``trainer.fit``):
         InvalidArgument: no ``batch_arg_name`` attribute, no ``train_dataloader`` on the module
@@ -111,6 +136,7 @@ class DistributedBatchSizeFinder(pl.Callback):
         min_batch_size: int = 1,
         max_batch_size: int = 8192,
         progress: Any = True,
+        read_lengths: bool | None = None,
     ) -> None:
         if not isinstance(batch_arg_name, str) or not batch_arg_name:
             raise InvalidArgument(f"batch_arg_name must be an attribute name, but got batch_arg_name={batch_arg_name!r}")
@@ -123,8 +149,12 @@ class DistributedBatchSizeFinder(pl.Callback):
         self.min_batch_size = min_batch_size
         self.max_batch_size = max_batch_size
         self.progress = progress
+        if read_lengths is not None and not isinstance(read_lengths, bool):
+            raise InvalidArgument(f"read_lengths must be None, True or False, but got read_lengths={read_lengths!r}")
+        self.read_lengths = read_lengths
         self.optimal_batch_size: int | None = None
         self.result: BatchSizeResult | None = None
+        self.rows: LongestRow | None = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Run the search (every rank) and set ``batch_arg_name`` to the size found."""
@@ -146,10 +176,18 @@ class DistributedBatchSizeFinder(pl.Callback):
         loader_fn = self._train_dataloader_fn(trainer, pl_module)
         start = lightning_getattr(pl_module, self.batch_arg_name)
         high = self.max_batch_size
+        loader = loader_fn()
         with contextlib.suppress(TypeError):  # a batch larger than the dataset is not full (Lightning stops there too)
-            rows = len(loader_fn().dataset)
+            rows = len(loader.dataset)
             if isinstance(high, int) and isinstance(self.min_batch_size, int) and rows >= self.min_batch_size:
                 high = min(high, rows)
+        self.rows = self._longest_row(loader)
+        longest = None
+        if self.rows is not None and self.rows.varies:  # NOTE [ The first batch may be a short one ]
+            longest = (loader.dataset[self.rows.index], loader.collate_fn)
+        if self.rows is not None and self.progress is True and trainer.global_rank == 0:
+            log.info(f"train_dataloader: {self.rows.describe()}; trials repeat "
+                     f"{'it' if longest is not None else 'the first batch (the rows are of one length)'}")
         be = limited_backend(self._backend_name(pl_module), self.memory_limit, self.reserve_bytes)
         optimizers = list(trainer.optimizers)
         if len(optimizers) != 1:
@@ -159,7 +197,7 @@ class DistributedBatchSizeFinder(pl.Callback):
         optimizer = optimizers[0]
         saved_state = _to_cpu(optimizer.state_dict())  # host memory, off the measured device
         step = _FitStep(trainer, pl_module, optimizer, self.batch_arg_name, loader_fn,
-                        2 if int(trainer.accumulate_grad_batches) > 1 else 1)
+                        2 if int(trainer.accumulate_grad_batches) > 1 else 1, longest)
         try:
             with values_kept(pl_module), _no_logging(pl_module):
                 with be.context():
@@ -183,6 +221,18 @@ class DistributedBatchSizeFinder(pl.Callback):
         self.optimal_batch_size = self.result.batch_size
         lightning_setattr(pl_module, self.batch_arg_name, self.optimal_batch_size)
         return self.optimal_batch_size
+
+    def _longest_row(self, loader: Any) -> LongestRow | None:
+        """Every row's length when asked or cheap (NOTE [ The first batch may be a short one ]); ``None``: not read."""
+        dataset = getattr(loader, "dataset", None)
+        if self.read_lengths is False or dataset is None or getattr(loader, "batch_size", None) is None:
+            return None  # no automatic batching: the dataset yields whole batches
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            return None
+        cheap = isinstance(dataset, (list, tuple)) or (hasattr(dataset, "with_format") and hasattr(dataset, "column_names"))
+        if not (cheap or self.read_lengths):
+            return None
+        return longest_row(dataset, name="train_dataloader().dataset")
 
     def _backend_name(self, pl_module: Any) -> Any:
         if self.backend is not None:
@@ -249,14 +299,22 @@ class _FitStep:
         batch_arg_name: str,
         loader_fn: Callable[[], Any],
         micro_steps: int,
+        longest: tuple[Any, Callable[[list[Any]], Any]] | None = None,
     ):
         self.trainer, self.module, self.optimizer = trainer, pl_module, optimizer
         self.batch_arg_name, self.loader_fn, self.micro_steps = batch_arg_name, loader_fn, micro_steps
+        self.longest = longest
 
     def batch(self, batch_size: int) -> Any:
-        """The first batch of ``train_dataloader()`` with the attribute at ``batch_size``, on the device."""
+        """``batch_size`` copies of the longest row collated by the loader's ``collate_fn`` (NOTE [ The first
+        batch may be a short one ]), else the first batch of ``train_dataloader()`` with the attribute at
+        ``batch_size``; on the device."""
         lightning_setattr(self.module, self.batch_arg_name, batch_size)
-        batch = next(iter(self.loader_fn()))
+        if self.longest is not None:
+            row, collate = self.longest
+            batch = collate([dict(row) if isinstance(row, Mapping) else row for _ in range(batch_size)])
+        else:
+            batch = next(iter(self.loader_fn()))
         return self.trainer.strategy.batch_to_device(batch)
 
     def __call__(self, batch_size: int) -> None:
