@@ -61,7 +61,8 @@ def test_profile_config_emits_verl_keys_equal_to_the_budgets_and_the_merge_plans
     assert main(["profile", "--config", str(path), *FAST, "--json", "--emit", "verl"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["vocabulary"] == "verl" and data["max_seq_len"] == 256
-    assert data["budget"] == "estimated"  # the estimate backend's budgets
+    assert data["budget_provenance"] == data["budget"] == "estimated"  # the estimate backend's budgets (and its alias)
+    assert data["schema_version"] == 2 and data["profiles"]["policy"]["device_memory_bytes"] is not None
     # NOTE [ One name per figure ]: each pass's budget once, in its model's profile
     tokens = {role: b["tokens"] for p in data["profiles"].values() for role, b in p["budgets"].items()}
     assert set(tokens) == {"policy", "policy_forward", "reference", "critic", "critic_forward"}

@@ -70,6 +70,11 @@ def test_json_schema(capsys):
     # NOTE [ One name per figure ]: each budget once, under its role, with its pass in words
     assert not {"tokens", "binding_role", "roles", "per_rank"} & set(data)
     assert data["backend"] == "estimate" and data["memory_limit"] == 1024**3
+    # NOTE [ The --json schema ]: a version, the device told apart from the limit, one type per key
+    assert next(iter(data)) == "schema_version" and data["schema_version"] == 2
+    assert data["device_memory_bytes"] == 1024**3 and data["budget_provenance"] == "estimated"
+    assert data["logprobs"] == {"head": "full"}
+    assert data["deprecated_keys"] == {"memory_limit": "device_memory_bytes", "budget": "budget_provenance"}
     policy = data["budgets"]["policy"]
     assert policy["pass"] == "update"
     assert data["combined"] == {"tokens": policy["tokens"], "response_tokens": None, "binding_role": "policy"}
@@ -158,7 +163,7 @@ def test_torchrun_on_real_ranks_finds_the_budgets_the_estimate_finds_in_one_proc
 def test_reference_role_is_forward_only_and_fits_more_tokens(capsys):
     assert main(["profile", *FAST, "--roles", "policy,reference", "--logprobs", "fused", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["logprobs"] == "fused"
+    assert data["logprobs"] == {"head": "fused"}
     # no gradients, no optimizer state, nothing saved for backward: a larger budget than training
     budgets = data["budgets"]
     assert budgets["reference"]["tokens"] > budgets["policy"]["tokens"]

@@ -93,7 +93,7 @@ def report_error(
 ) -> None:
     """Print ``exc`` as one line per fault on stderr; with ``as_json`` also as a JSON document on stdout.
 
-    The document is ``{"error": {"type": ..., "faults": [...]}}``, so a script reading
+    The document is ``{"schema_version": 2, "error": {"type": ..., "faults": [...]}}``, so a script reading
     ``--json`` output gets JSON whatever happened; a :class:`~batchfit.errors.DoesNotFitError`
     adds its numbers (``needed_bytes``, ``limit_bytes``, ``reserve_bytes``, ``usable_bytes``,
     the one sequence's ``breakdown``) and ``remedies`` (``text``, and the settings to ``change``).
@@ -108,8 +108,10 @@ def report_error(
         if isinstance(exc, DoesNotFitError):
             error.update(exc.to_dict(vocabulary))
         try:
+            from batchfit.cli.json_document import error_document  # NOTE [ The --json schema ]
+
             json.dump(
-                {"error": error},
+                error_document(error),
                 sys.stdout,
                 indent=2,
                 ensure_ascii=False,
