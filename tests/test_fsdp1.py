@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from batchfit import InvalidArgument
 from batchfit.budget.causal_lm_probe import causal_lm_step
 from batchfit.memory import get_backend
 from batchfit.memory.categories import OPTIMIZER_STEP
@@ -115,17 +114,45 @@ def test_a_seeded_fsdp1_build_holds_rank_0s_half_of_the_same_weights():
             assert torch.equal(flat.detach(), full[: flat.numel()]), prefix
 
 
-def test_a_lora_model_is_refused_with_the_fix():
-    model = build_causal_lm("tiny")
-    model.peft_config = {"default": None}  # what marks a PEFT model
-    with (
-        simulated_world(WORLD),
-        pytest.raises(
-            InvalidArgument,
-            match=r"sharding='fsdp1' with LoRA adapters is not modelled.*use sharding='fsdp2'",
-        ),
-    ):
-        shard_model(model, _fsdp1())
+# The tiny preset with LoRA rank 8 on every linear (tests/test_lora.py): 18,688 adapter parameters
+# in 28 adapter Linears (7 adapted layers x A and B in each of 2 decoder layers)
+ADAPTER_PARAMETERS = 18_688
+ADAPTERS = 28
+
+
+def test_a_lora_model_is_wrapped_as_verl_wraps_it():
+    # NOTE [ LoRA under FSDP1 ]: verl's lambda policy makes each adapter a unit of its own; the
+    # decoder layers' and the root's units hold frozen base weights only
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    be = get_backend("estimate")
+    with simulated_world(WORLD):
+        model = build_causal_lm("tiny", backend=be, sharding=_fsdp1(), lora={"rank": 8})
+    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    assert len(units) == 3 + ADAPTERS
+    flats = [unit._handle.flat_param for unit in units if unit._handle is not None]
+    trainable = [f for f in flats if f.requires_grad]
+    assert len(trainable) == ADAPTERS and sum(f.numel() for f in trainable) == ADAPTER_PARAMETERS // WORLD
+    assert sum(f.numel() for f in flats if not f.requires_grad) == (ROOT_PARAMETERS + 2 * LAYER_PARAMETERS) // WORLD
+    tuners = [m for m in model.modules() if callable(getattr(m, "_cast_input_dtype", None))]
+    assert len(tuners) == ADAPTERS // 2 and not any(m.cast_input_dtype_enabled for m in tuners)
+
+
+def _first_lora_forward(cast: bool) -> torch.Tensor:
+    with simulated_world(WORLD):
+        model = build_causal_lm("tiny", backend="cpu", sharding=_fsdp1(), lora={"rank": 8}, seed=0)
+        for m in model.modules():
+            if callable(getattr(m, "_cast_input_dtype", None)):
+                m.cast_input_dtype_enabled = cast
+        return model(input_ids=torch.arange(16).view(1, 16)).logits
+
+
+def test_peft_s_cast_fails_the_first_lora_forward_under_fsdp1_and_the_wrap_turns_it_off():
+    # NOTE [ LoRA under FSDP1 ]: PEFT reads the adapter's fp32 view before the adapter's unit
+    # gathers it in bf16 (what batchfit refused on main and verl's autocast hides)
+    with pytest.raises(RuntimeError, match="expected m1 and m2 to have the same dtype"):
+        _first_lora_forward(cast=True)
+    assert _first_lora_forward(cast=False).dtype == torch.bfloat16
 
 
 # --------------------------------------------------------------------------- estimate = cpu
@@ -154,6 +181,16 @@ CASES = [
     pytest.param({}, {"gradient_checkpointing": True}, {}, id="checkpointing", marks=pytest.mark.slow),
     pytest.param({}, {"value_head": True}, {}, id="critic", marks=pytest.mark.slow),
     pytest.param({"offload": "cpu"}, {}, {"forward_only": True}, id="offloaded-reference"),
+    # NOTE [ LoRA under FSDP1 ]: verl's strategy fsdp with lora_rank
+    pytest.param({}, {"lora": {"rank": 8}}, {}, id="lora-train"),
+    pytest.param(
+        {"mixed_precision": "none"}, {"dtype": "bf16", "lora": {"rank": 8}}, {}, id="lora-pure-bf16", marks=pytest.mark.slow
+    ),
+    pytest.param({}, {"lora": {"rank": 8}}, {"forward_only": True}, id="lora-forward-only", marks=pytest.mark.slow),
+    pytest.param(
+        {}, {"lora": {"rank": 8}, "gradient_checkpointing": True}, {"cost": "packed"}, id="lora-checkpointing-packed", marks=pytest.mark.slow
+    ),
+    pytest.param({}, {"lora": {"rank": 8}, "value_head": True}, {}, id="lora-critic", marks=pytest.mark.slow),
 ]
 
 
@@ -205,6 +242,7 @@ RANK_CASES = [
     ("fsdp1", {}, {}, {}),
     ("fsdp1-shard-grad-op", {"reshard_after_forward": False}, {}, {}),
     ("fsdp1-reference", {}, {}, {"forward_only": True}),
+    ("fsdp1-lora", {}, {"lora": {"rank": 8}}, {}),
 ]
 
 

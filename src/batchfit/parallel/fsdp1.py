@@ -17,12 +17,7 @@ generated ``_generated_ppo_trainer.yaml``. :func:`wrap_fsdp1` passes the same ar
   one unit per decoder layer and the root unit for the rest (embeddings, final norm, head or
   value head). For a LoRA (PEFT) model verl adds its lambda policy: every leaf module whose
   ``weight`` requires grad (the adapters) is a unit of its own, so that no flat parameter mixes
-  frozen and trainable parameters. :func:`wrap_policy` builds it, but :func:`wrap_fsdp1`
-  refuses LoRA models: wrapped so on this torch (2.13) with bf16 mixed precision, PEFT's
-  forward casts its input to the adapter's fp32 weight read outside the adapter's unit, and
-  the unit computes in bf16 (``expected m1 and m2 to have the same dtype`` on real tensors;
-  under the estimate two probes of one step differed by 334,848 B on the tiny preset, rank 8).
-  LoRA stays an ``fsdp2`` option.
+  frozen and trainable parameters. :func:`wrap_policy` builds it; see NOTE [ LoRA under FSDP1 ].
 - ``sharding_strategy``: ``FULL_SHARD`` (``reshard_after_forward: true``, verl's default) or
   ``SHARD_GRAD_OP`` (``false``): on a 1-D mesh, what ``get_sharding_strategy`` picks.
   FSDP1 never frees the root unit after forward: it stays gathered until its backward.
@@ -35,6 +30,31 @@ generated ``_generated_ppo_trainer.yaml``. :func:`wrap_fsdp1` passes the same ar
   wrong results with gradient accumulation).
 - ``forward_prefetch=False`` (verl's default); ``backward_prefetch`` (``BACKWARD_PRE``) and
   ``limit_all_gathers`` (``True``) FSDP1's defaults, which verl keeps.
+
+NOTE [ LoRA under FSDP1 ]
+PEFT's ``lora.Linear.forward`` casts the layer's input to ``lora_A.weight.dtype`` before the
+adapters run. Under FSDP1 that attribute is read in the decoder layer's unit, before the
+adapter's own unit gathers it; with ``use_orig_params=False`` it is a view FSDP1 left behind:
+into the fp32 flat parameter until the adapter's first forward, into its bf16 gathered buffer
+after it (a view of freed storage, but its dtype is what PEFT reads). So with bf16 mixed
+precision the first forward casts the bf16 input to fp32 and hands it to a unit that
+computes in bf16: ``expected m1 and m2 to have the same dtype`` on real tensors (torch 2.13,
+PEFT 0.21; reproduced on the tiny preset, 2 simulated ranks, cpu backend); the estimate
+does not check that and measured the fp32 copies (the tiny preset, rank 8: the first probe
+502,272 B above the next ones). From the second forward on PEFT reads bf16 and casts nothing.
+verl runs because its engine computes under ``torch.autocast(dtype=param_dtype)``
+(``transformer_impl.py``, ``forward_step``), which feeds the GEMM bf16 whatever PEFT cast;
+its training micro-batches then run in that steady state: bf16 input, no copy (only the first
+forward after a full-precision ``summon_full_params``, its LoRA weight sync, casts again, in
+its forward-only log-prob pass). :func:`wrap_fsdp1` models the steady state from the first
+step: with bf16 mixed precision it turns off PEFT's input cast on the adapted layers (PEFT's
+own switch, ``cast_input_dtype_enabled``, which ``peft.helpers.disable_input_dtype_casting``
+sets), so every probe measures what verl's update does. Without mixed precision every unit
+computes in its own dtype and PEFT's cast is what runs (an fp32 copy of the input for fp32
+adapters on a bf16 base: NOTE [ LoRA as the frameworks build it ] in
+:mod:`batchfit.models.lora`). verl also casts fp32 adapters to a bf16 base's dtype
+(``_build_lora_module``); FSDP1 needs it only within one flat parameter, and the adapters are
+units of their own, so batchfit keeps PEFT's dtype as it does for ``fsdp2``.
 
 Not reproduced: ``sync_module_states=True`` (verl broadcasts rank 0's weights once at
 construction; batchfit initialises every rank from one seed already) and ``param_init_fn``
@@ -100,7 +120,6 @@ from typing import Any
 
 import torch
 
-from batchfit.errors import InvalidArgument
 from batchfit.parallel.sharding import Sharding
 from batchfit.patching import AttributePatch
 
@@ -156,8 +175,7 @@ def wrap_fsdp1(
         The ``FullyShardedDataParallel`` root, lazily initialised already (NOTE [ FSDP1
         initialised at the wrap ]).
 
-    Raises:
-        InvalidArgument: a PEFT (LoRA) model (NOTE [ FSDP1 as verl wraps it ]).
+    A PEFT (LoRA) model is wrapped as verl wraps it (NOTE [ LoRA under FSDP1 ]).
     """
     from torch.distributed.fsdp import (
         CPUOffload,
@@ -167,10 +185,6 @@ def wrap_fsdp1(
     )
     from torch.distributed.fsdp._runtime_utils import _lazy_init
 
-    if hasattr(model, "peft_config"):  # NOTE [ FSDP1 as verl wraps it ]: LoRA is not reproduced
-        raise InvalidArgument(
-            f"sharding='fsdp1' with LoRA adapters is not modelled: PyTorch's FullyShardedDataParallel runs PEFT's adapter units with mismatched dtypes and unstable memory here (a {type(model).__name__}); use sharding='fsdp2' (verl's strategy fsdp2, SkyRL's) or train without LoRA"
-        )
     where = torch.device(device) if device is not None else next(model.parameters()).device
     kwargs: dict[str, Any] = {
         "auto_wrap_policy": wrap_policy(model, layers),
@@ -190,9 +204,22 @@ def wrap_fsdp1(
     if sharding.offload == "cpu":
         kwargs["cpu_offload"] = CPUOffload(offload_params=True)
     wrapped = FullyShardedDataParallel(model, **kwargs)
+    if sharding.mixed_precision == "bf16":
+        _compute_adapters_in_the_units_dtype(wrapped)
     with _pinning_where_possible():  # NOTE [ FSDP1 initialised at the wrap ]
         _lazy_init(wrapped, wrapped)
     return wrapped
+
+
+def _compute_adapters_in_the_units_dtype(model: torch.nn.Module) -> None:
+    """Turn off PEFT's cast of an adapted layer's input to its adapter's dtype (NOTE [ LoRA under FSDP1 ]).
+
+    Every PEFT tuner layer (``BaseTunerLayer``: the one with ``_cast_input_dtype``) gets
+    ``cast_input_dtype_enabled = False``; a model without adapters is left as it is.
+    """
+    for module in model.modules():
+        if callable(getattr(module, "_cast_input_dtype", None)):
+            module.cast_input_dtype_enabled = False
 
 
 def _can_pin() -> bool:
