@@ -104,7 +104,31 @@ def test_every_frameworks_reader_records_what_its_config_sets(example, expected)
         assert all(not s.per_gpu for s in run.configured)
 
 
-def test_the_comparisons_are_emitted_as_comments_and_in_json(tmp_path, capsys, monkeypatch):
+def test_the_comparisons_are_emitted_comments_and_a_json_list(tmp_path):
+    from batchfit.frameworks.run_profile import RunProfile
+
+    run = read_run_config(_dapo(tmp_path))
+    fake = _profile(run, {"policy": 186_650, "policy_forward": 400_000}, sp=2, longest=22_528)
+    [update, forward] = yours_keys(fake)
+    assert update.path == "" and update.comment.startswith("actor update: yours actor_rollout_ref.actor.ppo_max")
+    assert forward.comment.startswith("old log-probs: yours actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")
+    policy = types.SimpleNamespace(budgets=fake.budgets, to_dict=dict)
+    data = RunProfile(run=run, profiles={"policy": policy}, options=fake.options).to_dict()
+    assert [(c["pass"], c["yours"], c["batchfit"]) for c in data["yours"]] == [
+        ("policy", 11264, 93_325),
+        ("policy_forward", 11264, 200_000),  # 400,000 // 2
+    ]
+
+
+def test_a_micro_size_above_the_budget_is_called_so():
+    run = read_run_config(EXAMPLES / "verl_grpo.yaml")  # ppo_micro_batch_size_per_gpu 4
+    # 12,288 tokens hold 3 sequences of 4,096: yours 4 is above it
+    [update] = [c for c in compare(_profile(run, {"policy": 12_288}, longest=4096)) if c.size.role == "policy"]
+    assert "0.8× (yours is above the budget: expect out-of-memory" in describe(update)
+
+
+@pytest.mark.slow
+def test_the_cli_emits_the_comparisons_in_comments_and_json(tmp_path, capsys, monkeypatch):
     recorder = use_recorder(monkeypatch)  # budgets without a probe
 
     def profile_model(*args, **kwargs):  # the recorder's profile, with a JSON form for --json

@@ -144,14 +144,20 @@ def compare(profile: Any) -> list[SizeComparison]:
 def describe(c: SizeComparison) -> str:
     """One sentence: ``actor update: yours actor_rollout_ref.actor.ppo_max_token_len_per_gpu=11,264 per GPU, batchfit 93,325: 8.3× …``."""
     s = c.size
-    unit = "sequences" if s.unit == "sequences" else ("per GPU" if s.per_gpu else "per micro-batch")
-    text = (
-        f"{PASS_NAMES.get(s.role, s.role)}: yours {s.key}={s.value:,} {unit}, batchfit {c.batchfit:,}: {c.ratio:.1f}×"
-    )
+    unit = "per GPU" if s.per_gpu else "per micro-batch"
+    name = PASS_NAMES.get(s.role, s.role)
     if s.unit == "tokens":
-        text += f" ({c.sequences[0]} → {c.sequences[1]} sequences of {c.longest:,} tokens per micro-batch)"
+        text = (
+            f"{name}: yours {s.key}={s.value:,} {unit}, batchfit {c.batchfit:,}: {c.ratio:.1f}× "
+            f"({c.sequences[0]} → {c.sequences[1]} sequences of {c.longest:,} tokens per micro-batch)"
+        )
     else:
-        text += f" sequences of {c.longest:,} tokens per micro-batch ({c.batchfit_tokens:,} tokens)"
+        text = (
+            f"{name}: yours {s.key}={s.value:,} sequences per micro-batch, batchfit {c.batchfit:,} of "
+            f"{c.longest:,} tokens ({c.batchfit_tokens:,} tokens): {c.ratio:.1f}×"
+        )
+    if c.ratio < 1:
+        text += " (yours is above the budget: expect out-of-memory at the longest sequences)"
     if c.micro_batches is not None:
         per = "optimizer step" if s.role in ("policy", "critic") else "training step"
         text += f"; micro-batches per GPU per {per}: {c.micro_batches[0]} → {c.micro_batches[1]}"
