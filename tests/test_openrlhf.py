@@ -489,3 +489,18 @@ def test_the_shipped_renames_are_what_openrlhfs_history_gives():
     module = load_script(Path(__file__).parents[1] / "scripts" / "extract_openrlhf_renames.py", "extract_openrlhf_renames")
     data = module.build(str(source), str(WHEEL))
     assert data["renamed"] == renames()["renamed"] and data["changed_defaults"] == renames()["changed_defaults"]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "max_len"),
+    [
+        ("--prompt_max_len 256 --generate_max_len 768", 1024),  # 256 + 768
+        ("--generate_max_len 3072", 4096),  # --prompt_max_len's old default 1024 + 3072
+        ("--max_len 8192 --prompt_max_len 1024 --generate_max_len 1024", 8192),  # the old --max_len won (d0e088b6^)
+        ("--generate_max_len=2048", 3072),  # the --flag=value form: 1024 + 2048
+    ],
+)
+def test_the_old_length_flags_make_the_whole_sequence_as_the_old_code_did(tmp_path, lengths, max_len):
+    old = tmp_path / "old.sh"
+    old.write_text(OLD_SCRIPT.replace("--prompt_max_len 256 --generate_max_len 768", lengths))
+    assert read_run_config(old).max_seq_len == max_len
