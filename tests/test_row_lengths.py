@@ -124,3 +124,12 @@ def test_rows_without_lengths_say_so():
 def test_bad_rows_are_refused_naming_them(rows, match):
     with pytest.raises(InvalidArgument, match=match):
         longest_row(rows)
+
+
+def test_the_trainer_integration_logs_what_it_read_on_rank_0(caplog):
+    from batchfit.integrations.hf_trainer import _read_lengths
+
+    with caplog.at_level("INFO", logger="batchfit.integrations.hf_trainer"):
+        found = _read_lengths(_short_then_long(), "length", "train_dataset", True, None)
+    assert found.index == 1024
+    assert "train_dataset: row 1,024 of 2,048 is the longest: 32 tokens" in caplog.text and "each trial repeats it" in caplog.text

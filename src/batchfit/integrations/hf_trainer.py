@@ -239,7 +239,7 @@ def _read_lengths(rows: Any, length_column: str, name: str, progress: Any, group
     """The longest of every row of ``rows`` (NOTE [ Every row's length, not a sample ]), logged on rank 0 when ``progress``."""
     found = longest_row(rows, length_column=length_column, name=name)
     if progress is True and get_rank(group) == 0:
-        logger.info(f"{name}: trials repeat {found.describe()}")
+        logger.info(f"{name}: {found.describe()}; each trial repeats it")
     return found
 
 
