@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
@@ -275,39 +275,68 @@ def require_matplotlib(path: str) -> None:
         )
 
 
-def plot_budget(budgets: dict[str, TokenBudget], path: str) -> None:
-    """Peak memory vs. tokens per probed length (one line per length and role), with the limit.
+#: One colour family per pass (matplotlib colormaps): a pass's lengths are shades of its colour.
+_ROLE_COLORMAPS = ("Blues", "Oranges", "Greens", "Purples", "Reds", "Greys", "YlOrBr", "PuRd")
 
-    matplotlib (Agg) is imported here only, so the CLI needs it only with ``--plot``.
+
+def budget_figure(budgets: dict[str, TokenBudget]) -> Any:
+    """The ``--plot`` figure: peak vs. tokens per probed length, each pass's limit and ``C``, no colour twice.
+
+    Each pass (role) gets one colour family, its lengths shades of it (darkest: the longest);
+    each pass's own limit (``safety_margin × usable``: passes differ, e.g. a forward pass beside
+    resident state) is a dashed line in its colour, and its ``C`` a dotted one, so no pass's
+    points are read against another's limit. One limit shared by every pass is one red line.
+    A pass beyond the colormaps reuses them with another marker. Returns the matplotlib figure
+    (needs matplotlib: :func:`require_matplotlib` checks it first).
     """
-    require_matplotlib(path)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    limit = None
-    for role, budget in budgets.items():
-        limit = budget.limit_bytes if limit is None else min(limit, budget.limit_bytes)
+    several = len(budgets) > 1
+    shared = len({b.limit_bytes for b in budgets.values()}) == 1
+    for index, (role, budget) in enumerate(budgets.items()):
+        cmap = matplotlib.colormaps[_ROLE_COLORMAPS[index % len(_ROLE_COLORMAPS)]]
+        marker = "os^D"[(index // len(_ROLE_COLORMAPS)) % 4]
         by_len: dict[int, list[tuple[int, int, bool]]] = {}
         for t in budget.trials:
-            by_len.setdefault(t.seq_len, []).append((t.batch_size * t.seq_len, t.peak_bytes, t.exceeded))
-        for seq_len, rows in sorted(by_len.items(), reverse=True):
-            rows.sort()
-            label = f"{role}: s={seq_len}" if len(budgets) > 1 else f"s={seq_len}"
-            (line,) = ax.plot([r[0] for r in rows], [r[1] / 2**30 for r in rows], "o-", label=label)
+            by_len.setdefault(t.seq_len, []).append((t.total_tokens, t.peak_bytes, t.exceeded))
+        lengths = sorted(by_len, reverse=True)
+        for k, seq_len in enumerate(lengths):
+            rows = sorted(by_len[seq_len])
+            shade = cmap(0.9 - 0.5 * k / (len(lengths) - 1)) if len(lengths) > 1 else cmap(0.8)
+            label = f"{role}: s={seq_len}" if several else f"s={seq_len}"
+            ax.plot([r[0] for r in rows], [r[1] / 2**30 for r in rows], f"{marker}-", color=shade, label=label)
             aborted = [r for r in rows if r[2]]
             if aborted:
-                ax.plot([r[0] for r in aborted], [r[1] / 2**30 for r in aborted], "x", color=line.get_color())
-        ax.axvline(budget.tokens, linestyle=":", color="grey")
-    if limit is not None:
+                ax.plot([r[0] for r in aborted], [r[1] / 2**30 for r in aborted], "x", color=shade)
+        base = cmap(0.8)
+        ax.axvline(budget.tokens, linestyle=":", color=base if several else "grey")
+        if not shared:
+            label = f"{role} limit {format_bytes(budget.limit_bytes)}"
+            ax.axhline(budget.limit_bytes / 2**30, color=base, linestyle="--", label=label)
+    if shared and budgets:
+        limit = next(iter(budgets.values())).limit_bytes
         ax.axhline(limit / 2**30, color="red", linestyle="--", label=f"limit {format_bytes(limit)}")
-    ax.set_xlabel("tokens in the micro-batch (b·s)")
+    ax.set_xlabel("tokens in the micro-batch")
     ax.set_ylabel("peak memory (GiB)")
     ax.set_title("batchfit profile: probes (x = aborted at the limit), dotted = budget C")
     ax.legend(fontsize="small")
     fig.tight_layout()
+    return fig
+
+
+def plot_budget(budgets: dict[str, TokenBudget], path: str) -> None:
+    """Write :func:`budget_figure` to ``path``, once (its suffix names the format).
+
+    matplotlib (Agg) is imported here only, so the CLI needs it only with ``--plot``.
+    """
+    require_matplotlib(path)
+    import matplotlib.pyplot as plt
+
+    fig = budget_figure(budgets)
     from pathlib import Path
 
     from batchfit.fileio import replacing
