@@ -30,7 +30,10 @@ SkyRL 0.4.0 (``backends/skyrl_train/workers/model_wrapper.py``: ``HFModelWrapper
   SkyRL ``_fsdp_init_model``): a layer's unit holds its frozen base weights and its
   trainable adapters together. torch's FSDP2 requires one dtype among a unit's *trainable*
   parameters only (``FSDPParamGroup._init_mp_dtypes``); frozen ones get no gradient and no
-  reduce-scatter.
+  reduce-scatter. verl's ``strategy: fsdp`` (FSDP1, its generated config's default) instead
+  makes every adapter a unit of its own (``get_fsdp_wrap_policy(..., is_lora=True)``), so no
+  flat parameter mixes frozen and trainable weights; batchfit wraps it the same way (NOTE
+  [ LoRA under FSDP1 ] in :mod:`batchfit.parallel.fsdp1`).
 - The optimizer: SkyRL hands AdamW every parameter, verl the same; a frozen parameter never
   gets a gradient, so AdamW never creates its state. batchfit's optimizer holds the trainable
   parameters only (the same state, see :func:`batchfit.train.optim.default_optimizer`).
