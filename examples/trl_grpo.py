@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 2 examples/trl_grpo.py     # 2 gloo ranks, DDP
     python examples/trl_grpo.py --logprobs full --memory 6MiB          # probed with another head: TRL overshoots
 
-Needs TRL (``pip install 'batchfit[trl]'``). A tiny Llama and a character tokenizer are built
+Needs TRL (``pip install -c constraints-cpu.txt -e '.[trl]'`` in batchfit's checkout). A tiny Llama and a character tokenizer are built
 here (nothing is downloaded). batchfit measures the policy's token budget with its ``cpu``
 backend (real steps under its tracker) at a memory limit, :func:`batchfit.integrations.trl.grpo_config`
 turns it into TRL's ``per_device_train_batch_size``, ``gradient_accumulation_steps`` and

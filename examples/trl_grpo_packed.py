@@ -3,7 +3,7 @@
     python examples/trl_grpo_packed.py
     torchrun --standalone --nproc-per-node 2 examples/trl_grpo_packed.py
 
-Needs TRL (``pip install 'batchfit[trl]'``). The same tiny Llama, tokenizer and reward as
+Needs TRL (``pip install -c constraints-cpu.txt -e '.[trl]'`` in batchfit's checkout). The same tiny Llama, tokenizer and reward as
 ``examples/trl_grpo.py``; the policy's budget is measured *packed* (the sum of a micro-batch's
 tokens) with TRL's own head, ``token_budget_grpo_config`` gives TRL one micro-batch per optimizer
 step, and :class:`~batchfit.integrations.trl_packed.TokenBudgetGRPOTrainer` runs each step's rows

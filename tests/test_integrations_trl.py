@@ -282,7 +282,7 @@ def test_without_trl_the_refusal_says_how_to_install_it_from_the_checkout(monkey
 def test_no_install_line_names_a_package_index_batchfit_is_not_on():
     # batchfit is installed from its checkout: `pip install 'batchfit[trl]'` fails (issue 40, item 8)
     root = Path(__file__).resolve().parents[1]
-    texts = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "src").rglob("*.py")]
+    texts = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "src").rglob("*.py"), *(root / "examples").glob("*.py")]
     wrong = re.compile(r"pip install '?batchfit\[(trl|lora|hf|lightning)")
     found = [f"{p.relative_to(root)}: {line.strip()}" for p in texts for line in p.read_text().splitlines()
              if wrong.search(line) and "fails" not in line]
