@@ -287,3 +287,25 @@ def test_no_install_line_names_a_package_index_batchfit_is_not_on():
     found = [f"{p.relative_to(root)}: {line.strip()}" for p in texts for line in p.read_text().splitlines()
              if wrong.search(line) and "fails" not in line]
     assert found == []
+
+
+@pytest.mark.slow
+def test_the_longest_prompt_is_read_from_every_row_as_grpo_tokenizes_it():
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from batchfit.integrations.trl_prompts import longest_prompt
+    from script_helpers import load_script
+
+    tokenizer = load_script(EXAMPLE, "trl_grpo_example").char_tokenizer()  # one token per character
+    # 1,100 prompts of 3 characters, then one of 40: a length taken from the first rows says 3
+    texts = ["abc"] * 1100 + ["a" * 40] + ["xy"] * 10
+    found = longest_prompt(datasets.Dataset.from_dict({"prompt": texts}), tokenizer, rows_per_call=256)
+    assert (found.index, found.length, found.shortest, found.rows) == (1100, 40, 2, 1111)
+    # a conversational prompt goes through the chat template with the generation prompt: "<" + content + ">"
+    template = "{% for m in messages %}<{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    chats = [{"prompt": [{"role": "user", "content": t}]} for t in ("ab", "abcdef", "a")]
+    found = longest_prompt(chats, tokenizer, chat_template=template)
+    assert (found.index, found.length) == (1, 8)  # 6 characters + "<" + ">", each unknown to the vocabulary: <unk>
+    assert "apply_chat_template(add_generation_prompt=True)" in found.source
+    with pytest.raises(InvalidArgument, match=r"row 1 is dict without one"):
+        longest_prompt([{"prompt": "a"}, {"text": "b"}], tokenizer)

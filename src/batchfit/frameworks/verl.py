@@ -146,6 +146,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     world = nnodes * per_node if isinstance(nnodes, int) and isinstance(per_node, int) else None
     # FSDPActorConfig.__post_init__: the deprecated actor key, when > 1, overrides the engine's
     sp = get(ACTOR + "ulysses_sequence_parallel_size")
+    # messages name the key the config set (issue 40): the actor's, when it is the one in force
+    key_names = {**KEY_NAMES, "sequence_parallel": ACTOR + "ulysses_sequence_parallel_size"} if isinstance(sp, int) and sp > 1 else KEY_NAMES
     if not (isinstance(sp, int) and sp > 1):
         sp = get(ENGINE + "ulysses_sequence_parallel_size") or 1
     dynamic = as_bool(flat.get(ACTOR + "use_dynamic_bsz")) is True
@@ -278,7 +280,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         notes=tuple(notes),
         faults=tuple(faults),
         warnings=tuple(warnings),
-        key_names=KEY_NAMES,
+        key_names=key_names,
         # issue 40 item 9: the sizes the config sets, put beside batchfit's budgets (your_sizes.compare)
         configured=verl_sizes(flat, reference=reference, critic=critic),
         source={

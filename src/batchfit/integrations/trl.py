@@ -352,7 +352,9 @@ def grpo_config(
         budget: a padded :class:`~batchfit.budget.TokenBudget` (one rank's), a
             :class:`~batchfit.budget.ModelProfile` (its ``combined`` budget; both phases checked) or
             a token count (the training phase only).
-        max_prompt_length: the longest prompt in tokens (TRL does not truncate prompts).
+        max_prompt_length: the longest prompt in tokens (TRL does not truncate prompts), of the
+            whole dataset: :func:`batchfit.integrations.trl_prompts.longest_prompt` reads it from
+            every row as ``GRPOTrainer`` tokenizes it.
         generation_batch_size: sequences generated at once over all processes.
         optimizer_steps_per_generation: optimizer steps one generation batch feeds.
         config_class: TRL's config class (default ``trl.GRPOConfig``).
