@@ -309,3 +309,29 @@ def test_the_longest_prompt_is_read_from_every_row_as_grpo_tokenizes_it():
     assert "apply_chat_template(add_generation_prompt=True)" in found.source
     with pytest.raises(InvalidArgument, match=r"row 1 is dict without one"):
         longest_prompt([{"prompt": "a"}, {"text": "b"}], tokenizer)
+
+
+class _CharTokenizer:
+    """One token per character; a chat template of '<' + each message + '>' for the generation prompt."""
+
+    def __call__(self, text):
+        return {"input_ids": [[0] * len(t) for t in text]}
+
+    def apply_chat_template(self, conversation, add_generation_prompt, tokenize, return_dict, **kwargs):
+        assert add_generation_prompt and tokenize and return_dict  # as GRPOTrainer._tokenize_prompts calls it
+        return {"input_ids": [[0] * (sum(len(m["content"]) + 1 for m in c) + 1) for c in conversation]}
+
+
+def test_the_longest_prompt_comes_from_every_row_not_the_first(monkeypatch):
+    from types import SimpleNamespace
+
+    from batchfit.integrations.trl_prompts import longest_prompt
+
+    # TRL's own is_conversational stands in (the real one: the second-tier test above)
+    monkeypatch.setitem(sys.modules, "trl.data_utils",
+                        SimpleNamespace(is_conversational=lambda example: isinstance(example["prompt"], list)))
+    rows = [{"prompt": "abc"}] * 1100 + [{"prompt": "a" * 40}]
+    found = longest_prompt(rows, _CharTokenizer(), rows_per_call=256)
+    assert (found.index, found.length, found.shortest, found.rows) == (1100, 40, 3, 1101)
+    chats = [{"prompt": [{"role": "user", "content": t}]} for t in ("ab", "abcdef")]
+    assert longest_prompt(chats, _CharTokenizer()).length == 8  # "<" + 6 + ">"
