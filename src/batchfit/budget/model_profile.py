@@ -23,6 +23,7 @@ from batchfit.budget.budget_search import find_token_budget
 from batchfit.budget.depth import DEFAULT_DEPTHS, uniform_layers
 from batchfit.budget.engine import EngineReserve, given_engine_reserve
 from batchfit.budget.options import ProfileOptions
+from batchfit.budget.remedies import Candidate
 from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import BudgetError, DoesNotFitError, InvalidArgument, Phrase, Setting
 from batchfit.memory.base import Backend
@@ -405,7 +406,7 @@ def profile_model(
     if failed is not None:
         role, exc = failed
         if opts.suggest_world_size and be.suggests_world_sizes:
-            out = _with_world_size_hint(exc, role, build, opts.max_seq_len)
+            out = _with_world_size_hint(exc, role, build, opts.max_seq_len, moe)
         else:
             out = exc.replace(Phrase(f"{role}: ", *exc.message.parts))
         if moe is not None:  # the report names the mixture of experts, even when nothing fits
@@ -803,7 +804,7 @@ _MAX_HINT_WORLD = 4096
 
 
 def smallest_fitting_world_size(
-    build: RoleBuilder, role: str, seq_len: int, limit: int, start: int = 1
+    build: RoleBuilder, role: str, seq_len: int, limit: int, start: int = 1, breakdowns: dict[int, dict[str, int]] | None = None
 ) -> int | None:
     """The smallest ``fsdp2`` world size (checkpointing on) at which one sequence of ``seq_len`` fits under ``limit``.
 
@@ -818,6 +819,9 @@ def smallest_fitting_world_size(
     Estimate backend only: each size is measured in its own simulated world, without a
     memory limit (the peaks must be exact). About four measurements.
 
+    Args:
+        breakdowns: filled with each measured world size's breakdown (one rank's bytes by category).
+
     Returns:
         The smallest world size measured to fit (its predecessor measured not to), or
         ``None`` when none up to :data:`_MAX_HINT_WORLD` fits.
@@ -826,7 +830,10 @@ def smallest_fitting_world_size(
 
     def peak(world: int) -> int:
         if world not in peaks:
-            peaks[world] = _hint_peak(build, role, seq_len, world)
+            measured = _hint_measure(build, role, seq_len, world)
+            peaks[world] = measured.peak_bytes
+            if breakdowns is not None:
+                breakdowns[world] = dict(measured.breakdown)
         return peaks[world]
 
     n1 = max(2, start)
@@ -885,7 +892,12 @@ def smallest_fitting_sequence_parallel(
 
 
 def _hint_peak(build: RoleBuilder, role: str, seq_len: int, world: int, sequence_parallel: int = 1) -> int:
-    """One sequence of ``seq_len``'s peak for a "does not fit" hint: ``fsdp2`` over ``world`` simulated ranks
+    """One sequence of ``seq_len``'s peak for a "does not fit" hint (:func:`_hint_measure`)."""
+    return _hint_measure(build, role, seq_len, world, sequence_parallel).peak_bytes
+
+
+def _hint_measure(build: RoleBuilder, role: str, seq_len: int, world: int, sequence_parallel: int = 1) -> Any:
+    """One sequence of ``seq_len``'s measurement for a "does not fit" hint: ``fsdp2`` over ``world`` simulated ranks
     (``sequence_parallel`` of them splitting it, packed), checkpointing on, the estimate without a limit.
 
     The hint's flags keep ``fsdp2``'s precision and offload where the run has them, else its defaults
@@ -917,6 +929,22 @@ def _hint_peak(build: RoleBuilder, role: str, seq_len: int, world: int, sequence
     with simulated_world(world):
         step = builder.step(role)
         try:
+            return step.measure([seq_len])
+        finally:
+            del step
+            _collect(unlimited)
+
+
+def _candidate_peak(build: RoleBuilder, role: str, seq_len: int, **changes: Any) -> int:
+    """One sequence of ``seq_len``'s peak with the run's own options but ``changes``, over its own simulated world,
+    the estimate without a limit: how a remedy that changes the run (CPU offload, LoRA) is verified."""
+    from batchfit.memory import get_backend
+
+    unlimited = get_backend("estimate", reserve_bytes=build.backend.reserve_bytes or 1, round_to=build.backend.round_to)
+    builder = build.with_options(**changes).with_backend(unlimited)
+    with simulated_world_for(unlimited, builder.sharding):
+        step = builder.step(role)
+        try:
             return step.measure([seq_len]).peak_bytes
         finally:
             del step
@@ -935,14 +963,127 @@ def _world_below(n: int) -> int:
     return n - 8 if n > 8 else max(1, n // 2)
 
 
-def _with_world_size_hint(exc: DoesNotFitError, role: str, build: RoleBuilder, seq_len: int) -> DoesNotFitError:
+#: The LoRA rank a "does not fit" hint measures (verl's and SkyRL's examples train rank 32–64 adapters).
+_HINT_LORA_RANK = 64
+
+
+def _state_candidates(build: RoleBuilder, role: str) -> list[Candidate]:
+    """The remedies that change the run's state, each to be measured (NOTE [ Remedies are measured ]).
+
+    CPU offload of FSDP2's sharded state (parameters, gradients, optimizer state on the host), and LoRA
+    adapters on the frozen base for a trained role (no gradients or optimizer state for the base).
+    """
+    from batchfit.models.lora import LoraSpec
+
+    out = []
+    sharding = build.sharding
+    if sharding.strategy == "fsdp2" and sharding.offload != "cpu":
+        state = {"strategy": "fsdp2", "world_size": sharding.world_size, "offload": "cpu"}
+        out.append(
+            Candidate(
+                Phrase("offload the sharded state to the CPU (", Setting("sharding", state), ")"),
+                {"sharding": dataclasses.replace(sharding, offload="cpu")},
+            )
+        )
+    lora = build.options.lora
+    if role in TRAINED_ROLES and (lora is None or not lora.enabled):
+        out.append(
+            Candidate(
+                Phrase(
+                    f"train LoRA adapters of rank {_HINT_LORA_RANK} on the frozen base instead of every parameter (",
+                    Setting("lora_rank", _HINT_LORA_RANK),
+                    "; another run: the base keeps no gradients or optimizer state)",
+                ),
+                {"lora": LoraSpec(_HINT_LORA_RANK)},
+            )
+        )
+    return out
+
+
+# NOTE [ Remedies are measured ]
+# A "does not fit" refusal on the estimate backend names the term of the peak that is too large
+# (batchfit.budget.remedies) and offers only what would make one sequence fit: the remedies that change the
+# run's state (CPU offload, LoRA, more GPUs, sequence parallelism) each measured at max_seq_len with the run's
+# own options but that one change, the step's own remedies kept only where the terms they remove could bring
+# the peak under the limit, and the memory that would fit it computed from the peak. Mixtral-8x7B on 16 × H100
+# (8,192 tokens): 113.95 GiB per rank, 85.5 of it sharded state that more ranks do not shrink (8 experts in
+# one tensor per layer, sharded on its first dimension, give 8 ranks at most a share); CPU offload measures
+# 28.5 GiB and LoRA 42.7 GiB against a 67.2 GiB limit, activation offload (6.4 GiB) cannot help.
+
+
+def _floor_words(breakdowns: dict[int, dict[str, int]], moe: MoeSummary | None) -> str:
+    """Why no world size fits, from the two smallest measured: the term that does not shrink with more ranks."""
+    from batchfit.budget.remedies import term_bytes
+
+    worlds = sorted(breakdowns)[:2]
+    if len(worlds) < 2:
+        return ""
+    n1, n2 = worlds
+    small, large = term_bytes(breakdowns[n1]), term_bytes(breakdowns[n2])
+    term, nbytes = next(iter(large.items()))
+    words = f"at {n2} ranks the {term} alone is {_fmt_bytes(nbytes)} per rank ({_fmt_bytes(small.get(term, 0))} at {n1})"
+    if moe is not None and moe.experts < n2 and nbytes > 0.75 * small.get(term, 0):
+        if term == "sharded state":
+            words += (
+                f": FSDP2 shards each tensor along its first dimension, and {moe.experts} experts held in one tensor "
+                f"per layer give at most {moe.experts} ranks a share"
+            )
+        elif term == "gathered layers":
+            words += (
+                f": FSDP2 pads each tensor's first dimension to a multiple of the ranks, so {moe.experts} experts held "
+                f"in one tensor per layer gather as {n2} over {n2} ranks"
+            )
+    return words
+
+
+def _fmt_bytes(n: int) -> str:
+    from batchfit.memory.sizes import format_bytes
+
+    return format_bytes(n)
+
+
+def _memory_remedy(exc: DoesNotFitError, build: RoleBuilder) -> Phrase | None:
+    """"give more memory", with the memory that would fit the sequence (computed from its peak)."""
+    from batchfit.budget.remedies import memory_needed
+
+    if exc.needed is None or exc.usable_bytes is None:
+        return None
+    margin = float(build.options.safety_margin)
+    if margin <= 0:
+        return None
+    # the reserve holds what other models keep too (colocated roles, an engine): NOTE [ Remedies are measured ]
+    memory = memory_needed(exc.needed, margin, int(exc.reserve_bytes or 0))
+    return Phrase(
+        "give more memory (", Setting("memory_limit", memory), " or more at ",
+        Setting("safety_margin", margin), ")",
+    )
+
+
+def _with_world_size_hint(
+    exc: DoesNotFitError, role: str, build: RoleBuilder, seq_len: int, moe: MoeSummary | None = None
+) -> DoesNotFitError:
+    from batchfit.budget.remedies import pertinent, term_words
+
     limit = exc.available if exc.available is not None else 0
+    needed = exc.needed if exc.needed is not None else 0
+    world_limit = limit
     untracked = build.backend.untracked
     if untracked is not None and not untracked.nccl_bytes:  # the suggested world has NCCL's buffers too
-        limit -= untracked_memory(world_size=2).nccl_bytes
+        world_limit -= untracked_memory(world_size=2).nccl_bytes
     start = build.sharding.world_size if build.sharding.strategy == "fsdp2" else 1
-    world = smallest_fitting_world_size(build, role, seq_len, limit, start=start)
-    split = None if world is not None else smallest_fitting_sequence_parallel(build, role, seq_len, limit, start=start)
+    breakdowns: dict[int, dict[str, int]] = {}
+    world = smallest_fitting_world_size(build, role, seq_len, world_limit, start=start, breakdowns=breakdowns)
+    split = None if world is not None else smallest_fitting_sequence_parallel(build, role, seq_len, world_limit, start=start)
+    # NOTE [ Remedies are measured ]: the state-changing remedies that fit, the step's that could
+    measured = [c.remedy for c in _state_candidates(build, role) if _candidate_peak(build, role, seq_len, **c.change) <= limit]
+    too_large = term_words(exc.breakdown, needed, limit, _fmt_bytes) if exc.breakdown and needed else ""
+    said = Phrase(f"{role}: ", *exc.message.parts, f"; {too_large}" if too_large else "")
+    memory = _memory_remedy(exc, build)
+    own = [
+        r for r in pertinent(exc.remedies, exc.breakdown, needed, limit)
+        if not any(getattr(p, "name", None) in ("sharding", "memory_limit") for p in r.parts)
+    ]
+    own += [memory] if memory is not None else []
     if split is not None:
         # NOTE [ A group's budget ]: one sequence fits once it is split over sp GPUs
         sp, split_world = split
@@ -956,27 +1097,24 @@ def _with_world_size_hint(exc: DoesNotFitError, role: str, build: RoleBuilder, s
             f" (Ulysses: each GPU holds 1/{sp} of the sequence; verl ulysses_sequence_parallel_size, "
             "SkyRL sequence_parallel_size)",
         )
-        no_world = Phrase(
-            f"{role}: ", *exc.message.parts, f"; no fsdp2 world size up to {_MAX_HINT_WORLD} fits it unsplit, "
-            f"sequence parallelism {sp} over {split_world} GPUs does"
+        no_world = said + Phrase(
+            f"; no fsdp2 world size up to {_MAX_HINT_WORLD} fits it unsplit, sequence parallelism {sp} over "
+            f"{split_world} GPUs does"
         )
-        unsharded = [r for r in exc.remedies if not any(getattr(p, "name", None) == "sharding" for p in r.parts)]
-        out = exc.replace(no_world, remedies=(fits_split, *unsharded))
+        out = exc.replace(no_world, remedies=(*measured, fits_split, *own))
     elif world is None:
-        # a finding, not a remedy: the step's own remedies (a shorter sequence, a fused head) still apply
-        no_world = Phrase(
-            f"{role}: ", *exc.message.parts, f"; no fsdp2 world size up to {_MAX_HINT_WORLD} fits it either "
-            "(the activations of one sequence alone are too large)"
+        floor = _floor_words(breakdowns, moe)
+        no_world = said + Phrase(
+            f"; no fsdp2 world size up to {_MAX_HINT_WORLD} fits it either" + (f" ({floor})" if floor else "")
         )
-        unsharded = [r for r in exc.remedies if not any(getattr(p, "name", None) == "sharding" for p in r.parts)]
-        out = exc.replace(no_world, remedies=unsharded)
+        out = exc.replace(no_world, remedies=(*measured, *own))
     else:
         fits_with = Phrase(
             "it fits with ",
             (Setting("sharding", {"strategy": "fsdp2", "world_size": world}), Setting("gradient_checkpointing", True)),
             " (one sequence per rank; sequence parallelism splits longer ones)",
         )
-        out = exc.replace(Phrase(f"{role}: ", *exc.message.parts), remedies=(fits_with, *exc.remedies))
+        out = exc.replace(said, remedies=(fits_with, *measured, *own))
     out.world_size_hint = world if split is None else split[1]
     out.sequence_parallel_hint = None if split is None else split[0]
     return out

@@ -62,6 +62,7 @@ FLAGS = {
     "roles": "--roles",
     "logprobs": "--logprobs",
     "response_only": "--response-only",
+    "lora_rank": "--lora-rank",
     "response_fraction": "--response-fraction",
     "cost": "--cost",
     "depth_extrapolation": "--depth-extrapolation",
@@ -196,7 +197,7 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
         default_world = launched
     _check_response_flags(args)
     _check_context_parallel(args.context_parallel)
-    check_sequence_parallel(args, run, model, world if world is not None else default_world)
+    check_sequence_parallel(args.sequence_parallel, args.world_size, run, model, default_world)
     chosen = ProfileChoices(
         max_seq_len=args.max_seq_len,
         backend=backend,
