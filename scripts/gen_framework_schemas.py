@@ -461,6 +461,7 @@ def verl_schema(package: Package) -> tuple[dict[str, Any], dict[str, Any]]:
     if VERL_GENERATED not in package.files:
         raise SystemExit(f"gen_framework_schemas: {VERL_GENERATED} not found")
     defaults = yaml.safe_load(package.files[VERL_GENERATED])
+    composed = {key for key, _ in _walk_yaml(defaults)}  # what Hydra composes, before _complete adds fields
     generated = sorted(
         (p for p in package.files if re.fullmatch(r"verl/trainer/config/_generated_[a-z_]+\.yaml", p)),
         key=lambda p: (p != VERL_GENERATED, p),  # the FSDP trainer's classes name the strict sections
@@ -491,6 +492,9 @@ def verl_schema(package: Package) -> tuple[dict[str, Any], dict[str, Any]]:
         # the Hydra defaults list VERL_GENERATED is composed from: a user's file that carries the same
         # list composes the same defaults (batchfit.frameworks.source.hydra_composed)
         "hydra_defaults": yaml.safe_load(package.files[VERL_MAIN]).get("defaults", []),
+        # the keys of verl.yaml that _complete added from the dataclasses: Hydra's composed config lacks
+        # them, so verl refuses an override of one without a "+" (batchfit.frameworks.verl_emit.override_prefix)
+        "not_composed": sorted(key for key, _ in _walk_yaml(defaults) if key not in composed),
     }
 
 

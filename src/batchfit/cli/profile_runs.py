@@ -148,7 +148,14 @@ def _run_config(
     request: ProfileRequest, console: Any, err: Any, show_progress: bool, rank: int
 ) -> int:
     """``--config``: profile every pass of the run; render it, or emit the framework's keys."""
-    from batchfit.frameworks.emit import FLAG_TARGETS, check_emit, emit_keys, provenance, render_keys
+    from batchfit.frameworks.emit import (
+        FLAG_TARGETS,
+        check_emit,
+        emit_keys,
+        override_comments,
+        provenance,
+        render_keys,
+    )
     from batchfit.frameworks.older_torch import older_torch_notes
     from batchfit.frameworks.run_profile import profile_run
     from batchfit.memory import format_bytes
@@ -207,8 +214,8 @@ def _run_config(
         header += [f"warning: {warning}" for warning in run.warnings]
         text = render_keys(keys, request.emit, header, request.emit_format)
         sys.stdout.write(text)
-        if request.emit_format == "overrides" and request.emit not in FLAG_TARGETS:  # no comments: the notes on stderr
-            sys.stderr.write("".join(f"note: {k.comment}\n" for k in keys if not k.path))
+        if request.emit_format == "overrides" and request.emit not in FLAG_TARGETS:  # Hydra takes no comments
+            sys.stderr.write(override_comments(keys, header))  # what the YAML form's comments say, on stderr
         return 0
     console.print(
         f"config {request.config}: {run.vocabulary} vocabulary; models "

@@ -49,6 +49,7 @@ from typing import Any
 from batchfit.errors import BatchConfigError, InvalidArgument
 from batchfit.frameworks import openrlhf, skyrl, slime, verl
 from batchfit.frameworks.flags import detect_framework, is_command_file, read_command
+from batchfit.frameworks.hydra_overrides import read_overrides
 from batchfit.frameworks.registry import (
     FrameworkSpec,
     command_frameworks,
@@ -100,7 +101,9 @@ def read_run_config(
 
     Args:
         source: a YAML (``.yaml``/``.yml``) or JSON file, or the mapping itself; any other
-            file holds an OpenRLHF or slime launch command (a shell script) or its arguments.
+            file holds an OpenRLHF or slime launch command (a shell script) or its arguments,
+            or a verl launch script (``python3 -m verl.trainer.main_ppo key=value …``), whose
+            Hydra overrides are read as the config they compose.
         overrides: :class:`~batchfit.plan.config.BatchConfig` field names (e.g. from ``--field
             value`` flags), applied last; strings are read as numbers or booleans.
 
@@ -118,11 +121,32 @@ def read_run_config(
         _check_size(source)
     if not isinstance(source, Mapping) and is_command_file(source):
         command = read_command(source)
-        run = get_framework(detect_framework(command)).read_command(command)
-        return _apply_flat(run, {}, overrides or {}, top_level_only=True)
+        spec = get_framework(detect_framework(command))
+        if spec.reads_command:
+            run = spec.read_command(command)
+            return _apply_flat(run, {}, overrides or {}, top_level_only=True)
+        return _read_launch(command, spec.name, overrides)
     data = source if isinstance(source, Mapping) else read_mapping(source)
+    return _read_mapping(data, overrides)
+
+
+def _read_launch(command: Any, framework: str, overrides: Mapping[str, Any] | None) -> RunConfig:
+    """A config framework's launch script (verl's ``python3 -m verl.trainer.main_ppo key=value …``): its Hydra
+    overrides read as the config they compose (:mod:`batchfit.frameworks.hydra_overrides`)."""
+    launch = read_overrides(command, framework)
+    try:
+        run = _read_mapping(launch.config, overrides, vocabulary=framework)
+    except BatchConfigError as exc:
+        raise BatchConfigError([*launch.faults, *exc.faults]) from None
+    if launch.faults:
+        raise BatchConfigError([*launch.faults, *run.faults])
+    return run.replace(warnings=(*launch.warnings, *run.warnings), notes=(*launch.notes, *run.notes))
+
+
+def _read_mapping(data: Mapping[str, Any], overrides: Mapping[str, Any] | None, vocabulary: str | None = None) -> RunConfig:
+    """A YAML/JSON config's mapping (``vocabulary``: told from its keys when ``None``) as a :class:`RunConfig`."""
     check_mapping(data)
-    vocabulary = detect_vocabulary(data)
+    vocabulary = vocabulary or detect_vocabulary(data)
     data = hydra_composed(data, vocabulary)
     resolved = resolve(data, vocabulary)
     given = given_keys(data, resolved)  # NOTE [ Interpolations resolve before the schema check ]

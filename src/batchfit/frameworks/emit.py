@@ -16,6 +16,7 @@ assumption ]).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from batchfit.errors import InvalidArgument
@@ -34,6 +35,7 @@ __all__ = [
     "check_emit",
     "cost_note",
     "emit_keys",
+    "override_comments",
     "provenance",
     "render_flags",
     "render_keys",
@@ -197,9 +199,34 @@ def _grouped(keys: list[Key]) -> list[Key]:
     return [key for _, key in sorted(enumerate(keys), key=order)]
 
 
-def render_overrides(keys: list[Key]) -> str:
-    """The keys as Hydra command-line overrides, one ``path=value`` per line."""
-    return "\n".join(f"{k.path}={_text(k.value, 'overrides')}" for k in keys if k.path) + "\n"
+def render_overrides(keys: list[Key], prefix: Callable[[str], str] | None = None) -> str:
+    """The keys as Hydra command-line overrides, one ``path=value`` per line.
+
+    Args:
+        keys: the keys to set (a key without a path is a comment: :func:`override_comments`).
+        prefix: path → the override's prefix: ``""`` for a key of the framework's composed config,
+            ``"++"`` for one it does not have, which Hydra refuses to override without a prefix
+            (``Could not override … To append to your config use +``); ``++`` adds the key or
+            replaces the one a launch command added before it. ``None``: no prefixes.
+
+    >>> print(render_overrides([Key("a.b", 1), Key("a.c", True)], lambda p: "++" * (p == "a.c")), end="")
+    a.b=1
+    ++a.c=true
+    """
+    add = prefix or (lambda path: "")
+    return "\n".join(f"{add(k.path)}{k.path}={_text(k.value, 'overrides')}" for k in keys if k.path) + "\n"
+
+
+def override_comments(keys: list[Key], header: list[str]) -> str:
+    """What the YAML form says in comments, for the overrides form's stderr: ``header``, then each key's comment.
+
+    Hydra takes no comments among overrides (``#`` is not in its override grammar: hydra-core 1.3.8
+    raises ``OverrideParseException: LexerNoViableAltException``), so the caveats go beside them,
+    as shell comments (``# line``).
+    """
+    lines = [f"# {line}" for line in header]
+    lines += [f"# {k.path}: {k.comment}" if k.path else f"# {k.comment}" for k in keys if k.comment]
+    return "".join(f"{line}\n" for line in lines)
 
 
 def _text(value: Any, style: str) -> str:
@@ -234,7 +261,11 @@ def render_flags(keys: list[Key], header: list[str]) -> str:
 
 
 def render_keys(keys: list[Key], target: str, header: list[str], fmt: str = "yaml") -> str:
-    """``keys`` as ``target`` takes them: flags for :data:`FLAG_TARGETS`, else YAML or overrides (``fmt``)."""
+    """``keys`` as ``target`` takes them: flags for :data:`FLAG_TARGETS`, else YAML or overrides (``fmt``; the
+    caveats the YAML form writes as comments are then :func:`override_comments`, for stderr)."""
     if target in FLAG_TARGETS:
         return render_flags(keys, header)
-    return render_yaml(keys, header) if fmt == "yaml" else render_overrides(keys)
+    if fmt == "yaml":
+        return render_yaml(keys, header)
+    # each emit module may say which of its keys the framework's composed config lacks (verl_emit.override_prefix)
+    return render_overrides(keys, getattr(get_framework(target).emit_module(), "override_prefix", None))

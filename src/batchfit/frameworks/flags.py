@@ -9,16 +9,20 @@ the flags shipped in ``defaults/<framework>_flags.json`` (written from the relea
 the framework defines them, so a value the trainer would reject is rejected here too.
 
 The shell is read, not run: line continuations, comments, quotes, variable assignments
-(``NAME=value``, ``export``), ``${NAME}``/``$NAME``/``${NAME:-default}`` and bash arrays
+(``NAME=value``, ``export``), ``${NAME}``/``$NAME``/``${NAME:-default}``, integer arithmetic
+(``$((1024 * 2))``, ``$(((a + b) / sp))``, as bash evaluates it) and bash arrays
 (``NAME=( … )``, ``${NAME[@]}``) defined in the file are expanded; control flow, command
 substitution, sourced files and the environment are not (the last assignment of a variable in
 the file wins, and the variables used are reported). A flag whose value stays unresolved is a
-fault when batchfit reads it, and dropped with a note otherwise.
+fault when batchfit reads it, and dropped with a note otherwise. A verl script's launch
+(``python3 -m verl.trainer.main_ppo key=value …``) is read here too; its arguments are Hydra
+overrides (:mod:`batchfit.frameworks.hydra_overrides`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import difflib
 import json
@@ -32,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.errors import BatchConfigError
-from batchfit.frameworks.registry import command_frameworks, get_framework
+from batchfit.frameworks.registry import command_frameworks, get_framework, launch_frameworks
 from batchfit.frameworks.run import RunConfig
 from batchfit.plan.config import BatchPlan
 
@@ -224,12 +228,17 @@ def read_command(path: str | Path) -> Command:
     if plain and plain[0].startswith("--"):
         expanded, unresolved, notes = _expand(plain, variables, arrays, used)
         return Command(str(path), None, tuple(expanded), unresolved, tuple(notes))
-    launchers = ", ".join(f"{spec.prose} ({' or '.join(spec.launchers)})" for spec in command_frameworks())
+    specs = launch_frameworks()
+    launchers = ", ".join(
+        f"{'or ' if i == len(specs) - 1 else ''}{spec.prose} ({' or '.join(spec.launchers)}"
+        + (" key=value ...: Hydra overrides)" if not spec.reads_command else " --flag value ...)")
+        for i, spec in enumerate(specs)
+    )
     raise BatchConfigError(
         [
             f"config file {str(path)!r} holds no launch command and no flags: expected a shell script that "
-            f"runs {launchers}, or a file of the trainer's arguments (--flag value ...); YAML and JSON configs "
-            "end in .yaml, .yml or .json"
+            f"runs {launchers}, or a file of {' or '.join(s.prose for s in command_frameworks())}'s arguments "
+            "(--flag value ...); YAML and JSON configs end in .yaml, .yml or .json"
         ]
     )
 
@@ -259,7 +268,7 @@ def _environment(prefix: list[str], variables: Mapping[str, str | None], exporte
 
 def _logical_lines(text: str, where: str) -> list[list[str]]:
     """Shell words per command: continuations joined, comments dropped, quotes and arrays closed."""
-    text = re.sub(r"\\\r?\n", " ", text)
+    text = _squeeze_arithmetic(re.sub(r"\\\r?\n", " ", text))
     out, buffer = [], ""
     for line in text.splitlines():
         buffer = f"{buffer}\n{line}" if buffer else line
@@ -279,9 +288,85 @@ def _logical_lines(text: str, where: str) -> list[list[str]]:
     return out
 
 
+def _squeeze_arithmetic(text: str) -> str:
+    """``text`` with the blanks inside each ``$(( … ))`` removed, so that shell words keep it whole.
+
+    Bash reads an arithmetic expansion as one word whatever its blanks (``$((1024 * 2))``);
+    :func:`shlex.split` would split it. Blanks never change an integer expression's value.
+    """
+    out, i = [], 0
+    while (start := text.find("$((", i)) >= 0:
+        end = _arithmetic_end(text, start)
+        if end is None:
+            break
+        out += [text[i:start], re.sub(r"\s+", "", text[start:end])]
+        i = end
+    return "".join(out) + text[i:]
+
+
+def _arithmetic_end(text: str, start: int) -> int | None:
+    """The index after the ``))`` closing the ``$((`` at ``start``, or ``None`` when it is not closed."""
+    depth = 0
+    for i in range(start + 1, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1 if text[i - 1] == ")" else None
+        elif text[i] == "\n":
+            return None
+    return None
+
+
+_ARITH_OPS: dict[type, Callable[[int, int], int]] = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    # bash divides integers towards zero (C), not towards minus infinity
+    ast.Div: lambda a, b: abs(a) // abs(b) * (1 if (a >= 0) == (b >= 0) else -1),
+    ast.Mod: lambda a, b: a - b * _ARITH_OPS[ast.Div](a, b),
+    ast.Pow: lambda a, b: a**b,
+}
+
+
+def _arithmetic(expression: str, variables: Mapping[str, str | None], used: dict[str, str]) -> int | None:
+    """Bash's value of an integer expression (``+ - * / % **``, parentheses, variables with or without ``$``).
+
+    ``None`` when a variable is not set in the file or is not an integer, or the expression is
+    anything else (a comparison, an assignment, a division by zero).
+    """
+    text, ok = _substitute(expression, variables, used)
+    if not ok:
+        return None
+
+    def name(match: re.Match[str]) -> str:
+        value = variables.get(match.group(0))
+        if value is None or not re.fullmatch(r"\s*-?\d+\s*", value):
+            raise ValueError(match.group(0))
+        used[match.group(0)] = value
+        return f"({value.strip()})"
+
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            inner = value(node.operand)
+            return -inner if isinstance(node.op, ast.USub) else inner
+        if isinstance(node, ast.BinOp) and type(node.op) in _ARITH_OPS:
+            return _ARITH_OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(ast.dump(node))
+
+    try:
+        text = re.sub(r"[A-Za-z_]\w*", name, text)
+        return value(ast.parse(text.replace("//", "/ /"), mode="eval").body)  # "//" is no bash operator
+    except (ValueError, SyntaxError, ZeroDivisionError, RecursionError):
+        return None
+
+
 def _launch_index(words: list[str]) -> int | None:
     for i, word in enumerate(words):
-        for spec in command_frameworks():
+        for spec in launch_frameworks():
             if any(word == name or word.endswith("/" + name) for name in spec.launchers):
                 return i
     return None
@@ -307,15 +392,19 @@ def _assign(
     if scalar is None or len(words) > 1:
         return False
     value, resolved = _substitute(scalar.group(2), variables, used)
-    variables[scalar.group(1)] = (
-        value if resolved and "$(" not in scalar.group(2) and "`" not in scalar.group(2) else None
-    )
+    substituted = re.search(r"\$\((?!\()", scalar.group(2)) or "`" in scalar.group(2)  # $(( … )) is arithmetic
+    variables[scalar.group(1)] = value if resolved and not substituted else None
     return True
 
 
 def _substitute(word: str, variables: Mapping[str, str | None], used: dict[str, str]) -> tuple[str, bool]:
-    """``word`` with ``${NAME}``, ``$NAME`` and ``${NAME:-default}`` replaced; False if one is unknown."""
+    """``word`` with ``$(( … ))``, ``${NAME}``, ``$NAME`` and ``${NAME:-default}`` replaced; False if one is unknown."""
     ok = True
+    while (start := word.find("$((")) >= 0 and (end := _arithmetic_end(word, start)) is not None:
+        number = _arithmetic(word[start + 3 : end - 2], variables, used)
+        if number is None:
+            return word, False
+        word = f"{word[:start]}{number}{word[end:]}"
 
     def one(match: re.Match[str]) -> str:
         nonlocal ok
@@ -364,14 +453,15 @@ def _expand(
 
 
 def detect_framework(command: Command) -> str:
-    """The command framework (``"openrlhf"``, ``"slime"``): from the launcher, else from which trainer knows more of the flags.
+    """The framework a command launches (``"openrlhf"``, ``"slime"``, ``"verl"``): from the launcher, else from which
+    trainer (OpenRLHF or slime) knows more of the flags.
 
     Raises:
         BatchConfigError: a file of arguments whose flags neither trainer has.
     """
     frameworks = command_frameworks()
     if command.launcher is not None:
-        return next(s.name for s in frameworks if any(command.launcher.endswith(n) for n in s.launchers))
+        return next(s.name for s in launch_frameworks() if any(command.launcher.endswith(n) for n in s.launchers))
     flags = [a.split("=", 1)[0] for a in command.args if a.startswith("--")]
     counts = {s.name: sum(flag in flag_spec(s.name).by_flag for flag in flags) for s in frameworks}
     best = max(counts, key=counts.get)

@@ -32,6 +32,7 @@ __all__ = [
     "framework_names",
     "framework_of",
     "get_framework",
+    "launch_frameworks",
     "register_framework",
 ]
 
@@ -51,6 +52,9 @@ class FrameworkSpec:
             named in messages.
         launchers: the tokens that launch its trainer in a shell script, its flags following them
             (``"train.py"``, or a module run with ``python -m``); a command reader's spec has some.
+            A config reader's may have some too (verl's ``verl.trainer.main_ppo``): its script's
+            arguments are Hydra overrides, read as the config they compose
+            (:mod:`batchfit.frameworks.hydra_overrides`).
         lora_keys: model role (``"policy"``, ``"critic"``) → the config keys of its LoRA rank, alpha
             and target modules (:func:`~batchfit.frameworks.lora_keys.read_lora`); empty when
             batchfit reads no LoRA keys of the framework.
@@ -187,6 +191,11 @@ def config_frameworks() -> tuple[FrameworkSpec, ...]:
 def command_frameworks() -> tuple[FrameworkSpec, ...]:
     """The registered frameworks configured by a launch command, in the order they were registered."""
     return tuple(spec for spec in _SPECS.values() if spec.reads_command)
+
+
+def launch_frameworks() -> tuple[FrameworkSpec, ...]:
+    """The registered frameworks a shell script can launch (with :attr:`FrameworkSpec.launchers`), in registration order."""
+    return tuple(spec for spec in _SPECS.values() if spec.launchers)
 
 
 def framework_names() -> tuple[str, ...]:

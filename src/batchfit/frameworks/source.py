@@ -332,6 +332,28 @@ def framework_defaults(vocabulary: str) -> dict[str, Any]:
     return flatten(resolve({}, vocabulary))
 
 
+def in_composed(framework: str, key: str) -> bool:
+    """``key`` (dotted) is a value or a section of the config the framework's Hydra composes.
+
+    That config is ``defaults/<framework>.yaml`` less the dataclass fields the generator added to it
+    (:attr:`FrameworkSchema.not_composed`): Hydra refuses to override a key it lacks without a ``+``
+    (``Could not override …``), and to add one it has with a ``+`` (``Could not append …``).
+    """
+    if key in _not_composed(framework):
+        return False
+    node: Any = _defaults_tree(framework)
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+@functools.cache
+def _not_composed(framework: str) -> frozenset[str]:
+    return framework_schema(framework).not_composed
+
+
 @dataclass(frozen=True)
 class FrameworkSchema:
     """A framework's key vocabulary, generated from its released package (``defaults/<name>_schema.json``).
@@ -346,6 +368,9 @@ class FrameworkSchema:
             that refuses it (SkyRL: every dataclass section; verl: the ``_target_`` sections).
         hydra_defaults: the Hydra defaults list the framework's defaults are composed from
             (verl: ``ppo_trainer.yaml``'s); empty when it has none (SkyRL 0.4.0).
+        not_composed: keys of the defaults file that the generator added from the dataclasses
+            and Hydra's composed config lacks (verl: ``critic.ppo_infer_max_token_len_per_gpu``),
+            so an override of one needs a ``+``; empty for SkyRL.
     """
 
     framework: str
@@ -354,6 +379,7 @@ class FrameworkSchema:
     open: tuple[str, ...]
     strict: Mapping[str, str]
     hydra_defaults: tuple[Any, ...] = ()
+    not_composed: frozenset[str] = frozenset()
 
     @property
     def title(self) -> str:
@@ -456,6 +482,7 @@ def framework_schema(framework: str) -> FrameworkSchema:
         open=tuple(data["open"]),
         strict=dict(data["strict"]),
         hydra_defaults=tuple(data.get("hydra_defaults", ())),
+        not_composed=frozenset(data.get("not_composed", ())),
     )
 
 

@@ -632,6 +632,10 @@ SPEC = FrameworkSpec(
         "trainer.n_gpus_per_node",
         "trainer.nnodes",
     ),
+    # a recipe's shell script launches one of these with Hydra overrides (python3 -m verl.trainer.main_ppo
+    # key=value ...), read as the config they compose (batchfit.frameworks.hydra_overrides); verl-recipe's
+    # DAPO trainer composes its own config over ppo_trainer's
+    launchers=("verl.trainer.main_ppo", "recipe.dapo.main_dapo"),
     # workers/config/model.py HFModelConfig, the FSDP engine's LoRA (CriticConfig has the same keys);
     # the model.lora.* block is Megatron's (megatron_peft.py), not read: batchfit does not model Megatron
     lora_keys={

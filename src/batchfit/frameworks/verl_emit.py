@@ -24,10 +24,11 @@ from batchfit.frameworks.assumptions import (
 from batchfit.frameworks.emit import REMOVE_PADDING
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import RunProfile
+from batchfit.frameworks.source import in_composed
 from batchfit.frameworks.verl import SPEC
 from batchfit.train.framework_heads import FrameworkHead
 
-__all__ = ["VERL_KEYS", "assumption_keys", "token_keys"]
+__all__ = ["VERL_KEYS", "assumption_keys", "override_prefix", "token_keys"]
 
 # verl: each pass → the key that turns token-length micro-batching on, its length key, and what runs.
 VERL_KEYS = (
@@ -59,6 +60,25 @@ VERL_KEYS = (
         "values (no_grad) and, in verl's V1 trainer, the critic update too",
     ),
 )
+
+
+def override_prefix(path: str) -> str:
+    """``""`` for a key of verl 0.9.1's composed ``ppo_trainer`` config, ``"++"`` for one it lacks.
+
+    verl's Hydra refuses to override a key its composed config does not have (``Could not
+    override 'actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype'. To append to your
+    config use +``): ``FSDPEngineConfig.mixed_precision`` is a dataclass field (``None`` by default)
+    that ``engine/fsdp.yaml`` leaves out. ``++`` adds it, or replaces the value a launch script
+    added with ``+`` (verl's own scripts write both). The composed config is the wheel's
+    ``_generated_ppo_trainer.yaml`` (:func:`~batchfit.frameworks.source.in_composed`:
+    ``critic.ppo_infer_max_token_len_per_gpu`` is a field of ``CriticConfig`` that ``critic.yaml``
+    leaves out).
+
+    >>> override_prefix("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"), override_prefix(
+    ...     "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype")
+    ('', '++')
+    """
+    return "" if in_composed("verl", path) else "++"
 
 
 def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
