@@ -1011,6 +1011,15 @@ def _state_candidates(build: RoleBuilder, role: str) -> list[Candidate]:
 # 28.5 GiB and LoRA 42.7 GiB against a 67.2 GiB limit, activation offload (6.4 GiB) cannot help.
 
 
+def _candidate_fits(build: RoleBuilder, role: str, seq_len: int, candidate: Candidate, limit: int) -> bool:
+    """Whether one sequence fits with ``candidate``'s change: measured; a change this run cannot take (LoRA under
+    FSDP1 where it is not modelled, PEFT not installed) is not offered."""
+    try:
+        return _candidate_peak(build, role, seq_len, **candidate.change) <= limit
+    except (InvalidArgument, ImportError):
+        return False
+
+
 def _floor_words(breakdowns: dict[int, dict[str, int]], moe: MoeSummary | None) -> str:
     """Why no world size fits, from the two smallest measured: the term that does not shrink with more ranks."""
     from batchfit.budget.remedies import term_bytes
@@ -1075,7 +1084,7 @@ def _with_world_size_hint(
     world = smallest_fitting_world_size(build, role, seq_len, world_limit, start=start, breakdowns=breakdowns)
     split = None if world is not None else smallest_fitting_sequence_parallel(build, role, seq_len, world_limit, start=start)
     # NOTE [ Remedies are measured ]: the state-changing remedies that fit, the step's that could
-    measured = [c.remedy for c in _state_candidates(build, role) if _candidate_peak(build, role, seq_len, **c.change) <= limit]
+    measured = [c.remedy for c in _state_candidates(build, role) if _candidate_fits(build, role, seq_len, c, limit)]
     too_large = term_words(exc.breakdown, needed, limit, _fmt_bytes) if exc.breakdown and needed else ""
     said = Phrase(f"{role}: ", *exc.message.parts, f"; {too_large}" if too_large else "")
     memory = _memory_remedy(exc, build)
