@@ -98,6 +98,13 @@ def test_a_launch_through_an_array_and_ray_is_found(tmp_path):
     assert read_run_config(path).batch.train_batch_size == 16
 
 
+def test_the_shells_redirections_and_pipes_after_the_launch_are_not_overrides(tmp_path):
+    path = _script(tmp_path, '"$@"', "2>&1", ">", "run.log", "|", "tee", "-a", "run.log", ";", "echo", "done")
+    run = read_run_config(path)  # on a first draft: "'2>&1': not a Hydra override"
+    assert run.batch.train_batch_size == 8
+    assert any("2>&1" in note and "> run.log" in note and "| tee -a run.log ; echo done" in note for note in run.notes)
+
+
 def test_a_script_without_a_launch_names_verl_too(tmp_path):
     path = tmp_path / "run.sh"
     path.write_text("echo hello\n")

@@ -35,6 +35,8 @@ _OWN_CONFIG = "ppo_trainer"  # the composition defaults/verl.yaml holds
 # the wheel's other trainers (verl/trainer/config/*.yaml): another engine's defaults, which batchfit does not hold
 _OTHER_TRAINERS = ("ppo_megatron_trainer", "ppo_torchtitan_trainer", "ppo_veomni_trainer")
 _OVERRIDE = re.compile(r"^(~|\+\+|\+)?([A-Za-z_][\w.@/\-]*)(?:=(.*))?$", re.S)
+_CONTROL = ("|", "||", "&&", ";", "&", "|&")
+_REDIRECT = re.compile(r"^\d*(?:>>?|<|>&|&>)(.*)$")  # group 1: the target when written in the same word
 _FLAG_VALUE = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--cfg", "-c", "--package", "-p")
 
 
@@ -83,6 +85,14 @@ def read_overrides(command: Command, framework: str) -> Overrides:
         i += 1
         if word in ("$@", "$*"):
             ignored.append(f"{word} (the script's own arguments)")
+            continue
+        if word in _CONTROL:  # the launch ends: a pipe (| tee log), a list (&&, ;) or a background job
+            ignored.append(" ".join(args[index:]))
+            break
+        redirect = _REDIRECT.match(word)
+        if redirect is not None:  # > log, 2>&1: the shell's, not the trainer's
+            i += 1 if not redirect.group(1) and i < len(args) else 0
+            ignored.append(word if redirect.group(1) else " ".join(args[index:i]))
             continue
         if word.startswith("-"):
             flag, _, value = word.partition("=")
