@@ -533,3 +533,44 @@ def test_a_verl_config_with_lora_rank_gets_a_larger_policy_budget_and_no_referen
     # verl's ref_in_actor: the reference log-probs come from the LoRA actor, adapters disabled
     assert "reference" in full.profiles and "reference" not in lora.profiles
     assert any("ref_in_actor" in note for note in lora.to_dict()["notes"]) and not full.notes
+
+
+def _generated_verl(model_dir, lora_rank: int) -> dict:
+    """verl 0.9.1's generated ppo_trainer config (strategy fsdp: FSDP1) on ``model_dir``, with ``lora_rank``."""
+    from pathlib import Path
+
+    import yaml
+
+    import batchfit.frameworks
+
+    text = (Path(batchfit.frameworks.__file__).parent / "defaults" / "verl.yaml").read_text()
+    config = yaml.safe_load(text)
+    config["actor_rollout_ref"]["model"]["path"] = str(model_dir)
+    config["actor_rollout_ref"]["model"]["lora_rank"] = lora_rank
+    config["critic"]["model"]["path"] = str(model_dir)
+    return config
+
+
+@pytest.mark.slow
+def test_verls_generated_fsdp1_config_with_lora_rank_64_gets_a_larger_policy_budget(tmp_path):
+    # NOTE [ LoRA under FSDP1 ] in batchfit.parallel.fsdp1: on main this config was refused
+    # ("sharding='fsdp1' with LoRA adapters is not modelled"); a Qwen2.5-0.5B-shaped directory
+    # (rank 64 is 1/14 of its width: the adapters' activations cost less than the state they save)
+    from batchfit.frameworks import read_run_config
+    from batchfit.frameworks.config_options import ProfileChoices, run_profile_options
+    from batchfit.frameworks.run_profile import profile_run
+
+    directory = tmp_path / "qwen"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(dict(load_config("qwen2.5-0.5b").to_dict())))
+    chosen = ProfileChoices(backend="estimate", memory_limit="h100-80gb")
+    results = {}
+    for rank in (0, 64):
+        made = run_profile_options(read_run_config(_generated_verl(directory, rank)), chosen)
+        assert made.options.sharding.strategy == "fsdp1"  # verl's strategy: fsdp
+        options = made.options.replace(seq_lens=[made.options.max_seq_len])  # one length: the comparison
+        results[rank] = profile_run(made.run, options)
+    full, lora = results[0], results[64]
+    assert lora.profiles["policy"].lora.spec == LoraSpec(64)
+    assert full.profiles["policy"].lora is None
+    assert lora.budgets["policy"].tokens > full.budgets["policy"].tokens
