@@ -60,7 +60,8 @@ def test_every_fault_of_a_plan_is_listed_at_once(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2
-    assert "train_batch_size=100 is not a multiple of policy_mini_batch_size=32" in err[0]
+    # issue 40: the settings given as flags are named as the flags
+    assert "--train-batch-size 100 is not a multiple of --policy-mini-batch-size 32" in err[0]
     assert "32 × 1 = 32 samples per mini-batch do not split evenly over dp_size=3" in err[1]
     # under SkyRL's rules: its assert, its floored per-GPU counts, its tail-dropping
     assert main([*argv, "--framework", "skyrl"]) == 2
@@ -104,7 +105,7 @@ def test_errors_are_json_too_with_json(capsys):
     captured = capsys.readouterr()
     error = json.loads(captured.out)["error"]
     assert error["type"] == "BatchConfigError"
-    assert len(error["faults"]) == 2 and "world_size=0" in error["faults"][0]
+    assert len(error["faults"]) == 2 and "--world-size 0" in error["faults"][0]  # the flag, as given
     assert captured.err.count("batchfit plan: error:") == 2
 
 

@@ -16,7 +16,20 @@ FAST = ["--model", "tiny", "--max-seq-len", "512", "--memory", "1GiB", "--no-pro
     [
         pytest.param(["--context-parallel", "4"], "--context-parallel 4 (ring attention) is not modelled", id="ring"),
         pytest.param(["--sequence-parallel", "4", "--cost", "padded"], "--sequence-parallel 4 splits packed micro-batches", id="padded"),
-        pytest.param(["--sequence-parallel", "3"], "sequence_parallel must divide world_size=8", id="divides"),
+        # tiny has 4 heads, 2 kv heads: 3 neither splits them nor divides 8; 2 and 4 do both (issue 40)
+        pytest.param(
+            ["--sequence-parallel", "3"],
+            "--sequence-parallel 3 cannot split tiny's 4 attention heads (2 key/value heads; Ulysses gives each rank "
+            "heads/sp query heads, and the key/value heads must divide or be divided by sp) and does not divide "
+            "--world-size 8 (world = data-parallel × sequence-parallel ranks): use --sequence-parallel 2 or 4",
+            id="divides",
+        ),
+        pytest.param(
+            ["--sequence-parallel", "4", "--world-size", "6"],
+            "--sequence-parallel 4 does not divide --world-size 6 (world = data-parallel × sequence-parallel ranks): "
+            "use --sequence-parallel 2 or --world-size 4 or 8",
+            id="world",
+        ),
         pytest.param(["--sequence-parallel", "2", "--sharding", "ddp"], "sequence_parallel=2 needs strategy='fsdp1' or 'fsdp2'", id="ddp"),
         pytest.param(["--sequence-parallel", "0"], "--sequence-parallel must be an integer >= 1, but got --sequence-parallel=0", id="zero"),
     ],
@@ -46,6 +59,50 @@ def _emitted(capsys, config: str, *memory: str) -> dict[str, int]:
     assert main(["profile", "--config", config, *memory, "--engine-reserve", "0", "--no-progress", "--emit", "verl"]) == 0
     out = capsys.readouterr().out
     return {k: int(v) for k, v in re.findall(r"(\w+_max_token_len_per_gpu|ulysses_sequence_parallel_size): (\d+)", out)}
+
+
+@pytest.mark.parametrize("command", ["plan", "profile"])
+def test_a_ulysses_size_the_heads_cannot_take_offers_only_valid_fixes_in_the_config_s_words(tmp_path, capsys, command):
+    # qwen2.5-7b: 28 heads, 4 kv heads, on 16 GPUs at sp 3: main offered "15 or 18" GPUs (3 splits 28 heads over none)
+    config = _verl_config(tmp_path / "run.yaml", 3)
+    text = (tmp_path / "run.yaml").read_text(encoding="utf-8")
+    (tmp_path / "run.yaml").write_text(text.replace("tiny", "qwen2.5-7b").replace("gpus_per_node: 8", "gpus_per_node: 16"))
+    argv = ["plan", config] if command == "plan" else ["profile", "--config", config, "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    # the key the config set (the actor's, not its fsdp_config's), the world as verl counts it, sp 2 or 4 only
+    assert err.startswith(f"batchfit {command}: error: actor_rollout_ref.actor.ulysses_sequence_parallel_size=3 cannot split "), err
+    assert "does not divide trainer.nnodes × trainer.n_gpus_per_node=16" in err
+    assert err.rstrip().endswith("use actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 or 4"), err
+    assert "15 or 18" not in err and "fsdp_config" not in err
+
+
+def test_plan_names_the_flags_the_user_gave():
+    from batchfit.cli.plan import as_flags
+
+    fault = "world_size=1 is not a multiple of the model-parallel size, sequence_parallel=3: set world_size to 3"
+    assert as_flags(fault, {"sequence_parallel": "3"}) == (
+        "world_size=1 is not a multiple of the model-parallel size, --sequence-parallel 3: set world_size to 3"
+    )
+
+
+def test_plan_s_fault_names_the_flag_not_the_field(capsys):
+    assert main(["plan", "--train-batch-size", "64", "--policy-mini-batch-size", "16", "--sequence-parallel", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--sequence-parallel 3" in err and "sequence_parallel=3" not in err, err
+
+
+def test_sequence_parallel_fixes_are_all_valid():
+    from batchfit.plan.arith import sequence_parallel_fixes, splits_heads
+
+    assert sequence_parallel_fixes(3, 16, 32, 8) == ([2, 4], [])  # 32 heads do not split over 3: no world helps
+    assert sequence_parallel_fixes(4, 6, 32, 8) == ([2], [4, 8])  # 4 splits 32 / 8 heads: a multiple of 4 GPUs does
+    for sp in range(2, 9):
+        for world in (6, 8, 12, 16, 24):
+            sizes, worlds = sequence_parallel_fixes(sp, world, 28, 4)
+            assert all(world % s == 0 and splits_heads(s, 28, 4) for s in sizes)
+            assert all(w % sp == 0 for w in worlds) and (not worlds or splits_heads(sp, 28, 4))
 
 
 @pytest.mark.slow
