@@ -191,6 +191,9 @@ def test_an_unset_shell_variable_for_a_key_batchfit_reads_is_a_fault(tmp_path):
 def test_another_verl_trainer_is_refused_and_a_recipes_config_is_read_with_a_warning(tmp_path):
     with pytest.raises(BatchConfigError, match="--config-name ppo_megatron_trainer: that trainer composes another engine"):
         read_run_config(_script(tmp_path, launch=LAUNCH + " --config-name=ppo_megatron_trainer"))
+    # Hydra reads --config-name wherever it stands: the keys before it are a recipe config's, not judged as ppo_trainer's
+    run = read_run_config(_script(tmp_path, "data.recipe_key=1", "--config-name", "my_recipe.yaml"))
+    assert any("composes its own config (my_recipe)" in w for w in run.warnings)
     run = read_run_config(_script(tmp_path, "+data.anything_the_recipe_adds=1", launch="python3 -m recipe.dapo.main_dapo"))
     assert any("recipe.dapo.main_dapo composes its own config (dapo_trainer)" in w for w in run.warnings)
 

@@ -72,7 +72,7 @@ def read_overrides(command: Command, framework: str) -> Overrides:
     """
     title = framework_schema(framework).title
     launcher = (command.launcher or "").rsplit("/", 1)[-1].removesuffix(".py")
-    config_name = _LAUNCHER_CONFIG.get(launcher)
+    config_name = _config_name(command.args, _LAUNCHER_CONFIG.get(launcher))
     config: dict[str, Any] = {}
     faults: list[str] = []
     dropped: list[str] = []
@@ -98,9 +98,7 @@ def read_overrides(command: Command, framework: str) -> Overrides:
             flag, _, value = word.partition("=")
             if flag in _FLAG_VALUE and not value and i < len(args):
                 value, i = args[i], i + 1
-            if flag in ("--config-name", "-cn"):
-                config_name = value.removesuffix(".yaml")
-            elif flag not in ("--config-path", "-cp", "--config-dir", "-cd"):
+            if flag not in ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd"):
                 ignored.append(word if not value or "=" in word else f"{word} {value}")
             continue
         match = _OVERRIDE.match(word)
@@ -168,6 +166,17 @@ def read_overrides(command: Command, framework: str) -> Overrides:
     if deleted:
         notes.append(f"deleted with ~ (read as verl's defaults): {', '.join(deleted)}")
     return Overrides(config, tuple(faults), tuple(warnings), (*command.notes, *notes))
+
+
+def _config_name(args: tuple[str, ...], default: str | None) -> str | None:
+    """The config the launch composes: its last ``--config-name`` / ``-cn`` (Hydra reads the flags before the
+    overrides, wherever they stand), else the launcher's ``default``."""
+    name = default
+    for i, word in enumerate(args):
+        flag, eq, value = word.partition("=")
+        if flag in ("--config-name", "-cn"):
+            name = (value if eq else args[i + 1] if i + 1 < len(args) else "").removesuffix(".yaml")
+    return name
 
 
 def parse_value(text: str) -> Any:
