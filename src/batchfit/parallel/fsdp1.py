@@ -34,9 +34,9 @@ generated ``_generated_ppo_trainer.yaml``. :func:`wrap_fsdp1` passes the same ar
 NOTE [ LoRA under FSDP1 ]
 PEFT's ``lora.Linear.forward`` casts the layer's input to ``lora_A.weight.dtype`` before the
 adapters run. Under FSDP1 that attribute is read in the decoder layer's unit, before the
-adapter's own unit gathers it; with ``use_orig_params=False`` it is a view FSDP1 left behind:
-into the fp32 flat parameter until the adapter's first forward, into its bf16 gathered buffer
-after it (a view of freed storage, but its dtype is what PEFT reads). So with bf16 mixed
+adapter's own unit gathers it; with ``use_orig_params=False`` it is a view FSDP1 left behind,
+of freed storage (0 bytes) but with a dtype: fp32 (the flat parameter's) until the adapter's
+first forward, bf16 (its gathered buffer's) after it (checked on the tiny preset). So with bf16 mixed
 precision the first forward casts the bf16 input to fp32 and hands it to a unit that
 computes in bf16: ``expected m1 and m2 to have the same dtype`` on real tensors (torch 2.13,
 PEFT 0.21; reproduced on the tiny preset, 2 simulated ranks, cpu backend); the estimate
