@@ -206,7 +206,7 @@ CASES = [
     (
         ["plan", "--train-batch-size=--5", "--policy-mini-batch-size", "2"],
         2,
-        "--train-batch-size '--5' must be an integer >= 1, not a str",
+        "--train-batch-size --5 must be an integer >= 1, not a str",  # the flag as typed (issue 40)
     ),
     (
         ["plan", "{d}/trainer_list_skyrl.yaml"],
@@ -587,9 +587,9 @@ PLAN_ARGS = ["plan", "--json", "--policy-mini-batch-size", "2", "--train-batch-s
     ("size", "error", "code", "said"),
     [
         ("4", OSError(errno.ENOSPC, "No space left on device"), 2, "cannot write the output to stdout (No space left"),
-        ("x", OSError(errno.ENOSPC, "No space left on device"), 2, "--train-batch-size 'x'"),
+        ("x", OSError(errno.ENOSPC, "No space left on device"), 2, "--train-batch-size x must"),
         ("4", BrokenPipeError(errno.EPIPE, "Broken pipe"), 0, ""),
-        ("x", BrokenPipeError(errno.EPIPE, "Broken pipe"), 2, "--train-batch-size 'x'"),
+        ("x", BrokenPipeError(errno.EPIPE, "Broken pipe"), 2, "--train-batch-size x must"),
     ],
     ids=["full", "full-fault", "closed-pipe", "closed-pipe-fault"],
 )
@@ -606,7 +606,7 @@ def test_a_full_stdout_in_a_real_process_is_one_line_and_exit_2():
     with open("/dev/full", "w") as full:
         done = _run([*PLAN, "x"], stdout=full)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.count("\n") == 1 and "--train-batch-size 'x'" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and "--train-batch-size x must" in done.stderr, done.stderr
 
 
 # the first tier's time (issue 41): a Python start; the closed pipe in this process

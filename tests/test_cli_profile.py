@@ -195,8 +195,8 @@ def test_policy_and_critic_are_combined_by_the_smaller(capsys, tmp_path):
         pytest.param(["--dtype", "int8"], "dtype must be", id="bad-dtype"),
         pytest.param(["--world-size", "0"], "--world-size must be an integer >= 1, but got --world-size=0", id="zero-world"),
         pytest.param(["--sharding", "fsdp"], "--sharding must be one of 'none', 'ddp', 'fsdp1', 'fsdp2', 'zero1', 'zero2', but got --sharding='fsdp'; did you mean 'fsdp2'?", id="unknown-strategy"),
-        pytest.param(["--sharding", "ddp", "--offload", "cpu"], "offload='cpu' needs strategy='fsdp1' or 'fsdp2'", id="offload-without-fsdp2"),
-        pytest.param(["--mixed-precision", "fp8"], "mixed_precision must be one of 'bf16', 'none'", id="bad-precision"),
+        pytest.param(["--sharding", "ddp", "--offload", "cpu"], "--offload cpu needs --sharding fsdp1 or fsdp2", id="offload-without-fsdp2"),
+        pytest.param(["--mixed-precision", "fp8"], "--mixed-precision must be one of 'bf16', 'none', but got --mixed-precision fp8", id="bad-precision"),
         pytest.param(
             ["--backend", "cpu", "--memory", "1GiB", "--world-size", "2"],
             "--world-size must equal the number of launched ranks with --backend cpu (WORLD_SIZE=1), but got --world-size 2",

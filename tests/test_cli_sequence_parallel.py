@@ -30,7 +30,7 @@ FAST = ["--model", "tiny", "--max-seq-len", "512", "--memory", "1GiB", "--no-pro
             "use --sequence-parallel 2 or --world-size 4 or 8",
             id="world",
         ),
-        pytest.param(["--sequence-parallel", "2", "--sharding", "ddp"], "sequence_parallel=2 needs strategy='fsdp1' or 'fsdp2'", id="ddp"),
+        pytest.param(["--sequence-parallel", "2", "--sharding", "ddp"], "--sequence-parallel 2 needs --sharding fsdp1 or fsdp2", id="ddp"),
         pytest.param(["--sequence-parallel", "0"], "--sequence-parallel must be an integer >= 1, but got --sequence-parallel=0", id="zero"),
     ],
 )
@@ -79,10 +79,10 @@ def test_a_ulysses_size_the_heads_cannot_take_offers_only_valid_fixes_in_the_con
 
 
 def test_plan_names_the_flags_the_user_gave():
-    from batchfit.cli.plan import as_flags
+    from batchfit.cli.flag_words import as_flags
 
     fault = "world_size=1 is not a multiple of the model-parallel size, sequence_parallel=3: set world_size to 3"
-    assert as_flags(fault, {"sequence_parallel": "3"}) == (
+    assert as_flags(fault, {"sequence_parallel": "--sequence-parallel"}) == (
         "world_size=1 is not a multiple of the model-parallel size, --sequence-parallel 3: set world_size to 3"
     )
 

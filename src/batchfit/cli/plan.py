@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 
+from batchfit.cli.flag_words import as_flags
 from batchfit.cli.sequence_parallel import check_sequence_parallel
 from batchfit.errors import BatchConfigError
 from batchfit.frameworks import framework_of, read_run_config
@@ -54,12 +54,13 @@ def run(args: argparse.Namespace) -> int:
     if args.config:  # a size the model's heads cannot split: no world size is offered (NOTE in cli.sequence_parallel)
         check_sequence_parallel(overrides.get("sequence_parallel"), overrides.get("world_size"), run, None, None)
     # a setting given as a flag is named as the flag, not as the config's key for it (issue 40)
+    given = {name: f"--{name.replace('_', '-')}" for name in overrides}
     run = run.replace(key_names={k: v for k, v in run.key_names.items() if k not in overrides})
     try:
         plan = run.plan(strict=args.strict)
     except BatchConfigError as exc:
-        raise BatchConfigError([as_flags(fault, overrides) for fault in exc.faults]) from None
-    plan = dataclasses.replace(plan, warnings=tuple(as_flags(w, overrides) for w in plan.warnings))
+        raise BatchConfigError([as_flags(fault, given) for fault in exc.faults]) from None
+    plan = dataclasses.replace(plan, warnings=tuple(as_flags(w, given) for w in plan.warnings))
     if args.json:
         json.dump({"vocabulary": run.vocabulary, **plan.to_dict()}, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -68,20 +69,6 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(f"{args.config}: {_vocabulary_name(run.vocabulary)} vocabulary\n")
         sys.stdout.write(str(plan) + "\n")
     return 0
-
-
-def as_flags(message: str, flags: dict[str, object]) -> str:
-    """``message`` with the fields set by flags named as the flags: ``world_size=1`` → ``--world-size 1``.
-
-    Example:
-        >>> as_flags("world_size=1 is not a multiple of sequence_parallel=3: set world_size to 3", {"world_size": "1"})
-        '--world-size 1 is not a multiple of sequence_parallel=3: set --world-size to 3'
-    """
-    for name in sorted(flags, key=len, reverse=True):
-        flag = f"--{name.replace('_', '-')}"
-        message = re.sub(rf"(?<![\w.-]){re.escape(name)}=", f"{flag} ", message)
-        message = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w])", flag, message)
-    return message
 
 
 def _vocabulary_name(vocabulary: str) -> str:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from batchfit.budget.model_profile import check_roles
 from batchfit.budget.options import ProfileOptions
 from batchfit.cli._ranks import launched_world
+from batchfit.cli.flag_words import as_flags
 from batchfit.cli.sequence_parallel import check_sequence_parallel
 from batchfit.errors import InvalidArgument, Vocabulary
 from batchfit.frameworks.config_options import ProfileChoices
@@ -231,7 +232,11 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
     vocabulary = Vocabulary(FLAGS)
     notes: tuple[str, ...] = ()
     if run is None:
-        options = chosen.or_(defaults).options(vocabulary)
+        try:
+            options = chosen.or_(defaults).options(vocabulary)
+        except InvalidArgument as exc:  # Sharding's checks speak keywords: name the flags (issue 40)
+            words = {k: v for k, v in FLAGS.items() if k != "dtype"}  # "trains in its dtype" is prose
+            raise InvalidArgument(as_flags(str(exc), {**words, "strategy": "--sharding"})) from None
     else:
         from batchfit.frameworks.config_options import run_profile_options
 
