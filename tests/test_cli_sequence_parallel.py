@@ -91,6 +91,11 @@ def test_plan_s_fault_names_the_flag_not_the_field(capsys):
     assert main(["plan", "--train-batch-size", "64", "--policy-mini-batch-size", "16", "--sequence-parallel", "3"]) == 2
     err = capsys.readouterr().err
     assert "--sequence-parallel 3" in err and "sequence_parallel=3" not in err, err
+    assert "--world-size 1 is not a multiple" in err and "set --world-size to 3" in err, err  # the default's flag too
+    # a setting the fault asks for is named as the flag that sets it (plan and profile alike)
+    assert main(["plan", "--num-nodes", "2", "--train-batch-size", "8", "--policy-mini-batch-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--num-nodes 2 is set without --gpus-per-node: set --gpus-per-node" in err and "gpus_per_node" not in err, err
 
 
 def test_sequence_parallel_fixes_are_all_valid():

@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     if args.config:  # a size the model's heads cannot split: no world size is offered (NOTE in cli.sequence_parallel)
         check_sequence_parallel(overrides.get("sequence_parallel"), overrides.get("world_size"), run, None, None)
     # a setting given as a flag is named as the flag, not as the config's key for it (issue 40)
-    given = {name: f"--{name.replace('_', '-')}" for name in overrides}
+    # (without a file every setting is a flag's, even one the fault asks for: "set --gpus-per-node")
+    given = {name: f"--{name.replace('_', '-')}" for name in (overrides if args.config else BatchConfig.fields())}
     run = run.replace(key_names={k: v for k, v in run.key_names.items() if k not in overrides})
     try:
         plan = run.plan(strict=args.strict)
