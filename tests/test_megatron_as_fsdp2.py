@@ -65,6 +65,12 @@ def test_megatron_is_refused_without_calling_fsdp2_a_bound_and_says_what_batchfi
     assert "--sharding fsdp2 profiles another run instead, FSDP2 with data parallelism over all 8 GPUs" in text
 
 
+def test_the_plan_the_megatron_refusal_points_to_answers(tmp_path, capsys):
+    path, _ = _skyrl_megatron(tmp_path)
+    assert main(["plan", str(path)]) == 0
+    assert "GPUs: 8 = dp 2 × model-parallel 4 (tp 2 · pp 2 · cp 1 · sp 1)" in capsys.readouterr().out
+
+
 def test_megatron_profiled_as_fsdp2_plans_data_parallel_over_every_gpu(tmp_path):
     path, _ = _skyrl_megatron(tmp_path)
     run = read_run_config(path)
