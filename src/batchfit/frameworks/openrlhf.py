@@ -20,6 +20,7 @@ from typing import Any
 from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
 from batchfit.frameworks.openrlhf_renames import translate
 from batchfit.frameworks.registry import FrameworkSpec
+from batchfit.frameworks.run import int_product, is_positive_int, positive_int_faults
 from batchfit.frameworks.your_sizes import pass_sizes
 from batchfit.plan.config import BatchConfig
 from batchfit.plan.placement import RolloutEngine, process_allocator_setting
@@ -97,8 +98,8 @@ def read(command: Command) -> FrameworkRun:
     dynamic = bool(v["train.dynamic_batch_enable"])
     notes = [*command.notes, *parsed.notes]
     # train.batch_size counts samples; batchfit's mini-batch counts prompts when it can
-    by_prompt = _positive(n) and _positive(train) and train % n == 0
-    if not by_prompt and _positive(n) and n > 1:
+    by_prompt = is_positive_int(n) and is_positive_int(train) and train % n == 0
+    if not by_prompt and is_positive_int(n) and n > 1:
         notes.append(
             f"--train.batch_size={train} is not a multiple of --rollout.n_samples_per_prompt={n}: OpenRLHF shuffles "
             "samples into optimizer steps regardless of their prompt, so the plan counts samples (one per 'prompt')"
@@ -107,7 +108,7 @@ def read(command: Command) -> FrameworkRun:
     reference = _number(v["algo.kl.init_coef"]) > 0  # train_ppo_ray: a reference model when init_coef > 0
     roles = ["policy", *(["critic"] if critic else []), *(["reference"] if reference else [])]
     batch = BatchConfig(
-        train_batch_size=rollout if by_prompt else _product(rollout, n),
+        train_batch_size=rollout if by_prompt else int_product(rollout, n),
         policy_mini_batch_size=train // n if by_prompt else train,
         n_samples_per_prompt=n if by_prompt else 1,
         critic_mini_batch_size=(train // n if by_prompt else train) if critic else None,
@@ -119,7 +120,7 @@ def read(command: Command) -> FrameworkRun:
         gpus_per_node=v["actor.num_gpus_per_node"],
         tensor_parallel=v["ds.tensor_parallel_size"],
         context_parallel=v["ds.ring_attn_size"],
-        critic_world_size=_product(v["critic.num_nodes"], v["critic.num_gpus_per_node"]) if critic else None,
+        critic_world_size=int_product(v["critic.num_nodes"], v["critic.num_gpus_per_node"]) if critic else None,
         framework="batchfit",  # exact splits: what DeepSpeed asserts (see rules)
     )
     colocated, resident = _placement(v, roles)
@@ -130,11 +131,11 @@ def read(command: Command) -> FrameworkRun:
             "alpha": v["ds.lora.alpha"],
             "target_modules": v["ds.lora.target_modules"],
         }
-        if _positive(v.get("ds.lora.rank"))
+        if is_positive_int(v.get("ds.lora.rank"))
         else None
     )
     stage = v["ds.zero_stage"]
-    if stage == 3 and (_product(v["actor.num_nodes"], v["actor.num_gpus_per_node"]) or 1) > 1:
+    if stage == 3 and (int_product(v["actor.num_nodes"], v["actor.num_gpus_per_node"]) or 1) > 1:
         notes.append(
             "DeepSpeed ZeRO-3 (--ds.zero_stage 3) is profiled as FSDP2, which shards the same state over the "
             "same ranks; DeepSpeed keeps a bf16 shard of the parameters beside its fp32 master shard (2 bytes per "
@@ -222,10 +223,10 @@ def rules(run: FrameworkRun) -> Verdict:
     warnings: list[str] = []
     notes: list[str] = []
     ints = {
-        "--rollout.batch_size × --rollout.n_samples_per_prompt": _product(
+        "--rollout.batch_size × --rollout.n_samples_per_prompt": int_product(
             cfg.train_batch_size, cfg.n_samples_per_prompt
         ),
-        "--train.batch_size": _product(cfg.policy_mini_batch_size, cfg.n_samples_per_prompt),
+        "--train.batch_size": int_product(cfg.policy_mini_batch_size, cfg.n_samples_per_prompt),
         "--train.micro_batch_size": cfg.micro_train_batch_size_per_gpu,
         "--rollout.micro_batch_size": cfg.micro_forward_batch_size_per_gpu,
         "--train.max_epochs": cfg.update_epochs_per_batch,
@@ -234,10 +235,7 @@ def rules(run: FrameworkRun) -> Verdict:
         "--ds.ring_attn_size": cfg.context_parallel,
         "--ds.tensor_parallel_size": cfg.tensor_parallel,
     }
-    for name, value in ints.items():
-        if not _positive(value):
-            faults.append(f"{name}={value!r} must be a positive integer")
-    if faults:
+    if faults := list(positive_int_faults(ints)):
         return Verdict(faults=tuple(faults))
     samples, train = ints["--rollout.batch_size × --rollout.n_samples_per_prompt"], ints["--train.batch_size"]
     micro, rollout_micro = cfg.micro_train_batch_size_per_gpu, cfg.micro_forward_batch_size_per_gpu
@@ -256,7 +254,7 @@ def rules(run: FrameworkRun) -> Verdict:
             "--algo.advantage.estimator gae trains a critic, initialised from --critic.model_name_or_path, else the "
             "first --reward.model_name_or_path; set one of them (or use grpo-style estimators: group_norm, rloo)"
         )
-    if dynamic and not _positive(v.get("vllm.num_engines")):
+    if dynamic and not is_positive_int(v.get("vllm.num_engines")):
         # train_ppo_ray: dynamic batching sets ds.packing_samples, then asserts vllm.num_engines > 0
         faults.append(
             "--train.dynamic_batch_enable turns on --ds.packing_samples, which OpenRLHF allows only with vLLM "
@@ -267,7 +265,7 @@ def rules(run: FrameworkRun) -> Verdict:
     if cfg.critic_world_size is not None:
         groups.append(("critic", cfg.critic_world_size))
     if run.reference and (v.get("train.colocate_actor_ref") or v.get("train.colocate_all")):
-        ref = _product(v.get("ref.num_nodes"), v.get("ref.num_gpus_per_node"))
+        ref = int_product(v.get("ref.num_nodes"), v.get("ref.num_gpus_per_node"))
         if ref != world:
             # train_ppo_ray: colocated actor and reference need the same num_nodes and num_gpus_per_node
             faults.append(
@@ -344,7 +342,7 @@ def rules(run: FrameworkRun) -> Verdict:
             v.get("rollout.max_tokens_per_gpu") or cfg.max_tokens_per_micro_batch
         )
         for flag, tokens in budgets.items():
-            if _positive(tokens) and _positive(longest) and tokens < longest:
+            if is_positive_int(tokens) and is_positive_int(longest) and tokens < longest:
                 # seqlen_balancing.get_minimum_num_micro_batch_size opens a bin for a longer sequence
                 warnings.append(
                     f"{flag}={tokens} is below --data.max_len={longest}: OpenRLHF runs a longer sequence alone in a "
@@ -401,7 +399,7 @@ def _engine(v: dict[str, Any]) -> RolloutEngine | None:
     on GPUs of their own; ``--vllm.enable_sleep`` (forced off without ``colocate_all``) sleeps them at
     level 1 between generations (``RolloutRayActor.sleep(level=1)``); each rank a Ray actor.
     """
-    if not _positive(v.get("vllm.num_engines")):
+    if not is_positive_int(v.get("vllm.num_engines")):
         return None
     colocated = bool(v.get("train.colocate_all"))
     keys = {
@@ -459,18 +457,8 @@ def strategy_refusal(run: Any) -> str | None:
     )
 
 
-def _positive(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def _number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
-
-
-def _product(a: Any, b: Any) -> Any:
-    """``a × b`` for two ints (a zero or negative product is reported by the rules), else ``None``."""
-    ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b))
-    return a * b if ints else None
 
 
 def _divisor_near(n: int, target: int) -> int:

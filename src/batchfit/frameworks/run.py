@@ -234,6 +234,22 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
 
+def is_positive_int(value: Any) -> bool:
+    """``value`` is an ``int`` (not a ``bool``) above 0: a count a framework's config may hold."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def int_product(a: Any, b: Any) -> Any:
+    """``a × b`` for two ints (a zero or negative product is left to the rules to report), else ``None``."""
+    ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b))
+    return a * b if ints else None
+
+
+def positive_int_faults(counts: Mapping[str, Any]) -> tuple[str, ...]:
+    """One fault per count (named as the framework names it) that is not a positive integer."""
+    return tuple(f"{name}={value!r} must be a positive integer" for name, value in counts.items() if not is_positive_int(value))
+
+
 def as_int(value: Any) -> Any:
     """``"1024"`` → 1024 (CLI overrides and YAML strings); other values unchanged.
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from batchfit.frameworks.flags import Command, FrameworkRun, Verdict, flag_spec, parse_command
 from batchfit.frameworks.registry import FrameworkSpec
-from batchfit.frameworks.run import as_int
+from batchfit.frameworks.run import as_int, int_product, is_positive_int, positive_int_faults
 from batchfit.frameworks.your_sizes import pass_sizes
 from batchfit.plan.config import BatchConfig
 from batchfit.plan.placement import RolloutEngine, process_allocator_setting
@@ -93,19 +93,19 @@ def read(command: Command) -> FrameworkRun:
         raise BatchConfigError(misspelt)
     v = parsed.values
     n, rollout = v["n_samples_per_prompt"], v["rollout_batch_size"]
-    world = _product(v["actor_num_nodes"], v["actor_num_gpus_per_node"])
+    world = int_product(v["actor_num_nodes"], v["actor_num_gpus_per_node"])
     tp, pp, cp = (
         v["tensor_model_parallel_size"],
         v["pipeline_model_parallel_size"],
         v["context_parallel_size"],
     )
-    dp = world // (tp * pp * cp) if _positive(world) and all(map(_positive, (tp, pp, cp))) else None
+    dp = world // (tp * pp * cp) if is_positive_int(world) and all(map(is_positive_int, (tp, pp, cp))) else None
     gbs, derived = _global_batch_size(v, dp)
     notes = [*command.notes, *parsed.notes]
     if derived:
         notes.append(derived)
-    by_prompt = _positive(n) and _positive(gbs) and gbs % n == 0
-    if not by_prompt and _positive(n) and n > 1 and _positive(gbs):
+    by_prompt = is_positive_int(n) and is_positive_int(gbs) and gbs % n == 0
+    if not by_prompt and is_positive_int(n) and n > 1 and is_positive_int(gbs):
         notes.append(
             f"--global-batch-size={gbs} is not a multiple of --n-samples-per-prompt={n}: slime cuts a rollout into "
             "optimizer steps by sample, so the plan counts samples (one per 'prompt')"
@@ -121,9 +121,9 @@ def read(command: Command) -> FrameworkRun:
         "slime trains with Megatron-LM, which batchfit does not profile: `profile --config` needs --sharding "
         "(fsdp2 over the same GPUs is an approximation; see the error it gives without)"
     )
-    mini = (gbs // n if by_prompt else gbs) if _positive(gbs) else None
+    mini = (gbs // n if by_prompt else gbs) if is_positive_int(gbs) else None
     batch = BatchConfig(
-        train_batch_size=rollout if by_prompt else _product(rollout, n),
+        train_batch_size=rollout if by_prompt else int_product(rollout, n),
         policy_mini_batch_size=mini,
         n_samples_per_prompt=n if by_prompt else 1,
         critic_mini_batch_size=mini if critic else None,
@@ -151,7 +151,7 @@ def read(command: Command) -> FrameworkRun:
         critic_model=v["hf_checkpoint"] if critic else None,
         reference=False,
         max_seq_len=_max_seq_len(v),
-        max_response_len=v["rollout_max_response_len"] if _positive(v.get("rollout_max_response_len")) else None,
+        max_response_len=v["rollout_max_response_len"] if is_positive_int(v.get("rollout_max_response_len")) else None,
         strategy="megatron",
         gradient_checkpointing=v.get("recompute_granularity") == "full",
         remove_padding=True,  # megatron_utils validate_args: "always use varlen" (packed THD micro-batches)
@@ -192,9 +192,9 @@ def _global_batch_size(v: dict[str, Any], dp: int | None) -> tuple[int | None, s
     """slime_validate_args derives it from --num-steps-per-rollout; Megatron's validate_args defaults it to mbs × dp."""
     gbs, steps = v.get("global_batch_size"), v.get("num_steps_per_rollout")
     if (
-        _positive(steps)
-        and _positive(v.get("rollout_batch_size"))
-        and _positive(v.get("n_samples_per_prompt"))
+        is_positive_int(steps)
+        and is_positive_int(v.get("rollout_batch_size"))
+        and is_positive_int(v.get("n_samples_per_prompt"))
     ):
         derived = v["rollout_batch_size"] * v["n_samples_per_prompt"] // steps
         if gbs is None:
@@ -203,7 +203,7 @@ def _global_batch_size(v: dict[str, Any], dp: int | None) -> tuple[int | None, s
                 f"--global-batch-size = --rollout-batch-size × --n-samples-per-prompt // --num-steps-per-rollout = {derived} (slime_validate_args)",
             )
         return gbs, ""
-    if gbs is None and _positive(v.get("micro_batch_size")) and dp is not None:
+    if gbs is None and is_positive_int(v.get("micro_batch_size")) and dp is not None:
         derived = v["micro_batch_size"] * dp
         return derived, (
             f"--global-batch-size is not set: Megatron uses --micro-batch-size × data-parallel size = {derived} "
@@ -218,8 +218,8 @@ def rules(run: FrameworkRun) -> Verdict:
     faults: list[str] = []
     warnings: list[str] = []
     notes: list[str] = []
-    samples = _product(cfg.train_batch_size, cfg.n_samples_per_prompt)
-    gbs = _product(cfg.policy_mini_batch_size, cfg.n_samples_per_prompt)
+    samples = int_product(cfg.train_batch_size, cfg.n_samples_per_prompt)
+    gbs = int_product(cfg.policy_mini_batch_size, cfg.n_samples_per_prompt)
     ints = {
         "--rollout-batch-size × --n-samples-per-prompt": samples,
         "--global-batch-size": gbs,
@@ -230,13 +230,10 @@ def rules(run: FrameworkRun) -> Verdict:
         "--pipeline-model-parallel-size": cfg.pipeline_parallel,
         "--context-parallel-size": cfg.context_parallel,
     }
-    for name, value in ints.items():
-        if not _positive(value):
-            faults.append(f"{name}={value!r} must be a positive integer")
-    if faults:
+    if faults := list(positive_int_faults(ints)):
         return Verdict(faults=tuple(faults))
     steps, given = v.get("num_steps_per_rollout"), v.get("global_batch_size")
-    if _positive(steps) and given is not None and given != samples // steps:
+    if is_positive_int(steps) and given is not None and given != samples // steps:
         # slime_validate_args asserts global_batch_size == rollout_batch_size * n // num_steps_per_rollout
         faults.append(
             f"--global-batch-size={given} disagrees with --rollout-batch-size × --n-samples-per-prompt // "
@@ -300,12 +297,12 @@ def rules(run: FrameworkRun) -> Verdict:
         )
     if dynamic:
         tokens, longest = cfg.max_tokens_per_micro_batch, run.max_seq_len
-        if not _positive(tokens):
+        if not is_positive_int(tokens):
             # slime_validate_args: "max_tokens_per_gpu must be set when use_dynamic_batch_size is set"
             faults.append(
                 "--use-dynamic-batch-size needs --max-tokens-per-gpu (slime_validate_args asserts it)"
             )
-        elif _positive(longest) and tokens * cfg.context_parallel < longest:
+        elif is_positive_int(longest) and tokens * cfg.context_parallel < longest:
             # dp_schedule: a sample above max_tokens_per_gpu × cp lands alone in its own micro-batch
             warnings.append(
                 f"--max-tokens-per-gpu={tokens} × --context-parallel-size={cfg.context_parallel} is below the longest "
@@ -387,10 +384,10 @@ def _float(value: Any) -> Any:
 
 
 def _max_seq_len(v: dict[str, Any]) -> int | None:
-    if _positive(v.get("rollout_max_context_len")):
+    if is_positive_int(v.get("rollout_max_context_len")):
         return v["rollout_max_context_len"]
     prompt, response = v.get("rollout_max_prompt_len"), v.get("rollout_max_response_len")
-    return prompt + response if _positive(prompt) and _positive(response) else None
+    return prompt + response if is_positive_int(prompt) and is_positive_int(response) else None
 
 
 def _misspelt(unknown: tuple[str, ...], known: list[str]) -> list[str]:
@@ -419,16 +416,6 @@ def strategy_refusal(run: Any) -> str:
         "fsdp2 to profile FSDP2 over the same GPUs instead (an approximation: FSDP2 shards parameters and gradients "
         "that Megatron keeps per tensor × pipeline group, and holds whole activations that tensor parallelism splits)"
     )
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _product(a: Any, b: Any) -> Any:
-    """``a × b`` for two ints (a zero or negative product is reported by the rules), else ``None``."""
-    ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b))
-    return a * b if ints else None
 
 
 SPEC = FrameworkSpec(
