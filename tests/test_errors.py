@@ -112,3 +112,14 @@ def test_a_does_not_fit_error_keeps_its_numbers_when_its_message_changes():
     assert str(pickle.loads(pickle.dumps(error))) == str(error)  # crosses process boundaries as its text
     plain = DoesNotFitError("even low=1 does not fit", needed=2, available=1)  # free text still works
     assert str(plain) == plain.say(CLI) == "even low=1 does not fit" and plain.remedies == ()
+
+
+def test_a_replaced_profile_request_keeps_naming_settings_as_its_caller_does():
+    from batchfit.budget.options import ProfileOptions
+
+    options = ProfileOptions(max_seq_len=1024, vocabulary=CLI)
+    with pytest.raises(ValueError, match=r"^--max-seq-len") as from_cli:
+        options.replace(gradient_checkpointing=False).replace(max_seq_len=0)
+    with pytest.raises(ValueError, match=r"^max_seq_len") as from_python:
+        ProfileOptions(max_seq_len=1024).replace(max_seq_len=0)
+    assert "--max-seq-len" not in str(from_python.value) and "--max-seq-len" in str(from_cli.value)

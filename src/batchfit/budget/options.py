@@ -147,11 +147,14 @@ class ProfileOptions:
     vocabulary: InitVar[Vocabulary | None] = None
     # the margin was left to the allocator (safety_margin=None): replace(allocator=...) derives it again
     _margin_defaulted: bool = field(default=False, init=False, repr=False, compare=False)
+    # how this request's caller names its settings: replace() validates the changes in it too
+    _vocabulary: Vocabulary | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self, vocabulary: Vocabulary | None) -> None:
         # each value is validated here, where it enters the library, named as the caller writes it
         name = (KEYWORDS if vocabulary is None else vocabulary).say
         set_ = object.__setattr__  # frozen: normalise once, here
+        set_(self, "_vocabulary", vocabulary)
         set_(self, "max_seq_len", check_max_seq_len(self.max_seq_len, name(Setting("max_seq_len"))))
         set_(self, "backend", check_choice(name(Setting("backend")), self.backend, BACKEND_NAMES))
         set_(self, "logprobs", check_head(name(Setting("logprobs")), self.logprobs))
@@ -198,7 +201,7 @@ class ProfileOptions:
             )
 
     def replace(self, **changes: Any) -> ProfileOptions:
-        """A copy with ``changes`` applied (and validated).
+        """A copy with ``changes`` applied (and validated, a bad value named as this request's caller names it).
 
         Raises:
             InvalidArgument: an unknown field (the message lists the fields) or a bad value.
@@ -210,4 +213,5 @@ class ProfileOptions:
             raise InvalidArgument(f"ProfileOptions has no field {unknown[0]!r}; its fields are {names}")
         if self._margin_defaulted and "safety_margin" not in changes:
             changes["safety_margin"] = None  # still the allocator's margin, whichever allocator now
+        changes.setdefault("vocabulary", self._vocabulary)
         return dataclasses.replace(self, **changes)
