@@ -3,9 +3,11 @@
 - :mod:`~batchfit.parallel.distributed`: min/max/any all-reduce helpers and agreement on
   errors (no-ops without a process group), :func:`simulated_world` (PyTorch's fake process
   group), :func:`sync_micro_batch_count`.
+- :mod:`~batchfit.parallel.strategies`: one :class:`~batchfit.parallel.strategies.StrategySpec` per
+  strategy (what it shards, how it builds and wraps a model), registered by name.
 - :mod:`~batchfit.parallel.sharding`: :class:`Sharding`, the data-parallel layout as data.
 - :mod:`~batchfit.parallel.shard`: :func:`shard_model` (``fully_shard`` per layer and root,
-  FSDP1 or DDP), :func:`unwrap`.
+  FSDP1 or DDP), :func:`sharding_of`, :func:`unwrap`.
 - :mod:`~batchfit.parallel.fsdp1`: FSDP1 (``FullyShardedDataParallel``) wrapped as verl wraps it.
 - :mod:`~batchfit.parallel.sequence`: :func:`sequence_parallel_group` and Ulysses' collectives
   (all-to-all between the split of the sequence and of the heads, the gather of outputs).
@@ -18,19 +20,24 @@
 from batchfit.parallel.distributed import simulated_world, sync_micro_batch_count
 from batchfit.parallel.sequence import sequence_parallel_group
 from batchfit.parallel.sequence_split import SequenceShard, gather_packed, sequence_shard, split_packed
-from batchfit.parallel.shard import shard_model, unwrap
+from batchfit.parallel.shard import shard_model, sharding_of, unwrap
 from batchfit.parallel.sharding import Sharding, as_sharding
+from batchfit.parallel.strategies import StrategySpec, get_strategy, strategy_names
 
 __all__ = [
     "SequenceShard",
     "Sharding",
+    "StrategySpec",
     "as_sharding",
     "gather_packed",
+    "get_strategy",
     "sequence_parallel_group",
     "sequence_shard",
     "shard_model",
+    "sharding_of",
     "simulated_world",
     "split_packed",
+    "strategy_names",
     "sync_micro_batch_count",
     "unwrap",
 ]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from batchfit.errors import InvalidArgument
-from batchfit.parallel.sharding import ZERO_STRATEGIES, Sharding
+from batchfit.parallel.sharding import Sharding
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -130,7 +130,7 @@ def shard_model(
         the optimizer is made from it). ``fsdp2``: ``model`` itself, now an ``FSDPModule`` whose
         parameters are ``DTensor`` shards. ``ddp``: a ``DistributedDataParallel`` wrapper
         (``model`` on fake tensors). On real ranks its collectives run on a process group of
-        its own (NOTE [ A model's own process group ]). The result has ``batchfit_sharding`` and
+        its own (NOTE [ A model's own process group ]). The result has ``batchfit_sharding`` (read it with :func:`sharding_of`) and
         ``batchfit_comm_buffers`` (state to register: DDP's buckets, as a meta tensor).
 
     Raises:
@@ -138,35 +138,55 @@ def shard_model(
             layers (``fsdp2``).
     """
     comm: tuple[torch.Tensor, ...] = ()
-    if sharding.strategy != "none":
+    out = model
+    wrap = sharding.spec.wrapper()  # batchfit.parallel.strategies: what the strategy wraps a model with
+    if sharding.distributed:
         check_same_model(model, sharding)  # before the first collective of the model
-    if sharding.strategy == "fsdp2":
+    if wrap is not None:
         _check_world(sharding)
-        _fully_shard(model, sharding, _model_group(), device)
-        out = model
-    elif sharding.strategy == "ddp":
-        _check_world(sharding)
-        comm = (torch.empty(ddp_bucket_bytes(model), dtype=torch.uint8, device="meta"),)
-        out = model if fake else _wrap_ddp(model, _model_group())
-    elif sharding.strategy in ZERO_STRATEGIES:  # DeepSpeed ZeRO-1/2 (batchfit.parallel.zero)
-        from batchfit.parallel.zero import ZeroState
-
-        _check_world(sharding)
-        zero = ZeroState(model, sharding, _model_group())
-        # NOTE [ ZeRO's reduce bucket ]
-        comm = (torch.empty(zero.registered_bucket_bytes, dtype=torch.uint8, device="meta"),) if zero.stage == 1 else ()
-        model.batchfit_zero = zero
-        out = model
-    elif sharding.strategy == "fsdp1":  # FullyShardedDataParallel as verl wraps it
-        from batchfit.parallel.fsdp1 import wrap_fsdp1
-
-        _check_world(sharding)
-        out = wrap_fsdp1(model, sharding, decoder_layers(model), _model_group(), device)
-    else:
-        out = model
-    out.batchfit_sharding = sharding
+        out, comm = wrap(model, sharding, _model_group, fake=fake, device=device)
+    out.batchfit_sharding = sharding  # read back with sharding_of
     out.batchfit_comm_buffers = comm
     return out
+
+
+def sharding_of(model: torch.nn.Module) -> Sharding:
+    """The :class:`Sharding` :func:`shard_model` applied to ``model``; ``Sharding()`` (none) for a model it never saw."""
+    sharding = getattr(model, "batchfit_sharding", None)
+    return sharding if isinstance(sharding, Sharding) else Sharding()
+
+
+# The strategies' wrap functions (batchfit.parallel.strategies.Wrap), named by their specs.
+
+
+def wrap_fsdp2(model: torch.nn.Module, sharding: Sharding, new_group: Any, *, fake: bool, device: Any) -> Any:
+    """``fully_shard`` on every decoder layer, then on the root; no communication buffers of its own."""
+    _fully_shard(model, sharding, new_group(), device)
+    return model, ()
+
+
+def wrap_ddp(model: torch.nn.Module, sharding: Sharding, new_group: Any, *, fake: bool, device: Any) -> Any:
+    """``DistributedDataParallel`` on real tensors, ``model`` itself on fake ones; its buckets as a meta tensor."""
+    comm = (torch.empty(ddp_bucket_bytes(model), dtype=torch.uint8, device="meta"),)
+    return (model if fake else _wrap_ddp(model, new_group())), comm
+
+
+def wrap_zero(model: torch.nn.Module, sharding: Sharding, new_group: Any, *, fake: bool, device: Any) -> Any:
+    """DeepSpeed ZeRO-1/2's flat partitions (:mod:`batchfit.parallel.zero`), the state as ``model.batchfit_zero``."""
+    from batchfit.parallel.zero import ZeroState
+
+    zero = ZeroState(model, sharding, new_group())
+    # NOTE [ ZeRO's reduce bucket ]
+    comm = (torch.empty(zero.registered_bucket_bytes, dtype=torch.uint8, device="meta"),) if zero.stage == 1 else ()
+    model.batchfit_zero = zero
+    return model, comm
+
+
+def wrap_fsdp1(model: torch.nn.Module, sharding: Sharding, new_group: Any, *, fake: bool, device: Any) -> Any:
+    """``FullyShardedDataParallel`` as verl wraps it (:mod:`batchfit.parallel.fsdp1`)."""
+    from batchfit.parallel.fsdp1 import wrap_fsdp1 as wrap
+
+    return wrap(model, sharding, decoder_layers(model), new_group(), device), ()
 
 
 #: Config entries that name where a model came from, not what it is.

@@ -48,13 +48,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from batchfit.errors import InvalidArgument
+from batchfit.parallel.strategies import StrategySpec, get_strategy, strategy_names
 from batchfit.validation import check_choice, check_positive_int
 
-STRATEGIES = ("none", "ddp", "fsdp1", "fsdp2", "zero1", "zero2")
+#: The registered strategies' names (:mod:`batchfit.parallel.strategies`).
+STRATEGIES = strategy_names()
 #: The strategies that shard parameters, gradients and optimizer state (and have the FSDP options).
-FSDP_STRATEGIES = ("fsdp1", "fsdp2")
+FSDP_STRATEGIES = tuple(n for n in STRATEGIES if get_strategy(n).gathers_layers)
 #: DeepSpeed ZeRO stages 1 and 2: parameters replicated, optimizer state (and stage 2's gradients) partitioned.
-ZERO_STRATEGIES = ("zero1", "zero2")
+ZERO_STRATEGIES = tuple(n for n in STRATEGIES if get_strategy(n).zero_stage)
 #: DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements).
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
 MIXED_PRECISION = ("bf16", "none")
@@ -104,7 +106,8 @@ class Sharding:
     overlap_comm: bool = False
 
     def __post_init__(self) -> None:
-        strategy = check_choice("sharding", self.strategy, STRATEGIES)
+        strategy = check_choice("sharding", self.strategy, strategy_names())
+        spec = get_strategy(strategy)
         check_positive_int("world_size", self.world_size)
         if not isinstance(self.reshard_after_forward, bool):
             raise InvalidArgument(
@@ -112,10 +115,10 @@ class Sharding:
             )
         precision = self.mixed_precision
         if precision is None:
-            precision = "bf16" if strategy in FSDP_STRATEGIES else "none"
+            precision = "bf16" if spec.gathers_layers else "none"
         check_choice("mixed_precision", precision, MIXED_PRECISION)
         check_choice("offload", self.offload, OFFLOAD)
-        if strategy not in FSDP_STRATEGIES:
+        if not spec.gathers_layers:
             if precision != "none":
                 raise InvalidArgument(
                     f"mixed_precision={precision!r} needs strategy='fsdp1' or 'fsdp2' (it is FSDP's mixed precision policy), but got strategy={strategy!r}; use strategy='fsdp2' or mixed_precision='none' (the model then trains in its dtype)"
@@ -129,7 +132,7 @@ class Sharding:
                     f"reshard_after_forward=False needs strategy='fsdp1' or 'fsdp2' (only FSDP gathers parameters), but got strategy={strategy!r}; keep reshard_after_forward=True or use strategy='fsdp2'"
                 )
         check_positive_int("sequence_parallel", self.sequence_parallel)
-        if self.sequence_parallel > 1 and strategy not in FSDP_STRATEGIES:
+        if self.sequence_parallel > 1 and not spec.sequence_parallel:
             raise InvalidArgument(
                 f"sequence_parallel={self.sequence_parallel} needs strategy='fsdp1' or 'fsdp2' (verl and SkyRL split "
                 f"sequences under FSDP), but got strategy={strategy!r}; use strategy='fsdp2' or sequence_parallel=1"
@@ -142,13 +145,18 @@ class Sharding:
         check_positive_int("reduce_bucket_size", self.reduce_bucket_size)
         if not isinstance(self.overlap_comm, bool):
             raise InvalidArgument(f"overlap_comm must be True or False, but got overlap_comm={self.overlap_comm!r}")
-        if strategy not in ZERO_STRATEGIES and (
+        if not spec.zero_stage and (
             self.overlap_comm or self.reduce_bucket_size != DEFAULT_REDUCE_BUCKET_SIZE
         ):
             raise InvalidArgument(
                 f"reduce_bucket_size and overlap_comm are DeepSpeed ZeRO's options and need strategy='zero1' or 'zero2', but got strategy={strategy!r}; use strategy='zero2' or leave them at their defaults"
             )
         object.__setattr__(self, "mixed_precision", precision)
+
+    @property
+    def spec(self) -> StrategySpec:
+        """What the strategy does (:class:`~batchfit.parallel.strategies.StrategySpec`): ask it, not the name."""
+        return get_strategy(self.strategy)
 
     @property
     def data_parallel_size(self) -> int:
@@ -158,20 +166,18 @@ class Sharding:
     @property
     def shards_state(self) -> bool:
         """True when parameters, gradients and optimizer state are split over the ranks (``fsdp1``, ``fsdp2``)."""
-        return self.strategy in FSDP_STRATEGIES
+        return self.spec.gathers_layers
 
     @property
     def partitioned(self) -> tuple[str, ...]:
         """The state categories split over the ranks: FSDP's parameters, gradients and optimizer state; ZeRO-1's
         optimizer state (fp32 master weights and AdamW's moments); ZeRO-2's gradients too."""
-        if self.strategy in FSDP_STRATEGIES:
-            return ("parameters", "gradients", "optimizer_state")
-        return {"zero1": ("optimizer_state",), "zero2": ("gradients", "optimizer_state")}.get(self.strategy, ())
+        return self.spec.partitioned
 
     @property
     def distributed(self) -> bool:
         """True when the strategy talks to other ranks (``ddp``, ``fsdp1`` or ``fsdp2``)."""
-        return self.strategy != "none"
+        return self.spec.distributed
 
     def describe(self) -> str:
         """One line for reports, e.g. ``"fsdp2 over 8 ranks (fp32 params, bf16 compute, fp32 reduce)"``.
@@ -213,7 +219,7 @@ class Sharding:
         out = asdict(self)
         if out["sequence_parallel"] == 1:
             del out["sequence_parallel"]
-        if self.strategy not in ZERO_STRATEGIES:
+        if not self.spec.zero_stage:
             del out["reduce_bucket_size"], out["overlap_comm"]
         return out
 

@@ -68,7 +68,7 @@ class ZeroState:
     """
 
     def __init__(self, model: torch.nn.Module, sharding: Sharding, group: Any = None):
-        self.stage = 2 if sharding.strategy == "zero2" else 1
+        self.stage = sharding.spec.zero_stage
         self.group = group
         self.params: list[torch.nn.Parameter] = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
         if not self.params:
