@@ -308,3 +308,74 @@ def test_the_backend_name_check_finds_a_branch():
     assert _backend_name_branches('x = plan.backend != "cuda"\n') == ["line 1: plan.backend != 'cuda'"]
     assert _backend_name_branches('ok = backend not in ("cpu", "cuda")\n') != []
     assert _backend_name_branches('ok = param.device.type == "cuda" or offload == "cpu"\n') == []
+
+
+# NOTE [ Strategies say what they do ] (batchfit.parallel.strategies): outside parallel/, code asks
+# a Sharding's spec what its strategy does, never which one it is. A framework's own strategy
+# strings (verl's "fsdp", OpenRLHF's stage names) are its facts: a frameworks/ module compares
+# its config's `strategy` variable, or keeps an explicit table of batchfit's names (a dict or a
+# tuple bound to a name), but never a `.strategy` attribute with a literal name.
+_STRATEGY_NAMES = {"none", "ddp", "fsdp1", "fsdp2", "zero1", "zero2"}
+_STRATEGY_TUPLES = {"STRATEGIES", "FSDP_STRATEGIES", "ZERO_STRATEGIES"}
+
+
+def _names_a_strategy(node: ast.AST) -> bool:
+    """A literal naming one of batchfit's strategies (or a tuple/list/set holding one), or a tuple of them."""
+    if isinstance(node, ast.Constant):
+        return node.value in _STRATEGY_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_strategy(e) for e in node.elts)
+    if isinstance(node, ast.Starred):
+        return _names_a_strategy(node.value)
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    return name in _STRATEGY_TUPLES
+
+
+def _strategy_name_branches(source: str, *, framework: bool = False) -> list[str]:
+    """Each comparison of a strategy (an ``x.strategy`` attribute; outside frameworks/ a name ``strategy`` too) with
+    batchfit's strategy names."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+
+        def subject(side: ast.AST) -> bool:
+            if isinstance(side, ast.Attribute):
+                return side.attr == "strategy"
+            return isinstance(side, ast.Name) and side.id == "strategy" and not framework
+
+        if any(subject(s) for s in sides) and any(_names_a_strategy(s) for s in sides if not subject(s)):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def _strategy_offenders() -> dict[str, list[str]]:
+    return {
+        name: hits
+        for name, path in sorted(_module_names().items())
+        if not name.startswith("batchfit.parallel")
+        and (
+            hits := _strategy_name_branches(
+                path.read_text(encoding="utf-8"), framework=name.startswith("batchfit.frameworks")
+            )
+        )
+    }
+
+
+def test_no_branch_on_a_strategys_name_outside_parallel():
+    assert _strategy_offenders() == {}
+
+
+def test_the_strategy_name_check_finds_a_branch():
+    assert _strategy_name_branches('if s.strategy == "fsdp2":\n    pass\n') == ["line 1: s.strategy == 'fsdp2'"]
+    assert _strategy_name_branches('x = plan.sharding.strategy != "none"\n') == ["line 1: plan.sharding.strategy != 'none'"]
+    assert _strategy_name_branches('ok = s.strategy in ("fsdp1", "fsdp2")\n') != []
+    assert _strategy_name_branches('ok = s.strategy not in (*allowed, "none")\n') != []
+    assert _strategy_name_branches("ok = s.strategy in ZERO_STRATEGIES\n") != []
+    assert _strategy_name_branches('ok = strategy == "ddp"\n') != []
+    # a framework's own config string, and comparisons that name no strategy of batchfit's
+    assert _strategy_name_branches('ok = strategy == "fsdp2"\n', framework=True) == []
+    assert _strategy_name_branches('ok = strategy == "megatron"\n') == []
+    assert _strategy_name_branches("ok = run.strategy in _STAGES.values()\n") == []
+    assert _strategy_name_branches('ok = s.spec.gathers_layers and s.offload == "cpu"\n') == []

@@ -66,8 +66,9 @@ from batchfit.models.build import resolve_backend
 from batchfit.models.ulysses import use_ulysses_attention
 from batchfit.parallel.distributed import is_distributed
 from batchfit.parallel.sequence import sequence_parallel_group
-from batchfit.parallel.shard import decoder_layers, unwrap
+from batchfit.parallel.shard import decoder_layers, sharding_of, unwrap
 from batchfit.parallel.sharding import Sharding
+from batchfit.parallel.strategies import scale_out_strategy
 from batchfit.parallel.zero import ZeroOptimizer, zero_state
 from batchfit.patching import undo_all
 from batchfit.plan.packing import COSTS, plan_micro_batches
@@ -157,7 +158,7 @@ class TrainingStep:
         self.logprobs = logprobs
         self.cost = cost
         self.forward_only = forward_only
-        self.sharding: Sharding = getattr(model, "batchfit_sharding", None) or Sharding()
+        self.sharding: Sharding = sharding_of(model)
         comm = tuple(getattr(model, "batchfit_comm_buffers", ()))
         state: tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
         zero = zero_state(model)  # ZeRO's master partition and gradient buffer (batchfit.parallel.zero)
@@ -195,12 +196,11 @@ class TrainingStep:
         if not self.only_loss_tokens and not self.critic:
             out.append(Phrase("run the head only on the loss tokens (", Setting("response_only", True), ")"))
         sharding = self.sharding
-        if sharding.strategy != "fsdp2":
-            out.append(
-                Phrase("shard the model over more ranks (", Setting("sharding", {"strategy": "fsdp2", "world_size": None}), ")")
-            )
+        if not sharding.spec.scale_out:
+            more = {"strategy": scale_out_strategy().name, "world_size": None}
+            out.append(Phrase("shard the model over more ranks (", Setting("sharding", more), ")"))
         elif sharding.offload != "cpu":
-            state = {"strategy": "fsdp2", "world_size": sharding.world_size, "offload": "cpu"}
+            state = {"strategy": sharding.strategy, "world_size": sharding.world_size, "offload": "cpu"}
             out.append(Phrase("offload the sharded state to the CPU (", Setting("sharding", state), ")"))
         out.append(Phrase("give more memory (", Setting("memory_limit"), ", ", Setting("safety_margin"), ")"))
         return out
@@ -681,7 +681,7 @@ def causal_lm_step(
     if isinstance(optimizer, str) and optimizer == "auto":
         optimizer = None if forward_only else "adamw"
     opt = _make_optimizer(model, optimizer, lr, chosen)
-    sequence_parallel = getattr(getattr(model, "batchfit_sharding", None), "sequence_parallel", 1)
+    sequence_parallel = sharding_of(model).sequence_parallel
     if sequence_parallel > 1:
         if cost != "packed":
             raise InvalidArgument(
@@ -708,9 +708,9 @@ def causal_lm_step(
     if not forward_only:
         with chosen.context():
             allocate_gradients(model)
-    if step.sharding.strategy == "ddp" and model is not unwrap(model) and not forward_only:
+    if step.sharding.spec.warmup_steps and model is not unwrap(model) and not forward_only:
         # DDP re-buckets gradients in the forward after its first backward (allocating in
         # C++); two steps now keep that out of every measured step (NOTE [ DDP gradient buckets ]).
-        for _ in range(2):
+        for _ in range(step.sharding.spec.warmup_steps):
             step([2])
     return step

@@ -33,7 +33,9 @@ from batchfit.models.lora import LoraParameters, lora_parameters
 from batchfit.models.moe import MoeSummary, moe_summary
 from batchfit.parallel.behaviour import TorchBehaviours, torch_behaviours
 from batchfit.parallel.distributed import agree
+from batchfit.parallel.shard import sharding_of
 from batchfit.parallel.sharding import Sharding
+from batchfit.parallel.strategies import scale_out_strategy
 from batchfit.train.framework_heads import FrameworkHead
 from batchfit.validation import check_choice, check_int
 
@@ -364,7 +366,7 @@ def profile_model(
     if resident_bytes or (engine is not None and engine.bytes):
         _take_resident(be, resident_bytes, engine)
     parameters = check_host_memory(config, model_name(model)) if be.host_memory else 0
-    behaviours = torch_behaviours() if plan.strategy == "fsdp2" else None  # before any simulated world
+    behaviours = torch_behaviours() if plan.spec.torch_behaviours else None  # before any simulated world
     adapters = None
     if opts.lora is not None and opts.lora.enabled and set(chosen_roles) != {"reference"}:
         critic_only = all(role in VALUE_ROLES or role == "reference" for role in chosen_roles)
@@ -501,7 +503,7 @@ def _module_sharding(model: Any) -> Sharding | None:
 
     zero = getattr(model, "batchfit_zero", None)  # ZeRO-1/2 as batchfit.parallel.shard_model applies it
     if zero is not None:
-        return model.batchfit_sharding
+        return sharding_of(model)
     if isinstance(model, DistributedDataParallel):
         return Sharding("ddp", world_size=data_parallel_size(model))
     if isinstance(model, FSDPModule):
@@ -551,7 +553,7 @@ def depth_plan(
     """
     depth = int(config.num_hidden_layers)
     wanted = backend.extrapolates_depth if depth_extrapolation is None else bool(depth_extrapolation)
-    affine = sharding is None or sharding.strategy != "zero2"
+    affine = sharding is None or sharding.spec.affine_in_depth
     return depth, wanted and affine and uniform_layers(config) and depth > max(DEFAULT_DEPTHS)
 
 
@@ -908,10 +910,10 @@ def _hint_measure(build: RoleBuilder, role: str, seq_len: int, world: int, seque
     from batchfit.parallel.distributed import simulated_world
 
     base = build.sharding
-    fsdp2 = base.strategy == "fsdp2"
+    fsdp2 = base.spec.scale_out  # already the strategy suggested: its own options kept
     unlimited = get_backend("estimate", reserve_bytes=build.backend.reserve_bytes or 1, round_to=build.backend.round_to)
     sharding = Sharding(
-        "fsdp2",
+        scale_out_strategy().name,
         world_size=world,
         mixed_precision=base.mixed_precision if fsdp2 else "bf16",
         offload=base.offload if fsdp2 else "none",
@@ -977,8 +979,8 @@ def _state_candidates(build: RoleBuilder, role: str) -> list[Candidate]:
 
     out = []
     sharding = build.sharding
-    if sharding.strategy == "fsdp2" and sharding.offload != "cpu":
-        state = {"strategy": "fsdp2", "world_size": sharding.world_size, "offload": "cpu"}
+    if sharding.spec.scale_out and sharding.offload != "cpu":
+        state = {"strategy": sharding.strategy, "world_size": sharding.world_size, "offload": "cpu"}
         out.append(
             Candidate(
                 Phrase("offload the sharded state to the CPU (", Setting("sharding", state), ")"),
@@ -1079,7 +1081,7 @@ def _with_world_size_hint(
     untracked = build.backend.untracked
     if untracked is not None and not untracked.nccl_bytes:  # the suggested world has NCCL's buffers too
         world_limit -= untracked_memory(world_size=2).nccl_bytes
-    start = build.sharding.world_size if build.sharding.strategy == "fsdp2" else 1
+    start = build.sharding.world_size if build.sharding.spec.scale_out else 1
     breakdowns: dict[int, dict[str, int]] = {}
     world = smallest_fitting_world_size(build, role, seq_len, world_limit, start=start, breakdowns=breakdowns)
     split = None if world is not None else smallest_fitting_sequence_parallel(build, role, seq_len, world_limit, start=start)

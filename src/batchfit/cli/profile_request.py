@@ -252,11 +252,11 @@ def request_from_args(args: argparse.Namespace) -> ProfileRequest:
             f"{sharding.world_size} (or drop --world-size), or use --backend estimate to simulate {sharding.world_size} ranks"
         )
     if memory is not None:
-        check_reserve_fits(memory, reserve, backend, sharding.world_size if sharding.strategy != "none" else 1)
+        check_reserve_fits(memory, reserve, backend, sharding.world_size if sharding.distributed else 1)
     # a one-rank cpu profile runs over a simulated group of one (budget.profile.simulated_world_for);
     # cuda, and a confirm's real step, need the ranks torchrun starts
     if (
-        sharding.strategy != "none"
+        sharding.distributed
         and not backend_class(backend).simulated
         and sharding.world_size == 1
         and launched == 1

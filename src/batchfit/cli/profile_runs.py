@@ -207,7 +207,7 @@ def _run_config(
         header += [f"note: {note}" for note in (*notes, *run.notes)]
         moe_lines = dict.fromkeys(f"{p.model}: {p.moe.describe()}" for p in result.profiles.values() if p.moe is not None)
         header += [f"note: {line}" for line in moe_lines]  # the passes measured a mixture of experts so
-        if request.options.sharding.strategy == "fsdp2":  # NOTE [ One expert per rank at least ] in batchfit.models.moe
+        if request.options.sharding.spec.shards_rows:  # NOTE [ One expert per rank at least ] in batchfit.models.moe
             floors = (p.moe.expert_shard_note(request.options.sharding.world_size) for p in result.profiles.values() if p.moe)
             header += [f"note: {line}" for line in dict.fromkeys(f for f in floors if f)]
         header += [f"note: {line}" for line in _attention_notes(result)]

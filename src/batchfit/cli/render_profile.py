@@ -41,7 +41,7 @@ def render_profile(console: Any, profile: Any, request: ProfileRequest) -> None:
         console.print(profile.attention.note, highlight=False)
     if profile.moe is not None:
         console.print(profile.moe.describe(), highlight=False)
-        floor = profile.moe.expert_shard_note(profile.sharding.world_size) if profile.sharding.strategy == "fsdp2" else None
+        floor = profile.moe.expert_shard_note(profile.sharding.world_size) if profile.sharding.spec.shards_rows else None
         if floor:  # NOTE [ One expert per rank at least ] in batchfit.models.moe
             console.print(f"note: {floor}", highlight=False)
         line = worst_case_line(profile)

@@ -297,14 +297,14 @@ def check_strategy(target: str, a: Assumptions, allowed: tuple[str, ...], why: s
         EmitError: the strategy is not one of ``allowed`` (``why`` says so), or ``none`` over several GPUs.
     """
     s = a.sharding
-    if s.strategy == "none" and s.world_size > 1:
+    if not s.distributed and s.world_size > 1:
         raise refuse(
             target,
             f"--sharding none over {s.world_size} GPUs",
             f"{get_framework(target).title} shards every model over its GPUs",
             f"pass --sharding {allowed[-1]}",
         )
-    if s.strategy not in (*allowed, "none"):
+    if s.distributed and s.strategy not in allowed:
         raise refuse(target, f"--sharding {s.strategy}", why, f"pass --sharding {allowed[-1]}")
 
 
@@ -314,7 +314,7 @@ def check_precision(target: str, a: Assumptions, why: str) -> None:
     Raises:
         EmitError: another precision or dtype (``why`` says what the framework runs).
     """
-    if a.sharding.strategy == "none" or a.sharding.mixed_precision != "bf16":
+    if not a.sharding.distributed or a.sharding.mixed_precision != "bf16":
         raise refuse(
             target,
             f"--mixed-precision {a.sharding.mixed_precision}",

@@ -19,7 +19,7 @@ from batchfit.frameworks.registry import framework_of, get_framework
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import with_run_fraction
 from batchfit.models.lora import LoraSpec
-from batchfit.parallel.sharding import STRATEGIES, ZERO_STRATEGIES, Sharding
+from batchfit.parallel.sharding import FSDP_STRATEGIES, STRATEGIES, ZERO_STRATEGIES, Sharding
 from batchfit.train.framework_heads import FrameworkHead
 from batchfit.validation import check_choice, check_positive_int, is_int, short_repr
 
@@ -33,10 +33,6 @@ __all__ = [
     "run_profile_options",
     "sharding_strategy",
 ]
-
-#: The shardings whose FSDP options (mixed precision, resharding) a config sets.
-FSDP_STRATEGIES = ("fsdp1", "fsdp2")
-
 
 @dataclass(frozen=True)
 class ProfileChoices:
@@ -202,7 +198,7 @@ def run_profile_options(
                 " to profile it as Ulysses sequence parallelism (the same tokens per GPU)",
             ).say(say)
         )
-    fsdp = str(strategy).lower() in FSDP_STRATEGIES  # FSDP's options, as the config sets them
+    fsdp = str(strategy).lower() in FSDP_STRATEGIES  # FSDP's options (mixed precision, resharding), as the config sets them
     step = framework_step(run)  # the head and layout of the framework's own micro-batch
     notes = list(step.notes) if step is not None else []
     if retrained is not None:

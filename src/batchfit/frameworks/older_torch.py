@@ -51,7 +51,7 @@ def older_torch_notes(result: RunProfile) -> list[str]:
             continue
         sharding = profile.sharding
         if (
-            sharding.strategy != "fsdp2"
+            not sharding.spec.torch_behaviours
             or not sharding.reshard_after_forward
             or not profile.torch[ROOT_RESHARD].value
         ):

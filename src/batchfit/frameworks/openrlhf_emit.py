@@ -30,7 +30,6 @@ from batchfit.frameworks.emit import cost_note, smallest_budget
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import RunProfile
 from batchfit.models.lora import LoraSpec
-from batchfit.parallel.sharding import ZERO_STRATEGIES
 
 __all__ = ["assumption_keys", "token_keys"]
 
@@ -116,7 +115,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         "(--ds.zero_stage 3); it has no DDP or FSDP1",
     )
     ring = ring_keys(run, a, "--ds.ring_attn_size", "OpenRLHF's ring attention")
-    zero = s.strategy in ZERO_STRATEGIES
+    zero = s.spec.zero_stage > 0
     if not s.reshard_after_forward:
         raise refuse(
             target,
@@ -138,7 +137,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             raise refuse(
                 target,
                 f"--dtype {a.trained_dtype}",
-                f"OpenRLHF's DeepSpeed ZeRO-{s.strategy[-1]} trains bf16 parameters (--ds.param_dtype bf16) with fp32 "
+                f"OpenRLHF's DeepSpeed ZeRO-{s.spec.zero_stage} trains bf16 parameters (--ds.param_dtype bf16) with fp32 "
                 "master weights in the optimizer's partition",
                 "pass --dtype bf16",
             )
@@ -158,7 +157,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         if role in a.roles:
             keys += [Key(f"--{name}.num_nodes", nodes), Key(f"--{name}.num_gpus_per_node", per_node)]
     if zero:
-        stage = int(s.strategy[-1])
+        stage = s.spec.zero_stage
         what = "optimizer state and gradients" if stage == 2 else "optimizer state"
         keys.append(Key("--ds.zero_stage", stage, f"ZeRO-{stage}: parameters replicated, {what} partitioned"))
         keys.append(Key("--ds.param_dtype", "bf16", "bf16 parameters, fp32 master weights in each partition"))

@@ -176,7 +176,7 @@ def _check_generation(
         return None
     device = parse_memory(options.memory_limit, name="memory_limit")
     trainer = sum(state(role, kinds) for role, kinds in run.generation_resident.items() if role in by_role and kinds)
-    world = options.sharding.world_size if options.sharding.strategy != "none" else 1
+    world = options.sharding.world_size if options.sharding.distributed else 1
     if options.reserve_bytes is not None:
         untracked = parse_size(options.reserve_bytes, name="reserve_bytes")
     elif backend_class(options.backend).simulated:

@@ -125,6 +125,8 @@ _V_ENGINE = _V_ACTOR + "fsdp_config."  # FSDPActorConfig.fsdp_config: the actor'
 _V_REF_ENGINE = "actor_rollout_ref.ref.fsdp_config."
 _V_CRITIC_ENGINE = "critic.fsdp."  # FSDPCriticConfig's FSDPEngineConfig
 _V_SRC = "verl/workers/engine/fsdp/transformer_impl.py"
+#: batchfit's strategy → verl's ``actor.strategy`` (a verl fact: its ``fsdp`` is FSDP1, ``fsdp2`` is fully_shard).
+_V_STRATEGY = {"fsdp1": "fsdp", "fsdp2": "fsdp2"}
 
 
 def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
@@ -134,10 +136,10 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     check_strategy(
         target,
         a,
-        ("fsdp1", "fsdp2"),
+        tuple(_V_STRATEGY),
         "verl's FSDP engines are FSDP1 (strategy fsdp) and FSDP2 (strategy fsdp2), not DDP",
     )
-    if s.offload == "cpu" and s.strategy == "fsdp1":
+    if s.offload == "cpu" and _V_STRATEGY.get(s.strategy) == "fsdp":
         raise refuse(
             target,
             "--offload cpu with --sharding fsdp1",
@@ -150,8 +152,8 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         Key("trainer.nnodes", nodes, f"the {s.world_size} GPUs profiled (verl: trainer.nnodes × n_gpus_per_node)"),
         Key("trainer.n_gpus_per_node", per_node),
     ]
-    if s.strategy in ("fsdp1", "fsdp2"):
-        name = "fsdp" if s.strategy == "fsdp1" else "fsdp2"
+    name = _V_STRATEGY.get(s.strategy)
+    if name is not None:
         why = f"profiled as {s.strategy} ({'FullyShardedDataParallel' if name == 'fsdp' else 'fully_shard'})"
         keys.append(Key(_V_ACTOR + "strategy", name, why))
         if critic:

@@ -531,13 +531,13 @@ def _measure_prefill(
     from batchfit.memory import get_backend
     from batchfit.memory.categories import GATHERED_PARAMETERS, STATE_CATEGORIES
     from batchfit.models import build_causal_lm, load_config
-    from batchfit.parallel.sharding import FSDP_STRATEGIES, Sharding, as_sharding
+    from batchfit.parallel.sharding import Sharding, as_sharding
 
     rows = check_positive_int("rows", rows)
     prompt = check_positive_int("prompt_tokens", prompt_tokens)
     torch_dtype = parse_dtype(dtype)
     plan = Sharding() if sharding is None else as_sharding(sharding)
-    if plan.strategy in FSDP_STRATEGIES:  # every layer gathered in turn, over simulated ranks; generation is never split
+    if plan.spec.gathers_layers:  # every layer gathered in turn, over simulated ranks; generation is never split
         plan = dataclasses.replace(plan, sequence_parallel=1)
     else:  # DDP and ZeRO keep whole parameters on each rank, and TRL generates with the unwrapped model
         plan = Sharding()

@@ -203,7 +203,7 @@ def build_causal_lm(
         seed = resolve_seed(seed, plan)
         with torch.device("meta"):
             model = construct()
-            if plan.strategy == "fsdp2":
+            if plan.spec.shards_on_meta:
                 model = _shard_on_meta(model, plan, device)
         return _materialise(model, plan, device, seed, spec)
 
@@ -293,9 +293,9 @@ def _materialise(model: torch.nn.Module, plan: Any, device: torch.device, seed: 
 
     # fsdp1: on the host, FSDP1 moves each unit to the device as it wraps it (NOTE [ FSDP1 wraps a
     # materialised model ] in batchfit.parallel.fsdp1)
-    home = torch.device("cpu") if plan.offload == "cpu" or plan.strategy == "fsdp1" else device
+    home = torch.device("cpu") if plan.offload == "cpu" or plan.spec.materialises_on_host else device
     _allocate(model, home)
-    if home != device and plan.strategy != "fsdp1":  # offloaded parameters live on the host, buffers on the device
+    if home != device and not plan.spec.materialises_on_host:  # offloaded parameters live on the host, buffers on the device
         for module in model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None:
@@ -306,7 +306,7 @@ def _materialise(model: torch.nn.Module, plan: Any, device: torch.device, seed: 
                 buffer.fill_(float("nan"))  # NOTE [ Buffers after a meta build ]
     initialise_weights(model, seed)
     _check_buffers(model, spec)
-    if plan.strategy != "fsdp2":
+    if not plan.spec.shards_on_meta:
         model = shard_model(model, plan, device=device)
     return model
 

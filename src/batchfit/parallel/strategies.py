@@ -28,7 +28,7 @@ from typing import Any
 from batchfit.errors import InvalidArgument
 from batchfit.validation import closest
 
-__all__ = ["StrategySpec", "Wrap", "get_strategy", "register_strategy", "strategy_names"]
+__all__ = ["StrategySpec", "Wrap", "get_strategy", "register_strategy", "scale_out_strategy", "strategy_names"]
 
 #: ``(model, sharding, new_group, *, fake, device) -> (module, communication buffers)``: applies a
 #: strategy to a model whose world is checked; ``new_group()`` makes the model's own process group
@@ -144,6 +144,12 @@ def get_strategy(name: str) -> StrategySpec:
         raise InvalidArgument(
             f"sharding must be one of {', '.join(strategy_names())}, but got sharding={name!r}{hint}"
         )
+    return spec
+
+
+def scale_out_strategy() -> StrategySpec:
+    """The one strategy with :attr:`StrategySpec.scale_out`: the one remedies suggest to shard over more ranks."""
+    (spec,) = (s for s in _REGISTRY.values() if s.scale_out)
     return spec
 
 

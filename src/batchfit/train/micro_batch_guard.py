@@ -448,7 +448,7 @@ def memory_model_predictor(memory_model: Any) -> Callable[[np.ndarray, str], flo
 # ----------------------------------------------------------------------------- the guard
 
 
-def _strategy(model: torch.nn.Module) -> str:
+def _wrapping(model: torch.nn.Module) -> str:
     """``"ddp"``, ``"sharded"`` (collectives inside every micro-batch) or ``"bare"``."""
     if _is_ddp(model):
         return "ddp"
@@ -614,7 +614,7 @@ class MicroBatchGuard:
         self.model = model
         self._params = [p for p in model.parameters() if p.requires_grad]  # read once: the model keeps them
         self._kept: set[int] = set()  # the parameters whose gradient was allocated (zero) at the mini-batch's start
-        self.strategy = _strategy(model)
+        self.wrapping = _wrapping(model)
         self.logger = logger if logger is not None else _LOG
         self.shortfalls: list[Shortfall] = []
         self.drift_count = 0
@@ -868,11 +868,11 @@ class MicroBatchGuard:
         source: Any,
     ) -> _Attempt:
         out = _Attempt()
-        ddp = self.strategy == "ddp"  # one process too: no synchronising backward is ever left half done
-        listens = self._distributed and self.strategy == "sharded"
+        ddp = self.wrapping == "ddp"  # one process too: no synchronising backward is ever left half done
+        listens = self._distributed and self.wrapping == "sharded"
         self._attempt_key = f"{index}.{attempt_number}" if self._distributed else None
         self._failed_wait = False
-        if self.strategy == "sharded":  # NOTE [ Probes are isolated ]: the FSDP state put back if it fails
+        if self.wrapping == "sharded":  # NOTE [ Probes are isolated ]: the FSDP state put back if it fails
             out.snapshot = isolate(self.model)
         try:
             with contextlib.ExitStack() as stack:
@@ -1081,7 +1081,7 @@ class MicroBatchGuard:
                 "tried, so the guard gives up: lower the token budget or the safety margin, or raise max_retries",
                 budgets=budgets, shortfalls=[*shortfalls, shortfall],
             ))  # fmt: skip
-        if self._distributed and self.strategy == "sharded" and self._learned_any:
+        if self._distributed and self.wrapping == "sharded" and self._learned_any:
             self.token_budget = lowered
             raise mark_agreed(RestartAtLowerBudget(
                 f"{shortfall.describe()} ran out of memory at token_budget={shortfall.token_budget:,} "
