@@ -38,6 +38,11 @@ whole ``world_size`` (``dp × sp``: verl's ``fsdp_workers.py`` and SkyRL's FSDP2
 every rank and build the ``(dp, sp)`` mesh only for the data), and each rank runs ``1/sp`` of a
 micro-batch's tokens.
 
+Each strategy is one :class:`~batchfit.parallel.strategies.StrategySpec` in
+:mod:`batchfit.parallel.strategies`; :class:`Sharding` validates its options from the spec
+(``gathers_layers``: FSDP's options; ``sequence_parallel``: the Ulysses axis; ``zero_stage``:
+ZeRO's options), and :attr:`Sharding.spec` is what code outside :mod:`batchfit.parallel` asks.
+
 This module is configuration only (no process groups): :func:`batchfit.models.shard_model`
 applies a :class:`Sharding` to a model.
 """
