@@ -68,6 +68,8 @@ def test_the_specs_say_what_each_strategy_does():
     assert [(n, get_strategy(n).zero_stage) for n in ("zero1", "zero2", "fsdp2")] == [("zero1", 1), ("zero2", 2), ("fsdp2", 0)]
     assert [n for n in strategy_names() if get_strategy(n).warmup_steps] == ["ddp"]
     assert scale_out_strategy().name == "fsdp2"
+    # the smallest-world search grows fsdp2's own world; from any other strategy it starts at one rank
+    assert [get_strategy(n).search_start(8) for n in strategy_names()] == [1, 1, 1, 8, 1, 1]
     assert [n for n in strategy_names() if not get_strategy(n).distributed] == ["none"]
 
 

@@ -1081,7 +1081,7 @@ def _with_world_size_hint(
     untracked = build.backend.untracked
     if untracked is not None and not untracked.nccl_bytes:  # the suggested world has NCCL's buffers too
         world_limit -= untracked_memory(world_size=2).nccl_bytes
-    start = build.sharding.world_size if build.sharding.spec.scale_out else 1
+    start = build.sharding.spec.search_start(build.sharding.world_size)
     breakdowns: dict[int, dict[str, int]] = {}
     world = smallest_fitting_world_size(build, role, seq_len, world_limit, start=start, breakdowns=breakdowns)
     split = None if world is not None else smallest_fitting_sequence_parallel(build, role, seq_len, world_limit, start=start)

@@ -99,6 +99,11 @@ class StrategySpec:
         if self.distributed and not self.wrap:
             raise InvalidArgument(f"a distributed strategy needs its wrap function, but {self.name!r} has wrap=''")
 
+    def search_start(self, world_size: int) -> int:
+        """The simulated world a search for the smallest world that fits starts from: ``world_size`` under
+        :attr:`scale_out` (the remedy grows this world), else one rank (the remedy switches to the scale-out strategy)."""
+        return world_size if self.scale_out else 1
+
     def wrapper(self) -> Wrap | None:
         """The function applying it to a model (imported now), or ``None`` when it leaves a model as it is."""
         if not self.wrap:
