@@ -17,7 +17,7 @@ Schema 2 (issue 40) over what the library's ``to_dict`` gives:
 - Aliases for one version, listed in ``deprecated_keys`` (old → new): ``memory_limit``
   (= ``device_memory_bytes``) and ``budget`` (= ``budget_provenance``). Schema 3 drops them.
 
-``docs/cli.md`` ("The --json document") says the same for users.
+``docs/budget.md`` ("The document's schema") says the same for users.
 """
 
 from __future__ import annotations
