@@ -12,7 +12,7 @@ from batchfit.errors import BatchConfigError
 from batchfit.frameworks.your_sizes import YourSize
 from batchfit.plan.config import BatchConfig, BatchPlan
 from batchfit.plan.placement import RolloutEngine
-from batchfit.validation import short_repr
+from batchfit.validation import is_int, short_repr
 
 #: How a pass computes entropy over the vocabulary (the values of :attr:`RunConfig.entropy`).
 ENTROPY_MODES = ("none", "full", "chunked", "checkpointed")
@@ -236,13 +236,12 @@ class RunConfig:
 
 def is_positive_int(value: Any) -> bool:
     """``value`` is an ``int`` (not a ``bool``) above 0: a count a framework's config may hold."""
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return is_int(value) and value > 0
 
 
 def int_product(a: Any, b: Any) -> Any:
     """``a × b`` for two ints (a zero or negative product is left to the rules to report), else ``None``."""
-    ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b))
-    return a * b if ints else None
+    return a * b if is_int(a) and is_int(b) else None
 
 
 def positive_int_faults(counts: Mapping[str, Any]) -> tuple[str, ...]:
