@@ -1,0 +1,302 @@
+"""Megatron-core's ``GPTModel`` built from a Hugging Face config, the way verl converts it (mbridge), on CPU ranks.
+
+- :func:`transformer_config`: the ``TransformerConfig`` mbridge's bridge builds from a
+  transformers config (``mbridge.AutoBridge.from_config``, verl's converter), with what a CPU
+  run needs changed (NOTE [ Megatron from a Hugging Face config ]).
+- :func:`gpt_model_args`: ``GPTModel``'s own arguments (vocabulary, RoPE, tied embeddings).
+- :func:`build_gpt_model`: the model of this rank's tensor/pipeline stage, Megatron-core's
+  local layer spec (no Transformer Engine), inside :func:`megatron_cpu_patches`.
+- :func:`model_parallel`: Megatron's ``parallel_state`` over the default process group.
+
+Needs ``pip install -e '.[megatron]'`` (megatron-core 0.16.1 and mbridge 0.15.1).
+
+NOTE [ Megatron from a Hugging Face config ]
+verl builds its Megatron models through mbridge (``AutoBridge.from_config(hf_config)``, then
+``bridge.get_model``); mbridge 0.15.1's ``LLMBridge._build_base_config`` maps ``num_hidden_layers``,
+``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (GQA: ``num_query_groups``),
+``intermediate_size``, ``rms_norm_eps``, ``head_dim`` (``kv_channels``) and fixes RMSNorm, SwiGLU
+(``gated_linear_unit`` with SiLU) and no linear biases; its ``Qwen2Bridge`` adds the qkv bias,
+``Qwen3Bridge`` the q/k RMSNorm, ``LlamaBridge`` reads ``attention_bias``. That config is used
+here as mbridge builds it, with four changes a CPU run needs: ``use_cpu_initialization`` (weights
+made on the host, each rank slicing its shard from the full matrix), ``masked_softmax_fusion``
+off (a CUDA kernel), ``sequence_parallel`` as asked (mbridge turns it on whenever TP > 1, as verl
+runs) and the parameter dtype asked. Two things of mbridge's are not used: its layer spec
+(``get_gpt_decoder_block_spec(use_transformer_engine=True)``: Transformer Engine does not run on
+a CPU; Megatron-core's own local spec has the same parameters), and its ``_get_gptmodel_args``,
+which reads ``hf_config.rope_theta``, gone in transformers 5 (RoPE lives in
+``rope_parameters``): :func:`gpt_model_args` writes those few arguments once. Llama 3's RoPE
+scaling becomes ``rope_scaling=True`` with its factor (Megatron's ``apply_rope_scaling`` is
+Llama 3.1's formula); no vocabulary padding (``make_vocab_size_divisible_by`` unset, as verl
+calls mbridge), so the vocabulary must divide by TP.
+
+NOTE [ Megatron on CPU ranks ]
+megatron-core 0.16.1 runs forward and backward on gloo CPU ranks after two patches (verified,
+``../shared/facts/megatron_core_tp2_on_cpu.py``): ``GlobalMemoryBuffer.get_tensor``, the
+all-gather buffer of sequence parallelism, allocates on ``torch.cuda.current_device()`` (here on
+the CPU, the same reuse by name and dtype); ``CudaRNGStatesTracker.fork`` forks CUDA's generator
+around dropout in tensor-parallel regions (here a null context: every dropout of the presets is
+0, so no random number is drawn under it). Both go through :mod:`batchfit.patching`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from batchfit.errors import InvalidArgument
+from batchfit.models.specs import load_config
+from batchfit.patching import AttributePatch
+from batchfit.validation import check_positive_int
+
+#: The megatron-core release this module was verified with (the newest the registry serves).
+MEGATRON_CORE_VERSION = "0.16.1"
+
+_INSTALL = "pip install -e '.[megatron]' in batchfit's checkout (megatron-core==0.16.1, mbridge==0.15.1)"
+
+
+def require_megatron() -> None:
+    """Raise unless megatron-core and mbridge are importable.
+
+    Raises:
+        InvalidArgument: one is missing, naming the fix.
+    """
+    missing = [name for name in ("megatron.core", "mbridge") if importlib.util.find_spec(name.split(".")[0]) is None]
+    if missing:
+        raise InvalidArgument(f"Megatron models need {' and '.join(missing)}, which are not installed; {_INSTALL}")
+
+
+# ----------------------------------------------------------------- NOTE [ Megatron on CPU ranks ]
+def _global_memory_buffer() -> Any:
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    return GlobalMemoryBuffer
+
+
+def _rng_tracker() -> Any:
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    return CudaRNGStatesTracker
+
+
+_BUFFER_ON_CPU = AttributePatch(_global_memory_buffer, "get_tensor", lazy=True)
+_NO_CUDA_FORK = AttributePatch(_rng_tracker, "fork", lazy=True)
+
+
+@_BUFFER_ON_CPU.bind
+def _get_tensor_on_cpu(self: Any, tensor_shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None) -> torch.Tensor:
+    """``GlobalMemoryBuffer.get_tensor`` of megatron-core 0.16.1 with the buffer on the CPU (NOTE [ Megatron on CPU ranks ])."""
+    required = math.prod(tensor_shape)
+    held = self.buffer.get((name, dtype))
+    if held is None or held.numel() < required:
+        with (mem_alloc_context or contextlib.nullcontext)():
+            self.buffer[(name, dtype)] = torch.empty(required, dtype=dtype, device="cpu", requires_grad=False)
+    return self.buffer[(name, dtype)][0:required].view(*tensor_shape)
+
+
+@_NO_CUDA_FORK.bind
+def _fork_nothing(self: Any, name: str = "model-parallel-rng") -> contextlib.AbstractContextManager[None]:
+    """``CudaRNGStatesTracker.fork`` as a null context (NOTE [ Megatron on CPU ranks ]: dropout 0)."""
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def megatron_cpu_patches() -> Iterator[None]:
+    """Megatron-core runs on CPU tensors inside (NOTE [ Megatron on CPU ranks ]); undone on exit, shared and counted."""
+    require_megatron()
+    with _BUFFER_ON_CPU.active(), _NO_CUDA_FORK.active():
+        yield
+
+
+# ----------------------------------------------------------------- parallel state
+@contextlib.contextmanager
+def model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Iterator[None]:
+    """Megatron's ``parallel_state`` over the default process group inside; destroyed on exit.
+
+    The default group (real gloo ranks, or :func:`batchfit.parallel.distributed.simulated_world`)
+    must have a multiple of ``tensor_parallel * pipeline_parallel`` members; the rest is data
+    parallel, in Megatron's order (tp fastest, then dp, then pp).
+
+    Raises:
+        InvalidArgument: no process group, a bad size, or a world the sizes do not divide.
+    """
+    import torch.distributed as dist
+
+    require_megatron()
+    tp = check_positive_int("tensor_parallel", tensor_parallel)
+    pp = check_positive_int("pipeline_parallel", pipeline_parallel)
+    if not dist.is_initialized():
+        raise InvalidArgument(
+            f"Megatron's model parallelism (tensor_parallel={tp}, pipeline_parallel={pp}) needs a process group; run under torchrun or inside simulated_world"
+        )
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise InvalidArgument(
+            f"world_size={world} must be a multiple of tensor_parallel * pipeline_parallel = {tp * pp}; change the sizes or the number of ranks"
+        )
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+# ----------------------------------------------------------------- NOTE [ Megatron from a Hugging Face config ]
+def transformer_config(
+    spec: Any,
+    *,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> Any:
+    """Megatron's ``TransformerConfig`` for ``spec`` as mbridge converts it, made to run on CPU ranks.
+
+    Args:
+        spec: a preset name, a directory, a hub id or a ``PretrainedConfig`` (:func:`batchfit.models.load_config`).
+        tensor_parallel: Megatron's ``tensor_model_parallel_size``.
+        pipeline_parallel: Megatron's ``pipeline_model_parallel_size`` (no virtual stages).
+        sequence_parallel: Megatron's sequence parallelism (activations split over the TP group
+            outside attention); needs ``tensor_parallel > 1``.
+        dtype: the parameters' dtype (``params_dtype``, ``pipeline_dtype``; ``bf16`` when bfloat16).
+        **overrides: ``TransformerConfig`` fields to set last (``num_layers=2``, ``recompute_granularity=...``).
+
+    Raises:
+        InvalidArgument: megatron missing, a bad size, a mixture of experts (not mapped yet),
+            or sequence parallelism without tensor parallelism.
+
+    Example (needs megatron):
+        >>> transformer_config("qwen2.5-0.5b").num_query_groups  # doctest: +SKIP
+        2
+    """
+    require_megatron()
+    from mbridge import AutoBridge
+    from mbridge.core.parallel_states import ParallelStates
+
+    tp = check_positive_int("tensor_parallel", tensor_parallel)
+    pp = check_positive_int("pipeline_parallel", pipeline_parallel)
+    if sequence_parallel and tp == 1:
+        raise InvalidArgument(
+            "sequence_parallel=True needs tensor_parallel > 1 (Megatron splits the sequence over the tensor-parallel group), but got tensor_parallel=1"
+        )
+    hf_config = load_config(spec)
+    if _is_mixture_of_experts(hf_config):
+        raise InvalidArgument(
+            f"model_type={getattr(hf_config, 'model_type', None)!r} is a mixture of experts; batchfit maps dense models to Megatron only so far; choose a dense preset (qwen2.5-*, qwen3-8b, llama-3.1-8b, ...)"
+        )
+    states = ParallelStates(tp_size=tp, pp_size=pp, vpp_size=None)
+    bridge = AutoBridge.from_config(hf_config, dtype=dtype, parallel_states=states)
+    bridge.set_extra_args(
+        use_cpu_initialization=True,
+        masked_softmax_fusion=False,
+        sequence_parallel=bool(sequence_parallel),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        **overrides,
+    )
+    return bridge.config
+
+
+def _is_mixture_of_experts(hf_config: Any) -> bool:
+    return any(
+        getattr(hf_config, key, None)
+        for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+    )
+
+
+def gpt_model_args(spec: Any) -> dict[str, Any]:
+    """``GPTModel``'s arguments beside its config: vocabulary, context, RoPE, tied embeddings.
+
+    The RoPE base comes from transformers 5's ``rope_parameters`` (or 4.x's ``rope_theta``);
+    Llama 3's scaling becomes Megatron's ``rope_scaling`` with its factor (NOTE [ Megatron from a
+    Hugging Face config ]).
+    """
+    hf_config = load_config(spec)
+    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    base = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    args: dict[str, Any] = {
+        "vocab_size": hf_config.vocab_size,
+        "max_sequence_length": hf_config.max_position_embeddings,
+        "position_embedding_type": "rope",
+        "rotary_base": 10000 if base is None else base,
+        "share_embeddings_and_output_weights": bool(getattr(hf_config, "tie_word_embeddings", False)),
+    }
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        args["rope_scaling"] = True
+        args["rope_scaling_factor"] = float(rope["factor"])
+    return args
+
+
+def build_gpt_model(
+    spec: Any,
+    *,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
+    initialise: bool = True,
+    **overrides: Any,
+) -> torch.nn.Module:
+    """This rank's ``GPTModel`` (its tensor shard of its pipeline stage), in ``train()`` mode.
+
+    Build it inside :func:`model_parallel` with the same sizes; Megatron's ``parallel_state``
+    decides the stage (``pre_process`` on the first, ``post_process`` with the output layer on
+    the last) and the layers this stage builds. Runs inside :func:`megatron_cpu_patches`; the
+    model's forward must run inside them too.
+
+    Args:
+        spec, tensor_parallel, pipeline_parallel, sequence_parallel, dtype, overrides: as
+            :func:`transformer_config`.
+        initialise: draw the initial weights (Megatron's ``perform_initialization``; its CPU
+            path draws the full matrix and slices this rank's shard); ``False`` leaves them
+            empty (for counting, or under a meta or fake device).
+
+    Raises:
+        InvalidArgument: as :func:`transformer_config`; Megatron's parallel state not initialised
+            with these sizes; a vocabulary that tensor parallelism does not divide.
+    """
+    from megatron.core import parallel_state
+
+    config = transformer_config(
+        spec,
+        tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel,
+        sequence_parallel=sequence_parallel,
+        dtype=dtype,
+        perform_initialization=bool(initialise),
+        **overrides,
+    )
+    have = (
+        parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else None,
+        parallel_state.get_pipeline_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else None,
+    )
+    if have != (config.tensor_model_parallel_size, config.pipeline_model_parallel_size):
+        raise InvalidArgument(
+            f"build_gpt_model(tensor_parallel={tensor_parallel}, pipeline_parallel={pipeline_parallel}) needs Megatron's parallel state of those sizes, but it has (tp, pp)={have}; build inside model_parallel({tensor_parallel}, {pipeline_parallel})"
+        )
+    args = gpt_model_args(spec)
+    if args["vocab_size"] % config.tensor_model_parallel_size:
+        raise InvalidArgument(
+            f"vocab_size={args['vocab_size']} must be divisible by tensor_parallel={tensor_parallel} (no vocabulary padding, as verl calls mbridge); choose a tensor_parallel that divides it"
+        )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    with megatron_cpu_patches():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            **args,
+        )
+    return model.train()
