@@ -31,16 +31,51 @@ calls mbridge), so the vocabulary must divide by TP.
 
 NOTE [ Megatron on CPU ranks ]
 megatron-core 0.16.1 runs forward and backward on gloo CPU ranks after two patches (verified,
-``../shared/facts/megatron_core_tp2_on_cpu.py``): ``GlobalMemoryBuffer.get_tensor``, the
-all-gather buffer of sequence parallelism, allocates on ``torch.cuda.current_device()`` (here on
-the CPU, the same reuse by name and dtype); ``CudaRNGStatesTracker.fork`` forks CUDA's generator
-around dropout in tensor-parallel regions (here a null context: every dropout of the presets is
-0, so no random number is drawn under it). Both go through :mod:`batchfit.patching`.
+``../shared/facts/megatron_core_tp2_on_cpu.py``, learned absolute positions):
+``GlobalMemoryBuffer.get_tensor``, the all-gather buffer of sequence parallelism, allocates on
+``torch.cuda.current_device()`` (here on the CPU, the same reuse by name and dtype);
+``CudaRNGStatesTracker.fork`` forks CUDA's generator around dropout in tensor-parallel regions
+(here a null context: every dropout of the presets is 0, so no random number is drawn under it).
+RoPE, which every preset uses, needs a third: ``RotaryEmbedding.forward`` moves ``inv_freq`` to
+``torch.cuda.current_device()``, as the sequence-parallel gathers and scatters of
+``tensor_parallel/mappings.py`` make their outputs there; inside the patches
+``torch.cuda.current_device()`` returns the CPU device (on a CPU-only torch it raises anyway).
+Sequence parallelism needs a fourth: without Apex, the norms are ``WrappedTorchNorm``, which
+refuses ``sequence_parallel`` only because torch's norms do not mark their weights for the
+gradient all-reduce over the TP group; Apex's ``FusedLayerNorm`` computes the same norm over the
+hidden dimension of each rank's part of the sequence and sets ``weight.sequence_parallel``: the
+patched ``WrappedTorchNorm`` builds torch's norm and sets it
+(:func:`batchfit.train.megatron_step.finalize_sequence_parallel_grads` sums those gradients).
+The causal mask is passed in (:class:`batchfit.train.megatron_step.MegatronBatch`): without one,
+``FusedScaleMaskSoftmax`` makes it with ``device="cuda"`` (``get_default_causal_mask``). All
+four go through :mod:`batchfit.patching`.
+
+NOTE [ Megatron under the fake process group ]
+The estimate backend runs the same model and step under ``FakeTensorMode`` inside
+:func:`batchfit.parallel.distributed.simulated_world` (PyTorch's fake process group: this process
+is rank 0 of the simulated world, every collective returns at once). megatron-core 0.16.1 needs
+one change for it: ``initialize_model_parallel`` creates a gloo copy of several groups by default
+(``create_gloo_process_groups=True``), and a gloo group cannot be made over the fake store (an
+internal assert in ``ProcessGroupGloo``); :func:`model_parallel` turns them off (on real CPU ranks
+the default group is gloo already, and the step uses none of them). Nothing else: its parallel
+state, the tensor-parallel layers' all-reduces, the sequence-parallel all-gathers and
+reduce-scatters, the vocab-parallel cross-entropy's all-reduces and the global buffer all run on
+fake tensors (build with ``initialise=False``: fake tensors have no values to draw). On the tiny
+preset with TP = 2 the estimate equals each real gloo rank's peak to the byte, category by
+category, with and without sequence parallelism (``tests/test_megatron_step.py``). Rank 0 stands
+for every rank: dense tensor-parallel ranks hold the same shapes.
+
+Megatron makes two things on first use and keeps them: the RoPE table (``RotaryEmbedding.forward``
+is ``lru_cache``'d) and the global memory buffer (``parallel_state._GLOBAL_MEMORY_BUFFER``). The
+first step's measurement creates and counts them; a later step sees them as state it did not
+create and no one registered (69,632 bytes on the tiny preset at TP = 2, 2 × 64 tokens), so
+measure the first step of a fresh model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import math
 from collections.abc import Iterator
@@ -77,6 +112,12 @@ def _global_memory_buffer() -> Any:
     return GlobalMemoryBuffer
 
 
+def _torch_norm() -> Any:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return WrappedTorchNorm
+
+
 def _rng_tracker() -> Any:
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
@@ -85,6 +126,8 @@ def _rng_tracker() -> Any:
 
 _BUFFER_ON_CPU = AttributePatch(_global_memory_buffer, "get_tensor", lazy=True)
 _NO_CUDA_FORK = AttributePatch(_rng_tracker, "fork", lazy=True)
+_CURRENT_DEVICE_IS_CPU = AttributePatch(lambda: torch.cuda, "current_device")
+_NORM_UNDER_SEQUENCE_PARALLEL = AttributePatch(_torch_norm, "__new__", lazy=True)
 
 
 @_BUFFER_ON_CPU.bind
@@ -104,11 +147,35 @@ def _fork_nothing(self: Any, name: str = "model-parallel-rng") -> contextlib.Abs
     return contextlib.nullcontext()
 
 
+@_CURRENT_DEVICE_IS_CPU.bind
+def _cpu_device() -> torch.device:
+    """``torch.cuda.current_device()`` inside :func:`megatron_cpu_patches`: the CPU (NOTE [ Megatron on CPU ranks ])."""
+    return torch.device("cpu")
+
+
+@_NORM_UNDER_SEQUENCE_PARALLEL.bind
+def _torch_norm_marked(cls: Any, config: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
+    """``WrappedTorchNorm`` under sequence parallelism, as Apex's ``FusedLayerNorm`` makes it (NOTE [ Megatron on CPU ranks ])."""
+    if not getattr(config, "sequence_parallel", False):
+        return _NORM_UNDER_SEQUENCE_PARALLEL.call_below(cls, config, *args, **kwargs)
+    plain = copy.copy(config)
+    plain.sequence_parallel = False
+    norm = _NORM_UNDER_SEQUENCE_PARALLEL.call_below(cls, plain, *args, **kwargs)
+    for param in norm.parameters():
+        param.sequence_parallel = True  # its gradient is summed over the TP group (finalize_model_grads)
+    return norm
+
+
 @contextlib.contextmanager
 def megatron_cpu_patches() -> Iterator[None]:
     """Megatron-core runs on CPU tensors inside (NOTE [ Megatron on CPU ranks ]); undone on exit, shared and counted."""
     require_megatron()
-    with _BUFFER_ON_CPU.active(), _NO_CUDA_FORK.active():
+    with (
+        _BUFFER_ON_CPU.active(),
+        _NO_CUDA_FORK.active(),
+        _CURRENT_DEVICE_IS_CPU.active(),
+        _NORM_UNDER_SEQUENCE_PARALLEL.active(),
+    ):
         yield
 
 
@@ -140,7 +207,10 @@ def model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Iter
         )
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    # NOTE [ Megatron under the fake process group ]: no extra gloo groups (the default is gloo already)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=False
+    )
     try:
         yield
     finally:
