@@ -114,9 +114,10 @@ def test_offload_lowers_the_device_peak_and_moves_the_saved_activations_to_the_h
 
 
 def test_verls_key_is_read_profiled_and_emitted_and_other_targets_refuse_it():
+    from batchfit.budget.choices import Choices
     from batchfit.frameworks import read_run_config
     from batchfit.frameworks.assumptions import setting_keys
-    from batchfit.frameworks.config_options import ProfileChoices, run_profile_options
+    from batchfit.frameworks.config_options import run_profile_options
     from batchfit.frameworks.emit import EmitError
 
     config = {
@@ -132,7 +133,7 @@ def test_verls_key_is_read_profiled_and_emitted_and_other_targets_refuse_it():
     assert run.activation_offload is True
     # modelled: no "batchfit does not model" warning (a critic that differs from the actor still gets one)
     assert not any("actor_rollout_ref.model.enable_activation_offload" in w and "differs" not in w for w in run.warnings)
-    options = run_profile_options(run, ProfileChoices(cost="packed"), ProfileChoices()).options
+    options = run_profile_options(run, Choices(cost="packed"), Choices()).options
     assert options.activation_offload is True
     keys = {k.path: k.value for k in setting_keys(run, {"policy": options}, "verl")}
     assert keys["actor_rollout_ref.model.enable_activation_offload"] is True

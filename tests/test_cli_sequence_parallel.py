@@ -79,7 +79,7 @@ def test_a_ulysses_size_the_heads_cannot_take_offers_only_valid_fixes_in_the_con
 
 
 def test_plan_names_the_flags_the_user_gave():
-    from batchfit.cli.flag_words import as_flags
+    from batchfit.errors import as_flags
 
     fault = "world_size=1 is not a multiple of the model-parallel size, sequence_parallel=3: set world_size to 3"
     assert as_flags(fault, {"sequence_parallel": "--sequence-parallel"}) == (
@@ -125,12 +125,13 @@ def test_verl_s_ulysses_size_changes_the_per_gpu_budget_in_the_split_s_direction
 
 @pytest.mark.slow
 def test_the_policy_s_ulysses_key_is_read_into_the_sharding_not_warned_about(tmp_path):
+    from batchfit.budget.choices import Choices
     from batchfit.frameworks import read_run_config
-    from batchfit.frameworks.config_options import ProfileChoices, run_profile_options
+    from batchfit.frameworks.config_options import run_profile_options
 
     run = read_run_config(_verl_config(tmp_path / "sp4.yaml", 4))
     assert not [w for w in run.warnings if "ulysses" in w]
-    options = run_profile_options(run, ProfileChoices(backend="estimate")).options
+    options = run_profile_options(run, Choices(backend="estimate")).options
     assert options.sharding.sequence_parallel == 4 and options.sharding.world_size == 8 and options.cost == "packed"
 
 

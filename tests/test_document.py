@@ -1,11 +1,11 @@
-"""The ``--json`` document's schema (NOTE [ The --json schema ] in batchfit.cli.json_document)."""
+"""The ``--json`` document's schema (NOTE [ The --json schema ] in batchfit.budget.document)."""
 
 from __future__ import annotations
 
 import json
 
+from batchfit.budget.document import SCHEMA_VERSION, logprobs_object, profile_document
 from batchfit.cli import main
-from batchfit.cli.json_document import SCHEMA_VERSION, logprobs_object, profile_document
 
 
 def test_a_profile_document_has_a_version_and_unambiguous_names_and_types():

@@ -11,7 +11,8 @@ import torch
 
 from batchfit.budget.causal_lm_probe import TrainingStep
 from batchfit.budget.probe import GENERIC_REMEDIES
-from batchfit.cli.profile import FLAGS, add_parser
+from batchfit.budget.settings import FLAGS
+from batchfit.cli.profile import add_parser
 from batchfit.errors import KEYWORDS, DoesNotFitError, Phrase, Setting, Vocabulary
 from batchfit.parallel.sharding import Sharding
 

@@ -556,14 +556,15 @@ def test_verls_generated_fsdp1_config_with_lora_rank_64_gets_a_larger_policy_bud
     # NOTE [ LoRA under FSDP1 ] in batchfit.parallel.fsdp1: on main this config was refused
     # ("sharding='fsdp1' with LoRA adapters is not modelled"); a Qwen2.5-0.5B-shaped directory
     # (rank 64 is 1/14 of its width: the adapters' activations cost less than the state they save)
+    from batchfit.budget.choices import Choices
     from batchfit.frameworks import read_run_config
-    from batchfit.frameworks.config_options import ProfileChoices, run_profile_options
+    from batchfit.frameworks.config_options import run_profile_options
     from batchfit.frameworks.run_profile import profile_run
 
     directory = tmp_path / "qwen"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(dict(load_config("qwen2.5-0.5b").to_dict())))
-    chosen = ProfileChoices(backend="estimate", memory_limit="h100-80gb")
+    chosen = Choices(backend="estimate", memory_limit="h100-80gb")
     results = {}
     for rank in (0, 64):
         made = run_profile_options(read_run_config(_generated_verl(directory, rank)), chosen)

@@ -12,11 +12,12 @@ import json
 import pytest
 import yaml
 
+from batchfit.budget.choices import Choices
+from batchfit.budget.settings import FLAGS
 from batchfit.cli import main
-from batchfit.cli.profile import FLAGS
 from batchfit.errors import InvalidArgument, Vocabulary
 from batchfit.frameworks import read_run_config
-from batchfit.frameworks.config_options import ProfileChoices, run_profile_options
+from batchfit.frameworks.config_options import run_profile_options
 from batchfit.frameworks.skyrl_emit import skyrl_plan
 
 CLI = Vocabulary(FLAGS)
@@ -55,7 +56,7 @@ def test_megatron_is_refused_without_calling_fsdp2_a_bound_and_says_what_batchfi
     path, _ = _skyrl_megatron(tmp_path)
     run = read_run_config(path)
     with pytest.raises(InvalidArgument) as caught:
-        run_profile_options(run, ProfileChoices(), vocabulary=CLI)
+        run_profile_options(run, Choices(), vocabulary=CLI)
     text = str(caught.value)
     assert "upper bound" not in text
     assert "strategy='megatron' (tensor 2 × pipeline 2 × context 1: dp 2 of 8 GPUs), which batchfit does not model" in text
@@ -75,7 +76,7 @@ def test_megatron_profiled_as_fsdp2_plans_data_parallel_over_every_gpu(tmp_path)
     path, _ = _skyrl_megatron(tmp_path)
     run = read_run_config(path)
     assert run.batch.plan().dp_size == 2  # Megatron's: 8 GPUs / (tp 2 · pp 2)
-    made = run_profile_options(run, ProfileChoices(strategy="fsdp2"), vocabulary=CLI)
+    made = run_profile_options(run, Choices(strategy="fsdp2"), vocabulary=CLI)
     assert made.options.sharding.strategy == "fsdp2" and made.options.sharding.world_size == 8
     plan = made.run.batch.plan()
     # dp 8: a mini-batch of 64 prompts × 5 samples = 320 sequences is 320 / 8 = 40 per GPU (Megatron's dp 2: 160)
@@ -92,7 +93,7 @@ def test_verl_megatron_is_refused_the_same_way(tmp_path):
     path = tmp_path / "verl_megatron.yaml"
     path.write_text("actor_rollout_ref:\n  model: {path: tiny}\n  actor: {strategy: megatron}\n")
     with pytest.raises(InvalidArgument, match=r"strategy='megatron', which batchfit does not model \(tensor and "):
-        run_profile_options(read_run_config(path), ProfileChoices(), vocabulary=CLI)
+        run_profile_options(read_run_config(path), Choices(), vocabulary=CLI)
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -1,4 +1,4 @@
-"""The ``batchfit profile --json`` document: one schema version, unambiguous names, stable types.
+"""The ``batchfit profile --json`` document (:meth:`batchfit.frameworks.profile_request.ProfileAnswer.to_dict`): one schema version, unambiguous names, stable types.
 
 NOTE [ The --json schema ]
 Schema 2 (issue 40) over what the library's ``to_dict`` gives:

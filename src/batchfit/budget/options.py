@@ -8,6 +8,7 @@ dropped on the way.
 
 from __future__ import annotations
 
+import copy as _copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import InitVar, dataclass, field
@@ -37,9 +38,11 @@ class ProfileOptions:
     Attributes:
         max_seq_len: the longest sequence the budgets must cover.
         backend: ``auto`` (cuda if available, else estimate), ``cpu``, ``estimate``, ``cuda``.
-        memory_limit: bytes, ``"80GiB"`` or a device preset; required for cpu and estimate.
+        memory_limit: bytes, ``"80GiB"`` or a device preset; required for cpu and estimate. Read
+            once into :attr:`memory_bytes`.
         reserve_bytes: bytes of ``memory_limit`` no tracker sees (see
-            :func:`batchfit.memory.get_backend`); ``None`` = the backend's default.
+            :func:`batchfit.memory.get_backend`); ``None`` = the backend's default. A size is read
+            into bytes.
         dtype: the dtype parameters are stored in (``bf16``, ``fp32``, …); ``None``: fp32
             under ``fsdp2`` mixed precision (fp32 master weights, bf16 compute), else bf16.
         gradient_checkpointing: non-reentrant activation checkpointing of every layer (off unless
@@ -149,37 +152,63 @@ class ProfileOptions:
     _margin_defaulted: bool = field(default=False, init=False, repr=False, compare=False)
     # how this request's caller names its settings: replace() validates the changes in it too
     _vocabulary: Vocabulary | None = field(default=None, init=False, repr=False, compare=False)
+    # memory_limit read once (NOTE [ Validated once ])
+    _memory_bytes: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self, vocabulary: Vocabulary | None) -> None:
         # each value is validated here, where it enters the library, named as the caller writes it
+        object.__setattr__(self, "_vocabulary", vocabulary)
+        self._normalise({f.name for f in dataclasses.fields(self) if f.init})
+
+    def _normalise(self, names: set[str]) -> None:
+        """Check and normalise the fields ``names`` (frozen: set once, here), then the rules between fields.
+
+        NOTE [ Validated once ]: a field is checked where it enters (construction, or the
+        :meth:`replace` that changes it), never again: a replace checks only what it changes (the
+        rules between fields are comparisons, rechecked each time), and the library's own calls
+        read the normalised values (``memory_bytes``, ``reserve_bytes`` in bytes).
+        """
+        vocabulary = self._vocabulary
         name = (KEYWORDS if vocabulary is None else vocabulary).say
-        set_ = object.__setattr__  # frozen: normalise once, here
-        set_(self, "_vocabulary", vocabulary)
-        set_(self, "max_seq_len", check_max_seq_len(self.max_seq_len, name(Setting("max_seq_len"))))
-        set_(self, "backend", check_choice(name(Setting("backend")), self.backend, BACKEND_NAMES))
-        set_(self, "logprobs", check_head(name(Setting("logprobs")), self.logprobs))
-        set_(self, "cost", check_choice(name(Setting("cost")), self.cost, COSTS))
-        allocator = DEFAULT_ALLOCATOR if self.allocator is None else self.allocator
-        set_(self, "allocator", check_choice(name(Setting("allocator")), allocator, ALLOCATORS))
-        set_(self, "_margin_defaulted", self.safety_margin is None)
-        if self.safety_margin is None:
-            set_(self, "safety_margin", ALLOCATOR_MARGINS[self.allocator])
-        margin = check_number(name(Setting("safety_margin")), self.safety_margin, low=0.0, high=1.0, low_open=True)
-        set_(self, "safety_margin", margin)
-        if self.engine_reserve is not None:
-            set_(self, "engine_reserve", parse_size(self.engine_reserve, name=name(Setting("engine_reserve"))))
-        set_(self, "sharding", as_sharding(self.sharding))
-        set_(self, "lora", as_lora(self.lora))
-        set_(self, "response_fraction", check_response_fraction(self.response_fraction, name(Setting("response_fraction"))))
-        set_(self, "experts_implementation", check_experts_implementation(name(Setting("experts_implementation")), self.experts_implementation))
-        if self.routing is not None:
-            set_(self, "routing", check_choice(name(Setting("routing")), self.routing, ROUTINGS))
-        for name in (
+        set_ = object.__setattr__
+        checks: dict[str, Callable[[Any], Any]] = {
+            "max_seq_len": lambda v: check_max_seq_len(v, name(Setting("max_seq_len"))),
+            "backend": lambda v: check_choice(name(Setting("backend")), v, BACKEND_NAMES),
+            "logprobs": lambda v: check_head(name(Setting("logprobs")), v),
+            "cost": lambda v: check_choice(name(Setting("cost")), v, COSTS),
+            "allocator": lambda v: check_choice(name(Setting("allocator")), DEFAULT_ALLOCATOR if v is None else v, ALLOCATORS),
+            "memory_limit": lambda v: v,
+            "reserve_bytes": lambda v: None if v is None else parse_size(v, name=name(Setting("reserve_bytes"))),
+            "engine_reserve": lambda v: None if v is None else parse_size(v, name=name(Setting("engine_reserve"))),
+            "sharding": as_sharding,
+            "lora": as_lora,
+            "response_fraction": lambda v: check_response_fraction(v, name(Setting("response_fraction"))),
+            "experts_implementation": lambda v: check_experts_implementation(name(Setting("experts_implementation")), v),
+            "routing": lambda v: None if v is None else check_choice(name(Setting("routing")), v, ROUTINGS),
+        }
+        if "allocator" in names:  # the margin left to the allocator follows it
+            names = names | ({"safety_margin"} if self.safety_margin is None or self._margin_defaulted else set())
+        for field_name in ("max_seq_len", "backend", "logprobs", "cost", "allocator"):
+            if field_name in names:
+                set_(self, field_name, checks[field_name](getattr(self, field_name)))
+        if "safety_margin" in names:
+            set_(self, "_margin_defaulted", self.safety_margin is None)
+            if self.safety_margin is None:
+                set_(self, "safety_margin", ALLOCATOR_MARGINS[self.allocator])
+            margin = check_number(name(Setting("safety_margin")), self.safety_margin, low=0.0, high=1.0, low_open=True)
+            set_(self, "safety_margin", margin)
+        for field_name, check in checks.items():
+            if field_name in names and field_name not in ("max_seq_len", "backend", "logprobs", "cost", "allocator"):
+                set_(self, field_name, check(getattr(self, field_name)))
+        if "memory_limit" in names:
+            bytes_ = None if self.memory_limit is None else parse_size(self.memory_limit, name=name(Setting("memory_limit")))
+            set_(self, "_memory_bytes", bytes_)
+        for flag in (
             "gradient_checkpointing", "suggest_world_size", "response_only", "compare_routing", "activation_offload",
             "optimizer_offload",
         ):  # fmt: skip
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")
+            if flag in names and not isinstance(getattr(self, flag), bool):
+                raise InvalidArgument(f"{flag} must be True or False, but got {flag}={getattr(self, flag)!r}")
         if self.response_fraction is not None and not self.response_only:
             raise InvalidArgument(
                 f"response_fraction={self.response_fraction} is read only by the response-only head, but got "
@@ -195,23 +224,35 @@ class ProfileOptions:
                     Setting("cost", "packed"),
                 ).say(vocabulary)
             )
-        if self.depth_extrapolation is not None and not isinstance(self.depth_extrapolation, bool):
+        if "depth_extrapolation" in names and self.depth_extrapolation is not None and not isinstance(self.depth_extrapolation, bool):
             raise InvalidArgument(
                 f"depth_extrapolation must be True, False or None (automatic), but got depth_extrapolation={self.depth_extrapolation!r}"
             )
 
+    @property
+    def memory_bytes(self) -> int | None:
+        """``memory_limit`` in bytes, read once (``None`` without a limit: the device's own)."""
+        return self._memory_bytes
+
     def replace(self, **changes: Any) -> ProfileOptions:
-        """A copy with ``changes`` applied (and validated, a bad value named as this request's caller names it).
+        """A copy with ``changes`` applied and validated (only they: NOTE [ Validated once ]), a bad value named as
+        this request's caller names it.
 
         Raises:
             InvalidArgument: an unknown field (the message lists the fields) or a bad value.
         """
         fields = [f.name for f in dataclasses.fields(self) if f.init]
-        unknown = sorted(set(changes) - set(fields))
+        unknown = sorted(set(changes) - set(fields) - {"vocabulary"})
         if unknown:
             names = ", ".join(fields)
             raise InvalidArgument(f"ProfileOptions has no field {unknown[0]!r}; its fields are {names}")
         if self._margin_defaulted and "safety_margin" not in changes:
             changes["safety_margin"] = None  # still the allocator's margin, whichever allocator now
-        changes.setdefault("vocabulary", self._vocabulary)
-        return dataclasses.replace(self, **changes)
+        copy = _copy.copy(self)
+        set_ = object.__setattr__
+        if "vocabulary" in changes:
+            set_(copy, "_vocabulary", changes.pop("vocabulary"))
+        for key, value in changes.items():
+            set_(copy, key, value)
+        copy._normalise(set(changes))
+        return copy

@@ -108,7 +108,7 @@ def report_error(
         if isinstance(exc, DoesNotFitError):
             error.update(exc.to_dict(vocabulary))
         try:
-            from batchfit.cli.json_document import error_document  # NOTE [ The --json schema ]
+            from batchfit.budget.document import error_document  # NOTE [ The --json schema ]
 
             json.dump(
                 error_document(error),

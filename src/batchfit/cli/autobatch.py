@@ -18,7 +18,7 @@ from batchfit.autobatch.batch_guess import Trial
 from batchfit.autobatch.sweep import check_fractions, check_modes
 from batchfit.autobatch.task import DEFAULT_TASK
 from batchfit.errors import InvalidArgument, Vocabulary
-from batchfit.memory import BACKEND_NAMES, DEFAULT_ESTIMATE_TARGET, backend_class, backend_name
+from batchfit.memory import BACKEND_NAMES, backend_class, backend_name
 from batchfit.validation import closest, is_int, short_repr
 
 MAX_STEPS = 1000
@@ -170,28 +170,17 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
             f"--steps must be at most {MAX_STEPS:,} (each trial runs that many steps; the peak is reached in the "
             f"first two), but got steps={settings['steps']:,}; use the default 2"
         )
-    from batchfit.cli.profile_request import check_size_text
+    from batchfit.memory.device_memory import resolve_device_memory
 
-    for key in ("memory", "reserve"):
-        check_size_text(OPTIONS[key][0], settings[key])
-    for key in ("memory", "reserve"):  # a plain byte count from the command line
-        if isinstance(settings[key], str) and settings[key].strip().isdigit():
-            settings[key] = int(settings[key])
     backend = backend_name(settings["backend"])
-    settings["memory_defaulted"] = settings["memory"] is None and backend_class(backend).simulated
-    if settings["memory_defaulted"]:
-        settings["memory"] = DEFAULT_ESTIMATE_TARGET
-    elif settings["memory"] is None and backend_class(backend).host_memory:
-        raise InvalidArgument(
-            "--memory is required with --backend cpu (the host has no device limit to take a fraction of), but got no --memory; pass e.g. --memory 2GiB, or use --backend estimate to predict a GPU"
-        )
-    if settings["memory"] is not None:
-        from batchfit.cli.profile_request import check_reserve_fits
-        from batchfit.memory import parse_memory
-
-        reserve = settings["reserve"]
-        reserve = None if reserve is None else parse_memory(reserve, name="--reserve") if reserve not in (0, "0") else 0
-        check_reserve_fits(settings["memory"], reserve, backend, 1)  # one process: no NCCL buffers
+    # one process: no NCCL buffers in the default reserve
+    device = resolve_device_memory(
+        settings["memory"], settings["reserve"], backend, vocabulary=Vocabulary(FLAGS), purpose="to take a fraction of"
+    )
+    settings["memory_defaulted"] = device.defaulted
+    settings["memory"] = device.memory
+    if settings["reserve"] is not None and isinstance(settings["reserve"], str) and settings["reserve"].strip().isdigit():
+        settings["reserve"] = int(settings["reserve"])  # a plain byte count from the command line
     settings["fractions"] = _fractions(settings["fractions"])
     settings["modes"] = check_modes(_split("modes", settings["modes"]))
     if settings["output"] is not None:  # before the search, which may take minutes

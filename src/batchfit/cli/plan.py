@@ -7,10 +7,9 @@ import dataclasses
 import json
 import sys
 
-from batchfit.cli.flag_words import as_flags
-from batchfit.cli.sequence_parallel import check_sequence_parallel
-from batchfit.errors import BatchConfigError
+from batchfit.errors import BatchConfigError, as_flags
 from batchfit.frameworks import framework_of, read_run_config
+from batchfit.frameworks.sequence_parallel import check_sequence_parallel
 from batchfit.plan.config import BatchConfig
 
 
@@ -51,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, f"field_{name}") is not None
     }
     run = read_run_config(args.config if args.config else {}, overrides)
-    if args.config:  # a size the model's heads cannot split: no world size is offered (NOTE in cli.sequence_parallel)
+    if args.config:  # a size the model's heads cannot split: no world size is offered (NOTE in frameworks.sequence_parallel)
         check_sequence_parallel(overrides.get("sequence_parallel"), overrides.get("world_size"), run, None, None)
     # a setting given as a flag is named as the flag, not as the config's key for it (issue 40)
     # (without a file every setting is a flag's, even one the fault asks for: "set --gpus-per-node")

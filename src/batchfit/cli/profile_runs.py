@@ -1,7 +1,9 @@
 """``batchfit profile``'s run modes: a plain profile, ``--config`` (and ``--emit``), ``--confirm``.
 
-:func:`run` builds the command's :class:`~batchfit.cli.profile_request.ProfileRequest` once; each
-mode makes its library call with the request's options and renders the result.
+:func:`run` resolves the command's flags once into a library
+:class:`~batchfit.frameworks.profile_request.ProfileRequest` (NOTE [ One resolver for every caller ]);
+each mode makes its library call and renders the answer; ``--json`` prints the answer's
+:meth:`~batchfit.frameworks.profile_request.ProfileAnswer.to_dict`, what a Python caller gets.
 """
 
 from __future__ import annotations
@@ -17,18 +19,37 @@ from typing import Any
 import torch
 
 from batchfit.cli._ranks import process_group
-from batchfit.cli.json_document import profile_document
 from batchfit.cli.probe_progress import ProbeProgress
-from batchfit.cli.profile_request import ProfileRequest, request_from_args
 from batchfit.cli.render_profile import device_lines, render_profile
+from batchfit.frameworks.profile_request import (
+    ProfileAnswer,
+    ProfileRequest,
+    confirm_document,
+    resolve_request,
+)
 from batchfit.memory import backend_class
+
+
+def request_from_args(args: argparse.Namespace) -> ProfileRequest:
+    """The request of ``batchfit profile``'s parsed flags (``args`` is left as it is), in the flags' words.
+
+    Raises:
+        InvalidArgument: a bad value or combination (one line each, exit 2).
+        BatchConfigError: the ``--config`` cannot be read (one line per fault).
+    """
+    from batchfit.budget.settings import SETTINGS
+
+    request = resolve_request({row.name: getattr(args, row.name) for row in SETTINGS}, vocabulary=args.vocabulary)
+    if request.plot:
+        from batchfit.cli.render_budget import require_matplotlib
+
+        require_matplotlib(request.plot)
+    return request
 
 
 def run(args: argparse.Namespace) -> int:
     """``batchfit profile``: the request from the flags, then its run mode; the exit code."""
     from rich.console import Console
-
-    from batchfit.budget.model_profile import profile_model
 
     request = request_from_args(args)
     if request.confirm:
@@ -37,28 +58,21 @@ def run(args: argparse.Namespace) -> int:
         console = Console(soft_wrap=True)
         err = Console(stderr=True)
         show_progress = request.progress and not request.json and rank == 0  # a bar, or lines when not a terminal
-        if request.run is not None:
-            return _run_config(request, console, err, show_progress, rank)
         with ProbeProgress(err, show_progress) as callback:
-            profile = profile_model(request.model, request.options.replace(progress=callback), roles=request.roles)
+            answer = request.profile(progress=callback)
         if rank != 0:
             return 0
         if request.plot:
             from batchfit.cli.render_budget import plot_budget
 
-            plot_budget(profile.budgets, request.plot)
+            plot_budget(answer.budgets, request.plot)
         if request.json:
-            from batchfit.frameworks.emit import provenance
-
-            data = profile.to_dict()
-            data["memory_defaulted"] = request.memory_defaulted
-            if request.calibration is not None:
-                data["calibration"] = {"path": request.calibration_path, **request.calibration.to_dict()}
-            # NOTE [ The --json schema ] in batchfit.cli.json_document: estimated (estimate backend) or measured
-            json.dump(profile_document(data, provenance=provenance(profile.backend)), sys.stdout, indent=2)
+            json.dump(answer.to_dict(), sys.stdout, indent=2)  # NOTE [ The --json schema ] in batchfit.budget.document
             sys.stdout.write("\n")
             return 0
-        render_profile(console, profile, request)
+        if answer.result is not None:
+            return _render_config(answer, console)
+        render_profile(console, answer.profile, request)
     return 0
 
 
@@ -95,16 +109,7 @@ def _run_confirm(request: ProfileRequest) -> int:
 
         plot_budget(report.profile.budgets, request.plot)
     if request.json:
-        data = report.profile.to_dict()
-        data["memory_defaulted"] = request.memory_defaulted
-        data["confirm"] = report.to_dict()
-        if request.calibration_path:
-            data["calibration"] = {"path": request.calibration_path, "written": calibration is not None}
-            if calibration is not None:
-                data["calibration"].update(calibration.to_dict())
-        if error is not None:
-            data["error"] = {"type": type(error).__name__, "faults": [str(error)]}
-        json.dump(profile_document(data), sys.stdout, indent=2)  # NOTE [ The --json schema ]
+        json.dump(confirm_document(request, report, calibration), sys.stdout, indent=2)  # NOTE [ The --json schema ]
         sys.stdout.write("\n")
         if error is not None:
             sys.stderr.write(f"batchfit profile: error: {error}\n")
@@ -144,51 +149,13 @@ def _run_confirm(request: ProfileRequest) -> int:
     return 0
 
 
-def _run_config(
-    request: ProfileRequest, console: Any, err: Any, show_progress: bool, rank: int
-) -> int:
-    """``--config``: profile every pass of the run; render it, or emit the framework's keys."""
-    from batchfit.frameworks.emit import (
-        FLAG_TARGETS,
-        check_emit,
-        emit_keys,
-        override_comments,
-        provenance,
-        render_keys,
-    )
-    from batchfit.frameworks.older_torch import older_torch_notes
-    from batchfit.frameworks.run_profile import profile_run
+def _render_config(answer: ProfileAnswer, console: Any) -> int:
+    """``--config``: render every pass of the run, or the framework's keys (``--emit``)."""
+    from batchfit.frameworks.emit import FLAG_TARGETS, override_comments, provenance, render_keys
     from batchfit.memory import format_bytes
 
+    request, result, keys, notes = answer.request, answer.result, answer.keys, answer.notes
     run = request.run
-    if request.emit is not None:  # what the target cannot carry is refused before any probe
-        check_emit(run, request.options, request.emit)
-    with ProbeProgress(err, show_progress) as callback:
-        result = profile_run(run, request.options.replace(progress=callback))
-    if rank != 0:
-        return 0
-    notes = list(request.notes) + older_torch_notes(result) + list(result.notes)
-    keys = None
-    if request.emit is not None:
-        keys = emit_keys(result, request.emit, max_seq_len=request.options.max_seq_len, margin=request.options.safety_margin)
-    if request.plot:
-        from batchfit.cli.render_budget import plot_budget
-
-        plot_budget(result.budgets, request.plot)
-    if request.json:
-        data = result.to_dict()
-        data["memory_defaulted"] = request.memory_defaulted
-        data["older_torch"] = older_torch_notes(result)
-        data["notes"] = notes  # the framework step's, the older torch's and the run's
-        data["run_notes"] = list(run.notes)
-        data["warnings"] = list(run.warnings)  # what the config sets that the budgets do not model
-        if keys is not None:
-            data["emit"] = {k.path: list(k.value) if isinstance(k.value, tuple) else k.value for k in keys if k.path}
-            data["emit_notes"] = [k.comment for k in keys if not k.path]  # what no key can say
-        # NOTE [ The --json schema ] in batchfit.cli.json_document: estimated (estimate backend) or measured
-        json.dump(profile_document(data, provenance=provenance(request.backend)), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
     if keys is not None:
         target = request.memory if request.memory is not None else "the device"
         header = [

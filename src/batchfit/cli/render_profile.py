@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchfit.cli.profile_request import ProfileRequest
+from batchfit.frameworks.profile_request import ProfileRequest
 
 
 def render_profile(console: Any, profile: Any, request: ProfileRequest) -> None:

@@ -1,30 +1,28 @@
 """A framework config's profile: :func:`run_profile_options` turns a :class:`RunConfig` into :class:`ProfileOptions`.
 
-A caller (the command line) says which settings it chose (:class:`ProfileChoices`, ``None`` for
-none); the config sets the rest as its framework runs them (the sharding its training strategy
-means, the offload, FSDP's options, checkpointing, the framework's own log-prob head and
-micro-batch cost); the caller's defaults fill what neither sets. Every fact about how a
+A caller (the command line) says which settings it chose (a :class:`~batchfit.budget.choices.Choices`);
+the config sets the rest as its framework runs them (the sharding its training strategy means, the
+offload, FSDP's options, checkpointing, the framework's own log-prob head and micro-batch cost); the caller's defaults fill what neither sets. Every fact about how a
 framework's config reads as a profile lives here: which sharding models a training strategy
 (:func:`sharding_strategy`), the keys its GPU counts come from (its spec's ``gpu_keys``).
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from batchfit.budget.choices import Choices
 from batchfit.budget.options import ProfileOptions
 from batchfit.errors import KEYWORDS, BatchConfigError, InvalidArgument, Phrase, Setting, Vocabulary
 from batchfit.frameworks.registry import framework_of, get_framework
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import with_run_fraction
-from batchfit.models.lora import LoraSpec
-from batchfit.parallel.sharding import FSDP_STRATEGIES, STRATEGIES, ZERO_STRATEGIES, Sharding
-from batchfit.train.framework_heads import FrameworkHead
-from batchfit.validation import check_choice, check_positive_int, is_int, short_repr
+from batchfit.parallel.sharding import FSDP_STRATEGIES, STRATEGIES, ZERO_STRATEGIES
+from batchfit.validation import check_choice, is_int, short_repr
 
 __all__ = [
-    "ProfileChoices",
     "RunOptions",
     "as_data_parallel",
     "check_emit_plan",
@@ -33,82 +31,6 @@ __all__ = [
     "run_profile_options",
     "sharding_strategy",
 ]
-
-@dataclass(frozen=True)
-class ProfileChoices:
-    """The profile settings a caller chose, each ``None`` where it chose none.
-
-    The fields of :class:`~batchfit.budget.ProfileOptions` a caller sets (same meaning), the
-    :class:`~batchfit.parallel.Sharding`'s spread out (``strategy``, ``world_size``,
-    ``reshard_after_forward``, ``mixed_precision``, ``offload``). A framework config fills
-    what is ``None`` (:func:`run_profile_options`); :meth:`options` leaves what is still ``None``
-    to :class:`ProfileOptions`' and :class:`Sharding`'s defaults.
-    """
-
-    max_seq_len: int | None = None
-    backend: str | None = None
-    memory_limit: int | str | None = None
-    reserve_bytes: int | str | None = None
-    dtype: str | None = None
-    gradient_checkpointing: bool | None = None
-    activation_offload: bool | None = None
-    logprobs: str | FrameworkHead | None = None
-    cost: str | None = None
-    safety_margin: float | None = None
-    depth_extrapolation: bool | None = None
-    lora: LoraSpec | None = None
-    response_only: bool | None = None
-    response_fraction: float | None = None
-    strategy: str | None = None
-    world_size: int | None = None
-    reshard_after_forward: bool | None = None
-    mixed_precision: str | None = None
-    offload: str | None = None
-    sequence_parallel: int | None = None
-    overlap_comm: bool | None = None
-    allocator: str | None = None
-    engine_reserve: int | str | None = None
-    optimizer_offload: bool | None = None
-
-    def or_(self, other: ProfileChoices) -> ProfileChoices:
-        """These choices, each one not made taken from ``other``."""
-        mine = vars(self)
-        return dataclasses.replace(self, **{k: v for k, v in vars(other).items() if mine[k] is None and v is not None})
-
-    def options(self, vocabulary: Vocabulary | None = None) -> ProfileOptions:
-        """The :class:`ProfileOptions` of these choices (the defaults where none was made).
-
-        Args:
-            vocabulary: how a bad value's message names its setting (``None``: keywords).
-
-        Raises:
-            InvalidArgument: a bad value, named in ``vocabulary``.
-        """
-        name = (KEYWORDS if vocabulary is None else vocabulary).say
-        sharding = {
-            "strategy": None if self.strategy is None else check_choice(name(Setting("sharding")), self.strategy, STRATEGIES),
-            "world_size": None if self.world_size is None else check_positive_int(name(Setting("world_size")), self.world_size),
-            "reshard_after_forward": self.reshard_after_forward,
-            "mixed_precision": self.mixed_precision,
-            "offload": self.offload,
-            "sequence_parallel": None
-            if self.sequence_parallel is None
-            else check_positive_int(name(Setting("sequence_parallel")), self.sequence_parallel),
-            "overlap_comm": self.overlap_comm,
-        }
-        # what was chosen (max_seq_len has no default: a missing one is named by ProfileOptions)
-        settings = {k: v for k, v in vars(self).items() if k not in _SHARDING and (v is not None or k == "max_seq_len")}
-        if (sharding["sequence_parallel"] or 1) > 1 and self.cost is None:
-            settings["cost"] = "packed"  # a sequence is split only as a packed row (verl: use_remove_padding)
-        settings["sharding"] = Sharding(**{k: v for k, v in sharding.items() if v is not None})
-        return ProfileOptions(**settings, vocabulary=vocabulary)
-
-
-# the ProfileChoices fields that make the Sharding (the others are ProfileOptions fields as they are)
-_SHARDING = frozenset(
-    {"strategy", "world_size", "reshard_after_forward", "mixed_precision", "offload", "sequence_parallel", "overlap_comm"}
-)
-
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -129,8 +51,8 @@ class RunOptions:
 
 def run_profile_options(
     run: RunConfig,
-    chosen: ProfileChoices,
-    defaults: ProfileChoices | None = None,
+    chosen: Mapping[str, Any],
+    defaults: Mapping[str, Any] | None = None,
     *,
     emit: str | None = None,
     vocabulary: Vocabulary | None = None,
@@ -164,6 +86,7 @@ def run_profile_options(
     from batchfit.frameworks.run_step import framework_step
 
     say = KEYWORDS if vocabulary is None else vocabulary
+    chosen = Choices(**chosen)
     if emit is not None:
         check_choice(say.say(Setting("emit")), emit, TARGETS)
     check_run_settings(run, say)
@@ -187,7 +110,7 @@ def run_profile_options(
         run, retrained = as_data_parallel(run, str(chosen.strategy), chosen.sequence_parallel)
     ring = run.batch.context_parallel or 1
     if ring > 1 and chosen.sequence_parallel is None:
-        # NOTE [ Ring attention is refused ] in batchfit.cli.profile_request: OpenRLHF's --ds.ring_attn_size,
+        # NOTE [ Ring attention is refused ] in batchfit.frameworks.profile_request: OpenRLHF's --ds.ring_attn_size,
         # Megatron's context parallelism (slime)
         key = (run.key_names or {}).get("context_parallel", "context_parallel")
         raise InvalidArgument(
@@ -230,7 +153,7 @@ def run_profile_options(
         cost = "packed"
     elif cost is None and (step is not None or config_cost == "packed"):
         cost = config_cost  # OpenRLHF (--ds.packing_samples, on with dynamic batches) and slime pack rows
-    from_config = ProfileChoices(
+    from_config = Choices(
         max_seq_len=run.max_seq_len,
         world_size=run.world_size,
         strategy=strategy,
@@ -248,7 +171,7 @@ def run_profile_options(
         # what the config's own framework does between its passes; another target's run keeps the state
         optimizer_offload=True if run.optimizer_offload and emit in (None, run.vocabulary) else None,
     )
-    filled = chosen.or_(from_config).or_(defaults or ProfileChoices())
+    filled = Choices(**chosen).or_(from_config).or_(defaults or {})
     return RunOptions(run=run, options=with_run_fraction(run, filled.options(vocabulary)), notes=tuple(notes))
 
 

@@ -153,14 +153,13 @@ def profile_run(run: RunConfig, options: ProfileOptions) -> RunProfile:
 
 def _engine(run: RunConfig, options: ProfileOptions) -> EngineReserve | None:
     """What the run's engine keeps on each GPU while the trainer steps: ``options.engine_reserve`` when given, else the model's."""
-    from batchfit.memory import parse_memory
     from batchfit.models import load_config
 
     if options.engine_reserve is not None:
         return given_engine_reserve(options.engine_reserve)
     if run.engine is None:
         return None
-    device = None if options.memory_limit is None else parse_memory(options.memory_limit, name="memory_limit")
+    device = options.memory_bytes
     return engine_reserve(run.engine, load_config(run.models["policy"]), device_bytes=device)
 
 
@@ -168,17 +167,16 @@ def _check_generation(
     run: RunConfig, options: ProfileOptions, by_role: dict[str, ProfileOptions], state: Any
 ) -> AwakePhase | None:
     """One GPU while the run's engine generates; refuse a run whose engine cannot start beside what its models keep there."""
-    from batchfit.memory import backend_class, parse_memory, untracked_memory
-    from batchfit.memory.sizes import parse_size
+    from batchfit.memory import backend_class, untracked_memory
 
     engine = run.engine
     if engine is None or not engine.colocated or options.memory_limit is None:
         return None
-    device = parse_memory(options.memory_limit, name="memory_limit")
+    device = options.memory_bytes
     trainer = sum(state(role, kinds) for role, kinds in run.generation_resident.items() if role in by_role and kinds)
     world = options.sharding.world_size if options.sharding.distributed else 1
     if options.reserve_bytes is not None:
-        untracked = parse_size(options.reserve_bytes, name="reserve_bytes")
+        untracked = options.reserve_bytes  # bytes (NOTE [ Validated once ] in batchfit.budget.options)
     elif backend_class(options.backend).simulated:
         untracked = untracked_memory(str(options.memory_limit), world_size=world, total_bytes=device).reserve_bytes
     else:

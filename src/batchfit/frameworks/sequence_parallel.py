@@ -1,7 +1,7 @@
 """A sequence-parallel size the world or the model's heads cannot take, refused in the words the user wrote it in.
 
-Shared by ``batchfit profile`` and ``batchfit plan``; light to import (the model's config is read
-only when a size above 1 is set).
+Shared by the profile request's resolver (:mod:`batchfit.frameworks.profile_request`) and ``batchfit plan``;
+light to import (the model's config is read only when a size above 1 is set).
 """
 
 from __future__ import annotations
@@ -15,7 +15,13 @@ if TYPE_CHECKING:
 
 
 def check_sequence_parallel(
-    sequence_parallel: Any, world_size: Any, run: RunConfig | None, model: Any, world: int | None
+    sequence_parallel: Any,
+    world_size: Any,
+    run: RunConfig | None,
+    model: Any,
+    world: int | None,
+    *,
+    names: tuple[str, str] = ("--sequence-parallel", "--world-size"),
 ) -> None:
     """Refuse a sequence-parallel size the world or the model's heads cannot take, naming it as the user wrote it.
 
@@ -24,8 +30,9 @@ def check_sequence_parallel(
         run: the ``--config`` read, or ``None``.
         model: the model without a config (``None``: unknown, nothing is checked).
         world: the world without a flag or a config (the command's default).
+        names: how the caller names the two settings (the flags, or keywords).
 
-    The size and the world are the flags' (``--sequence-parallel``, ``--world-size``), else the
+    The size and the world are the caller's (named ``names``), else the
     config's (named by its own keys: ``run.key_names``, ``run.source``). Every fix offered is valid:
     sp sizes that divide the world and split the heads, and world sizes only when the size itself
     splits them (:func:`batchfit.plan.arith.sequence_parallel_fixes`).
@@ -37,7 +44,7 @@ def check_sequence_parallel(
 
     sp, given_world = (int(v) if isinstance(v, str) and v.strip().isdigit() else v for v in (sequence_parallel, world_size))
     world = given_world if given_world is not None else world
-    sp_name, world_name = "--sequence-parallel", "--world-size"
+    sp_name, world_name = names
     if run is not None:
         if sp is None:
             sp = run.batch.sequence_parallel

@@ -1,0 +1,272 @@
+"""The settings of a profile request, each declared once: :data:`SETTINGS`.
+
+NOTE [ One table of profile settings ]
+Every setting a profile request takes is one :class:`ProfileSetting`: its keyword, where it
+lands (:class:`~batchfit.budget.ProfileOptions`, its :class:`~batchfit.parallel.Sharding`, the
+LoRA spec, the request, or how the answer is shown), how the command line reads it (flag, kind,
+metavar, help) and the request's default where the library's differs. From this table come:
+
+- ``batchfit profile``'s flags (:func:`add_arguments`: one ``add_argument`` per row, none elsewhere);
+- the vocabulary messages are said in (:data:`FLAGS`: keyword → flag, for the rows messages name);
+- the partial a caller and a framework config fill (:class:`~batchfit.budget.choices.Choices`,
+  keyed by :class:`ProfileOptions`' and :class:`Sharding`'s own fields, no mirror of them);
+- the request the library resolves (:func:`batchfit.frameworks.profile_request.resolve_request`),
+  which reads the rows' keywords and applies their defaults.
+
+Adding a setting is a row here and, for an ``options`` or ``sharding`` one, its field in
+:class:`ProfileOptions` or :class:`Sharding` (``tests/test_settings.py`` holds them together).
+This module imports nothing heavy: the command line builds its parser from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from batchfit.errors import Vocabulary
+
+__all__ = [
+    "DEFAULT_CPU_MODEL",
+    "DEFAULT_ESTIMATE_WORLD_SIZE",
+    "DEFAULT_GRADIENT_CHECKPOINTING",
+    "DEFAULT_MAX_SEQ_LEN",
+    "DEFAULT_MODEL",
+    "FLAGS",
+    "HOMES",
+    "MAX_ESTIMATE_WORLD_SIZE",
+    "PROSE_FLAGS",
+    "SETTINGS",
+    "ProfileSetting",
+    "add_arguments",
+    "flag_vocabulary",
+    "setting",
+]
+
+# A new user's first run: a 7B model at 8k tokens over 8 estimated H100s, trained as the frameworks'
+# recipes train it (FSDP2, fp32 master weights with bf16 compute, activation checkpointing).
+DEFAULT_MODEL = "qwen2.5-7b"
+# The cpu backend really runs the model on this host: its default is the toy preset.
+DEFAULT_CPU_MODEL = "tiny"
+DEFAULT_MAX_SEQ_LEN = 8192
+DEFAULT_ESTIMATE_WORLD_SIZE = 8
+# A request checkpoints every layer unless told not to (or the config says otherwise), as the
+# frameworks' 7B recipes do; ProfileOptions itself leaves it off unless asked.
+DEFAULT_GRADIENT_CHECKPOINTING = True
+# The most ranks the estimate backend simulates (torch's process groups count ranks in a C int;
+# a million GPUs is beyond any run).
+MAX_ESTIMATE_WORLD_SIZE = 2**20
+# the estimate's target device when none is named (batchfit.memory.DEFAULT_ESTIMATE_TARGET, said here
+# without importing the backends: tests/test_settings.py holds them equal)
+_ESTIMATE_TARGET = "h100-80gb"
+
+#: Where a setting lands: a :class:`ProfileOptions` field, a :class:`Sharding` field, the LoRA spec's,
+#: the request's own (what to profile: the model, the config, the roles, confirm), or the answer's
+#: showing (JSON, a plot, progress).
+HOMES = ("options", "sharding", "lora", "request", "output")
+
+# how the command line reads a row: a value (its Python type), a switch that is on when given, a flag
+# with a --no- form (None when neither), or a --no- flag that turns a default-on setting off
+_KINDS = ("str", "int", "float", "switch", "bool", "off")
+
+
+@dataclass(frozen=True)
+class ProfileSetting:
+    """One setting of a profile request (NOTE [ One table of profile settings ]).
+
+    Attributes:
+        name: its keyword: the request's key, the argparse ``dest``, and the name messages say.
+        flag: the command line's flag (``--max-seq-len``).
+        home: one of :data:`HOMES`.
+        kind: ``str``, ``int``, ``float`` (a value of that type), ``switch`` (on when given),
+            ``bool`` (``--x``/``--no-x``, ``None`` when neither), ``off`` (``--no-x`` turns it off).
+        help: the flag's help.
+        metavar: the flag's metavar (values only).
+        default: what the request holds when the flag is not given (``None``: not given; the
+            request's policy, or the library's default, decides).
+        field: the attribute it sets in its home (default ``name``: ``sharding``'s is ``strategy``).
+        said: a library message's prose may say ``name`` as ``flag`` (a row of :data:`PROSE_FLAGS`);
+            off for names that are also plain words (``model``, ``config``, ``dtype``).
+    """
+
+    name: str
+    flag: str
+    home: str
+    kind: str
+    help: str
+    metavar: str | None = None
+    default: Any = None
+    field: str | None = None
+    said: bool = True
+
+    def __post_init__(self) -> None:
+        if self.home not in HOMES or self.kind not in _KINDS:  # the table's own consistency, not user input
+            raise TypeError(f"setting {self.name}: home {self.home!r} or kind {self.kind!r} unknown")
+
+    @property
+    def attribute(self) -> str:
+        """The field it sets in its home."""
+        return self.field or self.name
+
+    def argparse_kwargs(self) -> dict[str, Any]:
+        """The keywords of this row's ``add_argument`` (its dest is :attr:`name`)."""
+        import argparse
+
+        kwargs: dict[str, Any] = {"dest": self.name, "help": self.help}
+        if self.kind in ("str", "int", "float"):
+            if self.kind != "str":
+                kwargs["type"] = {"int": int, "float": float}[self.kind]
+            kwargs["metavar"] = self.metavar
+            kwargs["default"] = self.default
+        elif self.kind == "switch":
+            kwargs["action"] = "store_true"
+        elif self.kind == "bool":
+            kwargs.update(action=argparse.BooleanOptionalAction, default=self.default)
+        else:  # off
+            kwargs.update(action="store_false", default=self.default)
+        return kwargs
+
+
+def _rows() -> Iterator[ProfileSetting]:
+    s = ProfileSetting
+    yield s("model", "--model", "request", "str", metavar="PRESET|DIR|ID", said=False, help=(
+        f"default {DEFAULT_MODEL} ({DEFAULT_CPU_MODEL} with --backend cpu, which runs it for real)"))
+    yield s("config", "--config", "request", "str", metavar="FILE", said=False, help=(
+        "a SkyRL or verl config (YAML/JSON), or an OpenRLHF or slime launch command (a shell script, or a "
+        "file of its flags): the model, max sequence length, GPUs, sharding, offload, "
+        "checkpointing and the roles it runs come from it; flags override"))
+    yield s("emit", "--emit", "request", "str", metavar="verl|skyrl|openrlhf|slime", help=(
+        "with --config: print the keys to set in that framework's config (YAML, a comment per key; "
+        "openrlhf and slime: the flags to add to the launch command)"))
+    yield s("emit_format", "--emit-format", "output", "str", metavar="yaml|overrides", default="yaml", said=False,
+            help="yaml (default) or Hydra overrides")
+    yield s("max_seq_len", "--max-seq-len", "options", "int", metavar="N",
+            help=f"default {DEFAULT_MAX_SEQ_LEN} (or the config's)")
+    yield s("backend", "--backend", "options", "str", metavar="NAME", default="auto",
+            help="auto (cuda if available, else estimate), cpu, estimate, cuda")
+    yield s("memory_limit", "--memory", "options", "str", metavar="SIZE", help=(
+        "device memory per rank: 80GiB, 80GB or a preset (h100-80gb, a100-40gb, l4); estimate default "
+        f"{_ESTIMATE_TARGET}, cuda default the device's"))
+    yield s("reserve_bytes", "--reserve", "options", "str", metavar="SIZE", help=(
+        "memory per rank no tracker sees (CUDA context, NCCL, workspaces), taken off --memory: estimate default the "
+        "CUDA context, cuBLAS workspaces and NCCL buffers (593.75 MiB sharded, 337.75 MiB on one GPU), cpu 0, cuda "
+        "measured; 0 for none"))
+    yield s("world_size", "--world-size", "sharding", "int", metavar="N", help=(
+        f"data-parallel ranks: simulated with --backend estimate (default {DEFAULT_ESTIMATE_WORLD_SIZE}); with "
+        "cpu/cuda the torchrun group's size (the default)"))
+    yield s("sharding", "--sharding", "sharding", "str", field="strategy", metavar="none|ddp|fsdp1|fsdp2|zero1|zero2",
+            help=(
+        "how the model is spread over the ranks (default fsdp2 when estimating or under torchrun, else none; "
+        "fsdp1: FullyShardedDataParallel as verl's strategy fsdp wraps it; zero1/zero2: DeepSpeed ZeRO-1/2, "
+        "parameters replicated, optimizer state (zero2: and gradients) partitioned)"))
+    yield s("reshard_after_forward", "--no-reshard-after-forward", "sharding", "off", said=False,
+            help="fsdp2: keep every layer's gathered parameters from forward to backward")
+    yield s("mixed_precision", "--mixed-precision", "sharding", "str", metavar="bf16|none", help=(
+        "fsdp2: bf16 = fp32 sharded parameters, bf16 compute, fp32 gradient reduction (the default with fsdp2)"))
+    yield s("offload", "--offload", "sharding", "str", metavar="none|cpu",
+            help="fsdp2: cpu = parameters, gradients, optimizer on the host (default none)")
+    yield s("sequence_parallel", "--sequence-parallel", "sharding", "int", metavar="N", help=(
+        "Ulysses sequence parallelism: each packed micro-batch split over N ranks (divides --world-size; fsdp1/fsdp2; "
+        "default 1, or the config's ulysses_sequence_parallel_size / sequence_parallel_size)"))
+    yield s("context_parallel", "--context-parallel", "request", "int", metavar="N", said=False, help=(
+        "ring attention over N ranks: refused above 1 (PyTorch's context_parallel has no CPU sharding strategy "
+        "for sdpa and no packed rows); use --sequence-parallel"))
+    yield s("dtype", "--dtype", "options", "str", metavar="bf16|fp32", said=False,
+            help="dtype parameters are stored in (default fp32 under --mixed-precision bf16, else bf16)")
+    yield s("gradient_checkpointing", "--gradient-checkpointing", "options", "bool", help=(
+        f"activation checkpointing of every layer (default {'on' if DEFAULT_GRADIENT_CHECKPOINTING else 'off'}, "
+        "or the config's)"))
+    yield s("activation_offload", "--activation-offload", "options", "bool", help=(
+        "offload what each decoder layer saves for backward to host memory, as verl's "
+        "enable_activation_offload does (default off, or the config's): the device budget rises, the host "
+        "bytes are shown beside it"))
+    yield s("roles", "--roles", "request", "str", metavar="R,R", help=(
+        "policy,critic,reference,policy_forward,critic_forward (default policy; with --config every pass the run makes)"))
+    yield s("logprobs", "--logprobs", "options", "str", metavar="full|chunked|fused|verl|skyrl|trl", help=(
+        "log-prob computation of the policy/reference step (default full: fp32 log_softmax of all logits; "
+        "verl, skyrl: the head that framework runs; trl: TRL's own fused kernel, needs TRL; with --config the "
+        "framework's head as its keys set it)"))
+    yield s("response_only", "--response-only", "options", "switch", help=(
+        "run the policy's and reference's head only on the loss (response) tokens "
+        "(batchfit.train.model_logprobs(only_loss_tokens=True)): the budget gets a second cap R on the "
+        "response tokens of a micro-batch"))
+    yield s("response_fraction", "--response-fraction", "options", "float", metavar="F", help=(
+        "with --response-only: the share of a sequence's tokens that are response tokens, in (0, 1] "
+        "(4:1 prompt:response = 0.2; default the config's max response / (max prompt + max response), "
+        "else 1: every token)"))
+    yield s("cost", "--cost", "options", "str", metavar="padded|packed",
+            help="micro-batch cost (default padded; with --config packed when the framework removes padding)")
+    yield s("lora_rank", "--lora-rank", "lora", "int", field="rank", metavar="N", help=(
+        "train LoRA adapters of rank N on a frozen base, built with PEFT (pip install -e '.[lora]' in batchfit's "
+        "checkout); 0 = full fine-tuning (default 0, or the config's policy LoRA)"))
+    yield s("lora_alpha", "--lora-alpha", "lora", "float", field="alpha", metavar="A", said=False,
+            help="with --lora-rank: lora_alpha (default 16, as verl and SkyRL)")
+    yield s("lora_targets", "--lora-targets", "lora", "str", field="targets", metavar="all-linear|NAME,NAME", said=False,
+            help="with --lora-rank: the modules to adapt (default all-linear: every linear layer but the LM head)")
+    yield s("experts_implementation", "--experts-implementation", "options", "str", metavar="grouped_mm|batched_mm|eager",
+            help=(
+        "how a mixture of experts runs its experts (default: what the installed transformers runs, grouped_mm in "
+        "5.x); eager, the per-expert loop, is budgeted for the worst routing (every expert hit, the other tokens all "
+        "on the same experts)"))
+    yield s("compare_routing", "--compare-routing", "options", "switch", help=(
+        "with the eager experts (budgeted for the worst routing): also search the budget with balanced routing "
+        "and print both (slow: the loop runs every expert)"))
+    yield s("expert_parallel", "--expert-parallel", "request", "int", metavar="N", said=False,
+            help="expert parallelism is not modelled: any N above 1 is refused (docs/moe.md)")
+    yield s("safety_margin", "--safety-margin", "options", "float", metavar="F", help=(
+        "fraction of usable memory (default: what --allocator needs, 0.85 for expandable_segments, 0.83 for "
+        "caching; or the --calibration file's)"))
+    yield s("allocator", "--allocator", "options", "str", metavar="expandable_segments|caching", help=(
+        "the CUDA allocator setting the training processes run with: expandable_segments "
+        "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the default, and what --emit turns on) or caching (the "
+        "default segments, which fragment over a run: a lower margin); with --config the framework's own"))
+    yield s("engine_reserve", "--engine-reserve", "options", "str", metavar="SIZE", help=(
+        "memory per GPU a rollout engine sharing the GPUs keeps while it sleeps (CUDA context, NCCL, CUDA "
+        "graphs), taken off --memory; with --config the config's engine modelled (vLLM, SGLang); 0 for none"))
+    yield s("depth_extrapolation", "--depth-extrapolation", "options", "bool",
+            help="measure two shallow copies and extrapolate to the model's depth (default: on when estimating)")
+    yield s("confirm", "--confirm", "request", "switch", said=False, help=(
+        "estimate first, then run the real step once at each role's budget on the device (--backend cpu "
+        "or cuda) and report estimate vs measured per category; exit 1 when a run does not fit"))
+    yield s("calibration", "--calibration", "request", "str", metavar="FILE", said=False, help=(
+        "with --confirm: write what the runs measured on this device (JSON); without: read such a file and "
+        "profile with its memory, reserve and safety margin"))
+    yield s("json", "--json", "output", "switch", said=False, help="print the result as JSON")
+    yield s("plot", "--plot", "output", "str", metavar="FILE.png", said=False,
+            help="plot peak memory vs. tokens per probed length")
+    yield s("progress", "--no-progress", "output", "off", default=True, said=False,
+            help="no progress (a bar on a terminal; else a line per probe on stderr)")
+
+
+#: Every setting of a profile request, in the order ``batchfit profile --help`` lists them.
+SETTINGS: tuple[ProfileSetting, ...] = tuple(_rows())
+
+_BY_NAME = {row.name: row for row in SETTINGS}
+
+#: Every keyword → the flag that sets it (NOTE [ Messages in the caller's vocabulary ] in
+#: :mod:`batchfit.errors`): the command line's :class:`~batchfit.errors.Vocabulary`.
+FLAGS: dict[str, str] = {row.name: row.flag for row in SETTINGS}
+
+#: The keywords a library message's prose may be rewritten in as flags (:func:`batchfit.errors.as_flags`):
+#: not those that are also plain words (``model``, ``config``, ``dtype``) or a ``--no-`` flag.
+PROSE_FLAGS: dict[str, str] = {row.name: row.flag for row in SETTINGS if row.said}
+
+
+def setting(name: str) -> ProfileSetting:
+    """The row of ``name``.
+
+    Raises:
+        KeyError: no setting has that name.
+    """
+    return _BY_NAME[name]
+
+
+def add_arguments(parser: Any) -> None:
+    """Add every row of :data:`SETTINGS` to ``parser`` (an argparse parser), one ``add_argument`` each, dest = the row's name."""
+    for row in SETTINGS:
+        parser.add_argument(row.flag, **row.argparse_kwargs())
+
+
+def flag_vocabulary() -> Vocabulary:
+    """The command line's vocabulary: :data:`FLAGS`."""
+    return Vocabulary(FLAGS)
