@@ -118,6 +118,60 @@ def test_sequence_parallelism_lowers_the_activations_per_rank(megatron, real_run
     assert split["peak"] < plain["peak"]
 
 
+def _measure_pipeline(backend_name: str, tp: int, pp: int, micro_batches: int) -> dict[str, object]:
+    """The first pipeline step (Megatron's 1F1B schedule) of a fresh tiny model on this stage."""
+    import warnings
+
+    import torch
+
+    from batchfit.memory import get_backend
+    from batchfit.models.megatron import build_gpt_model, megatron_cpu_patches, model_parallel
+    from batchfit.train.megatron_step import megatron_optimizer, megatron_pipeline_step, synthetic_batch
+
+    warnings.filterwarnings("ignore")
+    backend = get_backend(backend_name, round_to=1)
+    real = backend_name == "cpu"
+    torch.manual_seed(0)
+    out: dict[str, object] = {}
+    with model_parallel(tp, pp), megatron_cpu_patches():
+        with backend.context():
+            model = build_gpt_model("tiny", tensor_parallel=tp, pipeline_parallel=pp, num_layers=LAYERS, initialise=real)
+            optimizer = megatron_optimizer(model)
+            batches = [synthetic_batch(model.vocab_size, BATCH, SEQ, seed=i) for i in range(micro_batches)]
+        got = backend.measure(
+            lambda: out.setdefault("loss", megatron_pipeline_step(model, optimizer, batches)),
+            register=(model, optimizer, [b.tensors() for b in batches]),
+        )
+    return {"peak": got.peak_bytes, "breakdown": got.breakdown, "loss": out["loss"]}
+
+
+def _real_stage(rank: int, tp: int, pp: int, micro_batches: int) -> dict[str, object]:
+    return _measure_pipeline("cpu", tp, pp, micro_batches)
+
+
+def _simulated_stage(rank: int, tp: int, pp: int, micro_batches: int) -> dict[str, object]:
+    from batchfit.models.megatron import simulated_rank
+
+    with simulated_rank(tp * pp, rank):
+        return _measure_pipeline("estimate", tp, pp, micro_batches)
+
+
+def test_pipeline_estimate_equals_every_real_stage_to_the_byte(megatron):
+    real = run_ranks(_real_stage, 1, 2, 4, world=2, timeout=240)  # PP = 2, 4 micro-batches, 1F1B
+    for stage in (0, 1):
+        estimate = _simulated_stage(stage, 1, 2, 4)
+        assert (real[stage]["peak"], real[stage]["breakdown"]) == (estimate["peak"], estimate["breakdown"])
+    assert real[0]["loss"] is None and real[1]["loss"] > 0  # the loss lives on the last stage
+    assert "logprob_head" in real[1]["breakdown"] and "logprob_head" not in real[0]["breakdown"]
+    assert real[0]["peak"] > real[1]["peak"]  # the first stage binds: 2 micro-batches in flight
+
+
+def test_one_f_one_b_holds_at_most_pp_micro_batches_on_the_first_stage(megatron):
+    activations = {n: _simulated_stage(0, 1, 2, n)["breakdown"]["activations"] for n in (1, 2, 4)}
+    # stage 0 of 2 runs 2 - 0 - 1 = 1 warm-up forward: from 2 micro-batches on, 2 are in flight
+    assert activations[1] < activations[2] == activations[4]
+
+
 def test_data_parallel_ranks_are_refused(megatron):
     from batchfit.memory import get_backend
     from batchfit.models.megatron import build_gpt_model, megatron_cpu_patches, model_parallel

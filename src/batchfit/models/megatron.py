@@ -17,9 +17,10 @@ verl builds its Megatron models through mbridge (``AutoBridge.from_config(hf_con
 ``intermediate_size``, ``rms_norm_eps``, ``head_dim`` (``kv_channels``) and fixes RMSNorm, SwiGLU
 (``gated_linear_unit`` with SiLU) and no linear biases; its ``Qwen2Bridge`` adds the qkv bias,
 ``Qwen3Bridge`` the q/k RMSNorm, ``LlamaBridge`` reads ``attention_bias``. That config is used
-here as mbridge builds it, with four changes a CPU run needs: ``use_cpu_initialization`` (weights
+here as mbridge builds it, with five changes a CPU run needs: ``use_cpu_initialization`` (weights
 made on the host, each rank slicing its shard from the full matrix), ``masked_softmax_fusion``
-off (a CUDA kernel), ``sequence_parallel`` as asked (mbridge turns it on whenever TP > 1, as verl
+off (a CUDA kernel), fixed tensor shapes between pipeline stages (NOTE [ Megatron under the fake
+process group ]), ``sequence_parallel`` as asked (mbridge turns it on whenever TP > 1, as verl
 runs) and the parameter dtype asked. Two things of mbridge's are not used: its layer spec
 (``get_gpt_decoder_block_spec(use_transformer_engine=True)``: Transformer Engine does not run on
 a CPU; Megatron-core's own local spec has the same parameters), and its ``_get_gptmodel_args``,
@@ -46,9 +47,15 @@ gradient all-reduce over the TP group; Apex's ``FusedLayerNorm`` computes the sa
 hidden dimension of each rank's part of the sequence and sets ``weight.sequence_parallel``: the
 patched ``WrappedTorchNorm`` builds torch's norm and sets it
 (:func:`batchfit.train.megatron_step.finalize_sequence_parallel_grads` sums those gradients).
+Pipeline parallelism needs two more: Megatron's schedules make their token counter with
+``device="cuda"`` (``total_num_tokens`` in ``schedules.py``), so inside the patches a torch
+function mode turns a CUDA device given to any torch function into the CPU (a mode scoped to the
+block, not a patch); and the exchange of tensor shapes between stages (``variable_seq_lengths``,
+which mbridge sets, as verl runs) calls ``torch.cuda.synchronize()`` after its ``isend``/``irecv``
+(``P2PCommunicator._communicate_shapes``): a no-op here, where every op is synchronous.
 The causal mask is passed in (:class:`batchfit.train.megatron_step.MegatronBatch`): without one,
-``FusedScaleMaskSoftmax`` makes it with ``device="cuda"`` (``get_default_causal_mask``). All
-four go through :mod:`batchfit.patching`.
+``FusedScaleMaskSoftmax`` makes it with ``device="cuda"`` (``get_default_causal_mask``). The
+patches go through :mod:`batchfit.patching`.
 
 NOTE [ Megatron under the fake process group ]
 The estimate backend runs the same model and step under ``FakeTensorMode`` inside
@@ -60,7 +67,11 @@ internal assert in ``ProcessGroupGloo``); :func:`model_parallel` turns them off 
 the default group is gloo already, and the step uses none of them). Nothing else: its parallel
 state, the tensor-parallel layers' all-reduces, the sequence-parallel all-gathers and
 reduce-scatters, the vocab-parallel cross-entropy's all-reduces and the global buffer all run on
-fake tensors (build with ``initialise=False``: fake tensors have no values to draw). On the tiny
+fake tensors (build with ``initialise=False``: fake tensors have no values to draw). A
+pipeline's stages exchange no shapes (``variable_seq_lengths=False``, Megatron-LM's default):
+mbridge turns it on for verl's dynamic batches, but the fake group delivers no values, so a
+received shape would be garbage; the shapes then come from ``seq_length`` and
+``micro_batch_size``, and only the exchange's 3-element int64 tensors are not modelled. On the tiny
 preset with TP = 2 the estimate equals each real gloo rank's peak to the byte, category by
 category, with and without sequence parallelism (``tests/test_megatron_step.py``). Rank 0 stands
 for every rank: dense tensor-parallel ranks hold the same shapes.
@@ -82,11 +93,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from batchfit.errors import InvalidArgument
 from batchfit.models.specs import load_config
 from batchfit.patching import AttributePatch
-from batchfit.validation import check_positive_int
+from batchfit.validation import check_positive_int, is_int
 
 #: The megatron-core release this module was verified with (the newest the registry serves).
 MEGATRON_CORE_VERSION = "0.16.1"
@@ -128,6 +140,7 @@ _BUFFER_ON_CPU = AttributePatch(_global_memory_buffer, "get_tensor", lazy=True)
 _NO_CUDA_FORK = AttributePatch(_rng_tracker, "fork", lazy=True)
 _CURRENT_DEVICE_IS_CPU = AttributePatch(lambda: torch.cuda, "current_device")
 _NORM_UNDER_SEQUENCE_PARALLEL = AttributePatch(_torch_norm, "__new__", lazy=True)
+_NO_CUDA_SYNCHRONIZE = AttributePatch(lambda: torch.cuda, "synchronize")
 
 
 @_BUFFER_ON_CPU.bind
@@ -153,6 +166,12 @@ def _cpu_device() -> torch.device:
     return torch.device("cpu")
 
 
+@_NO_CUDA_SYNCHRONIZE.bind
+def _synchronize_nothing(device: Any = None) -> None:
+    """``torch.cuda.synchronize()`` inside :func:`megatron_cpu_patches`: nothing to wait for (NOTE [ Megatron on CPU ranks ])."""
+    return None
+
+
 @_NORM_UNDER_SEQUENCE_PARALLEL.bind
 def _torch_norm_marked(cls: Any, config: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
     """``WrappedTorchNorm`` under sequence parallelism, as Apex's ``FusedLayerNorm`` makes it (NOTE [ Megatron on CPU ranks ])."""
@@ -166,6 +185,24 @@ def _torch_norm_marked(cls: Any, config: Any, *args: Any, **kwargs: Any) -> torc
     return norm
 
 
+def _names_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)  # an index is a CUDA device
+
+
+class _CudaFactoriesOnCpu(TorchFunctionMode):
+    """``device="cuda"`` (or a CUDA index) given to a torch function becomes the CPU (NOTE [ Megatron on CPU ranks ])."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if _names_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def megatron_cpu_patches() -> Iterator[None]:
     """Megatron-core runs on CPU tensors inside (NOTE [ Megatron on CPU ranks ]); undone on exit, shared and counted."""
@@ -175,6 +212,8 @@ def megatron_cpu_patches() -> Iterator[None]:
         _NO_CUDA_FORK.active(),
         _CURRENT_DEVICE_IS_CPU.active(),
         _NORM_UNDER_SEQUENCE_PARALLEL.active(),
+        _NO_CUDA_SYNCHRONIZE.active(),
+        _CudaFactoriesOnCpu(),
     ):
         yield
 
@@ -215,6 +254,36 @@ def model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Iter
         yield
     finally:
         parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def simulated_rank(world_size: int, rank: int) -> Iterator[None]:
+    """Simulate rank ``rank`` of ``world_size`` in this process with PyTorch's fake process group (NOTE [ Megatron under the fake process group ]).
+
+    :func:`batchfit.parallel.distributed.simulated_world` is always rank 0; a pipeline's stages
+    differ (the first embeds, the last holds the head and the loss), so each is simulated as
+    the rank it is. The group is destroyed on exit.
+
+    Raises:
+        InvalidArgument: a bad size or rank, or a process group already initialised.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from batchfit.parallel.distributed import FAKE_BACKEND
+
+    world_size = check_positive_int("world_size", world_size)
+    if not (is_int(rank) and 0 <= rank < world_size):
+        raise InvalidArgument(f"rank must be an integer in [0, {world_size}), but got rank={rank!r}; choose a rank of the world")
+    if dist.is_initialized():
+        raise InvalidArgument(
+            f"simulating rank {rank} of {world_size} needs no process group, but one of {dist.get_world_size()} ranks is initialised; simulate outside torchrun"
+        )
+    dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------- NOTE [ Megatron from a Hugging Face config ]
@@ -265,6 +334,7 @@ def transformer_config(
     bridge = AutoBridge.from_config(hf_config, dtype=dtype, parallel_states=states)
     bridge.set_extra_args(
         use_cpu_initialization=True,
+        variable_seq_lengths=False,
         masked_softmax_fusion=False,
         sequence_parallel=bool(sequence_parallel),
         params_dtype=dtype,

@@ -3,6 +3,7 @@
 - :func:`synthetic_batch`: token ids, positions, labels and a loss mask, the same on every
   rank of a tensor-parallel group (Megatron's layers expect identical inputs across it).
 - :func:`megatron_optimizer`: the optimizer (NOTE [ The Megatron step's optimizer ]), its state made up front.
+- :func:`megatron_pipeline_step`: the same through Megatron's pipeline schedule (1F1B), per stage.
 - :func:`megatron_train_step`: forward with Megatron's vocab-parallel cross-entropy (``GPTModel``
   given ``labels``), backward, the sequence-parallel gradient all-reduce Megatron's
   ``finalize_model_grads`` makes, the optimizer step; labelled for the tracked backends
@@ -23,7 +24,9 @@ optimizer's sharding over data parallel) is the next step of issue 42.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -92,26 +95,33 @@ def megatron_optimizer(model: torch.nn.Module, lr: float = 1e-6) -> torch.optim.
     return optimizer
 
 
-def megatron_loss(model: torch.nn.Module, batch: MegatronBatch) -> torch.Tensor:
-    """The masked mean of Megatron's per-token loss: ``GPTModel(..., labels=...)`` runs its vocab-parallel cross-entropy.
-
-    The batch's causal mask is passed in (the local spec's ``DotProductAttention`` would make
-    one on CUDA). On a pipeline stage that is not the last this is
-    not the loss: use Megatron's schedule.
-    """
-    head = getattr(model, "output_layer", None)
+def _per_token_loss(model: torch.nn.Module, batch: MegatronBatch) -> torch.Tensor:
+    """``GPTModel``'s forward: ``[b, s]`` per-token losses on the last stage, hidden states elsewhere; the head labelled."""
+    head = getattr(model, "output_layer", None) if getattr(model, "post_process", True) else None
     handles = []
     if head is not None:  # the logits and the cross-entropy are the head's (NOTE [ Phases and regions ])
         handles.append(head.register_forward_pre_hook(lambda module, args: labels.set_region(LOGPROB_HEAD)))
         handles.append(head.register_forward_pre_hook(lambda module, args: labels.set_position(labels.HEAD)))
     try:
-        per_token = model(batch.input_ids, batch.position_ids, batch.attention_mask, labels=batch.labels)
+        return model(batch.input_ids, batch.position_ids, batch.attention_mask, labels=batch.labels)
     finally:
         labels.set_region(None)
         for handle in handles:
             handle.remove()
+
+
+def _masked_mean(per_token: torch.Tensor, batch: MegatronBatch) -> torch.Tensor:
     mask = batch.loss_mask
     return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+
+
+def megatron_loss(model: torch.nn.Module, batch: MegatronBatch) -> torch.Tensor:
+    """The masked mean of Megatron's per-token loss: ``GPTModel(..., labels=...)`` runs its vocab-parallel cross-entropy.
+
+    The batch's causal mask is passed in (the local spec's ``DotProductAttention`` would make
+    one on CUDA). With pipeline parallelism use :func:`megatron_pipeline_step`.
+    """
+    return _masked_mean(_per_token_loss(model, batch), batch)
 
 
 def finalize_sequence_parallel_grads(model: torch.nn.Module) -> None:
@@ -149,12 +159,7 @@ def megatron_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
         InvalidArgument: more than one data-parallel rank (their gradients are not all-reduced
             here yet: Megatron's ``DistributedDataParallel`` does it, NOTE [ The Megatron step's optimizer ]).
     """
-    from megatron.core import parallel_state
-
-    if parallel_state.get_data_parallel_world_size() > 1:
-        raise InvalidArgument(
-            f"megatron_train_step runs one data-parallel rank, but Megatron's parallel state has data_parallel={parallel_state.get_data_parallel_world_size()}; make world_size = tensor_parallel * pipeline_parallel"
-        )
+    _one_data_parallel_rank()
     with labels.phase(labels.FORWARD):
         labels.set_position(labels.EMBED)
         loss = megatron_loss(model, batch)
@@ -165,6 +170,84 @@ def megatron_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
     return _value(loss)
+
+
+def megatron_pipeline_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[MegatronBatch]
+) -> float | None:
+    """One step of this pipeline stage under Megatron's own schedule, then AdamW.
+
+    ``megatron.core.pipeline_parallel.get_forward_backward_func()`` picks the schedule: with
+    pipeline parallelism, 1F1B without interleaving (``forward_backward_pipelining_without_interleaving``:
+    stage ``r`` of ``p`` runs ``p - r - 1`` warm-up forwards, so the first stage holds up to ``p``
+    micro-batches' activations in flight); without, forward and backward per micro-batch. Every
+    stage passes the same micro-batches (the first reads the tokens, the last the labels); the
+    schedule sends activations and their gradients between stages (``isend``/``irecv`` over the
+    pipeline group) and divides each micro-batch's loss by their number.
+
+    Args:
+        model: this stage's model (:func:`batchfit.models.megatron.build_gpt_model`).
+        optimizer: its optimizer (:func:`megatron_optimizer`).
+        micro_batches: the step's micro-batches, all of one shape.
+
+    Returns:
+        The mean loss over the micro-batches on the last stage (``nan`` under fake tensors),
+        ``None`` on the others.
+
+    Raises:
+        InvalidArgument: no micro-batch, micro-batches of different shapes, or more than one
+            data-parallel rank (:func:`megatron_train_step`).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    _one_data_parallel_rank()
+    if not micro_batches:
+        raise InvalidArgument("micro_batches must hold at least one MegatronBatch, but got none")
+    shapes = {tuple(b.input_ids.shape) for b in micro_batches}
+    if len(shapes) != 1:
+        raise InvalidArgument(
+            f"micro_batches must share one [batch, seq] shape (Megatron's schedule sends one tensor shape), but got {sorted(shapes)}"
+        )
+    ((micro_batch_size, seq_length),) = shapes
+    losses: list[torch.Tensor] = []
+
+    def forward_step(data_iterator: Any, stage: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+        batch = next(data_iterator)
+
+        def loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss = _masked_mean(per_token, batch)
+            losses.append(loss.detach().clone())  # the schedule divides the returned loss in place
+            return loss, {"loss": loss.detach()}
+
+        return _per_token_loss(stage, batch), loss_func
+
+    forward_backward = get_forward_backward_func()
+    forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    with labels.phase(labels.BACKWARD):
+        finalize_sequence_parallel_grads(model)
+    with labels.phase(labels.OPTIMIZER), labels.region(OPTIMIZER_STEP):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    if not losses:
+        return None
+    return _value(torch.stack(losses).mean())
+
+
+def _one_data_parallel_rank() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_world_size() > 1:
+        raise InvalidArgument(
+            f"the Megatron step runs one data-parallel rank, but Megatron's parallel state has data_parallel={parallel_state.get_data_parallel_world_size()}; make world_size = tensor_parallel * pipeline_parallel"
+        )
 
 
 def _value(loss: torch.Tensor) -> float:
@@ -178,6 +261,7 @@ __all__ = [
     "finalize_sequence_parallel_grads",
     "megatron_loss",
     "megatron_optimizer",
+    "megatron_pipeline_step",
     "megatron_train_step",
     "synthetic_batch",
 ]
