@@ -22,7 +22,7 @@ from batchfit.memory.categories import OPTIMIZER_STEP
 from batchfit.models import build_causal_lm
 from batchfit.parallel import Sharding, simulated_world
 from batchfit.parallel.fsdp1 import is_fsdp1
-from batchfit.parallel.shard import decoder_layers, shard_model, unwrap
+from batchfit.parallel.shard import decoder_layers, shard_model, sharding_of, unwrap
 from isolation_helpers import ABORTS, OutOfMemoryAt, aborted_probe, held
 from isolation_helpers import figures as _figures  # the name the assertions use
 from multirank import run_ranks
@@ -76,7 +76,7 @@ def test_fsdp1_wraps_each_decoder_layer_and_the_root_as_verl_does():
         assert shards == [LAYER_PARAMETERS // 2, LAYER_PARAMETERS // 2, ROOT_PARAMETERS // 2]
         assert all(p.dtype == torch.float32 for p in model.parameters())
         assert (
-            model.batchfit_sharding.describe()
+            sharding_of(model).describe()
             == "fsdp1 over 2 ranks (FULL_SHARD, fp32 params, bf16 compute, fp32 reduce)"
         )
 

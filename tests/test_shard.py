@@ -15,7 +15,7 @@ from batchfit.budget.causal_lm_probe import causal_lm_step
 from batchfit.memory import get_backend
 from batchfit.models import build_causal_lm
 from batchfit.parallel.distributed import simulated_world
-from batchfit.parallel.shard import ddp_bucket_bytes, decoder_layers, is_fsdp, shard_model
+from batchfit.parallel.shard import ddp_bucket_bytes, decoder_layers, is_fsdp, shard_model, sharding_of
 from batchfit.parallel.sharding import Sharding
 from multirank import run_ranks
 
@@ -115,7 +115,7 @@ def test_fsdp2_wraps_every_layer_and_the_root_with_its_policies():
         assert all(isinstance(layer, FSDPModule) for layer in decoder_layers(model))
         param = next(model.parameters())
         assert type(param).__name__ == "DTensor" and param.dtype == torch.float32  # fp32 master shards
-        assert model.batchfit_sharding.offload == "cpu"
+        assert sharding_of(model).offload == "cpu"
 
 
 def test_ddp_bucket_bytes_count_each_trainable_parameter_once():

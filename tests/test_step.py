@@ -8,7 +8,7 @@ import torch
 from batchfit import InvalidArgument
 from batchfit.batches import iter_micro_batches, loss_weights
 from batchfit.budget import ProfileOptions, profile_model
-from batchfit.budget.causal_lm_probe import causal_lm_step, synthetic_rollout
+from batchfit.budget.causal_lm_probe import StepSettings, causal_lm_step, synthetic_rollout
 from batchfit.budget.probe import candidate_lengths
 from batchfit.memory import get_backend
 from batchfit.memory.cpu import CpuBackend
@@ -131,6 +131,37 @@ def test_step_rejects_bad_arguments(cpu_model, kwargs, lengths, match):
     with pytest.raises(InvalidArgument, match=match):
         step = causal_lm_step(model, **{"backend": backend, **kwargs})
         step(lengths)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param({"only_loss_tokens": 1}, r"only_loss_tokens must be True or False, but got only_loss_tokens=1", id="loss-tokens"),
+        pytest.param({"activation_offload": "yes"}, r"activation_offload must be True or False, but got activation_offload='yes'", id="offload"),
+        pytest.param({"response_fraction": 0}, r"response_fraction must be", id="fraction"),
+    ],
+)
+def test_step_rejects_bad_settings(cpu_model, kwargs, match):
+    model, backend = cpu_model
+    with pytest.raises(InvalidArgument, match=match):
+        causal_lm_step(model, backend=backend, **kwargs)
+
+
+def test_an_unknown_keyword_is_a_type_error_naming_the_settings(cpu_model):
+    model, backend = cpu_model
+    with pytest.raises(TypeError, match=r"causal_lm_step\(\) got an unexpected keyword argument 'head'; .*logprobs, cost"):
+        causal_lm_step(model, backend=backend, head="full")
+
+
+def test_the_step_holds_its_settings_resolved_and_reads_them_as_attributes(cpu_model):
+    model, backend = cpu_model  # tiny: vocab 1024, a causal LM (no value head)
+    step = causal_lm_step(model, backend=backend, logprobs="chunked", forward_only=True, activation_offload=True)
+    assert step.settings == StepSettings(
+        critic=False, vocab_size=1024, logprobs="chunked", forward_only=True, activation_offload=False  # no_grad offloads nothing
+    )
+    assert (step.critic, step.vocab_size, step.logprobs, step.activation_offload) == (False, 1024, "chunked", False)
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        step.nothing  # noqa: B018
 
 
 def test_a_model_must_belong_to_the_backend(cpu_model):

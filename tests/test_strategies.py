@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchfit.errors import InvalidArgument
-from batchfit.parallel import Sharding, shard_model, sharding_of, simulated_world
+from batchfit.parallel import Sharding, shard_model, shard_state, sharding_of, simulated_world
 from batchfit.parallel import strategies as registry
 from batchfit.parallel.strategies import (
     StrategySpec,
@@ -110,10 +110,8 @@ def test_a_registered_strategy_is_one_sharding_accepts():
 def test_sharding_of_reads_what_shard_model_applied():
     model = torch.nn.Linear(2, 2)
     assert sharding_of(model) == Sharding()  # a model shard_model never saw
-    model.batchfit_sharding = "fsdp2"  # not a Sharding: not one
-    assert sharding_of(model) == Sharding()
     ddp = Sharding("ddp", world_size=2)
     with simulated_world(2):
         out = shard_model(torch.nn.Linear(2, 2), ddp, fake=True)  # DDP's buckets counted, no reducer on fake ranks
     assert sharding_of(out) is ddp
-    assert [t.numel() for t in out.batchfit_comm_buffers] == [24]  # (2·2 + 2) fp32 elements × 4 bytes
+    assert [t.numel() for t in shard_state(out).comm_buffers] == [24]  # (2·2 + 2) fp32 elements × 4 bytes

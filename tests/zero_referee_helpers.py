@@ -123,6 +123,7 @@ def _batchfit_run(stage: int, bucket: int, world: int, lengths: list[int]) -> di
     from batchfit.budget.causal_lm_probe import causal_lm_step
     from batchfit.memory import get_backend
     from batchfit.models import build_causal_lm
+    from batchfit.parallel.shard_state import zero_state
     from batchfit.parallel.sharding import Sharding
 
     backend = get_backend("cpu")
@@ -131,7 +132,7 @@ def _batchfit_run(stage: int, bucket: int, world: int, lengths: list[int]) -> di
     step = causal_lm_step(model, backend=backend)
     step.measure(lengths)
     m = step.measure(lengths)
-    zero = model.batchfit_zero
+    zero = zero_state(model)
     return {
         "peak": m.peak_bytes,
         "phases": _coarse(m.phase_peaks),

@@ -67,9 +67,10 @@ from batchfit.models.ulysses import use_ulysses_attention
 from batchfit.parallel.distributed import is_distributed
 from batchfit.parallel.sequence import sequence_parallel_group
 from batchfit.parallel.shard import decoder_layers, sharding_of, unwrap
+from batchfit.parallel.shard_state import shard_state, zero_state
 from batchfit.parallel.sharding import Sharding
 from batchfit.parallel.strategies import scale_out_strategy
-from batchfit.parallel.zero import ZeroOptimizer, zero_state
+from batchfit.parallel.zero import ZeroOptimizer
 from batchfit.patching import undo_all
 from batchfit.plan.packing import COSTS, plan_micro_batches
 from batchfit.train.activation_offload import MIN_LAYERS as MIN_OFFLOAD_LAYERS
@@ -93,6 +94,54 @@ VALUE_CLIP = 0.2
 HOST_CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, OPTIMIZER_STEP)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """What one micro-batch step runs besides its model, backend and optimizer: :func:`causal_lm_step`'s keywords, declared once.
+
+    :func:`causal_lm_step` takes these fields as keywords, checks them and gives the
+    :class:`TrainingStep` them resolved (``critic`` and ``vocab_size`` read from the model);
+    the step reads them as its own attributes (``step.critic``, ``step.cost``, …).
+
+    Attributes:
+        critic: value loss; ``None`` (default): ``True`` iff the model is a token classifier with
+            one label (``build_causal_lm(value_head=True)``).
+        vocab_size: token ids are drawn below this; ``None`` (default): ``model.config.vocab_size``.
+        logprobs: the policy's log-prob head, one of :data:`LOGPROBS` (default ``"full"``, as
+            :class:`~batchfit.budget.ProfileOptions`: what SkyRL and verl run by default).
+        cost: ``"padded"`` or ``"packed"``: the micro-batch layout the trainer's plans use; a
+            packed one runs with varlen attention (:func:`batchfit.models.use_varlen_attention`,
+            what a trainer of packed rows sets).
+        forward_only: a forward-only step: ``no_grad`` log-probs (or values), no backward and
+            no optimizer step. With an ``optimizer`` its state is created and registered all
+            the same: the old-log-prob or value pass of a model being trained runs with that
+            state resident; pass ``optimizer=None`` for a frozen reference.
+        only_loss_tokens: the policy's head runs only on the loss tokens
+            (:func:`batchfit.train.model_logprobs`'s ``only_loss_tokens``; NOTE [ Response-only
+            head ]); ignored for a critic. The micro-batch's loss mask is then an integer
+            tensor, whose values the estimate backend keeps.
+        response_fraction: each probed sequence's share of response (loss) tokens, in
+            ``(0, 1]`` (:func:`~batchfit.budget.probe.response_tokens`); ``None``: every token but
+            the first, the most a sequence can have.
+        activation_offload: offload what each decoder layer saves for backward to host memory
+            as verl's ``enable_activation_offload`` does (NOTE [ Activation offload as verl runs
+            it ] in :mod:`batchfit.train.activation_offload`; with checkpointing on, the layers'
+            checkpointed inputs); the host copies are counted in ``host_bytes``, not in the
+            device peak. A forward-only step saves nothing and ignores it.
+    """
+
+    critic: bool | None = None
+    vocab_size: int | None = None
+    logprobs: str = "full"
+    cost: str = "padded"
+    forward_only: bool = False
+    only_loss_tokens: bool = False
+    response_fraction: float | None = None
+    activation_offload: bool = False
+
+
+_SETTINGS = frozenset(f.name for f in dataclasses.fields(StepSettings))
+
+
 class TrainingStep:
     """One micro-batch of a trainer's step on a synthetic RL micro-batch: ``step.measure(lengths)``.
 
@@ -109,57 +158,31 @@ class TrainingStep:
         model: the module trained (an ``FSDPModule`` or DDP wrapper when sharded).
         optimizer: the optimizer (state already initialised) or ``None``.
         backend: the :class:`~batchfit.memory.Backend` the step was built for.
-        critic: a value model (value loss) instead of a policy (log-prob loss).
-        logprobs: the policy's log-prob head, one of :data:`LOGPROBS`.
-        cost: ``"padded"`` (rows) or ``"packed"`` (one padding-free row), as the trainer's plans.
-        forward_only: the forward-only pass under ``no_grad``.
-        vocab_size: token ids are drawn from ``[0, vocab_size)``.
+        settings: its :class:`StepSettings`, resolved (``critic`` and ``vocab_size`` set,
+            ``activation_offload`` off for a forward-only step); each field reads as an
+            attribute of the step too: ``critic``, ``vocab_size``, ``logprobs``, ``cost``,
+            ``forward_only``, ``only_loss_tokens``, ``response_fraction``, ``activation_offload``.
         persistent: ``(model, optimizer, *communication buffers)``, to register with
             ``backend.measure``; ``categories`` gives each one's breakdown category.
         categories: one entry per ``persistent`` object (``None`` = default categories).
         host_categories: categories held in host memory (CPU offload), see
             :meth:`batchfit.memory.Backend.measure`.
         sharding: the model's :class:`~batchfit.parallel.Sharding`.
-        only_loss_tokens: a policy's head runs only on the loss tokens (NOTE [ Response-only
-            head ]); the micro-batch's loss mask is then an integer tensor, whose values the
-            estimate backend keeps.
-        response_fraction: each sequence's share of response tokens (:func:`~batchfit.budget.probe.response_tokens`);
-            ``None``: every token but the first.
-        activation_offload: a training step offloads what each decoder layer saves for
-            backward to host memory, as verl's ``enable_activation_offload`` does (NOTE
-            [ Activation offload as verl runs it ] in :mod:`batchfit.train.activation_offload`);
-            the host copies are counted in ``host_bytes``, not in the device peak.
     """
 
     def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        backend: Backend,
-        optimizer: torch.optim.Optimizer | None,
-        critic: bool,
-        vocab_size: int,
-        logprobs: str = "full",
-        cost: str = "padded",
-        forward_only: bool = False,
-        only_loss_tokens: bool = False,
-        response_fraction: float | None = None,
-        activation_offload: bool = False,
+        self, model: torch.nn.Module, *, backend: Backend, optimizer: torch.optim.Optimizer | None, settings: StepSettings
     ):
         self.model = model
-        self.activation_offload = activation_offload and not forward_only  # no_grad saves nothing
+        self.settings = dataclasses.replace(  # no_grad saves nothing to offload
+            settings, activation_offload=settings.activation_offload and not settings.forward_only
+        )
         self._offloaded: Any = None
-        self.only_loss_tokens = only_loss_tokens
-        self.response_fraction = response_fraction
         self.backend = backend
         self.optimizer = optimizer
-        self.critic = critic
-        self.vocab_size = vocab_size
-        self.logprobs = logprobs
-        self.cost = cost
-        self.forward_only = forward_only
-        self.sharding: Sharding = sharding_of(model)
-        comm = tuple(getattr(model, "batchfit_comm_buffers", ()))
+        recorded = shard_state(model)  # how batchfit.parallel.shard_model sharded it, if it did
+        self.sharding: Sharding = recorded.sharding if recorded is not None else Sharding()
+        comm = recorded.comm_buffers if recorded is not None else ()
         state: tuple[Any, ...] = (model,) if optimizer is None else (model, optimizer)
         zero = zero_state(model)  # ZeRO's master partition and gradient buffer (batchfit.parallel.zero)
         extra = () if zero is None or optimizer is None else zero.state_buffers()
@@ -172,6 +195,13 @@ class TrainingStep:
             self.host_categories += (OFFLOADED_ACTIVATIONS,)
         self._head = _head_module(unwrap(model))
         self._layers = _layer_stack(unwrap(model))
+
+    def __getattr__(self, name: str) -> Any:
+        """A field of :attr:`settings` read as the step's own attribute (``step.critic``, ``step.cost``, …)."""
+        settings = self.__dict__.get("settings")
+        if settings is not None and name in _SETTINGS:
+            return getattr(settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def remedies(self) -> list[str | Phrase]:
         """What would make a longer sequence fit, leaving out what this step already does.
@@ -596,15 +626,8 @@ def causal_lm_step(
     *,
     backend: Any,
     optimizer: str | torch.optim.Optimizer | None = "auto",
-    critic: bool | None = None,
-    vocab_size: int | None = None,
     lr: float = 1e-6,
-    logprobs: str = "full",
-    cost: str = "padded",
-    forward_only: bool = False,
-    only_loss_tokens: bool = False,
-    response_fraction: float | None = None,
-    activation_offload: bool = False,
+    **settings: Any,
 ) -> TrainingStep:
     """The budget's probe for ``model`` on ``backend``: a :class:`TrainingStep`, optimizer state initialised.
 
@@ -616,28 +639,10 @@ def causal_lm_step(
             ``"sgd"`` (momentum 0.9), an optimizer over ``model``'s parameters, or ``None``
             (forward + backward only); ``"auto"`` (default) is ``"adamw"`` for a training
             step and ``None`` for a forward-only one.
-        critic: value loss; default: ``True`` iff ``model`` is a token classifier with
-            one label (``build_causal_lm(value_head=True)``).
-        vocab_size: token ids are drawn below this; default ``model.config.vocab_size``.
         lr: learning rate of a created optimizer.
-        logprobs: the policy's log-prob head, one of :data:`LOGPROBS` (default ``"full"``, as
-            :class:`~batchfit.budget.ProfileOptions`: what SkyRL and verl run by default).
-        cost: ``"padded"`` or ``"packed"``: the micro-batch layout the trainer's plans use; a
-            packed one runs with varlen attention (:func:`batchfit.models.use_varlen_attention`,
-            what a trainer of packed rows sets).
-        forward_only: a forward-only step: ``no_grad`` log-probs (or values), no backward and
-            no optimizer step. With an ``optimizer`` its state is created and registered all
-            the same: the old-log-prob or value pass of a model being trained runs with that
-            state resident; pass ``optimizer=None`` for a frozen reference.
-        only_loss_tokens: the policy's head runs only on the loss tokens
-            (:func:`batchfit.train.model_logprobs`'s ``only_loss_tokens``); ignored for a critic.
-        response_fraction: each probed sequence's share of response (loss) tokens, in
-            ``(0, 1]`` (:func:`~batchfit.budget.probe.response_tokens`); ``None``: every token but the first, the
-            most a sequence can have.
-        activation_offload: offload what each decoder layer saves for backward to host memory
-            as verl's ``enable_activation_offload`` does (:func:`batchfit.train.activation_offload`;
-            with checkpointing on, the layers' checkpointed inputs); a forward-only step saves
-            nothing and ignores it.
+        **settings: the fields of :class:`StepSettings` by keyword, each described there, with
+            its defaults: ``critic``, ``vocab_size``, ``logprobs``, ``cost``, ``forward_only``,
+            ``only_loss_tokens``, ``response_fraction``, ``activation_offload``.
 
     Returns:
         A :class:`TrainingStep`; ``step.persistent`` is what to register with
@@ -648,7 +653,16 @@ def causal_lm_step(
             or another estimate backend's fake mode), an unknown optimizer, head or cost,
             ``critic`` inconsistent with the model, a bad ``vocab_size`` or
             ``response_fraction``.
+        TypeError: a keyword that is no field of :class:`StepSettings`.
     """
+    unknown = sorted(set(settings) - _SETTINGS)
+    if unknown:
+        raise TypeError(
+            f"causal_lm_step() got an unexpected keyword argument {unknown[0]!r}; it takes model, backend, optimizer, "
+            f"lr and the fields of StepSettings: {', '.join(f.name for f in dataclasses.fields(StepSettings))}"
+        )
+    asked = StepSettings(**settings)
+    critic, vocab_size, cost = asked.critic, asked.vocab_size, asked.cost
     chosen = resolve_backend(backend)
     if chosen is None:
         raise InvalidArgument(
@@ -669,15 +683,13 @@ def causal_lm_step(
                 f"vocab_size is required when the model has no config.vocab_size, but got vocab_size=None for a {type(model).__name__}"
             )
     vocab_size = check_positive_int("vocab_size", vocab_size)
-    logprobs = check_head("logprobs", logprobs)
+    logprobs = check_head("logprobs", asked.logprobs)
     cost = check_choice("cost", cost, COSTS)
-    response_fraction = check_response_fraction(response_fraction)
-    if not isinstance(only_loss_tokens, bool):
-        raise InvalidArgument(f"only_loss_tokens must be True or False, but got only_loss_tokens={only_loss_tokens!r}")
-    if not isinstance(activation_offload, bool):
-        raise InvalidArgument(
-            f"activation_offload must be True or False, but got activation_offload={activation_offload!r}"
-        )
+    response_fraction = check_response_fraction(asked.response_fraction)
+    for flag in ("only_loss_tokens", "activation_offload"):
+        if not isinstance(getattr(asked, flag), bool):
+            raise InvalidArgument(f"{flag} must be True or False, but got {flag}={getattr(asked, flag)!r}")
+    forward_only = asked.forward_only
     if isinstance(optimizer, str) and optimizer == "auto":
         optimizer = None if forward_only else "adamw"
     opt = _make_optimizer(model, optimizer, lr, chosen)
@@ -692,19 +704,17 @@ def causal_lm_step(
         use_ulysses_attention(unwrap(model), sequence_parallel_group(sequence_parallel))
     elif cost == "packed":
         use_varlen_attention(unwrap(model))  # packed rows attend per sequence, no T × T mask
-    step = TrainingStep(
-        model,
-        backend=chosen,
-        optimizer=opt,
+    resolved = dataclasses.replace(
+        asked,
         critic=bool(critic),
         vocab_size=vocab_size,
         logprobs=logprobs,
         cost=cost,
         forward_only=bool(forward_only),
-        only_loss_tokens=only_loss_tokens and not critic,
+        only_loss_tokens=asked.only_loss_tokens and not critic,
         response_fraction=response_fraction,
-        activation_offload=activation_offload,
     )
+    step = TrainingStep(model, backend=chosen, optimizer=opt, settings=resolved)
     if not forward_only:
         with chosen.context():
             allocate_gradients(model)

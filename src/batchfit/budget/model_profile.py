@@ -33,7 +33,7 @@ from batchfit.models.lora import LoraParameters, lora_parameters
 from batchfit.models.moe import MoeSummary, moe_summary
 from batchfit.parallel.behaviour import TorchBehaviours, torch_behaviours
 from batchfit.parallel.distributed import agree
-from batchfit.parallel.shard import sharding_of
+from batchfit.parallel.shard_state import shard_state
 from batchfit.parallel.sharding import Sharding
 from batchfit.parallel.strategies import scale_out_strategy
 from batchfit.train.framework_heads import FrameworkHead
@@ -501,9 +501,9 @@ def _module_sharding(model: Any) -> Sharding | None:
 
     from batchfit.train.accumulate import data_parallel_size
 
-    zero = getattr(model, "batchfit_zero", None)  # ZeRO-1/2 as batchfit.parallel.shard_model applies it
-    if zero is not None:
-        return sharding_of(model)
+    state = shard_state(model)
+    if state is not None and state.zero is not None:  # ZeRO-1/2 as batchfit.parallel.shard_model applies it
+        return state.sharding
     if isinstance(model, DistributedDataParallel):
         return Sharding("ddp", world_size=data_parallel_size(model))
     if isinstance(model, FSDPModule):

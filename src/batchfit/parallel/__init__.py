@@ -8,6 +8,8 @@
 - :mod:`~batchfit.parallel.sharding`: :class:`Sharding`, the data-parallel layout as data.
 - :mod:`~batchfit.parallel.shard`: :func:`shard_model` (``fully_shard`` per layer and root,
   FSDP1 or DDP), :func:`sharding_of`, :func:`unwrap`.
+- :mod:`~batchfit.parallel.shard_state`: :func:`shard_state`, the :class:`ShardState` ``shard_model``
+  recorded for a model (its sharding, communication buffers, ZeRO's state).
 - :mod:`~batchfit.parallel.fsdp1`: FSDP1 (``FullyShardedDataParallel``) wrapped as verl wraps it.
 - :mod:`~batchfit.parallel.sequence`: :func:`sequence_parallel_group` and Ulysses' collectives
   (all-to-all between the split of the sequence and of the heads, the gather of outputs).
@@ -21,11 +23,13 @@ from batchfit.parallel.distributed import simulated_world, sync_micro_batch_coun
 from batchfit.parallel.sequence import sequence_parallel_group
 from batchfit.parallel.sequence_split import SequenceShard, gather_packed, sequence_shard, split_packed
 from batchfit.parallel.shard import shard_model, sharding_of, unwrap
+from batchfit.parallel.shard_state import ShardState, shard_state
 from batchfit.parallel.sharding import Sharding, as_sharding
 from batchfit.parallel.strategies import StrategySpec, get_strategy, strategy_names
 
 __all__ = [
     "SequenceShard",
+    "ShardState",
     "Sharding",
     "StrategySpec",
     "as_sharding",
@@ -34,6 +38,7 @@ __all__ = [
     "sequence_parallel_group",
     "sequence_shard",
     "shard_model",
+    "shard_state",
     "sharding_of",
     "simulated_world",
     "split_packed",

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from batchfit.errors import InvalidArgument
+from batchfit.parallel.shard_state import ShardState, forget_shard_state, record_shard_state, shard_state
 from batchfit.parallel.sharding import Sharding
 
 
@@ -126,12 +127,14 @@ def shard_model(
 
     Returns:
         ``none``: ``model``. ``zero1``/``zero2``: ``model``, its trainable parameters now views
-        into one flat buffer, with ``batchfit_zero`` (a :class:`~batchfit.parallel.zero.ZeroState`:
-        the optimizer is made from it). ``fsdp2``: ``model`` itself, now an ``FSDPModule`` whose
+        into one flat buffer. ``fsdp2``: ``model`` itself, now an ``FSDPModule`` whose
         parameters are ``DTensor`` shards. ``ddp``: a ``DistributedDataParallel`` wrapper
         (``model`` on fake tensors). On real ranks its collectives run on a process group of
-        its own (NOTE [ A model's own process group ]). The result has ``batchfit_sharding`` (read it with :func:`sharding_of`) and
-        ``batchfit_comm_buffers`` (state to register: DDP's buckets, as a meta tensor).
+        its own (NOTE [ A model's own process group ]). How it was sharded is recorded for the
+        result, read with :func:`~batchfit.parallel.shard_state.shard_state` (a
+        :class:`~batchfit.parallel.shard_state.ShardState`: the sharding, the communication
+        buffers to register, ZeRO's state; NOTE [ The record of a sharded model ]) or
+        :func:`sharding_of`; nothing is set on the module.
 
     Raises:
         InvalidArgument: no process group or one of another size, a model without decoder
@@ -142,18 +145,19 @@ def shard_model(
     wrap = sharding.spec.wrapper()  # batchfit.parallel.strategies: what the strategy wraps a model with
     if sharding.distributed:
         check_same_model(model, sharding)  # before the first collective of the model
+    forget_shard_state(model)  # a model sharded again keeps no earlier record
     if wrap is not None:
         _check_world(sharding)
         out, comm = wrap(model, sharding, _model_group, fake=fake, device=device)
-    out.batchfit_sharding = sharding  # read back with sharding_of
-    out.batchfit_comm_buffers = comm
+    if shard_state(out) is None:  # a wrap with state of its own (ZeRO's) records it whole
+        record_shard_state(out, ShardState(sharding, comm))
     return out
 
 
 def sharding_of(model: torch.nn.Module) -> Sharding:
     """The :class:`Sharding` :func:`shard_model` applied to ``model``; ``Sharding()`` (none) for a model it never saw."""
-    sharding = getattr(model, "batchfit_sharding", None)
-    return sharding if isinstance(sharding, Sharding) else Sharding()
+    state = shard_state(model)
+    return state.sharding if state is not None else Sharding()
 
 
 # The strategies' wrap functions (batchfit.parallel.strategies.Wrap), named by their specs.
@@ -172,13 +176,13 @@ def wrap_ddp(model: torch.nn.Module, sharding: Sharding, new_group: Any, *, fake
 
 
 def wrap_zero(model: torch.nn.Module, sharding: Sharding, new_group: Any, *, fake: bool, device: Any) -> Any:
-    """DeepSpeed ZeRO-1/2's flat partitions (:mod:`batchfit.parallel.zero`), the state as ``model.batchfit_zero``."""
+    """DeepSpeed ZeRO-1/2's flat partitions (:mod:`batchfit.parallel.zero`), the state in ``model``'s :class:`ShardState`."""
     from batchfit.parallel.zero import ZeroState
 
     zero = ZeroState(model, sharding, new_group())
     # NOTE [ ZeRO's reduce bucket ]
     comm = (torch.empty(zero.registered_bucket_bytes, dtype=torch.uint8, device="meta"),) if zero.stage == 1 else ()
-    model.batchfit_zero = zero
+    record_shard_state(model, ShardState(sharding, comm, zero))
     return model, comm
 
 

@@ -36,7 +36,7 @@ from batchfit.parallel.distributed import is_simulated
 from batchfit.parallel.sharding import Sharding
 from batchfit.parallel.zero_layout import ZeroLayout, zero_layout
 
-__all__ = ["ZeroOptimizer", "ZeroState", "zero_state"]
+__all__ = ["ZeroOptimizer", "ZeroState"]
 
 
 # NOTE [ ZeRO's reduce bucket ]
@@ -53,7 +53,8 @@ __all__ = ["ZeroOptimizer", "ZeroState", "zero_state"]
 class ZeroState:
     """One rank's ZeRO-1/2 state for ``model``: the flat parameter buffer, the master partition, the gradient buffer.
 
-    Build it with :func:`zero_state` (``shard_model`` does). The model's trainable parameters
+    ``shard_model`` builds it; read it back with
+    :func:`~batchfit.parallel.shard_state.zero_state`. The model's trainable parameters
     become views into :attr:`flat`; ZeRO-2 registers a post-accumulate-grad hook on each.
 
     Attributes:
@@ -283,7 +284,3 @@ def _simulated_rank(layout: ZeroLayout, stage: int) -> int:
     sizes = [layout.gradient_partition_numel(r) for r in range(layout.world_size)]
     return sizes.index(max(sizes))
 
-
-def zero_state(model: torch.nn.Module) -> ZeroState | None:
-    """The :class:`ZeroState` ``shard_model`` attached to ``model``, or ``None`` for any other sharding."""
-    return getattr(model, "batchfit_zero", None)

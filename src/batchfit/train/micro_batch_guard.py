@@ -145,6 +145,7 @@ from batchfit.parallel.rank_signals import (
     ranks_tag,
 )
 from batchfit.parallel.shard import model_groups
+from batchfit.parallel.shard_state import zero_state
 from batchfit.plan.packing import MicroBatchPlan
 from batchfit.train.accumulate import _is_ddp, _is_fsdp, _is_fsdp1
 from batchfit.train.measure import DevicePeaks
@@ -452,7 +453,7 @@ def _wrapping(model: torch.nn.Module) -> str:
     """``"ddp"``, ``"sharded"`` (collectives inside every micro-batch) or ``"bare"``."""
     if _is_ddp(model):
         return "ddp"
-    if _is_fsdp(model) or _is_fsdp1(model) or getattr(model, "batchfit_zero", None) is not None:
+    if _is_fsdp(model) or _is_fsdp1(model) or zero_state(model) is not None:
         return "sharded"
     return "bare"
 

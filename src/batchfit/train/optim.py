@@ -19,6 +19,7 @@ import torch
 
 from batchfit.errors import InvalidArgument
 from batchfit.parallel.shard import unwrap
+from batchfit.parallel.shard_state import zero_state
 
 __all__ = ["allocate_gradients", "default_optimizer", "initialize_optimizer_state"]
 
@@ -77,7 +78,7 @@ def allocate_gradients(model: torch.nn.Module) -> None:
     allocated before and kept after (``zero_grad`` with ``set_to_none=False``): every
     micro-batch of an accumulation fits, the first included.
     """
-    zero = getattr(model, "batchfit_zero", None)
+    zero = zero_state(model)
     if zero is not None and zero.gradients is not None:
         return  # ZeRO-2 keeps its partition's gradients in a buffer of its own (batchfit.parallel.zero)
     for p in unwrap(model).parameters():
