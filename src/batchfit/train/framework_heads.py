@@ -32,7 +32,7 @@ row-by-row ``log_softmax`` loop (``logprobs_from_logits_v2``), which is not mode
 NOTE [ Heads stay in train ]
 Every other fact about verl and SkyRL lives in :mod:`batchfit.frameworks`, but their heads stay
 here. A head is torch code run inside the budget's probe, and the budget selects it by name
-(``ProfileOptions(logprobs="verl")``, ``causal_lm_step(head="skyrl")``, :data:`batchfit.train.HEADS`):
+(``ProfileOptions(logprobs="verl")``, ``causal_lm_step(logprobs="skyrl")``, :data:`batchfit.train.HEADS`):
 ``budget`` and ``train`` sit below ``frameworks`` and may not import it, and a registry filled
 from above would leave ``logprobs="verl"`` unknown to a caller that never imported
 :mod:`batchfit.frameworks`. So this module holds :class:`FrameworkHead`, each framework's head
