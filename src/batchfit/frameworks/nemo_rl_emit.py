@@ -1,0 +1,208 @@
+"""NeMo-RL 7ea279ab's keys for ``--emit nemo_rl``: its sequence-packing token keys, and every setting the budgets assume.
+
+:func:`token_keys` writes ``policy.sequence_packing.train_mb_tokens`` (the policy update) and
+``logprob_mb_tokens`` (the previous- and reference-policy log-probs), with packing on and dynamic
+batching off; :func:`assumption_keys` the key of every setting the budgets were profiled with, or
+refuses what NeMo-RL's DTensor path cannot express (NOTE [ Emitted keys carry every assumption ] in
+:mod:`batchfit.frameworks.assumptions`). :data:`batchfit.frameworks.nemo_rl.SPEC` names this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchfit.frameworks.assumptions import (
+    Assumptions,
+    Key,
+    allocator_comment,
+    check_head,
+    check_strategy,
+    nodes_and_gpus,
+    refuse,
+)
+from batchfit.frameworks.emit import smallest_budget
+from batchfit.frameworks.run import RunConfig
+from batchfit.frameworks.run_profile import RunProfile
+
+__all__ = ["allocator_keys", "assumption_keys", "token_keys"]
+
+_PACK = "policy.sequence_packing."
+_DT = "policy.dtensor_cfg."
+# NOTE [ NeMo-RL's packed micro-batch ]
+# nemo_rl/distributed/batched_data_dict.py shard_by_batch_size (7ea279ab): with sequence packing each step's
+# samples (each optimizer step's, for the update) are packed by data/packing/algorithms.py into bins of at most
+# max_tokens_per_microbatch tokens (train_mb_tokens for the update, _shard_for_train; logprob_mb_tokens for the
+# log-prob passes, _shard_for_logprob), the bin count a multiple of the data-parallel size, bins dealt to the ranks
+# round-robin: one bin is one GPU's micro-batch. A bin's tokens are the sum of its sequences' lengths, each rounded
+# up to make_sequence_length_divisible_by; a sequence longer than the bin raises ValueError: a hard cap per GPU.
+_CAP = (
+    "a hard cap per GPU on a micro-batch's packed tokens (each sequence rounded up to "
+    "make_sequence_length_divisible_by; the packer raises for a longer sequence, data/packing/algorithms.py)"
+)
+
+
+def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
+    """NeMo-RL: one token key for the update, one for the log-prob passes (old and reference), sequence packing on.
+
+    NOTE [ NeMo-RL's packed micro-batch ].
+    """
+    del world
+    keys = [
+        Key(
+            _PACK + "enabled",
+            True,
+            "pack sequences into micro-batches by the token counts below (batched_data_dict.py shard_by_batch_size)",
+        ),
+        Key(
+            "policy.dynamic_batching.enabled",
+            False,
+            "exclusive of sequence packing (lm_policy.py asserts it); its budget counts padded rows",
+        ),
+    ]
+    trained = smallest_budget(budgets, ("policy",))
+    forward = smallest_budget(budgets, ("policy_forward", "reference"))
+    if trained is not None:
+        keys.append(
+            Key(_PACK + "train_mb_tokens", budgets[trained], why(trained, f"the policy update (_shard_for_train): {_CAP}"))
+        )
+    if forward is not None:
+        keys.append(
+            Key(
+                _PACK + "logprob_mb_tokens",
+                budgets[forward],
+                why(forward, f"the previous- and reference-policy log-probs (_shard_for_logprob): {_CAP}"),
+            )
+        )
+    short = [k for k in keys if k.path.endswith("_mb_tokens") and isinstance(k.value, int) and k.value < max_seq_len]
+    for key in short:
+        keys.append(
+            Key(
+                "",
+                False,
+                f"{key.path}={key.value:,} is below the longest sequence ({max_seq_len:,} tokens): NeMo-RL's packer "
+                "raises for a sequence longer than the bin; shorten policy.max_total_sequence_length or give each GPU "
+                "more memory",
+            )
+        )
+    return keys
+
+
+def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
+    """The DTensor path's keys for every profiled setting (``automodel/setup.py`` at 7ea279ab), or an EmitError."""
+    del same
+    target = "nemo_rl"
+    s = a.sharding
+    check_strategy(
+        target,
+        a,
+        ("fsdp2",),
+        "NeMo-RL's DTensor path shards with FSDP2 (nemo_rl/models/automodel/setup.py setup_distributed: FSDP2Config, "
+        "fully_shard)",
+    )
+    if "critic" in a.roles:
+        raise refuse(
+            target,
+            "a critic",
+            "batchfit reads NeMo-RL's GRPO config, which trains no value model",
+            "profile without the critic (--roles policy,policy_forward)",
+        )
+    if s.sequence_parallel > 1:
+        raise refuse(
+            target,
+            f"--sequence-parallel {s.sequence_parallel}",
+            "NeMo-RL's DTensor path splits sequences by context parallelism only, which it refuses beside sequence "
+            "packing (automodel/setup.py), and the emitted keys pack",
+            "profile without --sequence-parallel",
+        )
+    if not s.reshard_after_forward:
+        raise refuse(
+            target,
+            "--no-reshard-after-forward",
+            "NeMo-RL's DTensor config has no key for FSDP2's reshard_after_forward (Automodel's parallelizer sets it)",
+            "drop --no-reshard-after-forward",
+        )
+    if a.trained_dtype != "fp32":
+        raise refuse(
+            target,
+            f"--dtype {a.trained_dtype}",
+            "NeMo-RL loads the policy's master weights in fp32 (automodel/setup.py: 'Always load in float32 for "
+            "master weights')",
+            "pass --dtype fp32",
+        )
+    precision = {"bf16": "bfloat16", "none": "float32"}.get(str(s.mixed_precision))
+    if precision is None:
+        raise refuse(
+            target,
+            f"--mixed-precision {s.mixed_precision}",
+            "NeMo-RL computes in policy.precision over fp32 master weights (MixedPrecisionPolicy(param_dtype=precision, "
+            "reduce_dtype=fp32), automodel/setup.py)",
+            "profile with --mixed-precision bf16",
+        )
+    if a.lora.get("policy") is not None:
+        raise refuse(
+            target,
+            f"--lora-rank {a.lora['policy'].rank}",
+            "batchfit does not write NeMo-RL's LoRA keys (policy.dtensor_cfg.lora_cfg) yet",
+            "pass --lora-rank 0",
+        )
+    check_head(
+        target,
+        a,
+        ("full",),
+        "NeMo-RL's DTensor path takes log-probs from the whole logits, in fp32 (MixedPrecisionPolicy output_dtype=fp32), "
+        "as batchfit's full head does",
+        "drop --logprobs (full is NeMo-RL's)",
+    )
+    nodes, per_node = nodes_and_gpus(run, a, target)
+    engine = run.engine if run.vocabulary == target else None
+    if engine is not None and not engine.colocated:
+        gpus = [
+            Key(
+                "",
+                False,
+                f"the policy was profiled on {s.world_size} GPUs: keep cluster.* and policy.generation.colocated."
+                "resources so that the policy keeps that many (grpo.py setup gives generation its own GPUs)",
+            )
+        ]
+    else:
+        gpus = [
+            Key("cluster.num_nodes", nodes, f"the {s.world_size} GPUs profiled (generation colocated on them)"),
+            Key("cluster.gpus_per_node", per_node),
+        ]
+    return [
+        *gpus,
+        Key(_DT + "enabled", True, "the DTensor (FSDP2) path, as profiled"),
+        Key(_DT + "_v2", True, "DTensorPolicyWorkerV2 (Automodel), the path read at 7ea279ab"),
+        Key("policy.megatron_cfg.enabled", False),
+        Key(_DT + "tensor_parallel_size", 1, "FSDP2 only: batchfit does not model DTensor tensor parallelism"),
+        Key(_DT + "context_parallel_size", 1, "context parallelism is refused beside sequence packing (automodel/setup.py)"),
+        Key(_DT + "cpu_offload", s.offload == "cpu", "FSDP2's CPUOffloadPolicy (automodel/setup.py setup_distributed)"),
+        Key(
+            _DT + "activation_checkpointing",
+            a.gradient_checkpointing,
+            f"every decoder layer {'with' if a.gradient_checkpointing else 'without'} activation checkpointing "
+            "(FSDP2Config(activation_checkpointing))",
+        ),
+        Key("policy.precision", precision, f"{precision} compute over fp32 master weights, fp32 gradient reduction"),
+        Key(
+            "policy.offload_optimizer_for_logprob",
+            a.optimizer_offload,
+            "the optimizer state "
+            + ("leaves" if a.optimizer_offload else "stays on")
+            + " the GPUs during the log-prob passes, as profiled",
+        ),
+    ]
+
+
+def allocator_keys(a: Assumptions) -> list[Key]:
+    """NeMo-RL's DTensor workers set no allocator of their own; ``dtensor_cfg.env_vars`` reach the worker processes."""
+    if a.allocator == "expandable_segments":
+        return [
+            Key(
+                _DT + "env_vars.PYTORCH_CUDA_ALLOC_CONF",
+                "expandable_segments:True",
+                "expandable segments, as profiled (lm_policy.py passes dtensor_cfg.env_vars to the workers; beside "
+                "colocated vLLM's CuMemAllocator they may be unavailable, NeMo-RL #2319)",
+            )
+        ]
+    return [allocator_comment(a, "NeMo-RL's default (its DTensor workers set no PYTORCH_CUDA_ALLOC_CONF)")]
