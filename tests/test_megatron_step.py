@@ -156,14 +156,17 @@ def _simulated_stage(rank: int, tp: int, pp: int, micro_batches: int) -> dict[st
         return _measure_pipeline("estimate", tp, pp, micro_batches)
 
 
-def test_pipeline_estimate_equals_every_real_stage_to_the_byte(megatron):
-    real = run_ranks(_real_stage, 1, 2, 4, world=2, timeout=240)  # PP = 2, 4 micro-batches, 1F1B
-    for stage in (0, 1):
-        estimate = _simulated_stage(stage, 1, 2, 4)
-        assert (real[stage]["peak"], real[stage]["breakdown"]) == (estimate["peak"], estimate["breakdown"])
-    assert real[0]["loss"] is None and real[1]["loss"] > 0  # the loss lives on the last stage
-    assert "logprob_head" in real[1]["breakdown"] and "logprob_head" not in real[0]["breakdown"]
-    assert real[0]["peak"] > real[1]["peak"]  # the first stage binds: 2 micro-batches in flight
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)], ids=["pp2-2ranks", "tp2-pp2-4ranks"])
+def test_pipeline_estimate_equals_every_real_rank_to_the_byte(megatron, tp, pp):
+    world = tp * pp
+    real = run_ranks(_real_stage, tp, pp, 4, world=world, timeout=300)  # 4 micro-batches, 1F1B
+    for rank in range(world):
+        estimate = _simulated_stage(rank, tp, pp, 4)
+        assert (real[rank]["peak"], real[rank]["breakdown"]) == (estimate["peak"], estimate["breakdown"]), rank
+    first, last = real[0], real[world - 1]  # Megatron's order: tp fastest, pp slowest
+    assert first["loss"] is None and last["loss"] > 0  # the loss lives on the last stage
+    assert "logprob_head" in last["breakdown"] and "logprob_head" not in first["breakdown"]
+    assert first["peak"] > last["peak"]  # the first stage binds: 2 micro-batches in flight
 
 
 def test_one_f_one_b_holds_at_most_pp_micro_batches_on_the_first_stage(megatron):
