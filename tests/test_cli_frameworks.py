@@ -130,6 +130,8 @@ def test_profile_config_emits_skyrl_keys_that_pass_plan_and_flags_override(tmp_p
     emitted = yaml.safe_load(out)["trainer"]
     assert emitted["max_tokens_per_microbatch"] > 0
     assert "the smallest budget, set by policy: estimated budget" in out and "measured" not in out
+    assert "SkyRL treats it as a soft cap" in out  # NOTE [ SkyRL's soft cap ] (issue 44)
+    assert "sequences up to max_seq_len=256" in out
     assert (4 * 4 // 2) % emitted["micro_train_batch_size_per_gpu"] == 0  # SkyRL validates it
     merged = tmp_path / "merged.yaml"
     merged.write_text(yaml.safe_dump(_merge(config, {"trainer": emitted})))

@@ -40,11 +40,19 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
     # TokenBasedBatchIterator: attention_mask.sum over the micro-batch; the model wrapper then slices
     # it over sequence_parallel_size): the group's budget as it is, not per GPU
     split = f"; SkyRL counts the micro-batch before splitting it over sequence_parallel_size={sp}" if sp > 1 else ""
+    # NOTE [ SkyRL's soft cap ]: TokenBasedBatchIterator packs with the "balanced" packer, whose capacity is
+    # soft (skyrl/train/dataset/bin_packing.py, Balanced, a9564572, 2026-08-21; SkyRL #1477): a sequence longer
+    # than the cap gets a micro-batch of its own, over it, instead of an error. A budget always holds one
+    # sequence of max_seq_len, so only a sequence longer than that would run over it.
+    soft = (
+        f"; SkyRL treats it as a soft cap (its balanced packer gives a longer sequence a micro-batch of its own, over "
+        f"the cap): it holds for sequences up to max_seq_len={max_seq_len:,}, which one micro-batch always fits"
+    )
     keys = [
         Key(
             "trainer.max_tokens_per_microbatch",
             min(trained, forward),
-            why(binding, f"every pass (SkyRL uses one key): the smallest budget, set by {binding}") + split,
+            why(binding, f"every pass (SkyRL uses one key): the smallest budget, set by {binding}") + split + soft,
         ),
         Key("trainer.remove_microbatch_padding", True, REMOVE_PADDING.format(framework="SkyRL")),
     ]
