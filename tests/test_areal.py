@@ -68,6 +68,12 @@ def test_ppo_n_minibatches_is_a_count_of_mini_batches(tmp_path):
     assert run.plan().optimizer_steps_per_step == 4
 
 
+def test_an_override_of_the_mini_batch_changes_the_count_the_rules_check(tmp_path):
+    # 256 prompts / 128 per mini-batch = 2 mini-batches of the 1024 / 4 = 256 sequences per rank
+    run = read_run_config(_config(tmp_path), {"policy_mini_batch_size": 128})
+    assert any("into actor.ppo_n_minibatches=2 mini-batches" in n for n in run.plan().notes)
+
+
 def test_a_count_that_does_not_divide_a_ranks_share_is_unequal_mini_batches(tmp_path):
     # 10 prompts × 4 samples = 40 sequences / dp 4 = 10 per rank; 10 / 4 mini-batches = 2 or 3 sequences each
     run = read_run_config(_config(tmp_path, **{"actor.ppo_n_minibatches": 4, "train_dataset.batch_size": 10}))

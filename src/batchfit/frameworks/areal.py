@@ -295,6 +295,8 @@ def rules(run: FrameworkRun) -> Verdict:
     notes: list[str] = []
     dp = run.world_size // (cfg.tensor_parallel * cfg.pipeline_parallel * cfg.context_parallel * cfg.sequence_parallel)
     minibatches = v["ppo_n_minibatches"]
+    if not v.get("unequal") and is_positive_int(cfg.policy_mini_batch_size) and cfg.train_batch_size % cfg.policy_mini_batch_size == 0:
+        minibatches = cfg.train_batch_size // cfg.policy_mini_batch_size  # the count after overrides (--policy-mini-batch-size)
     if samples < dp or samples % dp:
         # train_controller.py _dispatch_tensors → seqpack.balanced_greedy_partition(K=dp_size) raises ValueError
         # ("The length of nums must be divisible by K")
