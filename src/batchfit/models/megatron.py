@@ -53,8 +53,9 @@ default, so a bf16 model had fp32 norms (87,808 bytes more on qwen2.5-0.5b), whe
 take ``params_dtype``.
 Pipeline parallelism needs two more: Megatron's schedules make their token counter with
 ``device="cuda"`` (``total_num_tokens`` in ``schedules.py``), so inside the patches a torch
-function mode turns a CUDA device given to any torch function into the CPU (a mode scoped to the
-block, not a patch); and the exchange of tensor shapes between stages (``variable_seq_lengths``,
+function mode turns a CUDA device given to any torch function into the CPU, and
+``Tensor.cuda()`` into the tensor itself (the copy of a tied embedding on the last stage,
+``LanguageModule.setup_embeddings_and_output_layer``), a mode scoped to the block, not a patch; and the exchange of tensor shapes between stages (``variable_seq_lengths``,
 which mbridge sets, as verl runs) calls ``torch.cuda.synchronize()`` after its ``isend``/``irecv``
 (``P2PCommunicator._communicate_shapes``): a no-op here, where every op is synchronous.
 The causal mask is passed in (:class:`batchfit.train.megatron_step.MegatronBatch`): without one,
@@ -206,10 +207,12 @@ def _names_cuda(device: Any) -> bool:
 
 
 class _CudaFactoriesOnCpu(TorchFunctionMode):
-    """``device="cuda"`` (or a CUDA index) given to a torch function becomes the CPU (NOTE [ Megatron on CPU ranks ])."""
+    """``device="cuda"`` (or a CUDA index) given to a torch function becomes the CPU, ``Tensor.cuda()`` keeps the tensor (NOTE [ Megatron on CPU ranks ])."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:  # the tied embedding's copy on the last pipeline stage
+            return args[0]
         if _names_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": torch.device("cpu")}
         return func(*args, **kwargs)
