@@ -105,3 +105,29 @@ def test_refusals_name_the_fix(megatron):
         transformer_config("tiny", sequence_parallel=True)
     with pytest.raises(InvalidArgument, match="model_type='qwen3_moe' is a mixture of experts"):
         transformer_config("qwen3-30b-a3b")
+
+
+def test_the_cpu_patches_are_undone_on_exit(megatron):
+    import torch
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    from batchfit.models.megatron import megatron_cpu_patches
+
+    def state():
+        return (
+            GlobalMemoryBuffer.__dict__["get_tensor"],
+            CudaRNGStatesTracker.__dict__["fork"],
+            WrappedTorchNorm.__dict__["__new__"],
+            torch.cuda.current_device,
+            torch.cuda.synchronize,
+        )
+
+    before = state()
+    with megatron_cpu_patches(), megatron_cpu_patches():  # nested users share one installation
+        assert torch.cuda.current_device() == torch.device("cpu")
+        assert torch.empty(1, device="cuda").device.type == "cpu"  # the function mode
+        inside = state()
+    assert all(a is not b for a, b in zip(before, inside))
+    assert all(a is b for a, b in zip(before, state()))
