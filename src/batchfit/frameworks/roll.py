@@ -1,0 +1,313 @@
+"""ROLL's RLVR YAML config (``actor_train``, ``reference``, ``critic``, ``rollout_batch_size``, ...) in batchfit's terms.
+
+Mirrors alibaba/ROLL at commit 8eb27cc2 (2026-08-19): the dataclasses of
+``roll/pipeline/rlvr/rlvr_config.py`` (``RLVRConfig``, ``roll/configs/base_config.py`` ``PPOConfig``,
+``roll/configs/worker_config.py`` ``WorkerConfig``: defaults and keys in ``defaults/roll.yaml`` and
+``defaults/roll_schema.json``; ``examples/start_rlvr_pipeline.py`` reads the YAML with
+``dacite.from_dict``, which ignores unknown keys), ``roll/pipeline/base_worker.py`` (``train_step``:
+mini-batches), ``roll/utils/dynamic_batching.py`` (``dynamic_batching_shard``: micro-batches under a
+token cap) and the strategies of ``roll/distributed/strategy/``. Each rule in :func:`rules` cites its code.
+
+Units: ``rollout_batch_size`` counts prompts, each sampled ``num_return_sequences_in_group`` times;
+``training_args.per_device_train_batch_size`` sequences per GPU per micro-batch and
+``gradient_accumulation_steps`` micro-batches per optimizer step (``backward_batch_size`` = their
+product, per data-parallel rank); ``infer_batch_size`` sequences per forward-only micro-batch;
+``max_tokens_per_microbatch_in_train/infer`` a hard cap on a micro-batch's **padded** tokens
+(sequences × the longest one rounded up to ``sequence_length_round_in_*``), honoured by the Megatron
+strategy only at this commit (NOTE [ ROLL's token cap ]).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from typing import Any
+
+from batchfit.frameworks.flags import FrameworkRun, Verdict
+from batchfit.frameworks.registry import FrameworkSpec
+from batchfit.frameworks.run import (
+    as_bool,
+    as_int,
+    every_fault,
+    int_product,
+    is_positive_int,
+    positive_int_faults,
+)
+from batchfit.frameworks.source import flatten, framework_schema
+from batchfit.frameworks.your_sizes import YourSize
+from batchfit.plan.config import BatchConfig
+from batchfit.validation import short_repr
+
+__all__ = ["SPEC", "device_count", "read", "rules"]
+
+TITLE = "ROLL 8eb27cc2"
+
+# NOTE [ ROLL's token cap ]
+# roll/utils/dynamic_batching.py dynamic_batching_shard (8eb27cc2) sorts the batch by length, deals it over the dp
+# ranks, and closes a micro-batch when its sequences × its longest sequence (rounded up to sequence_length_round)
+# would pass max_tokens_per_microbatch; it asserts that one sequence, rounded, fits. A hard cap on padded tokens,
+# counted before a context-parallel split. make_micro_batch_iter_for_dynamic_batching, which narrows each
+# micro-batch to that length, is called by megatron_strategy.py only: fsdp2_strategy.py's train_step and
+# forward_step cut micro-batches by per_device_train_batch_size and infer_batch_size whatever the cap, and
+# base_worker.py groups gradient_accumulation_steps of the capped micro-batches into one optimizer step.
+
+_RANGE = re.compile(r"^\s*list\(\s*range\(\s*(\d+)\s*,\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)\s*\)\s*$")
+
+
+def device_count(value: Any) -> int | None:
+    """The GPUs of a ``device_mapping`` (``worker_config.py`` evals the string: ``"list(range(0,8))"`` or a list)."""
+    if isinstance(value, list):
+        return len(value)
+    if not isinstance(value, str):
+        return None
+    match = _RANGE.match(value)
+    if match:
+        start, stop, step = int(match.group(1)), int(match.group(2)), int(match.group(3) or 1)
+        return len(range(start, stop, step)) if step > 0 else None
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return None
+    return len(parsed) if isinstance(parsed, (list, tuple)) else None
+
+
+def _worker(flat: dict[str, Any], role: str) -> dict[str, Any]:
+    """What batchfit reads of one worker section (``WorkerConfig``)."""
+    w = f"{role}."
+    strategy = flat.get(w + "strategy_args.strategy_name")
+    config = w + "strategy_args.strategy_config."
+    return {
+        "strategy": strategy,
+        "gpus": device_count(flat.get(w + "device_mapping")),
+        "per_worker": as_int(flat.get(w + "num_gpus_per_worker", 1)),
+        "tp": as_int(flat.get(config + "tensor_model_parallel_size", 1)),
+        "pp": as_int(flat.get(config + "pipeline_model_parallel_size", 1)),
+        "cp": as_int(flat.get(config + "context_parallel_size", 1)),
+        "ulysses": as_int(flat.get(w + "model_args.ulysses_size") or 1),
+        "micro": as_int(flat.get(w + "training_args.per_device_train_batch_size")),
+        "ga": as_int(flat.get(w + "training_args.gradient_accumulation_steps")),
+        "infer": as_int(flat.get(w + "infer_batch_size")),
+        "dynamic_train": as_bool(flat.get(w + "use_dynamic_batching_in_train")) is True,
+        "train_cap": as_int(flat.get(w + "max_tokens_per_microbatch_in_train")),
+        "train_round": as_int(flat.get(w + "sequence_length_round_in_train")),
+        "dynamic_infer": as_bool(flat.get(w + "use_dynamic_batching_in_infer")) is True,
+        "infer_cap": as_int(flat.get(w + "max_tokens_per_microbatch_in_infer")),
+        "infer_round": as_int(flat.get(w + "sequence_length_round_in_infer")),
+        "checkpointing": as_bool(flat.get(w + "model_args.disable_gradient_checkpointing")) is not True,
+    }
+
+
+def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
+    """A resolved ROLL RLVR config (its dataclass defaults merged, interpolations resolved) as a :class:`FrameworkRun`.
+
+    Raises:
+        BatchConfigError: a close misspelling of one of ROLL's keys (dacite would drop it silently), with every other
+            fault of the config.
+    """
+    flat = flatten(data)
+    given = {key: flat.get(key, value) for key, value in given.items()}
+    misspelt, warnings = framework_schema("roll").check_keys(given, ignore=(*BatchConfig.fields(), "hydra"))
+    faults: list[str] = []
+    notes: list[str] = []
+    actor = _worker(flat, "actor_train")
+    name = actor["strategy"]
+    megatron = isinstance(name, str) and "megatron" in name
+    strategy = "megatron" if megatron else ("fsdp2" if name in ("fsdp2_train", "fsdp2_infer") else str(name))
+    if actor["gpus"] is None:
+        faults.append(
+            f"actor_train.device_mapping={short_repr(flat.get('actor_train.device_mapping'))} is not a list of GPUs or "
+            "'list(range(a, b))' (worker_config.py evals it); write it so"
+        )
+    world = actor["gpus"] // actor["per_worker"] if actor["gpus"] and is_positive_int(actor["per_worker"]) else None
+    tp, pp, cp = (actor["tp"], actor["pp"], actor["cp"]) if megatron else (1, 1, 1)
+    sp = actor["ulysses"] if strategy == "fsdp2" else 1
+    dp = world // (tp * pp * cp * sp) if is_positive_int(world) and all(map(is_positive_int, (tp, pp, cp, sp))) else None
+    n = as_int(flat.get("num_return_sequences_in_group"))
+    prompts = as_int(flat.get("rollout_batch_size"))
+    backward = int_product(actor["micro"], actor["ga"])  # base_worker.py: backward_batch_size, per dp rank
+    mini_samples = int_product(backward, dp)
+    by_prompt = is_positive_int(mini_samples) and is_positive_int(n) and mini_samples % n == 0
+    samples = int_product(prompts, n)
+    critic = flat.get("adv_estimator") == "gae"  # rlvr_pipeline.py: critic.compute_values only under gae
+    reference = bool(
+        as_bool(flat.get("enable_reference")) is True
+        or as_bool(flat.get("use_kl_loss")) is True
+        or (isinstance(flat.get("init_kl_coef"), (int, float)) and flat.get("init_kl_coef") > 0)
+    )  # base_config.py PPOConfig.__post_init__: use_kl_loss or init_kl_coef > 0 → enable_reference
+    if not megatron and (actor["dynamic_train"] or actor["dynamic_infer"]):
+        warnings.append(
+            f"actor_train.strategy_args.strategy_name={name}: ROLL's dynamic batching cuts micro-batches by the token "
+            "cap under megatron strategies only; fsdp2_strategy.py runs per_device_train_batch_size and "
+            "infer_batch_size sequences per micro-batch whatever the cap (NOTE [ ROLL's token cap ] in "
+            "batchfit.frameworks.roll)"
+        )
+    batch = BatchConfig(
+        train_batch_size=prompts if by_prompt else samples,
+        policy_mini_batch_size=(mini_samples // n if by_prompt else mini_samples) if is_positive_int(mini_samples) else None,
+        n_samples_per_prompt=n if by_prompt else 1,
+        critic_mini_batch_size=None,
+        micro_train_batch_size_per_gpu=actor["micro"],
+        micro_forward_batch_size_per_gpu=actor["infer"],
+        max_tokens_per_micro_batch=actor["train_cap"] if actor["dynamic_train"] and is_positive_int(actor["train_cap"]) else None,
+        update_epochs_per_batch=as_int(flat.get("ppo_epochs")),
+        world_size=world,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        context_parallel=cp,
+        sequence_parallel=sp,
+        framework="batchfit",
+    )
+    max_seq_len = as_int(flat.get("sequence_length"))
+    prompt_len, response = as_int(flat.get("prompt_length")), as_int(flat.get("response_length"))
+    if not is_positive_int(max_seq_len) and is_positive_int(prompt_len) and is_positive_int(response):
+        max_seq_len = prompt_len + response  # PPOConfig.__post_init__
+    workers = {"actor_train": actor, **({"reference": _worker(flat, "reference")} if reference else {})}
+    if critic:
+        workers["critic"] = _worker(flat, "critic")
+    notes.append(
+        f"{TITLE} computes log-probs from the whole logits; profiled with batchfit's full head (fp32 log_softmax)"
+    )
+    run = FrameworkRun(
+        vocabulary="roll",
+        batch=batch,
+        model=flat.get("actor_train.model_args.model_name_or_path") or flat.get("pretrain") or None,
+        critic_model=(flat.get("critic.model_args.model_name_or_path") or flat.get("pretrain")) if critic else None,
+        reference=reference,
+        max_seq_len=max_seq_len if is_positive_int(max_seq_len) else None,
+        max_response_len=response if is_positive_int(response) else None,
+        strategy=strategy,
+        gradient_checkpointing=actor["checkpointing"],
+        remove_padding=True,  # the cap bounds padded tokens; a packed budget of as many tokens bounds it (emit)
+        critic_remove_padding=True if critic else None,
+        faults=tuple(faults),
+        warnings=tuple(warnings),
+        notes=tuple(notes),
+        key_names=_key_names(by_prompt),
+        source={
+            "max_seq_len": "sequence_length (or prompt_length + response_length)",
+            "world_size": "actor_train.device_mapping",
+            "model": "pretrain",
+            "strategy": "actor_train.strategy_args.strategy_name",
+        },
+        rules=rules,
+        values={"workers": workers, "dp": dp, "n": n, "prompts": prompts, "strategy_name": name},
+        configured=_configured(workers),
+    )
+    if misspelt:
+        every_fault(run, misspelt)
+    return run
+
+
+def rules(run: FrameworkRun) -> Verdict:
+    """ROLL's batch rules on ``run``."""
+    v, cfg = run.values, run.batch
+    actor = v["workers"]["actor_train"]
+    samples = int_product(cfg.train_batch_size, cfg.n_samples_per_prompt)
+    counts = {
+        "rollout_batch_size × num_return_sequences_in_group": samples,
+        "actor_train.training_args.per_device_train_batch_size": cfg.micro_train_batch_size_per_gpu,
+        "actor_train.training_args.gradient_accumulation_steps": actor["ga"],
+        "actor_train.infer_batch_size": cfg.micro_forward_batch_size_per_gpu,
+        "ppo_epochs": cfg.update_epochs_per_batch,
+        "actor_train.device_mapping GPUs": run.world_size,
+    }
+    faults = list(positive_int_faults(counts))
+    if faults:
+        return Verdict(faults=tuple(faults))
+    warnings: list[str] = []
+    notes: list[str] = []
+    dp = run.world_size // (cfg.tensor_parallel * cfg.pipeline_parallel * cfg.context_parallel * cfg.sequence_parallel)
+    if samples % dp:
+        # DataProto.chunk over the dp ranks (cluster dispatch) and config_utils.validate_megatron_batch_size
+        faults.append(
+            f"rollout_batch_size × num_return_sequences_in_group = {samples} sequences do not split over the {dp} "
+            f"data-parallel ranks of actor_train ({TITLE} chunks the batch by dp rank); use a multiple of {dp}"
+        )
+    longest = run.max_seq_len
+    for role, w in v["workers"].items():
+        for phase in ("train", "infer"):
+            if not w[f"dynamic_{phase}"]:
+                continue
+            cap, rounding = w[f"{phase}_cap"], w[f"{phase}_round"]
+            key = f"{role}.max_tokens_per_microbatch_in_{phase}"
+            if not is_positive_int(cap):
+                faults.append(f"{role}.use_dynamic_batching_in_{phase}=true needs {key} set to a positive token count")
+                continue
+            if is_positive_int(longest) and is_positive_int(rounding) and -(-longest // rounding) * rounding > cap:
+                # dynamic_batching_shard: assert max_seqlen_this_shard_indice <= max_tokens_per_microbatch
+                faults.append(
+                    f"{key}={cap} is below the longest sequence, {longest} tokens rounded up to "
+                    f"sequence_length_round_in_{phase}={rounding}: ROLL's dynamic_batching_shard asserts one fits; "
+                    f"set it to {-(-longest // rounding) * rounding} or more"
+                )
+    if actor["dynamic_train"]:
+        notes.append(
+            "with use_dynamic_batching_in_train an optimizer step is gradient_accumulation_steps capped micro-batches "
+            "(base_worker.py make_mini_batch_iter_for_dynamic_batching), so the number of steps varies with the lengths"
+        )
+    return Verdict(tuple(faults), tuple(warnings), tuple(notes))
+
+
+def _configured(workers: dict[str, dict[str, Any]]) -> tuple[YourSize, ...]:
+    """What each worker's keys bound its passes by: the token cap when its dynamic batching is on, else sequences."""
+    out = []
+    rows = {"actor_train": (("policy", "train"), ("policy_forward", "infer")), "reference": (("reference", "infer"),),
+            "critic": (("critic", "train"), ("critic_forward", "infer"))}  # fmt: skip
+    for role, w in workers.items():
+        for pass_, phase in rows[role]:
+            if w[f"dynamic_{phase}"] and is_positive_int(w[f"{phase}_cap"]):
+                out.append(YourSize(pass_, f"{role}.max_tokens_per_microbatch_in_{phase}", w[f"{phase}_cap"], "tokens", per_gpu=False))
+            else:
+                key, value = (
+                    (f"{role}.training_args.per_device_train_batch_size", w["micro"])
+                    if phase == "train"
+                    else (f"{role}.infer_batch_size", w["infer"])
+                )
+                if is_positive_int(value):
+                    out.append(YourSize(pass_, key, value, "sequences"))
+    return tuple(out)
+
+
+def _key_names(by_prompt: bool) -> dict[str, str]:
+    mini = "actor_train per_device_train_batch_size × gradient_accumulation_steps × dp"
+    return {
+        "train_batch_size": "rollout_batch_size" if by_prompt else "rollout_batch_size × num_return_sequences_in_group",
+        "n_samples_per_prompt": "num_return_sequences_in_group",
+        "policy_mini_batch_size": f"{mini} / num_return_sequences_in_group" if by_prompt else mini,
+        "micro_train_batch_size_per_gpu": "actor_train.training_args.per_device_train_batch_size",
+        "micro_forward_batch_size_per_gpu": "actor_train.infer_batch_size",
+        "max_tokens_per_micro_batch": "actor_train.max_tokens_per_microbatch_in_train",
+        "update_epochs_per_batch": "ppo_epochs",
+        "world_size": "actor_train.device_mapping",
+        "tensor_parallel": "actor_train.strategy_args.strategy_config.tensor_model_parallel_size",
+        "pipeline_parallel": "actor_train.strategy_args.strategy_config.pipeline_model_parallel_size",
+        "context_parallel": "actor_train.strategy_args.strategy_config.context_parallel_size",
+        "sequence_parallel": "actor_train.model_args.ulysses_size",
+    }
+
+
+def strategy_refusal(run: Any) -> str | None:
+    """Why ``profile`` cannot model ROLL's Megatron strategy, and the approximation a flag gives; ``None`` for fsdp2."""
+    if run.strategy == "fsdp2":
+        return None
+    cfg = run.batch
+    return (
+        f"actor_train trains with {run.values.get('strategy_name')} (Megatron-core: tensor {cfg.tensor_parallel} × "
+        f"pipeline {cfg.pipeline_parallel} × context {cfg.context_parallel}), which batchfit does not model; pass "
+        "--sharding fsdp2 to profile FSDP2 over the same GPUs instead (an approximation: FSDP2 shards parameters and "
+        "gradients that Megatron keeps per tensor × pipeline group, and holds whole activations that tensor "
+        "parallelism splits)"
+    )
+
+
+SPEC = FrameworkSpec(
+    name="roll",
+    title=TITLE,
+    display="ROLL",
+    markers=("actor_train", "actor_infer", "rollout_batch_size", "num_return_sequences_in_group"),
+    read_config=read,
+    strategy_refusal=strategy_refusal,
+    head="full",
+    emit="batchfit.frameworks.roll_emit",
+)
+"""ROLL in :mod:`batchfit.frameworks.registry`: its rules apply at ``FrameworkRun.plan``; the whole logits' log-probs."""

@@ -1,0 +1,129 @@
+"""ROLL RLVR configs (batchfit/frameworks/roll.py): read in ROLL's vocabulary, planned under its rules, emitted as its keys."""
+
+from __future__ import annotations
+
+import re
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+import batchfit.frameworks.emit as emit_module
+from batchfit.budget.options import ProfileOptions
+from batchfit.errors import BatchConfigError
+from batchfit.frameworks import read_run_config, registry, roll
+from batchfit.frameworks.emit import emit_keys, render_yaml
+from batchfit.frameworks.run_profile import role_options
+from batchfit.parallel.sharding import Sharding
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "roll_rlvr_dynamic_batching.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _registered(monkeypatch):
+    """ROLL registered for each test only, until frameworks/__init__.py lists it in SPECS; ``--emit roll`` too."""
+    if registry.framework_of("roll") is None:
+        monkeypatch.setitem(registry._SPECS, "roll", roll.SPEC)
+    if "roll" not in emit_module.TARGETS:
+        monkeypatch.setattr(emit_module, "TARGETS", (*emit_module.TARGETS, "roll"))
+
+
+def _config(tmp_path, **changes):
+    data = yaml.safe_load(EXAMPLE.read_text(encoding="utf-8"))
+    for dotted, value in changes.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    path = tmp_path / "roll.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def test_the_example_reads_in_rolls_vocabulary_and_plans():
+    run = read_run_config(EXAMPLE)
+    b = run.batch
+    # 64 prompts × 8; per_device_train_batch_size 1 × gradient_accumulation_steps 64 × dp 8 = 512 samples = 64 prompts
+    assert (b.train_batch_size, b.n_samples_per_prompt, b.policy_mini_batch_size) == (64, 8, 64)
+    assert (run.world_size, b.max_tokens_per_micro_batch, b.micro_forward_batch_size_per_gpu) == (8, 12288, 4)
+    assert run.max_seq_len == 2048 + 4096 and run.strategy == "megatron"
+    assert run.reference is True  # init_kl_coef defaults to 0.2: PPOConfig turns the reference on
+    assert {s.role: s.value for s in run.configured} == {"policy": 12288, "policy_forward": 24576, "reference": 49125}
+    assert any("gradient_accumulation_steps capped micro-batches" in n for n in run.plan().notes)
+
+
+def test_device_mapping_is_read_as_roll_evaluates_it():
+    assert roll.device_count("list(range(0,8))") == 8
+    assert roll.device_count("list(range(2, 8, 2))") == 3
+    assert roll.device_count("[0, 1, 2, 3]") == 4
+    assert roll.device_count("__import__('os')") is None  # never evaluated
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        pytest.param({"actor_train.max_tokens_per_microbatch_in_train": 4096}, "below the longest sequence, 6144 tokens", id="cap"),
+        pytest.param({"rollout_batch_size": 3, "num_return_sequences_in_group": 1}, "do not split over the 8 data-parallel", id="dp"),
+        pytest.param({"actor_train.training_args.gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0 must be", id="ga"),
+        pytest.param({"actor_train.device_mapping": "range(8)"}, "is not a list of GPUs", id="mapping"),
+    ],
+)
+def test_rolls_rules_are_faults_in_its_own_words(tmp_path, changes, match):
+    with pytest.raises(BatchConfigError, match=match):
+        read_run_config(_config(tmp_path, **changes)).plan()
+
+
+def test_dynamic_batching_under_fsdp2_warns_that_the_cap_is_not_honoured(tmp_path):
+    run = read_run_config(_config(tmp_path, **{"actor_train.strategy_args.strategy_name": "fsdp2_train"}))
+    assert run.strategy == "fsdp2"
+    assert any("under megatron strategies only" in w for w in run.plan().warnings)
+
+
+def test_profile_refuses_megatron_and_names_the_approximation(tmp_path, capsys):
+    from batchfit.cli import main
+
+    path = _config(tmp_path, pretrain="tiny")
+    assert main(["profile", "--config", str(path), "--backend", "estimate", "--no-progress"]) == 2
+    assert "which batchfit does not model; pass --sharding fsdp2" in capsys.readouterr().err
+
+
+def _emitted(run, budgets):
+    options = ProfileOptions(
+        max_seq_len=run.max_seq_len, backend="estimate", sharding=Sharding("fsdp2", world_size=run.world_size), cost="packed",
+        gradient_checkpointing=bool(run.gradient_checkpointing),
+    )
+    profile = types.SimpleNamespace(
+        run=run,
+        budgets={r: types.SimpleNamespace(tokens=t, backend="estimate", usable_bytes=70 * 2**30, cost="packed") for r, t in budgets.items()},
+        options=role_options(run, options),
+    )
+    return render_yaml(emit_keys(profile, "roll", max_seq_len=run.max_seq_len, margin=0.85), [])
+
+
+def test_emitted_caps_are_rounded_down_to_the_configs_sequence_length_round():
+    run = read_run_config(EXAMPLE)
+    text = _emitted(run, {"policy": 20_000, "policy_forward": 50_000, "reference": 60_000})
+    out = yaml.safe_load(text)
+    # sequence_length_round_in_* = 128: 20,000 // 128 × 128 = 156 × 128; 50,000 → 390 × 128; 60,000 → 468 × 128
+    assert out["actor_train"]["max_tokens_per_microbatch_in_train"] == 19_968
+    assert out["actor_train"]["max_tokens_per_microbatch_in_infer"] == 49_920
+    assert out["reference"]["max_tokens_per_microbatch_in_infer"] == 59_904
+    assert out["actor_train"]["use_dynamic_batching_in_train"] is True
+    assert out["actor_train"]["model_args"]["disable_gradient_checkpointing"] is False
+    assert "a hard cap on padded tokens" in text and "Megatron layout is approximated" in text
+
+
+@pytest.mark.slow
+def test_profile_emits_rolls_keys_for_the_example_on_the_tiny_preset(tmp_path, capsys):
+    from batchfit.cli import main
+
+    path = _config(tmp_path, pretrain="tiny")
+    argv = ["profile", "--config", str(path), "--backend", "estimate", "--engine-reserve", "0", "--no-progress",
+            "--sharding", "fsdp2", "--emit", "roll"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    caps = {k: int(v) for k, v in re.findall(r"(max_tokens_per_microbatch_in_\w+): (\d+)", out)}
+    assert set(caps) == {"max_tokens_per_microbatch_in_train", "max_tokens_per_microbatch_in_infer"}, out
+    assert all(v % 128 == 0 and v >= 6144 for v in caps.values()), out
