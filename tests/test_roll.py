@@ -77,7 +77,7 @@ def test_rolls_rules_are_faults_in_its_own_words(tmp_path, changes, match):
 
 def test_dynamic_batching_under_fsdp2_warns_that_the_cap_is_not_honoured(tmp_path):
     run = read_run_config(_config(tmp_path, **{"actor_train.strategy_args.strategy_name": "fsdp2_train"}))
-    assert run.strategy == "fsdp2"
+    assert run.strategy == "fsdp"  # fsdp2_train: fully_shard, profiled as FSDP2
     assert any("under megatron strategies only" in w for w in run.plan().warnings)
 
 

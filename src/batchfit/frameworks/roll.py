@@ -112,7 +112,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
     actor = _worker(flat, "actor_train")
     name = actor["strategy"]
     megatron = isinstance(name, str) and "megatron" in name
-    strategy = "megatron" if megatron else ("fsdp2" if name in ("fsdp2_train", "fsdp2_infer") else str(name))
+    # fsdp2_train is fully_shard: ROLL's "fsdp" (FrameworkSpec.fsdp = fsdp2 profiles it so)
+    strategy = "megatron" if megatron else ("fsdp" if name in ("fsdp2_train", "fsdp2_infer") else str(name))
     if actor["gpus"] is None:
         faults.append(
             f"actor_train.device_mapping={short_repr(flat.get('actor_train.device_mapping'))} is not a list of GPUs or "
@@ -120,7 +121,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
         )
     world = actor["gpus"] // actor["per_worker"] if actor["gpus"] and is_positive_int(actor["per_worker"]) else None
     tp, pp, cp = (actor["tp"], actor["pp"], actor["cp"]) if megatron else (1, 1, 1)
-    sp = actor["ulysses"] if strategy == "fsdp2" else 1
+    sp = actor["ulysses"] if strategy == "fsdp" else 1
     dp = world // (tp * pp * cp * sp) if is_positive_int(world) and all(map(is_positive_int, (tp, pp, cp, sp))) else None
     n = as_int(flat.get("num_return_sequences_in_group"))
     prompts = as_int(flat.get("rollout_batch_size"))
@@ -287,8 +288,8 @@ def _key_names(by_prompt: bool) -> dict[str, str]:
 
 
 def strategy_refusal(run: Any) -> str | None:
-    """Why ``profile`` cannot model ROLL's Megatron strategy, and the approximation a flag gives; ``None`` for fsdp2."""
-    if run.strategy == "fsdp2":
+    """Why ``profile`` cannot model ROLL's Megatron strategy, and the approximation a flag gives; ``None`` for fsdp2_train."""
+    if run.strategy == "fsdp":
         return None
     cfg = run.batch
     return (
