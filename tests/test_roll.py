@@ -61,6 +61,13 @@ def test_device_mapping_is_read_as_roll_evaluates_it():
     assert roll.device_count("__import__('os')") is None  # never evaluated
 
 
+def test_the_rollout_engine_shares_the_actors_gpus_where_the_mappings_overlap(tmp_path):
+    engine = read_run_config(EXAMPLE).engine  # actor_infer on GPUs 0-5, actor_train on 0-7
+    assert (engine.name, engine.colocated, engine.sleeps, engine.sleep_level, engine.memory_fraction) == ("vllm", True, True, 1, 0.8)
+    apart = read_run_config(_config(tmp_path, **{"actor_infer.device_mapping": "list(range(8,16))"})).engine
+    assert apart.colocated is False
+
+
 @pytest.mark.parametrize(
     ("changes", "match"),
     [

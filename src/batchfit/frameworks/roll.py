@@ -36,9 +36,10 @@ from batchfit.frameworks.run import (
 from batchfit.frameworks.source import flatten, framework_schema
 from batchfit.frameworks.your_sizes import YourSize
 from batchfit.plan.config import BatchConfig
+from batchfit.plan.placement import ENGINES, RolloutEngine
 from batchfit.validation import short_repr
 
-__all__ = ["SPEC", "device_count", "read", "rules"]
+__all__ = ["SPEC", "device_count", "devices", "read", "rules"]
 
 TITLE = "ROLL 8eb27cc2"
 
@@ -54,21 +55,51 @@ TITLE = "ROLL 8eb27cc2"
 _RANGE = re.compile(r"^\s*list\(\s*range\(\s*(\d+)\s*,\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)\s*\)\s*$")
 
 
+def devices(value: Any) -> tuple[int, ...] | None:
+    """The GPU ids of a ``device_mapping`` (``worker_config.py`` evals the string: ``"list(range(0,8))"`` or a list;
+    batchfit reads those two forms and never evaluates anything), ``None`` for anything else."""
+    if isinstance(value, str):
+        match = _RANGE.match(value)
+        if match:
+            start, stop, step = int(match.group(1)), int(match.group(2)), int(match.group(3) or 1)
+            return tuple(range(start, stop, step)) if step > 0 else None
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return None
+    if isinstance(value, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+        return tuple(value)
+    return None
+
+
 def device_count(value: Any) -> int | None:
-    """The GPUs of a ``device_mapping`` (``worker_config.py`` evals the string: ``"list(range(0,8))"`` or a list)."""
-    if isinstance(value, list):
-        return len(value)
-    if not isinstance(value, str):
-        return None
-    match = _RANGE.match(value)
-    if match:
-        start, stop, step = int(match.group(1)), int(match.group(2)), int(match.group(3) or 1)
-        return len(range(start, stop, step)) if step > 0 else None
-    try:
-        parsed = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return None
-    return len(parsed) if isinstance(parsed, (list, tuple)) else None
+    """How many GPUs a ``device_mapping`` names (:func:`devices`), ``None`` when it cannot be read."""
+    found = devices(value)
+    return None if found is None else len(found)
+
+
+def _engine(flat: dict[str, Any]) -> RolloutEngine:
+    """``actor_infer``'s vLLM or SGLang engines: on the trainer's GPUs where the two device_mappings overlap (the
+    examples' layout); rlvr_pipeline.py offloads them after each generation (``actor_infer.offload_states()``, vLLM's
+    sleep at ``strategy_config.sleep_level``, 1 by default: vllm_strategy.py) and the actor before it."""
+    name = flat.get("actor_infer.strategy_args.strategy_name")
+    config = "actor_infer.strategy_args.strategy_config."
+    train, infer = devices(flat.get("actor_train.device_mapping")), devices(flat.get("actor_infer.device_mapping"))
+    colocated = bool(train and infer and set(train) & set(infer))
+    fraction = flat.get(config + ("gpu_memory_utilization" if name == "vllm" else "mem_fraction_static"))
+    return RolloutEngine(
+        name=name if name in ENGINES else "vllm",
+        colocated=colocated,
+        tensor_parallel=as_int(flat.get("actor_infer.num_gpus_per_worker")) or 1,
+        memory_fraction=fraction,
+        sleeps=True,
+        sleep_level=as_int(flat.get(config + "sleep_level")) or 1 if name == "vllm" else None,
+        own_process=True,
+        keys={
+            "tensor_parallel": "actor_infer.num_gpus_per_worker",
+            "memory_fraction": config + ("gpu_memory_utilization" if name == "vllm" else "mem_fraction_static"),
+        },
+    )
 
 
 def _worker(flat: dict[str, Any], role: str) -> dict[str, Any]:
@@ -180,6 +211,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
         gradient_checkpointing=actor["checkpointing"],
         remove_padding=True,  # the cap bounds padded tokens; a packed budget of as many tokens bounds it (emit)
         critic_remove_padding=True if critic else None,
+        engine=_engine(flat),
+        generation_resident={},  # rlvr_pipeline.py offloads actor_train before the engines generate
         faults=tuple(faults),
         warnings=tuple(warnings),
         notes=tuple(notes),
