@@ -145,12 +145,12 @@ def test_json_rows_say_when_max_bs_capped_the_answer(capsys):
 
 
 def test_output_that_cannot_be_written_exits_2_before_any_search(tmp_path, capsys, monkeypatch):
-    import batchfit.cli.autobatch as cli_autobatch
+    import batchfit.autobatch
 
     def no_search(*args, **kwargs):
         raise AssertionError("the search ran before --output was checked")
 
-    monkeypatch.setattr(cli_autobatch, "sweep", no_search)
+    monkeypatch.setattr(batchfit.autobatch, "sweep", no_search)  # the command imports it from there to run
     for output, message in [
         (
             tmp_path / "missing" / "r.jsonl",

@@ -39,6 +39,24 @@ def test_help_and_version_import_no_torch(argv, code):
     assert last == f"LOADED {code} []", done.stderr
 
 
+
+@pytest.mark.parametrize(
+    "argv, code",
+    [
+        pytest.param(["profile", "--help"], 0, id="profile-help"),
+        pytest.param(["profile", "--max-seq-len", "x"], 2, id="profile-argument-error"),
+        pytest.param(["plan", "--help"], 0, id="plan-help"),
+        pytest.param(["autobatch", "--help"], 0, id="autobatch-help"),
+        pytest.param(["autobatch", "--steps", "x"], 2, id="autobatch-argument-error"),
+    ],
+)
+def test_a_commands_help_and_its_argument_errors_import_no_torch(argv, code):
+    # issue 45: the parsers are built from light modules (the settings' table, the lazy packages)
+    done = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120)
+    code_seen, heavy = done.stderr.strip().splitlines()[-1].split(" ", 2)[1:]
+    assert int(code_seen) == code, done.stderr
+    assert "'torch'" not in heavy and "'transformers'" not in heavy, done.stderr
+
 def test_help_lists_every_command_with_its_module_s_own_help_line():
     def summaries(parser: argparse.ArgumentParser) -> dict[str, str]:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -282,7 +282,7 @@ def test_a_confirm_run_that_does_not_fit_raises_with_the_role_shape_and_bytes():
     ("settings", "message"),
     [
         pytest.param({"backend": "estimate"}, "backend must be 'cpu' or 'cuda'", id="estimate"),
-        pytest.param({"backend": "cpu"}, "memory_limit must be given for a cpu confirm", id="cpu-memory"),
+        pytest.param({"backend": "cpu"}, "memory_limit is required with backend='cpu'", id="cpu-memory"),
         pytest.param(
             {"backend": "cpu", "memory_limit": "64MiB", "sharding": Sharding("fsdp2", world_size=2)},
             "torchrun --nproc-per-node 2 batchfit profile --confirm",

@@ -654,7 +654,7 @@ def test_a_hundred_measurements_leave_no_finalizers_behind(host_memory):
 # pattern -> the one file (below src/batchfit) that may define it
 ONE_DEFINITION = {
     r"""["']cpu["'],\s*["']estimate["']|["']estimate["'],\s*["']cuda["']""": "memory/backends.py",
-    r"""^[A-Z_]+\s*=\s*["']h100-80gb["']""": "memory/estimate.py",
+    r"""^[A-Z_]+\s*=\s*["']h100-80gb["']""": "memory/sizes.py",
     r"""^COSTS\s*=""": "plan/packing.py",
     r"""["'](?:bfloat16|bf16|float16|fp16)["']:\s*torch\.""": "dtypes.py",
 }

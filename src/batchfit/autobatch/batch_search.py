@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from batchfit.autobatch.batch_guess import Trial, search_largest
-from batchfit.autobatch.task import MODES, TaskTrial, is_task
+from batchfit.autobatch.task import TaskTrial, is_task
+from batchfit.autobatch.task_names import MODES
 from batchfit.errors import DoesNotFitError, InvalidArgument, Phrase, Setting
 from batchfit.memory import Backend, format_bytes, get_backend
 from batchfit.parallel.distributed import (

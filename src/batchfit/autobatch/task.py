@@ -33,17 +33,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from batchfit.autobatch.task_names import BUILTIN_TASKS, MODES
 from batchfit.errors import BatchfitError, InvalidArgument, TaskError
 from batchfit.memory.base import is_out_of_memory
 from batchfit.memory.tracker import MemoryLimitExceeded
 from batchfit.validation import check_choice, closest
-
-MODES = ("train", "val")
-BUILTIN_TASKS = {
-    "causal-lm": "batchfit.autobatch.builtin_tasks:causal_lm",
-    "vision-cnn": "batchfit.autobatch.builtin_tasks:vision_cnn",
-}
-DEFAULT_TASK = "causal-lm"
 
 
 @runtime_checkable

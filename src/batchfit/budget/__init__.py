@@ -12,23 +12,42 @@ search's guess). :func:`confirm_profile` runs the real step once at each role's 
 device and compares it with the estimate per category (``batchfit profile --confirm``).
 """
 
-from batchfit.budget.budget_search import BudgetProgress, default_seq_lens, find_token_budget
-from batchfit.budget.causal_lm_probe import TrainingStep, causal_lm_step
-from batchfit.budget.confirm import (
-    CategoryConfirmation,
-    ConfirmPlan,
-    ConfirmReport,
-    RoleConfirmation,
-    confirm_profile,
-    plan_confirm,
-    run_confirm,
-)
-from batchfit.budget.memory_model import MemoryModel, fit_memory_model, guess_max_batch
-from batchfit.budget.model_profile import ROLES, ModelProfile, profile_model
-from batchfit.budget.options import ProfileOptions
-from batchfit.budget.probe import BudgetStep, CallableStep, Probe
-from batchfit.budget.split import split_chunk_tokens, split_peak
-from batchfit.budget.token_budget import COSTS, BudgetPoint, TokenBudget
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# NOTE [ A light --help ] in batchfit.cli: the package's names load on first use, so a light module
+# (batchfit.budget.settings, which the command line builds its parser from) imports no torch
+_LAZY = {
+    "BudgetProgress": "batchfit.budget.budget_search",
+    "default_seq_lens": "batchfit.budget.budget_search",
+    "find_token_budget": "batchfit.budget.budget_search",
+    "TrainingStep": "batchfit.budget.causal_lm_probe",
+    "causal_lm_step": "batchfit.budget.causal_lm_probe",
+    "CategoryConfirmation": "batchfit.budget.confirm",
+    "ConfirmPlan": "batchfit.budget.confirm",
+    "ConfirmReport": "batchfit.budget.confirm",
+    "RoleConfirmation": "batchfit.budget.confirm",
+    "confirm_profile": "batchfit.budget.confirm",
+    "plan_confirm": "batchfit.budget.confirm",
+    "run_confirm": "batchfit.budget.confirm",
+    "MemoryModel": "batchfit.budget.memory_model",
+    "fit_memory_model": "batchfit.budget.memory_model",
+    "guess_max_batch": "batchfit.budget.memory_model",
+    "ROLES": "batchfit.budget.model_profile",
+    "ModelProfile": "batchfit.budget.model_profile",
+    "profile_model": "batchfit.budget.model_profile",
+    "ProfileOptions": "batchfit.budget.options",
+    "BudgetStep": "batchfit.budget.probe",
+    "CallableStep": "batchfit.budget.probe",
+    "Probe": "batchfit.budget.probe",
+    "split_chunk_tokens": "batchfit.budget.split",
+    "split_peak": "batchfit.budget.split",
+    "COSTS": "batchfit.budget.token_budget",
+    "BudgetPoint": "batchfit.budget.token_budget",
+    "TokenBudget": "batchfit.budget.token_budget",
+}
 
 __all__ = [
     "COSTS",
@@ -59,3 +78,11 @@ __all__ = [
     "split_chunk_tokens",
     "split_peak",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'batchfit.budget' has no attribute {name!r}")

@@ -201,11 +201,10 @@ def plan_confirm(
     name = model_name(model)
     dtype = parse_dtype(default_dtype(sharding) if opts.dtype is None else opts.dtype)
     if backend_class(backend).host_memory:
-        if opts.memory_limit is None:
-            raise InvalidArgument(
-                "memory_limit must be given for a cpu confirm (the host has no device limit to fit), but got "
-                "memory_limit=None; pass e.g. memory_limit='2GiB'"
-            )
+        from batchfit.memory.device_memory import resolve_device_memory
+
+        # the one rule for a host backend's limit (NOTE [ Validated once ] in batchfit.budget.options)
+        resolve_device_memory(opts.memory_limit, opts.reserve_bytes, backend, world=None, vocabulary=opts.caller_vocabulary)
         check_host_memory(config, name)  # the cpu run builds the real model
     device = get_backend(backend, memory_limit=opts.memory_limit, reserve_bytes=opts.reserve_bytes)
     memory, reserve, round_to = int(device.memory_limit), int(device.reserve_bytes), int(device.round_to)

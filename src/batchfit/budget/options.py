@@ -230,6 +230,11 @@ class ProfileOptions:
             )
 
     @property
+    def caller_vocabulary(self) -> Vocabulary | None:
+        """How this request's caller names its settings (``None``: keywords); messages about it use it."""
+        return self._vocabulary
+
+    @property
     def memory_bytes(self) -> int | None:
         """``memory_limit`` in bytes, read once (``None`` without a limit: the device's own)."""
         return self._memory_bytes

@@ -11,15 +11,15 @@ import argparse
 import contextlib
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from batchfit.autobatch import BUILTIN_TASKS, MODES, check_report_path, report_rows, sweep, write_report
-from batchfit.autobatch.batch_guess import Trial
-from batchfit.autobatch.sweep import check_fractions, check_modes
-from batchfit.autobatch.task import DEFAULT_TASK
+from batchfit.autobatch.task_names import BUILTIN_TASKS, DEFAULT_TASK, MODES
 from batchfit.errors import InvalidArgument, Vocabulary
-from batchfit.memory import BACKEND_NAMES, backend_class, backend_name
+from batchfit.memory.backends import BACKEND_NAMES, backend_class, backend_name
 from batchfit.validation import closest, is_int, short_repr
+
+if TYPE_CHECKING:
+    from batchfit.autobatch.batch_guess import Trial
 
 MAX_STEPS = 1000
 """Most steps per trial: ten to the twentieth would never end, and the peak is reached in two."""
@@ -142,6 +142,8 @@ def _fractions(value: Any) -> tuple[float, ...]:
             items.append(float(v) if isinstance(v, str) else v)
         except ValueError:
             raise InvalidArgument(f"fractions must be numbers in (0, 1], but got fraction={v!r}") from None
+    from batchfit.autobatch.fraction_sweep import check_fractions
+
     return check_fractions(items)
 
 
@@ -182,6 +184,9 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     if settings["reserve"] is not None and isinstance(settings["reserve"], str) and settings["reserve"].strip().isdigit():
         settings["reserve"] = int(settings["reserve"])  # a plain byte count from the command line
     settings["fractions"] = _fractions(settings["fractions"])
+    from batchfit.autobatch import check_report_path
+    from batchfit.autobatch.fraction_sweep import check_modes
+
     settings["modes"] = check_modes(_split("modes", settings["modes"]))
     if settings["output"] is not None:  # before the search, which may take minutes
         check_report_path(settings["output"])
@@ -207,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, s: dict[str, Any]) -> int:
+    from batchfit.autobatch import report_rows, sweep, write_report
     from batchfit.cli._ranks import check_same_flags, process_group
 
     kwargs = dict(
@@ -257,6 +263,8 @@ def _progress_line(task: str) -> Any:
 def _with_progress(task: str, kwargs: dict[str, Any]) -> list[Any]:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    from batchfit.autobatch import sweep
 
     console = Console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True) as bar:

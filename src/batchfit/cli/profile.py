@@ -17,16 +17,23 @@ from __future__ import annotations
 import argparse
 
 from batchfit.budget.settings import (
+    DEFAULT_ESTIMATE_TARGET,
     DEFAULT_ESTIMATE_WORLD_SIZE,
     DEFAULT_MAX_SEQ_LEN,
     DEFAULT_MODEL,
     add_arguments,
     flag_vocabulary,
 )
-from batchfit.cli.profile_runs import run
-from batchfit.memory import DEFAULT_ESTIMATE_TARGET
 
 __all__ = ["add_parser"]
+
+
+def run(args: argparse.Namespace) -> int:
+    """``batchfit profile``: :func:`batchfit.cli.profile_runs.run`, imported only to run (NOTE [ A light --help ] in
+    :mod:`batchfit.cli`: the parser, ``--help`` and argument errors import no torch)."""
+    from batchfit.cli.profile_runs import run as run_profile
+
+    return run_profile(args)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

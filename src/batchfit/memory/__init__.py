@@ -18,26 +18,37 @@ Example:
     (False, True)
 """
 
-from batchfit.memory.backends import (
-    BACKEND_NAMES,
-    BACKENDS,
-    backend_class,
-    backend_name,
-    get_backend,
-    measure_peak,
-)
-from batchfit.memory.base import Backend, is_out_of_memory
-from batchfit.memory.cpu import CpuBackend
-from batchfit.memory.cuda import CudaBackend
-from batchfit.memory.cuda_untracked import DEFAULT_SAFETY_MARGIN, UntrackedMemory, untracked_memory
-from batchfit.memory.estimate import (
-    DEFAULT_ESTIMATE_TARGET,
-    DEFAULT_ROUND_TO,
-    EstimateBackend,
-)
-from batchfit.memory.measurement import MemoryMeasurement
-from batchfit.memory.sizes import DEVICE_MEMORY, format_bytes, parse_memory
-from batchfit.memory.tracker import MemoryLimitExceeded, MemoryTracker
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# NOTE [ A light --help ] in batchfit.cli: the package's names load on first use (a light module such as
+# batchfit.memory.sizes imports no torch)
+_LAZY = {
+    "BACKEND_NAMES": "batchfit.memory.backends",
+    "BACKENDS": "batchfit.memory.backends",
+    "backend_class": "batchfit.memory.backends",
+    "backend_name": "batchfit.memory.backends",
+    "get_backend": "batchfit.memory.backends",
+    "measure_peak": "batchfit.memory.backends",
+    "Backend": "batchfit.memory.base",
+    "is_out_of_memory": "batchfit.memory.base",
+    "CpuBackend": "batchfit.memory.cpu",
+    "CudaBackend": "batchfit.memory.cuda",
+    "DEFAULT_SAFETY_MARGIN": "batchfit.memory.cuda_untracked",
+    "UntrackedMemory": "batchfit.memory.cuda_untracked",
+    "untracked_memory": "batchfit.memory.cuda_untracked",
+    "DEFAULT_ESTIMATE_TARGET": "batchfit.memory.sizes",
+    "DEFAULT_ROUND_TO": "batchfit.memory.estimate",
+    "EstimateBackend": "batchfit.memory.estimate",
+    "MemoryMeasurement": "batchfit.memory.measurement",
+    "DEVICE_MEMORY": "batchfit.memory.sizes",
+    "format_bytes": "batchfit.memory.sizes",
+    "parse_memory": "batchfit.memory.sizes",
+    "MemoryLimitExceeded": "batchfit.memory.tracker",
+    "MemoryTracker": "batchfit.memory.tracker",
+}
 
 __all__ = [
     "BACKENDS",
@@ -63,3 +74,11 @@ __all__ = [
     "parse_memory",
     "untracked_memory",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'batchfit.memory' has no attribute {name!r}")

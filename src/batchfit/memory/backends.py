@@ -3,21 +3,44 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from batchfit.errors import InvalidArgument
-from batchfit.memory.base import Backend
-from batchfit.memory.cpu import CpuBackend
-from batchfit.memory.cuda import CudaBackend
-from batchfit.memory.estimate import EstimateBackend
-from batchfit.memory.measurement import MemoryMeasurement
 from batchfit.validation import check_choice
 
-BACKENDS: dict[str, type[Backend]] = {"cpu": CpuBackend, "estimate": EstimateBackend, "cuda": CudaBackend}
+if TYPE_CHECKING:
+    from batchfit.memory.base import Backend
+    from batchfit.memory.measurement import MemoryMeasurement
+
+# NOTE [ A light --help ] in batchfit.cli: the names are known without torch; the classes (which import
+# it) load on first use (BACKENDS, backend_class, get_backend)
+_CLASSES = {
+    "cpu": "batchfit.memory.cpu:CpuBackend",
+    "estimate": "batchfit.memory.estimate:EstimateBackend",
+    "cuda": "batchfit.memory.cuda:CudaBackend",
+}
 #: The names :func:`get_backend` accepts: ``"auto"`` and one per backend.
-BACKEND_NAMES = ("auto", *BACKENDS)
+BACKEND_NAMES = ("auto", *_CLASSES)
+
+
+def _classes() -> dict[str, type[Backend]]:
+    """:data:`BACKENDS`: each backend's class, imported on first use."""
+    import importlib
+
+    cached = globals().get("BACKENDS")
+    if cached is None:
+        cached = {}
+        for name, where in _CLASSES.items():
+            module, cls = where.split(":")
+            cached[name] = getattr(importlib.import_module(module), cls)
+        globals()["BACKENDS"] = cached
+    return cached
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BACKENDS":  # backend name → class (NOTE [ A light --help ])
+        return _classes()
+    raise AttributeError(f"module 'batchfit.memory.backends' has no attribute {name!r}")
 
 
 def backend_name(name: str) -> str:
@@ -28,6 +51,8 @@ def backend_name(name: str) -> str:
     """
     name = check_choice("backend", name, BACKEND_NAMES)
     if name == "auto":
+        import torch
+
         return "cuda" if torch.cuda.is_available() else "estimate"
     return name
 
@@ -41,7 +66,7 @@ def backend_class(name: str) -> type[Backend]:
     Raises:
         InvalidArgument: ``name`` is not one of :data:`BACKEND_NAMES`.
     """
-    return BACKENDS[backend_name(name)]
+    return _classes()[backend_name(name)]
 
 
 def get_backend(
@@ -76,13 +101,15 @@ def get_backend(
         >>> b.name, b.reserve_bytes   # CUDA context + cuBLAS workspaces
         ('estimate', 354156544)
     """
+    from batchfit.memory.base import Backend
+
     if isinstance(name, Backend):
         if not (memory_limit is None and reserve_bytes is None and round_to is None):
             raise InvalidArgument(
                 f"memory_limit, reserve_bytes and round_to must be None when backend is a Backend instance, but got memory_limit={memory_limit!r}, reserve_bytes={reserve_bytes!r}, round_to={round_to!r}; configure the instance instead"
             )
         return name
-    return BACKENDS[backend_name(name)](
+    return _classes()[backend_name(name)](
         memory_limit=memory_limit, reserve_bytes=reserve_bytes, round_to=round_to
     )
 

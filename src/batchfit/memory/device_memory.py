@@ -14,8 +14,7 @@ from typing import Any
 
 from batchfit.errors import KEYWORDS, InvalidArgument, Phrase, Setting, Vocabulary
 from batchfit.memory.backends import backend_class
-from batchfit.memory.estimate import DEFAULT_ESTIMATE_TARGET
-from batchfit.memory.sizes import format_bytes, parse_memory
+from batchfit.memory.sizes import DEFAULT_ESTIMATE_TARGET, format_bytes, parse_memory
 
 __all__ = ["MAX_SIZE_TEXT", "DeviceMemory", "check_reserve_fits", "check_size_text", "resolve_device_memory"]
 

@@ -18,10 +18,6 @@ from batchfit.memory.tracked_backend import TrackedBackend
 #: Default storage rounding: the CUDA caching allocator hands out multiples of 512 bytes.
 DEFAULT_ROUND_TO = 512
 
-#: The device an estimate targets when the user names none (``batchfit profile`` and
-#: ``batchfit autobatch`` without a GPU and without ``--memory``; stated in their output).
-DEFAULT_ESTIMATE_TARGET = "h100-80gb"
-
 # NOTE [ Deep copies of fake tensors ]
 # ``copy.deepcopy`` of a module built under the fake mode (``nn.TransformerEncoder`` clones its
 # layers that way) copies each fake tensor's ``__dict__``, whose ``fake_mode`` is the mode

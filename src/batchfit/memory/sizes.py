@@ -17,6 +17,10 @@ KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
 
+#: The device an estimate targets when the user names none (``batchfit profile`` and
+#: ``batchfit autobatch`` without a GPU and without ``--memory``; stated in their output).
+DEFAULT_ESTIMATE_TARGET = "h100-80gb"
+
 #: Total memory per device, bytes (nvidia-smi's "MiB" total).
 DEVICE_MEMORY: dict[str, int] = {
     "a10g": 23028 * MiB,

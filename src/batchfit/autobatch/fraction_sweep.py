@@ -12,7 +12,8 @@ from batchfit.autobatch.batch_search import (
     find_batch_size,
     limited_backend,
 )
-from batchfit.autobatch.task import DEFAULT_TASK, MODES, TaskTrial, build_task, load_task
+from batchfit.autobatch.task import TaskTrial, build_task, load_task
+from batchfit.autobatch.task_names import DEFAULT_TASK, MODES
 from batchfit.errors import InvalidArgument
 from batchfit.validation import check_choice, check_number, check_positive_int
 
