@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-import batchfit.frameworks.emit as emit_module
 from batchfit.budget.options import ProfileOptions
 from batchfit.errors import BatchConfigError
-from batchfit.frameworks import areal, read_run_config, registry
+from batchfit.frameworks import read_run_config
 from batchfit.frameworks.emit import emit_keys, render_yaml
 from batchfit.frameworks.run_profile import role_options
 from batchfit.parallel.sharding import Sharding
@@ -21,14 +20,6 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "areal_gsm8k_grpo.y
 
 
 
-@pytest.fixture(autouse=True)
-def _registered(monkeypatch):
-    """AReaL registered for each test only, until frameworks/__init__.py lists it in SPECS (the registry's own tests
-    count the frameworks); ``--emit areal`` too: emit.TARGETS is computed when emit.py is first imported."""
-    if registry.framework_of("areal") is None:
-        monkeypatch.setitem(registry._SPECS, "areal", areal.SPEC)
-    if "areal" not in emit_module.TARGETS:
-        monkeypatch.setattr(emit_module, "TARGETS", (*emit_module.TARGETS, "areal"))
 
 
 def _config(tmp_path, **changes):

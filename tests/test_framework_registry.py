@@ -15,13 +15,13 @@ from batchfit.plan import rules
 
 
 def test_every_framework_is_registered_once_in_emit_order():
-    assert framework_names() == ("verl", "skyrl", "openrlhf", "slime")
+    assert framework_names() == ("verl", "skyrl", "openrlhf", "slime", "areal", "nemo_rl", "roll", "prime_rl")
     assert framework_names() == TARGETS and FLAG_TARGETS == ("openrlhf", "slime")
     assert all(get_framework(spec.name) is spec for spec in SPECS)
 
 
 def test_an_unknown_framework_is_a_value_error_naming_it_and_the_choices():
-    with pytest.raises(ValueError, match=r"framework='verll' .*choices: verl, skyrl, openrlhf, slime; did you mean 'verl'"):
+    with pytest.raises(ValueError, match=r"framework='verll' .*choices: verl, skyrl, openrlhf, slime, areal, nemo_rl, roll, prime_rl; did you mean 'verl'"):
         get_framework("verll")
     with pytest.raises(ValueError, match=r"framework='x' has no batch rules; choices: batchfit, skyrl, verl"):
         rules.batch_rules("x")

@@ -14,11 +14,8 @@ import yaml
 
 from batchfit.errors import BatchConfigError, InvalidArgument
 from batchfit.frameworks import nemo_rl, nemo_rl_emit, read_run_config
-from batchfit.frameworks.registry import register_framework
 from batchfit.frameworks.source import detect_vocabulary, flatten, framework_defaults, framework_schema
 from batchfit.models import preset_info
-
-register_framework(nemo_rl.SPEC)  # until frameworks/__init__.py lists it in SPECS (registering twice is allowed)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLE = EXAMPLES / "nemo_rl_grpo.yaml"
@@ -247,9 +244,6 @@ def test_what_the_dtensor_path_cannot_express_is_refused(sharding, match):
 
 _CLI = """
 import sys
-from batchfit.frameworks.registry import register_framework
-from batchfit.frameworks import nemo_rl
-register_framework(nemo_rl.SPEC)
 from batchfit.cli import main
 raise SystemExit(main(sys.argv[1:]))
 """

@@ -15,19 +15,15 @@ import yaml
 
 from batchfit.errors import BatchConfigError, InvalidArgument
 from batchfit.frameworks import prime_rl, prime_rl_emit, read_run_config
-from batchfit.frameworks.registry import register_framework
 from batchfit.frameworks.source import detect_vocabulary, flatten, framework_schema
 from batchfit.models import preset_info
-
-register_framework(prime_rl.SPEC)  # until frameworks/__init__.py lists it in SPECS (registering twice is allowed)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLE = EXAMPLES / "prime_rl_rl.toml"
 
 
 def _config(**keys) -> dict:
-    """The example's mapping with ``keys`` (``a__b`` for ``a.b``) set; read as a mapping (NOTE: ``.toml`` files need
-    the shared patch in /work/notes/helpers/prime_rl.patch)."""
+    """The example's mapping with ``keys`` (``a__b`` for ``a.b``) set."""
     data = tomllib.loads(EXAMPLE.read_text(encoding="utf-8"))
     for dotted, value in keys.items():
         node = data
@@ -173,14 +169,6 @@ def test_what_prime_rl_cannot_express_is_refused(changes, match):
 
 _CLI = """
 import sys
-from batchfit.frameworks.registry import register_framework
-from batchfit.frameworks import prime_rl
-register_framework(prime_rl.SPEC)
-import batchfit.frameworks as F
-# what the shared patch does (/work/notes/helpers/prime_rl.patch): a .toml file is a config, read with tomllib
-_is_command, _read_mapping = F.is_command_file, F.read_mapping
-F.is_command_file = lambda path: not str(path).endswith(".toml") and _is_command(path)
-F.read_mapping = lambda path: prime_rl.read_toml(path) if str(path).endswith(".toml") else _read_mapping(path)
 from batchfit.cli import main
 raise SystemExit(main(sys.argv[1:]))
 """
@@ -198,8 +186,7 @@ def test_a_tiny_rl_toml_profiles_and_emits_prime_rls_seq_len(tmp_path):
             "--engine-reserve", "0", "--no-progress", "--emit", "prime_rl"]  # fmt: skip
     done = subprocess.run([sys.executable, "-c", _CLI, *argv], capture_output=True, text=True, timeout=600, env={**os.environ}, check=False)
     assert done.returncode == 0, done.stderr
-    # TOML tables once the shared patch's render hook lands, YAML before
-    emitted = tomllib.loads(done.stdout) if "\nseq_len = " in done.stdout else yaml.safe_load(done.stdout)
+    emitted = tomllib.loads(done.stdout)  # prime-rl's own TOML tables
     tokens = emitted["seq_len"]
     assert tokens >= 512 and emitted["trainer"]["model"]["seq_len"] == tokens == emitted["orchestrator"]["seq_len"]
     assert "a hard cap, samples longer are truncated" in done.stdout and "estimated budget" in done.stdout
@@ -216,13 +203,6 @@ def test_the_emitted_keys_render_as_toml_prime_rl_reads():
     assert tomllib.loads(text) == {"seq_len": 30_000, "trainer": {"model": {"seq_len": 30_000, "cp_style": "ulysses"}}, "orchestrator": {"seq_len": 30_000}}
 
 
-def _reads_toml() -> bool:
-    from batchfit.frameworks.flags import is_command_file
-
-    return not is_command_file("rl.toml")
-
-
-@pytest.mark.skipif(not _reads_toml(), reason="a .toml file is a config once /work/notes/helpers/nemo_rl_prime_rl.patch lands")
 def test_a_toml_file_reads_as_a_config(tmp_path):
     assert read_run_config(EXAMPLE).batch.max_tokens_per_micro_batch == 8192
     bad = tmp_path / "rl.toml"

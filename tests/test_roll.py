@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-import batchfit.frameworks.emit as emit_module
 from batchfit.budget.options import ProfileOptions
 from batchfit.errors import BatchConfigError
-from batchfit.frameworks import read_run_config, registry, roll
+from batchfit.frameworks import read_run_config, roll
 from batchfit.frameworks.emit import emit_keys, render_yaml
 from batchfit.frameworks.run_profile import role_options
 from batchfit.parallel.sharding import Sharding
@@ -20,13 +19,6 @@ from batchfit.parallel.sharding import Sharding
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "roll_rlvr_dynamic_batching.yaml"
 
 
-@pytest.fixture(autouse=True)
-def _registered(monkeypatch):
-    """ROLL registered for each test only, until frameworks/__init__.py lists it in SPECS; ``--emit roll`` too."""
-    if registry.framework_of("roll") is None:
-        monkeypatch.setitem(registry._SPECS, "roll", roll.SPEC)
-    if "roll" not in emit_module.TARGETS:
-        monkeypatch.setattr(emit_module, "TARGETS", (*emit_module.TARGETS, "roll"))
 
 
 def _config(tmp_path, **changes):

@@ -75,7 +75,7 @@ def test_the_help_says_the_libraries_own_values():
 
 
 def test_the_vocabulary_is_the_tables_flags():
-    assert FLAGS == {row.name: row.flag for row in SETTINGS}
+    assert {row.name: row.flag for row in SETTINGS} == FLAGS
     assert set(PROSE_FLAGS) <= set(FLAGS) and "model" not in PROSE_FLAGS and "dtype" not in PROSE_FLAGS
 
 
@@ -117,12 +117,15 @@ def test_a_request_reads_the_memory_once_into_bytes():
 
 
 def test_the_command_lines_json_is_the_librarys_document(capsys):
-    assert main(["profile", *FAST_FLAGS, "--json"]) == 0
+    # the cpu backend runs the tiny model for real: the fastest profile there is
+    small = ["--model", "tiny", "--backend", "cpu", "--memory", "24MiB", "--max-seq-len", "64", "--no-progress"]
+    assert main(["profile", *small, "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    answer = resolve_request(**FAST).profile()
+    answer = resolve_request(model="tiny", backend="cpu", memory_limit="24MiB", max_seq_len=64).profile()
     assert printed == json.loads(json.dumps(answer.to_dict()))
 
 
+@pytest.mark.slow  # a config's every pass: 15-35 s
 def test_a_configs_json_is_the_librarys_document_too(tmp_path, capsys):
     config = tmp_path / "verl.yaml"
     config.write_text(
@@ -141,3 +144,10 @@ def test_a_configs_json_is_the_librarys_document_too(tmp_path, capsys):
     answer = resolve_request(config=str(config), memory_limit="1GiB", engine_reserve="0", emit="verl").profile()
     assert printed == json.loads(json.dumps(answer.to_dict()))
     assert printed["emit"] and printed["schema_version"] == 2
+
+
+
+def test_the_emit_flag_lists_every_registered_framework():
+    from batchfit.frameworks.registry import framework_names
+
+    assert {row.name: row for row in SETTINGS}["emit"].metavar == "|".join(framework_names())

@@ -15,7 +15,7 @@ metavar, help) and the request's default where the library's differs. From this 
 
 Adding a setting is a row here and, for an ``options`` or ``sharding`` one, its field in
 :class:`ProfileOptions` or :class:`Sharding` (``tests/test_settings.py`` holds them together).
-This module imports nothing heavy: the command line builds its parser from it.
+This module imports nothing heavy (no torch): the command line builds its parser from it.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchfit.errors import Vocabulary
+from batchfit.memory.sizes import DEFAULT_ESTIMATE_TARGET
 
 __all__ = [
     "DEFAULT_CPU_MODEL",
+    "DEFAULT_ESTIMATE_TARGET",
     "DEFAULT_ESTIMATE_WORLD_SIZE",
     "DEFAULT_GRADIENT_CHECKPOINTING",
     "DEFAULT_MAX_SEQ_LEN",
@@ -56,9 +58,6 @@ DEFAULT_GRADIENT_CHECKPOINTING = True
 # The most ranks the estimate backend simulates (torch's process groups count ranks in a C int;
 # a million GPUs is beyond any run).
 MAX_ESTIMATE_WORLD_SIZE = 2**20
-# the estimate's target device when none is named (batchfit.memory.DEFAULT_ESTIMATE_TARGET, said here
-# without importing the backends: tests/test_settings.py holds them equal)
-_ESTIMATE_TARGET = "h100-80gb"
 
 #: Where a setting lands: a :class:`ProfileOptions` field, a :class:`Sharding` field, the LoRA spec's,
 #: the request's own (what to profile: the model, the config, the roles, confirm), or the answer's
@@ -132,10 +131,10 @@ def _rows() -> Iterator[ProfileSetting]:
     yield s("model", "--model", "request", "str", metavar="PRESET|DIR|ID", said=False, help=(
         f"default {DEFAULT_MODEL} ({DEFAULT_CPU_MODEL} with --backend cpu, which runs it for real)"))
     yield s("config", "--config", "request", "str", metavar="FILE", said=False, help=(
-        "a SkyRL or verl config (YAML/JSON), or an OpenRLHF or slime launch command (a shell script, or a "
-        "file of its flags): the model, max sequence length, GPUs, sharding, offload, "
+        "a SkyRL, verl, AReaL, NeMo-RL or ROLL config (YAML/JSON), a prime-rl config (TOML), or an OpenRLHF or slime "
+        "launch command (a shell script, or a file of its flags): the model, max sequence length, GPUs, sharding, offload, "
         "checkpointing and the roles it runs come from it; flags override"))
-    yield s("emit", "--emit", "request", "str", metavar="verl|skyrl|openrlhf|slime", help=(
+    yield s("emit", "--emit", "request", "str", metavar="verl|skyrl|openrlhf|slime|areal|nemo_rl|roll|prime_rl", help=(
         "with --config: print the keys to set in that framework's config (YAML, a comment per key; "
         "openrlhf and slime: the flags to add to the launch command)"))
     yield s("emit_format", "--emit-format", "output", "str", metavar="yaml|overrides", default="yaml", said=False,
@@ -146,7 +145,7 @@ def _rows() -> Iterator[ProfileSetting]:
             help="auto (cuda if available, else estimate), cpu, estimate, cuda")
     yield s("memory_limit", "--memory", "options", "str", metavar="SIZE", help=(
         "device memory per rank: 80GiB, 80GB or a preset (h100-80gb, a100-40gb, l4); estimate default "
-        f"{_ESTIMATE_TARGET}, cuda default the device's"))
+        f"{DEFAULT_ESTIMATE_TARGET}, cuda default the device's"))
     yield s("reserve_bytes", "--reserve", "options", "str", metavar="SIZE", help=(
         "memory per rank no tracker sees (CUDA context, NCCL, workspaces), taken off --memory: estimate default the "
         "CUDA context, cuBLAS workspaces and NCCL buffers (593.75 MiB sharded, 337.75 MiB on one GPU), cpu 0, cuda "

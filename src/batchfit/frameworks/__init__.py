@@ -1,4 +1,5 @@
-"""Speak the RL frameworks' language: read SkyRL and verl configs, OpenRLHF and slime launch commands.
+"""Speak the RL frameworks' language: read SkyRL, verl, AReaL, NeMo-RL, ROLL and prime-rl configs, OpenRLHF and slime
+launch commands.
 
 :func:`read_run_config` takes a YAML/JSON file or a mapping, tells its vocabulary from the
 keys, merges it over the framework's defaults, resolves the interpolations with OmegaConf
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from batchfit.errors import BatchConfigError, InvalidArgument
-from batchfit.frameworks import openrlhf, skyrl, slime, verl
+from batchfit.frameworks import areal, nemo_rl, openrlhf, prime_rl, roll, skyrl, slime, verl
 from batchfit.frameworks.flags import detect_framework, is_command_file, read_command
 from batchfit.frameworks.hydra_overrides import read_overrides
 from batchfit.frameworks.registry import (
@@ -84,7 +85,7 @@ __all__ = [
     "strategy_refusal",
 ]
 
-SPECS = (verl.SPEC, skyrl.SPEC, openrlhf.SPEC, slime.SPEC)
+SPECS = (verl.SPEC, skyrl.SPEC, openrlhf.SPEC, slime.SPEC, areal.SPEC, nemo_rl.SPEC, roll.SPEC, prime_rl.SPEC)
 """The frameworks batchfit speaks, registered in this order (the order ``--emit`` lists them in)."""
 for _spec in SPECS:
     register_framework(_spec)

@@ -266,6 +266,7 @@ def render_keys(keys: list[Key], target: str, header: list[str], fmt: str = "yam
     if target in FLAG_TARGETS:
         return render_flags(keys, header)
     if fmt == "yaml":
-        return render_yaml(keys, header)
+        own = getattr(get_framework(target).emit_module(), "render", None)  # prime_rl_emit.render: TOML tables
+        return own(keys, header) if own is not None else render_yaml(keys, header)
     # each emit module may say which of its keys the framework's composed config lacks (verl_emit.override_prefix)
     return render_overrides(keys, getattr(get_framework(target).emit_module(), "override_prefix", None))

@@ -177,8 +177,8 @@ class Command:
 
 
 def is_command_file(path: str | Path) -> bool:
-    """Whether ``path`` is read as a launch command (anything but ``.yaml``/``.yml``/``.json``)."""
-    return Path(path).suffix.lower() not in (".yaml", ".yml", ".json")
+    """Whether ``path`` is read as a launch command (anything but ``.yaml``/``.yml``/``.json``/``.toml``)."""
+    return Path(path).suffix.lower() not in (".yaml", ".yml", ".json", ".toml")
 
 
 def read_command(path: str | Path) -> Command:

@@ -45,6 +45,14 @@ def framework_step(run: RunConfig) -> FrameworkStep | None:
     """
     framework = run.vocabulary
     if framework not in FRAMEWORK_HEADS:  # its own log-prob head: the budgets probe it
+        if run.fused_kernels and framework != "flat":  # prime-rl's fused LM head
+            cost = "packed" if run.remove_padding else "padded"
+            return FrameworkStep(
+                head="fused",
+                cost=cost,
+                notes=(f"{framework}'s fused LM head computes log-probs from the hidden states: probed with batchfit's "
+                       "fused head (logprobs_from_hidden); its chunking is batchfit's",),
+            )
         return None
     notes: list[str] = []
     remove_padding = bool(run.remove_padding)

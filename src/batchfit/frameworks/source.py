@@ -29,7 +29,7 @@ from batchfit.validation import short_repr
 
 
 def read_mapping(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML (``.yaml``/``.yml``) or JSON (``.json``) file, keys checked.
+    """The mapping in a YAML (``.yaml``/``.yml``), JSON (``.json``) or TOML (``.toml``, prime-rl's) file, keys checked.
 
     Raises:
         BatchConfigError: the file is missing, unreadable, not UTF-8, does not parse, is not
@@ -42,7 +42,11 @@ def read_mapping(path: str | Path) -> dict[str, Any]:
     try:
         text = read_text(path, what)
         # NOTE [ Untrusted input files ]: size, aliases, depth and integers bounded
-        data = parse_json(text, what) if path.suffix.lower() == ".json" else parse_yaml(text, what)
+        suffix = path.suffix.lower()
+        if suffix == ".toml":  # prime-rl's configs: the standard library's tomllib (Python 3.11)
+            data = _parse_toml(text, what)
+        else:
+            data = parse_json(text, what) if suffix == ".json" else parse_yaml(text, what)
     except InvalidArgument as exc:
         message = str(exc)
         if message.endswith("is not UTF-8 text"):
@@ -51,6 +55,20 @@ def read_mapping(path: str | Path) -> dict[str, Any]:
     data = {} if data is None else data
     check_mapping(data)
     return data
+
+
+def _parse_toml(text: str, what: str) -> dict[str, Any]:
+    """``text`` as TOML (prime-rl's ``rl.toml``).
+
+    Raises:
+        InvalidArgument: it does not parse (tomllib's message).
+    """
+    import tomllib
+
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgument(f"{what} is not TOML: {exc}; pass a prime-rl rl.toml") from None
 
 
 def check_mapping(data: Any) -> None:
