@@ -58,6 +58,26 @@ function mode turns a CUDA device given to any torch function into the CPU, and
 ``LanguageModule.setup_embeddings_and_output_layer``), a mode scoped to the block, not a patch; and the exchange of tensor shapes between stages (``variable_seq_lengths``,
 which mbridge sets, as verl runs) calls ``torch.cuda.synchronize()`` after its ``isend``/``irecv``
 (``P2PCommunicator._communicate_shapes``): a no-op here, where every op is synchronous.
+NOTE [ Dropout as CUDA runs it ]
+ATen's ``dropout`` takes its fused path, ``native_dropout``, only on CUDA (and XPU, lazy and
+private-use devices: ``is_fused_kernel_acceptable`` in ``aten/src/ATen/native/Dropout.cpp``); it
+saves a **bool** mask for backward, one byte per element. On a CPU tensor, fake or real, the
+same ``F.dropout`` multiplies by a noise tensor of the input's dtype and saves that: two bytes per
+element in bf16, four in fp32. Inside the patches a ``torch.nn.functional.dropout`` in training
+with ``0 < p < 1`` therefore calls ``torch.native_dropout`` (it runs on a CPU too), so the bytes a
+dropout keeps are CUDA's (Korthikanti et al.'s ``sbh`` per hidden dropout and ``as²b`` for the
+attention's, ``benchmarks/megatron_referee.py``). The presets' dropouts are 0, which saves nothing
+on either path.
+
+NOTE [ Megatron's parameters in one dtype ]
+A bf16 Megatron run wraps the model in ``Float16Module``, which casts it whole (``module.bfloat16()``).
+Built here without it, the few parameters Megatron makes with torch's default dtype stayed fp32:
+the learned absolute position embedding (``LanguageModelEmbedding.position_embeddings``, a plain
+``torch.nn.Embedding``) made the hidden states fp32 from the first layer on (twice every
+activation's bytes under the estimate; a real CPU run refuses the mixed dtypes in its LayerNorm).
+:func:`build_gpt_model` builds under torch's default dtype set to ``params_dtype``, the dtype
+``Float16Module`` would cast them to (``module.to()`` is not available under fake tensors).
+
 The causal mask is passed in (:class:`batchfit.train.megatron_step.MegatronBatch`): without one,
 ``FusedScaleMaskSoftmax`` makes it with ``device="cuda"`` (``get_default_causal_mask``). The
 patches go through :mod:`batchfit.patching`.
@@ -94,7 +114,7 @@ import contextlib
 import copy
 import importlib.util
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -206,6 +226,13 @@ def _names_cuda(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)  # an index is a CUDA device
 
 
+def _dropout_as_cuda_runs_it(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """``F.dropout`` through ``torch.native_dropout``, as ATen runs it on CUDA (NOTE [ Dropout as CUDA runs it ])."""
+    if not training or p == 0 or inplace or not 0 < p < 1 or input.numel() == 0:
+        return torch.nn.functional.dropout(input, p, training, inplace)
+    return torch.native_dropout(input, p, True)[0]
+
+
 class _CudaFactoriesOnCpu(TorchFunctionMode):
     """``device="cuda"`` (or a CUDA index) given to a torch function becomes the CPU, ``Tensor.cuda()`` keeps the tensor (NOTE [ Megatron on CPU ranks ])."""
 
@@ -213,6 +240,8 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:  # the tied embedding's copy on the last pipeline stage
             return args[0]
+        if func is torch.nn.functional.dropout:
+            return _dropout_as_cuda_runs_it(*args, **kwargs)
         if _names_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": torch.device("cpu")}
         return func(*args, **kwargs)
@@ -398,6 +427,7 @@ def build_gpt_model(
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
     initialise: bool = True,
+    gpt_args: Mapping[str, Any] | None = None,
     **overrides: Any,
 ) -> torch.nn.Module:
     """This rank's ``GPTModel`` (its tensor shard of its pipeline stage), in ``train()`` mode.
@@ -413,6 +443,8 @@ def build_gpt_model(
         initialise: draw the initial weights (Megatron's ``perform_initialization``; its CPU
             path draws the full matrix and slices this rank's shard); ``False`` leaves them
             empty (for counting, or under a meta or fake device).
+        gpt_args: ``GPTModel`` arguments to set over :func:`gpt_model_args`'s
+            (``{"position_embedding_type": "learned_absolute"}``, as Korthikanti et al.'s GPT).
 
     Raises:
         InvalidArgument: as :func:`transformer_config`; Megatron's parallel state not initialised
@@ -437,7 +469,7 @@ def build_gpt_model(
         raise InvalidArgument(
             f"build_gpt_model(tensor_parallel={tensor_parallel}, pipeline_parallel={pipeline_parallel}) needs Megatron's parallel state of those sizes, but it has (tp, pp)={have}; build inside model_parallel({tensor_parallel}, {pipeline_parallel})"
         )
-    args = gpt_model_args(spec)
+    args = {**gpt_model_args(spec), **dict(gpt_args or {})}
     if args["vocab_size"] % config.tensor_model_parallel_size:
         raise InvalidArgument(
             f"vocab_size={args['vocab_size']} must be divisible by tensor_parallel={tensor_parallel} (no vocabulary padding, as verl calls mbridge); choose a tensor_parallel that divides it"
@@ -446,12 +478,18 @@ def build_gpt_model(
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
-    with megatron_cpu_patches():
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
-            **args,
-        )
+    default = torch.get_default_dtype()
+    if config.params_dtype.is_floating_point:
+        torch.set_default_dtype(config.params_dtype)  # NOTE [ Megatron's parameters in one dtype ]
+    try:
+        with megatron_cpu_patches():
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=layer_spec,
+                pre_process=parallel_state.is_pipeline_first_stage(),
+                post_process=parallel_state.is_pipeline_last_stage(),
+                **args,
+            )
+    finally:
+        torch.set_default_dtype(default)
     return model.train()

@@ -2,7 +2,19 @@
 
 - :func:`synthetic_batch`: token ids, positions, labels and a loss mask, the same on every
   rank of a tensor-parallel group (Megatron's layers expect identical inputs across it).
-- :func:`megatron_optimizer`: the optimizer (NOTE [ The Megatron step's optimizer ]), its state made up front.
+- :func:`megatron_optimizer`: the optimizer (NOTE [ Pipeline sends are waited on whole ]
+A search on real ranks waits in slices (:func:`batchfit.parallel.rank_signals.listening`: each
+``Work.wait`` is given 50 ms, then the guard checks whether another rank left, then waits again).
+That is harmless for gloo's collectives, but gloo's point-to-point work closes its pair when a
+wait times out: the first slice of a ``send_forward`` that the next stage has not received yet
+ends both ranks with ``RuntimeError: Application timeout caused pair closure`` (seen on PP 2,
+the first probe of a search). :func:`megatron_pipeline_step` therefore runs the schedule with
+no listener (``listening(None)``: plain waits, bounded by the process group's timeout). A rank
+that left the search in the middle of a pipeline step is then noticed at the next collective
+after the schedule, not inside it; real ranks run every probe to the end anyway (NOTE [ Real
+ranks run their probes to the end ] in :mod:`batchfit.memory.base`).
+
+NOTE [ The Megatron step's optimizer ]), its state made up front.
 - :func:`megatron_pipeline_step`: the same through Megatron's pipeline schedule (1F1B), per stage.
 - :func:`megatron_train_step`: forward with Megatron's vocab-parallel cross-entropy (``GPTModel``
   given ``labels``), backward, the sequence-parallel gradient all-reduce Megatron's
@@ -33,6 +45,7 @@ import torch
 from batchfit.errors import InvalidArgument
 from batchfit.memory import labels
 from batchfit.memory.categories import LOGPROB_HEAD, OPTIMIZER_STEP
+from batchfit.parallel.rank_signals import listening
 from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state
 from batchfit.validation import check_positive_int
 
@@ -222,15 +235,16 @@ def megatron_pipeline_step(
         return _per_token_loss(stage, batch), loss_func
 
     forward_backward = get_forward_backward_func()
-    forward_backward(
-        forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
-        model=[model],
-        num_microbatches=len(micro_batches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-    )
+    with listening(None):  # type: ignore[arg-type]  # NOTE [ Pipeline sends are waited on whole ]
+        forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=False,
+        )
     with labels.phase(labels.BACKWARD):
         finalize_sequence_parallel_grads(model)
     with labels.phase(labels.OPTIMIZER), labels.region(OPTIMIZER_STEP):

@@ -1,0 +1,280 @@
+"""The token budget's probe for a Megatron-core ``GPTModel``: one training step of this layout's binding pipeline stage.
+
+:class:`MegatronStep` is a :class:`~batchfit.budget.probe.BudgetStep`: ``step.measure(lengths)``
+builds this tensor/pipeline layout's model fresh (:func:`batchfit.models.megatron.build_gpt_model`),
+its AdamW state made up front, and measures one training step of ``micro_batches`` micro-batches of
+``len(lengths)`` rows of ``max(lengths)`` tokens through Megatron's own schedule
+(:mod:`batchfit.train.megatron_step`), so :func:`batchfit.budget.find_token_budget` gives a per-rank
+token budget for the layout:
+
+    >>> from batchfit.budget import find_token_budget                                  # doctest: +SKIP
+    >>> from batchfit.memory import get_backend                                        # doctest: +SKIP
+    >>> step = MegatronStep("tiny", tensor_parallel=2, backend=get_backend("estimate", memory_limit="64MiB"))  # doctest: +SKIP
+    >>> find_token_budget(step, max_seq_len=256, cost="padded").tokens                 # doctest: +SKIP
+
+NOTE [ A fresh Megatron model per measurement ]
+Megatron makes two things on first use and keeps them: the RoPE table (``RotaryEmbedding.forward``
+is ``lru_cache``'d on the module and the length) and the global memory buffer
+(``parallel_state._GLOBAL_MEMORY_BUFFER``, sequence parallelism's all-gather buffer, which only
+grows). A step measured after another of a longer sequence would find both made and unregistered,
+and miss them (69,632 bytes on the tiny preset at TP 2, 2 × 64 tokens: NOTE [ Megatron under the
+fake process group ] in :mod:`batchfit.models.megatron`); a shorter one would find a larger buffer
+than its own step makes. Each measurement therefore runs inside its own
+:func:`~batchfit.models.megatron.model_parallel` (which destroys and remakes the buffer) on a model
+built for it, and clears the RoPE cache afterwards (it would keep the old modules' tables alive).
+The build is outside the measured call (registered state, as a trainer's model is resident); on
+real ranks the new groups of ``model_parallel`` are collectives every rank enters in lockstep
+(NOTE [ Lockstep probes ] in :mod:`batchfit.budget.budget_search`). A trainer's second step would
+see the same buffer and table, made by its first: the first step's peak is the one that binds.
+
+NOTE [ The binding pipeline stage ]
+Under 1F1B without interleaving, stage ``r`` of ``p`` runs ``p - r - 1`` warm-up forwards, so the
+first stage holds ``min(p, micro_batches)`` micro-batches' activations at once and the last holds
+one; but the last holds the output layer, its ``[s, b, V/t]`` logits and the vocab-parallel
+cross-entropy's fp32 temporaries, and under tied embeddings a second copy of the embedding. Which
+binds depends on the shape (tiny, 2 × 64, PP 2: the first stage; a large vocabulary and a short
+sequence can make it the last), so every stage is measured and the largest peak is the step's:
+on real ranks each rank measures its own stage and the search's all-reduce (max) agrees on it; on
+the estimate backend :meth:`MegatronStep.measure` simulates the first rank of each stage in turn
+(:func:`~batchfit.models.megatron.simulated_rank`, Megatron's order: tp fastest, then pp) and keeps
+the largest. Tensor-parallel ranks of one stage hold the same shapes (dense layers), so the
+stage's first rank stands for all of them. :attr:`MegatronStep.stage_peaks` keeps the last
+measurement's peak per stage, :attr:`MegatronStep.binding_stage` the one that bound. More
+micro-batches than ``p`` add nothing in flight (docs/megatron.md: 2, 4 and 8 give the same first
+stage at PP 2), so ``micro_batches`` defaults to ``p``.
+
+NOTE [ Megatron micro-batches are padded rows ]
+Megatron-core's local layer spec (no Transformer Engine, which does not run on a CPU) has no
+packed (THD) attention: ``packed_seq_params`` needs Transformer Engine's fused attention. A
+micro-batch is therefore ``len(lengths)`` rows of its longest length, the cost ``"padded"``
+counts; a ``"packed"`` search would measure each candidate padded to its longest sequence (an
+over-estimate), so search with ``cost="padded"``. Every token's loss counts (the loss mask is all
+ones), the most a micro-batch of those rows can train on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from batchfit.budget.probe import GENERIC_REMEDIES
+from batchfit.errors import InvalidArgument, Phrase, Setting
+from batchfit.memory import Backend, MemoryMeasurement
+from batchfit.validation import check_positive_int
+
+
+class MegatronStep:
+    """One training step of a Megatron-core ``GPTModel`` layout, measured on its binding stage: ``step.measure(lengths)``.
+
+    See NOTE [ A fresh Megatron model per measurement ], NOTE [ The binding pipeline stage ] and
+    NOTE [ Megatron micro-batches are padded rows ].
+
+    Args:
+        spec: a preset name, directory, hub id or ``PretrainedConfig`` (:func:`batchfit.models.megatron.transformer_config`).
+        tensor_parallel, pipeline_parallel, sequence_parallel: Megatron's layout (no data parallel:
+            the world is ``tensor_parallel × pipeline_parallel`` ranks).
+        micro_batches: micro-batches of the step under pipeline parallelism (1F1B); ``None``:
+            ``pipeline_parallel``, the most the first stage holds in flight. Must be 1 (or
+            ``None``) without pipeline parallelism.
+        backend: ``estimate`` (the simulated world, built here; call it with no process group)
+            or ``cpu`` (this rank of ``tensor_parallel × pipeline_parallel`` real gloo ranks).
+        dtype: the parameters' dtype (Megatron's ``params_dtype``).
+        seed: torch's seed before each real build (Megatron's CPU initialisation draws each full
+            matrix from torch's generator, so every rank builds the same model).
+        gpt_args: ``GPTModel`` arguments over the preset's (:func:`~batchfit.models.megatron.build_gpt_model`).
+        **overrides: ``TransformerConfig`` fields (``num_layers=2``, ``hidden_dropout=0.1``, ...).
+
+    Attributes:
+        stage_peaks: the last measurement's peak per pipeline stage (every stage on the
+            estimate backend, this rank's on real ranks).
+        binding_stage: the stage whose peak the last measurement returned.
+
+    Raises:
+        InvalidArgument: a bad size, a backend other than ``estimate`` and ``cpu``, or
+            ``micro_batches`` without pipeline parallelism.
+    """
+
+    def __init__(
+        self,
+        spec: Any,
+        *,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        sequence_parallel: bool = False,
+        micro_batches: int | None = None,
+        backend: Backend,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        gpt_args: Mapping[str, Any] | None = None,
+        **overrides: Any,
+    ):
+        self.spec = spec
+        self.tensor_parallel = check_positive_int("tensor_parallel", tensor_parallel)
+        self.pipeline_parallel = check_positive_int("pipeline_parallel", pipeline_parallel)
+        self.sequence_parallel = bool(sequence_parallel)
+        if micro_batches is None:
+            micro_batches = self.pipeline_parallel
+        self.micro_batches = check_positive_int("micro_batches", micro_batches)
+        if self.pipeline_parallel == 1 and self.micro_batches != 1:
+            raise InvalidArgument(
+                f"micro_batches={micro_batches} needs pipeline_parallel > 1 (one micro-batch is what a budget measures "
+                "without a pipeline: gradient accumulation holds one micro-batch's activations at a time); leave micro_batches unset"
+            )
+        name = getattr(backend, "name", None)
+        if name not in ("estimate", "cpu"):
+            raise InvalidArgument(
+                f"MegatronStep measures on the 'estimate' or the 'cpu' backend, but got backend={name!r}; "
+                "pass get_backend('estimate', ...) or get_backend('cpu', ...)"
+            )
+        self.backend = backend
+        backend.expect_world_size(self.world_size)  # its default reserve: what one rank of the layout holds untracked (NCCL)
+        self.dtype = dtype
+        self.seed = int(seed)
+        self.overrides = dict(overrides)
+        self.gpt_args = dict(gpt_args or {})
+        self.stage_peaks: dict[int, int] = {}
+        self.binding_stage: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of the layout: ``tensor_parallel × pipeline_parallel``."""
+        return self.tensor_parallel * self.pipeline_parallel
+
+    def measure(self, lengths: Sequence[int]) -> MemoryMeasurement:
+        """The peak of one training step of ``micro_batches`` micro-batches of ``len(lengths)`` rows of ``max(lengths)`` tokens.
+
+        On the estimate backend: the largest stage's measurement (NOTE [ The binding pipeline
+        stage ]); on real ranks: this rank's.
+
+        Raises:
+            InvalidArgument: no lengths or a bad one; on the estimate backend a process group
+                already initialised; on the cpu backend no process group of ``world_size`` ranks.
+        """
+        if self.backend.simulated:
+            measured = stage_measurements(self, lengths)
+        else:
+            rows, seq = _rows_and_length(lengths)
+            measured = {self._this_stage(): self._measure_here(rows, seq)}
+        self.stage_peaks = {stage: m.peak_bytes for stage, m in measured.items()}
+        # the first of equal peaks binds: the stage with the most micro-batches in flight
+        self.binding_stage = max(measured, key=lambda stage: (measured[stage].peak_bytes, -stage))
+        return measured[self.binding_stage]
+
+    def _this_stage(self) -> int:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() != self.world_size:
+            have = dist.get_world_size() if dist.is_initialized() else None
+            raise InvalidArgument(
+                f"MegatronStep on the cpu backend runs on tensor_parallel × pipeline_parallel = {self.world_size} real ranks, "
+                f"but the process group has {have}; run it on every rank of a group of {self.world_size} (torchrun)"
+            )
+        return dist.get_rank() // self.tensor_parallel  # Megatron's order: tp fastest, then (dp = 1) pp
+
+    def _measure_here(self, rows: int, seq: int) -> MemoryMeasurement:
+        """Build this rank's stage fresh and measure its first step (NOTE [ A fresh Megatron model per measurement ])."""
+        from batchfit.models.megatron import build_gpt_model, megatron_cpu_patches, model_parallel
+        from batchfit.train.megatron_step import (
+            megatron_optimizer,
+            megatron_pipeline_step,
+            megatron_train_step,
+            synthetic_batch,
+        )
+
+        backend, real = self.backend, not self.backend.simulated
+        with model_parallel(self.tensor_parallel, self.pipeline_parallel), megatron_cpu_patches(), _rope_cache_cleared():
+            if real:
+                torch.manual_seed(self.seed)
+            with backend.context():
+                model = build_gpt_model(
+                    self.spec,
+                    tensor_parallel=self.tensor_parallel,
+                    pipeline_parallel=self.pipeline_parallel,
+                    sequence_parallel=self.sequence_parallel,
+                    dtype=self.dtype,
+                    initialise=real,
+                    gpt_args=self.gpt_args,
+                    **self.overrides,
+                )
+                optimizer = megatron_optimizer(model)
+                vocab = model.vocab_size
+                batches = [synthetic_batch(vocab, rows, seq, seed=i) for i in range(self.micro_batches)]
+            if self.pipeline_parallel == 1:
+                (batch,) = batches
+
+                def run() -> None:
+                    megatron_train_step(model, optimizer, batch)
+            else:
+
+                def run() -> None:
+                    megatron_pipeline_step(model, optimizer, batches)
+
+            return backend.measure(run, register=(model, optimizer, [b.tensors() for b in batches]))
+
+    def remedies(self) -> list[str | Phrase]:
+        """What would make a longer sequence fit under Megatron, leaving out what the layout already does."""
+        out: list[str | Phrase] = [Phrase("reduce ", Setting("max_seq_len"))]
+        out.append(Phrase("raise the tensor parallelism (", Setting("tensor_parallel", 2 * self.tensor_parallel), ")"))
+        if self.tensor_parallel > 1 and not self.sequence_parallel:
+            out.append(Phrase("split the activations over the tensor-parallel group (", Setting("sequence_parallel", True), ")"))
+        recompute = self.overrides.get("recompute_granularity")
+        if recompute is None:
+            out.append(Phrase("recompute the activations (", Setting("recompute_granularity", "selective"), ")"))
+        out.extend(GENERIC_REMEDIES[1:])
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """The layout as plain values (for a report)."""
+        return {
+            "tensor_parallel": self.tensor_parallel,
+            "pipeline_parallel": self.pipeline_parallel,
+            "sequence_parallel": self.sequence_parallel,
+            "micro_batches": self.micro_batches,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "stage_peaks": dict(self.stage_peaks),
+            "binding_stage": self.binding_stage,
+        }
+
+
+def _rows_and_length(lengths: Sequence[int]) -> tuple[int, int]:
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or not lengths:
+        raise InvalidArgument(
+            f"lengths must be a non-empty sequence of sequence lengths, but got lengths={lengths!r}; pass e.g. [4096, 4096]"
+        )
+    checked = [check_positive_int(f"lengths[{i}]", n) for i, n in enumerate(lengths)]
+    return len(checked), max(checked)  # NOTE [ Megatron micro-batches are padded rows ]
+
+
+@contextlib.contextmanager
+def _rope_cache_cleared() -> Iterator[None]:
+    """Clear Megatron's RoPE table cache on exit (NOTE [ A fresh Megatron model per measurement ])."""
+    try:
+        yield
+    finally:
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        RotaryEmbedding.forward.cache_clear()
+
+
+def stage_measurements(step: MegatronStep, lengths: Sequence[int]) -> dict[int, MemoryMeasurement]:
+    """Every stage's measurement of ``lengths`` on the estimate backend (for reports and referees).
+
+    Raises:
+        InvalidArgument: ``step`` is not on the estimate backend.
+    """
+    if not step.backend.simulated:
+        raise InvalidArgument("stage_measurements simulates every stage: it needs the estimate backend; on real ranks call step.measure on each")
+    from batchfit.models.megatron import simulated_rank
+
+    rows, seq = _rows_and_length(lengths)
+    out = {}
+    for stage in range(step.pipeline_parallel):
+        with simulated_rank(step.world_size, stage * step.tensor_parallel):
+            out[stage] = step._measure_here(rows, seq)
+    return out
+
+
+__all__ = ["MegatronStep", "stage_measurements"]
