@@ -123,11 +123,12 @@ class MegatronStep:
                 f"micro_batches={micro_batches} needs pipeline_parallel > 1 (one micro-batch is what a budget measures "
                 "without a pipeline: gradient accumulation holds one micro-batch's activations at a time); leave micro_batches unset"
             )
-        name = getattr(backend, "name", None)
-        if name not in ("estimate", "cpu"):
+        # NOTE [ Backends say what they can do ]: a tracked backend (simulated ranks, or real CPU ranks:
+        # the patches' device); Megatron on a GPU runs Transformer Engine and CUDA's RNG, not patched here
+        if backend.reads_device:
             raise InvalidArgument(
-                f"MegatronStep measures on the 'estimate' or the 'cpu' backend, but got backend={name!r}; "
-                "pass get_backend('estimate', ...) or get_backend('cpu', ...)"
+                f"MegatronStep measures with a tracking backend (simulated or real CPU ranks), but got one that reads "
+                f"the device's allocator ({backend!r}); pass get_backend('estimate', ...) or get_backend('cpu', ...)"
             )
         self.backend = backend
         backend.expect_world_size(self.world_size)  # its default reserve: what one rank of the layout holds untracked (NCCL)
