@@ -9,8 +9,10 @@ token budget for the layout:
 
     >>> from batchfit.budget import find_token_budget                                  # doctest: +SKIP
     >>> from batchfit.memory import get_backend                                        # doctest: +SKIP
-    >>> step = MegatronStep("tiny", tensor_parallel=2, backend=get_backend("estimate", memory_limit="64MiB"))  # doctest: +SKIP
-    >>> find_token_budget(step, max_seq_len=256, cost="padded").tokens                 # doctest: +SKIP
+    >>> backend = get_backend("estimate", memory_limit="24MiB", reserve_bytes=0)      # doctest: +SKIP
+    >>> step = MegatronStep("tiny", tensor_parallel=2, backend=backend, num_layers=2)  # doctest: +SKIP
+    >>> find_token_budget(step, max_seq_len=128, cost="padded").tokens                 # doctest: +SKIP
+    1280
 
 NOTE [ A fresh Megatron model per measurement ]
 Megatron makes two things on first use and keeps them: the RoPE table (``RotaryEmbedding.forward``

@@ -36,7 +36,9 @@ megatron-core 0.16.1 runs forward and backward on gloo CPU ranks after two patch
 ``GlobalMemoryBuffer.get_tensor``, the all-gather buffer of sequence parallelism, allocates on
 ``torch.cuda.current_device()`` (here on the CPU, the same reuse by name and dtype);
 ``CudaRNGStatesTracker.fork`` forks CUDA's generator around dropout in tensor-parallel regions
-(here a null context: every dropout of the presets is 0, so no random number is drawn under it).
+(here a null context: every dropout of the presets is 0, so no random number is drawn under it;
+a dropout above 0 draws from torch's CPU generator instead of a forked CUDA one, other values,
+the same bytes: ``benchmarks/megatron_referee.py`` runs with dropout 0.1).
 RoPE, which every preset uses, needs a third: ``RotaryEmbedding.forward`` moves ``inv_freq`` to
 ``torch.cuda.current_device()``, as the sequence-parallel gathers and scatters of
 ``tensor_parallel/mappings.py`` make their outputs there; inside the patches
