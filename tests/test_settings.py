@@ -116,13 +116,21 @@ def test_a_request_reads_the_memory_once_into_bytes():
     assert defaulted.memory_defaulted and defaulted.options.memory_limit == DEFAULT_ESTIMATE_TARGET
 
 
-def test_the_command_lines_json_is_the_librarys_document(capsys):
-    # the cpu backend runs the tiny model for real: the fastest profile there is
+def test_the_command_lines_json_is_the_librarys_document(capsys, monkeypatch):
+    # the command prints its answer's to_dict(), and a Python caller resolves the same request (the test above):
+    # the document a Python caller gets is the command's (one profile run, captured, not two)
+    from batchfit.frameworks.profile_request import ProfileRequest
+
+    answers = []
+    profile = ProfileRequest.profile
+    monkeypatch.setattr(ProfileRequest, "profile", lambda self, **kw: answers.append(profile(self, **kw)) or answers[-1])
     small = ["--model", "tiny", "--backend", "cpu", "--memory", "24MiB", "--max-seq-len", "64", "--no-progress"]
     assert main(["profile", *small, "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    answer = resolve_request(model="tiny", backend="cpu", memory_limit="24MiB", max_seq_len=64).profile()
-    assert printed == json.loads(json.dumps(answer.to_dict()))
+    assert printed == json.loads(json.dumps(answers[0].to_dict()))
+    assert printed["schema_version"] == 2 and printed["budget_provenance"] == "measured"
+    request = resolve_request(model="tiny", backend="cpu", memory_limit="24MiB", max_seq_len=64, progress=False)
+    assert request.options == answers[0].request.options
 
 
 @pytest.mark.slow  # a config's every pass: 15-35 s
