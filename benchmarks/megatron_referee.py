@@ -6,15 +6,18 @@ activations and dropout on: ``sbh(34 + 5as/h)`` without parallelism, ``sbh(10 + 
 with tensor parallelism, ``sbh(34/t + 5as/(ht))`` with tensor and sequence parallelism.
 
 The probe's figure is the difference of two depths (NOTE [ Per-layer activations from two depths ]):
-the activation bytes at the peak of :class:`batchfit.budget.megatron_probe.MegatronStep`'s first
+the activation bytes at the forward's peak of :class:`batchfit.budget.megatron_probe.MegatronStep`'s first
 step (estimate backend, the simulated world of ``t`` ranks) at 3 layers minus at 2.
 
 Run: ``python benchmarks/megatron_referee.py`` (about a minute; ``--json`` for the rows).
 
 NOTE [ Per-layer activations from two depths ]
-The step's peak is in the head's backward or at the end of the forward, where every layer's saved
-tensors are alive; the head, the embedding and the loss are the same at any depth, so the
-difference of two depths' activations at the peak is one layer's saved tensors. The probe counts
+The activations are read at the peak of the forward's head phase (``forward:head``, NOTE [ Phases
+and regions ]), where every layer's saved tensors are alive; the head, the embedding and the loss
+are the same at any depth, so the difference of two depths is one layer's saved tensors. The
+step's own peak is no place to read them: on a small model it can be the optimizer step, where no
+activation is left (tiny TP 2 + SP at 128 tokens: a difference of 0); at h = 2048 it is in the
+backward and gives the same difference as the head phase. The probe counts
 sequence parallelism's all-gather outputs under ``gathered_parameters`` and its reduce-scatter
 inputs under ``communication`` (the tracker's FSDP names for those collectives), so those two are
 added to ``activations``.
@@ -112,7 +115,7 @@ def table_overrides(softmax_in_fp32: bool) -> dict[str, Any]:
 
 def activation_bytes(measurement: Any) -> int:
     """Activations at the peak, sequence parallelism's collective buffers included (NOTE [ Per-layer activations from two depths ])."""
-    got = measurement.breakdown
+    got = measurement.phase_breakdowns.get("forward:head") or measurement.breakdown
     return sum(got.get(c, 0) for c in ("activations", "gathered_parameters", "communication"))
 
 

@@ -51,3 +51,52 @@ def test_megatrons_fp32_softmax_adds_two_bytes_per_score(referee, t, sp):
     fp32 = referee.measured_per_layer(t, sp, softmax_in_fp32=True, seq=S, batch=B, config=config)["per_layer"]
     # the fp32 probabilities softmax keeps for its backward: 4 instead of 2 bytes per score
     assert fp32 - half == 2 * A * S * S * B // t
+
+
+SMALL = {"hidden": 256, "heads": 4, "seq": 128, "vocab": 1024}
+
+
+def _small_per_layer(backend_name: str, t: int, sp: bool) -> int:
+    import sys
+
+    path = str(__import__("pathlib").Path(__file__).parents[1] / "benchmarks")
+    sys.path.insert(0, path)
+    try:
+        import megatron_referee
+    finally:
+        sys.path.remove(path)
+    import torch
+
+    from batchfit.budget.megatron_probe import MegatronStep
+    from batchfit.memory import get_backend
+
+    got = {}
+    for layers in (2, 3):
+        step = MegatronStep(
+            megatron_referee.referee_config(**SMALL),
+            tensor_parallel=t,
+            sequence_parallel=sp,
+            backend=get_backend(backend_name, reserve_bytes=0, round_to=1),
+            dtype=torch.bfloat16,
+            gpt_args={"position_embedding_type": "learned_absolute"},
+            num_layers=layers,
+            **megatron_referee.table_overrides(False),
+        )
+        got[layers] = megatron_referee.activation_bytes(step.measure([SMALL["seq"]]))
+    return got[3] - got[2]
+
+
+def _real_rank(rank: int, layouts: tuple[tuple[int, bool], ...]) -> list[int]:
+    return [_small_per_layer("cpu", t, sp) for t, sp in layouts]
+
+
+def test_real_ranks_with_dropout_keep_what_the_estimate_and_the_table_say(referee):
+    from multirank import run_ranks
+
+    layouts = ((2, False), (2, True))
+    real = run_ranks(_real_rank, layouts, world=2, timeout=300)  # real bf16 dropout on 2 gloo ranks
+    s, h, a = SMALL["seq"], SMALL["hidden"], SMALL["heads"]
+    for index, (t, sp) in enumerate(layouts):
+        estimate = _small_per_layer("estimate", t, sp)
+        assert real[0][index] == real[1][index] == estimate
+        assert estimate - referee.table_bytes(s, 1, h, a, t, sp) == 2 * 2 * s * 2 // (t if sp else 1)
