@@ -524,6 +524,7 @@ def _rank_worker(rank: int) -> tuple:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_two_ranks_with_different_memory_agree_and_never_wait_on_each_other():
     # one spawn, three scenarios: different limits, an error on one rank, nothing fits on one rank
     got = run_ranks(_rank_worker)

@@ -29,6 +29,7 @@ FAST = [
 ]
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_default_run_answers_a_7b_fsdp2_node(capsys):
     # the main job: qwen2.5-7b at 8192 on 8 simulated h100-80gb ranks, fsdp2, checkpointing
     assert main(["profile", "--no-progress"]) == 0
@@ -285,6 +286,7 @@ def test_a_json_does_not_fit_error_carries_the_breakdown_limit_reserve_and_flags
     assert error["world_size_hint"] is None  # the cpu backend looks for none
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_a_two_role_json_names_each_budget_once_beside_its_breakdown(capsys):
     # tiny at 64 tokens, one unsharded 64 MiB device, no reserve: the update and the old-log-prob pass
     argv = ["profile", "--model", "tiny", "--max-seq-len", "64", "--backend", "estimate", "--memory", "64MiB"]

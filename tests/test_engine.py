@@ -262,6 +262,7 @@ def test_every_pass_is_profiled_with_the_configs_engine_and_engine_reserve_repla
     assert recorder.engines[1].given_bytes == 0
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_an_engine_lowers_the_usable_memory_by_its_bytes_and_nothing_else():
     engine = EngineReserve(context_bytes=8 * MiB)
     settings = dict(max_seq_len=32, backend="estimate", memory_limit="64MiB", reserve_bytes=0)
@@ -344,6 +345,7 @@ def test_engine_reserve_given_to_a_model_profile_is_taken_off_and_named():
     assert terms["usable"] == p.combined.usable_bytes == 64 * MiB - 8 * MiB
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_a_calibrated_profile_assumes_the_allocator_its_runs_had(tmp_path, capsys):
     from batchfit.memory.calibration import Calibration
 

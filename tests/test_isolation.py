@@ -315,6 +315,7 @@ def test_gradient_accumulation_state_from_before_the_probe_is_kept():
         assert _figures(backend.measure(forward_backward, register=(model, optimizer))) == _figures(first)
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_without_reset_iter_state_the_reset_by_hand_gives_the_same_figures(monkeypatch):
     from torch.distributed.fsdp import FSDPModule
 

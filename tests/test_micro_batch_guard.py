@@ -598,6 +598,7 @@ def _check_ddp(scenarios: list[Scenario], results: dict) -> None:
         assert_same(zero["got"], one["got"], atol=0)  # and the ranks agree, to the bit
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_two_ddp_ranks_recover_from_an_out_of_memory_on_one_rank_and_end_as_the_lower_budget_run():
     from multirank import run_ranks
 

@@ -142,6 +142,7 @@ def test_a_sequence_above_the_whole_device_still_gets_its_whole_breakdown_from_t
     assert sum(info.value.breakdown.values()) == info.value.needed == 39_885_312
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_activations_that_never_fit_say_no_world_size_helps(wide):
     # 4,096 tokens of a 16k vocabulary: fp32 logits and log-softmax alone exceed 60 MiB
     with pytest.raises(DoesNotFitError, match=r"no fsdp2 world size up to 4096 fits it either") as info:
@@ -149,6 +150,7 @@ def test_activations_that_never_fit_say_no_world_size_helps(wide):
     assert info.value.world_size_hint is None
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_a_cpu_profile_confirms_the_estimate_with_two_real_steps_per_length(one_thread, monkeypatch):
     # the estimate predicts the cpu run to the byte: the longest length costs the predicted size
     # (measured to fit) and the size above (measured not to), the answer of an unguided search;
