@@ -439,6 +439,7 @@ def test_the_phase_guess_is_the_phase_that_reaches_the_limit_first():
 # --------------------------------------------------------------------------- profile_model: one call, a model object
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_one_call_gives_the_training_and_the_forward_only_budget_of_a_module():
     import dataclasses
 

@@ -271,6 +271,7 @@ def test_one_sequence_that_does_not_fit_exits_1_with_its_breakdown_and_the_flags
         assert keyword not in err  # NOTE [ Messages in the caller's vocabulary ]: flags only
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_a_json_does_not_fit_error_carries_the_breakdown_limit_reserve_and_flags(capsys):
     assert main([*TOO_LONG, "--json"]) == 1
     out, err = capsys.readouterr()

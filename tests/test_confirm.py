@@ -105,6 +105,7 @@ def test_confirm_json_schema(cpu_confirm):
     assert data["calibration"]["path"] == str(path) and data["calibration"]["written"] is True
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_confirm_table_shows_the_estimate_first_then_each_category(capsys):
     assert main(["profile", *CPU, "--confirm"]) == 0
     out = capsys.readouterr().out

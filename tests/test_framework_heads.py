@@ -164,6 +164,7 @@ def _train_peak(head) -> int:
     return step.measure([600, 600]).peak_bytes
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_the_kernel_head_holds_less_than_a_log_softmax_and_entropy_costs_memory():
     peaks = {name: _train_peak(head) for name, head in (("full", "full"), *HEADS.items())}
     # the logits and a kernel's [n] outputs, its gradient in place: less than a log-softmax and its gradient

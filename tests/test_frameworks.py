@@ -120,6 +120,7 @@ def test_skyrl_config_gives_skyrls_plan_with_the_critics_own_placement():
     accumulation=st.integers(1, 4),
     epochs=st.integers(1, 3),
 )
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_one_configuration_spelt_three_ways_gives_one_plan(dp, n, steps, per_gpu_micro, accumulation, epochs):
     # mini × n splits over dp with a whole number of micro-batches: no framework pads or floors
     per_gpu = per_gpu_micro * accumulation

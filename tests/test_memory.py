@@ -319,6 +319,7 @@ def test_estimate_keeps_sdpa_causal_and_restores_transformers():
     assert mu.find_packed_sequence_indices is original
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_estimate_allocates_nothing_for_a_large_model():
     backend = EstimateBackend(memory_limit="h100-80gb", round_to=1)
     step = causal_lm_step(build_causal_lm("qwen2.5-0.5b", backend=backend, dtype="bf16"), backend=backend)

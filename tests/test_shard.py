@@ -84,6 +84,7 @@ def test_estimate_equals_the_largest_real_gloo_rank_to_the_byte(world, names):
         assert real[0]["fsdp2-critic"][0] > real[world - 1]["fsdp2-critic"][0]
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_sharded_state_is_one_nth_and_ddp_adds_buckets_to_a_replica():
     # tiny: 223,552 parameters (fp32 894,208 bytes), 64 = 16 × 4 ranks... each tensor splits evenly
     be = get_backend("estimate", round_to=1, reserve_bytes=0)

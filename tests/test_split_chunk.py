@@ -33,6 +33,7 @@ def test_a_chunk_of_the_full_budget_runs_over_it_and_the_measured_chunk_fits(pro
     assert split_peak(step, longest, chunk) <= budget.limit_bytes < split_peak(step, longest, chunk + 1)
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_a_sequence_whose_kv_alone_is_over_the_limit_is_refused_in_one_line(probe):
     step, budget = probe
     with pytest.raises(BudgetError, match=r"^a sequence of 64 tokens cannot run in chunks within 1,048,576 bytes: even passes of 2") as info:

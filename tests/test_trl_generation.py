@@ -184,6 +184,7 @@ def test_the_trainer_keeps_parameters_and_optimizer_state_but_no_gradients_while
     assert resident_bytes(issue_profile()) == 16_564_069_376
 
 
+@pytest.mark.slow  # the first tier's time (issue 41): a fast test of the same capability stays
 def test_the_issues_generation_batch_is_refused_with_both_figures_and_what_fits():
     # 64 rows: KV at 512 + 3584 - 1 = 4,095 positions = 64 × 4,095 × 131,072 B = 31.99 GiB, beside 15.43 GiB of state
     with pytest.raises(DoesNotFitError, match=(
