@@ -195,7 +195,7 @@ def test_policy_and_critic_are_combined_by_the_smaller(capsys, tmp_path):
         pytest.param(["--cost", "pad"], "did you mean 'padded'", id="bad-cost"),
         pytest.param(["--dtype", "int8"], "dtype must be", id="bad-dtype"),
         pytest.param(["--world-size", "0"], "--world-size must be an integer >= 1, but got --world-size=0", id="zero-world"),
-        pytest.param(["--sharding", "fsdp"], "--sharding must be one of 'none', 'ddp', 'fsdp1', 'fsdp2', 'zero1', 'zero2', but got --sharding='fsdp'; did you mean 'fsdp2'?", id="unknown-strategy"),
+        pytest.param(["--sharding", "fsdp"], "--sharding must be one of 'none', 'ddp', 'fsdp1', 'fsdp2', 'zero1', 'zero2', 'megatron', but got --sharding='fsdp'; did you mean 'fsdp2'?", id="unknown-strategy"),
         pytest.param(["--sharding", "ddp", "--offload", "cpu"], "--offload cpu needs --sharding fsdp1 or fsdp2", id="offload-without-fsdp2"),
         pytest.param(["--mixed-precision", "fp8"], "--mixed-precision must be one of 'bf16', 'none', but got --mixed-precision fp8", id="bad-precision"),
         pytest.param(

@@ -45,7 +45,7 @@ def test_describe_names_every_memory_option():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        pytest.param({"strategy": "fsdp"}, r"sharding must be one of 'none', 'ddp', 'fsdp1', 'fsdp2', 'zero1', 'zero2', but got sharding='fsdp'; did you mean 'fsdp2'\?", id="unknown-strategy"),
+        pytest.param({"strategy": "fsdp"}, r"sharding must be one of 'none', 'ddp', 'fsdp1', 'fsdp2', 'zero1', 'zero2', 'megatron', but got sharding='fsdp'; did you mean 'fsdp2'\?", id="unknown-strategy"),
         pytest.param({"world_size": 0}, r"world_size must be an integer >= 1, but got world_size=0", id="zero-world"),
         pytest.param({"world_size": True}, r"world_size", id="bool-world"),
         pytest.param({"strategy": "ddp", "world_size": 2, "offload": "cpu"}, r"offload='cpu' needs strategy='fsdp1' or 'fsdp2'", id="offload-without-fsdp2"),
@@ -88,3 +88,32 @@ def test_sequence_parallel_splits_the_world_into_data_parallel_groups():
 def test_sequence_parallel_is_refused_where_it_cannot_split(kwargs, message):
     with pytest.raises(InvalidArgument, match=message):
         Sharding(kwargs.pop("strategy"), **kwargs)
+
+
+def test_megatron_lays_out_tensor_pipeline_and_data_parallel_ranks():
+    s = Sharding("megatron", world_size=8, tensor_parallel=2, pipeline_parallel=2, megatron_sequence_parallel=True,
+                 distributed_optimizer=True)
+    assert (s.data_parallel_size, s.model_parallel_size, s.distributed, s.shards_state) == (2, 4, True, False)
+    assert s.describe() == "megatron over 8 ranks (tensor 2 × pipeline 2 × data 2, sequence parallel, distributed optimizer)"
+    assert {k: s.to_dict()[k] for k in ("tensor_parallel", "pipeline_parallel", "data_parallel")} == {
+        "tensor_parallel": 2, "pipeline_parallel": 2, "data_parallel": 2}
+    # Megatron-LM turns sequence parallelism off without tensor parallelism (arguments.py)
+    assert Sharding("megatron", world_size=4, megatron_sequence_parallel=True).megatron_sequence_parallel is False
+    assert "tensor_parallel" not in Sharding("fsdp2", world_size=8).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"strategy": "fsdp2", "tensor_parallel": 2}, "tensor_parallel=2 is Megatron's and needs strategy='megatron'"),
+        ({"strategy": "zero2", "distributed_optimizer": True}, "distributed_optimizer=True is Megatron's"),
+        ({"strategy": "megatron", "world_size": 6, "tensor_parallel": 4},
+         r"tensor_parallel × pipeline_parallel = 4 × 1 = 4 must divide world_size=6"),
+        ({"strategy": "megatron", "pipeline_parallel": 0}, "pipeline_parallel must be"),
+        ({"strategy": "megatron", "distributed_optimizer": "yes"}, "distributed_optimizer must be True or False"),
+    ],
+    ids=["tp-under-fsdp2", "dist-opt-under-zero", "world-not-divided", "pp-zero", "not-a-bool"],
+)
+def test_bad_megatron_layout_names_the_field_and_the_fix(kwargs, message):
+    with pytest.raises(InvalidArgument, match=message):
+        Sharding(**kwargs)

@@ -18,7 +18,7 @@ from batchfit.parallel.strategies import (
 
 
 def test_every_strategy_is_registered_once_in_the_order_messages_list_them():
-    assert strategy_names() == ("none", "ddp", "fsdp1", "fsdp2", "zero1", "zero2")
+    assert strategy_names() == ("none", "ddp", "fsdp1", "fsdp2", "zero1", "zero2", "megatron")
     assert all(get_strategy(n).name == n for n in strategy_names())
 
 
@@ -29,7 +29,7 @@ def test_registering_a_name_twice_is_refused():
 
 
 def test_an_unknown_name_is_refused_with_the_names_and_the_closest():
-    with pytest.raises(InvalidArgument, match=r"one of none, ddp, fsdp1, fsdp2, zero1, zero2, but got sharding='fsdp3' \(did you mean 'fsdp2'\?\)"):
+    with pytest.raises(InvalidArgument, match=r"one of none, ddp, fsdp1, fsdp2, zero1, zero2, megatron, but got sharding='fsdp3' \(did you mean 'fsdp2'\?\)"):
         get_strategy("fsdp3")
     with pytest.raises(InvalidArgument, match=r"but got sharding=3$"):
         get_strategy(3)  # type: ignore[arg-type]
@@ -69,20 +69,27 @@ def test_the_specs_say_what_each_strategy_does():
     assert [n for n in strategy_names() if get_strategy(n).warmup_steps] == ["ddp"]
     assert scale_out_strategy().name == "fsdp2"
     # the smallest-world search grows fsdp2's own world; from any other strategy it starts at one rank
-    assert [get_strategy(n).search_start(8) for n in strategy_names()] == [1, 1, 1, 8, 1, 1]
+    assert [get_strategy(n).search_start(8) for n in strategy_names()] == [1, 1, 1, 8, 1, 1, 1]
     assert [n for n in strategy_names() if not get_strategy(n).distributed] == ["none"]
+    # Megatron splits layers over tensor and pipeline ranks and brings its own probe (its own GPTModel)
+    assert [n for n in strategy_names() if get_strategy(n).model_parallel] == ["megatron"]
+    assert [n for n in strategy_names() if get_strategy(n).profile] == ["megatron"]
 
 
-def test_each_distributed_strategy_names_a_wrap_function_and_none_leaves_a_model_alone():
+def test_each_distributed_strategy_names_a_wrap_function_or_its_own_profile_and_none_leaves_a_model_alone():
     assert get_strategy("none").wrapper() is None
     for name in strategy_names()[1:]:
-        assert callable(get_strategy(name).wrapper()), name
+        spec = get_strategy(name)
+        if spec.profile:
+            assert spec.wrapper() is None and callable(spec.profiler().profile_model), name
+        else:
+            assert callable(spec.wrapper()), name
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"distributed": True, "wrap": ""}, "needs its wrap function"),
+        ({"distributed": True, "wrap": ""}, "needs its wrap function or its own profile"),
         ({"group": "none", "wrap": "m:f"}, "group must be 'world' when it is distributed"),
         ({"group": "ranks", "wrap": "m:f"}, "group='ranks'"),
         ({"distributed": False}, "group='world' with distributed=False"),

@@ -85,7 +85,7 @@ class Choices(Mapping[str, Any]):
         sharding = {k: v for k, v in self._values.items() if k in SHARDING_FIELDS}
         if "strategy" in sharding:
             sharding["strategy"] = check_choice(name(Setting("sharding")), sharding["strategy"], STRATEGIES)
-        for key in ("world_size", "sequence_parallel"):
+        for key in ("world_size", "sequence_parallel", "tensor_parallel", "pipeline_parallel"):
             if key in sharding:
                 sharding[key] = check_positive_int(name(Setting(key)), sharding[key])
         # what was chosen (max_seq_len has no default: a missing one is named by ProfileOptions)

@@ -22,6 +22,7 @@ from typing import Any
 from batchfit.budget.budget_search import find_token_budget
 from batchfit.budget.depth import DEFAULT_DEPTHS, uniform_layers
 from batchfit.budget.engine import EngineReserve, given_engine_reserve
+from batchfit.budget.megatron_layout import MegatronLayout
 from batchfit.budget.options import ProfileOptions
 from batchfit.budget.remedies import Candidate
 from batchfit.budget.token_budget import TokenBudget
@@ -137,6 +138,7 @@ class ModelProfile:
     engine: EngineReserve | None = None
     allocator: str = "expandable_segments"
     safety_margin: float = 0.85
+    megatron: MegatronLayout | None = None
 
     @property
     def engine_bytes(self) -> int:
@@ -208,6 +210,7 @@ class ModelProfile:
             "activation_offload": self.activation_offload,
             "moe": None if self.moe is None else self.moe.to_dict(),
             "attention": None if self.attention is None else self.attention.to_dict(),
+            "megatron": None if self.megatron is None else self.megatron.to_dict(),
         }
         # NOTE [ A group's budget ]
         # Under sequence parallelism (sharding.sequence_parallel = sp > 1) the probe runs one rank's
@@ -355,6 +358,9 @@ def profile_model(
         extra = [f"{r}_forward" for r in chosen_roles if r in TRAINED_ROLES]
         chosen_roles = tuple(dict.fromkeys([*chosen_roles, *extra]))
     plan = opts.sharding
+    own = plan.spec.profiler()
+    if own is not None:  # a strategy that builds its own model (Megatron-core's GPTModel)
+        return own.profile_model(model, opts, roles=chosen_roles, resident_bytes=resident_bytes, engine=engine)
     torch_dtype = parse_dtype(default_dtype(plan) if opts.dtype is None else opts.dtype)
     config = load_config(model)  # a bad spec fails here, before any backend work
     be = get_backend(opts.backend, memory_limit=opts.memory_limit, reserve_bytes=opts.reserve_bytes)
@@ -364,7 +370,7 @@ def profile_model(
     if opts.engine_reserve is not None:
         engine = given_engine_reserve(opts.engine_reserve)
     if resident_bytes or (engine is not None and engine.bytes):
-        _take_resident(be, resident_bytes, engine)
+        take_resident(be, resident_bytes, engine)
     parameters = check_host_memory(config, model_name(model)) if be.host_memory else 0
     behaviours = torch_behaviours() if plan.spec.torch_behaviours else None  # before any simulated world
     adapters = None
@@ -568,7 +574,7 @@ def _collect(backend: Backend) -> None:
         gc.collect()
 
 
-def _take_resident(backend: Backend, resident: int, engine: EngineReserve | None = None) -> None:
+def take_resident(backend: Backend, resident: int, engine: EngineReserve | None = None) -> None:
     """Count ``resident`` bytes (other models' state on the device) and the sleeping engine's like the reserve."""
     from batchfit.memory import format_bytes
 
@@ -619,6 +625,9 @@ def resident_state_bytes(
 
     check_choice("role", role, ROLES)
     plan = options.sharding
+    own = plan.spec.profiler()
+    if own is not None:  # a strategy that builds its own model
+        return own.resident_state_bytes(model, role, options, kinds=kinds)
     torch_dtype = parse_dtype(default_dtype(plan) if options.dtype is None else options.dtype)
     config = load_config(model)
     be = get_backend(options.backend, memory_limit=options.memory_limit, reserve_bytes=0)

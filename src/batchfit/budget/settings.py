@@ -153,11 +153,12 @@ def _rows() -> Iterator[ProfileSetting]:
     yield s("world_size", "--world-size", "sharding", "int", metavar="N", help=(
         f"data-parallel ranks: simulated with --backend estimate (default {DEFAULT_ESTIMATE_WORLD_SIZE}); with "
         "cpu/cuda the torchrun group's size (the default)"))
-    yield s("sharding", "--sharding", "sharding", "str", field="strategy", metavar="none|ddp|fsdp1|fsdp2|zero1|zero2",
+    yield s("sharding", "--sharding", "sharding", "str", field="strategy", metavar="none|ddp|fsdp1|fsdp2|zero1|zero2|megatron",
             help=(
         "how the model is spread over the ranks (default fsdp2 when estimating or under torchrun, else none; "
         "fsdp1: FullyShardedDataParallel as verl's strategy fsdp wraps it; zero1/zero2: DeepSpeed ZeRO-1/2, "
-        "parameters replicated, optimizer state (zero2: and gradients) partitioned)"))
+        "parameters replicated, optimizer state (zero2: and gradients) partitioned; megatron: Megatron-core's "
+        "GPTModel over --tensor-parallel × --pipeline-parallel, docs/megatron.md)"))
     yield s("reshard_after_forward", "--no-reshard-after-forward", "sharding", "off", said=False,
             help="fsdp2: keep every layer's gathered parameters from forward to backward")
     yield s("mixed_precision", "--mixed-precision", "sharding", "str", metavar="bf16|none", help=(
@@ -167,6 +168,18 @@ def _rows() -> Iterator[ProfileSetting]:
     yield s("sequence_parallel", "--sequence-parallel", "sharding", "int", metavar="N", help=(
         "Ulysses sequence parallelism: each packed micro-batch split over N ranks (divides --world-size; fsdp1/fsdp2; "
         "default 1, or the config's ulysses_sequence_parallel_size / sequence_parallel_size)"))
+    yield s("tensor_parallel", "--tensor-parallel", "sharding", "int", metavar="N", help=(
+        "--sharding megatron: Megatron's tensor-parallel group size (each layer split N ways; default 1, or the "
+        "config's tensor_model_parallel_size)"))
+    yield s("pipeline_parallel", "--pipeline-parallel", "sharding", "int", metavar="N", help=(
+        "--sharding megatron: pipeline stages (1F1B; the stage that binds is reported; default 1, or the config's "
+        "pipeline_model_parallel_size); data parallel = --world-size / (tensor × pipeline)"))
+    yield s("megatron_sequence_parallel", "--megatron-sequence-parallel", "sharding", "bool", help=(
+        "--sharding megatron: Megatron's sequence parallelism, the activations outside attention split over the "
+        "tensor-parallel group (default off, or the config's sequence_parallel)"))
+    yield s("distributed_optimizer", "--distributed-optimizer", "sharding", "bool", help=(
+        "--sharding megatron: the optimizer state sharded over data parallel (use_distributed_optimizer; default "
+        "off, or the config's)"))
     yield s("context_parallel", "--context-parallel", "request", "int", metavar="N", said=False, help=(
         "ring attention over N ranks: refused above 1 (PyTorch's context_parallel has no CPU sharding strategy "
         "for sdpa and no packed rows); use --sequence-parallel"))

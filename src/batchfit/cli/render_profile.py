@@ -48,6 +48,8 @@ def render_profile(console: Any, profile: Any, request: ProfileRequest) -> None:
         if line:
             console.print(line, highlight=False)
     console.print(f"sharding: {profile.sharding.describe()}", highlight=False)
+    if profile.megatron is not None:
+        console.print(f"megatron: {profile.megatron.describe()}", highlight=False)
     if profile.torch is not None:
         for b in profile.torch.behaviours:
             console.print(

@@ -327,6 +327,10 @@ class _Resolver:
             mixed_precision=v["mixed_precision"],
             offload=v["offload"],
             sequence_parallel=v["sequence_parallel"],
+            tensor_parallel=v["tensor_parallel"],
+            pipeline_parallel=v["pipeline_parallel"],
+            megatron_sequence_parallel=v["megatron_sequence_parallel"],
+            distributed_optimizer=v["distributed_optimizer"],
             allocator=v["allocator"] if limits is None else self._calibrated_allocator(limits),
             engine_reserve=v["engine_reserve"],
         )

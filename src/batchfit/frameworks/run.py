@@ -110,6 +110,11 @@ class RunConfig:
             (:data:`~batchfit.memory.cuda_untracked.ALLOCATORS`), or ``None`` when it does not say.
         optimizer_offload: the trained models' optimizer state leaves the device outside their
             update (verl's ``optimizer_offload``): their forward-only passes run without it.
+        megatron_sequence_parallel: under ``strategy="megatron"``, Megatron's sequence parallelism
+            (activations outside attention split over the tensor-parallel group: slime's
+            ``--sequence-parallel``, verl's ``megatron.sequence_parallel``).
+        distributed_optimizer: under ``strategy="megatron"``, the optimizer state sharded over data
+            parallel (``--use-distributed-optimizer``, ``megatron.use_distributed_optimizer``).
         faults: the framework's own rules that the config breaks (beyond the batch plan's).
         warnings: what the config sets that batchfit does not model or the framework would
             refuse outside its batch rules (keys not in the framework's schema, settings that
@@ -158,6 +163,8 @@ class RunConfig:
     engine: RolloutEngine | None = None
     allocator: str | None = None
     optimizer_offload: bool = False
+    megatron_sequence_parallel: bool = False
+    distributed_optimizer: bool = False
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()

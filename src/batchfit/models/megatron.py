@@ -60,6 +60,31 @@ function mode turns a CUDA device given to any torch function into the CPU, and
 ``LanguageModule.setup_embeddings_and_output_layer``), a mode scoped to the block, not a patch; and the exchange of tensor shapes between stages (``variable_seq_lengths``,
 which mbridge sets, as verl runs) calls ``torch.cuda.synchronize()`` after its ``isend``/``irecv``
 (``P2PCommunicator._communicate_shapes``): a no-op here, where every op is synchronous.
+
+NOTE [ Megatron's DDP and optimizer on CPU ranks ]
+Megatron-core 0.16.1's own ``DistributedDataParallel`` and ``get_megatron_optimizer`` (what
+:func:`batchfit.train.megatron_step.megatron_optimizer` builds) run on gloo CPU ranks and under
+the fake process group with three more changes, besides ``device='cuda'`` turned into the CPU
+(``found_inf``, ``_scale_one``, ``_dummy_overflow_buf``: ``optimizer/optimizer.py`` l. 473–485,
+907) and ``torch.cuda.current_device()`` (the grad and param buffers, ``param_and_grad_buffer.py``
+l. 797–806):
+- ``Tensor.type()`` names CUDA's type: ``Float16OptimizerWithFloat16Params`` and
+  ``DistributedOptimizer`` sort parameters by ``param.type() in ['torch.cuda.HalfTensor',
+  'torch.cuda.BFloat16Tensor']`` (``optimizer/optimizer.py`` l. 671, ``distrib_optimizer.py``
+  l. 361, 582) and refuse any other; inside the patches a ``Tensor.type()`` without arguments
+  returns ``torch.cuda.BFloat16Tensor`` for a CPU bf16 tensor (the torch function mode);
+- ``torch.distributed.all_gather_object`` under the fake process group gives every rank this
+  rank's object: ``_get_param_groups`` gathers the parameter-group keys of every rank
+  (``optimizer/__init__.py`` l. 181) through a tensor it reads back with ``.numpy()``, which a
+  fake tensor has not; dense model-parallel ranks hold the same keys. Real ranks gather;
+- ``_coalescing_manager`` in ``param_and_grad_buffer.py`` (l. 274, 433) runs each collective as
+  it is called: the fake process group has no coalesced all-reduce
+  (``c10d.allreduce_coalesced_`` has no fake kernel), and NCCL's coalescing only batches kernel
+  launches (no buffer of its own). Only the synchronous collectives are supported
+  (``overlap_grad_reduce`` and ``overlap_param_gather`` off, Megatron's defaults).
+The gradient all-reduce, reduce-scatter (distributed optimizer) and the parameter all-gather
+after the step then run on gloo, and on fake tensors under the fake group.
+
 NOTE [ Dropout as CUDA runs it ]
 ATen's ``dropout`` takes its fused path, ``native_dropout``, only on CUDA (and XPU, lazy and
 private-use devices: ``is_fused_kernel_acceptable`` in ``aten/src/ATen/native/Dropout.cpp``); it
@@ -157,10 +182,22 @@ def _torch_norm() -> Any:
     return WrappedTorchNorm
 
 
+def _param_and_grad_buffer() -> Any:
+    from megatron.core.distributed import param_and_grad_buffer
+
+    return param_and_grad_buffer
+
+
 def _rng_tracker() -> Any:
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
     return CudaRNGStatesTracker
+
+
+def _megatron_random() -> Any:
+    from megatron.core.tensor_parallel import random
+
+    return random
 
 
 _BUFFER_ON_CPU = AttributePatch(_global_memory_buffer, "get_tensor", lazy=True)
@@ -168,6 +205,12 @@ _NO_CUDA_FORK = AttributePatch(_rng_tracker, "fork", lazy=True)
 _CURRENT_DEVICE_IS_CPU = AttributePatch(lambda: torch.cuda, "current_device")
 _NORM_UNDER_SEQUENCE_PARALLEL = AttributePatch(_torch_norm, "__new__", lazy=True)
 _NO_CUDA_SYNCHRONIZE = AttributePatch(lambda: torch.cuda, "synchronize")
+# NOTE [ Megatron's DDP and optimizer on CPU ranks ]
+_OBJECTS_GATHERED_WHEN_SIMULATED = AttributePatch(lambda: torch.distributed, "all_gather_object")
+_NO_COALESCING = AttributePatch(_param_and_grad_buffer, "_coalescing_manager", lazy=True)
+# recomputation (tensor_parallel.random.CheckpointFunction) saves and restores the RNG states around each layer
+_NO_CUDA_RNG_STATE = AttributePatch(_megatron_random, "_get_cuda_rng_state", lazy=True)
+_NO_CUDA_RNG_RESTORE = AttributePatch(_megatron_random, "_set_cuda_rng_state", lazy=True)
 
 
 @_BUFFER_ON_CPU.bind
@@ -179,6 +222,18 @@ def _get_tensor_on_cpu(self: Any, tensor_shape: Any, dtype: torch.dtype, name: s
         with (mem_alloc_context or contextlib.nullcontext)():
             self.buffer[(name, dtype)] = torch.empty(required, dtype=dtype, device="cpu", requires_grad=False)
     return self.buffer[(name, dtype)][0:required].view(*tensor_shape)
+
+
+@_NO_CUDA_RNG_STATE.bind
+def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    """No CUDA generator to save before a recomputed layer: dropout draws from torch's CPU generator (the fork is null)."""
+    return None
+
+
+@_NO_CUDA_RNG_RESTORE.bind
+def _no_cuda_rng_restore(*args: Any, **kwargs: Any) -> None:
+    """Nothing to restore (:func:`_no_cuda_rng_state`); the CPU generator's state is restored by Megatron itself."""
+    return None
 
 
 @_NO_CUDA_FORK.bind
@@ -197,6 +252,30 @@ def _cpu_device() -> torch.device:
 def _synchronize_nothing(device: Any = None) -> None:
     """``torch.cuda.synchronize()`` inside :func:`megatron_cpu_patches`: nothing to wait for (NOTE [ Megatron on CPU ranks ])."""
     return None
+
+
+@_OBJECTS_GATHERED_WHEN_SIMULATED.bind
+def _all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+    """``torch.distributed.all_gather_object``; under the fake process group every rank's object is this rank's (NOTE [ Megatron's DDP and optimizer on CPU ranks ])."""
+    from batchfit.parallel.distributed import is_simulated
+
+    if not is_simulated(group):
+        return _OBJECTS_GATHERED_WHEN_SIMULATED.call_below(object_list, obj, group=group)
+    for i in range(len(object_list)):
+        object_list[i] = obj
+    return None
+
+
+@_NO_COALESCING.bind
+@contextlib.contextmanager
+def _collectives_one_by_one(group: Any = None, device: Any = None, async_ops: bool = False) -> Iterator[None]:
+    """``torch.distributed._coalescing_manager`` for Megatron's grad buffers: each collective runs as it is called (NOTE [ Megatron's DDP and optimizer on CPU ranks ])."""
+    if async_ops:
+        raise InvalidArgument(
+            "Megatron's gradient and parameter collectives run synchronously on CPU ranks, but got async_ops=True "
+            "(overlap_grad_reduce or overlap_param_gather); leave DistributedDataParallelConfig's overlap options off"
+        )
+    yield None
 
 
 @_NORM_UNDER_SEQUENCE_PARALLEL.bind
@@ -228,6 +307,11 @@ def _names_cuda(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)  # an index is a CUDA device
 
 
+def _cuda_type_name(name: str) -> str:
+    """``Tensor.type()``'s name of the same tensor on CUDA (``torch.BFloat16Tensor`` → ``torch.cuda.BFloat16Tensor``)."""
+    return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+
 def _dropout_as_cuda_runs_it(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
     """``F.dropout`` through ``torch.native_dropout``, as ATen runs it on CUDA (NOTE [ Dropout as CUDA runs it ])."""
     if not training or p == 0 or inplace or not 0 < p < 1 or input.numel() == 0:
@@ -236,12 +320,14 @@ def _dropout_as_cuda_runs_it(input: torch.Tensor, p: float = 0.5, training: bool
 
 
 class _CudaFactoriesOnCpu(TorchFunctionMode):
-    """``device="cuda"`` (or a CUDA index) given to a torch function becomes the CPU, ``Tensor.cuda()`` keeps the tensor (NOTE [ Megatron on CPU ranks ])."""
+    """``device="cuda"`` (or a CUDA index) given to a torch function becomes the CPU, ``Tensor.cuda()`` keeps the tensor, ``Tensor.type()`` names CUDA's type (NOTE [ Megatron on CPU ranks ])."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:  # the tied embedding's copy on the last pipeline stage
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # Megatron's optimizers ask for CUDA types
+            return _cuda_type_name(func(*args))
         if func is torch.nn.functional.dropout:
             return _dropout_as_cuda_runs_it(*args, **kwargs)
         if _names_cuda(kwargs.get("device")):
@@ -259,6 +345,10 @@ def megatron_cpu_patches() -> Iterator[None]:
         _CURRENT_DEVICE_IS_CPU.active(),
         _NORM_UNDER_SEQUENCE_PARALLEL.active(),
         _NO_CUDA_SYNCHRONIZE.active(),
+        _OBJECTS_GATHERED_WHEN_SIMULATED.active(),
+        _NO_COALESCING.active(),
+        _NO_CUDA_RNG_STATE.active(),
+        _NO_CUDA_RNG_RESTORE.active(),
         _CudaFactoriesOnCpu(),
     ):
         yield
@@ -446,7 +536,9 @@ def build_gpt_model(
             path draws the full matrix and slices this rank's shard); ``False`` leaves them
             empty (for counting, or under a meta or fake device).
         gpt_args: ``GPTModel`` arguments to set over :func:`gpt_model_args`'s
-            (``{"position_embedding_type": "learned_absolute"}``, as Korthikanti et al.'s GPT).
+            (``{"position_embedding_type": "learned_absolute"}``, as Korthikanti et al.'s GPT);
+            ``transformer_layer_spec`` may be a function of the ``TransformerConfig``
+            (:func:`batchfit.models.megatron_attention.layer_spec`), default Megatron's local spec.
 
     Raises:
         InvalidArgument: as :func:`transformer_config`; Megatron's parallel state not initialised
@@ -479,7 +571,11 @@ def build_gpt_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    layer_spec = args.pop("transformer_layer_spec", None)  # a ModuleSpec, or a function of the config making one
+    if layer_spec is None:
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    elif callable(layer_spec):
+        layer_spec = layer_spec(config)
     default = torch.get_default_dtype()
     if config.params_dtype.is_floating_point:
         torch.set_default_dtype(config.params_dtype)  # NOTE [ Megatron's parameters in one dtype ]

@@ -24,6 +24,11 @@ FSDP1's ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32, buffer_dtype=fp32)
 memory, the optimizer step on the CPU; FSDP1's ``CPUOffload(offload_params=True)``, which
 verl gives its forward-only reference model).
 
+- ``megatron``: Megatron-core's ``GPTModel`` split ``tensor_parallel`` ways within each layer and
+  over ``pipeline_parallel`` stages, data parallel over the rest of ``world_size`` (Megatron's
+  order: tp fastest, then dp, then pp); ``megatron_sequence_parallel`` splits the activations
+  outside attention over the tensor-parallel group, ``distributed_optimizer`` shards the optimizer
+  state over data parallel. Profiled by its own probe (:mod:`batchfit.budget.megatron_profile`).
 - ``zero1`` / ``zero2``: DeepSpeed ZeRO stage 1 / 2 (what OpenRLHF and many TRL users run):
   parameters replicated (one flat 16-bit buffer), the fp32 master copy and AdamW's state
   partitioned over the ranks, and for ``zero2`` the gradients too
@@ -86,6 +91,13 @@ class Sharding:
         reduce_bucket_size: ``zero1``/``zero2`` only: the gradient bucket's elements
             (DeepSpeed's ``zero_optimization.reduce_bucket_size``, default 500,000,000).
         overlap_comm: ``zero1``/``zero2`` only: DeepSpeed's ``overlap_comm`` (two buckets).
+        tensor_parallel, pipeline_parallel: ``megatron`` only: the tensor-parallel group's size and
+            the pipeline's stages; their product divides ``world_size`` (default 1).
+        megatron_sequence_parallel: ``megatron`` only: Megatron's sequence parallelism (the
+            activations outside attention split over the tensor-parallel group); read as ``False``
+            at ``tensor_parallel=1``, as Megatron-LM's ``arguments.py`` turns it off there.
+        distributed_optimizer: ``megatron`` only: the optimizer state sharded over data parallel
+            (Megatron's ``use_distributed_optimizer``).
 
     Raises:
         InvalidArgument: an unknown name (the choices and the closest are listed), a bad
@@ -109,6 +121,10 @@ class Sharding:
     sequence_parallel: int = 1
     reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE
     overlap_comm: bool = False
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    megatron_sequence_parallel: bool = False
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         strategy = check_choice("sharding", self.strategy, strategy_names())
@@ -156,7 +172,35 @@ class Sharding:
             raise InvalidArgument(
                 f"reduce_bucket_size and overlap_comm are DeepSpeed ZeRO's options and need strategy='zero1' or 'zero2', but got strategy={strategy!r}; use strategy='zero2' or leave them at their defaults"
             )
+        self._check_model_parallel(strategy, spec)
         object.__setattr__(self, "mixed_precision", precision)
+
+    def _check_model_parallel(self, strategy: str, spec: StrategySpec) -> None:
+        tp = check_positive_int("tensor_parallel", self.tensor_parallel)
+        pp = check_positive_int("pipeline_parallel", self.pipeline_parallel)
+        for name in ("megatron_sequence_parallel", "distributed_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")
+        if not spec.model_parallel:
+            for name, value, default in (
+                ("tensor_parallel", tp, 1),
+                ("pipeline_parallel", pp, 1),
+                ("megatron_sequence_parallel", self.megatron_sequence_parallel, False),
+                ("distributed_optimizer", self.distributed_optimizer, False),
+            ):
+                if value != default:
+                    raise InvalidArgument(
+                        f"{name}={value} is Megatron's and needs strategy='megatron', but got strategy={strategy!r}; "
+                        f"use strategy='megatron' or leave {name} at {default}"
+                    )
+            return
+        if self.world_size % (tp * pp):
+            raise InvalidArgument(
+                f"tensor_parallel × pipeline_parallel = {tp} × {pp} = {tp * pp} must divide world_size={self.world_size} "
+                f"(world = tensor × pipeline × data parallel ranks); use a world size that is a multiple of {tp * pp}"
+            )
+        if tp == 1:
+            object.__setattr__(self, "megatron_sequence_parallel", False)  # Megatron-LM arguments.py does the same
 
     @property
     def spec(self) -> StrategySpec:
@@ -165,8 +209,14 @@ class Sharding:
 
     @property
     def data_parallel_size(self) -> int:
-        """Groups that run different micro-batches: ``world_size // sequence_parallel``."""
-        return self.world_size // self.sequence_parallel
+        """Groups that run different micro-batches: ``world_size // sequence_parallel``, or under ``megatron``
+        ``world_size // (tensor_parallel × pipeline_parallel)``."""
+        return self.world_size // (self.sequence_parallel * self.model_parallel_size)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """The ranks one model replica spans: ``tensor_parallel × pipeline_parallel`` (1 but under ``megatron``)."""
+        return self.tensor_parallel * self.pipeline_parallel
 
     @property
     def shards_state(self) -> bool:
@@ -193,6 +243,13 @@ class Sharding:
             return "none (one device)"
         if self.strategy == "ddp":
             return f"ddp over {self._ranks()} (full replica + gradient buckets)"
+        if self.spec.model_parallel:
+            parts = [f"tensor {self.tensor_parallel} × pipeline {self.pipeline_parallel} × data {self.data_parallel_size}"]
+            if self.megatron_sequence_parallel:
+                parts.append("sequence parallel")
+            if self.distributed_optimizer:
+                parts.append("distributed optimizer")
+            return f"{self.strategy} over {self._ranks()} ({', '.join(parts)})"
         if self.strategy in ZERO_STRATEGIES:
             what = "optimizer state and gradients" if self.strategy == "zero2" else "optimizer state"
             overlap = ", overlap_comm: two reduce buckets" if self.overlap_comm else ""
@@ -220,12 +277,18 @@ class Sharding:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain values (JSON-ready); ``sequence_parallel`` only when above 1, ZeRO's options
-        (``reduce_bucket_size``, ``overlap_comm``) with ``zero1``/``zero2`` only."""
+        (``reduce_bucket_size``, ``overlap_comm``) with ``zero1``/``zero2`` only, Megatron's (and its
+        ``data_parallel``) with ``megatron`` only."""
         out = asdict(self)
         if out["sequence_parallel"] == 1:
             del out["sequence_parallel"]
         if not self.spec.zero_stage:
             del out["reduce_bucket_size"], out["overlap_comm"]
+        if self.spec.model_parallel:
+            out["data_parallel"] = self.data_parallel_size
+        else:
+            for name in ("tensor_parallel", "pipeline_parallel", "megatron_sequence_parallel", "distributed_optimizer"):
+                del out[name]
         return out
 
 

@@ -71,6 +71,13 @@ class StrategySpec:
         warmup_steps: steps a measured training step runs first on a wrapped model (DDP re-buckets
             gradients in the forward after its first backward: NOTE [ DDP gradient buckets ]).
         wrap: ``"module:function"`` of its :data:`Wrap`, or ``""`` when it leaves a model as it is.
+        model_parallel: it splits each layer over a tensor-parallel group and the layers over
+            pipeline stages (``Sharding.tensor_parallel``, ``Sharding.pipeline_parallel``), data
+            parallel over the rest of the world.
+        profile: the module that profiles a model under it in place of
+            :func:`batchfit.budget.model_profile.profile_model`'s causal-LM probes (Megatron builds
+            its own ``GPTModel``): its ``profile_model`` and ``resident_state_bytes`` take the
+            arguments of those two functions; ``""`` for none.
     """
 
     name: str
@@ -89,6 +96,8 @@ class StrategySpec:
     shards_rows: bool = False
     warmup_steps: int = 0
     wrap: str = ""
+    model_parallel: bool = False
+    profile: str = ""
 
     def __post_init__(self) -> None:
         if self.group not in ("world", "none") or (self.group == "none") == self.distributed:
@@ -96,13 +105,19 @@ class StrategySpec:
                 f"a strategy's group must be 'world' when it is distributed and 'none' when not, but got "
                 f"group={self.group!r} with distributed={self.distributed} for {self.name!r}"
             )
-        if self.distributed and not self.wrap:
-            raise InvalidArgument(f"a distributed strategy needs its wrap function, but {self.name!r} has wrap=''")
+        if self.distributed and not (self.wrap or self.profile):
+            raise InvalidArgument(
+                f"a distributed strategy needs its wrap function or its own profile, but {self.name!r} has neither"
+            )
 
     def search_start(self, world_size: int) -> int:
         """The simulated world a search for the smallest world that fits starts from: ``world_size`` under
         :attr:`scale_out` (the remedy grows this world), else one rank (the remedy switches to the scale-out strategy)."""
         return world_size if self.scale_out else 1
+
+    def profiler(self) -> Any:
+        """The module profiling a model under it (imported now), or ``None``: :attr:`profile`."""
+        return importlib.import_module(self.profile) if self.profile else None
 
     def wrapper(self) -> Wrap | None:
         """The function applying it to a model (imported now), or ``None`` when it leaves a model as it is."""
@@ -204,5 +219,13 @@ register_strategy(
         zero_stage=2,
         affine_in_depth=False,
         wrap=f"{_SHARD}:wrap_zero",
+    )
+)
+register_strategy(
+    StrategySpec(
+        "megatron",
+        "Megatron-core (tensor × pipeline parallel, data parallel over the rest)",
+        model_parallel=True,
+        profile="batchfit.budget.megatron_profile",
     )
 )

@@ -1,0 +1,267 @@
+"""Profile a model trained with Megatron-core: the ``megatron`` strategy's own probe (:attr:`StrategySpec.profile`).
+
+:func:`profile_model` under ``Sharding("megatron", ...)`` comes here: each trained role's budget is
+searched on :class:`~batchfit.budget.megatron_probe.MegatronStep` (Megatron-core's ``GPTModel``,
+its schedule and its vocab-parallel cross-entropy, the binding pipeline stage measured), and the
+answer is the same :class:`~batchfit.budget.model_profile.ModelProfile` every other strategy gives,
+so reports, ``--json`` and the frameworks' emitted keys read it as they read any profile.
+
+NOTE [ A Megatron profile's roles ]
+The policy's training step is measured. The forward-only passes of the same run (old log-probs,
+the reference's log-probs) get the training step's budget: the same model and micro-batch without
+the backward and (for the reference) without gradients and optimizer state hold less, so the
+training budget is a safe bound of theirs, not their own (a forward-only Megatron probe is not
+built yet). A critic is refused: Megatron's value model (verl's ``megatron_critic``) is not built
+here, and SkyRL trains none under Megatron.
+
+NOTE [ Megatron budgets bound packed micro-batches ]
+Megatron-core's local layer spec has no packed (THD) attention, so :class:`MegatronStep` measures
+padded rows (NOTE [ Megatron micro-batches are padded rows ]). A search with ``cost="packed"``
+therefore measures ``T`` tokens split into sequences of ``max_seq_len`` and a remainder as that
+many full rows: its budget is a whole number of longest sequences, and any packing of that many
+tokens into sequences no longer than ``max_seq_len`` holds no more (linear layers hold the same
+tokens; fused attention holds O(s) per sequence). The frameworks' Megatron token caps (slime's
+``--max-tokens-per-gpu``, verl's ``ppo_max_token_len_per_gpu``) count packed tokens, so this is the
+budget they take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from batchfit.budget.budget_search import find_token_budget
+from batchfit.budget.engine import EngineReserve, given_engine_reserve
+from batchfit.budget.megatron_layout import MegatronLayout
+from batchfit.budget.model_profile import (
+    ROLES,
+    ModelProfile,
+    check_roles,
+    forward_role,
+    model_name,
+    take_resident,
+)
+from batchfit.budget.options import ProfileOptions
+from batchfit.budget.token_budget import TokenBudget
+from batchfit.errors import DoesNotFitError, InvalidArgument, Phrase, Setting
+from batchfit.parallel.sharding import Sharding
+from batchfit.validation import check_choice, check_int
+
+#: What a Megatron profile calls its head: Megatron's vocab-parallel cross-entropy over ``[T, V/TP]`` fp32 logits.
+HEAD = "megatron"
+
+
+@contextlib.contextmanager
+def quiet_megatron() -> Iterator[None]:
+    """Megatron-core's and mbridge's own warnings silenced inside (Transformer Engine and Apex missing, CUDA settings):
+    true of every CPU run, and not the user's to act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"(megatron|mbridge)(\.|$)")
+        yield
+
+
+def profile_model(
+    model: Any,
+    options: ProfileOptions,
+    *,
+    roles: Sequence[str],
+    resident_bytes: int = 0,
+    engine: EngineReserve | None = None,
+) -> ModelProfile:
+    """The :class:`~batchfit.budget.model_profile.ModelProfile` of ``model`` trained with Megatron as ``options.sharding`` lays it out.
+
+    Args:
+        model: a preset name, a directory with ``config.json``, a hub id or a ``PretrainedConfig``
+            (a model object is not taken: Megatron builds its own ``GPTModel``).
+        options: the profile's options; ``options.sharding`` is a ``megatron`` :class:`Sharding`.
+        roles: the roles to profile (:data:`~batchfit.budget.model_profile.ROLES`; no critic:
+            NOTE [ A Megatron profile's roles ]).
+        resident_bytes, engine: as for :func:`~batchfit.budget.model_profile.profile_model`.
+
+    Raises:
+        InvalidArgument: a critic role, a model object, LoRA, activation offload, a response-only
+            head, or a world the layout does not divide.
+        DoesNotFitError: one sequence of ``max_seq_len`` does not fit the binding stage.
+    """
+    with quiet_megatron():
+        return _profile(model, options, roles=roles, resident_bytes=resident_bytes, engine=engine)
+
+
+def _profile(
+    model: Any, options: ProfileOptions, *, roles: Sequence[str], resident_bytes: int, engine: EngineReserve | None
+) -> ModelProfile:
+    from batchfit.memory import get_backend
+    from batchfit.models import load_config, parse_dtype
+
+    chosen = check_roles(roles)
+    _check_modelled(model, options, chosen)
+    plan = options.sharding
+    dtype = parse_dtype("bf16" if options.dtype is None else options.dtype)
+    config = load_config(model)
+    be = get_backend(options.backend, memory_limit=options.memory_limit, reserve_bytes=options.reserve_bytes)
+    resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
+    if options.engine_reserve is not None:
+        engine = given_engine_reserve(options.engine_reserve)
+    step = megatron_step(config, plan, be, dtype, options)  # sets the backend's reserve for the layout's world
+    if resident_bytes or (engine is not None and engine.bytes):
+        take_resident(be, resident_bytes, engine)
+    trained = next((r for r in chosen if not forward_role(r)), chosen[0])
+    try:
+        budget = find_token_budget(
+            step,
+            max_seq_len=options.max_seq_len,
+            safety_margin=options.safety_margin,
+            seq_lens=options.seq_lens or [options.max_seq_len],
+            cost=options.cost,
+            progress=options.progress,
+            role=trained,
+        )
+    except DoesNotFitError as exc:
+        stage = "" if plan.pipeline_parallel == 1 else f" (pipeline stage {step.binding_stage} binds)"
+        raise exc.replace(Phrase(f"{trained}{stage}: ", *exc.message.parts)) from None
+    # NOTE [ A Megatron profile's roles ]: every pass of the model takes the training step's budget
+    budgets = {role: dataclasses.replace(budget, role=role) for role in chosen}
+    return ModelProfile(
+        model=model_name(model),
+        dtype=str(dtype).removeprefix("torch."),
+        compute_dtype=str(dtype).removeprefix("torch."),
+        gradient_checkpointing=options.gradient_checkpointing,
+        logprobs=HEAD,
+        backend=be.name,
+        memory_limit=be.memory_limit,
+        reserve_bytes=int(be.reserve_bytes or 0) - resident_bytes - (0 if engine is None else engine.bytes),
+        resident_bytes=resident_bytes,
+        engine=engine,
+        allocator=str(options.allocator),
+        safety_margin=float(options.safety_margin),
+        budgets=budgets,
+        combined=TokenBudget.min(*budgets.values()),
+        sharding=plan,
+        depth=int(config.num_hidden_layers),
+        untracked=be.untracked,
+        megatron=MegatronLayout(
+            stage_peaks=dict(step.stage_peaks),
+            binding_stage=step.binding_stage,
+            micro_batches=step.micro_batches,
+            attention=ATTENTION,
+            recompute=step.overrides.get("recompute_granularity"),
+        ),
+    )
+
+
+#: The core attention a profile measures (NOTE [ Fused attention for Megatron budgets ]).
+ATTENTION = "sdpa"
+#: Megatron's full recomputation of every layer, what ``gradient_checkpointing`` means under Megatron (verl's
+#: ``enable_gradient_checkpointing`` with ``recompute_method: uniform``, ``recompute_num_layers: 1``).
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+def megatron_step(config: Any, plan: Sharding, backend: Any, dtype: Any, options: ProfileOptions) -> Any:
+    """The :class:`~batchfit.budget.megatron_probe.MegatronStep` of ``plan``'s layout (one data-parallel rank's)."""
+    from batchfit.budget.megatron_probe import MegatronStep
+    from batchfit.models.megatron_attention import layer_spec
+
+    overrides = dict(FULL_RECOMPUTE) if options.gradient_checkpointing else {}
+    data = {}
+    if plan.data_parallel_size > 1 or plan.distributed_optimizer:
+        data = {"data_parallel": plan.data_parallel_size, "distributed_optimizer": plan.distributed_optimizer}
+    return MegatronStep(
+        config,
+        tensor_parallel=plan.tensor_parallel,
+        pipeline_parallel=plan.pipeline_parallel,
+        sequence_parallel=plan.megatron_sequence_parallel,
+        backend=backend,
+        dtype=dtype,
+        gpt_args={"transformer_layer_spec": functools.partial(layer_spec, attention=ATTENTION)},
+        **data,
+        **overrides,
+    )
+
+
+def resident_state_bytes(model: Any, role: str, options: ProfileOptions, *, kinds: Sequence[str]) -> int:
+    """Bytes per rank ``role``'s Megatron model keeps on the device between its steps (the binding stage's).
+
+    Measured as :func:`~batchfit.budget.model_profile.resident_state_bytes` measures it: the model
+    (and its optimizer, for a trained role) built as its step builds it, its registered state
+    measured without a step, the ``kinds`` categories summed.
+    """
+
+
+    check_choice("role", role, ROLES)
+    with quiet_megatron():
+        return _state_bytes(model, role, options, kinds)
+
+
+def _state_bytes(model: Any, role: str, options: ProfileOptions, kinds: Sequence[str]) -> int:
+    from batchfit.memory import get_backend
+    from batchfit.models import load_config, parse_dtype
+    from batchfit.models.megatron import build_gpt_model, megatron_cpu_patches, model_parallel, simulated_rank
+    from batchfit.train.megatron_step import megatron_optimizer
+
+    plan = options.sharding
+    dtype = parse_dtype("bf16" if options.dtype is None else options.dtype)
+    be = get_backend(options.backend, memory_limit=options.memory_limit, reserve_bytes=0)
+    if not be.simulated:
+        raise InvalidArgument(
+            f"the state a colocated Megatron model keeps is measured on the estimate backend, but got backend={be.name!r}; "
+            "profile the run with --backend estimate"
+        )
+    config = load_config(model)
+    step = megatron_step(config, plan, be, dtype, options)
+    most = 0
+    for stage in range(plan.pipeline_parallel):  # the stage that keeps the most binds
+        with simulated_rank(step.world_size, stage * plan.tensor_parallel), contextlib.ExitStack() as inside:
+            inside.enter_context(model_parallel(plan.tensor_parallel, plan.pipeline_parallel))
+            inside.enter_context(megatron_cpu_patches())
+            with be.context():
+                net = build_gpt_model(
+                    config, tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
+                    sequence_parallel=plan.megatron_sequence_parallel, dtype=dtype, initialise=False,
+                    gpt_args=step.gpt_args,
+                )
+                state: tuple[Any, ...] = (net,)
+                if not forward_role(role):
+                    state = (net, megatron_optimizer(net))
+            measured = be.measure(lambda: None, register=state)
+        most = max(most, int(sum(measured.breakdown.get(kind, 0) for kind in kinds)))
+    return most
+
+
+def _check_modelled(model: Any, options: ProfileOptions, roles: Sequence[str]) -> None:
+    say = options.caller_vocabulary
+    if "critic" in roles or "critic_forward" in roles:
+        raise InvalidArgument(
+            Phrase(
+                "a critic trained with Megatron is not modelled (verl's megatron critic is not built here; SkyRL trains "
+                "none under Megatron); profile ",
+                Setting("roles", "policy,reference"),
+                ", or the critic with ",
+                Setting("sharding", {"strategy": "fsdp2"}),
+            ).say(say)
+        )
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        raise InvalidArgument(
+            "a Megatron profile builds Megatron-core's own GPTModel from a config: pass the model's preset, directory "
+            "or hub id (its config), not a model object"
+        )
+    for name, on in (
+        ("lora_rank", options.lora is not None and options.lora.enabled),
+        ("activation_offload", options.activation_offload),
+        ("response_only", options.response_only),
+    ):
+        if on:
+            raise InvalidArgument(
+                Phrase(
+                    Setting(name), " is not modelled under Megatron; drop it, or profile with ",
+                    Setting("sharding", {"strategy": "fsdp2"}),
+                ).say(say)
+            )
+
+
+__all__ = ["ATTENTION", "FULL_RECOMPUTE", "HEAD", "megatron_step", "profile_model", "resident_state_bytes"]

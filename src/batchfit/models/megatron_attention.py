@@ -1,0 +1,143 @@
+"""Megatron-core's layer spec with fused attention that runs here: PyTorch's ``scaled_dot_product_attention``.
+
+NOTE [ Fused attention for Megatron budgets ]
+A GPU run of Megatron trains with Transformer Engine's ``TEDotProductAttention`` (flash or cuDNN
+fused attention: it keeps the output and a float32 log-sum-exp per query and head for the
+backward, O(s) per head). Transformer Engine does not run on a CPU, and Megatron-core's local
+layer spec (``get_gpt_layer_local_spec``) uses ``DotProductAttention``, the unfused math path: it
+keeps ``[b, a/t, s, s]`` scores and their fp32 softmax for the backward, 148.7 GiB for one
+sequence of 8,192 tokens of qwen2.5-0.5b at TP 1 (docs/megatron.md), so a budget probed on it is
+a budget of a run nobody makes. :class:`SdpaAttention` is the local spec's core attention
+replaced by PyTorch's own fused kernel, called as Transformer Engine is (``[s, b, h, d]`` in,
+``[s, b, h·d]`` out, grouped key/value heads without repeating them, the causal mask as a flag):
+on the estimate backend ``scaled_dot_product_attention`` runs the kernel CUDA would choose
+(NOTE [ The estimate runs CUDA's attention kernel ] in :mod:`batchfit.memory.cuda_attention`:
+flash for bf16 heads up to 256), which keeps what Transformer Engine's flash backend keeps; on
+real CPU ranks the CPU's flash kernel, which keeps the same. Everything else in the layer is
+Megatron-core's own module. Differences from Transformer Engine, each on the safe side: with more
+than one row per micro-batch the output is copied from the kernel's ``[b, s, h, d]`` layout to
+Megatron's ``[s, b, h·d]`` (one extra ``[s, b, h/t·d]`` per layer, saved by the output
+projection; none for one row, the packed micro-batch every framework runs).
+
+``attention="local"`` keeps Megatron's unfused path (the referees of Korthikanti et al.'s table
+measure it: the table counts its scores).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from batchfit.errors import InvalidArgument
+
+#: What :func:`layer_spec` builds a layer's core attention with.
+ATTENTIONS = ("sdpa", "local")
+
+
+def layer_spec(config: Any, attention: str = "sdpa") -> Any:
+    """Megatron-core's local GPT layer spec for ``config`` with ``attention``'s core attention.
+
+    Args:
+        config: the model's ``TransformerConfig`` (its ``qk_layernorm`` and ``normalization``).
+        attention: ``"sdpa"`` (:class:`SdpaAttention`: NOTE [ Fused attention for Megatron
+            budgets ]) or ``"local"`` (Megatron's unfused ``DotProductAttention``).
+
+    Raises:
+        InvalidArgument: another ``attention``.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if attention not in ATTENTIONS:
+        raise InvalidArgument(f"attention must be one of {', '.join(ATTENTIONS)}, but got attention={attention!r}; use 'sdpa'")
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = __getattr__("SdpaAttention")
+    return spec
+
+
+def _sdpa_attention_class() -> type:
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.utils import divide
+
+    class SdpaAttention(MegatronModule):
+        """Megatron's core attention as PyTorch's ``scaled_dot_product_attention`` (NOTE [ Fused attention for Megatron budgets ]).
+
+        Takes what ``DotProductAttention`` takes (``[s, b, heads, d]`` query, ``[s, b, groups, d]``
+        key and value) and returns ``[s, b, heads/t · d]``. Causal masks only, no packed rows, no
+        context parallelism (Transformer Engine's), no attention bias.
+        """
+
+        def __init__(
+            self,
+            config: Any,
+            layer_number: int,
+            attn_mask_type: Any,
+            attention_type: str,
+            attention_dropout: float | None = None,
+            softmax_scale: float | None = None,
+            cp_comm_type: str | None = None,
+            pg_collection: Any = None,
+        ):
+            super().__init__(config=config)
+            if config.context_parallel_size != 1:
+                raise InvalidArgument(
+                    f"context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention, which "
+                    "does not run here; use context_parallel_size=1"
+                )
+            if attn_mask_type != AttnMaskType.causal:
+                raise InvalidArgument(
+                    f"SdpaAttention runs causal attention only, but the layer asks for {attn_mask_type}; use attention='local'"
+                )
+            from megatron.core import parallel_state
+
+            tp = parallel_state.get_tensor_model_parallel_world_size() if pg_collection is None else pg_collection.tp.size()
+            projection = config.kv_channels * config.num_attention_heads
+            self.hidden_size_per_partition = divide(projection, tp)
+            head = divide(projection, config.num_attention_heads)
+            self.softmax_scale = softmax_scale if softmax_scale is not None else head**-0.5
+            if config.apply_query_key_layer_scaling:
+                self.softmax_scale /= max(1, layer_number)
+            self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+        def forward(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: torch.Tensor | None,
+            attn_mask_type: Any = None,
+            attention_bias: Any = None,
+            packed_seq_params: Any = None,
+        ) -> torch.Tensor:
+            if packed_seq_params is not None or attention_bias is not None:
+                raise InvalidArgument(
+                    "SdpaAttention takes no packed rows and no attention bias (Transformer Engine's); use padded rows"
+                )
+            s, b = query.shape[0], query.shape[1]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d], views
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=True,
+                scale=self.softmax_scale,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
+            return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+
+    return SdpaAttention
+
+
+def __getattr__(name: str) -> Any:
+    # megatron-core is an extra: the class is made on first use
+    if name == "SdpaAttention":
+        cls = _sdpa_attention_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+__all__ = ["ATTENTIONS", "layer_spec"]  # and SdpaAttention, made on first use

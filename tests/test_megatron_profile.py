@@ -1,0 +1,65 @@
+"""The ``megatron`` strategy end to end: flags → Sharding → Megatron-core's GPTModel probed → a ModelProfile."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchfit.budget.choices import Choices
+from batchfit.errors import InvalidArgument
+from batchfit.parallel.sharding import Sharding
+
+pytest.importorskip("megatron.core")
+
+
+def test_the_command_lines_megatron_flags_reach_the_sharding():
+    options = Choices(
+        strategy="megatron", world_size=8, tensor_parallel=2, pipeline_parallel=2, megatron_sequence_parallel=True,
+        distributed_optimizer=True, max_seq_len=1024,
+    ).options()
+    s = options.sharding
+    assert (s.tensor_parallel, s.pipeline_parallel, s.data_parallel_size) == (2, 2, 2)
+    assert s.megatron_sequence_parallel and s.distributed_optimizer
+
+
+def test_a_megatron_critic_lora_or_model_object_is_refused_before_any_build():
+    from batchfit.budget.model_profile import profile_model
+
+    common = dict(max_seq_len=128, backend="estimate", memory_limit="1GiB", sharding="megatron")
+    with pytest.raises(InvalidArgument, match="a critic trained with Megatron is not modelled"):
+        profile_model("tiny", roles="policy,critic", **common)
+    with pytest.raises(InvalidArgument, match="lora_rank is not modelled under Megatron"):
+        profile_model("tiny", lora={"rank": 8}, **common)
+    import torch
+
+    with pytest.raises(InvalidArgument, match="not a model object"):
+        profile_model(torch.nn.Linear(2, 2), **common)
+
+
+@pytest.mark.slow
+def test_a_megatron_profile_names_its_binding_stage_and_bounds_every_pass():
+    from batchfit.budget.model_profile import profile_model
+
+    p = profile_model(
+        "tiny", roles="policy,reference", forward_too=True, max_seq_len=256, backend="estimate", memory_limit="1GiB",
+        reserve_bytes=0, sharding=Sharding("megatron", world_size=4, tensor_parallel=2, pipeline_parallel=2),
+    )
+    assert set(p.budgets) == {"policy", "policy_forward", "reference"}
+    # NOTE [ A Megatron profile's roles ]: the forward passes take the training step's budget
+    assert len({b.tokens for b in p.budgets.values()}) == 1 and p.combined.tokens % 256 == 0
+    assert p.megatron.binding_stage in (0, 1) and set(p.megatron.stage_peaks) == {0, 1}
+    assert p.megatron.stage_peaks[p.megatron.binding_stage] == max(p.megatron.stage_peaks.values())
+    doc = p.to_dict()
+    assert doc["sharding"]["data_parallel"] == 1 and doc["megatron"]["attention"] == "sdpa"
+
+
+@pytest.mark.slow
+def test_doubling_tensor_parallelism_raises_the_budget():
+    from batchfit.budget.model_profile import profile_model
+
+    def tokens(tp: int) -> int:
+        return profile_model(
+            "tiny", max_seq_len=256, backend="estimate", memory_limit="512MiB", reserve_bytes=0,
+            sharding=Sharding("megatron", world_size=tp, tensor_parallel=tp),
+        ).combined.tokens
+
+    assert tokens(2) > tokens(1)
