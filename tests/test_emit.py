@@ -28,8 +28,8 @@ from script_helpers import flag_words
 
 FAST = ["--backend", "estimate", "--memory", "64MiB", "--reserve", "0", "--engine-reserve", "0", "--no-progress", "--max-seq-len", "32"]
 FLAG_TARGETS = ("openrlhf", "slime")
-# slime trains with Megatron, which profile approximates only when asked (--sharding fsdp2): both runs pass it
-BASE = {"verl": [], "skyrl": [], "openrlhf": [], "slime": ["--sharding", "fsdp2"]}
+# slime trains with Megatron (tensor parallel 2 over its 2 GPUs here), profiled as its layout
+BASE = {"verl": [], "skyrl": [], "openrlhf": [], "slime": []}
 
 
 def _verl(tmp_path, every_model=True, model="tiny"):
@@ -98,7 +98,7 @@ def _openrlhf(tmp_path, *extra, model="tiny"):
 def _slime(tmp_path, *extra, model="tiny"):
     path = tmp_path / "slime.sh"
     path.write_text(
-        f"python3 train.py --actor-num-nodes 1 --actor-num-gpus-per-node 2 --hf-checkpoint {model} \\\n"
+        f"python3 train.py --actor-num-nodes 1 --actor-num-gpus-per-node 2 --tensor-model-parallel-size 2 --hf-checkpoint {model} \\\n"
         "   --rollout-batch-size 8 --n-samples-per-prompt 2 --global-batch-size 16 \\\n"
         "   --rollout-max-prompt-len 16 --rollout-max-response-len 48 " + " ".join(extra) + "\n"
     )
@@ -112,7 +112,7 @@ CONFIGS = {"verl": _verl, "skyrl": _skyrl, "openrlhf": _openrlhf, "slime": _slim
 OPTIONS = {
     "offload-cpu": (
         ["--offload", "cpu"],
-        {"verl": None, "skyrl": None, "openrlhf": "never offloads the parameters", "slime": "--offload-train"},
+        {"verl": None, "skyrl": None, "openrlhf": "never offloads the parameters", "slime": "offload='cpu' needs strategy='fsdp1' or 'fsdp2'"},
     ),
     "checkpointing-flipped": (
         {"verl": ["--no-gradient-checkpointing"], "skyrl": ["--no-gradient-checkpointing"]},
@@ -133,7 +133,7 @@ OPTIONS = {
     ),
     "no-reshard": (
         ["--no-reshard-after-forward"],
-        {"verl": None, "skyrl": None, "openrlhf": "ZeRO-2 keeps whole parameters", "slime": "resharding after forward"},
+        {"verl": None, "skyrl": None, "openrlhf": "ZeRO-2 keeps whole parameters", "slime": "needs strategy='fsdp1' or 'fsdp2'"},
     ),
     "world-size-4": (["--world-size", "4"], {"verl": None, "skyrl": None, "openrlhf": None, "slime": None}),
     "lora": (
@@ -158,7 +158,7 @@ OPTIONS = {
     ),
     "bf16-parameters": (
         ["--dtype", "bf16"],
-        {"verl": None, "skyrl": "in fp32", "openrlhf": "fp32 master weights", "slime": "bf16 with Megatron"},
+        {"verl": None, "skyrl": "in fp32", "openrlhf": "fp32 master weights", "slime": None},
     ),
 }
 _FLIP_ON = ["--gradient-checkpointing"]  # the OpenRLHF and slime bases train without it
@@ -248,7 +248,8 @@ def test_an_option_the_framework_cannot_express_is_refused_in_one_line_before_an
     assert main(["profile", "--config", str(path), *FAST, *flags, "--emit", framework]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and OPTIONS[option][1][framework] in err, err
-    assert f"--emit {framework} cannot carry" in err or "--cost padded" in err
+    # or the sharding's own refusal (an FSDP option under Megatron)
+    assert f"--emit {framework} cannot carry" in err or "--cost padded" in err or "needs strategy=" in err
     assert recorder.calls == []  # refused before profiling
 
 

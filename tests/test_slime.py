@@ -96,7 +96,9 @@ def test_a_slime_script_reads_into_the_run_and_plans(tmp_path):
     assert "the array MODEL_ARGS is not defined in the file" in notes
     assert "NUM_GPUS=8" in notes
     assert "reference log-probs run on the actor's own model" in notes
-    assert "slime trains with Megatron-LM, which batchfit does not profile" in notes
+    # profiled as its Megatron layout: --sequence-parallel, and slime's distributed optimizer, always on
+    assert run.megatron_sequence_parallel is True and run.distributed_optimizer is True
+    assert "does not profile" not in notes
 
 
 def test_without_a_global_batch_size_megatron_trains_micro_times_dp(tmp_path):
@@ -226,24 +228,36 @@ def test_megatron_and_sglang_flags_are_ignored_as_slime_does(tmp_path):
     assert run.plan().dp_size == 4
 
 
-def test_profile_refuses_megatron_without_sharding_and_names_the_approximation(tmp_path, capsys):
+def test_profile_reads_slimes_megatron_layout_into_the_sharding(tmp_path):
+    from batchfit.frameworks.config_options import run_profile_options
+
+    run = read_run_config(_script(tmp_path))
+    options = run_profile_options(run, {"backend": "estimate", "max_seq_len": 4096}).options
+    s = options.sharding
+    assert (s.strategy, s.world_size, s.tensor_parallel, s.pipeline_parallel, s.data_parallel_size) == ("megatron", 8, 2, 1, 4)
+    assert s.megatron_sequence_parallel and s.distributed_optimizer and options.cost == "packed"
+
+
+def test_slimes_context_parallelism_is_refused_in_one_line(tmp_path, capsys):
     from batchfit.cli import main
 
-    assert (
-        main(["profile", "--config", str(_script(tmp_path)), "--backend", "estimate", "--model", "tiny"]) == 2
-    )
+    script = _script(tmp_path, extra="--context-parallel-size 2")
+    assert main(["profile", "--config", str(script), "--backend", "estimate", "--model", "tiny"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert "slime trains with Megatron-LM (tensor 2 × pipeline 1 × context 1 parallel" in err
-    assert "pass --sharding fsdp2 to profile FSDP2 over the same GPUs instead (an approximation" in err
+    assert "--context-parallel-size=2 splits each sequence over a context-parallel group" in err
+    assert "set --context-parallel-size=1 and raise the tensor parallelism instead" in err
 
 
 def _emitted(run, budgets, backend="estimate"):
-    # what `profile --config … --sharding fsdp2 --emit slime` profiles: FSDP2 over its GPUs, packed rows
+    # what `profile --config … --emit slime` profiles: its Megatron layout over its GPUs, packed rows
     options = ProfileOptions(
         max_seq_len=run.max_seq_len,
         backend="estimate",
-        sharding=Sharding("fsdp2", world_size=run.world_size),
+        sharding=Sharding(
+            "megatron", world_size=run.world_size, tensor_parallel=run.batch.tensor_parallel,
+            megatron_sequence_parallel=run.megatron_sequence_parallel, distributed_optimizer=True,
+        ),
         cost="packed",
         gradient_checkpointing=bool(run.gradient_checkpointing),
     )
@@ -262,8 +276,12 @@ def test_emitted_flags_are_accepted_by_slimes_parser_and_plan_when_added(tmp_pat
     run = read_run_config(_script(tmp_path, perf=""))
     text = _emitted(run, {"policy": 12_000, "policy_forward": 30_000})
     words = flag_words(text)
-    # one token flag (the smallest budget), then what the budget assumes: the GPUs, full recompute
-    megatron = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    # one token flag (the smallest budget), then what the budget assumes: the GPUs, the layout, full recompute
+    megatron = [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+        "--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1",
+    ]
     assert words == [
         "--use-dynamic-batch-size",
         "--max-tokens-per-gpu",
@@ -289,7 +307,11 @@ def test_emitted_flags_are_accepted_by_the_real_parser_of_that_commit(tmp_path):
     words = flag_words(_emitted(run, {"policy": 12_000}))
     args, unknown = parser.parse_known_args(["--rollout-batch-size", "32", *words])
     assert args.max_tokens_per_gpu == 12_000 and args.use_dynamic_batch_size is True
-    assert unknown == ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    assert unknown == [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+        "--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1",
+    ]
 
 
 def test_the_shipped_flags_are_that_commits():

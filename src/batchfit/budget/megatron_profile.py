@@ -167,7 +167,7 @@ def megatron_step(config: Any, plan: Sharding, backend: Any, dtype: Any, options
 
     overrides = dict(FULL_RECOMPUTE) if options.gradient_checkpointing else {}
     data = {}
-    if plan.data_parallel_size > 1 or plan.distributed_optimizer:
+    if plan.data_parallel_size > 1:  # one data-parallel rank holds the whole optimizer state either way
         data = {"data_parallel": plan.data_parallel_size, "distributed_optimizer": plan.distributed_optimizer}
     return MegatronStep(
         config,

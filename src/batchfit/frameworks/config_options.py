@@ -19,7 +19,7 @@ from batchfit.errors import KEYWORDS, BatchConfigError, InvalidArgument, Phrase,
 from batchfit.frameworks.registry import framework_of, get_framework
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import with_run_fraction
-from batchfit.parallel.sharding import FSDP_STRATEGIES, STRATEGIES, ZERO_STRATEGIES
+from batchfit.parallel.sharding import FSDP_STRATEGIES, MODEL_PARALLEL_STRATEGIES, STRATEGIES, ZERO_STRATEGIES
 from batchfit.validation import check_choice, is_int, short_repr
 
 __all__ = [
@@ -104,11 +104,20 @@ def run_profile_options(
         )
         run = run.replace(warnings=(*run.warnings, warning.say(say)))
     strategy = chosen.strategy if chosen.strategy is not None else sharding_strategy(run, say)
+    megatron = str(strategy).lower() in MODEL_PARALLEL_STRATEGIES
     retrained = None
-    if chosen.strategy is not None and not modelled_strategy(run):
+    config_megatron = (run.strategy or "").lower() in MODEL_PARALLEL_STRATEGIES
+    if chosen.strategy is not None and (not modelled_strategy(run) or (config_megatron and not megatron)):
         # NOTE [ An unmodelled strategy profiled as another ]: the run the budgets are for has dp over every GPU
         run, retrained = as_data_parallel(run, str(chosen.strategy), chosen.sequence_parallel)
     ring = run.batch.context_parallel or 1
+    if ring > 1 and megatron:
+        key = (run.key_names or {}).get("context_parallel", "context_parallel")
+        raise InvalidArgument(
+            f"the config's {key}={ring} splits each sequence over a context-parallel group, which batchfit does not model "
+            "under Megatron (Megatron-core's context parallelism runs only in Transformer Engine's attention, which does "
+            f"not run here); set {key}=1 and raise the tensor parallelism instead"
+        )
     if ring > 1 and chosen.sequence_parallel is None:
         # NOTE [ Ring attention is refused ] in batchfit.frameworks.profile_request: OpenRLHF's --ds.ring_attn_size,
         # Megatron's context parallelism (slime)
@@ -170,9 +179,21 @@ def run_profile_options(
         allocator=run.allocator,
         # what the config's own framework does between its passes; another target's run keeps the state
         optimizer_offload=True if run.optimizer_offload and emit in (None, run.vocabulary) else None,
+        **(_megatron_layout(run) if megatron and modelled_strategy(run) else {}),
     )
     filled = Choices(**chosen).or_(from_config).or_(defaults or {})
     return RunOptions(run=run, options=with_run_fraction(run, filled.options(vocabulary)), notes=tuple(notes))
+
+
+def _megatron_layout(run: RunConfig) -> dict[str, Any]:
+    """The Megatron layout a config trains with, as :class:`Sharding`'s fields (tensor, pipeline, SP, distributed optimizer)."""
+    batch = run.batch
+    return {
+        "tensor_parallel": batch.tensor_parallel or 1,
+        "pipeline_parallel": batch.pipeline_parallel or 1,
+        "megatron_sequence_parallel": bool(run.megatron_sequence_parallel),
+        "distributed_optimizer": bool(run.distributed_optimizer),
+    }
 
 
 def check_run_settings(run: RunConfig, vocabulary: Vocabulary | None = None) -> None:
@@ -247,6 +268,8 @@ def sharding_strategy(run: RunConfig, vocabulary: Vocabulary | None = None) -> s
         return "fsdp2"
     if strategy in ZERO_STRATEGIES:  # DeepSpeed ZeRO-1/2, as a framework reader names them
         return strategy
+    if strategy in MODEL_PARALLEL_STRATEGIES:  # Megatron, as verl, SkyRL and slime name it
+        return strategy
     refusal = strategy_refusal(run)  # OpenRLHF's DeepSpeed stages, slime's Megatron: the framework's own hint
     if refusal is not None:
         raise InvalidArgument(refusal)
@@ -272,7 +295,7 @@ def modelled_strategy(run: RunConfig) -> bool:
     from batchfit.frameworks import strategy_refusal
 
     strategy = (run.strategy or "fsdp").lower()
-    return strategy in ("fsdp", "fsdp2", *ZERO_STRATEGIES) or strategy_refusal(run) is not None
+    return strategy in ("fsdp", "fsdp2", *ZERO_STRATEGIES, *MODEL_PARALLEL_STRATEGIES) or strategy_refusal(run) is not None
 
 
 # NOTE [ An unmodelled strategy profiled as another ]

@@ -10,7 +10,9 @@ Units: ``--rollout-batch-size`` counts prompts, ``--global-batch-size`` **sample
 step over all GPUs, ``--micro-batch-size`` samples per GPU, ``--max-tokens-per-gpu`` tokens per
 GPU (packed rows; a micro-batch holds up to ``max_tokens_per_gpu × context_parallel_size``
 tokens, each GPU of the context-parallel group a slice). slime trains with Megatron only;
-it ignores flags it does not know (Megatron parses with ``ignore_unknown_args=True``).
+it ignores flags it does not know (Megatron parses with ``ignore_unknown_args=True``). Its Megatron
+layout (tensor, pipeline, sequence parallel; the distributed optimizer slime always turns on) is
+profiled as :class:`~batchfit.parallel.sharding.Sharding` ``"megatron"``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from batchfit.plan.placement import RolloutEngine, process_allocator_setting
 
 # Megatron-LM flags slime reads (Megatron's parser, not slime's file): ModelParallelConfig's
 # tensor/pipeline/context_parallel_size, TrainingConfig.decrease_batch_size_if_needed,
-# TransformerConfig.recompute_granularity (flags are the fields with dashes).
+# TransformerConfig.recompute_granularity and sequence_parallel, DistributedDataParallelConfig's
+# use_distributed_optimizer (flags are the fields with dashes).
 MEGATRON_FLAGS: tuple[dict[str, Any], ...] = tuple(
     {"flags": [flag], "dest": dest, "action": action, "type": kind, "nargs": None, "const": None,
      "default": default, "choices": choices, "required": False}
@@ -37,6 +40,8 @@ MEGATRON_FLAGS: tuple[dict[str, Any], ...] = tuple(
         ("--context-parallel-size", "context_parallel_size", "_StoreAction", "int", 1, None),
         ("--decrease-batch-size-if-needed", "decrease_batch_size_if_needed", "_StoreTrueAction", None, False, None),
         ("--recompute-granularity", "recompute_granularity", "_StoreAction", "str", None, ["full", "selective"]),
+        ("--sequence-parallel", "sequence_parallel", "_StoreTrueAction", None, False, None),
+        ("--use-distributed-optimizer", "use_distributed_optimizer", "_StoreTrueAction", None, False, None),
     )
 )  # fmt: skip
 READ = frozenset(
@@ -62,6 +67,8 @@ READ = frozenset(
         "context_parallel_size",
         "decrease_batch_size_if_needed",
         "recompute_granularity",
+        "sequence_parallel",
+        "use_distributed_optimizer",
     }
 )
 KEY_NAMES = {
@@ -117,10 +124,6 @@ def read(command: Command) -> FrameworkRun:
             "--log-probs-max-tokens-per-gpu is parsed but not read at this slime commit: log-probs run the "
             "training micro-batches (build_dp_schedule)"
         )
-    notes.append(
-        "slime trains with Megatron-LM, which batchfit does not profile: `profile --config` needs --sharding "
-        "(fsdp2 over the same GPUs is an approximation; see the error it gives without)"
-    )
     mini = (gbs // n if by_prompt else gbs) if is_positive_int(gbs) else None
     batch = BatchConfig(
         train_batch_size=rollout if by_prompt else int_product(rollout, n),
@@ -153,6 +156,10 @@ def read(command: Command) -> FrameworkRun:
         max_seq_len=_max_seq_len(v),
         max_response_len=v["rollout_max_response_len"] if is_positive_int(v.get("rollout_max_response_len")) else None,
         strategy="megatron",
+        # Megatron-LM's --sequence-parallel, off without tensor parallelism (arguments.py)
+        megatron_sequence_parallel=bool(v.get("sequence_parallel")) and tp != 1,
+        # set_default_megatron_args (slime/backends/megatron_utils/arguments.py): "always use zero optimizer"
+        distributed_optimizer=True,
         gradient_checkpointing=v.get("recompute_granularity") == "full",
         remove_padding=True,  # megatron_utils validate_args: "always use varlen" (packed THD micro-batches)
         # with a critic slime offloads the idle model (use_critic forces offload_train)
@@ -407,24 +414,12 @@ def _misspelt(unknown: tuple[str, ...], known: list[str]) -> list[str]:
     return faults
 
 
-def strategy_refusal(run: Any) -> str:
-    """Why ``profile`` cannot model slime's Megatron training, and the approximation a flag gives."""
-    cfg = run.batch
-    return (
-        f"slime trains with Megatron-LM (tensor {cfg.tensor_parallel} × pipeline {cfg.pipeline_parallel} × context "
-        f"{cfg.context_parallel} parallel, data parallel over the rest), which batchfit does not model; pass --sharding "
-        "fsdp2 to profile FSDP2 over the same GPUs instead (an approximation: FSDP2 shards parameters and gradients "
-        "that Megatron keeps per tensor × pipeline group, and holds whole activations that tensor parallelism splits)"
-    )
-
-
 SPEC = FrameworkSpec(
     name="slime",
     title="slime 624b824a",
     launchers=("train.py", "train_async.py"),
     markers=("--rollout-batch-size", "--global-batch-size"),
     read_command=read,
-    strategy_refusal=strategy_refusal,
     emit="batchfit.frameworks.slime_emit",
 )
 """slime in :mod:`batchfit.frameworks.registry`: its rules apply at ``FrameworkRun.plan``; the whole logits' log-probs;

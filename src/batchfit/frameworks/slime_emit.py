@@ -16,11 +16,9 @@ from batchfit.frameworks.assumptions import (
     Key,
     allocator_comment,
     check_head,
-    check_precision,
     check_strategy,
     nodes_and_gpus,
     refuse,
-    ring_keys,
     switch_keys,
 )
 from batchfit.frameworks.emit import cost_note, smallest_budget
@@ -59,37 +57,28 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
 
 
 def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
+    """The flags of the Megatron layout, GPUs and recomputation the budgets were profiled with (slime 624b824a).
+
+    Raises:
+        EmitError: a sharding other than ``megatron``, CPU offload, another precision than bf16,
+            LoRA, or another head than the whole logits'.
+    """
     target = "slime"
     s = a.sharding
     check_strategy(
         target,
         a,
-        ("fsdp2",),
-        "slime trains with Megatron-LM only (--train-backend megatron), which batchfit approximates by FSDP2 over the "
-        "same GPUs",
+        ("megatron",),
+        "slime trains with Megatron-LM only (--train-backend megatron); profile its layout with --sharding megatron "
+        "--tensor-parallel N --pipeline-parallel N",
     )
-    keys_cp = ring_keys(run, a, "--context-parallel-size", "Megatron's ring attention")
-    if not s.reshard_after_forward:
+    if a.trained_dtype != "bfloat16" and a.trained_dtype not in ("bf16",):
         raise refuse(
             target,
-            "--no-reshard-after-forward",
-            "slime trains with Megatron-LM, approximated by FSDP2 resharding after forward",
-            "drop --no-reshard-after-forward",
+            f"--dtype {a.trained_dtype}",
+            "slime trains bf16 with Megatron (set_default_megatron_args: bf16 parameters unless --fp16)",
+            "pass --dtype bf16",
         )
-    if s.offload == "cpu":
-        raise refuse(
-            target,
-            "--offload cpu",
-            "slime keeps the training state on the GPUs while it trains (--offload-train moves it to the host "
-            "between phases only)",
-            "profile with --offload none",
-        )
-    check_precision(
-        target,
-        a,
-        "slime always trains in bf16 with Megatron's distributed optimizer, fp32 main parameters "
-        "(slime/backends/megatron_utils/arguments.py set_default_megatron_args: bf16, use_distributed_optimizer)",
-    )
     if a.lora.get("policy") is not None:
         raise refuse(target, f"--lora-rank {a.lora['policy'].rank}", "slime at 624b824a has no LoRA flags", "pass --lora-rank 0")
     nodes, per_node = nodes_and_gpus(run, a, target)
@@ -97,12 +86,24 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         Key("--actor-num-nodes", nodes, f"the {s.world_size} GPUs profiled (the critic shares them)"),
         Key("--actor-num-gpus-per-node", per_node),
         Key(
-            "",
-            False,
-            "profiled as FSDP2 over these GPUs with fp32 main parameters and bf16 compute, an approximation of "
-            "Megatron's layout (slime sets bf16 and the distributed optimizer itself)",
+            "--tensor-model-parallel-size",
+            s.tensor_parallel,
+            f"Megatron's layout as profiled: tensor {s.tensor_parallel} × pipeline {s.pipeline_parallel} × data "
+            f"{s.data_parallel_size}",
         ),
+        Key("--pipeline-model-parallel-size", s.pipeline_parallel),
+        Key("--context-parallel-size", 1, "context parallelism is not modelled (Transformer Engine's attention)"),
     ]
+    if s.megatron_sequence_parallel:
+        keys.append(Key("--sequence-parallel", True, "activations outside attention split over the tensor-parallel group"))
+    elif s.tensor_parallel > 1 and run.megatron_sequence_parallel:
+        raise refuse(
+            target,
+            "--no-megatron-sequence-parallel",
+            "the command passes --sequence-parallel and slime has no flag to turn it off",
+            "drop --no-megatron-sequence-parallel, or remove --sequence-parallel from the command",
+        )
+    keys.append(Key("", False, "slime always trains with Megatron's distributed optimizer (set_default_megatron_args)"))
     on = a.gradient_checkpointing
     if on:
         # Megatron's TransformerConfig needs a method with full recompute; uniform over 1 layer checkpoints every
@@ -127,11 +128,11 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         target,
         a,
         ("full",),
-        "slime computes log-probs from the whole logits (profiled with batchfit's full head) and has no flag for "
-        "another head",
-        "drop --logprobs (full is slime's)",
+        "slime computes log-probs with Megatron's vocab-parallel cross-entropy over the whole logits (what the profile "
+        "runs) and has no flag for another head",
+        "drop --logprobs",
     )
-    return keys + keys_cp
+    return keys
 
 
 def allocator_keys(a: Assumptions) -> list[Key]:

@@ -67,6 +67,8 @@ STRATEGIES = strategy_names()
 FSDP_STRATEGIES = tuple(n for n in STRATEGIES if get_strategy(n).gathers_layers)
 #: DeepSpeed ZeRO stages 1 and 2: parameters replicated, optimizer state (and stage 2's gradients) partitioned.
 ZERO_STRATEGIES = tuple(n for n in STRATEGIES if get_strategy(n).zero_stage)
+#: The strategies that split each layer over tensor-parallel ranks and the layers over pipeline stages (Megatron).
+MODEL_PARALLEL_STRATEGIES = tuple(n for n in STRATEGIES if get_strategy(n).model_parallel)
 #: DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements).
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
 MIXED_PRECISION = ("bf16", "none")
