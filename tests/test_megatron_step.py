@@ -1,8 +1,11 @@
-"""batchfit.train.megatron_step: Megatron-core's GPTModel trained one step on gloo ranks, measured (second tier).
+"""batchfit.train.megatron_step: Megatron-core's GPTModel trained one step with Megatron's own DDP and optimizer, measured.
 
 The cpu backend on real gloo ranks is the referee of the estimate backend under the fake process
 group (NOTE [ Megatron under the fake process group ] in :mod:`batchfit.models.megatron`): the
-same first step of a fresh tiny model, TP = 2, with and without sequence parallelism, to the byte.
+same first step of a fresh tiny model, to the byte and rank by rank, at TP 2 (fp32, with and
+without sequence parallelism, and bf16 with Megatron's mixed-precision optimizer), at DP 2 with
+the distributed optimizer, and under PP 2. The resident bytes per parameter of Megatron's
+optimizer (NOTE [ The Megatron step's optimizer ]) are checked on the estimate alone (first tier).
 Skipped where megatron-core or mbridge is not installed (``pip install -e '.[megatron]'``).
 """
 
@@ -13,11 +16,15 @@ import pytest
 from batchfit import InvalidArgument
 from multirank import run_ranks
 
-pytestmark = pytest.mark.slow
-
 BATCH, SEQ, LAYERS = 2, 64, 2
-#: (tensor_parallel, sequence_parallel) of each measured run
-LAYOUTS = ((2, False), (2, True))
+#: (tensor_parallel, sequence_parallel, dtype, data_parallel, distributed_optimizer) of each 2-rank run
+LAYOUTS = (
+    (2, False, "float32", 1, False),
+    (2, True, "float32", 1, False),
+    (2, False, "bfloat16", 1, False),  # Megatron's mixed-precision optimizer (fp32 main params and grads)
+    (1, False, "bfloat16", 2, True),  # DP 2, Megatron's distributed optimizer
+)
+IDS = ["tp2", "tp2-sp", "tp2-bf16", "dp2-distributed-optimizer"]
 
 
 @pytest.fixture
@@ -26,8 +33,13 @@ def megatron():
     pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
 
 
-def _measure(backend_name: str, tp: int, sp: bool) -> dict[str, object]:
-    """The first step of a fresh tiny model on this rank (or the simulated rank 0), with its loss."""
+def _registered(model, training, inputs):
+    objects, categories = training.registered()
+    return (model, *objects, inputs), (None, *categories, None)
+
+
+def _measure(backend_name: str, tp: int, sp: bool, dtype: str, dp: int, distributed: bool) -> dict[str, object]:
+    """The first step of a fresh tiny model on this rank (or the simulated one), with its loss."""
     import warnings
 
     import torch
@@ -48,13 +60,17 @@ def _measure(backend_name: str, tp: int, sp: bool) -> dict[str, object]:
     with model_parallel(tp, 1), megatron_cpu_patches():
         with backend.context():
             model = build_gpt_model(
-                "tiny", tensor_parallel=tp, sequence_parallel=sp, num_layers=LAYERS, initialise=real
+                "tiny",
+                tensor_parallel=tp,
+                sequence_parallel=sp,
+                num_layers=LAYERS,
+                dtype=getattr(torch, dtype),
+                initialise=real,
             )
-            optimizer = megatron_optimizer(model)
+            training = megatron_optimizer(model, distributed=distributed)
             batch = synthetic_batch(model.vocab_size, BATCH, SEQ, seed=1)
-        got = backend.measure(
-            lambda: megatron_train_step(model, optimizer, batch), register=(model, optimizer, batch.tensors())
-        )
+        register, categories = _registered(model, training, batch.tensors())
+        got = backend.measure(lambda: megatron_train_step(model, training, batch), register=register, categories=categories)
         loss = None
         if real:
             with torch.no_grad():
@@ -67,36 +83,38 @@ def _measure(backend_name: str, tp: int, sp: bool) -> dict[str, object]:
     }
 
 
-def _real_rank(rank: int, layouts: tuple[tuple[int, bool], ...]) -> list[dict[str, object]]:
-    return [_measure("cpu", tp, sp) for tp, sp in layouts]
+def _real_rank(rank: int, layouts: tuple[tuple[object, ...], ...]) -> list[dict[str, object]]:
+    return [_measure("cpu", *layout) for layout in layouts]
 
 
-def _simulated(tp: int, sp: bool) -> dict[str, object]:
-    from batchfit.parallel.distributed import simulated_world
+def _simulated(rank: int, tp: int, sp: bool, dtype: str, dp: int, distributed: bool) -> dict[str, object]:
+    from batchfit.models.megatron import simulated_rank
 
-    with simulated_world(tp):
-        return _measure("estimate", tp, sp)
+    with simulated_rank(tp * dp, rank):
+        return _measure("estimate", tp, sp, dtype, dp, distributed)
 
 
 @pytest.fixture(scope="module")
 def real_runs():
-    """Each layout on 2 real gloo ranks, and TP = 1 on one."""
+    """Each layout on 2 real gloo ranks, and TP = 1 (fp32) on one."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
     pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
-    two = run_ranks(_real_rank, LAYOUTS, world=2, timeout=240)
-    one = run_ranks(_real_rank, ((1, False),), world=1, timeout=240)
+    two = run_ranks(_real_rank, LAYOUTS, world=2, timeout=300)
+    one = run_ranks(_real_rank, ((1, False, "float32", 1, False),), world=1, timeout=240)
     return {"two": two, "one": one[0][0]}
 
 
-@pytest.mark.parametrize(("tp", "sp"), LAYOUTS, ids=["tp2", "tp2-sp"])
-def test_estimate_equals_every_real_rank_to_the_byte(megatron, real_runs, tp, sp):
-    index = LAYOUTS.index((tp, sp))
-    ranks = [real_runs["two"][r][index] for r in (0, 1)]
-    estimate = _simulated(tp, sp)
-    for real in ranks:
-        assert (real["peak"], real["breakdown"]) == (estimate["peak"], estimate["breakdown"])
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_estimate_equals_every_real_rank_to_the_byte(megatron, real_runs, layout):
+    index = LAYOUTS.index(layout)
+    for rank in (0, 1):  # under the distributed optimizer the ranks' shards differ: each is simulated as itself
+        real = real_runs["two"][rank][index]
+        estimate = _simulated(rank, *layout)
+        assert (real["peak"], real["breakdown"]) == (estimate["peak"], estimate["breakdown"]), rank
 
 
+@pytest.mark.slow
 def test_tensor_parallelism_halves_the_sharded_parameters(megatron, real_runs):
     tp1 = real_runs["one"]["parameter_bytes"]
     tp2 = real_runs["two"][0][0]["parameter_bytes"]
@@ -106,16 +124,98 @@ def test_tensor_parallelism_halves_the_sharded_parameters(megatron, real_runs):
     assert real_runs["two"][0][0]["peak"] < real_runs["one"]["peak"]
 
 
+@pytest.mark.slow
 def test_the_loss_is_the_same_whatever_the_tensor_parallelism(megatron, real_runs):
     # Megatron's CPU initialisation draws each full matrix and slices the rank's shard: the same model
     losses = [real_runs["one"]["loss"]] + [real_runs["two"][r][i]["loss"] for r in (0, 1) for i in range(2)]
     assert max(losses) - min(losses) < 1e-4, losses
 
 
+@pytest.mark.slow
 def test_sequence_parallelism_lowers_the_activations_per_rank(megatron, real_runs):
-    plain, split = real_runs["two"][0]
+    plain, split = real_runs["two"][0][:2]
     assert split["breakdown"]["activations"] < plain["breakdown"]["activations"]
     assert split["peak"] < plain["peak"]
+
+
+@pytest.mark.slow
+def test_the_mixed_precision_optimizer_keeps_fp32_main_params_and_grads(megatron, real_runs):
+    bf16 = real_runs["two"][0][2]["breakdown"]
+    # TP 2, bf16: 111,936 parameters on a rank (447,744 B / 4 at fp32): 2 B each, their fp32 main_grad
+    # 4 B, fp32 main parameter and two fp32 moments 12 B, and a 4-byte step per tensor (15 tensors)
+    assert (bf16["parameters"], bf16["gradients"]) == (2 * 111_936, 4 * 111_936)
+    assert bf16["optimizer_state"] == 12 * 111_936 + 4 * 15
+
+
+@pytest.mark.slow
+def test_the_distributed_optimizer_halves_the_optimizer_state_per_rank(megatron, real_runs):
+    ranks = [real_runs["two"][r][3]["breakdown"] for r in (0, 1)]
+    one = _simulated(0, 1, False, "bfloat16", 1, False)["breakdown"]
+    # DP 1, bf16: 223,552 parameters, 12 B of main parameter and moments each, 15 tensors' steps
+    assert one["optimizer_state"] == 12 * 223_552 + 4 * 15
+    # DP 2: the gradient buffer (each parameter starting at a multiple of 64 elements, the whole at
+    # a multiple of lcm(2, 128)) holds 223,616 elements, 111,808 per rank; rank 0's range is all
+    # parameters (8 pieces), rank 1's ends in 64 elements of padding (7 pieces)
+    assert [r["optimizer_state"] for r in ranks] == [12 * 111_808 + 4 * 8, 12 * 111_744 + 4 * 7]
+    assert all(r["gradients"] == 4 * 223_616 for r in ranks)  # every rank keeps the whole buffer
+    assert all(r["parameters"] == 2 * 223_616 for r in ranks)  # the parameters moved into one padded buffer
+
+
+def _resident(dtype: str, dp: int, distributed: bool) -> dict[str, int]:
+    """The state a fresh tiny model of 1 layer keeps with Megatron's optimizer (estimate, DP rank 0), no step."""
+    import warnings
+
+    import torch
+
+    from batchfit.memory import get_backend
+    from batchfit.models.megatron import build_gpt_model, megatron_cpu_patches, model_parallel, simulated_rank
+    from batchfit.train.megatron_step import megatron_optimizer
+
+    warnings.filterwarnings("ignore")
+    backend = get_backend("estimate", round_to=1)
+    with simulated_rank(dp, 0), model_parallel(1, 1), megatron_cpu_patches(), backend.context():
+        model = build_gpt_model("tiny", num_layers=1, dtype=getattr(torch, dtype), initialise=False)
+        training = megatron_optimizer(model, distributed=distributed)
+        register, categories = _registered(model, training, ())
+        got = backend.measure(lambda: None, register=register, categories=categories)
+        assert sum(p.numel() for p in model.parameters()) == 177_344  # tiny, 1 layer
+    return dict(got.breakdown)
+
+
+def test_resident_bytes_per_parameter_of_megatrons_optimizer(megatron):
+    # bf16, DP 1: 177,344 parameters of 2 B; 4 B of fp32 main_grad, 4 B of fp32 main parameter and
+    # 8 B of two fp32 moments each (16 B), and a 4-byte step per tensor (9 tensors)
+    one = _resident("bfloat16", 1, False)
+    assert one == {"parameters": 2 * 177_344, "gradients": 4 * 177_344, "optimizer_state": 12 * 177_344 + 4 * 9}
+    # the distributed optimizer at DP 2: the buffer padded to 177,408 elements (parameters at multiples
+    # of 64, the end at a multiple of 128), the gradients whole, main parameters and moments for this
+    # rank's 88,704 (4 pieces): the optimizer part halves
+    two = _resident("bfloat16", 2, True)
+    assert two == {"parameters": 2 * 177_408, "gradients": 4 * 177_408, "optimizer_state": 12 * 88_704 + 4 * 4}
+    # without it, DP 2 keeps DP 1's state; fp32 parameters have no main copy (4 + 4 + 8 B)
+    assert _resident("bfloat16", 2, False) == one
+    assert _resident("float32", 1, False) == {
+        "parameters": 4 * 177_344,
+        "gradients": 4 * 177_344,
+        "optimizer_state": 8 * 177_344 + 4 * 9,
+    }
+
+
+def test_a_torch_optimizer_and_bf16_without_main_params_under_the_distributed_optimizer_are_refused(megatron):
+    import torch
+
+    from batchfit.memory import get_backend
+    from batchfit.models.megatron import build_gpt_model, megatron_cpu_patches, model_parallel, simulated_rank
+    from batchfit.train.megatron_step import megatron_optimizer, megatron_train_step, synthetic_batch
+
+    backend = get_backend("estimate")
+    with simulated_rank(2, 0), model_parallel(1, 1), megatron_cpu_patches(), backend.context():
+        model = build_gpt_model("tiny", num_layers=1, dtype=torch.bfloat16, initialise=False)
+        with pytest.raises(InvalidArgument, match="mixed_precision=False with distributed=True"):
+            megatron_optimizer(model, mixed_precision=False, distributed=True)
+        batch = synthetic_batch(model.vocab_size, 1, 8)
+        with pytest.raises(InvalidArgument, match="pass what megatron_optimizer"):
+            megatron_train_step(model, torch.optim.AdamW(model.parameters()), batch)
 
 
 def _measure_pipeline(backend_name: str, tp: int, pp: int, micro_batches: int) -> dict[str, object]:
@@ -136,11 +236,13 @@ def _measure_pipeline(backend_name: str, tp: int, pp: int, micro_batches: int) -
     with model_parallel(tp, pp), megatron_cpu_patches():
         with backend.context():
             model = build_gpt_model("tiny", tensor_parallel=tp, pipeline_parallel=pp, num_layers=LAYERS, initialise=real)
-            optimizer = megatron_optimizer(model)
+            training = megatron_optimizer(model)
             batches = [synthetic_batch(model.vocab_size, BATCH, SEQ, seed=i) for i in range(micro_batches)]
+        register, categories = _registered(model, training, [b.tensors() for b in batches])
         got = backend.measure(
-            lambda: out.setdefault("loss", megatron_pipeline_step(model, optimizer, batches)),
-            register=(model, optimizer, [b.tensors() for b in batches]),
+            lambda: out.setdefault("loss", megatron_pipeline_step(model, training, batches)),
+            register=register,
+            categories=categories,
         )
     return {"peak": got.peak_bytes, "breakdown": got.breakdown, "loss": out["loss"]}
 
@@ -156,6 +258,7 @@ def _simulated_stage(rank: int, tp: int, pp: int, micro_batches: int) -> dict[st
         return _measure_pipeline("estimate", tp, pp, micro_batches)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)], ids=["pp2-2ranks", "tp2-pp2-4ranks"])
 def test_pipeline_estimate_equals_every_real_rank_to_the_byte(megatron, tp, pp):
     world = tp * pp
@@ -169,22 +272,8 @@ def test_pipeline_estimate_equals_every_real_rank_to_the_byte(megatron, tp, pp):
     assert first["peak"] > last["peak"]  # the first stage binds: 2 micro-batches in flight
 
 
+@pytest.mark.slow
 def test_one_f_one_b_holds_at_most_pp_micro_batches_on_the_first_stage(megatron):
     activations = {n: _simulated_stage(0, 1, 2, n)["breakdown"]["activations"] for n in (1, 2, 4)}
     # stage 0 of 2 runs 2 - 0 - 1 = 1 warm-up forward: from 2 micro-batches on, 2 are in flight
     assert activations[1] < activations[2] == activations[4]
-
-
-def test_data_parallel_ranks_are_refused(megatron):
-    from batchfit.memory import get_backend
-    from batchfit.models.megatron import build_gpt_model, megatron_cpu_patches, model_parallel
-    from batchfit.parallel.distributed import simulated_world
-    from batchfit.train.megatron_step import megatron_optimizer, megatron_train_step, synthetic_batch
-
-    backend = get_backend("estimate")
-    with simulated_world(2), model_parallel(1, 1), megatron_cpu_patches(), backend.context():
-        model = build_gpt_model("tiny", num_layers=1, initialise=False)
-        optimizer = megatron_optimizer(model)
-        batch = synthetic_batch(model.vocab_size, 1, 8)
-        with pytest.raises(InvalidArgument, match="data_parallel=2"):
-            megatron_train_step(model, optimizer, batch)

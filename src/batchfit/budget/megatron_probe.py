@@ -1,8 +1,9 @@
 """The token budget's probe for a Megatron-core ``GPTModel``: one training step of this layout's binding pipeline stage.
 
 :class:`MegatronStep` is a :class:`~batchfit.budget.probe.BudgetStep`: ``step.measure(lengths)``
-builds this tensor/pipeline layout's model fresh (:func:`batchfit.models.megatron.build_gpt_model`),
-its AdamW state made up front, and measures one training step of ``micro_batches`` micro-batches of
+builds this tensor/pipeline/data-parallel layout's model fresh (:func:`batchfit.models.megatron.build_gpt_model`),
+wraps it in Megatron's DDP with Megatron's optimizer, its state made up front (NOTE [ The Megatron
+step's optimizer ] in :mod:`batchfit.train.megatron_step`), and measures one training step of ``micro_batches`` micro-batches of
 ``len(lengths)`` rows of ``max(lengths)`` tokens through Megatron's own schedule
 (:mod:`batchfit.train.megatron_step`), so :func:`batchfit.budget.find_token_budget` gives a per-rank
 token budget for the layout:
@@ -38,9 +39,13 @@ binds depends on the shape (tiny, 2 × 64, PP 2: the first stage; a large vocabu
 sequence can make it the last), so every stage is measured and the largest peak is the step's:
 on real ranks each rank measures its own stage and the search's all-reduce (max) agrees on it; on
 the estimate backend :meth:`MegatronStep.measure` simulates the first rank of each stage in turn
-(:func:`~batchfit.models.megatron.simulated_rank`, Megatron's order: tp fastest, then pp) and keeps
-the largest. Tensor-parallel ranks of one stage hold the same shapes (dense layers), so the
-stage's first rank stands for all of them. :attr:`MegatronStep.stage_peaks` keeps the last
+(:func:`~batchfit.models.megatron.simulated_rank`, Megatron's order: tp fastest, then dp, then pp:
+stage ``s`` begins at rank ``s × tp × dp``) and keeps the largest. Tensor-parallel ranks of one
+stage hold the same shapes (dense layers), and so do data-parallel ranks, but for the
+distributed optimizer's shards: each rank's 1/dp range of the gradient buffer cuts the
+parameters at other places, so the number of shard pieces (a 4-byte step count each) differs
+(tiny, 2 layers, bf16, DP 2: rank 0 holds 772 B more than rank 1); the stage's first rank stands
+for all of them. :attr:`MegatronStep.stage_peaks` keeps the last
 measurement's peak per stage, :attr:`MegatronStep.binding_stage` the one that bound. More
 micro-batches than ``p`` add nothing in flight (docs/megatron.md: 2, 4 and 8 give the same first
 stage at PP 2), so ``micro_batches`` defaults to ``p``.
@@ -76,13 +81,19 @@ class MegatronStep:
 
     Args:
         spec: a preset name, directory, hub id or ``PretrainedConfig`` (:func:`batchfit.models.megatron.transformer_config`).
-        tensor_parallel, pipeline_parallel, sequence_parallel: Megatron's layout (no data parallel:
-            the world is ``tensor_parallel × pipeline_parallel`` ranks).
+        tensor_parallel, pipeline_parallel, sequence_parallel: Megatron's model-parallel layout.
+        data_parallel: data-parallel ranks; the world is ``tensor_parallel × pipeline_parallel ×
+            data_parallel`` ranks (Megatron's order: tp fastest, then dp, then pp).
+        distributed_optimizer: Megatron's distributed optimizer (main parameters and Adam's
+            moments sharded over the data-parallel group, the gradient buffer reduce-scattered).
+        main_params_fp32: Megatron's mixed-precision optimizer (fp32 main parameters and fp32
+            gradient buffer) for 16-bit parameters; ``None``: when ``dtype`` is bf16. Must not be
+            ``False`` with the distributed optimizer on bf16 parameters.
         micro_batches: micro-batches of the step under pipeline parallelism (1F1B); ``None``:
             ``pipeline_parallel``, the most the first stage holds in flight. Must be 1 (or
             ``None``) without pipeline parallelism.
         backend: ``estimate`` (the simulated world, built here; call it with no process group)
-            or ``cpu`` (this rank of ``tensor_parallel × pipeline_parallel`` real gloo ranks).
+            or ``cpu`` (this rank of ``world_size`` real gloo ranks).
         dtype: the parameters' dtype (Megatron's ``params_dtype``).
         seed: torch's seed before each real build (Megatron's CPU initialisation draws each full
             matrix from torch's generator, so every rank builds the same model).
@@ -95,8 +106,9 @@ class MegatronStep:
         binding_stage: the stage whose peak the last measurement returned.
 
     Raises:
-        InvalidArgument: a bad size, a backend other than ``estimate`` and ``cpu``, or
-            ``micro_batches`` without pipeline parallelism.
+        InvalidArgument: a bad size, a backend other than ``estimate`` and ``cpu``,
+            ``micro_batches`` without pipeline parallelism, fp16 parameters, or
+            ``main_params_fp32=False`` with the distributed optimizer on bf16 parameters.
     """
 
     def __init__(
@@ -107,6 +119,9 @@ class MegatronStep:
         pipeline_parallel: int = 1,
         sequence_parallel: bool = False,
         micro_batches: int | None = None,
+        data_parallel: int = 1,
+        distributed_optimizer: bool = False,
+        main_params_fp32: bool | None = None,
         backend: Backend,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
@@ -117,6 +132,8 @@ class MegatronStep:
         self.tensor_parallel = check_positive_int("tensor_parallel", tensor_parallel)
         self.pipeline_parallel = check_positive_int("pipeline_parallel", pipeline_parallel)
         self.sequence_parallel = bool(sequence_parallel)
+        self.data_parallel = check_positive_int("data_parallel", data_parallel)
+        self.distributed_optimizer = bool(distributed_optimizer)
         if micro_batches is None:
             micro_batches = self.pipeline_parallel
         self.micro_batches = check_positive_int("micro_batches", micro_batches)
@@ -132,6 +149,18 @@ class MegatronStep:
                 f"MegatronStep measures with a tracking backend (simulated or real CPU ranks), but got one that reads "
                 f"the device's allocator ({backend!r}); pass get_backend('estimate', ...) or get_backend('cpu', ...)"
             )
+        if dtype is torch.float16:
+            raise InvalidArgument(
+                "dtype=torch.float16 is not modelled (Megatron's fp16 loss scaler reads found_inf.item(), which fake tensors "
+                "have not); pass dtype=torch.bfloat16 or torch.float32"
+            )
+        sixteen_bit = dtype is torch.bfloat16
+        self.main_params_fp32 = sixteen_bit if main_params_fp32 is None else bool(main_params_fp32) and sixteen_bit
+        if self.distributed_optimizer and sixteen_bit and not self.main_params_fp32:
+            raise InvalidArgument(
+                "main_params_fp32=False with distributed_optimizer=True: Megatron's distributed optimizer always keeps fp32 "
+                "main shards of bf16 parameters; pass main_params_fp32=True (the default), or distributed_optimizer=False"
+            )
         self.backend = backend
         backend.expect_world_size(self.world_size)  # its default reserve: what one rank of the layout holds untracked (NCCL)
         self.dtype = dtype
@@ -143,8 +172,12 @@ class MegatronStep:
 
     @property
     def world_size(self) -> int:
-        """The ranks of the layout: ``tensor_parallel × pipeline_parallel``."""
-        return self.tensor_parallel * self.pipeline_parallel
+        """The ranks of the layout: ``tensor_parallel × pipeline_parallel × data_parallel``."""
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    def stage_first_rank(self, stage: int) -> int:
+        """The global rank of ``stage``'s first rank (Megatron's order: tp fastest, then dp, then pp)."""
+        return stage * self.tensor_parallel * self.data_parallel
 
     def measure(self, lengths: Sequence[int]) -> MemoryMeasurement:
         """The peak of one training step of ``micro_batches`` micro-batches of ``len(lengths)`` rows of ``max(lengths)`` tokens.
@@ -172,10 +205,10 @@ class MegatronStep:
         if not dist.is_initialized() or dist.get_world_size() != self.world_size:
             have = dist.get_world_size() if dist.is_initialized() else None
             raise InvalidArgument(
-                f"MegatronStep on the cpu backend runs on tensor_parallel × pipeline_parallel = {self.world_size} real ranks, "
+                f"MegatronStep on the cpu backend runs on tensor_parallel × pipeline_parallel × data_parallel = {self.world_size} real ranks, "
                 f"but the process group has {have}; run it on every rank of a group of {self.world_size} (torchrun)"
             )
-        return dist.get_rank() // self.tensor_parallel  # Megatron's order: tp fastest, then (dp = 1) pp
+        return dist.get_rank() // (self.tensor_parallel * self.data_parallel)  # Megatron's order: tp fastest, then dp, then pp
 
     def _measure_here(self, rows: int, seq: int) -> MemoryMeasurement:
         """Build this rank's stage fresh and measure its first step (NOTE [ A fresh Megatron model per measurement ])."""
@@ -202,7 +235,9 @@ class MegatronStep:
                     gpt_args=self.gpt_args,
                     **self.overrides,
                 )
-                optimizer = megatron_optimizer(model)
+                optimizer = megatron_optimizer(
+                    model, mixed_precision=self.main_params_fp32, distributed=self.distributed_optimizer
+                )
                 vocab = model.vocab_size
                 batches = [synthetic_batch(vocab, rows, seq, seed=i) for i in range(self.micro_batches)]
             if self.pipeline_parallel == 1:
@@ -215,7 +250,12 @@ class MegatronStep:
                 def run() -> None:
                     megatron_pipeline_step(model, optimizer, batches)
 
-            return backend.measure(run, register=(model, optimizer, [b.tensors() for b in batches]))
+            objects, categories = optimizer.registered()
+            return backend.measure(
+                run,
+                register=(model, *objects, [b.tensors() for b in batches]),
+                categories=(None, *categories, None),
+            )
 
     def remedies(self) -> list[str | Phrase]:
         """What would make a longer sequence fit under Megatron, leaving out what the layout already does."""
@@ -223,6 +263,8 @@ class MegatronStep:
         out.append(Phrase("raise the tensor parallelism (", Setting("tensor_parallel", 2 * self.tensor_parallel), ")"))
         if self.tensor_parallel > 1 and not self.sequence_parallel:
             out.append(Phrase("split the activations over the tensor-parallel group (", Setting("sequence_parallel", True), ")"))
+        if self.data_parallel > 1 and not self.distributed_optimizer:
+            out.append(Phrase("shard the optimizer state over data parallel (", Setting("distributed_optimizer", True), ")"))
         recompute = self.overrides.get("recompute_granularity")
         if recompute is None:
             out.append(Phrase("recompute the activations (", Setting("recompute_granularity", "selective"), ")"))
@@ -236,6 +278,10 @@ class MegatronStep:
             "pipeline_parallel": self.pipeline_parallel,
             "sequence_parallel": self.sequence_parallel,
             "micro_batches": self.micro_batches,
+            "data_parallel": self.data_parallel,
+            "distributed_optimizer": self.distributed_optimizer,
+            "main_params_fp32": self.main_params_fp32,
+            "world_size": self.world_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "stage_peaks": dict(self.stage_peaks),
             "binding_stage": self.binding_stage,
@@ -275,7 +321,7 @@ def stage_measurements(step: MegatronStep, lengths: Sequence[int]) -> dict[int, 
     rows, seq = _rows_and_length(lengths)
     out = {}
     for stage in range(step.pipeline_parallel):
-        with simulated_rank(step.world_size, stage * step.tensor_parallel):
+        with simulated_rank(step.world_size, step.stage_first_rank(stage)):
             out[stage] = step._measure_here(rows, seq)
     return out
 

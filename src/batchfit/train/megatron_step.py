@@ -1,8 +1,70 @@
-"""One training step of Megatron-core's ``GPTModel`` on the ranks of its tensor-parallel group.
+"""One training step of Megatron-core's ``GPTModel`` on the ranks of its layout, with Megatron's own DDP and optimizer.
 
 - :func:`synthetic_batch`: token ids, positions, labels and a loss mask, the same on every
-  rank of a tensor-parallel group (Megatron's layers expect identical inputs across it).
-- :func:`megatron_optimizer`: the optimizer (NOTE [ Pipeline sends are waited on whole ]
+  rank that passes the same seed (Megatron's layers expect identical inputs across a
+  tensor-parallel group).
+- :func:`megatron_optimizer`: the model wrapped in Megatron's ``DistributedDataParallel`` and
+  Megatron's optimizer over it (:class:`MegatronTraining`), its state made up front
+  (NOTE [ The Megatron step's optimizer ]).
+- :func:`megatron_train_step`: forward with Megatron's vocab-parallel cross-entropy
+  (``GPTModel`` given ``labels``), backward into the fp32 gradient buffer, Megatron's
+  ``finalize_model_grads`` (the data-parallel all-reduce or reduce-scatter, the
+  sequence-parallel norm gradients), the optimizer step; labelled for the tracked backends
+  (NOTE [ Phases and regions ] in :mod:`batchfit.memory.labels`).
+- :func:`megatron_pipeline_step`: the same through Megatron's pipeline schedule (1F1B), per stage.
+
+NOTE [ The Megatron step's optimizer ]
+The step trains as Megatron-LM's ``train_step`` does, with megatron-core 0.16.1's own classes
+on CPU ranks (the patches of NOTE [ Megatron's DDP and optimizer on CPU ranks ] in
+:mod:`batchfit.models.megatron`): the model wrapped in
+``megatron.core.distributed.DistributedDataParallel`` (``DistributedDataParallelConfig(
+grad_reduce_in_fp32=..., use_distributed_optimizer=...)``), the optimizer from
+``megatron.core.optimizer.get_megatron_optimizer(OptimizerConfig(optimizer="adam", bf16=...,
+use_distributed_optimizer=...), [model])``, the gradients finalised by
+``megatron.core.distributed.finalize_model_grads``. What each rank then holds per parameter
+of its model shard, measured (``tests/test_megatron_step.py``):
+
+- the parameter (2 B in bf16); under the distributed optimizer DDP moves every parameter into
+  one contiguous buffer per dtype (``param_and_grad_buffer.py`` l. 797, ``param.data`` a view
+  of it, l. 831), padded so each data-parallel rank owns an equal range (each parameter
+  starts at a multiple of 64 elements, l. 665; the buffer ends at a multiple of
+  ``lcm(dp, 128)``, l. 654);
+- its gradient, ``param.main_grad``: a view (l. 837) into DDP's persistent contiguous buffer
+  (l. 803), fp32 with ``grad_reduce_in_fp32`` (4 B; every rank keeps the whole buffer, the
+  distributed optimizer included); the backward's own gradient is added into it and freed at
+  once (``distributed_data_parallel.py`` l. 440);
+- for a 16-bit parameter, an fp32 main parameter: ``param.detach().clone().float()`` in
+  ``Float16OptimizerWithFloat16Params`` (``optimizer/optimizer.py`` l. 674; 4 B), whose
+  gradient is ``main_grad`` itself (``.float()`` of an fp32 tensor, l. 759), or, under the
+  ``DistributedOptimizer``, only the shard of this data-parallel rank's range
+  (``shard_model_param.clone().float()``, ``distrib_optimizer.py`` l. 399; its gradient a
+  view of the buffer, l. 2419);
+- Adam's two fp32 moments of each main parameter (8 B, ``exp_avg`` and ``exp_avg_sq``:
+  1/dp of them under the distributed optimizer), made up front here (SkyRL #1060), and a
+  4-byte step count per main parameter (per shard piece).
+
+So a bf16 model keeps 2 + 4 + 4 + 8 = 18 B per parameter (the parameters' 2 B apart: 16 B of
+optimizer and gradient), and under the distributed optimizer at DP ``d`` 2 + 4 + 12/d B
+(plus padding); an fp32 model (``FP32Optimizer``, no main copy) 4 + 4 + 8 = 16 B. After the
+step the distributed optimizer copies each rank's updated shard into the parameter buffer and
+all-gathers it (``DistributedOptimizer.step_with_ready_grads``). ``mixed_precision=False``
+on a bf16 model is Megatron without ``bf16``: no main parameters, the gradient buffer and
+the moments in bf16 (``grad_reduce_in_fp32=False``).
+
+Three choices of a GPU run, modelled as it runs them:
+- Adam's kernel: megatron-core takes Transformer Engine's (or Apex's) ``FusedAdam``, and torch's
+  ``AdamW`` only when neither is installed (``optimizer/__init__.py`` l. 13–34, "Apex's FusedAdam
+  is a drop-in replacement for torch's AdamW"); a fused kernel updates in place, with no
+  temporaries, so the inner ``AdamW`` is switched to torch's fused kernel (``fused=True``, which
+  runs on the CPU and under fake tensors), not the CPU's per-parameter loop.
+- No gradient clipping (``clip_grad=0``): the gradient norm ends in ``.item()``, which a fake
+  tensor has no value for; the fused norm and in-place scaling of a GPU keep a few scalars.
+- Synchronous gradient reduction (``overlap_grad_reduce=False``, Megatron's default): one
+  bucket per buffer, the collectives run after the backward (NOTE [ Megatron's DDP and optimizer
+  on CPU ranks ]).
+fp16 (a loss scaler whose ``found_inf`` is read with ``.item()``) is refused.
+
+NOTE [ Pipeline sends are waited on whole ]
 A search on real ranks waits in slices (:func:`batchfit.parallel.rank_signals.listening`: each
 ``Work.wait`` is given 50 ms, then the guard checks whether another rank left, then waits again).
 That is harmless for gloo's collectives, but gloo's point-to-point work closes its pair when a
@@ -13,25 +75,6 @@ no listener (``listening(None)``: plain waits, bounded by the process group's ti
 that left the search in the middle of a pipeline step is then noticed at the next collective
 after the schedule, not inside it; real ranks run every probe to the end anyway (NOTE [ Real
 ranks run their probes to the end ] in :mod:`batchfit.memory.base`).
-
-NOTE [ The Megatron step's optimizer ]), its state made up front.
-- :func:`megatron_pipeline_step`: the same through Megatron's pipeline schedule (1F1B), per stage.
-- :func:`megatron_train_step`: forward with Megatron's vocab-parallel cross-entropy (``GPTModel``
-  given ``labels``), backward, the sequence-parallel gradient all-reduce Megatron's
-  ``finalize_model_grads`` makes, the optimizer step; labelled for the tracked backends
-  (NOTE [ Phases and regions ] in :mod:`batchfit.memory.labels`).
-
-NOTE [ The Megatron step's optimizer ]
-The step trains with torch's AdamW (``foreach=True``, :func:`batchfit.train.optim.default_optimizer`)
-over the model's parameters, not Megatron's own optimizer: megatron-core 0.16.1's optimizers need
-its ``DistributedDataParallel`` (they step from ``param.main_grad``, the contiguous fp32 gradient
-buffer it makes), and both allocate on CUDA by name: ``param_and_grad_buffer.py`` makes its buffers
-on ``torch.cuda.current_device()`` and overlaps communication on ``torch.cuda`` streams, and
-``MixedPrecisionOptimizer`` makes ``found_inf`` with ``device='cuda'`` (``optimizer/optimizer.py``).
-With fp32 parameters and one data-parallel rank the state is the same: two fp32 moments per
-parameter, gradients of the parameters' dtype. What this leaves out of a bf16 Megatron run (the
-fp32 main gradients and main parameters of its mixed-precision optimizer, its distributed
-optimizer's sharding over data parallel) is the next step of issue 42.
 """
 
 from __future__ import annotations
@@ -44,9 +87,9 @@ import torch
 
 from batchfit.errors import InvalidArgument
 from batchfit.memory import labels
-from batchfit.memory.categories import LOGPROB_HEAD, OPTIMIZER_STEP
+from batchfit.memory.categories import GRADIENTS, LOGPROB_HEAD, OPTIMIZER_STATE, OPTIMIZER_STEP, PARAMETERS
 from batchfit.parallel.rank_signals import listening
-from batchfit.train.optim import allocate_gradients, default_optimizer, initialize_optimizer_state
+from batchfit.train.optim import initialize_optimizer_state
 from batchfit.validation import check_positive_int
 
 
@@ -95,22 +138,158 @@ def synthetic_batch(vocab_size: int, batch: int, seq: int, *, seed: int = 0) -> 
     )
 
 
-def megatron_optimizer(model: torch.nn.Module, lr: float = 1e-6) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s parameters with its state and gradients made now (NOTE [ The Megatron step's optimizer ]).
+@dataclass
+class MegatronTraining:
+    """What one rank trains with (NOTE [ The Megatron step's optimizer ]): its model in Megatron's DDP, Megatron's optimizer.
 
-    The state exists before the first measured step (SkyRL #1060 missed it) and every gradient is
-    allocated, as from an accumulation's second micro-batch on (NOTE [ Gradients are resident
-    between micro-batches ] in :mod:`batchfit.train.optim`).
+    Attributes:
+        model: the model wrapped in ``megatron.core.distributed.DistributedDataParallel``
+            (its ``module`` is the ``GPTModel``).
+        optimizer: Megatron's optimizer (``Float16OptimizerWithFloat16Params``,
+            ``DistributedOptimizer`` or ``FP32Optimizer``); its ``optimizer`` is the inner
+            ``torch.optim.AdamW`` over the main parameters.
+        mixed_precision: fp32 main parameters and gradients for 16-bit parameters.
+        distributed: Megatron's distributed optimizer (main parameters and moments sharded
+            over the data-parallel group).
     """
-    optimizer = default_optimizer(model.parameters(), lr=lr)
-    initialize_optimizer_state(optimizer)
-    allocate_gradients(model)
-    return optimizer
+
+    model: torch.nn.Module
+    optimizer: Any
+    mixed_precision: bool
+    distributed: bool
+
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """DDP's contiguous gradient buffers (``main_grad`` of every parameter is a view of one)."""
+        return [b.grad_data for b in self._buffers()]
+
+    def parameter_buffers(self) -> list[torch.Tensor]:
+        """DDP's contiguous parameter buffers (the distributed optimizer's; none without it)."""
+        return [b.param_data for b in self._buffers() if b.param_data is not None]
+
+    def main_parameters(self) -> list[torch.Tensor]:
+        """The tensors the inner Adam updates: fp32 main parameters (or their shards), or the parameters themselves."""
+        return [p for group in self.optimizer.optimizer.param_groups for p in group["params"]]
+
+    def registered(self) -> tuple[list[Any], list[str | None]]:
+        """What a measurement registers beside the ``GPTModel`` (register the model first), with their categories.
+
+        Use as ``objects, categories = training.registered()`` then ``backend.measure(fn,
+        register=(model, *objects, inputs), categories=(None, *categories, None))``: the
+        gradient buffers are ``gradients``, the main parameters and Adam's moments
+        ``optimizer_state``, the distributed optimizer's parameter buffer ``parameters`` (it
+        holds the model's parameters and their padding; a storage counts once).
+        """
+        return (
+            [self.parameter_buffers(), self.gradient_buffers(), self.main_parameters(), self.optimizer.optimizer],
+            [PARAMETERS, GRADIENTS, OPTIMIZER_STATE, OPTIMIZER_STATE],
+        )
+
+    def _buffers(self) -> list[Any]:
+        return [*self.model.buffers, *self.model.expert_parallel_buffers]  # DDP's lists (they shadow Module.buffers)
+
+
+def megatron_optimizer(
+    model: torch.nn.Module, *, mixed_precision: bool | None = None, distributed: bool = False, lr: float = 1e-6
+) -> MegatronTraining:
+    """Wrap ``model`` in Megatron's DDP and build Megatron's optimizer over it, its state made now (NOTE [ The Megatron step's optimizer ]).
+
+    Call it inside :func:`batchfit.models.megatron.model_parallel` and
+    :func:`~batchfit.models.megatron.megatron_cpu_patches` (and the backend's ``context()``),
+    on every rank at once: the optimizer gathers its parameter groups over the world.
+
+    Args:
+        model: this rank's ``GPTModel`` (:func:`batchfit.models.megatron.build_gpt_model`).
+        mixed_precision: fp32 main parameters, fp32 gradient buffer (``OptimizerConfig.bf16``,
+            ``grad_reduce_in_fp32``); ``None``: when the parameters are bf16. Nothing to do for
+            fp32 parameters.
+        distributed: Megatron's distributed optimizer (``use_distributed_optimizer``): each
+            data-parallel rank keeps the main parameters and moments of its 1/dp range of the
+            gradient buffer, which is reduce-scattered instead of all-reduced.
+        lr: the learning rate.
+
+    Returns:
+        The wrapped model and the optimizer; the inner Adam's moments exist, zero.
+
+    Raises:
+        InvalidArgument: fp16 parameters, or ``mixed_precision=False`` with the distributed
+            optimizer on 16-bit parameters (it always keeps fp32 main shards).
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = model.config
+    dtype = config.params_dtype
+    if dtype is torch.float16:
+        raise InvalidArgument(
+            "fp16 parameters train with a loss scaler whose overflow check reads a value (found_inf.item()), which the estimate "
+            "backend's fake tensors have not; build the model with dtype=torch.bfloat16 or torch.float32"
+        )
+    sixteen_bit = dtype is torch.bfloat16
+    if mixed_precision is None:
+        mixed_precision = sixteen_bit
+    mixed_precision = bool(mixed_precision) and sixteen_bit
+    if distributed and sixteen_bit and not mixed_precision:
+        raise InvalidArgument(
+            "mixed_precision=False with distributed=True: Megatron's distributed optimizer always keeps fp32 main shards "
+            "of bf16 parameters (DistributedOptimizer._build_model_and_main_param_groups); pass mixed_precision=True, or distributed=False"
+        )
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=mixed_precision or dtype is torch.float32,
+        use_distributed_optimizer=bool(distributed),
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+    )
+    wrapped = DistributedDataParallel(config, ddp_config, model)
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        bf16=mixed_precision,
+        params_dtype=dtype,
+        use_distributed_optimizer=bool(distributed),
+        clip_grad=0.0,
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, [wrapped], use_gloo_process_groups=False)
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None and len(chained) == 1:
+        optimizer = chained[0]  # a dense model: one optimizer; the chain's step would take the norm (clip_grad=0)
+    _fused_adam(optimizer.optimizer)
+    _initialize_main_state(optimizer.optimizer)
+    return MegatronTraining(model=wrapped, optimizer=optimizer, mixed_precision=mixed_precision, distributed=bool(distributed))
+
+
+def _fused_adam(adam: torch.optim.Optimizer) -> None:
+    """Run torch's AdamW with its fused kernel, as Transformer Engine's ``FusedAdam`` runs (NOTE [ The Megatron step's optimizer ])."""
+    if not isinstance(adam, torch.optim.AdamW | torch.optim.Adam):
+        return
+    adam.defaults["fused"], adam.defaults["foreach"] = True, False
+    for group in adam.param_groups:
+        group["fused"], group["foreach"] = True, False
+
+
+def _initialize_main_state(adam: torch.optim.Optimizer) -> None:
+    """Make the inner Adam's moments now: the main parameters are copies (``requires_grad=False``), so mark them for the helper."""
+    params = [p for group in adam.param_groups for p in group["params"]]
+    flags = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        initialize_optimizer_state(adam)
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside Megatron's DDP (the model itself otherwise)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def _per_token_loss(model: torch.nn.Module, batch: MegatronBatch) -> torch.Tensor:
     """``GPTModel``'s forward: ``[b, s]`` per-token losses on the last stage, hidden states elsewhere; the head labelled."""
-    head = getattr(model, "output_layer", None) if getattr(model, "post_process", True) else None
+    inner = _unwrapped(model)
+    head = getattr(inner, "output_layer", None) if getattr(inner, "post_process", True) else None
     handles = []
     if head is not None:  # the logits and the cross-entropy are the head's (NOTE [ Phases and regions ])
         handles.append(head.register_forward_pre_hook(lambda module, args: labels.set_region(LOGPROB_HEAD)))
@@ -131,19 +310,21 @@ def _masked_mean(per_token: torch.Tensor, batch: MegatronBatch) -> torch.Tensor:
 def megatron_loss(model: torch.nn.Module, batch: MegatronBatch) -> torch.Tensor:
     """The masked mean of Megatron's per-token loss: ``GPTModel(..., labels=...)`` runs its vocab-parallel cross-entropy.
 
-    The batch's causal mask is passed in (the local spec's ``DotProductAttention`` would make
-    one on CUDA). With pipeline parallelism use :func:`megatron_pipeline_step`.
+    ``model`` is the ``GPTModel`` or its DDP wrapper. The batch's causal mask is passed in (the
+    local spec's ``DotProductAttention`` would make one on CUDA). With pipeline parallelism use
+    :func:`megatron_pipeline_step`.
     """
     return _masked_mean(_per_token_loss(model, batch), batch)
 
 
 def finalize_sequence_parallel_grads(model: torch.nn.Module) -> None:
-    """All-reduce over the tensor-parallel group the gradients of parameters sequence parallelism replicates.
+    """All-reduce over the tensor-parallel group the ``.grad`` of parameters sequence parallelism replicates (a model without Megatron's DDP).
 
     Under sequence parallelism each TP rank's norm weights see only its part of the sequence;
     Megatron's ``finalize_model_grads`` (``_allreduce_non_tensor_model_parallel_grads``) sums
-    their gradients over the TP group, here in place in ``.grad`` (Megatron sums ``main_grad``,
-    through a flattened copy). Nothing to do without sequence parallelism.
+    their ``main_grad`` over the TP group, which :func:`megatron_train_step` runs; this is the
+    same in place in ``.grad``, for a model trained with a plain torch optimizer. Nothing to do
+    without sequence parallelism.
     """
     config = getattr(model, "config", None)
     if config is None or not config.sequence_parallel or config.tensor_model_parallel_size == 1:
@@ -157,38 +338,63 @@ def finalize_sequence_parallel_grads(model: torch.nn.Module) -> None:
             dist.all_reduce(param.grad, group=group)
 
 
-def megatron_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: MegatronBatch) -> float:
-    """One step on this rank: forward (vocab-parallel cross-entropy), backward, sequence-parallel all-reduce, AdamW.
+def _training(optimizer: Any) -> MegatronTraining:
+    if not isinstance(optimizer, MegatronTraining):
+        raise InvalidArgument(
+            f"the Megatron step trains with Megatron's DDP and optimizer, but got optimizer={type(optimizer).__name__}; "
+            "pass what megatron_optimizer(model) returns"
+        )
+    return optimizer
+
+
+def _zero_grads(training: MegatronTraining) -> None:
+    """What Megatron-LM's ``train_step`` does first: zero the gradient buffer, drop the main parameters' gradients."""
+    training.model.zero_grad_buffer()
+    training.optimizer.zero_grad()
+
+
+def _optimizer_step(training: MegatronTraining) -> None:
+    with labels.phase(labels.OPTIMIZER), labels.region(OPTIMIZER_STEP):
+        training.optimizer.step()
+
+
+def megatron_train_step(model: torch.nn.Module, optimizer: MegatronTraining, batch: MegatronBatch) -> float:
+    """One step on this rank: forward (vocab-parallel cross-entropy), backward, ``finalize_model_grads``, Megatron's optimizer step.
 
     Run it inside :func:`batchfit.models.megatron.megatron_cpu_patches` on every rank of the
-    tensor-parallel group at once (the layers' collectives pair them). Gradients are zeroed
-    after the step and kept allocated (``set_to_none=False``), as :func:`megatron_optimizer`
-    made them.
+    layout at once (the layers' and the gradients' collectives pair them). With data parallelism
+    the gradient buffer is all-reduced over the data-parallel group (reduce-scattered under the
+    distributed optimizer, whose step then all-gathers the parameters).
+
+    Args:
+        model: the ``GPTModel`` (or ``optimizer.model``, its DDP wrapper).
+        optimizer: :func:`megatron_optimizer`'s result for it.
+        batch: this rank's micro-batch.
 
     Returns:
         The loss (a float; ``nan`` under fake tensors, which have no values).
 
     Raises:
-        InvalidArgument: more than one data-parallel rank (their gradients are not all-reduced
-            here yet: Megatron's ``DistributedDataParallel`` does it, NOTE [ The Megatron step's optimizer ]).
+        InvalidArgument: ``optimizer`` is not a :class:`MegatronTraining`.
     """
-    _one_data_parallel_rank()
+    from megatron.core.distributed import finalize_model_grads
+
+    training = _training(optimizer)
+    _zero_grads(training)
     with labels.phase(labels.FORWARD):
         labels.set_position(labels.EMBED)
-        loss = megatron_loss(model, batch)
+        loss = megatron_loss(training.model, batch)
     with labels.phase(labels.BACKWARD):
         loss.backward()
-        finalize_sequence_parallel_grads(model)
-    with labels.phase(labels.OPTIMIZER), labels.region(OPTIMIZER_STEP):
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        finalize_model_grads([training.model])
+    _optimizer_step(training)
     return _value(loss)
 
 
 def megatron_pipeline_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[MegatronBatch]
+    model: torch.nn.Module, optimizer: MegatronTraining, micro_batches: Sequence[MegatronBatch]
 ) -> float | None:
-    """One step of this pipeline stage under Megatron's own schedule, then AdamW.
+    """One step of this pipeline stage under Megatron's own schedule, then Megatron's optimizer step.
 
     ``megatron.core.pipeline_parallel.get_forward_backward_func()`` picks the schedule: with
     pipeline parallelism, 1F1B without interleaving (``forward_backward_pipelining_without_interleaving``:
@@ -196,11 +402,13 @@ def megatron_pipeline_step(
     micro-batches' activations in flight); without, forward and backward per micro-batch. Every
     stage passes the same micro-batches (the first reads the tokens, the last the labels); the
     schedule sends activations and their gradients between stages (``isend``/``irecv`` over the
-    pipeline group) and divides each micro-batch's loss by their number.
+    pipeline group), divides each micro-batch's loss by their number and ends with
+    ``finalize_model_grads`` (set as the config's ``finalize_model_grads_func``, with DDP's
+    ``no_sync`` as ``no_sync_func``, as Megatron-LM's ``train`` sets them).
 
     Args:
-        model: this stage's model (:func:`batchfit.models.megatron.build_gpt_model`).
-        optimizer: its optimizer (:func:`megatron_optimizer`).
+        model: this stage's ``GPTModel`` (:func:`batchfit.models.megatron.build_gpt_model`) or its DDP wrapper.
+        optimizer: :func:`megatron_optimizer`'s result for it.
         micro_batches: the step's micro-batches, all of one shape.
 
     Returns:
@@ -208,12 +416,13 @@ def megatron_pipeline_step(
         ``None`` on the others.
 
     Raises:
-        InvalidArgument: no micro-batch, micro-batches of different shapes, or more than one
-            data-parallel rank (:func:`megatron_train_step`).
+        InvalidArgument: no micro-batch, micro-batches of different shapes, or an optimizer not
+            made by :func:`megatron_optimizer`.
     """
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    _one_data_parallel_rank()
+    training = _training(optimizer)
     if not micro_batches:
         raise InvalidArgument("micro_batches must hold at least one MegatronBatch, but got none")
     shapes = {tuple(b.input_ids.shape) for b in micro_batches}
@@ -234,34 +443,28 @@ def megatron_pipeline_step(
 
         return _per_token_loss(stage, batch), loss_func
 
+    config = _unwrapped(training.model).config
+    saved = (config.finalize_model_grads_func, config.no_sync_func)
+    config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, training.model.no_sync
+    _zero_grads(training)
     forward_backward = get_forward_backward_func()
-    with listening(None):  # type: ignore[arg-type]  # NOTE [ Pipeline sends are waited on whole ]
-        forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=[model],
-            num_microbatches=len(micro_batches),
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            forward_only=False,
-        )
-    with labels.phase(labels.BACKWARD):
-        finalize_sequence_parallel_grads(model)
-    with labels.phase(labels.OPTIMIZER), labels.region(OPTIMIZER_STEP):
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+    try:
+        with listening(None):  # type: ignore[arg-type]  # NOTE [ Pipeline sends are waited on whole ]
+            forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=[training.model],
+                num_microbatches=len(micro_batches),
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                forward_only=False,
+            )
+    finally:
+        config.finalize_model_grads_func, config.no_sync_func = saved
+    _optimizer_step(training)
     if not losses:
         return None
     return _value(torch.stack(losses).mean())
-
-
-def _one_data_parallel_rank() -> None:
-    from megatron.core import parallel_state
-
-    if parallel_state.get_data_parallel_world_size() > 1:
-        raise InvalidArgument(
-            f"the Megatron step runs one data-parallel rank, but Megatron's parallel state has data_parallel={parallel_state.get_data_parallel_world_size()}; make world_size = tensor_parallel * pipeline_parallel"
-        )
 
 
 def _value(loss: torch.Tensor) -> float:
@@ -272,6 +475,7 @@ def _value(loss: torch.Tensor) -> float:
 
 __all__ = [
     "MegatronBatch",
+    "MegatronTraining",
     "finalize_sequence_parallel_grads",
     "megatron_loss",
     "megatron_optimizer",
@@ -279,4 +483,3 @@ __all__ = [
     "megatron_train_step",
     "synthetic_batch",
 ]
-
