@@ -63,3 +63,25 @@ def test_doubling_tensor_parallelism_raises_the_budget():
         ).combined.tokens
 
     assert tokens(2) > tokens(1)
+
+
+@pytest.mark.slow
+def test_two_shallow_copies_extrapolated_stage_by_stage_give_the_full_depths_budget():
+    from batchfit.budget.model_profile import profile_model
+    from batchfit.models import load_config
+
+    config = load_config("tiny")
+    config.num_hidden_layers = 8
+
+    def profile(extrapolate: bool):
+        return profile_model(
+            config, max_seq_len=256, backend="estimate", memory_limit="1GiB", reserve_bytes=0, depth_extrapolation=extrapolate,
+            sharding=Sharding("megatron", world_size=2, pipeline_parallel=2),
+        )
+
+    shallow, full = profile(True), profile(False)
+    assert shallow.measured_depths == (4, 6) and full.measured_depths is None
+    assert shallow.combined.tokens == full.combined.tokens
+    # NOTE [ Megatron stages are affine in their depth ]: each stage within the allocator's rounding, above
+    for stage, peak in full.megatron.stage_peaks.items():
+        assert 0 <= shallow.megatron.stage_peaks[stage] - peak <= 8 * 512

@@ -106,7 +106,7 @@ def _profile(
     resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
     if options.engine_reserve is not None:
         engine = given_engine_reserve(options.engine_reserve)
-    step = megatron_step(config, plan, be, dtype, options)  # sets the backend's reserve for the layout's world
+    step = budget_step(config, plan, be, dtype, options)  # sets the backend's reserve for the layout's world
     if resident_bytes or (engine is not None and engine.bytes):
         take_resident(be, resident_bytes, engine)
     trained = next((r for r in chosen if not forward_role(r)), chosen[0])
@@ -142,6 +142,7 @@ def _profile(
         combined=TokenBudget.min(*budgets.values()),
         sharding=plan,
         depth=int(config.num_hidden_layers),
+        measured_depths=_measured_depths(step, plan),
         untracked=be.untracked,
         megatron=MegatronLayout(
             stage_peaks=dict(step.stage_peaks),
@@ -160,12 +161,32 @@ ATTENTION = "sdpa"
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
-def megatron_step(config: Any, plan: Sharding, backend: Any, dtype: Any, options: ProfileOptions) -> Any:
-    """The :class:`~batchfit.budget.megatron_probe.MegatronStep` of ``plan``'s layout (one data-parallel rank's)."""
+def budget_step(config: Any, plan: Sharding, backend: Any, dtype: Any, options: ProfileOptions) -> Any:
+    """The step a Megatron profile searches: :func:`megatron_step` at the model's depth, or two shallow copies of it
+    extrapolated stage by stage (NOTE [ Megatron stages are affine in their depth ])."""
+    from batchfit.budget.megatron_depth import DepthExtrapolatedMegatronStep, extrapolates
+
+    layers = int(config.num_hidden_layers)
+    if not extrapolates(backend, layers, plan.pipeline_parallel, options.depth_extrapolation):
+        return megatron_step(config, plan, backend, dtype, options)
+    return DepthExtrapolatedMegatronStep(
+        lambda n: megatron_step(config, plan, backend, dtype, options, num_layers=n),
+        plan.pipeline_parallel,
+        layers // plan.pipeline_parallel,
+        backend,
+    )
+
+
+def megatron_step(
+    config: Any, plan: Sharding, backend: Any, dtype: Any, options: ProfileOptions, **overrides: Any
+) -> Any:
+    """The :class:`~batchfit.budget.megatron_probe.MegatronStep` of ``plan``'s layout (one data-parallel rank's);
+    ``overrides`` are ``TransformerConfig`` fields (``num_layers``)."""
     from batchfit.budget.megatron_probe import MegatronStep
     from batchfit.models.megatron_attention import layer_spec
 
-    overrides = dict(FULL_RECOMPUTE) if options.gradient_checkpointing else {}
+    if options.gradient_checkpointing:
+        overrides = {**FULL_RECOMPUTE, **overrides}
     data = {}
     if plan.data_parallel_size > 1:  # one data-parallel rank holds the whole optimizer state either way
         data = {"data_parallel": plan.data_parallel_size, "distributed_optimizer": plan.distributed_optimizer}
@@ -180,6 +201,15 @@ def megatron_step(config: Any, plan: Sharding, backend: Any, dtype: Any, options
         **data,
         **overrides,
     )
+
+
+def _measured_depths(step: Any, plan: Sharding) -> tuple[int, int] | None:
+    from batchfit.budget.megatron_depth import STAGE_DEPTHS, DepthExtrapolatedMegatronStep
+
+    if not isinstance(step, DepthExtrapolatedMegatronStep):
+        return None
+    k1, k2 = STAGE_DEPTHS
+    return (k1 * plan.pipeline_parallel, k2 * plan.pipeline_parallel)
 
 
 def resident_state_bytes(model: Any, role: str, options: ProfileOptions, *, kinds: Sequence[str]) -> int:
@@ -264,4 +294,4 @@ def _check_modelled(model: Any, options: ProfileOptions, roles: Sequence[str]) -
             )
 
 
-__all__ = ["ATTENTION", "FULL_RECOMPUTE", "HEAD", "megatron_step", "profile_model", "resident_state_bytes"]
+__all__ = ["ATTENTION", "FULL_RECOMPUTE", "HEAD", "budget_step", "megatron_step", "profile_model", "resident_state_bytes"]

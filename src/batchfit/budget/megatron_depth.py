@@ -1,0 +1,90 @@
+"""A Megatron step measured at two shallow depths and extrapolated stage by stage to the model's depth.
+
+NOTE [ Megatron stages are affine in their depth ]
+Every decoder layer of a Megatron ``GPTModel`` is the same module, and a pipeline stage holds
+``L / pp`` of them beside what does not repeat (the first stage's embedding, the last stage's final
+norm, output layer and loss). One rank's peak is affine in the layers per stage ``k``: its
+parameters, gradients and optimizer state grow by one layer's shards per layer, its activations by
+one layer's per micro-batch in flight (1F1B holds a fixed number of micro-batches on each stage),
+and full recomputation keeps one input per layer plus one layer's recomputed activations
+(docs/megatron.md: the 24-layer peaks equal the 2-layer peak plus 22 per-layer differences to the
+byte at TP 1 and TP 2). The stage that binds can change with depth: a short model's last stage
+(the head) can bind where a deep one's first stage (the micro-batches in flight) does, and the
+maximum of two affine functions is not affine. So each stage is extrapolated on its own, from its
+measurements at ``k1`` and ``k2`` layers per stage (:func:`batchfit.budget.depth.extrapolate`,
+phase by phase), and the largest extrapolated peak binds. Two builds of ``2·pp`` and ``3·pp``
+layers replace one of ``L``: the difference between minutes and seconds for a 64-layer model under
+fake tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from batchfit.budget.depth import extrapolate
+from batchfit.memory import MemoryMeasurement
+
+#: The layers per pipeline stage the two shallow copies hold.
+STAGE_DEPTHS = (2, 3)
+
+
+class DepthExtrapolatedMegatronStep:
+    """Two :class:`~batchfit.budget.megatron_probe.MegatronStep` copies of ``k1`` and ``k2`` layers per stage, read as ``depth``.
+
+    NOTE [ Megatron stages are affine in their depth ]. Estimate backend only (every stage is
+    simulated in this process).
+
+    Attributes:
+        stage_peaks: each stage's extrapolated peak at the last measurement.
+        binding_stage: the stage whose extrapolated peak is the largest.
+    """
+
+    def __init__(self, make: Any, pipeline_parallel: int, layers_per_stage: int, backend: Any):
+        k1, k2 = STAGE_DEPTHS
+        self.steps = {k: make(k * pipeline_parallel) for k in (k1, k2)}
+        self.layers_per_stage = layers_per_stage
+        self.backend = backend
+        self.stage_peaks: dict[int, int] = {}
+        self.binding_stage: int | None = None
+
+    @property
+    def _step(self) -> Any:
+        return self.steps[STAGE_DEPTHS[0]]
+
+    @property
+    def micro_batches(self) -> int:
+        return self._step.micro_batches
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return self._step.overrides
+
+    def remedies(self) -> list[Any]:
+        return self._step.remedies()
+
+    def measure(self, lengths: Sequence[int]) -> MemoryMeasurement:
+        """The binding stage's peak at the model's depth, each stage extrapolated from its two copies."""
+        from batchfit.budget.megatron_probe import stage_measurements
+
+        k1, k2 = STAGE_DEPTHS
+        shallow = stage_measurements(self.steps[k1], lengths)
+        deeper = stage_measurements(self.steps[k2], lengths)
+        limit = self.backend.limit_bytes
+        at_depth = {
+            stage: extrapolate(shallow[stage], deeper[stage], k1, k2, self.layers_per_stage, limit) for stage in shallow
+        }
+        self.stage_peaks = {stage: m.peak_bytes for stage, m in at_depth.items()}
+        self.binding_stage = max(at_depth, key=lambda stage: (at_depth[stage].peak_bytes, -stage))
+        return at_depth[self.binding_stage]
+
+
+def extrapolates(backend: Any, num_layers: int, pipeline_parallel: int, wanted: bool | None) -> bool:
+    """Whether a Megatron profile measures two shallow copies: on the estimate backend (unless ``wanted`` is
+    ``False``), with the layers splitting evenly over the stages and deeper than the copies."""
+    if wanted is False or not backend.simulated or num_layers % pipeline_parallel:
+        return False
+    return num_layers // pipeline_parallel > STAGE_DEPTHS[1]
+
+
+__all__ = ["STAGE_DEPTHS", "DepthExtrapolatedMegatronStep", "extrapolates"]
