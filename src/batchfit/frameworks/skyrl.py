@@ -6,6 +6,11 @@ by ``scripts/gen_framework_schemas.py``), ``skyrl/train/utils/utils.py`` (``vali
 ``validate_batch_sizes``: the batch rules live in :mod:`batchfit.frameworks.skyrl_rules`,
 framework ``"skyrl"``), ``TrainerConfig.__post_init__`` and ``trainer.py`` (``build_models``,
 ``_remove_tail_data``).
+
+Under ``trainer.strategy: megatron`` the policy and the reference are read from their
+``megatron_config`` (``MegatronConfig``) as ``MegatronWorker`` builds them
+(``skyrl/backends/skyrl_train/workers/megatron/megatron_worker.py``,
+``distributed/megatron/optimizer.py``): NOTE [ SkyRL's Megatron worker ].
 """
 
 from __future__ import annotations
@@ -107,6 +112,40 @@ OTHERS_SAME = {
         T + "ref.fsdp_config.reshard_after_forward": POLICY_FSDP + "reshard_after_forward",
     },
 }
+# NOTE [ SkyRL's Megatron worker ]
+# SkyRL 0.4.0 trains a Megatron policy with MegatronWorker (skyrl/backends/skyrl_train/workers/megatron/
+# megatron_worker.py): its provider takes tensor_model_parallel_size, pipeline_model_parallel_size,
+# context_parallel_size and expert_model_parallel_size from megatron_config, and sets
+# `provider.sequence_parallel = tensor_model_parallel_size > 1` (Megatron's sequence parallelism has no key: on
+# whenever TP is, MegatronConfig's docstring says the same). The distributed optimizer is always on
+# (distributed/megatron/optimizer.py init_megatron_optim_config: "use_distributed_optimizer": True, which
+# megatron_config.optimizer_config_kwargs may override; the DDP wrapper's default_ddp_config likewise). The
+# parameters are bf16 when trainer.bf16 (provide_distributed_model(bf16=self.cfg.bf16)), the optimizer's fp32.
+# trainer.gradient_checkpointing keeps transformer_config_kwargs' recompute (full, uniform, 1 layer by default:
+# DEFAULT_TRANSFORMER_CONFIG_KWARGS) or clears it (recompute_* = None). Micro-batches: trainer.max_tokens_per_microbatch
+# through the same TokenBasedBatchIterator as FSDP (attention_mask.sum per micro-batch, per data-parallel rank),
+# each micro-batch padded with one-token dummy rows to the mini-batch's largest count (Megatron's schedule needs
+# one micro-batch size). validate_batch_sizes' dp is world / (pp · cp · tp).
+MEGATRON_REF = T + "ref.megatron_config."
+RECOMPUTE = "transformer_config_kwargs."
+# megatron_config keys batchfit's Megatron profile does not reproduce (judged against SkyRL's defaults).
+MEGATRON_UNMODELLED: dict[str, str] = {
+    MEGATRON
+    + RECOMPUTE
+    + "virtual_pipeline_model_parallel_size": "the interleaved 1F1B schedule (virtual pipeline stages keep more "
+    "micro-batches in flight on the first stage)",
+    MEGATRON + "expert_tensor_parallel_size": "the experts' own tensor-parallel size",
+    MEGATRON + "optimizer_config_kwargs.optimizer_cpu_offload": "the optimizer state offloaded to the host",
+    MEGATRON + "optimizer_config_kwargs.optimizer_offload_fraction": "part of the optimizer state on the host",
+    MEGATRON + "optimizer_config_kwargs.use_precision_aware_optimizer": "Megatron's precision-aware optimizer "
+    "(lower-precision optimizer state)",
+    MEGATRON + "ddp_config.grad_reduce_in_fp32": "the gradient buffer's dtype (fp32 by default)",
+    MEGATRON + "fp8": "FP8 GEMMs (Transformer Engine)",
+    MEGATRON + "fp8_param": "FP8 parameters",
+    T + "fused_lm_head_logprob": "log-probs from the hidden states (batchfit's Megatron profile computes them from "
+    "the vocab-parallel logits, an upper bound)",
+}
+
 # skyrl/backends/skyrl_train/workers/fsdp/fsdp_worker.py: the policy loads with
 # HFModelWrapper(bf16=policy.inference_only_init), false when it trains, and the critic with
 # bf16=False: trained models store fp32 parameters; the reference loads with bf16=trainer.bf16.
@@ -179,7 +218,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     prompt = as_int(flat.get("generator.max_input_length") or flat.get(T + "max_prompt_length"))
     response = as_int(flat.get("generator.sampling_params.max_generate_length"))
     max_seq_len = prompt + response if isinstance(prompt, int) and isinstance(response, int) else None
-    offload = "cpu" if as_bool(flat.get(T + "policy.fsdp_config.cpu_offload")) is True else "none"
+    # FSDP2's CPUOffloadPolicy; Megatron has none (its optimizer offload is a warning of MEGATRON_UNMODELLED)
+    offload = "cpu" if not megatron and as_bool(flat.get(T + "policy.fsdp_config.cpu_offload")) is True else "none"
     colocated, resident = _placement(flat, bool(critic_model), reference, offload)
     chunk = as_int(flat.get(T + "logprobs_chunk_size"))
     remove_padding = as_bool(flat.get(REMOVE_PADDING_KEY))
@@ -193,14 +233,22 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     defaults = framework_defaults("skyrl")
     defaults = {**defaults, REMOVE_PADDING_ALIAS: defaults.get(REMOVE_PADDING_KEY)}
     warnings += unmodelled_warnings(given, defaults, UNMODELLED, schema.title)
-    reshard = as_bool(flat.get(POLICY_FSDP + "reshard_after_forward"))
-    if not isinstance(reshard, bool):
+    refused: dict[str, str] = {}
+    checkpointing = as_bool(flat.get(T + "gradient_checkpointing"))
+    if megatron:
+        warnings += unmodelled_warnings(given, defaults, MEGATRON_UNMODELLED, schema.title)
+        warnings += _megatron_warnings(flat, reference, schema.title)
+        refused = _megatron_refusals(flat, values)
+        faults += _megatron_faults(flat, reference)
+        checkpointing = _recompute(flat, checkpointing, warnings)
+    reshard = None if megatron else as_bool(flat.get(POLICY_FSDP + "reshard_after_forward"))
+    if not megatron and not isinstance(reshard, bool):
         warnings.append(
             f"{POLICY_FSDP}reshard_after_forward={short_repr(reshard)} reshards to a smaller group than every GPU, which "
             "batchfit's budgets do not model (True or False only); profile with True or False, or confirm this "
             "setting on the device (profile --confirm)"
         )
-    mixed_precision = _precision(flat, given, warnings)
+    mixed_precision = None if megatron else _precision(flat, given, warnings)
     used = {"critic": bool(critic_model), "reference": reference}
     for role, pairs in OTHERS_SAME.items():
         if used[role]:
@@ -217,9 +265,13 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         offload=offload,
         reshard_after_forward=reshard if isinstance(reshard, bool) else None,
         mixed_precision=mixed_precision,
-        dtype=TRAINED_DTYPE,
+        # NOTE [ SkyRL's Megatron worker ]: bf16 parameters (trainer.bf16) under Megatron, fp32 under FSDP
+        dtype=("fp32" if as_bool(flat.get(T + "bf16")) is False else "bf16") if megatron else TRAINED_DTYPE,
         reference_dtype="fp32" if as_bool(flat.get(T + "bf16")) is False else "bf16",
-        gradient_checkpointing=as_bool(flat.get(T + "gradient_checkpointing")),
+        gradient_checkpointing=checkpointing,
+        megatron_sequence_parallel=megatron and _is_above_one(values.get("tensor_parallel")),
+        distributed_optimizer=megatron
+        and as_bool(flat.get(MEGATRON + "optimizer_config_kwargs.use_distributed_optimizer", True)) is not False,
         logprobs_chunk_size=chunk,
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=(remove_padding if isinstance(remove_padding, bool) else None)
@@ -263,6 +315,17 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
             "remove_padding": REMOVE_PADDING_KEY,
             "entropy": "trainer.logprobs_chunk_size (SkyRL always chunks the entropy)",
             "lora": LORA + "*",
+            **(
+                {
+                    "gradient_checkpointing": T + "gradient_checkpointing, " + MEGATRON + RECOMPUTE + "recompute_*",
+                    "megatron_sequence_parallel": MEGATRON + "tensor_model_parallel_size > 1 (megatron_worker.py)",
+                    "distributed_optimizer": MEGATRON + "optimizer_config_kwargs.use_distributed_optimizer",
+                }
+                if megatron
+                else {}
+            ),
+            # NOTE [ What a SkyRL Megatron profile refuses ]: "refused:<setting>" → the config's key=value
+            **{f"{REFUSED}{setting}": said for setting, said in refused.items()},
         },
     )
     if misspelt:
@@ -376,6 +439,141 @@ def _validate_cfg(
             f"{short_repr(given[REMOVE_PADDING_KEY])} are set (SkyRL 0.4.0 SkyRLTrainConfig.from_cli_overrides refuses "
             f"both): keep only {REMOVE_PADDING_KEY}"
         )
+
+
+def _is_above_one(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 1
+
+
+def _megatron_faults(flat: dict[str, Any], reference: bool) -> list[str]:
+    """validate_megatron_cfg's refusals of what SkyRL 0.4.0 does not run under Megatron (beyond the critic's)."""
+    faults = []
+    backend = flat.get(ENGINE_PREFIX + "backend")
+    if backend not in (None, "vllm"):
+        faults.append(
+            f"{ENGINE_PREFIX}backend={short_repr(backend)} with trainer.strategy=megatron: SkyRL 0.4.0 validate_megatron_cfg "
+            "asserts 'only vllm is supported for with megatron'; set it to vllm"
+        )
+    for role, name in (("policy", "policy"), *((("ref", "ref"),) if reference else ())):
+        key = f"{T}{name}.sequence_parallel_size"
+        sp = as_int(flat.get(key, 1))
+        if sp != 1:
+            faults.append(
+                f"{key}={short_repr(sp)} with trainer.strategy=megatron: SkyRL 0.4.0 validate_megatron_cfg asserts ulysses "
+                f"style sequence parallel is not supported for megatron; set it to 1 (Megatron's sequence parallelism "
+                f"comes with {T}{role}.megatron_config.tensor_model_parallel_size > 1)"
+            )
+    return faults
+
+
+# NOTE [ What a SkyRL Megatron profile refuses ]
+# As NOTE [ What a Megatron profile refuses ] in batchfit.frameworks.verl: `batchfit plan` keeps answering (SkyRL
+# runs it) while `profile` refuses, through SPEC.strategy_refusal (megatron_refusal), what batchfit's Megatron
+# profile does not model: context parallelism (Transformer Engine's attention), MoE expert parallelism (dense
+# layers) and Megatron LoRA (megatron_config.lora_config with a rank). A critic under Megatron is SkyRL's own
+# refusal (validate_megatron_cfg), a fault of the config.
+REFUSED = "refused:"
+_REFUSAL_WHY = {
+    "context_parallel": (
+        "splits each sequence over Megatron's context-parallel ranks (ring attention through Transformer Engine), "
+        "which batchfit's Megatron profile does not model",
+        "set it to 1 (tensor parallelism, with the sequence parallelism SkyRL turns on, splits the activations too)",
+    ),
+    "expert_parallel": (
+        "splits an MoE model's experts over expert-parallel ranks, which batchfit's Megatron profile (dense layers) "
+        "does not model",
+        "set it to 1, or profile with --sharding fsdp2",
+    ),
+    "lora": (
+        "trains Megatron LoRA adapters (megatron-bridge's peft, megatron_config.lora_config), which batchfit's Megatron "
+        "profile does not model",
+        "set it to 0, or train LoRA with trainer.strategy=fsdp",
+    ),
+}
+
+
+def _megatron_refusals(flat: dict[str, Any], values: dict[str, Any]) -> dict[str, str]:
+    """What a Megatron run sets that ``profile`` refuses (NOTE [ What a SkyRL Megatron profile refuses ]): setting → key=value."""
+    out = {}
+    cp = values.get("context_parallel")
+    if _is_above_one(cp):
+        out["context_parallel"] = f"{MEGATRON}context_parallel_size={cp}"
+    ep = as_int(flat.get(MEGATRON + "expert_model_parallel_size", 1))
+    if _is_above_one(ep):
+        out["expert_parallel"] = f"{MEGATRON}expert_model_parallel_size={ep}"
+    lora = _lora(flat, LORA)
+    if lora is not None:
+        out["lora"] = f"{LORA}rank={lora['rank']}"
+    return out
+
+
+def megatron_refusal(run: RunConfig) -> str | None:
+    """Why ``profile`` cannot model a SkyRL Megatron run, naming the key, its value and the fix; ``None`` when it can.
+
+    NOTE [ What a SkyRL Megatron profile refuses ]; ``None`` for every other strategy (FSDP is judged by the CLI).
+    """
+    strategy = run.strategy
+    if strategy != "megatron":
+        return None
+    for setting, (why, fix) in _REFUSAL_WHY.items():
+        said = run.source.get(REFUSED + setting)
+        if said is not None:
+            return f"the config's {said} {why}; {fix}"
+    return None
+
+
+def _megatron_warnings(flat: dict[str, Any], reference: bool, title: str) -> list[str]:
+    """An entropy loss (its graph over the vocab-parallel logits, not in the budget); the reference laid out unlike
+    the policy (batchfit profiles every model with the policy's layout)."""
+    out = []
+    if as_bool(flat.get(T + "algorithm.use_entropy_loss")) is True:
+        out.append(
+            "trainer.algorithm.use_entropy_loss=True: SkyRL's Megatron update keeps the entropy's graph over the "
+            "vocab-parallel logits (megatron_model_wrapper.py), which batchfit's Megatron profile (the cross-entropy's "
+            "step) does not measure; confirm this setting on the device (profile --confirm)"
+        )
+    if not reference:
+        return out
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        mine, theirs = as_int(flat.get(MEGATRON_REF + key, 1)), as_int(flat.get(MEGATRON + key, 1))
+        if mine != theirs:
+            out.append(
+                f"{MEGATRON_REF}{key}={short_repr(mine)} differs from the policy's {MEGATRON}{key}={short_repr(theirs)}: "
+                f"batchfit profiles the reference with the policy's layout ({title}); set them alike, or confirm the "
+                "reference's on the device (profile --confirm)"
+            )
+    return out
+
+
+def _recompute(flat: dict[str, Any], checkpointing: Any, warnings: list[str]) -> Any:
+    """Megatron's recompute as batchfit's checkpointing (NOTE [ SkyRL's Megatron worker ]).
+
+    ``trainer.gradient_checkpointing: false`` clears ``recompute_granularity``, ``recompute_method`` and
+    ``recompute_num_layers`` (megatron_worker.py); true keeps ``transformer_config_kwargs``' (full, uniform, 1 by
+    default): every layer checkpointed. Selective recompute is profiled as none (an upper bound), full recompute over
+    chunks of several layers or of some layers as every layer, each with a warning.
+    """
+    if checkpointing is not True:
+        return checkpointing
+    key = MEGATRON + RECOMPUTE
+    granularity = flat.get(key + "recompute_granularity")
+    method, layers = flat.get(key + "recompute_method"), as_int(flat.get(key + "recompute_num_layers"))
+    if granularity == "full" and method == "uniform" and layers in (1, None):
+        return True
+    if granularity == "full":
+        warnings.append(
+            f"{key}recompute_granularity=full with recompute_method={short_repr(method)}, recompute_num_layers="
+            f"{short_repr(layers)}: batchfit checkpoints every layer (uniform, 1 layer), which keeps less than chunks of "
+            "several layers or a few checkpointed layers; set recompute_method=uniform and recompute_num_layers=1, or "
+            "confirm this setting on the device (profile --confirm)"
+        )
+        return True
+    warnings.append(
+        f"{key}recompute_granularity={short_repr(granularity)} with trainer.gradient_checkpointing=true: batchfit models "
+        "full recompute of every layer or none; the budgets are for none (an upper bound of selective recompute); set "
+        "it to full, or confirm this setting on the device (profile --confirm)"
+    )
+    return False
 
 
 def _check_colocated_critic(flat: dict[str, Any], values: dict[str, Any], faults: list[str]) -> None:
@@ -536,6 +734,7 @@ SPEC = FrameworkSpec(
     },
     read_config=read,
     batch_rules=SKYRL,
+    strategy_refusal=megatron_refusal,
     head="skyrl",
     gpu_keys={
         "num_nodes": "trainer.placement.policy_num_nodes",

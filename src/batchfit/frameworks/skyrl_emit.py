@@ -56,7 +56,7 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
         ),
         Key("trainer.remove_microbatch_padding", True, REMOVE_PADDING.format(framework="SkyRL")),
     ]
-    plan = skyrl_plan(profile.run, world)
+    plan = skyrl_plan(_profiled_layout(profile), world)
     if plan.samples_per_mini_batch_per_gpu is not None:
         # the micro sizes SkyRL validates even with the token key: divisors of the per-GPU mini-batch
         per_gpu = min(r.samples_per_mini_batch_per_gpu for r in plan.roles)
@@ -76,6 +76,28 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
         )
     )
     return keys
+
+
+def _profiled_layout(profile: RunProfile) -> Any:
+    """The profiled run with the batch laid out as the profile's sharding lays it out (Megatron's tp × pp, else none).
+
+    validate_batch_sizes divides the GPUs by the Megatron sizes the emitted keys set (dp = world / (pp · cp · tp)), so
+    the micro sizes are derived from that dp, whatever layout the config had.
+    """
+    run, sharding = profile.run, profile.options["policy"].sharding
+    if not sharding.spec.model_parallel:
+        return run
+    batch = run.batch
+    model = sharding.tensor_parallel * sharding.pipeline_parallel
+    return run.replace(
+        batch=batch.replace(
+            tensor_parallel=sharding.tensor_parallel,
+            pipeline_parallel=sharding.pipeline_parallel,
+            context_parallel=1,
+            sequence_parallel=1,
+            reference_model_parallel=None if batch.reference_model_parallel is None else model,
+        )
+    )
 
 
 def skyrl_plan(run: Any, world: int) -> Any:
@@ -111,9 +133,12 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     check_strategy(
         target,
         a,
-        ("fsdp2",),
-        "SkyRL's FSDP strategy is fully_shard (FSDP2: trainer.strategy fsdp, fsdp_strategy.py apply_fsdp2)",
+        (*_S_MEGATRON, "fsdp2"),
+        "SkyRL trains with fully_shard (FSDP2: trainer.strategy fsdp, fsdp_strategy.py apply_fsdp2) or Megatron "
+        "(trainer.strategy megatron)",
     )
+    if s.spec.model_parallel:
+        return _megatron_keys(run, a, same)
     if a.trained_dtype != "fp32":
         raise refuse(
             target,
@@ -182,6 +207,144 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             keys += lora_adapter_keys(a.lora.get(role), rank, alpha, targets)
     keys += _skyrl_head(run, a, same)
     return keys
+
+
+#: batchfit's Megatron strategy → SkyRL's ``trainer.strategy`` (MegatronWorker).
+_S_MEGATRON = {"megatron": "megatron"}
+_S_MCORE = {"policy": "trainer.policy.megatron_config.", "reference": "trainer.ref.megatron_config."}
+_S_WORKER = "skyrl/backends/skyrl_train/workers/megatron/megatron_worker.py"
+
+
+def _megatron_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
+    """The keys of a Megatron profile: SkyRL's megatron_config for the policy and the reference (NOTE [ SkyRL's Megatron
+    worker ] in :mod:`batchfit.frameworks.skyrl`).
+
+    No FSDP key (``fsdp_config.*``, ``sequence_parallel_size``: validate_megatron_cfg asserts it is 1). Refused: a
+    critic (SkyRL trains none under Megatron), Megatron's sequence parallelism other than SkyRL's (on exactly when
+    tensor parallelism is: ``provider.sequence_parallel = tensor_model_parallel_size > 1``), no distributed optimizer
+    (SkyRL's DDP wrapper always lays its buffers out for one), LoRA (not modelled), activation offload.
+    """
+    target = "skyrl"
+    s = a.sharding
+    if "critic" in a.roles:
+        raise refuse(
+            target,
+            "a critic under --sharding megatron",
+            "SkyRL trains no critic with Megatron (validate_megatron_cfg: 'only GRPO training is currently supported for "
+            "megatron')",
+            "profile a critic-free run, or the run with --sharding fsdp2",
+        )
+    if s.megatron_sequence_parallel != (s.tensor_parallel > 1):
+        raise refuse(
+            target,
+            f"--sharding megatron with megatron_sequence_parallel={s.megatron_sequence_parallel} at tensor_parallel="
+            f"{s.tensor_parallel}",
+            f"SkyRL turns Megatron's sequence parallelism on exactly when tensor_model_parallel_size > 1 ({_S_WORKER}: "
+            "provider.sequence_parallel), with no key",
+            f"profile with megatron_sequence_parallel={s.tensor_parallel > 1}",
+        )
+    if not s.distributed_optimizer:
+        raise refuse(
+            target,
+            "--sharding megatron without the distributed optimizer",
+            f"SkyRL's Megatron DDP wrapper always lays its buffers out for the distributed optimizer ({_S_WORKER}: "
+            "default_ddp_config.use_distributed_optimizer = True) and its optimizer config turns it on "
+            "(distributed/megatron/optimizer.py)",
+            "profile with distributed_optimizer=True",
+        )
+    if a.lora.get("policy") is not None:
+        raise refuse(
+            target,
+            "LoRA with --sharding megatron",
+            "batchfit does not model SkyRL's Megatron LoRA (megatron_config.lora_config)",
+            "profile without LoRA, or with --sharding fsdp2",
+        )
+    if a.trained_dtype not in ("bf16", "fp32"):
+        raise refuse(target, f"--dtype {a.trained_dtype}", "SkyRL's Megatron worker keeps bf16 or fp32 parameters (trainer.bf16)", "pass --dtype bf16")
+    ref = a.dtypes.get("reference", a.trained_dtype)
+    if ref != a.trained_dtype:
+        raise refuse(
+            target,
+            f"a {ref} reference beside a {a.trained_dtype} policy under --sharding megatron",
+            "SkyRL's Megatron workers load every model in one dtype (trainer.bf16)",
+            f"pass --dtype {a.trained_dtype}",
+        )
+    nodes, per_node = nodes_and_gpus(run, a, target)
+    keys = [
+        Key(_S_PLACEMENT + "policy_num_nodes", nodes, f"the {s.world_size} GPUs profiled, for every model"),
+        Key(_S_PLACEMENT + "policy_num_gpus_per_node", per_node),
+    ]
+    if "reference" in a.roles:
+        keys += [Key(_S_PLACEMENT + "ref_num_nodes", nodes), Key(_S_PLACEMENT + "ref_num_gpus_per_node", per_node)]
+    keys.append(Key("trainer.strategy", "megatron", f"profiled as {s.describe()} (MegatronWorker, {_S_WORKER})"))
+    sp = "with" if s.megatron_sequence_parallel else "without"
+    for role in ("policy", "reference"):
+        if role not in a.roles:
+            continue
+        prefix, policy = _S_MCORE[role], role == "policy"
+        keys += [
+            Key(
+                prefix + "tensor_model_parallel_size",
+                s.tensor_parallel,
+                f"{sp} Megatron's sequence parallelism, which SkyRL ties to it (provider.sequence_parallel = tp > 1)"
+                if policy
+                else "the reference laid out as the policy, as profiled",
+            ),
+            Key(prefix + "pipeline_model_parallel_size", s.pipeline_parallel, "1F1B over the stages, the binding stage's peak profiled" if policy else ""),
+            Key(prefix + "context_parallel_size", 1, "no context parallelism (batchfit does not model Megatron's)" if policy else ""),
+            Key(prefix + "expert_model_parallel_size", 1, "dense layers, as profiled" if policy else ""),
+        ]
+    keys.append(
+        Key(
+            _S_MCORE["policy"] + "optimizer_config_kwargs.use_distributed_optimizer",
+            True,
+            f"optimizer state sharded over the {s.data_parallel_size} data-parallel ranks, as profiled "
+            "(init_megatron_optim_config's default)",
+        )
+    )
+    keys.append(
+        Key(
+            "trainer.bf16",
+            a.trained_dtype == "bf16",
+            f"every model's parameters in {a.trained_dtype} ({_S_WORKER}: provide_distributed_model(bf16=trainer.bf16))",
+        )
+    )
+    recompute = a.gradient_checkpointing
+    keys.append(
+        Key(
+            "trainer.gradient_checkpointing",
+            recompute,
+            "Megatron's full recompute of every layer, as profiled" if recompute else "no recompute, as profiled "
+            f"({_S_WORKER} clears transformer_config_kwargs' recompute_*)",
+        )
+    )
+    if recompute:
+        tf = _S_MCORE["policy"] + "transformer_config_kwargs."
+        keys += [
+            Key(tf + "recompute_granularity", "full", "every layer recomputed (SkyRL's default kwargs, as profiled)"),
+            Key(tf + "recompute_method", "uniform"),
+            Key(tf + "recompute_num_layers", 1),
+        ]
+    keys.append(Key("trainer.policy.model.lora.rank", 0, "no LoRA: every parameter trained"))
+    return keys + _megatron_head(run, a, same)
+
+
+def _megatron_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
+    """SkyRL's Megatron head: vocab-parallel log-probs from the logits (megatron_model_wrapper.py).
+
+    A Megatron profile measures Megatron's vocab-parallel cross-entropy over the whole logits (whatever ``--logprobs``
+    says): ``fused_lm_head_logprob`` off is that head. ``logprobs_chunk_size`` and ``vocab_entropy_chunk_size`` are
+    the config's (chunks hold less than the whole logits profiled); the algorithm's settings are never changed.
+    """
+    del run, a, same
+    return [
+        Key(
+            "trainer.fused_lm_head_logprob",
+            False,
+            "log-probs from Megatron's vocab-parallel logits (megatron_model_wrapper.py), as profiled over the whole "
+            "logits (the config's logprobs_chunk_size chunks hold less)",
+        )
+    ]
 
 
 def _skyrl_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:

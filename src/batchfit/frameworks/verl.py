@@ -11,12 +11,19 @@ workers that replaced ``fsdp_workers.py`` (``verl/workers/engine_workers.py``,
 ``verl/utils/seqlen_balancing.py``) and ``verl/trainer/ppo/v1/trainer_base.py``. The batch
 rules live in :mod:`batchfit.frameworks.verl_rules` (framework ``"verl"``).
 
+A Megatron actor (``actor_rollout_ref.actor.strategy: megatron``, what ``model_engine=megatron``
+composes) is read from its ``McoreEngineConfig`` (``actor.megatron.*``, ``ref.megatron.*``:
+``verl/workers/config/engine.py``, ``trainer/config/engine/megatron.yaml``, the reference's
+interpolations of ``_generated_ppo_megatron_trainer.yaml``) and the engine that runs it
+(``verl/workers/engine/megatron/transformer_impl.py``): NOTE [ verl's Megatron engine ].
+
 Units: verl counts ``train_batch_size`` and ``ppo_mini_batch_size`` in prompts (the trainer
 multiplies by ``rollout.n``), micro sizes in samples per GPU, token lengths per GPU.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from batchfit.frameworks.registry import FrameworkSpec
@@ -27,6 +34,7 @@ from batchfit.frameworks.run import (
     differing_warnings,
     dtype_name,
     every_fault,
+    is_positive_int,
     size_faults,
     unmodelled_warnings,
 )
@@ -44,6 +52,8 @@ REF = "actor_rollout_ref.ref."
 ROLLOUT = "actor_rollout_ref.rollout."
 CRITIC = "critic."
 CRITIC_ENGINE = "critic.fsdp."  # FSDPCriticConfig.engine
+MCORE = ACTOR + "megatron."  # McoreActorConfig.megatron: the actor's McoreEngineConfig (its .engine)
+REF_MCORE = REF + "megatron."
 WORLD = "trainer.nnodes × trainer.n_gpus_per_node"
 VLLM_MAX_LORA_RANK = 512  # verl/workers/rollout/vllm_rollout/utils.py get_vllm_max_lora_rank's fallback
 
@@ -120,6 +130,75 @@ CRITIC_SAME = {
 DEFAULT_MODEL_DTYPE = "fp32"
 DEFAULT_PARAM_DTYPE, DEFAULT_REDUCE_DTYPE = "bf16", "fp32"
 
+# NOTE [ verl's Megatron engine ]
+# verl 0.9.1 trains a Megatron actor with MegatronEngine (verl/workers/engine/megatron/transformer_impl.py), built
+# from the McoreEngineConfig under actor_rollout_ref.actor.megatron (the reference's under ref.megatron):
+# - mpu.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
+#   expert_model_parallel_size, ...) in _init_device_mesh: data parallel is the rest of the GPUs, dp = world /
+#   (tp · pp · cp) (validate_config's megatron_dp), and the trainer pads and splits each step over that dp.
+# - sequence_parallel (Megatron's: the activations outside attention split over the TP group) and
+#   use_distributed_optimizer (the optimizer state sharded over dp) go into the TransformerConfig and the DDP /
+#   optimizer configs (_build_tf_config, _build_megatron_module, _build_optimizer); McoreEngineConfig.__post_init__
+#   turns sequence_parallel off at tensor_model_parallel_size 1.
+# - the token lengths: forward_backward_batch sets sp_size = context_parallel_size and prepare_micro_batches
+#   (verl/workers/engine/utils.py) packs max_token_len = max_token_len_per_gpu × sp_size tokens per micro-batch, the
+#   actor's from ppo_max_token_len_per_gpu, its log-prob pass's from rollout.log_prob_max_token_len_per_gpu and the
+#   reference's from ref.log_prob_max_token_len_per_gpu (engine_workers.py init_model). A micro-batch runs whole on
+#   every GPU of its tensor × pipeline group (TP splits the weights and, with SP, the activations; PP the layers).
+# - recompute comes from override_transformer_config (recompute_granularity, recompute_method,
+#   recompute_num_layers); HFModelConfig.enable_gradient_checkpointing is read by the FSDP engine only.
+# - the parameters are in McoreEngineConfig.dtype (bfloat16 or float16; __post_init__ asserts it).
+# batchfit's defaults are ppo_trainer.yaml's FSDP composition, which has no megatron sections: MCORE_DEFAULTS are
+# engine/megatron.yaml's values, and REF_FROM_ACTOR the reference keys _generated_ppo_megatron_trainer.yaml
+# interpolates from the actor's (${oc.select:actor_rollout_ref.actor.megatron.<key>, ...}).
+MCORE_DEFAULTS: dict[str, Any] = {
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": None,
+    "sequence_parallel": True,
+    "use_distributed_optimizer": True,
+    "param_offload": False,
+    "optimizer_offload": False,
+    "dtype": "bfloat16",
+    "use_megatron_fsdp": False,
+    "dynamic_context_parallel": False,
+    "override_transformer_config.recompute_granularity": None,
+    "override_transformer_config.recompute_method": None,
+    "override_transformer_config.recompute_num_layers": None,
+}
+REF_FROM_ACTOR = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "param_offload",
+)
+# megatron_actor.yaml: the engine's entropy keys interpolate the actor's (${oc.select:actor_rollout_ref.actor.<key>})
+MCORE_ENTROPY = ("entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size")
+# Megatron keys that change memory in ways batchfit's Megatron profile does not reproduce (beside UNMODELLED, which
+# holds the FSDP engine's); judged against MCORE_DEFAULTS.
+MCORE_UNMODELLED: dict[str, str] = {
+    MCORE
+    + "virtual_pipeline_model_parallel_size": "the interleaved 1F1B schedule (virtual pipeline stages keep more "
+    "micro-batches in flight on the first stage)",
+    MCORE + "use_megatron_fsdp": "Megatron-FSDP (parameters sharded ZeRO-3 style over data parallel)",
+    MCORE + "dynamic_context_parallel": "dynamic context parallel scheduling",
+    MCORE + "expert_tensor_parallel_size": "the experts' own tensor-parallel size",
+    MCORE + "override_ddp_config.*": "Megatron DDP's buffers as overridden (bucket sizes, gradient dtype)",
+    MCORE + "override_mcore_model_config.*": "overrides of Megatron's model config",
+    MCORE + "pad_to_length": "packed micro-batches padded up to a bucket of tokens",
+    MCORE + "qat.enable": "quantisation-aware training",
+}
+# What the actor's key names in messages under Megatron (the plan's dp is Megatron's: world / (tp · pp · cp)).
+MCORE_KEY_NAMES = {
+    "tensor_parallel": MCORE + "tensor_model_parallel_size",
+    "pipeline_parallel": MCORE + "pipeline_model_parallel_size",
+    "context_parallel": MCORE + "context_parallel_size",
+}
+
 
 def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     """A resolved verl config (defaults merged) as a :class:`RunConfig`.
@@ -144,12 +223,21 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     n = get(ROLLOUT + "n")
     nnodes, per_node = get("trainer.nnodes"), get("trainer.n_gpus_per_node")
     world = nnodes * per_node if isinstance(nnodes, int) and isinstance(per_node, int) else None
+    strategy = flat.get(ACTOR + "strategy")
+    megatron = strategy == "megatron"
+    # NOTE [ verl's Megatron engine ]: the actor's McoreEngineConfig, and the reference's (defaulting to the actor's)
+    mcore = _mcore(flat, MCORE) if megatron else {}
+    ref_mcore = _mcore(flat, REF_MCORE, mcore) if megatron else {}
     # FSDPActorConfig.__post_init__: the deprecated actor key, when > 1, overrides the engine's
     sp = get(ACTOR + "ulysses_sequence_parallel_size")
     # messages name the key the config set (issue 40): the actor's, when it is the one in force
     key_names = {**KEY_NAMES, "sequence_parallel": ACTOR + "ulysses_sequence_parallel_size"} if isinstance(sp, int) and sp > 1 else KEY_NAMES
     if not (isinstance(sp, int) and sp > 1):
         sp = get(ENGINE + "ulysses_sequence_parallel_size") or 1
+    if megatron:  # McoreActorConfig has no Ulysses size: Megatron's parallel sizes name the plan's model parallelism
+        sp = 1
+        key_names = {k: v for k, v in KEY_NAMES.items() if k not in ("sequence_parallel", "critic_model_parallel")}
+        key_names.update(MCORE_KEY_NAMES)
     dynamic = as_bool(flat.get(ACTOR + "use_dynamic_bsz")) is True
     prompt, response = get("data.max_prompt_length"), get("data.max_response_length")
     max_seq_len = prompt + response if isinstance(prompt, int) and isinstance(response, int) else None
@@ -178,7 +266,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
             faults=faults,
         )
     _check_dynamic(flat, dynamic, faults)
-    _check_sequence_parallel(flat, sp, remove_padding, "actor", faults)
+    if not megatron:
+        _check_sequence_parallel(flat, sp, remove_padding, "actor", faults)
     used = {k: v for k, v in flat.items() if critic or not k.startswith(CRITIC)}  # an unused critic is not read
     faults += size_faults(used, ("ulysses_sequence_parallel_size",), schema.title, "sequence-parallel sizes")
     values: dict[str, Any] = {
@@ -191,6 +280,14 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         "gpus_per_node": per_node,
         "sequence_parallel": sp,
     }
+    if megatron:
+        values.update(_megatron_sizes(mcore))
+        faults += size_faults(
+            {MCORE + k: v for k, v in mcore.items()} | {REF_MCORE + k: v for k, v in ref_mcore.items()},
+            ("_model_parallel_size", "context_parallel_size"),
+            schema.title,
+            "Megatron's parallel sizes",
+        )
     if micro is not None:
         values["micro_train_batch_size_per_gpu"] = micro
     if forward is not None:
@@ -204,8 +301,10 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         _check_sequence_parallel(
             flat, critic_sp, as_bool(flat.get(CRITIC + "model.use_remove_padding")), "critic", faults
         )
-    _check_token_lengths(flat, max_seq_len, dynamic, reference, critic, sp, critic_sp, faults)
-    lora = _lora(flat, flat.get(ACTOR + "strategy"))
+    # the factor verl multiplies each per-GPU token length by: the Ulysses size (FSDP), context parallelism (Megatron)
+    factor = (as_int(mcore["context_parallel_size"]), "context_parallel_size") if megatron else (sp, "sequence-parallel size")
+    _check_token_lengths(flat, max_seq_len, dynamic, reference, critic, factor, (critic_sp, "sequence-parallel size"), faults)
+    lora = _lora(flat, strategy)
     critic_lora = _lora(flat, flat.get(CRITIC + "strategy"), model=CRITIC + "model.") if critic else None
     _check_lora(flat, faults)
     if as_bool(flat.get("trainer.use_v1")) is False:
@@ -214,22 +313,26 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
             "(no padding rows: train_batch_size must be a multiple of ppo_mini_batch_size); batchfit mirrors the V1 "
             "trainer: set trainer.use_v1=true, or check the plan by hand"
         )
-    strategy = flat.get(ACTOR + "strategy")
-    if strategy == "megatron":
-        warnings.append(
-            "actor_rollout_ref.actor.strategy=megatron: batchfit mirrors verl's FSDP rules; Megatron's differ "
-            "(validate_config's minimal batch is megatron dp × ppo_micro_batch_size_per_gpu)"
-        )
-    entropy, forward_entropy, chunk = _entropy(flat, remove_padding)
+    refused: dict[str, str] = {}
+    if megatron:
+        _check_megatron_batch(values, world, dynamic, micro, faults)
+        refused = _megatron_refusals(flat, mcore, critic, lora)
+        warnings += _megatron_warnings(flat, given, mcore, ref_mcore, reference, schema.title)
+        entropy, forward_entropy, chunk = _megatron_entropy(flat, mcore)
+        mixed_precision, dtype = None, dtype_name(mcore["dtype"])
+        checkpointing = _recompute(mcore, warnings)
+    else:
+        entropy, forward_entropy, chunk = _entropy(flat, remove_padding)
+        warnings += unmodelled_warnings(given, framework_defaults("verl"), UNMODELLED, schema.title)
+        mixed_precision, dtype = _precision(flat, given, warnings)
+        checkpointing = as_bool(flat.get(MODEL + "enable_gradient_checkpointing"))
     entropy_in_loss = _number(flat.get(ACTOR + "entropy_coeff")) != 0
-    warnings += unmodelled_warnings(given, framework_defaults("verl"), UNMODELLED, schema.title)
-    mixed_precision, dtype = _precision(flat, given, warnings)
     if critic:
         warnings += differing_warnings(flat, CRITIC_SAME, "the critic", "the actor's", schema.title)
     roles = ["policy", *(["reference"] if reference else []), *(["critic"] if critic else [])]
     resident = {
-        "policy": _kept(flat, ENGINE, optimizer=True),
-        "reference": _kept(flat, REF + "fsdp_config.", optimizer=False),
+        "policy": _kept(mcore, "", optimizer=True) if megatron else _kept(flat, ENGINE, optimizer=True),
+        "reference": _kept(ref_mcore, "", optimizer=False) if megatron else _kept(flat, REF + "fsdp_config.", optimizer=False),
         "critic": _kept(flat, CRITIC_ENGINE, optimizer=True),
     }
     resident = {role: kept for role, kept in resident.items() if role in roles}
@@ -245,16 +348,22 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         strategy=strategy,
         # engine_workers: offload_policy is FSDP2's CPUOffloadPolicy (the sharded state lives on the
         # host); param_offload / optimizer_offload move state to the host between phases only.
-        offload="cpu" if as_bool(flat.get(ENGINE + "offload_policy")) is True else "none",
-        reshard_after_forward=_bool_or_none(flat.get(ENGINE + "reshard_after_forward")),
+        # Megatron's param_offload / optimizer_offload move state to the host between phases only (resident)
+        offload="cpu" if not megatron and as_bool(flat.get(ENGINE + "offload_policy")) is True else "none",
+        reshard_after_forward=None if megatron else _bool_or_none(flat.get(ENGINE + "reshard_after_forward")),
         mixed_precision=mixed_precision,
         dtype=dtype,
         # the reference's engine is composed from the same engine/fsdp.yaml (model_dtype: fp32) whether
-        # the file sets the key (a dumped config) or leaves it to its group (ppo_trainer.yaml)
-        reference_dtype=dtype_name(flat.get(REF + "fsdp_config.model_dtype")) or DEFAULT_MODEL_DTYPE,
-        gradient_checkpointing=as_bool(flat.get(MODEL + "enable_gradient_checkpointing")),
-        # fsdp_workers.py: enable_activation_offloading(module, strategy, enable_gradient_checkpointing)
-        activation_offload=as_bool(flat.get(MODEL + "enable_activation_offload")),
+        # the file sets the key (a dumped config) or leaves it to its group (ppo_trainer.yaml); Megatron's
+        # from engine/megatron.yaml (dtype: bfloat16)
+        reference_dtype=dtype_name(ref_mcore["dtype"])
+        if megatron
+        else dtype_name(flat.get(REF + "fsdp_config.model_dtype")) or DEFAULT_MODEL_DTYPE,
+        gradient_checkpointing=checkpointing,
+        # fsdp_workers.py: enable_activation_offloading(module, strategy, enable_gradient_checkpointing), FSDP only
+        activation_offload=None if megatron else as_bool(flat.get(MODEL + "enable_activation_offload")),
+        megatron_sequence_parallel=megatron and _megatron_sequence_parallel(mcore),
+        distributed_optimizer=megatron and as_bool(mcore["use_distributed_optimizer"]) is True,
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=as_bool(flat.get(CRITIC + "model.use_remove_padding")) if critic else None,
         fused_kernels=as_bool(flat.get(MODEL + "use_fused_kernels")) is True,
@@ -276,7 +385,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         # (set_expandable_segments(True), verl/workers/engine_workers.py): the log-prob and update passes run with them
         allocator="expandable_segments",
         # BaseEngineCtx._context_switch: eval_mode (compute_log_prob) loads the parameters only, train_mode the optimizer
-        optimizer_offload=as_bool(flat.get(ENGINE + "optimizer_offload")) is True,
+        optimizer_offload=as_bool(mcore["optimizer_offload"] if megatron else flat.get(ENGINE + "optimizer_offload")) is True,
         notes=tuple(notes),
         faults=tuple(faults),
         warnings=tuple(warnings),
@@ -289,8 +398,21 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
             "model": MODEL + "path",
             "remove_padding": MODEL + "use_remove_padding",
             "fused_kernels": MODEL + "use_fused_kernels",
-            "entropy": ACTOR + "calculate_entropy, entropy_coeff; " + ENGINE + "entropy_*",
-            "lora": MODEL + "lora_rank, lora_alpha, target_modules, exclude_modules",
+            "entropy": ACTOR + "calculate_entropy, entropy_coeff; " + (MCORE if megatron else ENGINE) + "entropy_*",
+            "lora": MODEL + ("lora.*" if megatron else "lora_rank, lora_alpha, target_modules, exclude_modules"),
+            **(
+                {
+                    "gradient_checkpointing": MCORE + "override_transformer_config.recompute_*",
+                    "tensor_parallel": MCORE + "tensor_model_parallel_size",
+                    "pipeline_parallel": MCORE + "pipeline_model_parallel_size",
+                    "megatron_sequence_parallel": MCORE + "sequence_parallel",
+                    "distributed_optimizer": MCORE + "use_distributed_optimizer",
+                }
+                if megatron
+                else {}
+            ),
+            # NOTE [ What a Megatron profile refuses ]: "refused:<setting>" → the key=value it was read from
+            **{f"{REFUSED}{setting}": said for setting, said in refused.items()},
         },
     )
     if misspelt:
@@ -527,36 +649,266 @@ def _check_token_lengths(
     dynamic: bool,
     reference: bool,
     critic: bool,
-    sp: Any,
-    critic_sp: Any,
+    factor: tuple[Any, str],
+    critic_factor: tuple[Any, str],
     faults: list[str],
 ) -> None:
-    """rearrange_micro_batches asserts ``max_token_len_per_gpu × sp >= the longest sequence``.
+    """rearrange_micro_batches asserts ``max_token_len_per_gpu × factor >= the longest sequence``.
 
     verl 0.9.1 (verl/workers/engine/utils.py prepare_micro_batches) multiplies the per-GPU
-    length by the Ulysses size; the critic's engine always batches by tokens, with
-    ``critic.ppo_infer_max_token_len_per_gpu`` for its update and its values
-    (verl/trainer/ppo/v1/trainer_base.py).
+    length by the ``sp_size`` its engine sets: the Ulysses size (FSDP), ``context_parallel_size``
+    (Megatron: NOTE [ verl's Megatron engine ]). ``factor``, ``critic_factor``: (size, its name).
+    The critic's engine always batches by tokens, with ``critic.ppo_infer_max_token_len_per_gpu``
+    for its update and its values (verl/trainer/ppo/v1/trainer_base.py).
     """
     if max_seq_len is None:
         return
-    keys: list[tuple[str, Any]] = []
+    keys: list[tuple[str, tuple[Any, str]]] = []
     if dynamic:
-        keys += [(ACTOR + "ppo_max_token_len_per_gpu", sp), (ROLLOUT + "log_prob_max_token_len_per_gpu", sp)]
+        keys += [(ACTOR + "ppo_max_token_len_per_gpu", factor), (ROLLOUT + "log_prob_max_token_len_per_gpu", factor)]
     if reference and as_bool(flat.get(REF + "log_prob_use_dynamic_bsz")) is True:
-        keys.append((REF + "log_prob_max_token_len_per_gpu", sp))
+        keys.append((REF + "log_prob_max_token_len_per_gpu", factor))
     if critic:
-        keys.append((CRITIC + "ppo_infer_max_token_len_per_gpu", critic_sp))
-    for key, size in keys:
+        keys.append((CRITIC + "ppo_infer_max_token_len_per_gpu", critic_factor))
+    for key, (size, name) in keys:
         value = as_int(flat.get(key))
         size = size if isinstance(size, int) and size > 0 else 1
         if isinstance(value, int) and value * size < max_seq_len:
-            times = f" × sequence-parallel size {size} = {value * size}" if size > 1 else ""
+            times = f" × {name} {size} = {value * size}" if size > 1 else ""
             faults.append(
                 f"{key}={value}{times} is below the longest sequence, data.max_prompt_length + "
                 f"data.max_response_length = {max_seq_len}: verl 0.9.1's rearrange_micro_batches refuses it at run "
                 f"time (verl/utils/seqlen_balancing.py); set it to at least {-(-max_seq_len // size)}"
             )
+
+
+def _mcore(flat: dict[str, Any], prefix: str, actor: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A model's McoreEngineConfig under ``prefix`` as ``model_engine=megatron`` composes it (NOTE [ verl's Megatron engine ]).
+
+    Each key of :data:`MCORE_DEFAULTS` (and :data:`MCORE_ENTROPY`) is the config's value, else, for the
+    reference (``actor`` given), the actor's where ``_generated_ppo_megatron_trainer.yaml`` interpolates it
+    (:data:`REF_FROM_ACTOR`), else engine/megatron.yaml's default; the actor's entropy keys default to
+    ``actor.entropy_from_logits_*`` (megatron_actor.yaml).
+    """
+    out = {}
+    for key, default in MCORE_DEFAULTS.items():
+        if prefix + key in flat:
+            out[key] = flat[prefix + key]
+        elif actor is not None and key in REF_FROM_ACTOR:
+            out[key] = actor[key]
+        else:
+            out[key] = default
+    for key in MCORE_ENTROPY:
+        out[key] = flat.get(prefix + key, flat.get(prefix.removesuffix("megatron.") + key))
+    return out
+
+
+def _megatron_sizes(mcore: dict[str, Any]) -> dict[str, Any]:
+    """The plan's model parallelism: tensor × pipeline × context (dp = world / their product), no Ulysses axis."""
+    return {
+        "tensor_parallel": as_int(mcore["tensor_model_parallel_size"]),
+        "pipeline_parallel": as_int(mcore["pipeline_model_parallel_size"]),
+        "context_parallel": as_int(mcore["context_parallel_size"]),
+        "sequence_parallel": 1,
+    }
+
+
+def _megatron_sequence_parallel(mcore: dict[str, Any]) -> bool:
+    """McoreEngineConfig.__post_init__: ``sequence_parallel``, turned off at ``tensor_model_parallel_size`` 1."""
+    tp = as_int(mcore["tensor_model_parallel_size"])
+    return as_bool(mcore["sequence_parallel"]) is True and isinstance(tp, int) and tp > 1
+
+
+def _check_megatron_batch(
+    values: dict[str, Any], world: int | None, dynamic: bool, micro: int | None, faults: list[str]
+) -> None:
+    """validate_config without use_dynamic_bsz under Megatron: ``train_batch_size × n % (megatron_dp × micro) == 0``.
+
+    ``megatron_dp = n_gpus // (tp · pp · cp)`` (verl/utils/config.py; its divisibility is the plan's mesh
+    rule). The FSDP rule (``% n_gpus``) is not verl's here (:func:`batchfit.frameworks.verl_rules.verl_step`
+    skips it under model parallelism); at tp · pp · cp = 1 it is, and a fault of its own.
+    """
+    train, n = values.get("train_batch_size"), values.get("n_samples_per_prompt")
+    sizes = [values.get(k) for k in ("tensor_parallel", "pipeline_parallel", "context_parallel")]
+    if dynamic or not all(is_positive_int(v) for v in (train, n, world, micro, *sizes)):
+        return
+    model = math.prod(sizes)
+    if world % model:
+        return  # the plan's mesh rule names it
+    dp = world // model
+    minimal = dp * micro
+    if train * n % minimal == 0 or (model == 1 and train * n % world):
+        return
+    step = minimal // math.gcd(n, minimal)
+    faults.append(
+        f"data.train_batch_size × actor_rollout_ref.rollout.n = {train} × {n} = {train * n} is not divisible by the "
+        f"Megatron minimal batch, dp {dp} × {ACTOR}ppo_micro_batch_size_per_gpu {micro} = {minimal} (verl 0.9.1 "
+        f"validate_config asserts it without use_dynamic_bsz; dp = {world} GPUs / (tp · pp · cp) = {world} / {model}); "
+        f"set data.train_batch_size to a multiple of {step}"
+    )
+
+
+# NOTE [ What a Megatron profile refuses ]
+# batchfit profiles verl's Megatron actor and reference (batchfit.budget.megatron_probe); a setting it cannot model
+# keeps `batchfit plan` answering (verl runs it) but stops `profile`: the reader records it in RunConfig.source as
+# "refused:<setting>" → the config's key=value, and SPEC.strategy_refusal (megatron_refusal) turns the first into a
+# one-line refusal naming the key, its value and the fix. Refused: context parallelism (Megatron's CP needs
+# Transformer Engine's attention, which batchfit's CPU build of Megatron-core has not), a critic (verl's Megatron
+# critic, a value head on a GPTModel, is not probed), MoE expert parallelism (the probe builds dense layers) and
+# Megatron's LoRA (megatron_peft.py adapters on Megatron's linear layers).
+REFUSED = "refused:"
+_REFUSAL_WHY = {
+    "context_parallel": (
+        "splits each sequence over Megatron's context-parallel ranks (ring attention through Transformer Engine), "
+        "which batchfit's Megatron profile does not model",
+        "set it to 1 (tensor parallelism with sequence_parallel splits the activations too)",
+    ),
+    "critic": (
+        "trains a Megatron critic (a value head on Megatron's GPTModel), which batchfit's Megatron profile does not "
+        "model",
+        "use a critic-free estimator (algorithm.adv_estimator=grpo), or train with actor_rollout_ref.actor.strategy="
+        "fsdp2",
+    ),
+    "expert_parallel": (
+        "splits an MoE model's experts over expert-parallel ranks, which batchfit's Megatron profile (dense layers) "
+        "does not model",
+        "set it to 1, or profile with --sharding fsdp2",
+    ),
+    "lora": (
+        "trains Megatron LoRA adapters (verl/utils/megatron_peft.py), which batchfit's Megatron profile does not model",
+        "set it to 0, or train LoRA with actor_rollout_ref.actor.strategy=fsdp2 (lora_rank)",
+    ),
+}
+
+
+def _megatron_refusals(
+    flat: dict[str, Any], mcore: dict[str, Any], critic: bool, lora: dict[str, Any] | None
+) -> dict[str, str]:
+    """What a Megatron run sets that ``profile`` refuses (NOTE [ What a Megatron profile refuses ]): setting → key=value."""
+    out = {}
+    cp, ep = as_int(mcore["context_parallel_size"]), as_int(mcore["expert_model_parallel_size"])
+    if isinstance(cp, int) and cp > 1:
+        out["context_parallel"] = f"{MCORE}context_parallel_size={cp}"
+    if critic:  # need_critic: critic.enable, else GAE advantages
+        enable = as_bool(flat.get("critic.enable"))
+        out["critic"] = "critic.enable=True" if enable is True else (
+            f"algorithm.adv_estimator={short_repr(flat.get('algorithm.adv_estimator'))}"
+        )
+    if isinstance(ep, int) and ep > 1:
+        out["expert_parallel"] = f"{MCORE}expert_model_parallel_size={ep}"
+    if lora is not None:
+        out["lora"] = f"{MODEL}lora.rank={lora['rank']}"
+    return out
+
+
+def megatron_refusal(run: RunConfig) -> str | None:
+    """Why ``profile`` cannot model a verl Megatron run, naming the key, its value and the fix; ``None`` when it can.
+
+    NOTE [ What a Megatron profile refuses ]; ``None`` for every other strategy (FSDP is judged by the CLI).
+    """
+    strategy = run.strategy
+    if strategy != "megatron":
+        return None
+    for setting, (why, fix) in _REFUSAL_WHY.items():
+        said = run.source.get(REFUSED + setting)
+        if said is not None:
+            return f"the config's {said} {why}; {fix}"
+    return None
+
+
+def _megatron_warnings(
+    flat: dict[str, Any],
+    given: dict[str, Any],
+    mcore: dict[str, Any],
+    ref_mcore: dict[str, Any],
+    reference: bool,
+    title: str,
+) -> list[str]:
+    """What a Megatron run sets that the budgets do not reproduce (warnings; the refusals are :func:`megatron_refusal`'s)."""
+    defaults = {**framework_defaults("verl"), **{MCORE + k: v for k, v in MCORE_DEFAULTS.items()}}
+    out = unmodelled_warnings(given, defaults, MCORE_UNMODELLED, title)
+    for key, unread, what in (
+        (ACTOR + "ulysses_sequence_parallel_size", 1, "McoreActorConfig has no Ulysses size"),
+        (MODEL + "enable_activation_offload", False, "verl's activation offload is its FSDP engine's"),
+    ):
+        value = as_bool(as_int(given.get(key, unread)))
+        if key in given and (value != unread or type(value) is not type(unread)):
+            out.append(
+                f"{key}={short_repr(given[key])} is not read under actor_rollout_ref.actor.strategy=megatron ({what}): "
+                "the budgets are without it; remove it"
+            )
+    if reference:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            if as_int(ref_mcore[key]) != as_int(mcore[key]):
+                out.append(
+                    f"{REF_MCORE}{key}={short_repr(ref_mcore[key])} differs from the actor's {MCORE}{key}="
+                    f"{short_repr(mcore[key])}: batchfit profiles the reference with the actor's layout ({title}); set "
+                    "them alike, or confirm the reference's on the device (profile --confirm)"
+                )
+    if as_bool(flat.get(ACTOR + "calculate_entropy")) is True or _number(flat.get(ACTOR + "entropy_coeff")) != 0:
+        out.append(
+            f"{ACTOR}calculate_entropy={short_repr(flat.get(ACTOR + 'calculate_entropy'))}, entropy_coeff="
+            f"{short_repr(flat.get(ACTOR + 'entropy_coeff'))}: verl's Megatron update computes the entropy over a clone of "
+            "the vocab-parallel logits (MegatronEngineWithLMHead._lm_head_logits_processor), which batchfit's Megatron "
+            "profile (the cross-entropy's step) does not measure; confirm this setting on the device (profile --confirm)"
+        )
+    if as_bool(flat.get(MODEL + "use_fused_kernels")) is True:
+        out.append(
+            f"{MODEL}use_fused_kernels=True: verl's Megatron engine takes log-probs from the hidden states "
+            "(_maybe_enable_fused_kernels); batchfit's Megatron profile computes them from the vocab-parallel logits, "
+            "an upper bound"
+        )
+    return out
+
+
+def _megatron_entropy(flat: dict[str, Any], mcore: dict[str, Any]) -> tuple[str, str, int | None]:
+    """How verl's Megatron actor computes entropy: (trained pass, forward-only pass, chunk rows).
+
+    ``MegatronEngineWithLMHead._lm_head_logits_processor``: ``vocab_parallel_entropy_with_chunking`` in chunks of
+    ``entropy_from_logits_chunk_size`` rows with ``entropy_from_logits_with_chunking`` (padding or not), else
+    ``vocab_parallel_entropy`` (full); no entropy checkpointing. When each pass computes it is the FSDP engine's
+    rule (:func:`_entropy`: the trainer asks for it).
+    """
+    chunked = as_bool(mcore["entropy_from_logits_with_chunking"]) is True
+    mode = "chunked" if chunked else "full"
+    in_update = (
+        as_bool(flat.get(ACTOR + "calculate_entropy")) is True or _number(flat.get(ACTOR + "entropy_coeff")) != 0
+    )
+    bypass = as_bool(flat.get("algorithm.rollout_correction.bypass_mode")) is True
+    chunk = as_int(mcore["entropy_from_logits_chunk_size"]) if chunked else None
+    return (mode if in_update else "none"), ("none" if bypass else mode), chunk
+
+
+def _recompute(mcore: dict[str, Any], warnings: list[str]) -> bool:
+    """Megatron's recompute as batchfit's checkpointing: ``full`` / ``uniform`` / 1 layer is every layer checkpointed.
+
+    ``override_transformer_config.recompute_granularity`` (null: none, verl's default), ``recompute_method``,
+    ``recompute_num_layers`` go into Megatron's TransformerConfig (MegatronEngine._build_tf_config). Selective
+    recompute, or full recompute over chunks of several layers or of some layers only, is profiled as none (an
+    upper bound) or as every layer (a lower bound), with a warning.
+    """
+    key = MCORE + "override_transformer_config."
+    granularity = mcore["override_transformer_config.recompute_granularity"]
+    method = mcore["override_transformer_config.recompute_method"]
+    layers = as_int(mcore["override_transformer_config.recompute_num_layers"])
+    if granularity is None:
+        return False
+    if granularity == "full" and method == "uniform" and layers in (1, None):
+        return True
+    if granularity == "full":
+        warnings.append(
+            f"{key}recompute_granularity=full with recompute_method={short_repr(method)}, recompute_num_layers="
+            f"{short_repr(layers)}: batchfit checkpoints every layer (uniform, 1 layer), which keeps less than "
+            "chunks of several layers or a few checkpointed layers; set recompute_method=uniform and "
+            "recompute_num_layers=1, or confirm this setting on the device (profile --confirm)"
+        )
+        return True
+    warnings.append(
+        f"{key}recompute_granularity={short_repr(granularity)}: batchfit models full recompute of every layer or none; "
+        "the budgets are for none (an upper bound of selective recompute); set it to full or null, or confirm this "
+        "setting on the device (profile --confirm)"
+    )
+    return False
 
 
 def _lora(flat: dict[str, Any], strategy: Any, model: str = MODEL) -> dict[str, Any] | None:
@@ -637,7 +989,7 @@ SPEC = FrameworkSpec(
     # DAPO trainer composes its own config over ppo_trainer's
     launchers=("verl.trainer.main_ppo", "recipe.dapo.main_dapo"),
     # workers/config/model.py HFModelConfig, the FSDP engine's LoRA (CriticConfig has the same keys);
-    # the model.lora.* block is Megatron's (megatron_peft.py), not read: batchfit does not model Megatron
+    # the model.lora.* block is Megatron's (megatron_peft.py): read, and refused under Megatron (megatron_refusal)
     lora_keys={
         "policy": (
             "actor_rollout_ref.model.lora_rank",
@@ -648,6 +1000,7 @@ SPEC = FrameworkSpec(
     },
     read_config=read,
     batch_rules=VERL,
+    strategy_refusal=megatron_refusal,
     head="verl",
     reference_dtype="fp32",
     fsdp="fsdp1",

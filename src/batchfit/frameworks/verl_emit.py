@@ -92,11 +92,14 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
     budget of ``C`` tokens per group's micro-batch is therefore written as ``C // sp``.
     """
     del max_seq_len, world
-    sp = profile.options["policy"].sharding.sequence_parallel
+    sharding = profile.options["policy"].sharding
+    sp = sharding.sequence_parallel
     keys = [
         Key("actor_rollout_ref.actor.use_dynamic_bsz", True, "micro-batches by the token lengths below"),
         Key("actor_rollout_ref.model.use_remove_padding", True, REMOVE_PADDING.format(framework="verl")),
     ]
+    if sharding.spec.model_parallel:
+        return keys + _megatron_token_keys(sharding, budgets, why)
     if "critic" in budgets:
         keys.append(Key("critic.model.use_remove_padding", True, "the critic's micro-batches packed too"))
     for role, switch, length, what in VERL_KEYS:
@@ -119,6 +122,33 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
     return keys
 
 
+def _megatron_token_keys(sharding: Any, budgets: dict[str, int], why: Any) -> list[Key]:
+    """The token lengths of verl's Megatron actor, its log-prob pass and its reference (NOTE [ verl's Megatron engine ]).
+
+    NOTE [ verl's Megatron token lengths ]: MegatronEngine.forward_backward_batch sets ``sp_size =
+    context_parallel_size`` and prepare_micro_batches packs ``max_token_len_per_gpu × sp_size`` tokens per
+    micro-batch (verl/workers/engine/utils.py); context parallelism is 1 here (refused otherwise), so each
+    length is the budget itself: the tokens of one micro-batch, which every GPU of its tensor × pipeline group
+    runs (tensor parallelism splits the weights and, with sequence_parallel, the activations; pipeline
+    parallelism the layers). A budget of a Megatron profile counts exactly that (one data-parallel rank's
+    micro-batch, the binding pipeline stage's peak).
+    """
+    keys = []
+    cp = 1  # batchfit's Megatron sharding has no context parallelism
+    for role, switch, length, what in VERL_KEYS:
+        if role not in budgets:
+            continue
+        if all(k.path != switch for k in keys) and switch != "actor_rollout_ref.actor.use_dynamic_bsz":
+            keys.append(Key(switch, True))
+        comment = why(role, what) + (
+            f"; the tokens of one micro-batch on each GPU of a tensor {sharding.tensor_parallel} × pipeline "
+            f"{sharding.pipeline_parallel} group: verl multiplies it by megatron.context_parallel_size={cp} "
+            "(MegatronEngine.forward_backward_batch: sp_size; prepare_micro_batches)"
+        )
+        keys.append(Key(length, budgets[role] // cp, comment))
+    return keys
+
+
 _V_MODEL = "actor_rollout_ref.model."
 _V_ACTOR = "actor_rollout_ref.actor."
 _V_ENGINE = _V_ACTOR + "fsdp_config."  # FSDPActorConfig.fsdp_config: the actor's FSDPEngineConfig
@@ -136,9 +166,11 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     check_strategy(
         target,
         a,
-        tuple(_V_STRATEGY),
-        "verl's FSDP engines are FSDP1 (strategy fsdp) and FSDP2 (strategy fsdp2), not DDP",
+        (*_V_MEGATRON, *_V_STRATEGY),
+        "verl's engines are FSDP1 (strategy fsdp), FSDP2 (strategy fsdp2) and Megatron (strategy megatron), not DDP",
     )
+    if s.spec.model_parallel:
+        return _megatron_keys(run, a, same)
     if s.offload == "cpu" and _V_STRATEGY.get(s.strategy) == "fsdp":
         raise refuse(
             target,
@@ -206,6 +238,129 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             keys += lora_adapter_keys(a.lora.get(role), rank, alpha, targets)
     keys += _verl_head(run, a, same)
     return keys + _verl_sequence_parallel(run, a, critic)
+
+
+#: batchfit's Megatron strategy → verl's ``actor.strategy`` (its MegatronEngine, composed by ``model_engine=megatron``).
+_V_MEGATRON = {"megatron": "megatron"}
+_V_MCORE = _V_ACTOR + "megatron."  # McoreActorConfig.megatron: the actor's McoreEngineConfig
+_V_REF_MCORE = "actor_rollout_ref.ref.megatron."
+_V_MCORE_SRC = "verl/workers/engine/megatron/transformer_impl.py"
+
+
+def _megatron_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
+    """The keys of a Megatron profile: verl's McoreEngineConfig for the actor and the reference (NOTE [ verl's Megatron engine ]).
+
+    No FSDP key (``fsdp_config.*``, ``ulysses_sequence_parallel_size``, ``enable_gradient_checkpointing``): the
+    Megatron engine reads none. Refused: a critic (batchfit does not profile verl's Megatron critic), activation
+    offload (verl's is its FSDP engine's), LoRA (Megatron's adapters are not modelled), a parameter dtype verl's
+    Megatron engine does not train in (McoreEngineConfig.__post_init__ asserts bfloat16 or float16).
+    """
+    target = "verl"
+    s = a.sharding
+    if "critic" in a.roles:
+        raise refuse(
+            target,
+            "a critic under --sharding megatron",
+            "batchfit does not profile verl's Megatron critic (a value head on Megatron's GPTModel)",
+            "profile a critic-free run (algorithm.adv_estimator=grpo), or the run with --sharding fsdp2",
+        )
+    if a.activation_offload:
+        raise refuse(
+            target,
+            "--activation-offload with --sharding megatron",
+            "verl offloads activations in its FSDP engine only (verl/utils/activation_offload.py)",
+            "profile without --activation-offload",
+        )
+    if a.lora.get("policy") is not None:
+        raise refuse(
+            target,
+            "LoRA with --sharding megatron",
+            "batchfit does not model verl's Megatron LoRA (actor_rollout_ref.model.lora.*, verl/utils/megatron_peft.py)",
+            "profile without LoRA, or with --sharding fsdp2 (lora_rank)",
+        )
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(a.trained_dtype)
+    if dtype is None:
+        raise refuse(
+            target,
+            f"--dtype {a.trained_dtype} with --sharding megatron",
+            "verl's Megatron engine keeps its parameters in bfloat16 or float16 (McoreEngineConfig.__post_init__ asserts "
+            "it; the optimizer keeps fp32 copies)",
+            "pass --dtype bf16",
+        )
+    nodes, per_node = nodes_and_gpus(run, a, target)
+    sp = s.megatron_sequence_parallel
+    keys = [
+        Key("", False, "verl composes its Megatron actor and reference with model_engine=megatron: launch "
+            "python -m verl.trainer.main_ppo model_engine=megatron ... (these keys are that composition's)"),
+        Key("trainer.nnodes", nodes, f"the {s.world_size} GPUs profiled (verl: trainer.nnodes × n_gpus_per_node)"),
+        Key("trainer.n_gpus_per_node", per_node),
+        Key(_V_ACTOR + "strategy", "megatron", f"profiled as {s.describe()} (MegatronEngine, {_V_MCORE_SRC})"),
+    ]
+    layout = [
+        ("tensor_model_parallel_size", s.tensor_parallel, "mpu.initialize_model_parallel (MegatronEngine._init_device_mesh)"),
+        ("pipeline_model_parallel_size", s.pipeline_parallel, "1F1B over the stages, the binding stage's peak profiled"),
+        ("context_parallel_size", 1, "no context parallelism (batchfit does not model Megatron's)"),
+        ("expert_model_parallel_size", 1, "dense layers, as profiled"),
+        ("virtual_pipeline_model_parallel_size", None, "no interleaved schedule, as profiled"),
+        ("sequence_parallel", sp,
+         "activations outside attention split over the tensor-parallel group, as profiled" if sp
+         else "activations whole on each tensor-parallel rank, as profiled"),
+        ("use_distributed_optimizer", s.distributed_optimizer,
+         f"optimizer state sharded over the {s.data_parallel_size} data-parallel ranks, as profiled"
+         if s.distributed_optimizer else "optimizer state whole on every data-parallel rank, as profiled"),
+        ("dtype", dtype, f"parameters in {a.trained_dtype} (McoreEngineConfig.dtype)"),
+    ]
+    keys += [Key(_V_MCORE + key, "null" if value is None else value, why) for key, value, why in layout]
+    if "reference" in a.roles:
+        ref_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(a.dtypes["reference"])
+        if ref_dtype is None:
+            raise refuse(
+                target,
+                f"a {a.dtypes['reference']} reference with --sharding megatron",
+                "verl's Megatron reference keeps its parameters in bfloat16 or float16 (McoreEngineConfig.__post_init__)",
+                "pass --dtype bf16",
+            )
+        keys += [
+            Key(_V_REF_MCORE + "tensor_model_parallel_size", s.tensor_parallel, "the reference laid out as the actor, as profiled"),
+            Key(_V_REF_MCORE + "pipeline_model_parallel_size", s.pipeline_parallel),
+            Key(_V_REF_MCORE + "context_parallel_size", 1),
+            Key(_V_REF_MCORE + "sequence_parallel", sp),
+            Key(_V_REF_MCORE + "dtype", ref_dtype, f"the reference's parameters in {a.dtypes['reference']}"),
+        ]
+    recompute = a.gradient_checkpointing
+    tf = _V_MCORE + "override_transformer_config."
+    keys += [
+        Key(
+            tf + "recompute_granularity",
+            "full" if recompute else "null",
+            "every layer recomputed in the backward (Megatron's full recompute), as profiled"
+            if recompute
+            else "no recompute, as profiled (verl's Megatron engine reads recompute from here, not from "
+            "enable_gradient_checkpointing)",
+        ),
+        Key(tf + "recompute_method", "uniform" if recompute else "null"),
+        Key(tf + "recompute_num_layers", 1 if recompute else "null"),
+    ]
+    keys.append(Key(_V_MODEL + "lora.rank", 0, "no LoRA: every parameter trained"))
+    return keys + _megatron_head(run, a, same)
+
+
+def _megatron_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
+    """verl's Megatron head: vocab-parallel log-probs from the logits (MegatronEngineWithLMHead._lm_head_logits_processor).
+
+    A Megatron profile measures Megatron's vocab-parallel cross-entropy over the whole logits (whatever ``--logprobs``
+    says): ``use_fused_kernels`` off is that head. The entropy keys (``megatron.entropy_from_logits_*``) and the
+    algorithm's (``calculate_entropy``, ``entropy_coeff``) are the config's, never changed; what the budgets leave
+    out of them is the reader's warning (:func:`batchfit.frameworks.verl._megatron_warnings`).
+    """
+    del run, a, same
+    return [
+        Key(
+            _V_MODEL + "use_fused_kernels",
+            False,
+            "log-probs from Megatron's vocab-parallel logits (vocab_parallel_log_probs_from_logits), as profiled",
+        )
+    ]
 
 
 def _verl_sequence_parallel(run: RunConfig, a: Assumptions, critic: bool) -> list[Key]:
@@ -333,9 +488,11 @@ def allocator_keys(a: Assumptions) -> list[Key]:
         )
     ]
     if a.optimizer_offload:
+        # the actor's engine: McoreEngineConfig under Megatron, FSDPEngineConfig else (both read optimizer_offload)
+        engine = _V_MCORE if a.sharding.spec.model_parallel else _V_ENGINE
         keys.append(
             Key(
-                "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+                engine + "optimizer_offload",
                 True,
                 "the old log-probs' budget holds without the optimizer state on the GPU (BaseEngineCtx: eval_mode "
                 "loads the parameters only)",

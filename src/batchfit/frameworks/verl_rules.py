@@ -130,7 +130,10 @@ def _verl_step(
 ) -> None:
     train, n = cfg.train_batch_size, cfg.n_samples_per_prompt
     dynamic = cfg.max_tokens_per_micro_batch is not None
-    if not dynamic and train * n % world:
+    # Megatron (tensor × pipeline × context parallel): validate_config's minimal batch is megatron_dp ×
+    # ppo_micro_batch_size_per_gpu instead, checked by the config's reader (batchfit.frameworks.verl)
+    megatron = _model_parallel(cfg) > 1
+    if not dynamic and not megatron and train * n % world:
         # validate_config (FSDP, without use_dynamic_bsz): real_train_batch_size % n_gpus == 0
         faults.append(
             f"train_batch_size × n_samples_per_prompt = {train} × {n} = {train * n} is not divisible by the "
@@ -159,6 +162,12 @@ def _verl_step(
                 f"{padded} samples / dp_size {dp} = {share} ({VERL_MICRO} asserts it in the log-prob pass); set "
                 f"micro_forward_batch_size_per_gpu to {or_list(nearest(divisors(share), forward))}"
             )
+
+
+def _model_parallel(cfg: BatchSizes) -> int:
+    """tp · pp · cp of a Megatron actor (1 under FSDP, whose only model-parallel axis is Ulysses)."""
+    sizes = [getattr(cfg, name, 1) for name in ("tensor_parallel", "pipeline_parallel", "context_parallel")]
+    return math.prod(s for s in sizes if isinstance(s, int) and not isinstance(s, bool) and s > 0)
 
 
 def _verl_multiple(cfg: BatchSizes, dp: int) -> int:

@@ -1,0 +1,228 @@
+"""SkyRL 0.4.0's Megatron strategy (``trainer.strategy: megatron``) read into RunConfig, and ``--emit skyrl`` for it.
+
+NOTE [ SkyRL's Megatron worker ] and NOTE [ What a SkyRL Megatron profile refuses ] in :mod:`batchfit.frameworks.skyrl`:
+``megatron_config``'s sizes, Megatron's sequence parallelism on exactly when TP is, the distributed optimizer always,
+bf16 parameters with ``trainer.bf16``, recompute from ``trainer.gradient_checkpointing`` and
+``transformer_config_kwargs``, and one token key, ``trainer.max_tokens_per_microbatch``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from batchfit.budget.options import ProfileOptions
+from batchfit.frameworks import read_run_config
+from batchfit.frameworks.assumptions import EmitError, setting_keys
+from batchfit.frameworks.run_profile import role_options
+from batchfit.frameworks.skyrl import megatron_refusal
+from batchfit.frameworks.skyrl_emit import token_keys
+from batchfit.parallel.sharding import Sharding
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "skyrl_megatron.yaml"
+MCORE = "trainer.policy.megatron_config."
+
+
+def _config(**keys) -> dict:
+    """The example's mapping with ``keys`` (``a__b`` for ``a.b``) set; ``None`` removes a key."""
+    data = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text(encoding="utf-8")))
+    for dotted, value in keys.items():
+        node = data
+        *parents, leaf = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return data
+
+
+def _megatron(**sizes) -> dict:
+    return {f"trainer__policy__megatron_config__{k}": v for k, v in sizes.items()}
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+def test_the_example_reads_as_megatron_tp2_pp2_with_megatrons_dp():
+    run = read_run_config(EXAMPLE)
+    assert run.strategy == "megatron"
+    b = run.batch
+    assert (b.tensor_parallel, b.pipeline_parallel, b.context_parallel, b.sequence_parallel) == (2, 2, 1, 1)
+    # megatron_worker.py: provider.sequence_parallel = tensor_model_parallel_size > 1; optimizer.py: always distributed
+    assert run.megatron_sequence_parallel is True and run.distributed_optimizer is True
+    assert (run.dtype, run.reference_dtype) == ("bf16", "bf16")  # trainer.bf16: true
+    assert run.gradient_checkpointing is True  # SkyRL's default kwargs: full, uniform, 1 layer
+    assert run.offload == "none" and run.mixed_precision is None and run.reshard_after_forward is None
+    assert run.faults == () and run.warnings == ()
+    # validate_batch_sizes: dp = 8 / (pp 2 · cp 1 · tp 2) = 2; 16 prompts × 8 = 128 samples, 64 per dp rank
+    plan = run.plan()
+    assert plan.dp_size == 2 and plan.roles[0].samples_per_mini_batch_per_gpu == 64
+    assert run.batch.max_tokens_per_micro_batch == 8192
+
+
+def test_megatron_sequence_parallel_follows_tensor_parallelism():
+    run = read_run_config(_config(**_megatron(tensor_model_parallel_size=1, pipeline_model_parallel_size=4)))
+    assert run.megatron_sequence_parallel is False and run.batch.plan().dp_size == 2
+
+
+def test_the_distributed_optimizer_is_off_only_when_the_optimizer_kwargs_say_so():
+    run = read_run_config(_config(**_megatron(optimizer_config_kwargs={"use_distributed_optimizer": False})))
+    assert run.distributed_optimizer is False
+
+
+def test_parameters_are_fp32_without_trainer_bf16():
+    run = read_run_config(_config(trainer__bf16=False))
+    assert (run.dtype, run.reference_dtype) == ("fp32", "fp32")
+
+
+@pytest.mark.parametrize(
+    ("checkpointing", "kwargs", "expected", "warned"),
+    [
+        (False, {}, False, None),
+        (True, {"recompute_granularity": "selective"}, False, "the budgets are for none"),
+        (True, {"recompute_method": "block", "recompute_num_layers": 4}, True, "keeps less"),
+    ],
+    ids=["off", "selective", "block"],
+)
+def test_recompute_is_read_from_gradient_checkpointing_and_the_transformer_kwargs(checkpointing, kwargs, expected, warned):
+    data = _config(trainer__gradient_checkpointing=checkpointing)
+    if kwargs:
+        data["trainer"]["policy"]["megatron_config"]["transformer_config_kwargs"] = kwargs
+    run = read_run_config(data)
+    assert run.gradient_checkpointing is expected
+    said = [w for w in run.warnings if "recompute_granularity" in w]
+    assert (warned is None and not said) or (warned is not None and warned in said[0])
+
+
+def test_a_reference_laid_out_unlike_the_policy_is_a_warning():
+    data = _config(trainer__ref__megatron_config__pipeline_model_parallel_size=1)
+    said = read_run_config(data).warnings
+    assert any(
+        w.startswith(
+            "trainer.ref.megatron_config.pipeline_model_parallel_size=1 differs from the policy's "
+            "trainer.policy.megatron_config.pipeline_model_parallel_size=2"
+        )
+        for w in said
+    )
+
+
+def test_skyrls_own_megatron_refusals_are_faults():
+    data = _config(trainer__policy__sequence_parallel_size=2)
+    data["generator"]["inference_engine"]["backend"] = "sglang"
+    faults = read_run_config(data).faults
+    assert any(f.startswith("trainer.policy.sequence_parallel_size=2 with trainer.strategy=megatron") for f in faults)
+    assert any(f.startswith("generator.inference_engine.backend='sglang' with trainer.strategy=megatron") for f in faults)
+
+
+def test_an_entropy_loss_is_a_warning_the_budget_leaves_it_out():
+    said = read_run_config(_config(trainer__algorithm__use_entropy_loss=True)).warnings
+    assert any(w.startswith("trainer.algorithm.use_entropy_loss=True: SkyRL's Megatron update") for w in said)
+
+
+# --- what profile refuses ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("keys", "said"),
+    [
+        (
+            _megatron(context_parallel_size=2),
+            "the config's trainer.policy.megatron_config.context_parallel_size=2 splits each sequence",
+        ),
+        (
+            _megatron(expert_model_parallel_size=2),
+            "the config's trainer.policy.megatron_config.expert_model_parallel_size=2 splits an MoE model's experts",
+        ),
+        (
+            {"trainer__policy__model__lora": {"rank": 16}},
+            "the config's trainer.policy.model.lora.rank=16 trains Megatron LoRA adapters",
+        ),
+    ],
+    ids=["context-parallel", "expert-parallel", "lora"],
+)
+def test_what_the_megatron_profile_does_not_model_is_one_refusal_naming_key_value_and_fix(keys, said):
+    data = _config(**keys)
+    if "context_parallel_size" in str(keys):  # SkyRL's CP needs remove_microbatch_padding (it is on), 8 % 8 ranks
+        data["trainer"]["ref"]["megatron_config"]["context_parallel_size"] = 2
+    run = read_run_config(data)
+    refusal = megatron_refusal(run)
+    assert refusal is not None and refusal.startswith(said) and "; " in refusal
+    run.plan()  # SkyRL runs it: `batchfit plan` still answers
+
+
+def test_a_modelled_megatron_run_and_an_fsdp_run_are_not_refused():
+    assert megatron_refusal(read_run_config(EXAMPLE)) is None
+    assert megatron_refusal(read_run_config(_config(trainer__strategy="fsdp", **_megatron(context_parallel_size=2)))) is None
+
+
+# --- --emit skyrl ---------------------------------------------------------------------------------------------
+
+
+def _megatron_sharding(**fields) -> Sharding:
+    values = {"tensor_parallel": 2, "pipeline_parallel": 2, "megatron_sequence_parallel": True, "distributed_optimizer": True}
+    return Sharding("megatron", world_size=8, **{**values, **fields})
+
+
+def _keys(run, sharding=None, **options) -> dict:
+    values = {"max_seq_len": 512, "sharding": sharding or _megatron_sharding(), "cost": "packed", "dtype": "bf16",
+              "gradient_checkpointing": True}
+    keys = setting_keys(run, role_options(run, ProfileOptions(**{**values, **options})), "skyrl")
+    return {k.path: k.value for k in keys if k.path}
+
+
+def test_the_emitted_keys_are_megatrons_and_no_fsdp_key():
+    keys = _keys(read_run_config(EXAMPLE))
+    assert keys["trainer.strategy"] == "megatron"
+    for prefix in (MCORE, "trainer.ref.megatron_config."):
+        assert (keys[prefix + "tensor_model_parallel_size"], keys[prefix + "pipeline_model_parallel_size"]) == (2, 2)
+        assert keys[prefix + "context_parallel_size"] == 1
+    assert keys[MCORE + "optimizer_config_kwargs.use_distributed_optimizer"] is True
+    assert keys["trainer.bf16"] is True and keys["trainer.gradient_checkpointing"] is True
+    assert keys[MCORE + "transformer_config_kwargs.recompute_granularity"] == "full"
+    assert not [k for k in keys if "fsdp" in k or "sequence_parallel_size" in k]
+
+
+@pytest.mark.parametrize(
+    ("sharding", "said"),
+    [
+        (_megatron_sharding(megatron_sequence_parallel=False), "SkyRL turns Megatron's sequence parallelism on exactly when"),
+        (_megatron_sharding(distributed_optimizer=False), "without the distributed optimizer"),
+    ],
+    ids=["no-sequence-parallel-at-tp2", "no-distributed-optimizer"],
+)
+def test_a_layout_skyrl_cannot_run_is_refused(sharding, said):
+    with pytest.raises(EmitError, match=said):
+        _keys(read_run_config(EXAMPLE), sharding)
+
+
+def test_the_micro_sizes_come_from_the_profiled_megatron_dp():
+    # an FSDP config profiled as Megatron tp 2 × pp 2: SkyRL's validate_batch_sizes divides by the emitted sizes (dp 2)
+    run = read_run_config(_config(trainer__strategy="fsdp"))
+    assert run.batch.plan().dp_size == 8
+    profile = SimpleNamespace(run=run, options={"policy": SimpleNamespace(sharding=_megatron_sharding())})
+    budgets = {"policy": 64 * 512, "policy_forward": 64 * 512, "reference": 64 * 512}
+    keys = {k.path: k.value for k in token_keys(profile, budgets, lambda role, what: what, 512, 8)}
+    assert keys["trainer.max_tokens_per_microbatch"] == 64 * 512
+    # 16 prompts × 8 samples / dp 2 = 64 per GPU; 64 sequences of 512 tokens fit, and 64 divides 64 (dp 8 would give 16)
+    assert keys["trainer.micro_train_batch_size_per_gpu"] == 64
+
+
+@pytest.mark.slow
+def test_profile_emits_skyrl_megatron_keys_for_the_example(capsys):
+    from batchfit.cli import main
+
+    flags = ["--model", "tiny", "--max-seq-len", "512", "--backend", "estimate", "--no-progress", "--json"]
+    assert main(["profile", "--config", str(EXAMPLE), "--emit", "skyrl", *flags]) == 0
+    emit = json.loads(capsys.readouterr().out)["emit"]
+    assert emit["trainer.strategy"] == "megatron"
+    assert emit[MCORE + "tensor_model_parallel_size"] == 2 and emit[MCORE + "pipeline_model_parallel_size"] == 2
+    assert emit["trainer.max_tokens_per_microbatch"] >= 512
+    assert 64 % emit["trainer.micro_train_batch_size_per_gpu"] == 0  # divides dp 2's 64 samples per GPU
+    assert not [k for k in emit if "fsdp_config" in k or "sequence_parallel_size" in k]
