@@ -85,3 +85,25 @@ def test_two_shallow_copies_extrapolated_stage_by_stage_give_the_full_depths_bud
     # NOTE [ Megatron stages are affine in their depth ]: each stage within the allocator's rounding, above
     for stage, peak in full.megatron.stage_peaks.items():
         assert 0 <= shallow.megatron.stage_peaks[stage] - peak <= 8 * 512
+
+
+@pytest.mark.slow
+def test_a_slime_script_with_tensor_2_and_pipeline_2_on_8_gpus_profiles_and_emits_its_token_flag(capsys):
+    from pathlib import Path
+
+    from batchfit.cli import main
+    from script_helpers import flag_words
+
+    script = Path(__file__).parents[1] / "examples" / "slime_megatron.sh"
+    code = main(["profile", "--config", str(script), "--model", "tiny", "--max-seq-len", "512", "--emit", "slime",
+                 "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "warn" not in err.lower()  # Megatron's own warnings are not the user's
+    words = flag_words(out)
+    tokens = int(words[words.index("--max-tokens-per-gpu") + 1])
+    assert tokens > 0 and tokens % 512 == 0  # whole longest sequences (NOTE [ Megatron budgets bound packed micro-batches ])
+    layout = words[words.index("--tensor-model-parallel-size"):]
+    assert layout[:4] == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    assert "--sequence-parallel" in words
+    assert "megatron over 8 ranks (tensor 2 × pipeline 2 × data 2, sequence parallel, distributed optimizer)" in out

@@ -61,6 +61,8 @@ def quiet_megatron() -> Iterator[None]:
     true of every CPU run, and not the user's to act on."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", module=r"(megatron|mbridge)(\.|$)")
+        # torch's own deprecation of the collectives Megatron's buffers call (reduce_scatter_tensor, all_gather_into_tensor)
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         yield
 
 
