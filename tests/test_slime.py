@@ -323,3 +323,8 @@ def test_the_documented_example_plans():
     example = Path(__file__).parents[1] / "examples" / "slime_grpo.sh"
     run = read_run_config(example)  # docs/frameworks.md, "Worked example: slime"
     assert run.model == "qwen2.5-7b" and run.plan().config.max_tokens_per_micro_batch == 8192
+
+
+def test_a_cpu_offloaded_optimizer_is_noted_as_not_modelled(tmp_path):
+    run = read_run_config(_script(tmp_path, extra="--optimizer-cpu-offload"))
+    assert any("--optimizer-cpu-offload (Megatron's HybridDeviceOptimizer) is not modelled" in n for n in run.notes)

@@ -30,7 +30,7 @@ from batchfit.plan.placement import RolloutEngine, process_allocator_setting
 # Megatron-LM flags slime reads (Megatron's parser, not slime's file): ModelParallelConfig's
 # tensor/pipeline/context_parallel_size, TrainingConfig.decrease_batch_size_if_needed,
 # TransformerConfig.recompute_granularity and sequence_parallel, DistributedDataParallelConfig's
-# use_distributed_optimizer (flags are the fields with dashes).
+# use_distributed_optimizer, OptimizerConfig's optimizer_cpu_offload (flags are the fields with dashes).
 MEGATRON_FLAGS: tuple[dict[str, Any], ...] = tuple(
     {"flags": [flag], "dest": dest, "action": action, "type": kind, "nargs": None, "const": None,
      "default": default, "choices": choices, "required": False}
@@ -42,6 +42,7 @@ MEGATRON_FLAGS: tuple[dict[str, Any], ...] = tuple(
         ("--recompute-granularity", "recompute_granularity", "_StoreAction", "str", None, ["full", "selective"]),
         ("--sequence-parallel", "sequence_parallel", "_StoreTrueAction", None, False, None),
         ("--use-distributed-optimizer", "use_distributed_optimizer", "_StoreTrueAction", None, False, None),
+        ("--optimizer-cpu-offload", "optimizer_cpu_offload", "_StoreTrueAction", None, False, None),
     )
 )  # fmt: skip
 READ = frozenset(
@@ -69,6 +70,7 @@ READ = frozenset(
         "recompute_granularity",
         "sequence_parallel",
         "use_distributed_optimizer",
+        "optimizer_cpu_offload",
     }
 )
 KEY_NAMES = {
@@ -123,6 +125,12 @@ def read(command: Command) -> FrameworkRun:
         notes.append(
             "--log-probs-max-tokens-per-gpu is parsed but not read at this slime commit: log-probs run the "
             "training micro-batches (build_dp_schedule)"
+        )
+    if v.get("optimizer_cpu_offload"):
+        notes.append(
+            "--optimizer-cpu-offload (Megatron's HybridDeviceOptimizer) is not modelled: the optimizer state is counted "
+            "on the GPU, so the budgets are lower than this run needs and a layout that fits only with the offload is "
+            "refused"
         )
     mini = (gbs // n if by_prompt else gbs) if is_positive_int(gbs) else None
     batch = BatchConfig(
