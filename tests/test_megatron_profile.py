@@ -107,3 +107,10 @@ def test_a_slime_script_with_tensor_2_and_pipeline_2_on_8_gpus_profiles_and_emit
     assert layout[:4] == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     assert "--sequence-parallel" in words
     assert "megatron over 8 ranks (tensor 2 × pipeline 2 × data 2, sequence parallel, distributed optimizer)" in out
+
+
+def test_a_megatron_confirm_is_refused_with_what_to_run_instead():
+    from batchfit.budget.confirm import plan_confirm
+
+    with pytest.raises(InvalidArgument, match="profile with backend='cpu' under torchrun instead of confirming"):
+        plan_confirm("tiny", max_seq_len=64, backend="cpu", memory_limit="1GiB", sharding=Sharding("megatron"))

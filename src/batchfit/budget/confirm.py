@@ -190,6 +190,12 @@ def plan_confirm(
             "(backend='cuda')"
         )
     sharding = opts.sharding
+    if sharding.spec.profile:
+        raise InvalidArgument(
+            f"a confirm runs the causal-LM step batchfit builds, but sharding={sharding.strategy!r} is profiled on its "
+            "own model (Megatron-core's GPTModel), whose real-rank runs are the cpu backend's own profile: profile with "
+            "backend='cpu' under torchrun instead of confirming (the estimate equals it to the byte, docs/megatron.md)"
+        )
     if sharding.distributed and torch.distributed.is_available() and torch.distributed.is_initialized():
         raise InvalidArgument(
             f"plan_confirm estimates sharding={sharding.strategy!r} over {_ranks(sharding.world_size)} (simulated), which "
