@@ -114,3 +114,19 @@ def test_a_megatron_confirm_is_refused_with_what_to_run_instead():
 
     with pytest.raises(InvalidArgument, match="profile with backend='cpu' under torchrun instead of confirming"):
         plan_confirm("tiny", max_seq_len=64, backend="cpu", memory_limit="1GiB", sharding=Sharding("megatron"))
+
+
+@pytest.mark.slow
+def test_a_colocated_megatron_models_resident_state_counts_megatrons_optimizer_sharded_over_data_parallel():
+    from batchfit.budget.megatron_profile import resident_state_bytes
+    from batchfit.budget.options import ProfileOptions
+
+    def state(role: str, world: int, kinds=("parameters", "gradients", "optimizer_state")) -> int:
+        options = ProfileOptions(max_seq_len=128, backend="estimate", memory_limit="80GB", sharding=Sharding(
+            "megatron", world_size=world, tensor_parallel=2, distributed_optimizer=True))
+        return resident_state_bytes("tiny", role, options, kinds=kinds)
+
+    params = state("reference", 2, ("parameters",))
+    # bf16 parameters (2 B) + fp32 main_grad (4 B) + fp32 main parameters and two moments (12 B), the last sharded
+    assert state("policy", 2) > 8 * params
+    assert state("policy", 2) - state("policy", 4) > 2 * params  # half of the 12 B per parameter at DP 2

@@ -246,7 +246,7 @@ def _state_bytes(model: Any, role: str, options: ProfileOptions, kinds: Sequence
     step = megatron_step(config, plan, be, dtype, options)
     most = 0
     for stage in range(plan.pipeline_parallel):  # the stage that keeps the most binds
-        with simulated_rank(step.world_size, stage * plan.tensor_parallel), contextlib.ExitStack() as inside:
+        with simulated_rank(step.world_size, step.stage_first_rank(stage)), contextlib.ExitStack() as inside:
             inside.enter_context(model_parallel(plan.tensor_parallel, plan.pipeline_parallel))
             inside.enter_context(megatron_cpu_patches())
             with be.context():
@@ -256,9 +256,16 @@ def _state_bytes(model: Any, role: str, options: ProfileOptions, kinds: Sequence
                     gpt_args=step.gpt_args,
                 )
                 state: tuple[Any, ...] = (net,)
+                categories: tuple[Any, ...] = (None,)
                 if not forward_role(role):
-                    state = (net, megatron_optimizer(net))
-            measured = be.measure(lambda: None, register=state)
+                    # Megatron's DDP and optimizer (NOTE [ The Megatron step's optimizer ]): the fp32 grad buffer,
+                    # main parameters and moments are registered with their categories, not as one object
+                    training = megatron_optimizer(
+                        net, mixed_precision=step.main_params_fp32, distributed=step.distributed_optimizer
+                    )
+                    objects, cats = training.registered()
+                    state, categories = (net, *objects), (None, *cats)
+            measured = be.measure(lambda: None, register=state, categories=categories)
         most = max(most, int(sum(measured.breakdown.get(kind, 0) for kind in kinds)))
     return most
 
