@@ -218,7 +218,7 @@ def test_a_world_the_megatron_sizes_do_not_divide_is_a_fault():
         ),
         (
             {"algorithm__adv_estimator": "gae"},
-            "the config's algorithm.adv_estimator='gae' trains a Megatron critic",
+            "the config's algorithm.adv_estimator='gae' trains a critic beside the Megatron actor",
         ),
     ],
     ids=["context-parallel", "expert-parallel", "lora", "critic"],

@@ -237,11 +237,11 @@ def _megatron_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     if s.megatron_sequence_parallel != (s.tensor_parallel > 1):
         raise refuse(
             target,
-            f"--sharding megatron with megatron_sequence_parallel={s.megatron_sequence_parallel} at tensor_parallel="
-            f"{s.tensor_parallel}",
+            f"--sharding megatron {'with' if s.megatron_sequence_parallel else 'without'} --megatron-sequence-parallel at "
+            f"--tensor-parallel {s.tensor_parallel}",
             f"SkyRL turns Megatron's sequence parallelism on exactly when tensor_model_parallel_size > 1 ({_S_WORKER}: "
             "provider.sequence_parallel), with no key",
-            f"profile with megatron_sequence_parallel={s.tensor_parallel > 1}",
+            "pass --megatron-sequence-parallel (SkyRL runs it whenever --tensor-parallel is above 1)",
         )
     if not s.distributed_optimizer:
         raise refuse(
@@ -250,7 +250,7 @@ def _megatron_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             f"SkyRL's Megatron DDP wrapper always lays its buffers out for the distributed optimizer ({_S_WORKER}: "
             "default_ddp_config.use_distributed_optimizer = True) and its optimizer config turns it on "
             "(distributed/megatron/optimizer.py)",
-            "profile with distributed_optimizer=True",
+            "pass --distributed-optimizer",
         )
     if a.lora.get("policy") is not None:
         raise refuse(

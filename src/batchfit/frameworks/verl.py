@@ -764,8 +764,8 @@ _REFUSAL_WHY = {
         "set it to 1 (tensor parallelism with sequence_parallel splits the activations too)",
     ),
     "critic": (
-        "trains a Megatron critic (a value head on Megatron's GPTModel), which batchfit's Megatron profile does not "
-        "model",
+        "trains a critic beside the Megatron actor (model_engine=megatron composes verl's Megatron critic, a value "
+        "head on Megatron's GPTModel), which batchfit's Megatron profile does not model",
         "use a critic-free estimator (algorithm.adv_estimator=grpo), or train with actor_rollout_ref.actor.strategy="
         "fsdp2",
     ),
