@@ -62,6 +62,7 @@ ones), the most a micro-batch of those rows can train on.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -70,7 +71,7 @@ import torch
 from batchfit.budget.probe import GENERIC_REMEDIES
 from batchfit.errors import InvalidArgument, Phrase, Setting
 from batchfit.memory import Backend, MemoryMeasurement
-from batchfit.validation import check_positive_int
+from batchfit.validation import check_choice, check_positive_int
 
 
 class MegatronStep:
@@ -98,6 +99,10 @@ class MegatronStep:
         seed: torch's seed before each real build (Megatron's CPU initialisation draws each full
             matrix from torch's generator, so every rank builds the same model).
         gpt_args: ``GPTModel`` arguments over the preset's (:func:`~batchfit.models.megatron.build_gpt_model`).
+        attention: the layers' core attention: ``"local"`` (Megatron's unfused ``DotProductAttention``,
+            the default: the referees count its scores) or ``"sdpa"`` (fused, as Transformer Engine runs
+            it, and no ``[s, s]`` mask in the inputs: NOTE [ Fused attention for Megatron budgets ] in
+            :mod:`batchfit.models.megatron_attention`).
         **overrides: ``TransformerConfig`` fields (``num_layers=2``, ``hidden_dropout=0.1``, ...).
 
     Attributes:
@@ -126,9 +131,13 @@ class MegatronStep:
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
         gpt_args: Mapping[str, Any] | None = None,
+        attention: str = "local",
         **overrides: Any,
     ):
+        from batchfit.models.megatron_attention import ATTENTIONS
+
         self.spec = spec
+        self.attention = check_choice("attention", attention, ATTENTIONS)
         self.tensor_parallel = check_positive_int("tensor_parallel", tensor_parallel)
         self.pipeline_parallel = check_positive_int("pipeline_parallel", pipeline_parallel)
         self.sequence_parallel = bool(sequence_parallel)
@@ -167,6 +176,10 @@ class MegatronStep:
         self.seed = int(seed)
         self.overrides = dict(overrides)
         self.gpt_args = dict(gpt_args or {})
+        if self.attention != "local":
+            from batchfit.models.megatron_attention import layer_spec
+
+            self.gpt_args.setdefault("transformer_layer_spec", functools.partial(layer_spec, attention=self.attention))
         self.stage_peaks: dict[int, int] = {}
         self.binding_stage: int | None = None
 
@@ -239,7 +252,10 @@ class MegatronStep:
                     model, mixed_precision=self.main_params_fp32, distributed=self.distributed_optimizer
                 )
                 vocab = model.vocab_size
-                batches = [synthetic_batch(vocab, rows, seq, seed=i) for i in range(self.micro_batches)]
+                mask = self.attention == "local"  # fused attention takes the causal mask as a flag
+                batches = [
+                    synthetic_batch(vocab, rows, seq, seed=i, attention_mask=mask) for i in range(self.micro_batches)
+                ]
             if self.pipeline_parallel == 1:
                 (batch,) = batches
 
@@ -283,6 +299,7 @@ class MegatronStep:
             "main_params_fp32": self.main_params_fp32,
             "world_size": self.world_size,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "attention": self.attention,
             "stage_peaks": dict(self.stage_peaks),
             "binding_stage": self.binding_stage,
         }

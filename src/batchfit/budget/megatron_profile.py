@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -185,7 +184,6 @@ def megatron_step(
     """The :class:`~batchfit.budget.megatron_probe.MegatronStep` of ``plan``'s layout (one data-parallel rank's);
     ``overrides`` are ``TransformerConfig`` fields (``num_layers``)."""
     from batchfit.budget.megatron_probe import MegatronStep
-    from batchfit.models.megatron_attention import layer_spec
 
     if options.gradient_checkpointing:
         overrides = {**FULL_RECOMPUTE, **overrides}
@@ -199,7 +197,7 @@ def megatron_step(
         sequence_parallel=plan.megatron_sequence_parallel,
         backend=backend,
         dtype=dtype,
-        gpt_args={"transformer_layer_spec": functools.partial(layer_spec, attention=ATTENTION)},
+        attention=ATTENTION,
         **data,
         **overrides,
     )

@@ -111,15 +111,19 @@ class MegatronBatch:
     position_ids: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The five tensors (to register as the step's inputs)."""
-        return (self.input_ids, self.position_ids, self.labels, self.loss_mask, self.attention_mask)
+        """The tensors (to register as the step's inputs): four, and the mask when there is one."""
+        tensors = (self.input_ids, self.position_ids, self.labels, self.loss_mask, self.attention_mask)
+        return tuple(t for t in tensors if t is not None)
 
 
-def synthetic_batch(vocab_size: int, batch: int, seq: int, *, seed: int = 0) -> MegatronBatch:
+def synthetic_batch(vocab_size: int, batch: int, seq: int, *, seed: int = 0, attention_mask: bool = True) -> MegatronBatch:
     """Random tokens of ``batch`` rows of ``seq`` tokens, the same on every rank that passes the same ``seed``.
+
+    ``attention_mask=False`` leaves the ``[1, 1, seq, seq]`` mask out: fused attention takes the causal
+    mask as a flag (:class:`batchfit.models.megatron_attention.SdpaAttention`, as Transformer Engine's).
 
     Raises:
         InvalidArgument: a size that is not a positive integer.
@@ -134,7 +138,7 @@ def synthetic_batch(vocab_size: int, batch: int, seq: int, *, seed: int = 0) -> 
         position_ids=torch.arange(seq).expand(batch, seq).contiguous(),
         labels=tokens[:, 1:].contiguous(),
         loss_mask=torch.ones(batch, seq, dtype=torch.float32),
-        attention_mask=torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1),
+        attention_mask=torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1) if attention_mask else None,
     )
 
 
