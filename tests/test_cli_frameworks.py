@@ -190,7 +190,7 @@ def bad_files(tmp_path):
             ["profile", "--config", "{d}/nomodel.yaml"],
             "(read from actor_rollout_ref.model.path; --model overrides it)",
         ),
-        (["profile", "--config", "{d}/megatron.yaml"], "strategy='megatron', which batchfit does not model"),
+        (["profile", "--config", "{d}/megatron.yaml"], "trains a critic beside the Megatron actor"),
         (["profile", "--emit", "verl"], "--emit needs --config"),
         (["profile", "--config", "{d}/megatron.yaml", "--emit", "trl"], "--emit must be one of"),
         (

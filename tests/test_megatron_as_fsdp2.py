@@ -1,8 +1,8 @@
-"""frameworks/config_options.py: a Megatron config (SkyRL, verl) is refused as it runs, and profiled as FSDP2 over every GPU when asked.
+"""frameworks/config_options.py: a Megatron config (SkyRL, verl) is profiled as its Megatron layout, and as FSDP2 over every GPU when asked.
 
-NOTE [ An unmodelled strategy profiled as another ]: FSDP2's budget is no bound of Megatron's, so the refusal says what
-batchfit answers instead, and the run profiled with --sharding fsdp2 is data parallel over all the GPUs: its plan, its
-emitted micro sizes and the plan of the merged config agree.
+NOTE [ An unmodelled strategy profiled as another ]: FSDP2's budget is no bound of Megatron's, so the run profiled with
+--sharding fsdp2 is data parallel over all the GPUs: its plan, its emitted micro sizes and the plan of the merged config
+agree.
 """
 
 from __future__ import annotations
@@ -52,21 +52,17 @@ def _skyrl_megatron(tmp_path, prompt=512, response=1024):
     return path, config
 
 
-def test_megatron_is_refused_without_calling_fsdp2_a_bound_and_says_what_batchfit_answers(tmp_path):
+def test_a_megatron_config_is_profiled_as_its_own_layout(tmp_path):
     path, _ = _skyrl_megatron(tmp_path)
-    run = read_run_config(path)
-    with pytest.raises(InvalidArgument) as caught:
-        run_profile_options(run, Choices(), vocabulary=CLI)
-    text = str(caught.value)
-    assert "upper bound" not in text
-    assert "strategy='megatron' (tensor 2 × pipeline 2 × context 1: dp 2 of 8 GPUs), which batchfit does not model" in text
-    assert "no FSDP2 profile bounds either way" in text
-    # what it can answer instead: the plan of these sizes, or another run (FSDP2 over all 8 GPUs)
-    assert "`batchfit plan` checks its batch sizes" in text
-    assert "--sharding fsdp2 profiles another run instead, FSDP2 with data parallelism over all 8 GPUs" in text
+    made = run_profile_options(read_run_config(path), Choices(), vocabulary=CLI)
+    s = made.options.sharding
+    assert (s.strategy, s.world_size, s.tensor_parallel, s.pipeline_parallel, s.data_parallel_size) == ("megatron", 8, 2, 2, 2)
+    # SkyRL turns Megatron's SP on with TP > 1, and its distributed optimizer is on unless the kwargs turn it off
+    assert s.megatron_sequence_parallel and s.distributed_optimizer
+    assert not any("profiled as" in note for note in made.notes)
 
 
-def test_the_plan_the_megatron_refusal_points_to_answers(tmp_path, capsys):
+def test_the_plan_of_a_megatron_config_counts_megatrons_dp(tmp_path, capsys):
     path, _ = _skyrl_megatron(tmp_path)
     assert main(["plan", str(path)]) == 0
     assert "GPUs: 8 = dp 2 × model-parallel 4 (tp 2 · pp 2 · cp 1 · sp 1)" in capsys.readouterr().out
@@ -89,10 +85,10 @@ def test_megatron_profiled_as_fsdp2_plans_data_parallel_over_every_gpu(tmp_path)
     assert "neither an upper nor a lower bound" in made.notes[0]
 
 
-def test_verl_megatron_is_refused_the_same_way(tmp_path):
+def test_what_the_megatron_profile_does_not_model_is_refused_in_the_configs_own_keys(tmp_path):
     path = tmp_path / "verl_megatron.yaml"
     path.write_text("actor_rollout_ref:\n  model: {path: tiny}\n  actor: {strategy: megatron}\n")
-    with pytest.raises(InvalidArgument, match=r"strategy='megatron', which batchfit does not model \(tensor and "):
+    with pytest.raises(InvalidArgument, match=r"the config's algorithm.adv_estimator='gae' trains a critic beside the Megatron actor"):
         run_profile_options(read_run_config(path), Choices(), vocabulary=CLI)
 
 

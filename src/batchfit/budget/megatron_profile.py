@@ -157,8 +157,9 @@ def _profile(
 
 #: The core attention a profile measures (NOTE [ Fused attention for Megatron budgets ]).
 ATTENTION = "sdpa"
-#: Megatron's full recomputation of every layer, what ``gradient_checkpointing`` means under Megatron (verl's
-#: ``enable_gradient_checkpointing`` with ``recompute_method: uniform``, ``recompute_num_layers: 1``).
+#: Megatron's full recomputation of every layer, what ``gradient_checkpointing`` means under Megatron: slime's
+#: ``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``, verl's
+#: ``megatron.override_transformer_config.recompute_*`` and SkyRL's ``transformer_config_kwargs`` defaults.
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 

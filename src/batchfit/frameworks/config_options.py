@@ -131,7 +131,9 @@ def run_profile_options(
             ).say(say)
         )
     fsdp = str(strategy).lower() in FSDP_STRATEGIES  # FSDP's options (mixed precision, resharding), as the config sets them
-    step = framework_step(run)  # the head and layout of the framework's own micro-batch
+    # the head and layout of the framework's own micro-batch; under Megatron the probe runs Megatron's own
+    # (GPTModel's vocab-parallel cross-entropy over packed rows: batchfit.budget.megatron_profile)
+    step = None if megatron else framework_step(run)
     notes = list(step.notes) if step is not None else []
     if retrained is not None:
         notes.insert(0, retrained)
@@ -142,7 +144,7 @@ def run_profile_options(
         notes = [*([retrained] if retrained else []), f"the budgets' probe runs {emit}'s log-prob head, the one the emitted run uses"]
     if step is not None and logprobs is None:
         logprobs = step.head
-    config_cost = step.cost if step is not None else ("packed" if run.remove_padding else "padded")
+    config_cost = step.cost if step is not None else ("packed" if run.remove_padding or megatron else "padded")
     cost = chosen.cost
     if emit is not None:  # every framework counts a micro-batch's tokens
         if cost == "padded":
@@ -269,6 +271,11 @@ def sharding_strategy(run: RunConfig, vocabulary: Vocabulary | None = None) -> s
     if strategy in ZERO_STRATEGIES:  # DeepSpeed ZeRO-1/2, as a framework reader names them
         return strategy
     if strategy in MODEL_PARALLEL_STRATEGIES:  # Megatron, as verl, SkyRL and slime name it
+        # what the framework's reader found its Megatron profile cannot model (verl's and SkyRL's megatron_refusal:
+        # context parallelism, expert parallelism, a Megatron critic, Megatron LoRA), one line naming key, value, fix
+        refusal = strategy_refusal(run)
+        if refusal is not None:
+            raise InvalidArgument(refusal)
         return strategy
     refusal = strategy_refusal(run)  # OpenRLHF's DeepSpeed stages, slime's Megatron: the framework's own hint
     if refusal is not None:
