@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from batchfit.frameworks.megatron_refusals import first_refusal, refused_sources
 from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     RunConfig,
@@ -325,7 +326,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
                 else {}
             ),
             # NOTE [ What a SkyRL Megatron profile refuses ]: "refused:<setting>" → the config's key=value
-            **{f"{REFUSED}{setting}": said for setting, said in refused.items()},
+            **refused_sources(refused),
         },
     )
     if misspelt:
@@ -472,7 +473,6 @@ def _megatron_faults(flat: dict[str, Any], reference: bool) -> list[str]:
 # profile does not model: context parallelism (Transformer Engine's attention), MoE expert parallelism (dense
 # layers) and Megatron LoRA (megatron_config.lora_config with a rank). A critic under Megatron is SkyRL's own
 # refusal (validate_megatron_cfg), a fault of the config.
-REFUSED = "refused:"
 _REFUSAL_WHY = {
     "context_parallel": (
         "splits each sequence over Megatron's context-parallel ranks (ring attention through Transformer Engine), "
@@ -512,14 +512,7 @@ def megatron_refusal(run: RunConfig) -> str | None:
 
     NOTE [ What a SkyRL Megatron profile refuses ]; ``None`` for every other strategy (FSDP is judged by the CLI).
     """
-    strategy = run.strategy
-    if strategy != "megatron":
-        return None
-    for setting, (why, fix) in _REFUSAL_WHY.items():
-        said = run.source.get(REFUSED + setting)
-        if said is not None:
-            return f"the config's {said} {why}; {fix}"
-    return None
+    return first_refusal(run, _REFUSAL_WHY)
 
 
 def _megatron_warnings(flat: dict[str, Any], reference: bool, title: str) -> list[str]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from batchfit.frameworks.megatron_refusals import first_refusal, refused_sources
 from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     RunConfig,
@@ -412,7 +413,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
                 else {}
             ),
             # NOTE [ What a Megatron profile refuses ]: "refused:<setting>" → the key=value it was read from
-            **{f"{REFUSED}{setting}": said for setting, said in refused.items()},
+            **refused_sources(refused),
         },
     )
     if misspelt:
@@ -756,7 +757,6 @@ def _check_megatron_batch(
 # Transformer Engine's attention, which batchfit's CPU build of Megatron-core has not), a critic (verl's Megatron
 # critic, a value head on a GPTModel, is not probed), MoE expert parallelism (the probe builds dense layers) and
 # Megatron's LoRA (megatron_peft.py adapters on Megatron's linear layers).
-REFUSED = "refused:"
 _REFUSAL_WHY = {
     "context_parallel": (
         "splits each sequence over Megatron's context-parallel ranks (ring attention through Transformer Engine), "
@@ -806,14 +806,7 @@ def megatron_refusal(run: RunConfig) -> str | None:
 
     NOTE [ What a Megatron profile refuses ]; ``None`` for every other strategy (FSDP is judged by the CLI).
     """
-    strategy = run.strategy
-    if strategy != "megatron":
-        return None
-    for setting, (why, fix) in _REFUSAL_WHY.items():
-        said = run.source.get(REFUSED + setting)
-        if said is not None:
-            return f"the config's {said} {why}; {fix}"
-    return None
+    return first_refusal(run, _REFUSAL_WHY)
 
 
 def _megatron_warnings(
