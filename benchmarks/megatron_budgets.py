@@ -10,7 +10,8 @@ on H100 80GB, and prints beside it:
   when ``--bridge DIR`` points at an unpacked megatron-bridge wheel (``pip download --no-deps megatron-bridge``;
   its module is loaded with its two imports stubbed: Transformer Engine does not install here);
 - the value the framework's shipped script sets by hand, where one ships this layout (slime's
-  ``scripts/run-llama3.1-8B.sh``, ``scripts/run-qwen3-32B.sh``).
+  ``scripts/run-llama3.1-8B.sh``, ``scripts/run-qwen3-32B.sh``; verl's
+  ``examples/grpo_trainer/run_qwen2_5-7b_math_megatron.sh``).
 
     python benchmarks/megatron_budgets.py                 # every row (minutes: a 70B model under fake tensors)
     python benchmarks/megatron_budgets.py --only qwen3-8b  # the rows of one model
@@ -33,6 +34,8 @@ from batchfit.parallel.sharding import Sharding
 ROWS = [
     ("llama-3.1-8b", 2, 1, 4, 2048, "slime run-llama3.1-8B.sh: --max-tokens-per-gpu 9216 (TP 2, SP, 4 GPUs)"),
     ("qwen3-8b", 2, 1, 8, 32768, None),
+    ("qwen2.5-7b", 4, 2, 16, 2048, "verl run_qwen2_5-7b_math_megatron.sh: ppo_micro_batch_size_per_gpu=4 × 2,048 = "
+     "8,192 tokens (TP 4, PP 2 with VPP 2, 16 GPUs)"),
     ("qwen3-32b", 8, 1, 8, 8192, "slime run-qwen3-32B.sh: --max-tokens-per-gpu 20480 (TP 8, SP, 8 GPUs; CPU-offloaded optimizer)"),
     ("qwen2.5-32b", 4, 2, 16, 8192, None),
     ("qwen2.5-32b", 4, 2, 16, 32768, None),
@@ -74,7 +77,7 @@ def bridge_weights_and_optimizer(bridge: Path, model: str, tp: int, pp: int, dp:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", help="profile the rows of this preset only")
+    parser.add_argument("--only", action="append", help="profile the rows of this preset only (repeatable)")
     parser.add_argument("--bridge", type=Path, help="an unpacked megatron-bridge wheel (for its weights formula)")
     parser.add_argument("--memory", default="h100-80gb")
     args = parser.parse_args()
@@ -82,7 +85,7 @@ def main() -> None:
           "state per GPU (batchfit) | Megatron-Bridge weights+optimizer | shipped | wall |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for model, tp, pp, gpus, seq, shipped in ROWS:
-        if args.only and model != args.only:
+        if args.only and model not in args.only:
             continue
         dp = gpus // (tp * pp)
         sharding = Sharding("megatron", world_size=gpus, tensor_parallel=tp, pipeline_parallel=pp,
