@@ -347,9 +347,6 @@ def profile_model(
         >>> p.combined.tokens > 0
         True
     """
-    from batchfit.memory import get_backend
-    from batchfit.models import load_config, parse_dtype
-
     opts = resolve_options(options, {**module_settings(model, options, settings), **settings})
     chosen_roles = check_roles(roles)
     if not isinstance(forward_too, bool):
@@ -357,96 +354,260 @@ def profile_model(
     if forward_too:
         extra = [f"{r}_forward" for r in chosen_roles if r in TRAINED_ROLES]
         chosen_roles = tuple(dict.fromkeys([*chosen_roles, *extra]))
-    plan = opts.sharding
-    own = plan.spec.profiler()
+    own = opts.sharding.spec.profiler()
     if own is not None:  # a strategy that builds its own model (Megatron-core's GPTModel)
         return own.profile_model(model, opts, roles=chosen_roles, resident_bytes=resident_bytes, engine=engine)
-    torch_dtype = parse_dtype(default_dtype(plan) if opts.dtype is None else opts.dtype)
-    config = load_config(model)  # a bad spec fails here, before any backend work
-    be = get_backend(opts.backend, memory_limit=opts.memory_limit, reserve_bytes=opts.reserve_bytes)
-    # NCCL's buffers on a simulated device whose strategy talks to other ranks; "none" runs no collective
-    be.expect_world_size(plan.world_size if plan.distributed else 1)
-    resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
-    if opts.engine_reserve is not None:
-        engine = given_engine_reserve(opts.engine_reserve)
-    if resident_bytes or (engine is not None and engine.bytes):
-        take_resident(be, resident_bytes, engine)
-    parameters = check_host_memory(config, model_name(model)) if be.host_memory else 0
-    behaviours = torch_behaviours() if plan.spec.torch_behaviours else None  # before any simulated world
-    adapters = None
-    if opts.lora is not None and opts.lora.enabled and set(chosen_roles) != {"reference"}:
-        critic_only = all(role in VALUE_ROLES or role == "reference" for role in chosen_roles)
-        adapters = lora_parameters(config, opts.lora, value_head=critic_only)  # a bad target fails here
-    moe = moe_summary(config, opts.experts_implementation)
-    if moe is not None:
-        routing = opts.routing or (None if moe.routing == "any" else moe.routing)
-        moe = dataclasses.replace(moe, routing=routing or "any")
-        opts = opts.replace(experts_implementation=moe.implementation, routing=routing)
-    depth, extrapolate = depth_plan(config, be, opts.depth_extrapolation, plan)
-    build = RoleBuilder(config, be, torch_dtype, opts, extrapolate, depth)
-    budgets: dict[str, TokenBudget] = {}
-    failed: tuple[str, DoesNotFitError] | None = None
-    # NOTE [ Probing reuses host pages ]: real cpu probes refault gigabytes each time otherwise
-    with simulated_world_for(be, plan), be.probing():
-        for role in chosen_roles:
-            lengths, hints = opts.seq_lens, None
-            if be.estimate_is_exact and not plan.distributed and parameters >= ESTIMATE_HINTS_FROM_PARAMETERS:
-                lengths, hints = _estimated_hints(build, role, opts)
-            # NOTE [ Ranks agree or say why ]: a build that fails on one rank raises on all
-            step = agree(lambda role=role: build.step(role), what=f"building the {role} model")
-            try:
-                budgets[role] = find_token_budget(
-                    step,
-                    max_seq_len=opts.max_seq_len,
-                    safety_margin=opts.safety_margin,
-                    seq_lens=lengths,
-                    cost=opts.cost,
-                    progress=opts.progress,
-                    role=role,
-                    hints=hints,
-                )
-            except DoesNotFitError as exc:
-                failed = (role, exc)
-                break
-            finally:
-                del step
-                _collect(be)
-    if failed is not None:
-        role, exc = failed
-        if opts.suggest_world_size and be.suggests_world_sizes:
-            out = _with_world_size_hint(exc, role, build, opts.max_seq_len, moe)
-        else:
-            out = exc.replace(Phrase(f"{role}: ", *exc.message.parts))
-        if moe is not None:  # the report names the mixture of experts, even when nothing fits
-            out = out.replace(Phrase(f"{moe.short()}; ", *out.message.parts))
-        raise out from None
-    if moe is not None and moe.routing == "skewed" and opts.compare_routing:
-        moe = dataclasses.replace(moe, balanced_tokens=_balanced_tokens(build, budgets, be, plan))
-    return ModelProfile(
-        model=model_name(model),
-        dtype=_dtype_name(torch_dtype),
-        gradient_checkpointing=opts.gradient_checkpointing,
-        logprobs=opts.logprobs,
-        backend=be.name,
-        memory_limit=be.memory_limit,
-        reserve_bytes=int(be.reserve_bytes or 0) - resident_bytes - (0 if engine is None else engine.bytes),
-        resident_bytes=resident_bytes,
-        engine=engine,
-        allocator=str(opts.allocator),
-        safety_margin=float(opts.safety_margin),
-        budgets=budgets,
-        combined=TokenBudget.min(*budgets.values()),
-        sharding=plan,
-        compute_dtype=_dtype_name(compute_dtype(plan, torch_dtype)),
-        depth=depth,
-        measured_depths=tuple(DEFAULT_DEPTHS) if extrapolate else None,
-        untracked=be.untracked,
-        torch=behaviours,
-        lora=adapters,
-        activation_offload=opts.activation_offload,
-        moe=moe,
-        attention=cuda_attention_of(config, compute_dtype(plan, torch_dtype)) if be.runs_cuda_attention else None,
-    )
+    session = _session_for(model, opts)
+    reserve = session.backend.reserve_bytes  # what this call takes off is its own: a run's session serves several
+    try:
+        with session.world():
+            searched = session.search(chosen_roles, resident_bytes, engine)
+        if searched.failed is not None and _SCOPE is not None:
+            _SCOPE.close()  # NOTE [ One simulated world per run ]: a does-not-fit hint measures other worlds
+        return session.finish(searched)
+    finally:
+        session.backend.reserve_bytes = reserve
+
+
+@dataclass
+class _Searched:
+    """What :meth:`_Session.search` found: each role's budget, or the role whose sequence does not fit."""
+
+    budgets: dict[str, TokenBudget]
+    failed: tuple[str, DoesNotFitError] | None
+    resident_bytes: int
+    engine: EngineReserve | None
+    adapters: LoraParameters | None
+
+
+class _Session:
+    """One model profiled with one set of options: its backend and builder set up once, each role's step built once.
+
+    :func:`profile_model` makes one per call; inside :func:`one_world`, :func:`resident_state_bytes`
+    and :func:`profile_model` share one per ``(model, options)`` (NOTE [ One simulated world per run ]).
+    """
+
+    def __init__(self, model: Any, opts: ProfileOptions):
+        from batchfit.memory import get_backend
+        from batchfit.models import load_config, parse_dtype
+
+        self.model, self.plan = model, opts.sharding
+        plan = self.plan
+        self.torch_dtype = parse_dtype(default_dtype(plan) if opts.dtype is None else opts.dtype)
+        self.config = config = load_config(model)  # a bad spec fails here, before any backend work
+        self.backend = be = get_backend(opts.backend, memory_limit=opts.memory_limit, reserve_bytes=opts.reserve_bytes)
+        # NCCL's buffers on a simulated device whose strategy talks to other ranks; "none" runs no collective
+        be.expect_world_size(plan.world_size if plan.distributed else 1)
+        self.parameters = check_host_memory(config, model_name(model)) if be.host_memory else 0
+        self.behaviours = torch_behaviours() if plan.spec.torch_behaviours else None  # before any simulated world
+        moe = moe_summary(config, opts.experts_implementation)
+        if moe is not None:
+            routing = opts.routing or (None if moe.routing == "any" else moe.routing)
+            moe = dataclasses.replace(moe, routing=routing or "any")
+            opts = opts.replace(experts_implementation=moe.implementation, routing=routing)
+        self.moe, self.opts = moe, opts
+        self.depth, extrapolate = depth_plan(config, be, opts.depth_extrapolation, plan)
+        self.build = RoleBuilder(config, be, self.torch_dtype, opts, extrapolate, self.depth)
+        self._steps: dict[str, Any] = {}  # role -> a step built ahead of its search (NOTE [ One simulated world per run ])
+        self._states: dict[str, Any] = {}  # role -> its step's measured state
+
+    def world(self) -> Any:
+        """The process group the session's steps run in: the run's (:func:`one_world`), else its own."""
+        if _SCOPE is not None and _SCOPE.holds(self):
+            return _SCOPE.world(self.backend, self.plan)
+        return simulated_world_for(self.backend, self.plan)
+
+    def _build(self, role: str) -> Any:
+        # NOTE [ Ranks agree or say why ]: a build that fails on one rank raises on all
+        return agree(lambda: self.build.step(role), what=f"building the {role} model")
+
+    def state(self, role: str) -> Any:
+        """``role``'s step's registered state, measured once (the step is kept for ``role``'s search)."""
+        if role not in self._states:
+            step = self._steps[role] if role in self._steps else self._build(role)
+            self._states[role] = step.measure_state()
+            self._steps[role] = step
+        return self._states[role]
+
+    def search(
+        self, roles: Sequence[str], resident_bytes: int = 0, engine: EngineReserve | None = None
+    ) -> _Searched:
+        """Find each of ``roles``' budget in turn, the other models' ``resident_bytes`` and the ``engine`` taken off.
+
+        Stops at the first role whose one sequence does not fit (:attr:`_Searched.failed`);
+        the steps of ``roles`` are dropped when it returns.
+        """
+        opts, be, build, plan = self.opts, self.backend, self.build, self.plan
+        resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
+        if opts.engine_reserve is not None:
+            engine = given_engine_reserve(opts.engine_reserve)
+        if resident_bytes or (engine is not None and engine.bytes):
+            take_resident(be, resident_bytes, engine)
+        adapters = None
+        if opts.lora is not None and opts.lora.enabled and set(roles) != {"reference"}:
+            critic_only = all(role in VALUE_ROLES or role == "reference" for role in roles)
+            adapters = lora_parameters(self.config, opts.lora, value_head=critic_only)  # a bad target fails here
+        budgets: dict[str, TokenBudget] = {}
+        failed: tuple[str, DoesNotFitError] | None = None
+        try:
+            # NOTE [ Probing reuses host pages ]: real cpu probes refault gigabytes each time otherwise
+            with be.probing():
+                for role in roles:
+                    lengths, hints = opts.seq_lens, None
+                    if be.estimate_is_exact and not plan.distributed and self.parameters >= ESTIMATE_HINTS_FROM_PARAMETERS:
+                        lengths, hints = _estimated_hints(build, role, opts)
+                    step = self._steps.pop(role, None)
+                    if step is None:
+                        step = self._build(role)
+                    try:
+                        budgets[role] = find_token_budget(
+                            step,
+                            max_seq_len=opts.max_seq_len,
+                            safety_margin=opts.safety_margin,
+                            seq_lens=lengths,
+                            cost=opts.cost,
+                            progress=opts.progress,
+                            role=role,
+                            hints=hints,
+                        )
+                    except DoesNotFitError as exc:
+                        failed = (role, exc)
+                        break
+                    finally:
+                        del step
+                        _collect(be)
+        finally:
+            for role in roles:  # another call's roles may share the session (the same model and options)
+                self._steps.pop(role, None)
+        return _Searched(budgets, failed, resident_bytes, engine, adapters)
+
+    def finish(self, searched: _Searched) -> ModelProfile:
+        """The :class:`ModelProfile` of a search, or its role's :class:`DoesNotFitError` with the hints that fit (outside any simulated world)."""
+        opts, be, build, plan, moe = self.opts, self.backend, self.build, self.plan, self.moe
+        budgets, engine, resident_bytes = searched.budgets, searched.engine, searched.resident_bytes
+        if searched.failed is not None:
+            role, exc = searched.failed
+            if opts.suggest_world_size and be.suggests_world_sizes:
+                out = _with_world_size_hint(exc, role, build, opts.max_seq_len, moe)
+            else:
+                out = exc.replace(Phrase(f"{role}: ", *exc.message.parts))
+            if moe is not None:  # the report names the mixture of experts, even when nothing fits
+                out = out.replace(Phrase(f"{moe.short()}; ", *out.message.parts))
+            raise out from None
+        if moe is not None and moe.routing == "skewed" and opts.compare_routing:
+            moe = dataclasses.replace(moe, balanced_tokens=_balanced_tokens(build, budgets, be, plan))
+        torch_dtype, config = self.torch_dtype, self.config
+        return ModelProfile(
+            model=model_name(self.model),
+            dtype=_dtype_name(torch_dtype),
+            gradient_checkpointing=opts.gradient_checkpointing,
+            logprobs=opts.logprobs,
+            backend=be.name,
+            memory_limit=be.memory_limit,
+            reserve_bytes=int(be.reserve_bytes or 0) - resident_bytes - (0 if engine is None else engine.bytes),
+            resident_bytes=resident_bytes,
+            engine=engine,
+            allocator=str(opts.allocator),
+            safety_margin=float(opts.safety_margin),
+            budgets=budgets,
+            combined=TokenBudget.min(*budgets.values()),
+            sharding=plan,
+            compute_dtype=_dtype_name(compute_dtype(plan, torch_dtype)),
+            depth=self.depth,
+            measured_depths=tuple(DEFAULT_DEPTHS) if build.extrapolate else None,
+            untracked=be.untracked,
+            torch=self.behaviours,
+            lora=searched.adapters,
+            activation_offload=opts.activation_offload,
+            moe=moe,
+            attention=cuda_attention_of(config, compute_dtype(plan, torch_dtype)) if be.runs_cuda_attention else None,
+        )
+
+
+# NOTE [ One simulated world per run ]
+# A framework run profiles several models, and each colocated model's state is taken off the others'
+# memory: measured, before their searches, on the model as its own profile builds it. Built apart,
+# verl's example built the policy three times (its state, its update, its old log-probs) and the
+# reference twice. Inside one_world() (profile_run), on a simulated backend, resident_state_bytes and
+# profile_model share one session per (model, options) — one backend, one builder — and one simulated
+# world: the state is read off the very step the model's search then runs (built once, measured before
+# any probe: the registered state is live all along, the same bytes as a model built apart without
+# checkpointing and without a reserve, neither of which changes parameters or optimizer state). A
+# does-not-fit hint measures other world sizes, each in a world of its own: the run's world is closed
+# (its steps dropped) before one is sought. Backends that hold real memory keep today's separate
+# builds: two real models side by side would double the host's memory.
+_SCOPE: _RunScope | None = None
+
+
+class _RunScope:
+    """The sessions and the simulated world of one :func:`one_world` block."""
+
+    def __init__(self) -> None:
+        self.sessions: list[tuple[Any, ProfileOptions, _Session]] = []
+        self._stack: contextlib.ExitStack | None = None
+        self._world: tuple[bool, int] | None = None
+
+    def session(self, model: Any, opts: ProfileOptions) -> _Session | None:
+        """The run's session for ``(model, opts)``, made on first use; ``None`` where the run shares none (a real backend)."""
+        for known, known_opts, session in self.sessions:
+            if (known is model or (isinstance(model, (str, os.PathLike)) and known == model)) and known_opts == opts:
+                return session
+        session = _Session(model, opts)
+        if not session.backend.simulated:
+            return session  # NOTE [ One simulated world per run ]: real models are built apart
+        if not self._fits(session.plan):
+            self.close()  # another world size: the run's world is left, its steps dropped
+        self.sessions.append((model, opts, session))
+        return session
+
+    def holds(self, session: _Session) -> bool:
+        return any(s is session for _, _, s in self.sessions)
+
+    def _fits(self, plan: Sharding) -> bool:
+        return self._world is None or self._world == (plan.distributed, plan.world_size)
+
+    def world(self, backend: Backend, plan: Sharding) -> Any:
+        """Enter the run's simulated world on first use (after torch's behaviours are probed); later uses are the same world."""
+        if self._stack is None:
+            torch_behaviours()  # cached: probed before any simulated world, as a session alone does
+            self._stack = contextlib.ExitStack()
+            self._stack.enter_context(simulated_world_for(backend, plan))
+            self._world = (plan.distributed, plan.world_size)
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Drop every session's steps and leave the world (a later use opens a new one)."""
+        for _, _, session in self.sessions:
+            session._steps.clear()
+        self.sessions.clear()
+        if self._stack is not None:
+            stack, self._stack, self._world = self._stack, None, None
+            stack.close()
+
+
+@contextlib.contextmanager
+def one_world() -> Any:
+    """Inside, the profiles of one run share their models' builds and one simulated world (NOTE [ One simulated world per run ]).
+
+    :func:`resident_state_bytes` reads a model's state off the step :func:`profile_model` then
+    searches with the same ``(model, options)``, so each model is built once per depth copy.
+    Budgets and every byte are those of the calls made apart. Not re-entrant: an inner block
+    is the outer one.
+    """
+    global _SCOPE
+    if _SCOPE is not None:
+        yield
+        return
+    _SCOPE = scope = _RunScope()
+    try:
+        yield
+    finally:
+        _SCOPE = None
+        scope.close()
+
+
+def _session_for(model: Any, opts: ProfileOptions) -> _Session:
+    return _Session(model, opts) if _SCOPE is None else _SCOPE.session(model, opts)  # type: ignore[return-value]
 
 
 def _balanced_tokens(build: RoleBuilder, budgets: dict[str, TokenBudget], backend: Backend, plan: Sharding) -> int | None:
@@ -628,6 +789,12 @@ def resident_state_bytes(
     own = plan.spec.profiler()
     if own is not None:  # a strategy that builds its own model
         return own.resident_state_bytes(model, role, options, kinds=kinds)
+    if _SCOPE is not None:  # NOTE [ One simulated world per run ]: the state of the step its profile searches
+        session = _SCOPE.session(model, options)
+        if session is not None and _SCOPE.holds(session):
+            with session.world():
+                measured = session.state(role)
+            return int(sum(measured.breakdown.get(kind, 0) for kind in kinds))
     torch_dtype = parse_dtype(default_dtype(plan) if options.dtype is None else options.dtype)
     config = load_config(model)
     be = get_backend(options.backend, memory_limit=options.memory_limit, reserve_bytes=0)

@@ -24,7 +24,13 @@ from batchfit.budget.engine import (
     engine_reserve,
     given_engine_reserve,
 )
-from batchfit.budget.model_profile import ModelProfile, default_dtype, profile_model, resident_state_bytes
+from batchfit.budget.model_profile import (
+    ModelProfile,
+    default_dtype,
+    one_world,
+    profile_model,
+    resident_state_bytes,
+)
 from batchfit.budget.options import ProfileOptions
 from batchfit.budget.token_budget import TokenBudget
 from batchfit.errors import InvalidArgument
@@ -134,18 +140,21 @@ def profile_run(run: RunConfig, options: ProfileOptions) -> RunProfile:
             kept[role, kinds] = resident_state_bytes(run.models[role], PASSES[role][0], by_role[role], kinds=kinds)
         return kept[role, kinds]
 
-    resident = {
-        role: state(role, run.resident[role]) for role in by_role if role in run.colocated and run.resident.get(role)
-    }
-    engine = _engine(run, options)
-    # a given engine_reserve replaces the engine's model, awake and asleep
-    awake = _check_generation(run, options, by_role, state) if options.engine_reserve is None else None
-    profiles = {}
-    for role, role_opts in by_role.items():
-        others = sum(b for other, b in resident.items() if other != role)
-        profiles[role] = profile_model(
-            run.models[role], role_opts, roles=PASSES[role], resident_bytes=others, engine=engine
-        )
+    # NOTE [ One simulated world per run ] (batchfit.budget.model_profile): a model's state is read off
+    # the step its own profile then searches, each model built once
+    with one_world():
+        resident = {
+            role: state(role, run.resident[role]) for role in by_role if role in run.colocated and run.resident.get(role)
+        }
+        engine = _engine(run, options)
+        # a given engine_reserve replaces the engine's model, awake and asleep
+        awake = _check_generation(run, options, by_role, state) if options.engine_reserve is None else None
+        profiles = {}
+        for role, role_opts in by_role.items():
+            others = sum(b for other, b in resident.items() if other != role)
+            profiles[role] = profile_model(
+                run.models[role], role_opts, roles=PASSES[role], resident_bytes=others, engine=engine
+            )
     return RunProfile(
         run=run, profiles=profiles, resident=resident, notes=tuple(notes), options=by_role, engine=engine, awake=awake
     )
