@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from batchfit.errors import InvalidArgument, Phrase, Setting, Vocabulary
+
 
 @dataclasses.dataclass(frozen=True)
 class MegatronLayout:
@@ -46,4 +48,40 @@ class MegatronLayout:
         }
 
 
-__all__ = ["MegatronLayout"]
+def check_layout(config: Any, sharding: Any, vocabulary: Vocabulary | None = None) -> None:
+    """Refuse a Megatron layout the model cannot be split into, before anything is built.
+
+    Megatron splits the attention heads and the key-value groups over the tensor-parallel group
+    (``TransformerConfig.__post_init__``: ``num_attention_heads`` and ``num_query_groups`` multiples
+    of ``tensor_model_parallel_size``) and the layers evenly over the pipeline stages
+    (``num_layers % pipeline_model_parallel_size == 0``, ``transformer_block.py``).
+
+    Raises:
+        InvalidArgument: a tensor-parallel size that does not divide the heads or the key-value
+            heads, or a pipeline size that does not divide the layers, naming the sizes that do.
+    """
+    heads = int(config.num_attention_heads)
+    groups = int(getattr(config, "num_key_value_heads", None) or heads)
+    layers = int(config.num_hidden_layers)
+    tp, pp = sharding.tensor_parallel, sharding.pipeline_parallel
+    if heads % tp or groups % tp:
+        fits = [n for n in range(1, groups + 1) if heads % n == 0 and groups % n == 0]
+        raise InvalidArgument(
+            Phrase(
+                Setting("tensor_parallel", tp),
+                f" must divide the model's {heads} attention heads and {groups} key-value heads (Megatron splits them "
+                f"over the tensor-parallel group); use one of {', '.join(map(str, fits))}",
+            ).say(vocabulary)
+        )
+    if layers % pp:
+        fits = [n for n in range(1, layers + 1) if layers % n == 0]
+        raise InvalidArgument(
+            Phrase(
+                Setting("pipeline_parallel", pp),
+                f" must divide the model's {layers} layers (Megatron gives every pipeline stage as many); use one of "
+                f"{', '.join(map(str, fits))}",
+            ).say(vocabulary)
+        )
+
+
+__all__ = ["MegatronLayout", "check_layout"]

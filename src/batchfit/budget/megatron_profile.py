@@ -35,7 +35,7 @@ from typing import Any
 
 from batchfit.budget.budget_search import find_token_budget
 from batchfit.budget.engine import EngineReserve, given_engine_reserve
-from batchfit.budget.megatron_layout import MegatronLayout
+from batchfit.budget.megatron_layout import MegatronLayout, check_layout
 from batchfit.budget.model_profile import (
     ROLES,
     ModelProfile,
@@ -103,6 +103,7 @@ def _profile(
     plan = options.sharding
     dtype = parse_dtype("bf16" if options.dtype is None else options.dtype)
     config = load_config(model)
+    check_layout(config, plan, options.caller_vocabulary)  # before any build
     be = get_backend(options.backend, memory_limit=options.memory_limit, reserve_bytes=options.reserve_bytes)
     resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
     if options.engine_reserve is not None:
