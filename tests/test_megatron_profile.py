@@ -36,7 +36,7 @@ def test_a_megatron_critic_lora_or_model_object_is_refused_before_any_build():
 
 
 @pytest.mark.slow
-def test_a_megatron_profile_names_its_binding_stage_and_bounds_every_pass():
+def test_a_megatron_profile_names_its_binding_stage_and_gives_forward_passes_budgets_above_trainings():
     from batchfit.budget.model_profile import profile_model
 
     p = profile_model(
@@ -44,8 +44,13 @@ def test_a_megatron_profile_names_its_binding_stage_and_bounds_every_pass():
         reserve_bytes=0, sharding=Sharding("megatron", world_size=4, tensor_parallel=2, pipeline_parallel=2),
     )
     assert set(p.budgets) == {"policy", "policy_forward", "reference"}
-    # NOTE [ A Megatron profile's roles ]: the forward passes take the training step's budget
-    assert len({b.tokens for b in p.budgets.values()}) == 1 and p.combined.tokens % 256 == 0
+    # NOTE [ A Megatron profile's roles ]: each pass its own budget; under no_grad a forward pass keeps no
+    # activations, and a reference no gradient buffer or optimizer state (tiny: 136,704 training tokens,
+    # 276,992 for old log-probs, 277,248 for the reference's, 2026-12-02 07:35 UTC)
+    tokens = {role: b.tokens for role, b in p.budgets.items()}
+    assert tokens["policy"] < tokens["policy_forward"] <= tokens["reference"]
+    assert p.combined.tokens == tokens["policy"] and all(b.role == role for role, b in p.budgets.items())
+    assert all(t % 256 == 0 for t in tokens.values())
     assert p.megatron.binding_stage in (0, 1) and set(p.megatron.stage_peaks) == {0, 1}
     assert p.megatron.stage_peaks[p.megatron.binding_stage] == max(p.megatron.stage_peaks.values())
     doc = p.to_dict()
@@ -85,6 +90,28 @@ def test_two_shallow_copies_extrapolated_stage_by_stage_give_the_full_depths_bud
     # NOTE [ Megatron stages are affine in their depth ]: each stage within the allocator's rounding, above
     for stage, peak in full.megatron.stage_peaks.items():
         assert 0 <= shallow.megatron.stage_peaks[stage] - peak <= 8 * 512
+
+
+@pytest.mark.slow
+def test_forward_passes_extrapolated_stage_by_stage_give_the_full_depths_budgets():
+    from batchfit.budget.model_profile import profile_model
+    from batchfit.models import load_config
+
+    config = load_config("tiny")
+    config.num_hidden_layers = 8
+
+    def profile(extrapolate: bool):
+        return profile_model(
+            config, roles="policy_forward,reference", max_seq_len=256, backend="estimate", memory_limit="1GiB",
+            reserve_bytes=0, depth_extrapolation=extrapolate, sharding=Sharding("megatron", world_size=2, pipeline_parallel=2),
+        )
+
+    shallow, full = profile(True), profile(False)
+    assert shallow.measured_depths == (4, 6)
+    # tiny, 8 layers, PP 2: 142,592 tokens for old log-probs, 143,360 for the reference's, the stages' peaks
+    # equal to the byte (a forward pass under no_grad holds its resident state and one layer's transients)
+    assert {r: b.tokens for r, b in shallow.budgets.items()} == {r: b.tokens for r, b in full.budgets.items()}
+    assert shallow.megatron.stage_peaks == full.megatron.stage_peaks
 
 
 @pytest.mark.slow
@@ -130,3 +157,25 @@ def test_a_colocated_megatron_models_resident_state_counts_megatrons_optimizer_s
     # bf16 parameters (2 B) + fp32 main_grad (4 B) + fp32 main parameters and two moments (12 B), the last sharded
     assert state("policy", 2) > 8 * params
     assert state("policy", 2) - state("policy", 4) > 2 * params  # half of the 12 B per parameter at DP 2
+
+
+@pytest.mark.slow
+def test_old_log_probs_under_optimizer_offload_keep_ddps_buffers_without_the_optimizer_state():
+    from batchfit.budget.megatron_profile import role_pass
+    from batchfit.budget.model_profile import profile_model
+    from batchfit.budget.options import ProfileOptions
+
+    # NOTE [ A Megatron profile's roles ]: what each role's MegatronStep keeps resident
+    plain, offload = ProfileOptions(max_seq_len=64), ProfileOptions(max_seq_len=64, optimizer_offload=True)
+    assert role_pass("policy", plain) == {} == role_pass("policy", offload)
+    assert role_pass("policy_forward", plain) == {"forward_only": True, "optimizer": "resident"}
+    assert role_pass("policy_forward", offload) == {"forward_only": True, "optimizer": "offloaded"}
+    assert role_pass("reference", offload) == {"forward_only": True, "optimizer": "none"}
+
+    def forward(offloaded: bool) -> int:
+        return profile_model(
+            "tiny", roles="policy_forward", max_seq_len=128, backend="estimate", memory_limit="64MiB", reserve_bytes=0,
+            optimizer_offload=offloaded, sharding=Sharding("megatron", world_size=2, tensor_parallel=2),
+        ).budgets["policy_forward"].tokens
+
+    assert forward(True) > forward(False)

@@ -277,3 +277,61 @@ def test_one_f_one_b_holds_at_most_pp_micro_batches_on_the_first_stage(megatron)
     activations = {n: _simulated_stage(0, 1, 2, n)["breakdown"]["activations"] for n in (1, 2, 4)}
     # stage 0 of 2 runs 2 - 0 - 1 = 1 warm-up forward: from 2 micro-batches on, 2 are in flight
     assert activations[1] < activations[2] == activations[4]
+
+
+#: (tensor_parallel, pipeline_parallel, what stays resident) of each forward-only pass on 2 ranks
+FORWARD_LAYOUTS = ((2, 1, "resident"), (2, 1, "none"), (1, 2, "resident"))
+FORWARD_IDS = ["tp2-policy-forward", "tp2-reference", "pp2-policy-forward"]
+
+
+def _forward_measurements(backend_name: str, layouts) -> list[dict[int, tuple[int, dict[str, int]]]]:
+    """Each layout's forward-only pass (NOTE [ The Megatron forward-only pass ]) of 2 × 64 tokens, bf16, stage by stage."""
+    import warnings
+
+    import torch
+
+    from batchfit.budget.megatron_probe import MegatronStep, stage_measurements
+    from batchfit.memory import get_backend
+
+    warnings.filterwarnings("ignore")
+    out = []
+    for tp, pp, optimizer in layouts:
+        backend = get_backend(backend_name, round_to=1)
+        step = MegatronStep(
+            "tiny", tensor_parallel=tp, pipeline_parallel=pp, backend=backend, num_layers=LAYERS, dtype=torch.bfloat16,
+            forward_only=True, optimizer=optimizer,
+        )
+        if backend.simulated:
+            measured = stage_measurements(step, [SEQ] * BATCH)
+        else:
+            got = step.measure([SEQ] * BATCH)
+            measured = {step.binding_stage: got}
+        out.append({stage: (m.peak_bytes, dict(m.breakdown)) for stage, m in measured.items()})
+    return out
+
+
+def _real_forward(rank: int, layouts) -> list[dict[int, tuple[int, dict[str, int]]]]:
+    return _forward_measurements("cpu", layouts)
+
+
+@pytest.fixture(scope="module")
+def real_forward_runs():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
+    return run_ranks(_real_forward, FORWARD_LAYOUTS, world=2, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", FORWARD_LAYOUTS, ids=FORWARD_IDS)
+def test_forward_only_estimate_equals_every_real_rank_to_the_byte(megatron, real_forward_runs, layout):
+    index = FORWARD_LAYOUTS.index(layout)
+    (estimate,) = _forward_measurements("estimate", (layout,))
+    tp, pp, optimizer = layout
+    for rank in (0, 1):
+        (stage, real), = real_forward_runs[rank][index].items()
+        assert stage == rank // tp  # Megatron's order: tp fastest, pp slowest
+        assert real == estimate[stage], rank
+    _, breakdown = estimate[pp - 1]
+    assert "logprob_head" in breakdown  # the last stage's logits and cross-entropy
+    # NOTE [ Forward-only Megatron probes ]: a reference keeps its parameters alone
+    assert ("gradients" in breakdown, "optimizer_state" in breakdown) == ((True, True) if optimizer == "resident" else (False, False))

@@ -1,4 +1,4 @@
-"""The token budget's probe for a Megatron-core ``GPTModel``: one training step of this layout's binding pipeline stage.
+"""The token budget's probe for a Megatron-core ``GPTModel``: one training step (or forward-only pass) of this layout's binding pipeline stage.
 
 :class:`MegatronStep` is a :class:`~batchfit.budget.probe.BudgetStep`: ``step.measure(lengths)``
 builds this tensor/pipeline/data-parallel layout's model fresh (:func:`batchfit.models.megatron.build_gpt_model`),
@@ -6,7 +6,8 @@ wraps it in Megatron's DDP with Megatron's optimizer, its state made up front (N
 step's optimizer ] in :mod:`batchfit.train.megatron_step`), and measures one training step of ``micro_batches`` micro-batches of
 ``len(lengths)`` rows of ``max(lengths)`` tokens through Megatron's own schedule
 (:mod:`batchfit.train.megatron_step`), so :func:`batchfit.budget.find_token_budget` gives a per-rank
-token budget for the layout:
+token budget for the layout. ``forward_only=True`` measures the forward-only pass of old or
+reference log-probs instead (NOTE [ Forward-only Megatron probes ]):
 
     >>> from batchfit.budget import find_token_budget                                  # doctest: +SKIP
     >>> from batchfit.memory import get_backend                                        # doctest: +SKIP
@@ -57,6 +58,27 @@ micro-batch is therefore ``len(lengths)`` rows of its longest length, the cost `
 counts; a ``"packed"`` search would measure each candidate padded to its longest sequence (an
 over-estimate), so search with ``cost="padded"``. Every token's loss counts (the loss mask is all
 ones), the most a micro-batch of those rows can train on.
+
+NOTE [ Forward-only Megatron probes ]
+``MegatronStep(..., forward_only=True, optimizer=...)`` measures
+:func:`~batchfit.train.megatron_step.megatron_forward_step` (NOTE [ The Megatron forward-only
+pass ] in :mod:`batchfit.train.megatron_step`: eval mode, ``no_grad``, Megatron's schedule with
+``forward_only=True``, the logits' vocab-parallel log-probs kept per micro-batch) on the same
+freshly built stage, with what the pass keeps resident registered beside it:
+
+- ``optimizer="resident"`` (the policy's old log-probs, ``policy_forward``): the model in
+  Megatron's DDP with Megatron's optimizer, its state made, as between the policy's updates:
+  the parameters, the fp32 gradient buffer, the main parameters and moments;
+- ``optimizer="offloaded"`` (the same under verl's ``optimizer_offload``): DDP's buffers only,
+  the optimizer's main parameters and moments on the host;
+- ``optimizer="none"`` (the reference): the parameters alone, no DDP wrapper and no optimizer
+  (verl builds its reference engine ``forward_only`` with ``wrap_with_ddp=False``).
+
+Every stage is measured and the largest binds, as for training (NOTE [ The binding pipeline
+stage ]); without a backward 1F1B keeps no activations between micro-batches, so what binds is
+the resident state plus one micro-batch's forward (the last stage's logits and the
+cross-entropy's fp32 temporaries, or one layer's transients). ``micro_batches`` keeps its
+default (``pipeline_parallel``); more only add their kept log-probs (4 B a token on the last stage).
 """
 
 from __future__ import annotations
@@ -73,12 +95,15 @@ from batchfit.errors import InvalidArgument, Phrase, Setting
 from batchfit.memory import Backend, MemoryMeasurement
 from batchfit.validation import check_choice, check_positive_int
 
+#: What a forward-only pass keeps resident (NOTE [ Forward-only Megatron probes ]).
+FORWARD_STATES = ("resident", "offloaded", "none")
+
 
 class MegatronStep:
-    """One training step of a Megatron-core ``GPTModel`` layout, measured on its binding stage: ``step.measure(lengths)``.
+    """One training step (or forward-only pass) of a Megatron-core ``GPTModel`` layout, measured on its binding stage: ``step.measure(lengths)``.
 
-    See NOTE [ A fresh Megatron model per measurement ], NOTE [ The binding pipeline stage ] and
-    NOTE [ Megatron micro-batches are padded rows ].
+    See NOTE [ A fresh Megatron model per measurement ], NOTE [ The binding pipeline stage ],
+    NOTE [ Megatron micro-batches are padded rows ] and NOTE [ Forward-only Megatron probes ].
 
     Args:
         spec: a preset name, directory, hub id or ``PretrainedConfig`` (:func:`batchfit.models.megatron.transformer_config`).
@@ -99,6 +124,12 @@ class MegatronStep:
         seed: torch's seed before each real build (Megatron's CPU initialisation draws each full
             matrix from torch's generator, so every rank builds the same model).
         gpt_args: ``GPTModel`` arguments over the preset's (:func:`~batchfit.models.megatron.build_gpt_model`).
+        forward_only: measure the forward-only pass of log-probs (NOTE [ Forward-only Megatron
+            probes ]) instead of a training step.
+        optimizer: what a forward-only pass keeps resident: ``"resident"`` (DDP's buffers and
+            Megatron's optimizer state, the default), ``"offloaded"`` (DDP's buffers) or
+            ``"none"`` (the parameters: a reference). A training step keeps everything: only
+            ``"resident"`` without ``forward_only``.
         attention: the layers' core attention: ``"local"`` (Megatron's unfused ``DotProductAttention``,
             the default: the referees count its scores) or ``"sdpa"`` (fused, as Transformer Engine runs
             it, and no ``[s, s]`` mask in the inputs: NOTE [ Fused attention for Megatron budgets ] in
@@ -113,7 +144,8 @@ class MegatronStep:
     Raises:
         InvalidArgument: a bad size, a backend other than ``estimate`` and ``cpu``,
             ``micro_batches`` without pipeline parallelism, fp16 parameters, or
-            ``main_params_fp32=False`` with the distributed optimizer on bf16 parameters.
+            ``main_params_fp32=False`` with the distributed optimizer on bf16 parameters,
+            an unknown ``optimizer``, or ``optimizer`` other than ``"resident"`` for a training step.
     """
 
     def __init__(
@@ -132,11 +164,20 @@ class MegatronStep:
         seed: int = 0,
         gpt_args: Mapping[str, Any] | None = None,
         attention: str = "local",
+        forward_only: bool = False,
+        optimizer: str = "resident",
         **overrides: Any,
     ):
         from batchfit.models.megatron_attention import ATTENTIONS
 
         self.spec = spec
+        self.forward_only = bool(forward_only)
+        self.optimizer = check_choice("optimizer", optimizer, FORWARD_STATES)
+        if not self.forward_only and self.optimizer != "resident":
+            raise InvalidArgument(
+                f"optimizer={optimizer!r} with forward_only=False: a training step keeps Megatron's DDP buffers and optimizer "
+                "state resident; pass forward_only=True to measure a forward pass without them, or leave optimizer unset"
+            )
         self.attention = check_choice("attention", attention, ATTENTIONS)
         self.tensor_parallel = check_positive_int("tensor_parallel", tensor_parallel)
         self.pipeline_parallel = check_positive_int("pipeline_parallel", pipeline_parallel)
@@ -193,7 +234,7 @@ class MegatronStep:
         return stage * self.tensor_parallel * self.data_parallel
 
     def measure(self, lengths: Sequence[int]) -> MemoryMeasurement:
-        """The peak of one training step of ``micro_batches`` micro-batches of ``len(lengths)`` rows of ``max(lengths)`` tokens.
+        """The peak of one training step (or forward-only pass) of ``micro_batches`` micro-batches of ``len(lengths)`` rows of ``max(lengths)`` tokens.
 
         On the estimate backend: the largest stage's measurement (NOTE [ The binding pipeline
         stage ]); on real ranks: this rank's.
@@ -227,6 +268,7 @@ class MegatronStep:
         """Build this rank's stage fresh and measure its first step (NOTE [ A fresh Megatron model per measurement ])."""
         from batchfit.models.megatron import build_gpt_model, megatron_cpu_patches, model_parallel
         from batchfit.train.megatron_step import (
+            megatron_forward_step,
             megatron_optimizer,
             megatron_pipeline_step,
             megatron_train_step,
@@ -248,15 +290,22 @@ class MegatronStep:
                     gpt_args=self.gpt_args,
                     **self.overrides,
                 )
-                optimizer = megatron_optimizer(
-                    model, mixed_precision=self.main_params_fp32, distributed=self.distributed_optimizer
-                )
+                optimizer = None
+                if self.optimizer != "none":  # NOTE [ Forward-only Megatron probes ]
+                    optimizer = megatron_optimizer(
+                        model, mixed_precision=self.main_params_fp32, distributed=self.distributed_optimizer
+                    )
                 vocab = model.vocab_size
                 mask = self.attention == "local"  # fused attention takes the causal mask as a flag
                 batches = [
                     synthetic_batch(vocab, rows, seq, seed=i, attention_mask=mask) for i in range(self.micro_batches)
                 ]
-            if self.pipeline_parallel == 1:
+            if self.forward_only:
+                forward_model = model if optimizer is None else optimizer.model
+
+                def run() -> None:
+                    megatron_forward_step(forward_model, batches)
+            elif self.pipeline_parallel == 1:
                 (batch,) = batches
 
                 def run() -> None:
@@ -266,7 +315,10 @@ class MegatronStep:
                 def run() -> None:
                     megatron_pipeline_step(model, optimizer, batches)
 
-            objects, categories = optimizer.registered()
+            objects: list[Any] = []
+            categories: list[str | None] = []
+            if optimizer is not None:
+                objects, categories = optimizer.registered(optimizer_state=self.optimizer == "resident")
             return backend.measure(
                 run,
                 register=(model, *objects, [b.tensors() for b in batches]),
@@ -276,13 +328,15 @@ class MegatronStep:
     def remedies(self) -> list[str | Phrase]:
         """What would make a longer sequence fit under Megatron, leaving out what the layout already does."""
         out: list[str | Phrase] = [Phrase("reduce ", Setting("max_seq_len"))]
+        if self.forward_only and self.optimizer == "resident":
+            out.append(Phrase("offload the optimizer state outside the update (", Setting("optimizer_offload", True), ")"))
         out.append(Phrase("raise the tensor parallelism (", Setting("tensor_parallel", 2 * self.tensor_parallel), ")"))
         if self.tensor_parallel > 1 and not self.sequence_parallel:
             out.append(Phrase("split the activations over the tensor-parallel group (", Setting("sequence_parallel", True), ")"))
         if self.data_parallel > 1 and not self.distributed_optimizer:
             out.append(Phrase("shard the optimizer state over data parallel (", Setting("distributed_optimizer", True), ")"))
         recompute = self.overrides.get("recompute_granularity")
-        if recompute is None:
+        if recompute is None and not self.forward_only:  # a forward pass under no_grad saves nothing to recompute
             out.append(Phrase("recompute the activations (", Setting("recompute_granularity", "selective"), ")"))
         out.extend(GENERIC_REMEDIES[1:])
         return out
@@ -300,6 +354,8 @@ class MegatronStep:
             "world_size": self.world_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention": self.attention,
+            "forward_only": self.forward_only,
+            "optimizer": self.optimizer,
             "stage_peaks": dict(self.stage_peaks),
             "binding_stage": self.binding_stage,
         }
@@ -343,4 +399,4 @@ def stage_measurements(step: MegatronStep, lengths: Sequence[int]) -> dict[int, 
     return out
 
 
-__all__ = ["MegatronStep", "stage_measurements"]
+__all__ = ["FORWARD_STATES", "MegatronStep", "stage_measurements"]

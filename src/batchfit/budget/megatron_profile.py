@@ -1,17 +1,29 @@
 """Profile a model trained with Megatron-core: the ``megatron`` strategy's own probe (:attr:`StrategySpec.profile`).
 
-:func:`profile_model` under ``Sharding("megatron", ...)`` comes here: each trained role's budget is
+:func:`profile_model` under ``Sharding("megatron", ...)`` comes here: each role's budget is
 searched on :class:`~batchfit.budget.megatron_probe.MegatronStep` (Megatron-core's ``GPTModel``,
 its schedule and its vocab-parallel cross-entropy, the binding pipeline stage measured), and the
 answer is the same :class:`~batchfit.budget.model_profile.ModelProfile` every other strategy gives,
 so reports, ``--json`` and the frameworks' emitted keys read it as they read any profile.
 
 NOTE [ A Megatron profile's roles ]
-The policy's training step is measured. The forward-only passes of the same run (old log-probs,
-the reference's log-probs) get the training step's budget: the same model and micro-batch without
-the backward and (for the reference) without gradients and optimizer state hold less, so the
-training budget is a safe bound of theirs, not their own (a forward-only Megatron probe is not
-built yet). A critic is refused: Megatron's value model (verl's ``megatron_critic``) is not built
+Each role's pass is measured on its own :class:`MegatronStep` and gets its own budget, searched
+as the training one (the binding stage, the two shallow copies per stage extrapolated):
+
+- ``policy``: one training step (forward, backward, Megatron's optimizer step);
+- ``policy_forward`` (old log-probs): the forward-only pass (NOTE [ Forward-only Megatron
+  probes ]) with the policy's DDP buffers and Megatron's optimizer state resident, as between
+  its updates (``optimizer="resident"``), or DDP's buffers alone under ``optimizer_offload``
+  (verl's ``megatron.optimizer_offload`` moves the optimizer state to the host outside
+  ``update_actor``: ``optimizer="offloaded"``);
+- ``reference``: the forward-only pass of a model that holds its parameters only (verl's
+  reference engine is built ``forward_only`` without DDP or an optimizer: ``optimizer="none"``).
+
+A forward pass under ``no_grad`` keeps no activations between layers or micro-batches, so its
+budget is at least the training step's (tiny, TP 2 × PP 2: ``tests/test_megatron_profile.py``);
+a framework that takes one token cap for every pass takes the smallest (``combined``).
+:attr:`ModelProfile.megatron` describes the trained role's step (the first role's when none is
+trained). A critic is refused: Megatron's value model (verl's ``megatron_critic``) is not built
 here, and SkyRL trains none under Megatron.
 
 NOTE [ Megatron budgets bound packed micro-batches ]
@@ -28,7 +40,6 @@ budget they take.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -108,25 +119,29 @@ def _profile(
     resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
     if options.engine_reserve is not None:
         engine = given_engine_reserve(options.engine_reserve)
-    step = budget_step(config, plan, be, dtype, options)  # sets the backend's reserve for the layout's world
+    # NOTE [ A Megatron profile's roles ]: each pass searched on its own step, a trained role first; the steps
+    # are made before the resident bytes are taken (each sets the backend's default reserve for the layout's world)
+    order = sorted(chosen, key=forward_role)
+    steps = {role: budget_step(config, plan, be, dtype, options, role=role) for role in order}
     if resident_bytes or (engine is not None and engine.bytes):
         take_resident(be, resident_bytes, engine)
-    trained = next((r for r in chosen if not forward_role(r)), chosen[0])
-    try:
-        budget = find_token_budget(
-            step,
-            max_seq_len=options.max_seq_len,
-            safety_margin=options.safety_margin,
-            seq_lens=options.seq_lens or [options.max_seq_len],
-            cost=options.cost,
-            progress=options.progress,
-            role=trained,
-        )
-    except DoesNotFitError as exc:
-        stage = "" if plan.pipeline_parallel == 1 else f" (pipeline stage {step.binding_stage} binds)"
-        raise exc.replace(Phrase(f"{trained}{stage}: ", *exc.message.parts)) from None
-    # NOTE [ A Megatron profile's roles ]: every pass of the model takes the training step's budget
-    budgets = {role: dataclasses.replace(budget, role=role) for role in chosen}
+    budgets: dict[str, TokenBudget] = {}
+    for role, step in steps.items():
+        try:
+            budgets[role] = find_token_budget(
+                step,
+                max_seq_len=options.max_seq_len,
+                safety_margin=options.safety_margin,
+                seq_lens=options.seq_lens or [options.max_seq_len],
+                cost=options.cost,
+                progress=options.progress,
+                role=role,
+            )
+        except DoesNotFitError as exc:
+            stage = "" if plan.pipeline_parallel == 1 else f" (pipeline stage {step.binding_stage} binds)"
+            raise exc.replace(Phrase(f"{role}{stage}: ", *exc.message.parts)) from None
+    budgets = {role: budgets[role] for role in chosen}
+    step = steps[order[0]]  # the trained role's (the first role's when none is trained)
     return ModelProfile(
         model=model_name(model),
         dtype=str(dtype).removeprefix("torch."),
@@ -164,16 +179,30 @@ ATTENTION = "sdpa"
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
-def budget_step(config: Any, plan: Sharding, backend: Any, dtype: Any, options: ProfileOptions) -> Any:
-    """The step a Megatron profile searches: :func:`megatron_step` at the model's depth, or two shallow copies of it
-    extrapolated stage by stage (NOTE [ Megatron stages are affine in their depth ])."""
+def role_pass(role: str, options: ProfileOptions) -> dict[str, Any]:
+    """What ``role``'s :class:`~batchfit.budget.megatron_probe.MegatronStep` measures (NOTE [ A Megatron profile's roles ]):
+    ``{}`` for a training step, else ``forward_only`` and what stays resident."""
+    check_choice("role", role, ROLES)
+    if not forward_role(role):
+        return {}
+    if role == "reference":
+        return {"forward_only": True, "optimizer": "none"}
+    return {"forward_only": True, "optimizer": "offloaded" if options.optimizer_offload else "resident"}
+
+
+def budget_step(
+    config: Any, plan: Sharding, backend: Any, dtype: Any, options: ProfileOptions, *, role: str = "policy"
+) -> Any:
+    """The step a Megatron profile searches for ``role``: :func:`megatron_step` at the model's depth, or two shallow
+    copies of it extrapolated stage by stage (NOTE [ Megatron stages are affine in their depth ])."""
     from batchfit.budget.megatron_depth import DepthExtrapolatedMegatronStep, extrapolates
 
     layers = int(config.num_hidden_layers)
+    probe = role_pass(role, options)
     if not extrapolates(backend, layers, plan.pipeline_parallel, options.depth_extrapolation):
-        return megatron_step(config, plan, backend, dtype, options)
+        return megatron_step(config, plan, backend, dtype, options, **probe)
     return DepthExtrapolatedMegatronStep(
-        lambda n: megatron_step(config, plan, backend, dtype, options, num_layers=n),
+        lambda n: megatron_step(config, plan, backend, dtype, options, num_layers=n, **probe),
         plan.pipeline_parallel,
         layers // plan.pipeline_parallel,
         backend,
@@ -184,7 +213,8 @@ def megatron_step(
     config: Any, plan: Sharding, backend: Any, dtype: Any, options: ProfileOptions, **overrides: Any
 ) -> Any:
     """The :class:`~batchfit.budget.megatron_probe.MegatronStep` of ``plan``'s layout (one data-parallel rank's);
-    ``overrides`` are ``TransformerConfig`` fields (``num_layers``)."""
+    ``overrides`` are its ``forward_only`` and ``optimizer`` (:func:`role_pass`) and ``TransformerConfig`` fields
+    (``num_layers``)."""
     from batchfit.budget.megatron_probe import MegatronStep
 
     if options.gradient_checkpointing:
@@ -303,4 +333,13 @@ def _check_modelled(model: Any, options: ProfileOptions, roles: Sequence[str]) -
             )
 
 
-__all__ = ["ATTENTION", "FULL_RECOMPUTE", "HEAD", "budget_step", "megatron_step", "profile_model", "resident_state_bytes"]
+__all__ = [
+    "ATTENTION",
+    "FULL_RECOMPUTE",
+    "HEAD",
+    "budget_step",
+    "megatron_step",
+    "profile_model",
+    "resident_state_bytes",
+    "role_pass",
+]

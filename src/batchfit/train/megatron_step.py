@@ -12,6 +12,8 @@
   sequence-parallel norm gradients), the optimizer step; labelled for the tracked backends
   (NOTE [ Phases and regions ] in :mod:`batchfit.memory.labels`).
 - :func:`megatron_pipeline_step`: the same through Megatron's pipeline schedule (1F1B), per stage.
+- :func:`megatron_forward_step`: the forward-only pass of old and reference log-probs, as verl's
+  Megatron engine runs it (NOTE [ The Megatron forward-only pass ]).
 
 NOTE [ The Megatron step's optimizer ]
 The step trains as Megatron-LM's ``train_step`` does, with megatron-core 0.16.1's own classes
@@ -75,6 +77,30 @@ no listener (``listening(None)``: plain waits, bounded by the process group's ti
 that left the search in the middle of a pipeline step is then noticed at the next collective
 after the schedule, not inside it; real ranks run every probe to the end anyway (NOTE [ Real
 ranks run their probes to the end ] in :mod:`batchfit.memory.base`).
+
+NOTE [ The Megatron forward-only pass ]
+verl computes old and reference log-probs with Megatron as its engine's ``infer_batch`` does
+(verl 0.9.1, ``workers/engine/base.py`` and ``workers/engine/megatron/transformer_impl.py``):
+the model in eval mode (``eval_mode``: ``module.eval()``, so no recomputation and no dropout),
+``torch.no_grad()``, and Megatron's own schedule with ``forward_only=True``
+(``forward_backward_batch(..., forward_only=True)`` through ``get_forward_backward_func()``);
+the last stage's ``GPTModel`` runs without labels and returns its ``[b, s, V/t]`` logits
+(``logits.transpose(0, 1).contiguous()``, a copy of the ``[s, b, V/t]`` output), and
+``_lm_head_logits_processor`` takes ``vocab_parallel_log_probs_from_logits(logits, label)``,
+which is ``-tensor_parallel.vocab_parallel_cross_entropy(logits, label)``
+(``verl/utils/megatron/tensor_parallel.py``): fp32 ``[b, s]`` log-probs, whose temporaries are
+the cross-entropy's fp32 copy of the logits and its softmax. Each micro-batch's log-probs are
+detached and kept until the schedule ends (verl's ``postprocess_micro_batch_func`` returns them
+as ``model_output``, which the schedule appends to its ``forward_data_store``):
+:func:`megatron_forward_step` keeps them too and returns them. Without a backward, nothing
+else outlives a micro-batch: 1F1B's forward-only path releases each one's activations after
+its forward, so every stage holds one micro-batch's at a time. The temperature (verl divides
+the logits in place) and the entropy (``calculate_entropy``: a clone of the logits) are left
+out. What stays resident is the caller's: the policy's forward (``policy_forward``) keeps its
+DDP buffers and Megatron's optimizer state (:func:`megatron_optimizer`, registered as
+:meth:`MegatronTraining.registered`; only the buffers with ``optimizer_state=False``, verl's
+``optimizer_offload``), a reference only its parameters (verl builds a forward-only engine with
+``wrap_with_ddp=False`` and no optimizer).
 """
 
 from __future__ import annotations
@@ -174,7 +200,7 @@ class MegatronTraining:
         """The tensors the inner Adam updates: fp32 main parameters (or their shards), or the parameters themselves."""
         return [p for group in self.optimizer.optimizer.param_groups for p in group["params"]]
 
-    def registered(self) -> tuple[list[Any], list[str | None]]:
+    def registered(self, *, optimizer_state: bool = True) -> tuple[list[Any], list[str | None]]:
         """What a measurement registers beside the ``GPTModel`` (register the model first), with their categories.
 
         Use as ``objects, categories = training.registered()`` then ``backend.measure(fn,
@@ -182,7 +208,12 @@ class MegatronTraining:
         gradient buffers are ``gradients``, the main parameters and Adam's moments
         ``optimizer_state``, the distributed optimizer's parameter buffer ``parameters`` (it
         holds the model's parameters and their padding; a storage counts once).
+        ``optimizer_state=False`` leaves the main parameters and moments out: DDP's buffers
+        alone, what a forward pass keeps when the optimizer state is offloaded between updates
+        (verl's ``optimizer_offload``: NOTE [ The Megatron forward-only pass ]).
         """
+        if not optimizer_state:
+            return [self.parameter_buffers(), self.gradient_buffers()], [PARAMETERS, GRADIENTS]
         return (
             [self.parameter_buffers(), self.gradient_buffers(), self.main_parameters(), self.optimizer.optimizer],
             [PARAMETERS, GRADIENTS, OPTIMIZER_STATE, OPTIMIZER_STATE],
@@ -427,14 +458,7 @@ def megatron_pipeline_step(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     training = _training(optimizer)
-    if not micro_batches:
-        raise InvalidArgument("micro_batches must hold at least one MegatronBatch, but got none")
-    shapes = {tuple(b.input_ids.shape) for b in micro_batches}
-    if len(shapes) != 1:
-        raise InvalidArgument(
-            f"micro_batches must share one [batch, seq] shape (Megatron's schedule sends one tensor shape), but got {sorted(shapes)}"
-        )
-    ((micro_batch_size, seq_length),) = shapes
+    ((micro_batch_size, seq_length),) = _one_shape(micro_batches)
     losses: list[torch.Tensor] = []
 
     def forward_step(data_iterator: Any, stage: torch.nn.Module) -> tuple[torch.Tensor, Any]:
@@ -471,6 +495,109 @@ def megatron_pipeline_step(
     return _value(torch.stack(losses).mean())
 
 
+def _log_probs_head(inner: torch.nn.Module) -> Any:
+    """A forward pre-hook labelling ``inner``'s output layer as the head (NOTE [ Phases and regions ]), or ``None`` off the last stage."""
+    head = getattr(inner, "output_layer", None) if getattr(inner, "post_process", True) else None
+    if head is None:
+        return None
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        labels.set_region(LOGPROB_HEAD)
+        labels.set_position(labels.HEAD)
+
+    return head.register_forward_pre_hook(enter)
+
+
+def megatron_log_probs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-token log-probs of ``target`` from vocab-parallel ``[b, s, V/t]`` logits: verl's ``vocab_parallel_log_probs_from_logits``.
+
+    ``-megatron.core.tensor_parallel.vocab_parallel_cross_entropy(logits, target)``: fp32 ``[b, s]``
+    (NOTE [ The Megatron forward-only pass ]).
+    """
+    from megatron.core import tensor_parallel
+
+    return -tensor_parallel.vocab_parallel_cross_entropy(vocab_parallel_logits=logits, target=target)
+
+
+def megatron_forward_step(model: torch.nn.Module, micro_batches: Sequence[MegatronBatch]) -> list[torch.Tensor] | None:
+    """The forward-only pass of old or reference log-probs on this stage, through Megatron's schedule (NOTE [ The Megatron forward-only pass ]).
+
+    Under ``torch.no_grad()`` with the model in eval mode (restored after), Megatron's
+    ``get_forward_backward_func()`` runs ``forward_only=True`` over ``micro_batches`` (1F1B's
+    forward-only path under pipeline parallelism, one forward per micro-batch without); the last
+    stage's ``GPTModel`` gives its ``[b, s, V/t]`` logits and :func:`megatron_log_probs` their
+    per-token log-probs, kept until the schedule ends, as verl keeps them. Run it inside
+    :func:`batchfit.models.megatron.megatron_cpu_patches` on every rank of the layout at once.
+
+    Args:
+        model: this stage's ``GPTModel`` or its DDP wrapper (a trained model's forward pass:
+            :func:`megatron_optimizer`'s ``model``).
+        micro_batches: the pass's micro-batches, all of one shape.
+
+    Returns:
+        Each micro-batch's fp32 ``[b, s]`` log-probs on the last stage, ``None`` on the others.
+
+    Raises:
+        InvalidArgument: no micro-batch, or micro-batches of different shapes.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ((micro_batch_size, seq_length),) = _one_shape(micro_batches)
+    kept: list[torch.Tensor] = []
+
+    def forward_step(data_iterator: Any, stage: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+        batch = next(data_iterator)
+        hook = _log_probs_head(_unwrapped(stage))
+        try:
+            output = stage(batch.input_ids, batch.position_ids, batch.attention_mask)  # no labels: the logits
+        finally:
+            if hook is None:
+                labels.set_region(None)
+            else:
+                hook.remove()
+
+        def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            try:
+                with labels.region(LOGPROB_HEAD):
+                    log_probs = megatron_log_probs(logits, batch.labels)
+            finally:
+                labels.set_region(None)
+            kept.append(log_probs.detach())
+            return torch.ones(()), {"log_probs": kept[-1]}  # verl's loss placeholder without a loss function
+
+        return output, loss_func
+
+    was_training = model.training
+    model.eval()
+    forward_backward = get_forward_backward_func()
+    try:
+        with torch.no_grad(), labels.phase(labels.FORWARD), listening(None):  # type: ignore[arg-type]
+            labels.set_position(labels.EMBED)
+            forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=[model],
+                num_microbatches=len(micro_batches),
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                forward_only=True,
+            )
+    finally:
+        model.train(was_training)
+    return kept or None
+
+
+def _one_shape(micro_batches: Sequence[MegatronBatch]) -> set[tuple[int, ...]]:
+    if not micro_batches:
+        raise InvalidArgument("micro_batches must hold at least one MegatronBatch, but got none")
+    shapes = {tuple(b.input_ids.shape) for b in micro_batches}
+    if len(shapes) != 1:
+        raise InvalidArgument(
+            f"micro_batches must share one [batch, seq] shape (Megatron's schedule sends one tensor shape), but got {sorted(shapes)}"
+        )
+    return shapes
+
+
 def _value(loss: torch.Tensor) -> float:
     from torch._subclasses.fake_tensor import is_fake
 
@@ -481,6 +608,8 @@ __all__ = [
     "MegatronBatch",
     "MegatronTraining",
     "finalize_sequence_parallel_grads",
+    "megatron_forward_step",
+    "megatron_log_probs",
     "megatron_loss",
     "megatron_optimizer",
     "megatron_pipeline_step",
