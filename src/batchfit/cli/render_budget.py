@@ -81,6 +81,16 @@ _CATEGORY_LABELS = {
 }
 
 
+# What the tracker's categories hold under Megatron (NOTE [ The Megatron step's optimizer ] in
+# batchfit.train.megatron_step; its SP collectives are filed under FSDP's names, docs/megatron.md "Limits").
+_MEGATRON_LABELS = {
+    "gathered_parameters": "activations all-gathered by sequence parallelism",
+    "communication": "sequence-parallel reduce-scatter buffers",
+    "gradients": "gradients (fp32 main_grad buffer)",
+    "optimizer_state": "optimizer state (fp32 main parameters, Adam moments)",
+}
+
+
 def breakdown_rows(profile: ModelProfile) -> list[tuple[str, list[int | None]]]:
     """``(label, bytes per role)`` rows of one rank's memory at each role's budget peak.
 
@@ -94,10 +104,13 @@ def breakdown_rows(profile: ModelProfile) -> list[tuple[str, list[int | None]]]:
     cats = [c for c in _CATEGORY_LABELS if any(p is not None and p.breakdown.get(c) for p in points)]
     cats += sorted({c for p in points if p is not None for c in p.breakdown} - set(cats))
     rows: list[tuple[str, list[int | None]]] = []
+    labels = {**_CATEGORY_LABELS, **(_MEGATRON_LABELS if profile.megatron is not None else {})}
     for cat in cats:
-        label = _CATEGORY_LABELS.get(cat, cat.replace("_", " "))
+        label = labels.get(cat, cat.replace("_", " "))
         if cat in partitioned:
             label += f" (1/{profile.sharding.world_size} shard)"
+        elif cat == "optimizer_state" and profile.sharding.distributed_optimizer and profile.sharding.data_parallel_size > 1:
+            label += f" (1/{profile.sharding.data_parallel_size} shard)"
         rows.append((label, [None if p is None else p.breakdown.get(cat, 0) for p in points]))
     rows.append(("peak at C", [None if p is None else p.peak_bytes for p in points]))
     rows.append(("reserve (CUDA context, NCCL, workspaces)", [profile.reserve_bytes] * len(points)))

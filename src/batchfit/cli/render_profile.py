@@ -29,7 +29,7 @@ def render_profile(console: Any, profile: Any, request: ProfileRequest) -> None:
     console.print(
         f"batchfit profile: model {profile.model} ({depth}; {precision}"
         f"{', gradient checkpointing' if profile.gradient_checkpointing else ''}"
-        f"{', activation offload' if profile.activation_offload else ''}, AdamW, "
+        f"{', activation offload' if profile.activation_offload else ''}, {_optimizer_words(profile)}, "
         f"{profile.logprobs} log-probs), max_seq_len {request.options.max_seq_len:,}, cost {request.options.cost}",
         highlight=False,
     )
@@ -129,3 +129,10 @@ def worst_case_line(profile: Any) -> str | None:
         f"would allow {moe.balanced_tokens:,} ({moe.balanced_tokens / worst:.2g}×), but the {moe.implementation} experts' memory "
         "follows the routing and the router can produce the worst case: use --experts-implementation grouped_mm for a budget that does not depend on it"
     )
+
+
+def _optimizer_words(profile: Any) -> str:
+    """``AdamW``, or under Megatron its own optimizer (``Megatron's distributed optimizer (Adam)``)."""
+    if profile.megatron is None:
+        return "AdamW"
+    return "Megatron's distributed optimizer (Adam)" if profile.sharding.distributed_optimizer else "Megatron's optimizer (Adam)"
