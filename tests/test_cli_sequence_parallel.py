@@ -142,24 +142,23 @@ SLIME = (
 )
 
 
-def test_a_config_s_ring_attention_is_refused_in_one_line_naming_its_key(tmp_path, capsys):
+def test_a_megatron_configs_context_parallelism_is_refused_in_one_line_naming_its_key(tmp_path, capsys):
     config = tmp_path / "slime.sh"
     config.write_text(SLIME, encoding="utf-8")
-    assert main(["profile", "--config", str(config), "--memory", "1GiB", "--no-progress", "--sharding", "fsdp2"]) == 2
+    assert main(["profile", "--config", str(config), "--memory", "1GiB", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "the config's --context-parallel-size=2 splits each sequence with ring attention" in err
-    assert "pass --sequence-parallel 2 to profile it as Ulysses" in err
+    assert err.count("\n") == 1
+    assert "the config's --context-parallel-size=2 splits each sequence over a context-parallel group" in err
+    assert "set --context-parallel-size=1 and raise the tensor parallelism instead" in err
 
 
-@pytest.mark.slow
-def test_slime_s_max_tokens_per_gpu_is_the_group_s_budget_over_its_context_parallel_size(tmp_path, capsys):
+def test_slime_emitted_as_fsdp2_is_refused_slime_trains_with_megatron_only(tmp_path, capsys):
     config = tmp_path / "slime.sh"
     config.write_text(SLIME, encoding="utf-8")
     argv = ["profile", "--config", str(config), "--memory", "1GiB", "--engine-reserve", "0", "--no-progress", "--sharding", "fsdp2"]
-    assert main([*argv, "--sequence-parallel", "2", "--emit", "slime"]) == 0
-    out = capsys.readouterr().out
-    group = int(re.search(r"budget ([\d,]+) tokens per micro-batch split over 2 GPUs", out)[1].replace(",", ""))
-    assert f"--max-tokens-per-gpu {group // 2} " in out and "--context-parallel-size 2" in out
+    assert main([*argv, "--sequence-parallel", "2", "--emit", "slime"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--emit slime cannot carry --sharding fsdp2" in err
 
 
 VERL_128K = (
