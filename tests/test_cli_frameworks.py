@@ -303,7 +303,7 @@ def test_profile_emits_openrlhf_flags_that_its_parser_takes_and_the_command_plan
 
 
 @pytest.mark.slow  # the first tier's time (issue 29); the capability keeps fast tests
-def test_profile_emits_slime_flags_with_sharding_given(tmp_path, model_dir, capsys):
+def test_profile_emits_slime_flags_for_its_megatron_layout(tmp_path, model_dir, capsys):
     path = tmp_path / "run.sh"
     path.write_text(
         "ARGS=(\n"
@@ -313,26 +313,11 @@ def test_profile_emits_slime_flags_with_sharding_given(tmp_path, model_dir, caps
         ")\n"
         "python3 train.py --actor-num-nodes 1 --actor-num-gpus-per-node 2 ${ARGS[@]} --recompute-granularity full\n"
     )
-    assert main(["profile", "--config", str(path), *FAST, "--emit", "slime"]) == 2
-    assert "slime trains with Megatron-LM" in capsys.readouterr().err
-    argv = [
-        "profile",
-        "--config",
-        str(path),
-        *FAST,
-        "--max-seq-len",
-        "128",
-        "--sharding",
-        "fsdp2",
-        "--emit",
-        "slime",
-    ]
-    assert main(argv) == 0
+    assert main(["profile", "--config", str(path), *FAST, "--max-seq-len", "128", "--emit", "slime", "--sharding", "fsdp2"]) == 2
+    assert "--emit slime cannot carry --sharding fsdp2" in capsys.readouterr().err
+    assert main(["profile", "--config", str(path), *FAST, "--max-seq-len", "128", "--emit", "slime"]) == 0
     out = capsys.readouterr().out
-    assert (
-        "fsdp2 over 2 ranks" in out
-        and "note: slime trains with Megatron-LM, which batchfit does not profile" in out
-    )
+    assert "megatron over 2 ranks (tensor 1 × pipeline 1 × data 2, distributed optimizer)" in out
     words = flag_words(out)
     assert words[:2] == ["--use-dynamic-batch-size", "--max-tokens-per-gpu"] and int(words[2]) > 0
     assert (
