@@ -96,3 +96,21 @@ def test_one_world_is_left_when_its_block_ends():
     assert p.budgets["policy"].tokens == profile_model(
         "tiny", OPTIONS.replace(seq_lens=[64], max_seq_len=64, memory_limit="1GiB"), roles=("policy",)
     ).budgets["policy"].tokens
+
+
+@pytest.mark.slow
+def test_a_run_whose_sequence_does_not_fit_names_the_world_size_that_fits_as_apart(tmp_path):
+    from batchfit.errors import DoesNotFitError
+    from batchfit.frameworks import read_run_config
+    from batchfit.frameworks.run_profile import PASSES, profile_run, role_options
+
+    run = read_run_config(_verl_config(tmp_path))
+    tight = OPTIONS.replace(memory_limit="5MiB", suggest_world_size=True)  # one sequence: 5.18 MB
+    with pytest.raises(DoesNotFitError) as together:
+        profile_run(run, tight)  # the hint measures other world sizes, outside the run's world
+    by_role = role_options(run, tight)
+    reference = resident_state_bytes(run.models["reference"], "reference", by_role["reference"], kinds=run.resident["reference"])
+    with pytest.raises(DoesNotFitError) as apart:
+        profile_model(run.models["policy"], by_role["policy"], roles=PASSES["policy"], resident_bytes=reference)
+    assert together.value.world_size_hint is not None
+    assert str(together.value) == str(apart.value) and together.value.world_size_hint == apart.value.world_size_hint
