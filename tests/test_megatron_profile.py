@@ -179,3 +179,40 @@ def test_old_log_probs_under_optimizer_offload_keep_ddps_buffers_without_the_opt
         ).budgets["policy_forward"].tokens
 
     assert forward(True) > forward(False)
+
+
+def test_virtual_pipeline_stages_reach_the_sharding_and_need_a_pipeline():
+    options = Choices(strategy="megatron", world_size=4, pipeline_parallel=2, virtual_pipeline_parallel=2, max_seq_len=64).options()
+    assert options.sharding.virtual_pipeline_parallel == 2
+    assert options.sharding.to_dict()["virtual_pipeline_parallel"] == 2
+    assert "2 virtual stages per pipeline stage" in options.sharding.describe()
+    assert Sharding("megatron", pipeline_parallel=1, virtual_pipeline_parallel=1).virtual_pipeline_parallel is None
+    assert "virtual_pipeline_parallel" not in Sharding("megatron").to_dict()
+    with pytest.raises(InvalidArgument, match="virtual_pipeline_parallel=2 needs pipeline_parallel > 1"):
+        Sharding("megatron", virtual_pipeline_parallel=2)
+    with pytest.raises(InvalidArgument, match="virtual_pipeline_parallel=2 is Megatron's and needs strategy='megatron'"):
+        Sharding("fsdp2", virtual_pipeline_parallel=2)
+    with pytest.raises(InvalidArgument, match="virtual_pipeline_parallel must be"):
+        Sharding("megatron", pipeline_parallel=2, virtual_pipeline_parallel=0)
+
+
+@pytest.mark.slow
+def test_virtual_stages_extrapolated_per_model_chunk_give_the_full_depths_budget():
+    from batchfit.budget.model_profile import profile_model
+    from batchfit.models import load_config
+
+    config = load_config("tiny")
+    config.num_hidden_layers = 16  # PP 2 × VPP 2: 4 layers per model chunk, deeper than the copies' 2 and 3
+
+    def profile(extrapolate: bool):
+        return profile_model(
+            config, max_seq_len=256, backend="estimate", memory_limit="1GiB", reserve_bytes=0, depth_extrapolation=extrapolate,
+            sharding=Sharding("megatron", world_size=2, pipeline_parallel=2, virtual_pipeline_parallel=2),
+        )
+
+    shallow, full = profile(True), profile(False)
+    # NOTE [ Megatron stages are affine in their depth ]: copies of 2 and 3 layers per chunk (8 and 12 layers);
+    # tiny at 16 layers: 14,848 tokens, each stage's peak equal to the byte (07:55 UTC)
+    assert shallow.measured_depths == (8, 12) and full.measured_depths is None
+    assert shallow.combined.tokens == full.combined.tokens
+    assert shallow.megatron.stage_peaks == full.megatron.stage_peaks

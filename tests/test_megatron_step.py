@@ -335,3 +335,76 @@ def test_forward_only_estimate_equals_every_real_rank_to_the_byte(megatron, real
     assert "logprob_head" in breakdown  # the last stage's logits and cross-entropy
     # NOTE [ Forward-only Megatron probes ]: a reference keeps its parameters alone
     assert ("gradients" in breakdown, "optimizer_state" in breakdown) == ((True, True) if optimizer == "resident" else (False, False))
+
+
+#: MegatronStep arguments of each interleaved run on 2 ranks: PP 2 × VPP 2, tiny at 4 layers (1 per model chunk)
+INTERLEAVED = (
+    {"pipeline_parallel": 2, "virtual_pipeline": 2, "micro_batches": 4},
+    {"pipeline_parallel": 2, "virtual_pipeline": 2, "micro_batches": 4, "forward_only": True},
+    {"pipeline_parallel": 2, "micro_batches": 4},  # the same model without virtual stages
+)
+INTERLEAVED_IDS = ["pp2-vpp2-training", "pp2-vpp2-forward", "pp2"]
+
+
+def _step_measurements(backend_name: str, runs) -> list[dict[int, tuple[int, dict[str, int]]]]:
+    """Each run's MegatronStep of 2 × 64 tokens on tiny at 4 layers, fp32, stage by stage (this rank's on real ranks)."""
+    import warnings
+
+    from batchfit.budget.megatron_probe import MegatronStep, stage_measurements
+    from batchfit.memory import get_backend
+
+    warnings.filterwarnings("ignore")
+    out = []
+    for kwargs in runs:
+        backend = get_backend(backend_name, round_to=1)
+        step = MegatronStep("tiny", backend=backend, num_layers=4, **kwargs)
+        if backend.simulated:
+            measured = stage_measurements(step, [SEQ] * BATCH)
+        else:
+            got = step.measure([SEQ] * BATCH)
+            measured = {step.binding_stage: got}
+        out.append({stage: (m.peak_bytes, dict(m.breakdown)) for stage, m in measured.items()})
+    return out
+
+
+def _real_interleaved(rank: int, runs) -> list[dict[int, tuple[int, dict[str, int]]]]:
+    return _step_measurements("cpu", runs)
+
+
+@pytest.fixture(scope="module")
+def real_interleaved_runs():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
+    return run_ranks(_real_interleaved, INTERLEAVED, world=2, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", INTERLEAVED, ids=INTERLEAVED_IDS)
+def test_interleaved_estimate_equals_every_real_rank_to_the_byte(megatron, real_interleaved_runs, run):
+    index = INTERLEAVED.index(run)
+    (estimate,) = _step_measurements("estimate", (run,))
+    for rank in (0, 1):
+        (stage, real), = real_interleaved_runs[rank][index].items()
+        assert stage == rank and real == estimate[stage], rank
+
+
+@pytest.mark.slow
+def test_virtual_stages_hold_more_micro_batches_in_flight_on_the_first_stage(megatron):
+    (interleaved, _, plain) = _step_measurements("estimate", INTERLEAVED)
+    # NOTE [ Virtual pipeline stages ]: stage 0 of 2 with 2 chunks warms up (2 - 0 - 1) × 2 + (2 - 1) × 2 = 4
+    # chunk forwards, the plain 1F1B 1: more activations at the same parameters
+    assert interleaved[0][1]["activations"] > plain[0][1]["activations"]
+    assert interleaved[0][1]["parameters"] == plain[0][1]["parameters"]
+
+
+def test_virtual_stages_are_refused_without_a_pipeline_or_a_multiple_of_its_stages(megatron):
+    from batchfit.budget.megatron_probe import MegatronStep
+    from batchfit.memory import get_backend
+
+    backend = get_backend("estimate", reserve_bytes=0)
+    with pytest.raises(InvalidArgument, match="virtual_pipeline=2 needs pipeline_parallel > 1"):
+        MegatronStep("tiny", virtual_pipeline=2, backend=backend)
+    with pytest.raises(InvalidArgument, match="micro_batches=3 with virtual_pipeline=2"):
+        MegatronStep("tiny", pipeline_parallel=2, virtual_pipeline=2, micro_batches=3, backend=backend)
+    with pytest.raises(InvalidArgument, match="num_layers=2 must be divisible by pipeline_parallel × virtual_pipeline"):
+        MegatronStep("tiny", pipeline_parallel=2, virtual_pipeline=2, backend=backend, num_layers=2).measure([8])

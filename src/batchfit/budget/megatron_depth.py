@@ -15,6 +15,12 @@ measurements at ``k1`` and ``k2`` layers per stage (:func:`batchfit.budget.depth
 phase by phase), and the largest extrapolated peak binds. Two builds of ``2·pp`` and ``3·pp``
 layers replace one of ``L``: the difference between minutes and seconds for a 64-layer model under
 fake tensors.
+
+With virtual pipeline stages (``v`` model chunks per stage, NOTE [ Virtual pipeline stages ] in
+:mod:`batchfit.budget.megatron_probe`) every chunk holds ``L / (pp·v)`` layers and a stage's peak
+is affine in the layers per chunk: the copies hold ``k1·pp·v`` and ``k2·pp·v`` layers (``k`` per
+chunk) and each stage is extrapolated to ``L / (pp·v)`` per chunk. The interleaved schedule's
+micro-batches in flight do not depend on the depth, so the law is the same.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 from batchfit.budget.depth import extrapolate
 from batchfit.memory import MemoryMeasurement
 
-#: The layers per pipeline stage the two shallow copies hold.
+#: The layers per pipeline stage (per model chunk, with virtual stages) the two shallow copies hold.
 STAGE_DEPTHS = (2, 3)
 
 
@@ -33,16 +39,18 @@ class DepthExtrapolatedMegatronStep:
     """Two :class:`~batchfit.budget.megatron_probe.MegatronStep` copies of ``k1`` and ``k2`` layers per stage, read as ``depth``.
 
     NOTE [ Megatron stages are affine in their depth ]. Estimate backend only (every stage is
-    simulated in this process).
+    simulated in this process). ``make(n)`` builds the step of ``n`` layers; ``chunks`` is the
+    model chunks along the pipeline (``pipeline_parallel``, times the virtual stages), so the
+    copies hold ``k · chunks`` layers and are read at ``layers_per_stage`` per chunk.
 
     Attributes:
         stage_peaks: each stage's extrapolated peak at the last measurement.
         binding_stage: the stage whose extrapolated peak is the largest.
     """
 
-    def __init__(self, make: Any, pipeline_parallel: int, layers_per_stage: int, backend: Any):
+    def __init__(self, make: Any, chunks: int, layers_per_stage: int, backend: Any):
         k1, k2 = STAGE_DEPTHS
-        self.steps = {k: make(k * pipeline_parallel) for k in (k1, k2)}
+        self.steps = {k: make(k * chunks) for k in (k1, k2)}
         self.layers_per_stage = layers_per_stage
         self.backend = backend
         self.stage_peaks: dict[int, int] = {}
@@ -79,12 +87,13 @@ class DepthExtrapolatedMegatronStep:
         return at_depth[self.binding_stage]
 
 
-def extrapolates(backend: Any, num_layers: int, pipeline_parallel: int, wanted: bool | None) -> bool:
+def extrapolates(backend: Any, num_layers: int, chunks: int, wanted: bool | None) -> bool:
     """Whether a Megatron profile measures two shallow copies: on the estimate backend (unless ``wanted`` is
-    ``False``), with the layers splitting evenly over the stages and deeper than the copies."""
-    if wanted is False or not backend.simulated or num_layers % pipeline_parallel:
+    ``False``), with the layers splitting evenly over the ``chunks`` model chunks (the stages, times the
+    virtual stages) and deeper than the copies."""
+    if wanted is False or not backend.simulated or num_layers % chunks:
         return False
-    return num_layers // pipeline_parallel > STAGE_DEPTHS[1]
+    return num_layers // chunks > STAGE_DEPTHS[1]
 
 
 __all__ = ["STAGE_DEPTHS", "DepthExtrapolatedMegatronStep", "extrapolates"]

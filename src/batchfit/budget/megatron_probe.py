@@ -79,6 +79,22 @@ stage ]); without a backward 1F1B keeps no activations between micro-batches, so
 the resident state plus one micro-batch's forward (the last stage's logits and the
 cross-entropy's fp32 temporaries, or one layer's transients). ``micro_batches`` keeps its
 default (``pipeline_parallel``); more only add their kept log-probs (4 B a token on the last stage).
+
+NOTE [ Virtual pipeline stages ]
+``MegatronStep(..., virtual_pipeline=v)`` builds each stage's ``v`` model chunks
+(:func:`~batchfit.models.megatron.build_gpt_chunks`: Megatron's ``vp_stage``, chunk ``i`` of
+stage ``r`` holding virtual stage ``i·p + r``'s ``L / (p·v)`` layers, the first chunk of the
+first stage embedding and the last chunk of the last stage holding the head), one DDP wrapper
+each and one optimizer over them, under ``parallel_state``'s virtual pipeline size, and runs
+Megatron's interleaved 1F1B schedule (``get_forward_backward_func()`` with the list of chunks,
+each reading its own iterator of the same micro-batches). Stage ``r`` warms up
+``(p - r - 1)·2 + (v - 1)·g`` chunk forwards (``g = microbatch_group_size_per_vp_stage``,
+Megatron's default ``p``), so the first stage holds more activations than without virtual stages
+at the same parameters (tiny, PP 2 × VPP 2, 4 micro-batches: ``tests/test_megatron_step.py``).
+The interleaved schedule runs micro-batches in groups of ``p``: ``micro_batches`` must be a
+multiple of ``p`` (its default ``p`` is). Each stage's first rank is measured, as without virtual
+stages; the pipeline's exchanges are not overlapped (``overlap_p2p_comm=False``, which mbridge
+turns on with virtual stages: each receive is waited on before the next forward).
 """
 
 from __future__ import annotations
@@ -108,6 +124,11 @@ class MegatronStep:
     Args:
         spec: a preset name, directory, hub id or ``PretrainedConfig`` (:func:`batchfit.models.megatron.transformer_config`).
         tensor_parallel, pipeline_parallel, sequence_parallel: Megatron's model-parallel layout.
+        virtual_pipeline: model chunks per pipeline stage (Megatron's
+            ``virtual_pipeline_model_parallel_size``: the interleaved 1F1B schedule, NOTE [ Virtual
+            pipeline stages ]); ``None`` or 1: none. Needs ``pipeline_parallel > 1``, the layers
+            divisible by ``pipeline_parallel × virtual_pipeline`` and ``micro_batches`` a multiple
+            of ``pipeline_parallel``.
         data_parallel: data-parallel ranks; the world is ``tensor_parallel × pipeline_parallel ×
             data_parallel`` ranks (Megatron's order: tp fastest, then dp, then pp).
         distributed_optimizer: Megatron's distributed optimizer (main parameters and Adam's
@@ -156,6 +177,7 @@ class MegatronStep:
         pipeline_parallel: int = 1,
         sequence_parallel: bool = False,
         micro_batches: int | None = None,
+        virtual_pipeline: int | None = None,
         data_parallel: int = 1,
         distributed_optimizer: bool = False,
         main_params_fp32: bool | None = None,
@@ -187,6 +209,7 @@ class MegatronStep:
         if micro_batches is None:
             micro_batches = self.pipeline_parallel
         self.micro_batches = check_positive_int("micro_batches", micro_batches)
+        self.virtual_pipeline = _virtual_pipeline(virtual_pipeline, self.pipeline_parallel, self.micro_batches)
         if self.pipeline_parallel == 1 and self.micro_batches != 1:
             raise InvalidArgument(
                 f"micro_batches={micro_batches} needs pipeline_parallel > 1 (one micro-batch is what a budget measures "
@@ -266,7 +289,7 @@ class MegatronStep:
 
     def _measure_here(self, rows: int, seq: int) -> MemoryMeasurement:
         """Build this rank's stage fresh and measure its first step (NOTE [ A fresh Megatron model per measurement ])."""
-        from batchfit.models.megatron import build_gpt_model, megatron_cpu_patches, model_parallel
+        from batchfit.models.megatron import build_gpt_chunks, megatron_cpu_patches, model_parallel
         from batchfit.train.megatron_step import (
             megatron_forward_step,
             megatron_optimizer,
@@ -276,12 +299,14 @@ class MegatronStep:
         )
 
         backend, real = self.backend, not self.backend.simulated
-        with model_parallel(self.tensor_parallel, self.pipeline_parallel), megatron_cpu_patches(), _rope_cache_cleared():
+        parallel = model_parallel(self.tensor_parallel, self.pipeline_parallel, self.virtual_pipeline)
+        with parallel, megatron_cpu_patches(), _rope_cache_cleared():
             if real:
                 torch.manual_seed(self.seed)
             with backend.context():
-                model = build_gpt_model(
+                chunks = build_gpt_chunks(
                     self.spec,
+                    virtual_pipeline=self.virtual_pipeline,
                     tensor_parallel=self.tensor_parallel,
                     pipeline_parallel=self.pipeline_parallel,
                     sequence_parallel=self.sequence_parallel,
@@ -290,26 +315,27 @@ class MegatronStep:
                     gpt_args=self.gpt_args,
                     **self.overrides,
                 )
+                model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # what is registered
                 optimizer = None
                 if self.optimizer != "none":  # NOTE [ Forward-only Megatron probes ]
                     optimizer = megatron_optimizer(
-                        model, mixed_precision=self.main_params_fp32, distributed=self.distributed_optimizer
+                        chunks, mixed_precision=self.main_params_fp32, distributed=self.distributed_optimizer
                     )
-                vocab = model.vocab_size
+                vocab = chunks[0].vocab_size
                 mask = self.attention == "local"  # fused attention takes the causal mask as a flag
                 batches = [
                     synthetic_batch(vocab, rows, seq, seed=i, attention_mask=mask) for i in range(self.micro_batches)
                 ]
             if self.forward_only:
-                forward_model = model if optimizer is None else optimizer.model
+                forward_chunks = chunks if optimizer is None else optimizer.chunks
 
                 def run() -> None:
-                    megatron_forward_step(forward_model, batches)
+                    megatron_forward_step(forward_chunks, batches)
             elif self.pipeline_parallel == 1:
                 (batch,) = batches
 
                 def run() -> None:
-                    megatron_train_step(model, optimizer, batch)
+                    megatron_train_step(chunks[0], optimizer, batch)
             else:
 
                 def run() -> None:
@@ -346,6 +372,7 @@ class MegatronStep:
         return {
             "tensor_parallel": self.tensor_parallel,
             "pipeline_parallel": self.pipeline_parallel,
+            "virtual_pipeline": self.virtual_pipeline,
             "sequence_parallel": self.sequence_parallel,
             "micro_batches": self.micro_batches,
             "data_parallel": self.data_parallel,
@@ -359,6 +386,26 @@ class MegatronStep:
             "stage_peaks": dict(self.stage_peaks),
             "binding_stage": self.binding_stage,
         }
+
+
+def _virtual_pipeline(virtual_pipeline: int | None, pipeline_parallel: int, micro_batches: int) -> int | None:
+    """``None`` for no virtual stages; else the chunks per stage, checked against the pipeline (NOTE [ Virtual pipeline stages ])."""
+    if virtual_pipeline is None:
+        return None
+    vp = check_positive_int("virtual_pipeline", virtual_pipeline)
+    if vp == 1:
+        return None
+    if pipeline_parallel == 1:
+        raise InvalidArgument(
+            f"virtual_pipeline={vp} needs pipeline_parallel > 1 (virtual stages interleave a pipeline's stages), but got "
+            "pipeline_parallel=1; raise pipeline_parallel or leave virtual_pipeline unset"
+        )
+    if micro_batches % pipeline_parallel:
+        raise InvalidArgument(
+            f"micro_batches={micro_batches} with virtual_pipeline={vp}: the interleaved schedule needs a multiple of "
+            f"pipeline_parallel={pipeline_parallel}; pass micro_batches={pipeline_parallel * max(1, micro_batches // pipeline_parallel)} or leave it unset"
+        )
+    return vp
 
 
 def _rows_and_length(lengths: Sequence[int]) -> tuple[int, int]:

@@ -199,14 +199,21 @@ def budget_step(
 
     layers = int(config.num_hidden_layers)
     probe = role_pass(role, options)
-    if not extrapolates(backend, layers, plan.pipeline_parallel, options.depth_extrapolation):
+    chunks = model_chunks(plan)
+    if not extrapolates(backend, layers, chunks, options.depth_extrapolation):
         return megatron_step(config, plan, backend, dtype, options, **probe)
     return DepthExtrapolatedMegatronStep(
         lambda n: megatron_step(config, plan, backend, dtype, options, num_layers=n, **probe),
-        plan.pipeline_parallel,
-        layers // plan.pipeline_parallel,
+        chunks,
+        layers // chunks,
         backend,
     )
+
+
+def model_chunks(plan: Sharding) -> int:
+    """The model chunks along the pipeline: ``pipeline_parallel × virtual_pipeline_parallel`` (NOTE [ Megatron stages are
+    affine in their depth ]: every chunk holds the same layers)."""
+    return plan.pipeline_parallel * (plan.virtual_pipeline_parallel or 1)
 
 
 def megatron_step(
@@ -226,6 +233,7 @@ def megatron_step(
         config,
         tensor_parallel=plan.tensor_parallel,
         pipeline_parallel=plan.pipeline_parallel,
+        virtual_pipeline=plan.virtual_pipeline_parallel,
         sequence_parallel=plan.megatron_sequence_parallel,
         backend=backend,
         dtype=dtype,
@@ -241,7 +249,7 @@ def _measured_depths(step: Any, plan: Sharding) -> tuple[int, int] | None:
     if not isinstance(step, DepthExtrapolatedMegatronStep):
         return None
     k1, k2 = STAGE_DEPTHS
-    return (k1 * plan.pipeline_parallel, k2 * plan.pipeline_parallel)
+    return (k1 * model_chunks(plan), k2 * model_chunks(plan))
 
 
 def resident_state_bytes(model: Any, role: str, options: ProfileOptions, *, kinds: Sequence[str]) -> int:
@@ -259,9 +267,16 @@ def resident_state_bytes(model: Any, role: str, options: ProfileOptions, *, kind
 
 
 def _state_bytes(model: Any, role: str, options: ProfileOptions, kinds: Sequence[str]) -> int:
+    import torch
+
     from batchfit.memory import get_backend
     from batchfit.models import load_config, parse_dtype
-    from batchfit.models.megatron import build_gpt_model, megatron_cpu_patches, model_parallel, simulated_rank
+    from batchfit.models.megatron import (
+        build_gpt_chunks,
+        megatron_cpu_patches,
+        model_parallel,
+        simulated_rank,
+    )
     from batchfit.train.megatron_step import megatron_optimizer
 
     plan = options.sharding
@@ -277,21 +292,22 @@ def _state_bytes(model: Any, role: str, options: ProfileOptions, kinds: Sequence
     most = 0
     for stage in range(plan.pipeline_parallel):  # the stage that keeps the most binds
         with simulated_rank(step.world_size, step.stage_first_rank(stage)), contextlib.ExitStack() as inside:
-            inside.enter_context(model_parallel(plan.tensor_parallel, plan.pipeline_parallel))
+            inside.enter_context(model_parallel(plan.tensor_parallel, plan.pipeline_parallel, plan.virtual_pipeline_parallel))
             inside.enter_context(megatron_cpu_patches())
             with be.context():
-                net = build_gpt_model(
+                chunks = build_gpt_chunks(
                     config, tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
-                    sequence_parallel=plan.megatron_sequence_parallel, dtype=dtype, initialise=False,
-                    gpt_args=step.gpt_args,
+                    virtual_pipeline=plan.virtual_pipeline_parallel, sequence_parallel=plan.megatron_sequence_parallel,
+                    dtype=dtype, initialise=False, gpt_args=step.gpt_args,
                 )
+                net = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
                 state: tuple[Any, ...] = (net,)
                 categories: tuple[Any, ...] = (None,)
                 if not forward_role(role):
                     # Megatron's DDP and optimizer (NOTE [ The Megatron step's optimizer ]): the fp32 grad buffer,
                     # main parameters and moments are registered with their categories, not as one object
                     training = megatron_optimizer(
-                        net, mixed_precision=step.main_params_fp32, distributed=step.distributed_optimizer
+                        chunks, mixed_precision=step.main_params_fp32, distributed=step.distributed_optimizer
                     )
                     objects, cats = training.registered()
                     state, categories = (net, *objects), (None, *cats)

@@ -174,6 +174,10 @@ def _rows() -> Iterator[ProfileSetting]:
     yield s("pipeline_parallel", "--pipeline-parallel", "sharding", "int", metavar="N", help=(
         "--sharding megatron: pipeline stages (1F1B; the stage that binds is reported; default 1, or the config's "
         "pipeline_model_parallel_size); data parallel = --world-size / (tensor × pipeline)"))
+    yield s("virtual_pipeline_parallel", "--virtual-pipeline-parallel", "sharding", "int", metavar="N", help=(
+        "--sharding megatron: model chunks per pipeline stage (the interleaved 1F1B schedule; needs "
+        "--pipeline-parallel > 1 and the layers divisible by pipeline × N; default none, or the config's "
+        "virtual_pipeline_model_parallel_size)"))
     yield s("megatron_sequence_parallel", "--megatron-sequence-parallel", "sharding", "bool", help=(
         "--sharding megatron: Megatron's sequence parallelism, the activations outside attention split over the "
         "tensor-parallel group (default off, or the config's sequence_parallel)"))

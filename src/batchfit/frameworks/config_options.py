@@ -188,11 +188,13 @@ def run_profile_options(
 
 
 def _megatron_layout(run: RunConfig) -> dict[str, Any]:
-    """The Megatron layout a config trains with, as :class:`Sharding`'s fields (tensor, pipeline, SP, distributed optimizer)."""
+    """The Megatron layout a config trains with, as :class:`Sharding`'s fields (tensor, pipeline, virtual stages, SP,
+    distributed optimizer)."""
     batch = run.batch
     return {
         "tensor_parallel": batch.tensor_parallel or 1,
         "pipeline_parallel": batch.pipeline_parallel or 1,
+        "virtual_pipeline_parallel": run.virtual_pipeline_parallel,
         "megatron_sequence_parallel": bool(run.megatron_sequence_parallel),
         "distributed_optimizer": bool(run.distributed_optimizer),
     }

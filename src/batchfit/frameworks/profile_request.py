@@ -329,6 +329,7 @@ class _Resolver:
             sequence_parallel=v["sequence_parallel"],
             tensor_parallel=v["tensor_parallel"],
             pipeline_parallel=v["pipeline_parallel"],
+            virtual_pipeline_parallel=v["virtual_pipeline_parallel"],
             megatron_sequence_parallel=v["megatron_sequence_parallel"],
             distributed_optimizer=v["distributed_optimizer"],
             allocator=v["allocator"] if limits is None else self._calibrated_allocator(limits),

@@ -115,6 +115,9 @@ class RunConfig:
             ``--sequence-parallel``, verl's ``megatron.sequence_parallel``).
         distributed_optimizer: under ``strategy="megatron"``, the optimizer state sharded over data
             parallel (``--use-distributed-optimizer``, ``megatron.use_distributed_optimizer``).
+        virtual_pipeline_parallel: under ``strategy="megatron"``, model chunks per pipeline stage
+            (the interleaved schedule: verl's ``megatron.virtual_pipeline_model_parallel_size``), or
+            ``None`` when the config sets none.
         faults: the framework's own rules that the config breaks (beyond the batch plan's).
         warnings: what the config sets that batchfit does not model or the framework would
             refuse outside its batch rules (keys not in the framework's schema, settings that
@@ -165,6 +168,7 @@ class RunConfig:
     optimizer_offload: bool = False
     megatron_sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    virtual_pipeline_parallel: int | None = None
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()

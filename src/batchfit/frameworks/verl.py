@@ -182,9 +182,6 @@ MCORE_ENTROPY = ("entropy_from_logits_with_chunking", "entropy_from_logits_chunk
 # Megatron keys that change memory in ways batchfit's Megatron profile does not reproduce (beside UNMODELLED, which
 # holds the FSDP engine's); judged against MCORE_DEFAULTS.
 MCORE_UNMODELLED: dict[str, str] = {
-    MCORE
-    + "virtual_pipeline_model_parallel_size": "the interleaved 1F1B schedule (virtual pipeline stages keep more "
-    "micro-batches in flight on the first stage)",
     MCORE + "use_megatron_fsdp": "Megatron-FSDP (parameters sharded ZeRO-3 style over data parallel)",
     MCORE + "dynamic_context_parallel": "dynamic context parallel scheduling",
     MCORE + "expert_tensor_parallel_size": "the experts' own tensor-parallel size",
@@ -365,6 +362,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         activation_offload=None if megatron else as_bool(flat.get(MODEL + "enable_activation_offload")),
         megatron_sequence_parallel=megatron and _megatron_sequence_parallel(mcore),
         distributed_optimizer=megatron and as_bool(mcore["use_distributed_optimizer"]) is True,
+        virtual_pipeline_parallel=as_int(mcore["virtual_pipeline_model_parallel_size"]) if megatron else None,
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=as_bool(flat.get(CRITIC + "model.use_remove_padding")) if critic else None,
         fused_kernels=as_bool(flat.get(MODEL + "use_fused_kernels")) is True,
@@ -406,6 +404,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
                     "gradient_checkpointing": MCORE + "override_transformer_config.recompute_*",
                     "tensor_parallel": MCORE + "tensor_model_parallel_size",
                     "pipeline_parallel": MCORE + "pipeline_model_parallel_size",
+                    "virtual_pipeline_parallel": MCORE + "virtual_pipeline_model_parallel_size",
                     "megatron_sequence_parallel": MCORE + "sequence_parallel",
                     "distributed_optimizer": MCORE + "use_distributed_optimizer",
                 }

@@ -301,7 +301,9 @@ def _megatron_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         ("pipeline_model_parallel_size", s.pipeline_parallel, "1F1B over the stages, the binding stage's peak profiled"),
         ("context_parallel_size", 1, "no context parallelism (batchfit does not model Megatron's)"),
         ("expert_model_parallel_size", 1, "dense layers, as profiled"),
-        ("virtual_pipeline_model_parallel_size", None, "no interleaved schedule, as profiled"),
+        ("virtual_pipeline_model_parallel_size", s.virtual_pipeline_parallel,
+         f"{s.virtual_pipeline_parallel} model chunks per stage, the interleaved 1F1B schedule, as profiled"
+         if s.virtual_pipeline_parallel else "no interleaved schedule, as profiled"),
         ("sequence_parallel", sp,
          "activations outside attention split over the tensor-parallel group, as profiled" if sp
          else "activations whole on each tensor-parallel rank, as profiled"),

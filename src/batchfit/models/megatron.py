@@ -356,21 +356,25 @@ def megatron_cpu_patches() -> Iterator[None]:
 
 # ----------------------------------------------------------------- parallel state
 @contextlib.contextmanager
-def model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Iterator[None]:
+def model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual_pipeline: int | None = None) -> Iterator[None]:
     """Megatron's ``parallel_state`` over the default process group inside; destroyed on exit.
 
     The default group (real gloo ranks, or :func:`batchfit.parallel.distributed.simulated_world`)
     must have a multiple of ``tensor_parallel * pipeline_parallel`` members; the rest is data
-    parallel, in Megatron's order (tp fastest, then dp, then pp).
+    parallel, in Megatron's order (tp fastest, then dp, then pp). ``virtual_pipeline`` (> 1, with
+    ``pipeline_parallel > 1``) sets Megatron's ``virtual_pipeline_model_parallel_size``: each
+    stage holds that many model chunks (the interleaved schedule).
 
     Raises:
-        InvalidArgument: no process group, a bad size, or a world the sizes do not divide.
+        InvalidArgument: no process group, a bad size, a world the sizes do not divide, or
+            virtual stages without pipeline parallelism.
     """
     import torch.distributed as dist
 
     require_megatron()
     tp = check_positive_int("tensor_parallel", tensor_parallel)
     pp = check_positive_int("pipeline_parallel", pipeline_parallel)
+    vp = _virtual_stages(virtual_pipeline, pp)
     if not dist.is_initialized():
         raise InvalidArgument(
             f"Megatron's model parallelism (tensor_parallel={tp}, pipeline_parallel={pp}) needs a process group; run under torchrun or inside simulated_world"
@@ -384,12 +388,30 @@ def model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Iter
 
     # NOTE [ Megatron under the fake process group ]: no extra gloo groups (the default is gloo already)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=False
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
+        create_gloo_process_groups=False,
     )
     try:
         yield
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def _virtual_stages(virtual_pipeline: int | None, pipeline_parallel: int) -> int | None:
+    """Megatron's ``virtual_pipeline_model_parallel_size``: ``None`` for 1 or ``None``; > 1 needs pipeline parallelism."""
+    if virtual_pipeline is None:
+        return None
+    vp = check_positive_int("virtual_pipeline", virtual_pipeline)
+    if vp == 1:
+        return None
+    if pipeline_parallel == 1:
+        raise InvalidArgument(
+            f"virtual_pipeline={vp} needs pipeline_parallel > 1 (virtual stages interleave a pipeline's stages), but got "
+            "pipeline_parallel=1; raise pipeline_parallel or leave virtual_pipeline unset"
+        )
+    return vp
 
 
 @contextlib.contextmanager
@@ -430,6 +452,7 @@ def transformer_config(
     pipeline_parallel: int = 1,
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
+    virtual_pipeline: int | None = None,
     **overrides: Any,
 ) -> Any:
     """Megatron's ``TransformerConfig`` for ``spec`` as mbridge converts it, made to run on CPU ranks.
@@ -437,15 +460,19 @@ def transformer_config(
     Args:
         spec: a preset name, a directory, a hub id or a ``PretrainedConfig`` (:func:`batchfit.models.load_config`).
         tensor_parallel: Megatron's ``tensor_model_parallel_size``.
-        pipeline_parallel: Megatron's ``pipeline_model_parallel_size`` (no virtual stages).
+        pipeline_parallel: Megatron's ``pipeline_model_parallel_size``.
         sequence_parallel: Megatron's sequence parallelism (activations split over the TP group
             outside attention); needs ``tensor_parallel > 1``.
         dtype: the parameters' dtype (``params_dtype``, ``pipeline_dtype``; ``bf16`` when bfloat16).
+        virtual_pipeline: Megatron's ``virtual_pipeline_model_parallel_size`` (model chunks per
+            stage; ``None`` or 1: none); needs ``pipeline_parallel > 1`` and the layers divisible
+            by ``pipeline_parallel × virtual_pipeline``.
         **overrides: ``TransformerConfig`` fields to set last (``num_layers=2``, ``recompute_granularity=...``).
 
     Raises:
         InvalidArgument: megatron missing, a bad size, a mixture of experts (not mapped yet),
-            or sequence parallelism without tensor parallelism.
+            sequence parallelism without tensor parallelism, or virtual stages without pipeline
+            parallelism or with layers they do not divide.
 
     Example (needs megatron):
         >>> transformer_config("qwen2.5-0.5b").num_query_groups  # doctest: +SKIP
@@ -466,7 +493,15 @@ def transformer_config(
         raise InvalidArgument(
             f"model_type={getattr(hf_config, 'model_type', None)!r} is a mixture of experts; batchfit maps dense models to Megatron only so far; choose a dense preset (qwen2.5-*, qwen3-8b, llama-3.1-8b, ...)"
         )
-    states = ParallelStates(tp_size=tp, pp_size=pp, vpp_size=None)
+    vp = _virtual_stages(virtual_pipeline, pp)
+    if vp is not None:
+        layers = int(overrides.get("num_layers", hf_config.num_hidden_layers))
+        if layers % (pp * vp):
+            raise InvalidArgument(
+                f"num_layers={layers} must be divisible by pipeline_parallel × virtual_pipeline = {pp} × {vp} = {pp * vp} "
+                "(Megatron gives every model chunk the same layers); choose sizes that divide the layers"
+            )
+    states = ParallelStates(tp_size=tp, pp_size=pp, vpp_size=vp)
     bridge = AutoBridge.from_config(hf_config, dtype=dtype, parallel_states=states)
     bridge.set_extra_args(
         use_cpu_initialization=True,
@@ -476,7 +511,8 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype is torch.bfloat16,
-        **overrides,
+        # mbridge turns overlap_p2p_comm on with virtual stages; off (Megatron's default) each exchange is waited on
+        **{"overlap_p2p_comm": False, **overrides},
     )
     return bridge.config
 
@@ -520,9 +556,11 @@ def build_gpt_model(
     dtype: torch.dtype = torch.float32,
     initialise: bool = True,
     gpt_args: Mapping[str, Any] | None = None,
+    virtual_pipeline: int | None = None,
+    vp_stage: int | None = None,
     **overrides: Any,
 ) -> torch.nn.Module:
-    """This rank's ``GPTModel`` (its tensor shard of its pipeline stage), in ``train()`` mode.
+    """This rank's ``GPTModel`` (its tensor shard of its pipeline stage, or of one model chunk of it), in ``train()`` mode.
 
     Build it inside :func:`model_parallel` with the same sizes; Megatron's ``parallel_state``
     decides the stage (``pre_process`` on the first, ``post_process`` with the output layer on
@@ -539,10 +577,15 @@ def build_gpt_model(
             (``{"position_embedding_type": "learned_absolute"}``, as Korthikanti et al.'s GPT);
             ``transformer_layer_spec`` may be a function of the ``TransformerConfig``
             (:func:`batchfit.models.megatron_attention.layer_spec`), default Megatron's local spec.
+        virtual_pipeline, vp_stage: with virtual stages (:func:`transformer_config`), the model
+            chunk ``vp_stage`` of ``virtual_pipeline`` this builds (Megatron's ``vp_stage``: its
+            layers, and the embedding or the head when it is the pipeline's first or last);
+            :func:`build_gpt_chunks` builds them all.
 
     Raises:
         InvalidArgument: as :func:`transformer_config`; Megatron's parallel state not initialised
-            with these sizes; a vocabulary that tensor parallelism does not divide.
+            with these sizes; a vocabulary that tensor parallelism does not divide; a
+            ``vp_stage`` outside ``[0, virtual_pipeline)``.
     """
     from megatron.core import parallel_state
 
@@ -552,9 +595,16 @@ def build_gpt_model(
         pipeline_parallel=pipeline_parallel,
         sequence_parallel=sequence_parallel,
         dtype=dtype,
+        virtual_pipeline=virtual_pipeline,
         perform_initialization=bool(initialise),
         **overrides,
     )
+    chunks = config.virtual_pipeline_model_parallel_size
+    if (vp_stage is not None) if chunks is None else not (is_int(vp_stage) and 0 <= vp_stage < chunks):
+        raise InvalidArgument(
+            f"vp_stage={vp_stage!r} must be a model chunk in [0, {chunks}) with virtual_pipeline={virtual_pipeline!r} "
+            "(and None without virtual stages); build every chunk with build_gpt_chunks"
+        )
     have = (
         parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else None,
         parallel_state.get_pipeline_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else None,
@@ -584,10 +634,30 @@ def build_gpt_model(
             model = GPTModel(
                 config=config,
                 transformer_layer_spec=layer_spec,
-                pre_process=parallel_state.is_pipeline_first_stage(),
-                post_process=parallel_state.is_pipeline_last_stage(),
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                vp_stage=vp_stage,
                 **args,
             )
     finally:
         torch.set_default_dtype(default)
     return model.train()
+
+
+def build_gpt_chunks(spec: Any, *, virtual_pipeline: int | None = None, **kwargs: Any) -> list[torch.nn.Module]:
+    """This rank's model chunks: ``[build_gpt_model(...)]`` without virtual stages, else one per virtual stage.
+
+    With ``virtual_pipeline = v`` (> 1) stage ``r`` of ``p`` holds chunks ``0 … v-1``, chunk ``i``
+    the layers of virtual stage ``i·p + r`` (``L / (p·v)`` each, Megatron's interleaved order); the
+    first chunk of the first stage embeds and the last chunk of the last stage holds the head.
+    Build inside :func:`model_parallel` with the same ``virtual_pipeline``. Megatron-LM's
+    ``get_model`` builds them the same way.
+
+    Raises:
+        InvalidArgument: as :func:`build_gpt_model`.
+    """
+    pp = int(kwargs.get("pipeline_parallel", 1))
+    vp = _virtual_stages(virtual_pipeline, pp)
+    if vp is None:
+        return [build_gpt_model(spec, **kwargs)]
+    return [build_gpt_model(spec, virtual_pipeline=vp, vp_stage=i, **kwargs) for i in range(vp)]

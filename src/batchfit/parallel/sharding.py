@@ -100,6 +100,10 @@ class Sharding:
             at ``tensor_parallel=1``, as Megatron-LM's ``arguments.py`` turns it off there.
         distributed_optimizer: ``megatron`` only: the optimizer state sharded over data parallel
             (Megatron's ``use_distributed_optimizer``).
+        virtual_pipeline_parallel: ``megatron`` only: model chunks per pipeline stage (Megatron's
+            ``virtual_pipeline_model_parallel_size``, the interleaved 1F1B schedule); ``None`` or 1:
+            none; above 1 needs ``pipeline_parallel > 1`` (the layers must divide by
+            ``pipeline_parallel × virtual_pipeline_parallel``, checked when the model is built).
 
     Raises:
         InvalidArgument: an unknown name (the choices and the closest are listed), a bad
@@ -127,6 +131,7 @@ class Sharding:
     pipeline_parallel: int = 1
     megatron_sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    virtual_pipeline_parallel: int | None = None
 
     def __post_init__(self) -> None:
         strategy = check_choice("sharding", self.strategy, strategy_names())
@@ -183,6 +188,21 @@ class Sharding:
         for name in ("megatron_sequence_parallel", "distributed_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")
+        vp = self.virtual_pipeline_parallel
+        if vp is not None:
+            vp = check_positive_int("virtual_pipeline_parallel", vp)
+            if vp == 1:
+                object.__setattr__(self, "virtual_pipeline_parallel", None)  # one chunk per stage: no virtual stages
+            elif not spec.model_parallel:
+                raise InvalidArgument(
+                    f"virtual_pipeline_parallel={vp} is Megatron's and needs strategy='megatron', but got strategy={strategy!r}; "
+                    "use strategy='megatron' or leave virtual_pipeline_parallel unset"
+                )
+            elif pp == 1:
+                raise InvalidArgument(
+                    f"virtual_pipeline_parallel={vp} needs pipeline_parallel > 1 (virtual stages interleave a pipeline's "
+                    "stages), but got pipeline_parallel=1; raise pipeline_parallel or leave virtual_pipeline_parallel unset"
+                )
         if not spec.model_parallel:
             for name, value, default in (
                 ("tensor_parallel", tp, 1),
@@ -247,6 +267,8 @@ class Sharding:
             return f"ddp over {self._ranks()} (full replica + gradient buckets)"
         if self.spec.model_parallel:
             parts = [f"tensor {self.tensor_parallel} × pipeline {self.pipeline_parallel} × data {self.data_parallel_size}"]
+            if self.virtual_pipeline_parallel:
+                parts.append(f"{self.virtual_pipeline_parallel} virtual stages per pipeline stage")
             if self.megatron_sequence_parallel:
                 parts.append("sequence parallel")
             if self.distributed_optimizer:
@@ -286,6 +308,8 @@ class Sharding:
             del out["sequence_parallel"]
         if not self.spec.zero_stage:
             del out["reduce_bucket_size"], out["overlap_comm"]
+        if out["virtual_pipeline_parallel"] is None:
+            del out["virtual_pipeline_parallel"]
         if self.spec.model_parallel:
             out["data_parallel"] = self.data_parallel_size
         else:

@@ -105,6 +105,7 @@ DDP buffers and Megatron's optimizer state (:func:`megatron_optimizer`, register
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -174,19 +175,26 @@ class MegatronTraining:
 
     Attributes:
         model: the model wrapped in ``megatron.core.distributed.DistributedDataParallel``
-            (its ``module`` is the ``GPTModel``).
+            (its ``module`` is the ``GPTModel``); with virtual pipeline stages the first chunk's.
         optimizer: Megatron's optimizer (``Float16OptimizerWithFloat16Params``,
             ``DistributedOptimizer`` or ``FP32Optimizer``); its ``optimizer`` is the inner
             ``torch.optim.AdamW`` over the main parameters.
         mixed_precision: fp32 main parameters and gradients for 16-bit parameters.
         distributed: Megatron's distributed optimizer (main parameters and moments sharded
             over the data-parallel group).
+        chunks: every model chunk of this stage in its DDP wrapper (``[model]`` without virtual
+            pipeline stages).
     """
 
     model: torch.nn.Module
     optimizer: Any
     mixed_precision: bool
     distributed: bool
+    chunks: list[torch.nn.Module] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.chunks:
+            self.chunks = [self.model]
 
     def gradient_buffers(self) -> list[torch.Tensor]:
         """DDP's contiguous gradient buffers (``main_grad`` of every parameter is a view of one)."""
@@ -220,11 +228,16 @@ class MegatronTraining:
         )
 
     def _buffers(self) -> list[Any]:
-        return [*self.model.buffers, *self.model.expert_parallel_buffers]  # DDP's lists (they shadow Module.buffers)
+        # DDP's lists (they shadow Module.buffers), every chunk's
+        return [b for chunk in self.chunks for b in (*chunk.buffers, *chunk.expert_parallel_buffers)]
 
 
 def megatron_optimizer(
-    model: torch.nn.Module, *, mixed_precision: bool | None = None, distributed: bool = False, lr: float = 1e-6
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    *,
+    mixed_precision: bool | None = None,
+    distributed: bool = False,
+    lr: float = 1e-6,
 ) -> MegatronTraining:
     """Wrap ``model`` in Megatron's DDP and build Megatron's optimizer over it, its state made now (NOTE [ The Megatron step's optimizer ]).
 
@@ -233,7 +246,9 @@ def megatron_optimizer(
     on every rank at once: the optimizer gathers its parameter groups over the world.
 
     Args:
-        model: this rank's ``GPTModel`` (:func:`batchfit.models.megatron.build_gpt_model`).
+        model: this rank's ``GPTModel`` (:func:`batchfit.models.megatron.build_gpt_model`), or its
+            model chunks under virtual pipeline stages (:func:`~batchfit.models.megatron.build_gpt_chunks`:
+            one DDP wrapper each, one optimizer over them all, as Megatron-LM's ``get_model``).
         mixed_precision: fp32 main parameters, fp32 gradient buffer (``OptimizerConfig.bf16``,
             ``grad_reduce_in_fp32``); ``None``: when the parameters are bf16. Nothing to do for
             fp32 parameters.
@@ -252,7 +267,8 @@ def megatron_optimizer(
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    config = model.config
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    config = chunks[0].config
     dtype = config.params_dtype
     if dtype is torch.float16:
         raise InvalidArgument(
@@ -274,7 +290,11 @@ def megatron_optimizer(
         overlap_grad_reduce=False,
         overlap_param_gather=False,
     )
-    wrapped = DistributedDataParallel(config, ddp_config, model)
+    wrapped = [
+        # Megatron-LM's get_model: bucketing off for every chunk but the first (it overlaps nothing here)
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
     optimizer_config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -283,13 +303,15 @@ def megatron_optimizer(
         use_distributed_optimizer=bool(distributed),
         clip_grad=0.0,
     )
-    optimizer = get_megatron_optimizer(optimizer_config, [wrapped], use_gloo_process_groups=False)
+    optimizer = get_megatron_optimizer(optimizer_config, wrapped, use_gloo_process_groups=False)
     chained = getattr(optimizer, "chained_optimizers", None)
     if chained is not None and len(chained) == 1:
         optimizer = chained[0]  # a dense model: one optimizer; the chain's step would take the norm (clip_grad=0)
     _fused_adam(optimizer.optimizer)
     _initialize_main_state(optimizer.optimizer)
-    return MegatronTraining(model=wrapped, optimizer=optimizer, mixed_precision=mixed_precision, distributed=bool(distributed))
+    return MegatronTraining(
+        model=wrapped[0], optimizer=optimizer, mixed_precision=mixed_precision, distributed=bool(distributed), chunks=wrapped
+    )
 
 
 def _fused_adam(adam: torch.optim.Optimizer) -> None:
@@ -383,8 +405,9 @@ def _training(optimizer: Any) -> MegatronTraining:
 
 
 def _zero_grads(training: MegatronTraining) -> None:
-    """What Megatron-LM's ``train_step`` does first: zero the gradient buffer, drop the main parameters' gradients."""
-    training.model.zero_grad_buffer()
+    """What Megatron-LM's ``train_step`` does first: zero the gradient buffers, drop the main parameters' gradients."""
+    for chunk in training.chunks:
+        chunk.zero_grad_buffer()
     training.optimizer.zero_grad()
 
 
@@ -439,7 +462,11 @@ def megatron_pipeline_step(
     schedule sends activations and their gradients between stages (``isend``/``irecv`` over the
     pipeline group), divides each micro-batch's loss by their number and ends with
     ``finalize_model_grads`` (set as the config's ``finalize_model_grads_func``, with DDP's
-    ``no_sync`` as ``no_sync_func``, as Megatron-LM's ``train`` sets them).
+    ``no_sync`` as ``no_sync_func``, as Megatron-LM's ``train`` sets them). With virtual pipeline
+    stages (``optimizer.chunks``: :func:`~batchfit.models.megatron.build_gpt_chunks`) it is the
+    interleaved 1F1B schedule (``forward_backward_pipelining_with_interleaving``) over the chunks,
+    each reading its own iterator of the same micro-batches; their number must be a multiple of
+    the pipeline's stages.
 
     Args:
         model: this stage's ``GPTModel`` (:func:`batchfit.models.megatron.build_gpt_model`) or its DDP wrapper.
@@ -451,8 +478,9 @@ def megatron_pipeline_step(
         ``None`` on the others.
 
     Raises:
-        InvalidArgument: no micro-batch, micro-batches of different shapes, or an optimizer not
-            made by :func:`megatron_optimizer`.
+        InvalidArgument: no micro-batch, micro-batches of different shapes, an optimizer not
+            made by :func:`megatron_optimizer`, or (virtual stages) micro-batches that are not a
+            multiple of the pipeline's stages.
     """
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -471,17 +499,20 @@ def megatron_pipeline_step(
 
         return _per_token_loss(stage, batch), loss_func
 
+    chunks = training.chunks
+    _check_interleaved(len(chunks), len(micro_batches))
     config = _unwrapped(training.model).config
     saved = (config.finalize_model_grads_func, config.no_sync_func)
-    config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, training.model.no_sync
+    no_sync = training.model.no_sync if len(chunks) == 1 else [chunk.no_sync for chunk in chunks]  # Megatron-LM's train
+    config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, no_sync
     _zero_grads(training)
     forward_backward = get_forward_backward_func()
     try:
         with listening(None):  # type: ignore[arg-type]  # NOTE [ Pipeline sends are waited on whole ]
             forward_backward(
                 forward_step_func=forward_step,
-                data_iterator=iter(micro_batches),
-                model=[training.model],
+                data_iterator=_data_iterators(micro_batches, len(chunks)),
+                model=list(chunks),
                 num_microbatches=len(micro_batches),
                 seq_length=seq_length,
                 micro_batch_size=micro_batch_size,
@@ -519,7 +550,9 @@ def megatron_log_probs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tens
     return -tensor_parallel.vocab_parallel_cross_entropy(vocab_parallel_logits=logits, target=target)
 
 
-def megatron_forward_step(model: torch.nn.Module, micro_batches: Sequence[MegatronBatch]) -> list[torch.Tensor] | None:
+def megatron_forward_step(
+    model: torch.nn.Module | Sequence[torch.nn.Module], micro_batches: Sequence[MegatronBatch]
+) -> list[torch.Tensor] | None:
     """The forward-only pass of old or reference log-probs on this stage, through Megatron's schedule (NOTE [ The Megatron forward-only pass ]).
 
     Under ``torch.no_grad()`` with the model in eval mode (restored after), Megatron's
@@ -531,18 +564,23 @@ def megatron_forward_step(model: torch.nn.Module, micro_batches: Sequence[Megatr
 
     Args:
         model: this stage's ``GPTModel`` or its DDP wrapper (a trained model's forward pass:
-            :func:`megatron_optimizer`'s ``model``).
-        micro_batches: the pass's micro-batches, all of one shape.
+            :func:`megatron_optimizer`'s ``model``), or its model chunks under virtual pipeline
+            stages (the interleaved schedule; ``MegatronTraining.chunks``).
+        micro_batches: the pass's micro-batches, all of one shape (a multiple of the pipeline's
+            stages with virtual stages).
 
     Returns:
         Each micro-batch's fp32 ``[b, s]`` log-probs on the last stage, ``None`` on the others.
 
     Raises:
-        InvalidArgument: no micro-batch, or micro-batches of different shapes.
+        InvalidArgument: no micro-batch, micro-batches of different shapes, or (virtual stages)
+            micro-batches that are not a multiple of the pipeline's stages.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     ((micro_batch_size, seq_length),) = _one_shape(micro_batches)
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    _check_interleaved(len(chunks), len(micro_batches))
     kept: list[torch.Tensor] = []
 
     def forward_step(data_iterator: Any, stage: torch.nn.Module) -> tuple[torch.Tensor, Any]:
@@ -567,24 +605,45 @@ def megatron_forward_step(model: torch.nn.Module, micro_batches: Sequence[Megatr
 
         return output, loss_func
 
-    was_training = model.training
-    model.eval()
+    was_training = [chunk.training for chunk in chunks]
+    for chunk in chunks:
+        chunk.eval()
     forward_backward = get_forward_backward_func()
     try:
         with torch.no_grad(), labels.phase(labels.FORWARD), listening(None):  # type: ignore[arg-type]
             labels.set_position(labels.EMBED)
             forward_backward(
                 forward_step_func=forward_step,
-                data_iterator=iter(micro_batches),
-                model=[model],
+                data_iterator=_data_iterators(micro_batches, len(chunks)),
+                model=chunks,
                 num_microbatches=len(micro_batches),
                 seq_length=seq_length,
                 micro_batch_size=micro_batch_size,
                 forward_only=True,
             )
     finally:
-        model.train(was_training)
+        for chunk, mode in zip(chunks, was_training):
+            chunk.train(mode)
     return kept or None
+
+
+def _data_iterators(micro_batches: Sequence[MegatronBatch], chunks: int) -> Any:
+    """The schedule's data: one iterator, or one per model chunk (the interleaved schedule reads chunk ``i``'s from the ``i``-th)."""
+    return iter(micro_batches) if chunks == 1 else [iter(micro_batches) for _ in range(chunks)]
+
+
+def _check_interleaved(chunks: int, micro_batches: int) -> None:
+    """The interleaved schedule runs micro-batches in groups of the pipeline's stages: a multiple of them."""
+    if chunks == 1:
+        return
+    from megatron.core import parallel_state
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if micro_batches % pp:
+        raise InvalidArgument(
+            f"{micro_batches} micro-batches under virtual pipeline stages ({chunks} model chunks per stage): the interleaved "
+            f"schedule needs a multiple of pipeline_parallel={pp}; pass {pp * max(1, micro_batches // pp)} micro-batches"
+        )
 
 
 def _one_shape(micro_batches: Sequence[MegatronBatch]) -> set[tuple[int, ...]]:
