@@ -194,6 +194,13 @@ def test_virtual_pipeline_stages_reach_the_sharding_and_need_a_pipeline():
         Sharding("fsdp2", virtual_pipeline_parallel=2)
     with pytest.raises(InvalidArgument, match="virtual_pipeline_parallel must be"):
         Sharding("megatron", pipeline_parallel=2, virtual_pipeline_parallel=0)
+    from batchfit.budget.model_profile import profile_model
+
+    # qwen2.5-0.5b's 24 layers over 2 stages: 5 chunks each would be 10, which does not divide 24 (no build)
+    with pytest.raises(InvalidArgument, match=r"virtual_pipeline_parallel=5 × pipeline_parallel=2 = 10 model chunks must "
+                       r"divide the model's 24 layers .*; use one of 2, 3, 4, 6, 12"):
+        profile_model("qwen2.5-0.5b", max_seq_len=64, backend="estimate", memory_limit="80GB",
+                      sharding=Sharding("megatron", world_size=2, pipeline_parallel=2, virtual_pipeline_parallel=5))
 
 
 @pytest.mark.slow

@@ -115,6 +115,7 @@ def _profile(
     dtype = parse_dtype("bf16" if options.dtype is None else options.dtype)
     config = load_config(model)
     check_layout(config, plan, options.caller_vocabulary)  # before any build
+    _check_chunks(int(config.num_hidden_layers), plan, options)
     be = get_backend(options.backend, memory_limit=options.memory_limit, reserve_bytes=options.reserve_bytes)
     resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
     if options.engine_reserve is not None:
@@ -314,6 +315,25 @@ def _state_bytes(model: Any, role: str, options: ProfileOptions, kinds: Sequence
             measured = be.measure(lambda: None, register=state, categories=categories)
         most = max(most, int(sum(measured.breakdown.get(kind, 0) for kind in kinds)))
     return most
+
+
+def _check_chunks(layers: int, plan: Sharding, options: ProfileOptions) -> None:
+    """Virtual stages give every model chunk as many layers (NOTE [ Virtual pipeline stages ]): ``pp × vp`` divides them."""
+    vp = plan.virtual_pipeline_parallel
+    if vp is None or layers % model_chunks(plan) == 0:
+        return
+    fits = [n for n in range(2, layers // plan.pipeline_parallel + 1) if layers % (plan.pipeline_parallel * n) == 0]
+    raise InvalidArgument(
+        Phrase(
+            Setting("virtual_pipeline_parallel", vp),
+            " × ",
+            Setting("pipeline_parallel", plan.pipeline_parallel),
+            f" = {model_chunks(plan)} model chunks must divide the model's {layers} layers (Megatron gives every chunk "
+            f"as many); use one of {', '.join(map(str, fits))}" if fits else
+            f" = {model_chunks(plan)} model chunks must divide the model's {layers} layers (Megatron gives every chunk "
+            "as many); leave it unset",
+        ).say(options.caller_vocabulary)
+    )
 
 
 def _check_modelled(model: Any, options: ProfileOptions, roles: Sequence[str]) -> None:
