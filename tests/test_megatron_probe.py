@@ -24,7 +24,7 @@ def megatron():
     pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
 
 
-def _budget(backend_name: str, tp: int, pp: int) -> dict[str, object]:
+def _budget(backend_name: str, tp: int, pp: int, **probe: object) -> dict[str, object]:
     import warnings
 
     from batchfit.budget import find_token_budget
@@ -33,7 +33,7 @@ def _budget(backend_name: str, tp: int, pp: int) -> dict[str, object]:
 
     warnings.filterwarnings("ignore")
     backend = get_backend(backend_name, memory_limit=LIMIT, reserve_bytes=0, round_to=1)
-    step = MegatronStep("tiny", tensor_parallel=tp, pipeline_parallel=pp, backend=backend, num_layers=LAYERS)
+    step = MegatronStep("tiny", tensor_parallel=tp, pipeline_parallel=pp, backend=backend, num_layers=LAYERS, **probe)
     budget = find_token_budget(step, max_seq_len=MAX_SEQ_LEN, cost="padded", progress=False)
     return {
         "tokens": budget.tokens,
@@ -43,8 +43,8 @@ def _budget(backend_name: str, tp: int, pp: int) -> dict[str, object]:
     }
 
 
-def _real_rank(rank: int, tp: int, pp: int) -> dict[str, object]:
-    return _budget("cpu", tp, pp)
+def _real_rank(rank: int, tp: int, pp: int, probe: dict[str, object] | None = None) -> dict[str, object]:
+    return _budget("cpu", tp, pp, **(probe or {}))
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
@@ -57,6 +57,17 @@ def test_estimate_budget_equals_the_real_ranks_budget_to_the_token(megatron, tp,
         # the last measurement (the search's last probe) was measured on every stage; each real
         # rank measured its own, the same peaks
         assert set(estimate["stage_peaks"]) == {0, 1}
+
+
+def test_a_forward_only_budget_on_the_estimate_equals_the_real_ranks_and_exceeds_training(megatron):
+    # NOTE [ Forward-only Megatron probes ]: old log-probs at TP 2 with the optimizer state resident
+    probe = {"forward_only": True, "optimizer": "resident"}
+    real = run_ranks(_real_rank, 2, 1, probe, world=2, timeout=400)
+    estimate = _budget("estimate", 2, 1, **probe)
+    for rank in real:
+        assert (real[rank]["tokens"], real[rank]["points"]) == (estimate["tokens"], estimate["points"]), rank
+    # docs/megatron.md: 3,456 tokens where TP 2's training step fits 1,280
+    assert estimate["tokens"] > _budget("estimate", 2, 1)["tokens"]
 
 
 def test_doubling_tensor_parallelism_raises_the_budget(megatron):
