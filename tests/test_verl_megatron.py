@@ -142,13 +142,21 @@ def test_fsdp_only_keys_set_under_megatron_are_warnings():
 
 
 def test_a_megatron_key_batchfit_does_not_model_is_a_warning_citing_verls_default():
-    said = read_run_config(_config(**_megatron(virtual_pipeline_model_parallel_size=2))).warnings
+    said = read_run_config(_config(**_megatron(use_megatron_fsdp=True))).warnings
     assert any(
-        w.startswith(
-            "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2 (the verl 0.9.1 default is None)"
-        )
+        w.startswith("actor_rollout_ref.actor.megatron.use_megatron_fsdp=True (the verl 0.9.1 default is False)")
         for w in said
     )
+
+
+def test_virtual_pipeline_stages_are_read_into_the_layout_and_emitted():
+    run = read_run_config(_config(**_megatron(virtual_pipeline_model_parallel_size=2)))
+    assert run.virtual_pipeline_parallel == 2 and not [w for w in run.warnings if "virtual_pipeline" in w]
+    assert read_run_config(EXAMPLE).virtual_pipeline_parallel is None  # verl's default: null
+    options = config_options.run_profile_options(run, Choices()).options
+    assert options.sharding.virtual_pipeline_parallel == 2
+    keys = _keys(run, sharding=_megatron_sharding(virtual_pipeline_parallel=2))
+    assert keys[MCORE + "virtual_pipeline_model_parallel_size"] == 2
 
 
 # --- verl's rules under Megatron ---------------------------------------------------------------------
@@ -326,5 +334,7 @@ def test_profile_emits_verl_megatron_keys_for_the_example(capsys):
     assert emit["actor_rollout_ref.actor.use_dynamic_bsz"] is True
     assert emit[MCORE + "tensor_model_parallel_size"] == 2 and emit[MCORE + "pipeline_model_parallel_size"] == 2
     length = emit["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]
-    assert length >= 512 and emit["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"] <= length
+    # NOTE [ A Megatron profile's roles ]: the forward-only passes have their own budgets, at least the update's
+    assert length >= 512 and emit["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"] >= length
+    assert emit["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] >= length
     assert not [k for k in emit if "fsdp_config" in k or "ulysses" in k]
