@@ -338,7 +338,9 @@ def as_data_parallel(run: RunConfig, strategy: str, sequence_parallel: int | Non
         f"budgets and any emitted keys are for that run, not {run.strategy}'s (neither an upper nor a lower bound of "
         "it); its batch plan is that run's too"
     )
-    return run.replace(batch=changed), note
+    # Megatron's bf16 parameters are not the other strategy's: its own default dtype applies (fp32 under FSDP2's mixed precision)
+    dtype = None if (run.strategy or "").lower() in MODEL_PARALLEL_STRATEGIES else run.dtype
+    return run.replace(batch=changed, dtype=dtype), note
 
 
 def _model_parallel_words(run: RunConfig) -> str:
