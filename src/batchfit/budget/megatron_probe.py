@@ -390,17 +390,10 @@ class MegatronStep:
 
 def _virtual_pipeline(virtual_pipeline: int | None, pipeline_parallel: int, micro_batches: int) -> int | None:
     """``None`` for no virtual stages; else the chunks per stage, checked against the pipeline (NOTE [ Virtual pipeline stages ])."""
-    if virtual_pipeline is None:
-        return None
-    vp = check_positive_int("virtual_pipeline", virtual_pipeline)
-    if vp == 1:
-        return None
-    if pipeline_parallel == 1:
-        raise InvalidArgument(
-            f"virtual_pipeline={vp} needs pipeline_parallel > 1 (virtual stages interleave a pipeline's stages), but got "
-            "pipeline_parallel=1; raise pipeline_parallel or leave virtual_pipeline unset"
-        )
-    if micro_batches % pipeline_parallel:
+    from batchfit.models.megatron import virtual_stages
+
+    vp = virtual_stages(virtual_pipeline, pipeline_parallel)
+    if vp is not None and micro_batches % pipeline_parallel:
         raise InvalidArgument(
             f"micro_batches={micro_batches} with virtual_pipeline={vp}: the interleaved schedule needs a multiple of "
             f"pipeline_parallel={pipeline_parallel}; pass micro_batches={pipeline_parallel * max(1, micro_batches // pipeline_parallel)} or leave it unset"

@@ -374,7 +374,7 @@ def model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual
     require_megatron()
     tp = check_positive_int("tensor_parallel", tensor_parallel)
     pp = check_positive_int("pipeline_parallel", pipeline_parallel)
-    vp = _virtual_stages(virtual_pipeline, pp)
+    vp = virtual_stages(virtual_pipeline, pp)
     if not dist.is_initialized():
         raise InvalidArgument(
             f"Megatron's model parallelism (tensor_parallel={tp}, pipeline_parallel={pp}) needs a process group; run under torchrun or inside simulated_world"
@@ -399,7 +399,7 @@ def model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual
         parallel_state.destroy_model_parallel()
 
 
-def _virtual_stages(virtual_pipeline: int | None, pipeline_parallel: int) -> int | None:
+def virtual_stages(virtual_pipeline: int | None, pipeline_parallel: int) -> int | None:
     """Megatron's ``virtual_pipeline_model_parallel_size``: ``None`` for 1 or ``None``; > 1 needs pipeline parallelism."""
     if virtual_pipeline is None:
         return None
@@ -493,7 +493,7 @@ def transformer_config(
         raise InvalidArgument(
             f"model_type={getattr(hf_config, 'model_type', None)!r} is a mixture of experts; batchfit maps dense models to Megatron only so far; choose a dense preset (qwen2.5-*, qwen3-8b, llama-3.1-8b, ...)"
         )
-    vp = _virtual_stages(virtual_pipeline, pp)
+    vp = virtual_stages(virtual_pipeline, pp)
     if vp is not None:
         layers = int(overrides.get("num_layers", hf_config.num_hidden_layers))
         if layers % (pp * vp):
@@ -657,7 +657,7 @@ def build_gpt_chunks(spec: Any, *, virtual_pipeline: int | None = None, **kwargs
         InvalidArgument: as :func:`build_gpt_model`.
     """
     pp = int(kwargs.get("pipeline_parallel", 1))
-    vp = _virtual_stages(virtual_pipeline, pp)
+    vp = virtual_stages(virtual_pipeline, pp)
     if vp is None:
         return [build_gpt_model(spec, **kwargs)]
     return [build_gpt_model(spec, virtual_pipeline=vp, vp_stage=i, **kwargs) for i in range(vp)]
