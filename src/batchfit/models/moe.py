@@ -39,12 +39,14 @@ change); the router itself, its logits, the auxiliary load-balancing loss
 
 NOTE [ Expert parallelism is not modelled ]
 Expert parallelism (each rank of an EP group holds ``experts / EP`` of a layer's experts and
-tokens travel to them by all-to-all, as Megatron-based frameworks run MoE) is not modelled:
-transformers' own EP path (``_is_expert_parallel``, its distributed ``tp_plan``) is built for
-inference, and an all-to-all dispatch whose per-rank buffers are sized by the routing would
-have to be written here, not taken from PyTorch. batchfit refuses ``expert_parallel > 1`` in
-one line rather than answer it with a formula; a MoE is profiled under FSDP2 over every rank
-(each layer's experts gathered whole: the ``gathered_parameters`` category).
+tokens travel to them by all-to-all, as Megatron-based frameworks and torchtitan run MoE) has
+its layer in :mod:`batchfit.parallel.expert_parallel` (NOTE [ Expert parallelism the torchtitan
+way ]): transformers' grouped experts cut to the local experts, the tokens dispatched and combined
+by PyTorch's functional all-to-all, the dispatch buffers as they run; its estimate equals 2 gloo
+ranks' peak to the byte, and the receiving rank's worst case is :func:`received_rows`. The
+profile does not build it into the FSDP2 step yet, so batchfit still refuses ``expert_parallel >
+1`` in one line rather than answer it with a formula; a MoE is profiled under FSDP2 over every
+rank (each layer's experts gathered whole: the ``gathered_parameters`` category).
 """
 
 from __future__ import annotations
@@ -174,6 +176,26 @@ def fixed_routing(num_tokens: int, top_k: int, num_experts: int, routing: str, d
         same = torch.arange(top_k, device=device).repeat(num_tokens - spread, 1)
         return torch.cat([every, same])
     return (torch.arange(num_tokens * top_k, device=device) % num_experts).view(num_tokens, top_k)
+
+
+def received_rows(tokens: int, top_k: int, num_experts: int, ep_size: int, routing: str = "skewed") -> int:
+    """Token-expert rows the receiving EP rank gets in one forward of one MoE layer (NOTE [ The rank that receives the most ]).
+
+    Every one of ``ep_size`` ranks routes ``tokens`` tokens by :func:`fixed_routing` (``routing``);
+    the count is EP rank 0's, which holds experts ``0 … experts/ep_size - 1``: under ``"skewed"``
+    (the worst case) the rank that receives the most, ``ep_size × (pairs it routes to those
+    experts)``; under ``"balanced"`` every rank's, ``tokens × top_k`` when the pattern spreads
+    evenly. Integers only: the exchanged-token buffer of that rank is this × hidden × bytes.
+
+    Raises:
+        InvalidArgument: ``ep_size`` does not divide ``num_experts``, or an unknown ``routing``.
+    """
+    from batchfit.parallel.expert_parallel import check_expert_group
+
+    check_choice("routing", routing, ROUTINGS)
+    check_expert_group(num_experts, ep_size, 0)
+    index = fixed_routing(tokens, top_k, num_experts, routing, "cpu")
+    return ep_size * int((index < num_experts // ep_size).sum())
 
 
 @contextlib.contextmanager
