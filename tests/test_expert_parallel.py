@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -154,3 +156,48 @@ def test_an_ep_size_that_does_not_divide_the_experts_is_refused():
     with pytest.raises(InvalidArgument, match=r"ep_rank must be in 0 … 1"):
         check_expert_group(8, 2, 2)
     assert shard_experts(torch.nn.Linear(2, 2), 1, 0) == 0
+
+
+# The whole small Qwen3-MoE of tests/test_moe.py (2 layers of 8 experts, 2 per token), FSDP2 with EP 2.
+SMALL_MOE = {**CONFIG, "num_hidden_layers": 2, "max_position_embeddings": 4096, "norm_topk_prob": True}
+LENGTHS = [64, 64, 40]
+
+
+def _model_peaks(backend: Any, world: int, ep: int) -> tuple[int, dict[str, int], tuple[int, ...]]:
+    from transformers import AutoConfig
+
+    from batchfit.budget.causal_lm_probe import causal_lm_step
+    from batchfit.models import build_causal_lm
+    from batchfit.parallel.sharding import Sharding
+
+    sharding = Sharding("fsdp2", world_size=world, expert_parallel=ep)
+    model = build_causal_lm(AutoConfig.for_model(**SMALL_MOE), backend=backend, sharding=sharding, routing="skewed", experts_implementation="grouped_mm")
+    step = causal_lm_step(model, backend=backend)
+    step.measure(LENGTHS)  # FSDP2 allocates its all-gather buffers lazily in the first step
+    m = min((step.measure(LENGTHS) for _ in range(3)), key=lambda m: m.peak_bytes)
+    shapes = tuple(p.to_local().shape[0] for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj"))
+    return m.peak_bytes, dict(m.breakdown), shapes
+
+
+def _model_rank(rank: int, ep: int) -> tuple:
+    import torch.distributed as dist
+
+    from batchfit.memory import get_backend
+
+    torch.manual_seed(rank)
+    return _model_peaks(get_backend("cpu"), dist.get_world_size(), ep)
+
+
+@pytest.mark.slow  # 2 gloo ranks and the estimate, FSDP2 steps of a small MoE
+@pytest.mark.timeout(300)
+def test_fsdp2_with_ep_2_estimate_equals_the_receiving_gloo_rank_to_the_byte():
+    from batchfit.memory import get_backend
+    from batchfit.parallel.distributed import simulated_world
+
+    real = run_ranks(_model_rank, 2, world=2, timeout=240)
+    with simulated_world(2):
+        predicted = _model_peaks(get_backend("estimate", round_to=1, reserve_bytes=0), 2, 2)
+    assert real[0][2] == predicted[2] == (4, 4)  # each rank holds 4 of the 8 experts of each layer
+    assert predicted[0] == real[0][0], (predicted, real[0])  # rank 0 receives the most (worst routing)
+    assert predicted[1] == real[0][1]
+    assert real[0][0] > real[1][0], real

@@ -256,6 +256,7 @@ def _raised_limit(module: torch.nn.Module, index: torch.Tensor) -> None:
 
 
 def _restore_limit(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    module._batchfit_routing_fixed = False
     saved = module.__dict__.get("_batchfit_saved_limits")
     if saved:
         mode, limit = saved.pop()
@@ -271,6 +272,7 @@ def _fixing_hook(routing: str) -> Any:
         hidden, index, weights, *rest = args
         fixed = fixed_routing(index.shape[0], index.shape[-1], module.num_experts, routing, index.device)
         _raised_limit(module, index)  # NOTE [ The routing mask keeps its values ]
+        module._batchfit_routing_fixed = True  # NOTE [ The rank that receives the most ]: every rank routes alike
         return (hidden, fixed.view(index.shape).to(index.dtype), weights, *rest)
 
     return hook

@@ -135,6 +135,38 @@ def shard_experts(model: torch.nn.Module, ep_size: int, ep_rank: int, group: Any
     return len(modules)
 
 
+def fully_shard_experts(model: torch.nn.Module, ep_size: int, device_type: str, options: dict[str, Any]) -> int:
+    """Spread ``model``'s experts over EP groups of ``ep_size`` ranks and ``fully_shard`` each experts module over the rest.
+
+    NOTE [ Experts under FSDP2 with expert parallelism ]
+    As torchtitan's ``parallelize``: the world is a ``(world / ep, ep)`` mesh (EP fastest), each
+    rank's EP group its row, so EP rank ``r`` holds experts ``r·L …`` (:func:`shard_experts`);
+    each experts module is then ``fully_shard``-ed over its column (the ``world / ep`` ranks holding
+    the same experts) with the same options, before the decoder layers and the root are sharded
+    over every rank (FSDP2 leaves a nested module's parameters to it). The mesh is built on the
+    default group. Not done here: torchtitan's gradient divide factor for the experts (their
+    reduction averages over ``world / ep`` ranks); memory does not depend on it.
+
+    Returns the experts modules sharded.
+    """
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    check_positive_int("expert_parallel", ep_size)
+    if world % ep_size:
+        raise InvalidArgument(f"expert_parallel={ep_size} must divide the world of {world} ranks; use a divisor of {world}")
+    with unset_fake_temporarily():  # the mesh holds real rank ids, even when estimating
+        mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("expert_shard", "ep"))
+    ep_mesh, shard_mesh = mesh["ep"], mesh["expert_shard"]
+    count = shard_experts(model, ep_size, ep_mesh.get_local_rank(), ep_mesh.get_group())
+    for m in experts_modules(model):
+        fully_shard(m, **{**options, "mesh": shard_mesh})
+    return count
+
+
 def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """transformers' experts modules in ``model`` (classes decorated by ``use_experts_implementation``: ``_is_expert_parallel`` and ``num_experts``).
 
@@ -155,7 +187,7 @@ def _bound_forward(module: torch.nn.Module) -> Any:
 
 def _received_counts(place: ExpertGroup, counts: torch.Tensor) -> torch.Tensor:
     """``[ep · L]``: the pairs each source rank sends to each local expert (NOTE [ Expert parallelism the torchtitan way ], step 2)."""
-    if place.symmetric:  # NOTE [ The rank that receives the most ]: every rank routes as this one
+    if place.symmetric:  # NOTE [ The rank that receives the most ]: every rank routes as this one (fixed routing)
         return counts[place.first : place.first + place.local_experts].repeat(place.ep_size)
     from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
 
@@ -202,6 +234,8 @@ def expert_parallel_forward(
     from transformers.integrations.moe import _grouped_linear
 
     place: ExpertGroup = module._batchfit_expert_group
+    if getattr(module, "_batchfit_routing_fixed", False) and not place.symmetric:  # set by models.moe's fixing hook
+        place = ExpertGroup(place.num_experts, place.ep_size, place.ep_rank, place.group, True)
     ep, local = place.ep_size, place.local_experts
     num_tokens, top_k = top_k_index.shape
     hidden = hidden_states.size(-1)

@@ -276,6 +276,10 @@ def _fully_shard(model: torch.nn.Module, sharding: Sharding, group: Any, device:
     if sharding.offload == "cpu":
         # pinned host memory needs a CUDA device
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
+    if sharding.expert_parallel > 1:  # NOTE [ Expert parallelism the torchtitan way ]: experts first, on their own mesh
+        from batchfit.parallel.expert_parallel import fully_shard_experts
+
+        fully_shard_experts(model, sharding.expert_parallel, device_type, kwargs)
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

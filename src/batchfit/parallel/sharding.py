@@ -104,6 +104,10 @@ class Sharding:
             ``virtual_pipeline_model_parallel_size``, the interleaved 1F1B schedule); ``None`` or 1:
             none; above 1 needs ``pipeline_parallel > 1`` (the layers must divide by
             ``pipeline_parallel × virtual_pipeline_parallel``, checked when the model is built).
+        expert_parallel: ``fsdp2`` only: ranks each MoE layer's experts are spread over (each holds
+            ``experts / expert_parallel`` of them, tokens sent by all-to-all, NOTE [ Expert parallelism
+            the torchtitan way ] in :mod:`batchfit.parallel.expert_parallel`); divides ``world_size``;
+            default 1.
 
     Raises:
         InvalidArgument: an unknown name (the choices and the closest are listed), a bad
@@ -132,6 +136,7 @@ class Sharding:
     megatron_sequence_parallel: bool = False
     distributed_optimizer: bool = False
     virtual_pipeline_parallel: int | None = None
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
         strategy = check_choice("sharding", self.strategy, strategy_names())
@@ -180,7 +185,21 @@ class Sharding:
                 f"reduce_bucket_size and overlap_comm are DeepSpeed ZeRO's options and need strategy='zero1' or 'zero2', but got strategy={strategy!r}; use strategy='zero2' or leave them at their defaults"
             )
         self._check_model_parallel(strategy, spec)
+        self._check_expert_parallel(strategy)
         object.__setattr__(self, "mixed_precision", precision)
+
+    def _check_expert_parallel(self, strategy: str) -> None:
+        ep = check_positive_int("expert_parallel", self.expert_parallel)
+        if ep > 1 and strategy != "fsdp2":
+            raise InvalidArgument(
+                f"expert_parallel={ep} needs strategy='fsdp2' (experts spread over an EP group, the rest sharded by "
+                f"FSDP2, as torchtitan runs MoE), but got strategy={strategy!r}; use strategy='fsdp2' or expert_parallel=1"
+            )
+        if self.world_size % ep:
+            raise InvalidArgument(
+                f"expert_parallel must divide world_size={self.world_size} (each EP group spans expert_parallel ranks), "
+                f"but got expert_parallel={ep}; use a divisor of {self.world_size}"
+            )
 
     def _check_model_parallel(self, strategy: str, spec: StrategySpec) -> None:
         tp = check_positive_int("tensor_parallel", self.tensor_parallel)
@@ -292,6 +311,8 @@ class Sharding:
             parts.append("no reshard after forward")
         if self.offload == "cpu":
             parts.append("CPU offload")
+        if self.expert_parallel > 1:
+            parts.append(f"expert parallel {self.expert_parallel}")
         if self.sequence_parallel > 1:
             parts.append(f"Ulysses sequence parallel {self.sequence_parallel} × data parallel {self.data_parallel_size}")
         return f"{self.strategy} over {self._ranks()} ({', '.join(parts)})"
@@ -310,6 +331,8 @@ class Sharding:
             del out["reduce_bucket_size"], out["overlap_comm"]
         if out["virtual_pipeline_parallel"] is None:
             del out["virtual_pipeline_parallel"]
+        if out["expert_parallel"] == 1:
+            del out["expert_parallel"]
         if self.spec.model_parallel:
             out["data_parallel"] = self.data_parallel_size
         else:
