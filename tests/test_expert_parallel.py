@@ -201,3 +201,20 @@ def test_fsdp2_with_ep_2_estimate_equals_the_receiving_gloo_rank_to_the_byte():
     assert predicted[0] == real[0][0], (predicted, real[0])  # rank 0 receives the most (worst routing)
     assert predicted[1] == real[0][1]
     assert real[0][0] > real[1][0], real
+
+
+@pytest.mark.slow  # the CLI's imports and a few probes of a small MoE on the estimate
+def test_the_cli_accepts_expert_parallel_2_and_states_the_receiving_rank(tmp_path, capsys):
+    import json
+
+    from batchfit.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_MOE))
+    args = ["profile", "--model", str(tmp_path), "--backend", "estimate", "--memory", "1GiB", "--max-seq-len", "512", "--world-size", "2", "--no-progress", "--json"]
+    assert main([*args, "--expert-parallel", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    profile = next(iter(out["profiles"].values())) if "profiles" in out else out
+    assert profile["moe"]["expert_parallel"] == 2 and profile["moe"]["routing"] == "skewed"
+    assert profile["sharding"]["expert_parallel"] == 2
+    assert main([*args[:-1], "--expert-parallel", "2"]) == 0
+    assert "budgeted for the rank that receives the most, all 2 ranks' tokens routed to its experts" in capsys.readouterr().out

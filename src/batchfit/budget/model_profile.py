@@ -400,7 +400,7 @@ class _Session:
         be.expect_world_size(plan.world_size if plan.distributed else 1)
         self.parameters = check_host_memory(config, model_name(model)) if be.host_memory else 0
         self.behaviours = torch_behaviours() if plan.spec.torch_behaviours else None  # before any simulated world
-        moe = moe_summary(config, opts.experts_implementation)
+        moe = moe_summary(config, opts.experts_implementation, plan.expert_parallel)
         if moe is not None:
             routing = opts.routing or (None if moe.routing == "any" else moe.routing)
             moe = dataclasses.replace(moe, routing=routing or "any")

@@ -227,8 +227,10 @@ def _rows() -> Iterator[ProfileSetting]:
     yield s("compare_routing", "--compare-routing", "options", "switch", help=(
         "with the eager experts (budgeted for the worst routing): also search the budget with balanced routing "
         "and print both (slow: the loop runs every expert)"))
-    yield s("expert_parallel", "--expert-parallel", "request", "int", metavar="N", said=False,
-            help="expert parallelism is not modelled: any N above 1 is refused (docs/moe.md)")
+    yield s("expert_parallel", "--expert-parallel", "sharding", "int", metavar="N", said=False, help=(
+        "fsdp2: each MoE layer's experts spread over N ranks, tokens sent by all-to-all (torchtitan's expert "
+        "parallelism; divides --world-size and the experts); budgeted for the rank that receives the most "
+        "(every rank's tokens routed to its experts), docs/moe.md (default 1)"))
     yield s("safety_margin", "--safety-margin", "options", "float", metavar="F", help=(
         "fraction of usable memory (default: what --allocator needs, 0.85 for expandable_segments, 0.83 for "
         "caching; or the --calibration file's)"))

@@ -327,6 +327,7 @@ class _Resolver:
             mixed_precision=v["mixed_precision"],
             offload=v["offload"],
             sequence_parallel=v["sequence_parallel"],
+            expert_parallel=v["expert_parallel"],
             tensor_parallel=v["tensor_parallel"],
             pipeline_parallel=v["pipeline_parallel"],
             virtual_pipeline_parallel=v["virtual_pipeline_parallel"],
@@ -470,11 +471,11 @@ class _Resolver:
         check_response_fraction(fraction, self.said("response_fraction"))
 
     def _experts(self) -> dict[str, Any]:
-        """``experts_implementation`` and ``compare_routing`` as options' changes; ``expert_parallel`` above 1 refused
-        (NOTE [ Expert parallelism is not modelled ] in batchfit.models.moe).
+        """``experts_implementation`` and ``compare_routing`` as options' changes; ``expert_parallel`` checked
+        (a positive integer: NOTE [ Expert parallelism the torchtitan way ] in batchfit.parallel.expert_parallel).
 
         Raises:
-            InvalidArgument: an unknown implementation, or ``expert_parallel`` above 1.
+            InvalidArgument: an unknown implementation, or ``expert_parallel`` not a positive integer.
         """
         from batchfit.models.moe import check_expert_parallel, check_experts_implementation
 

@@ -37,16 +37,16 @@ offered to compare (``compare_routing``; slow on the estimate: the loop then run
 change); the router itself, its logits, the auxiliary load-balancing loss
 (``output_router_logits``) and their memory stay as the model's own code allocates them.
 
-NOTE [ Expert parallelism is not modelled ]
+NOTE [ Expert parallelism under FSDP2 ]
 Expert parallelism (each rank of an EP group holds ``experts / EP`` of a layer's experts and
-tokens travel to them by all-to-all, as Megatron-based frameworks and torchtitan run MoE) has
-its layer in :mod:`batchfit.parallel.expert_parallel` (NOTE [ Expert parallelism the torchtitan
-way ]): transformers' grouped experts cut to the local experts, the tokens dispatched and combined
-by PyTorch's functional all-to-all, the dispatch buffers as they run; its estimate equals 2 gloo
-ranks' peak to the byte, and the receiving rank's worst case is :func:`received_rows`. The
-profile does not build it into the FSDP2 step yet, so batchfit still refuses ``expert_parallel >
-1`` in one line rather than answer it with a formula; a MoE is profiled under FSDP2 over every
-rank (each layer's experts gathered whole: the ``gathered_parameters`` category).
+tokens travel to them by all-to-all, as torchtitan and Megatron-based frameworks run MoE) is
+:mod:`batchfit.parallel.expert_parallel` (NOTE [ Expert parallelism the torchtitan way ]):
+transformers' grouped experts cut to the local experts, tokens dispatched and combined by
+PyTorch's functional all-to-all, the dispatch buffers as they run; ``Sharding(expert_parallel=N)``
+(``--expert-parallel N``, ``fsdp2`` only) builds it into the FSDP2 step. The dispatch follows
+the routing whatever the implementation, so with EP the probe fixes the worst case
+(:func:`probe_routing`) and runs as the rank that receives the most (:func:`received_rows`, NOTE
+[ The rank that receives the most ]). Megatron's expert parallelism (``MoELayer``) is not built.
 """
 
 from __future__ import annotations
@@ -135,16 +135,18 @@ def check_experts_implementation(name: str, value: Any) -> str | None:
 
 
 def check_expert_parallel(name: str, value: Any) -> None:
-    """Refuse expert parallelism above 1 (NOTE [ Expert parallelism is not modelled ]); ``None`` and 1 pass.
+    """Check an expert-parallel size (NOTE [ Expert parallelism the torchtitan way ] in
+    :mod:`batchfit.parallel.expert_parallel`): ``None`` or a positive integer pass; the strategy
+    (``fsdp2``) and the divisions (world, experts) are checked where they are known.
 
     Raises:
         InvalidArgument: any other value.
     """
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return
     raise InvalidArgument(
-        f"{name} {value!r}: expert parallelism (experts sharded over an EP group, tokens sent by all-to-all) is not modelled by batchfit, "
-        "and a dense formula would not be its memory; drop it to profile the MoE under FSDP2 over all ranks (every expert of a layer gathered), see docs/moe.md"
+        f"{name} {value!r}: the expert-parallel size must be a positive integer (ranks each MoE layer's experts are spread over); "
+        "use 1 for none, or a divisor of the world size and the experts, see docs/moe.md"
     )
 
 
@@ -298,6 +300,8 @@ class MoeSummary:
         shared_experts: experts per MoE layer every token runs through beside its routed ones
             (DeepSeek's ``n_shared_experts``; their parameters are all active).
         dense_layers: decoder layers without routed experts (DeepSeek's ``first_k_dense_replace``).
+        expert_parallel: ranks each layer's experts are spread over (1: none); above 1 the probe runs
+            as the rank that receives the most (NOTE [ The rank that receives the most ]).
     """
 
     total_parameters: int
@@ -311,6 +315,7 @@ class MoeSummary:
     balanced_tokens: int | None = None
     shared_experts: int = 0
     dense_layers: int = 0
+    expert_parallel: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON-ready)."""
@@ -326,6 +331,7 @@ class MoeSummary:
             "balanced_tokens": self.balanced_tokens,
             "shared_experts": self.shared_experts,
             "dense_layers": self.dense_layers,
+            "expert_parallel": self.expert_parallel,
         }
 
     def _experts_words(self) -> str:
@@ -360,7 +366,25 @@ class MoeSummary:
         return (
             f"mixture of experts: {_billions(self.total_parameters)} parameters, {_billions(self.active_parameters)} active; "
             f"{self.moe_layers} MoE layers{dense} of {self._experts_words()}, {self.experts_per_token} per token; "
-            f"experts {self.implementation}{default}, {routing}"
+            f"experts {self.implementation}{default}, {routing}{self.receiving_rank()}"
+        )
+
+    def receiving_rank(self) -> str:
+        """With expert parallelism, the receiving rank's worst case in words (NOTE [ The rank that receives the most ]); else ``""``.
+
+        ``; expert parallel 8: 16 experts per rank; budgeted for the rank that receives the most, all 8 ranks'
+        tokens routed to its experts (up to 8 × tokens × 8 rows per MoE layer, 8× a balanced rank's; …)``.
+        """
+        ep = self.expert_parallel
+        if ep <= 1:
+            return ""
+        local = self.experts // ep
+        per = min(self.experts_per_token, local)
+        return (
+            f"; expert parallel {ep}: {local} experts per rank; budgeted for the rank that receives the most, all {ep} ranks' "
+            f"tokens routed to its experts (up to {ep} × tokens × {per} rows per MoE layer, "
+            f"{ep * per / self.experts_per_token:.3g}× a balanced rank's; drop-less: a capacity factor c, tokens dropped past it, "
+            "would cap it at c× a balanced rank's)"
         )
 
 
@@ -378,13 +402,16 @@ class MoeSummary:
         figures hold the padding; this says why. ``None`` when there are at least as many
         experts as ranks (uneven counts above pad less than one expert per rank).
         """
-        if self.experts >= world_size:
+        ep = self.expert_parallel  # with EP, FSDP2 shards a rank's experts / ep over the world / ep ranks holding them
+        experts, ranks = self.experts // ep, world_size // ep
+        if experts >= ranks:
             return None
+        where = "" if ep == 1 else f" (expert parallel {ep}: each EP rank's {experts} over the {ranks} ranks that hold them)"
         return (
-            f"FSDP2 shards each layer's expert parameters along their {self.experts} experts: over {world_size} ranks "
-            f"each rank still holds one whole expert ({world_size - self.experts} of the {world_size} ranks hold padding "
-            f"only), so the experts' sharded parameters, gradients and optimizer state per rank are 1/{self.experts} "
-            f"of them, not 1/{world_size}: more ranks stop lowering them past {self.experts} (docs/moe.md)"
+            f"FSDP2 shards each layer's expert parameters along their {experts} experts{where}: over {ranks} ranks "
+            f"each rank still holds one whole expert ({ranks - experts} of the {ranks} ranks hold padding "
+            f"only), so the experts' sharded parameters, gradients and optimizer state per rank are 1/{experts} "
+            f"of them, not 1/{ranks}: more ranks stop lowering them past {experts} (docs/moe.md)"
         )
 
 
@@ -392,17 +419,22 @@ def _billions(n: int) -> str:
     return f"{n / 1e9:.3g}B" if n >= 1e8 else f"{n / 1e6:.3g}M"
 
 
-def probe_routing(implementation: str) -> str | None:
-    """The routing a probe fixes for ``implementation``: the worst case where memory follows the routing, else none."""
-    return "skewed" if implementation in ROUTING_DEPENDENT else None
+def probe_routing(implementation: str, expert_parallel: int = 1) -> str | None:
+    """The routing a probe fixes for ``implementation``: the worst case where memory follows the routing, else none.
+
+    With ``expert_parallel > 1`` the dispatch follows the routing whatever the implementation
+    (NOTE [ The rank that receives the most ]): the worst case.
+    """
+    return "skewed" if implementation in ROUTING_DEPENDENT or expert_parallel > 1 else None
 
 
-def moe_summary(config: Any, implementation: str | None = None) -> MoeSummary | None:
+def moe_summary(config: Any, implementation: str | None = None, expert_parallel: int = 1) -> MoeSummary | None:
     """Parameters, experts and implementation of a MoE config (built on the meta device: nothing allocated), or ``None`` for a dense one.
 
     Args:
         config: a transformers config (:func:`batchfit.models.load_config`).
         implementation: the experts implementation asked for; ``None``: the default.
+        expert_parallel: the EP size the experts are spread over (the routing is then the worst case).
     """
     fields = moe_fields(config)
     if fields is None:
@@ -430,9 +462,10 @@ def moe_summary(config: Any, implementation: str | None = None) -> MoeSummary | 
         moe_layers=len(modules),
         implementation=chosen,
         default_implementation=default,
-        routing=probe_routing(chosen) or "any",
+        routing=probe_routing(chosen, expert_parallel) or "any",
         shared_experts=shared_experts(config),
         dense_layers=max(0, _layers(config) - len(modules)),
+        expert_parallel=expert_parallel,
     )
 
 

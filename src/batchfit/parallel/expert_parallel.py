@@ -161,6 +161,11 @@ def fully_shard_experts(model: torch.nn.Module, ep_size: int, device_type: str, 
     with unset_fake_temporarily():  # the mesh holds real rank ids, even when estimating
         mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("expert_shard", "ep"))
     ep_mesh, shard_mesh = mesh["ep"], mesh["expert_shard"]
+    if not experts_modules(model):
+        raise InvalidArgument(
+            f"expert_parallel={ep_size} needs a mixture of experts (transformers' experts modules), but the model has none; "
+            "use expert_parallel=1"
+        )
     count = shard_experts(model, ep_size, ep_mesh.get_local_rank(), ep_mesh.get_group())
     for m in experts_modules(model):
         fully_shard(m, **{**options, "mesh": shard_mesh})
