@@ -166,6 +166,11 @@ def fully_shard_experts(model: torch.nn.Module, ep_size: int, device_type: str, 
             f"expert_parallel={ep_size} needs a mixture of experts (transformers' experts modules), but the model has none; "
             "use expert_parallel=1"
         )
+    if any(type(m).__module__.startswith("peft.") for m in model.modules()):
+        raise InvalidArgument(
+            f"expert_parallel={ep_size} with LoRA adapters is not modelled (PEFT's adapters of the experts span every "
+            "expert, not a rank's share); use expert_parallel=1 or lora_rank=0"
+        )
     count = shard_experts(model, ep_size, ep_mesh.get_local_rank(), ep_mesh.get_group())
     for m in experts_modules(model):
         fully_shard(m, **{**options, "mesh": shard_mesh})
