@@ -188,6 +188,21 @@ def _model_rank(rank: int, ep: int) -> tuple:
     return _model_peaks(get_backend("cpu"), dist.get_world_size(), ep)
 
 
+@pytest.mark.slow  # 4 gloo ranks and the estimate, FSDP2 steps of a small MoE
+@pytest.mark.timeout(400)
+def test_fsdp2_with_ep_2_over_4_ranks_estimate_equals_the_receiving_gloo_ranks_to_the_byte():
+    from batchfit.memory import get_backend
+    from batchfit.parallel.distributed import simulated_world
+
+    real = run_ranks(_model_rank, 2, world=4, timeout=300)
+    with simulated_world(4):
+        predicted = _model_peaks(get_backend("estimate", round_to=1, reserve_bytes=0), 4, 2)
+    # a (2, 2) mesh, EP fastest: ranks 0 and 2 are EP rank 0 (experts 0-3, sharded over the two of them)
+    assert predicted[2] == (2, 2) and all(r[2] == (2, 2) for r in real.values())
+    assert predicted[0] == real[0][0] == real[2][0] == max(r[0] for r in real.values()), (predicted, real)
+    assert predicted[1] == real[0][1]
+
+
 @pytest.mark.slow  # 2 gloo ranks and the estimate, FSDP2 steps of a small MoE
 @pytest.mark.timeout(300)
 def test_fsdp2_with_ep_2_estimate_equals_the_receiving_gloo_rank_to_the_byte():
