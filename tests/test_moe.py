@@ -220,7 +220,7 @@ def test_the_profile_header_names_moe():
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        pytest.param(lambda: check_expert_parallel("--expert-parallel", 4), r"--expert-parallel 4: expert parallelism .* is not modelled", id="ep"),
+        pytest.param(lambda: check_expert_parallel("--expert-parallel", 0), r"--expert-parallel 0: the expert-parallel size must be a positive integer", id="ep"),
         pytest.param(
             lambda: build_causal_lm(_config(), experts_implementation="megablocks"),
             r"experts_implementation must be one of 'grouped_mm', 'batched_mm', 'eager'",
@@ -233,6 +233,7 @@ def test_bad_moe_settings_are_refused(call, match):
     with pytest.raises(InvalidArgument, match=match):
         call()
     check_expert_parallel("--expert-parallel", 1)  # 1 is no expert parallelism
+    check_expert_parallel("--expert-parallel", 8)  # checked against the world and the experts where they are known
     assert EXPERTS_IMPLEMENTATIONS == ("grouped_mm", "batched_mm", "eager")
 
 
@@ -271,12 +272,12 @@ def test_a_verl_config_whose_model_is_moe_profiles_every_pass_with_it(tmp_path, 
 
 
 @pytest.mark.slow  # the CLI's imports
-def test_the_cli_refuses_expert_parallelism_in_one_line(capsys):
+def test_the_cli_refuses_expert_parallelism_on_a_dense_model_in_one_line(capsys):
     from batchfit.cli import main
 
-    assert main(["profile", "--model", "tiny", "--backend", "estimate", "--memory", "1GiB", "--expert-parallel", "4"]) == 2
+    assert main(["profile", "--model", "tiny", "--backend", "estimate", "--memory", "1GiB", "--expert-parallel", "2", "--world-size", "2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--expert-parallel 4: expert parallelism" in err and "docs/moe.md" in err
+    assert len(err.splitlines()) == 1 and "expert_parallel=2 needs a mixture of experts" in err
 
 
 @pytest.mark.slow  # two real cpu steps

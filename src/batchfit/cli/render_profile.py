@@ -124,6 +124,12 @@ def worst_case_line(profile: Any) -> str | None:
     worst = profile.combined.tokens
     if moe.balanced_tokens < WORST_CASE_GAP * worst:
         return f"routing: the worst case (every expert hit, the other tokens on the same experts) costs little here: C = {worst:,} tokens, {moe.balanced_tokens:,} with balanced routing"
+    if getattr(moe, "expert_parallel", 1) > 1:  # the dispatch follows the routing whatever the implementation
+        return (
+            f"routing: the worst case (every rank's tokens on one EP rank's experts) sets C = {worst:,} tokens per rank; balanced routing "
+            f"would allow {moe.balanced_tokens:,} ({moe.balanced_tokens / worst:.2g}×), but drop-less routing can send every rank's tokens "
+            "to one EP rank: a capacity factor (tokens dropped past it) bounds what it receives"
+        )
     return (
         f"routing: the worst case (every expert hit, the other tokens on the same experts) sets C = {worst:,} tokens per rank; balanced routing "
         f"would allow {moe.balanced_tokens:,} ({moe.balanced_tokens / worst:.2g}×), but the {moe.implementation} experts' memory "
