@@ -155,6 +155,10 @@ class MegatronStep:
             the default: the referees count its scores) or ``"sdpa"`` (fused, as Transformer Engine runs
             it, and no ``[s, s]`` mask in the inputs: NOTE [ Fused attention for Megatron budgets ] in
             :mod:`batchfit.models.megatron_attention`).
+        head: the head on the last stage's logits: ``"megatron"`` or ``None`` (Megatron's own
+            cross-entropy, the default), a framework's name (``"verl"``, ``"skyrl"``, ``"slime"``:
+            its default config for this pass) or a :class:`~batchfit.train.megatron_heads.MegatronHead`
+            (NOTE [ Framework heads under Megatron ] in :mod:`batchfit.train.megatron_heads`).
         **overrides: ``TransformerConfig`` fields (``num_layers=2``, ``hidden_dropout=0.1``, ...).
 
     Attributes:
@@ -188,9 +192,11 @@ class MegatronStep:
         attention: str = "local",
         forward_only: bool = False,
         optimizer: str = "resident",
+        head: Any = None,
         **overrides: Any,
     ):
         from batchfit.models.megatron_attention import ATTENTIONS
+        from batchfit.train.megatron_heads import as_megatron_head
 
         self.spec = spec
         self.forward_only = bool(forward_only)
@@ -201,6 +207,7 @@ class MegatronStep:
                 "state resident; pass forward_only=True to measure a forward pass without them, or leave optimizer unset"
             )
         self.attention = check_choice("attention", attention, ATTENTIONS)
+        self.head = as_megatron_head(head, forward_only=self.forward_only)
         self.tensor_parallel = check_positive_int("tensor_parallel", tensor_parallel)
         self.pipeline_parallel = check_positive_int("pipeline_parallel", pipeline_parallel)
         self.sequence_parallel = bool(sequence_parallel)
@@ -330,16 +337,16 @@ class MegatronStep:
                 forward_chunks = chunks if optimizer is None else optimizer.chunks
 
                 def run() -> None:
-                    megatron_forward_step(forward_chunks, batches)
+                    megatron_forward_step(forward_chunks, batches, head=self.head)
             elif self.pipeline_parallel == 1:
                 (batch,) = batches
 
                 def run() -> None:
-                    megatron_train_step(chunks[0], optimizer, batch)
+                    megatron_train_step(chunks[0], optimizer, batch, head=self.head)
             else:
 
                 def run() -> None:
-                    megatron_pipeline_step(model, optimizer, batches)
+                    megatron_pipeline_step(model, optimizer, batches, head=self.head)
 
             objects: list[Any] = []
             categories: list[str | None] = []
@@ -368,8 +375,8 @@ class MegatronStep:
         return out
 
     def describe(self) -> dict[str, Any]:
-        """The layout as plain values (for a report)."""
-        return {
+        """The layout as plain values (for a report); ``head`` only when it is not Megatron's own."""
+        out = {
             "tensor_parallel": self.tensor_parallel,
             "pipeline_parallel": self.pipeline_parallel,
             "virtual_pipeline": self.virtual_pipeline,
@@ -386,6 +393,9 @@ class MegatronStep:
             "stage_peaks": dict(self.stage_peaks),
             "binding_stage": self.binding_stage,
         }
+        if not self.head.is_default:
+            out["head"] = self.head.describe()
+        return out
 
 
 def _virtual_pipeline(virtual_pipeline: int | None, pipeline_parallel: int, micro_batches: int) -> int | None:

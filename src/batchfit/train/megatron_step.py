@@ -96,7 +96,8 @@ as ``model_output``, which the schedule appends to its ``forward_data_store``):
 else outlives a micro-batch: 1F1B's forward-only path releases each one's activations after
 its forward, so every stage holds one micro-batch's at a time. The temperature (verl divides
 the logits in place) and the entropy (``calculate_entropy``: a clone of the logits) are left
-out. What stays resident is the caller's: the policy's forward (``policy_forward``) keeps its
+out of this default head; ``head=`` runs verl's (or SkyRL's, slime's) on the logits, entropy
+included (NOTE [ Framework heads under Megatron ] in :mod:`batchfit.train.megatron_heads`). What stays resident is the caller's: the policy's forward (``policy_forward``) keeps its
 DDP buffers and Megatron's optimizer state (:func:`megatron_optimizer`, registered as
 :meth:`MegatronTraining.registered`; only the buffers with ``optimizer_state=False``, verl's
 ``optimizer_offload``), a reference only its parameters (verl builds a forward-only engine with
@@ -116,6 +117,7 @@ from batchfit.errors import InvalidArgument
 from batchfit.memory import labels
 from batchfit.memory.categories import GRADIENTS, LOGPROB_HEAD, OPTIMIZER_STATE, OPTIMIZER_STEP, PARAMETERS
 from batchfit.parallel.rank_signals import listening
+from batchfit.train.megatron_heads import MegatronHead, head_loss, head_outputs
 from batchfit.train.optim import initialize_optimizer_state
 from batchfit.validation import check_positive_int
 
@@ -343,16 +345,26 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def _per_token_loss(model: torch.nn.Module, batch: MegatronBatch) -> torch.Tensor:
-    """``GPTModel``'s forward: ``[b, s]`` per-token losses on the last stage, hidden states elsewhere; the head labelled."""
+def _per_token_loss(model: torch.nn.Module, batch: MegatronBatch, head: MegatronHead | None = None) -> torch.Tensor:
+    """``GPTModel``'s forward: ``[b, s]`` per-token losses on the last stage, hidden states elsewhere; the head labelled.
+
+    ``head`` (a framework's, NOTE [ Framework heads under Megatron ] in
+    :mod:`batchfit.train.megatron_heads`): ``GPTModel`` without labels gives its logits, which the
+    framework's head turns into the loss; ``None`` or ``"megatron"``: Megatron's own cross-entropy.
+    """
     inner = _unwrapped(model)
-    head = getattr(inner, "output_layer", None) if getattr(inner, "post_process", True) else None
+    head_module = getattr(inner, "output_layer", None) if getattr(inner, "post_process", True) else None
     handles = []
-    if head is not None:  # the logits and the cross-entropy are the head's (NOTE [ Phases and regions ])
-        handles.append(head.register_forward_pre_hook(lambda module, args: labels.set_region(LOGPROB_HEAD)))
-        handles.append(head.register_forward_pre_hook(lambda module, args: labels.set_position(labels.HEAD)))
+    if head_module is not None:  # the logits and the cross-entropy are the head's (NOTE [ Phases and regions ])
+        handles.append(head_module.register_forward_pre_hook(lambda module, args: labels.set_region(LOGPROB_HEAD)))
+        handles.append(head_module.register_forward_pre_hook(lambda module, args: labels.set_position(labels.HEAD)))
     try:
-        return model(batch.input_ids, batch.position_ids, batch.attention_mask, labels=batch.labels)
+        if head is None or head.is_default:
+            return model(batch.input_ids, batch.position_ids, batch.attention_mask, labels=batch.labels)
+        output = model(batch.input_ids, batch.position_ids, batch.attention_mask)  # the logits on the last stage
+        if head_module is None:
+            return output
+        return head_loss(head, output, batch.labels)  # still in the head's region
     finally:
         labels.set_region(None)
         for handle in handles:
@@ -364,14 +376,15 @@ def _masked_mean(per_token: torch.Tensor, batch: MegatronBatch) -> torch.Tensor:
     return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
 
 
-def megatron_loss(model: torch.nn.Module, batch: MegatronBatch) -> torch.Tensor:
+def megatron_loss(model: torch.nn.Module, batch: MegatronBatch, *, head: MegatronHead | None = None) -> torch.Tensor:
     """The masked mean of Megatron's per-token loss: ``GPTModel(..., labels=...)`` runs its vocab-parallel cross-entropy.
 
     ``model`` is the ``GPTModel`` or its DDP wrapper. The batch's causal mask is passed in (the
     local spec's ``DotProductAttention`` would make one on CUDA). With pipeline parallelism use
-    :func:`megatron_pipeline_step`.
+    :func:`megatron_pipeline_step`. ``head``: a framework's head on the logits instead
+    (:func:`batchfit.train.megatron_heads.head_loss`).
     """
-    return _masked_mean(_per_token_loss(model, batch), batch)
+    return _masked_mean(_per_token_loss(model, batch, head), batch)
 
 
 def finalize_sequence_parallel_grads(model: torch.nn.Module) -> None:
@@ -416,7 +429,9 @@ def _optimizer_step(training: MegatronTraining) -> None:
         training.optimizer.step()
 
 
-def megatron_train_step(model: torch.nn.Module, optimizer: MegatronTraining, batch: MegatronBatch) -> float:
+def megatron_train_step(
+    model: torch.nn.Module, optimizer: MegatronTraining, batch: MegatronBatch, *, head: MegatronHead | None = None
+) -> float:
     """One step on this rank: forward (vocab-parallel cross-entropy), backward, ``finalize_model_grads``, Megatron's optimizer step.
 
     Run it inside :func:`batchfit.models.megatron.megatron_cpu_patches` on every rank of the
@@ -428,6 +443,8 @@ def megatron_train_step(model: torch.nn.Module, optimizer: MegatronTraining, bat
         model: the ``GPTModel`` (or ``optimizer.model``, its DDP wrapper).
         optimizer: :func:`megatron_optimizer`'s result for it.
         batch: this rank's micro-batch.
+        head: the framework's head on the logits (NOTE [ Framework heads under Megatron ] in
+            :mod:`batchfit.train.megatron_heads`); ``None``: Megatron's cross-entropy.
 
     Returns:
         The loss (a float; ``nan`` under fake tensors, which have no values).
@@ -441,7 +458,7 @@ def megatron_train_step(model: torch.nn.Module, optimizer: MegatronTraining, bat
     _zero_grads(training)
     with labels.phase(labels.FORWARD):
         labels.set_position(labels.EMBED)
-        loss = megatron_loss(training.model, batch)
+        loss = megatron_loss(training.model, batch, head=head)
     with labels.phase(labels.BACKWARD):
         loss.backward()
         finalize_model_grads([training.model])
@@ -450,7 +467,11 @@ def megatron_train_step(model: torch.nn.Module, optimizer: MegatronTraining, bat
 
 
 def megatron_pipeline_step(
-    model: torch.nn.Module, optimizer: MegatronTraining, micro_batches: Sequence[MegatronBatch]
+    model: torch.nn.Module,
+    optimizer: MegatronTraining,
+    micro_batches: Sequence[MegatronBatch],
+    *,
+    head: MegatronHead | None = None,
 ) -> float | None:
     """One step of this pipeline stage under Megatron's own schedule, then Megatron's optimizer step.
 
@@ -472,6 +493,7 @@ def megatron_pipeline_step(
         model: this stage's ``GPTModel`` (:func:`batchfit.models.megatron.build_gpt_model`) or its DDP wrapper.
         optimizer: :func:`megatron_optimizer`'s result for it.
         micro_batches: the step's micro-batches, all of one shape.
+        head: the framework's head on the last stage's logits (as :func:`megatron_train_step`).
 
     Returns:
         The mean loss over the micro-batches on the last stage (``nan`` under fake tensors),
@@ -497,7 +519,7 @@ def megatron_pipeline_step(
             losses.append(loss.detach().clone())  # the schedule divides the returned loss in place
             return loss, {"loss": loss.detach()}
 
-        return _per_token_loss(stage, batch), loss_func
+        return _per_token_loss(stage, batch, head), loss_func
 
     chunks = training.chunks
     _check_interleaved(len(chunks), len(micro_batches))
@@ -551,7 +573,10 @@ def megatron_log_probs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tens
 
 
 def megatron_forward_step(
-    model: torch.nn.Module | Sequence[torch.nn.Module], micro_batches: Sequence[MegatronBatch]
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    micro_batches: Sequence[MegatronBatch],
+    *,
+    head: MegatronHead | None = None,
 ) -> list[torch.Tensor] | None:
     """The forward-only pass of old or reference log-probs on this stage, through Megatron's schedule (NOTE [ The Megatron forward-only pass ]).
 
@@ -568,6 +593,10 @@ def megatron_forward_step(
             stages (the interleaved schedule; ``MegatronTraining.chunks``).
         micro_batches: the pass's micro-batches, all of one shape (a multiple of the pipeline's
             stages with virtual stages).
+        head: the framework's head on the logits (NOTE [ Framework heads under Megatron ] in
+            :mod:`batchfit.train.megatron_heads`), its entropy kept beside the log-probs until the
+            schedule ends where it computes one (verl's and slime's ``model_output``); ``None``:
+            :func:`megatron_log_probs`.
 
     Returns:
         Each micro-batch's fp32 ``[b, s]`` log-probs on the last stage, ``None`` on the others.
@@ -582,6 +611,7 @@ def megatron_forward_step(
     chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
     _check_interleaved(len(chunks), len(micro_batches))
     kept: list[torch.Tensor] = []
+    kept_entropy: list[torch.Tensor] = []  # alive until the schedule ends, as the log-probs
 
     def forward_step(data_iterator: Any, stage: torch.nn.Module) -> tuple[torch.Tensor, Any]:
         batch = next(data_iterator)
@@ -597,7 +627,12 @@ def megatron_forward_step(
         def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             try:
                 with labels.region(LOGPROB_HEAD):
-                    log_probs = megatron_log_probs(logits, batch.labels)
+                    if head is None or head.is_default:
+                        log_probs = megatron_log_probs(logits, batch.labels)
+                    else:
+                        log_probs, entropy = head_outputs(head, logits, batch.labels)
+                        if entropy is not None:
+                            kept_entropy.append(entropy.detach())
             finally:
                 labels.set_region(None)
             kept.append(log_probs.detach())
