@@ -133,10 +133,6 @@ def test_an_entropy_loss_is_a_warning_the_budget_leaves_it_out():
     ("keys", "said"),
     [
         (
-            _megatron(context_parallel_size=2),
-            "the config's trainer.policy.megatron_config.context_parallel_size=2 splits each sequence",
-        ),
-        (
             _megatron(expert_model_parallel_size=2),
             "the config's trainer.policy.megatron_config.expert_model_parallel_size=2 splits an MoE model's experts",
         ),
@@ -145,16 +141,24 @@ def test_an_entropy_loss_is_a_warning_the_budget_leaves_it_out():
             "the config's trainer.policy.model.lora.rank=16 trains Megatron LoRA adapters",
         ),
     ],
-    ids=["context-parallel", "expert-parallel", "lora"],
+    ids=["expert-parallel", "lora"],
 )
 def test_what_the_megatron_profile_does_not_model_is_one_refusal_naming_key_value_and_fix(keys, said):
-    data = _config(**keys)
-    if "context_parallel_size" in str(keys):  # SkyRL's CP needs remove_microbatch_padding (it is on), 8 % 8 ranks
-        data["trainer"]["ref"]["megatron_config"]["context_parallel_size"] = 2
-    run = read_run_config(data)
+    run = read_run_config(_config(**keys))
     refusal = megatron_refusal(run)
     assert refusal is not None and refusal.startswith(said) and "; " in refusal
     run.plan()  # SkyRL runs it: `batchfit plan` still answers
+
+
+def test_context_parallelism_is_profiled_not_refused():
+    data = _config(**_megatron(context_parallel_size=2))
+    data["trainer"]["ref"]["megatron_config"]["context_parallel_size"] = 2  # needs remove_microbatch_padding (on)
+    run = read_run_config(data)
+    assert megatron_refusal(run) is None
+    assert run.batch.context_parallel == 2
+    from batchfit.frameworks.config_options import run_profile_options
+
+    assert run_profile_options(run, {}).options.sharding.context_parallel == 2
 
 
 def test_a_modelled_megatron_run_and_an_fsdp_run_are_not_refused():

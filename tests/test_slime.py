@@ -238,15 +238,24 @@ def test_profile_reads_slimes_megatron_layout_into_the_sharding(tmp_path):
     assert s.megatron_sequence_parallel and s.distributed_optimizer and options.cost == "packed"
 
 
-def test_slimes_context_parallelism_is_refused_in_one_line(tmp_path, capsys):
+def test_slimes_context_parallelism_is_profiled_and_its_per_gpu_tokens_emitted(tmp_path, capsys):
+    import json
+
     from batchfit.cli import main
 
     script = _script(tmp_path, extra="--context-parallel-size 2")
-    assert main(["profile", "--config", str(script), "--backend", "estimate", "--model", "tiny"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1
-    assert "--context-parallel-size=2 splits each sequence over a context-parallel group" in err
-    assert "set --context-parallel-size=1 and raise the tensor parallelism instead" in err
+    assert main(["profile", "--config", str(script), "--backend", "estimate", "--model", "tiny", "--emit", "slime", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    profile, emitted = out["profiles"]["policy"], out["emit"]
+    s = profile["sharding"]
+    assert (s["tensor_parallel"], s["context_parallel"], s["data_parallel"]) == (2, 2, 2)
+    assert emitted["--context-parallel-size"] == 2
+    # slime packs --max-tokens-per-gpu × --context-parallel-size tokens per micro-batch: the smallest budget over 2
+    smallest = min(b["tokens"] for b in profile["budgets"].values())
+    assert emitted["--max-tokens-per-gpu"] == smallest // 2
+    yours = [n for n in out["emit_notes"] if n.startswith("actor update: yours --max-tokens-per-gpu=9,216 per GPU")]
+    budget = profile["budgets"]["policy"]["tokens"]
+    assert yours and f"batchfit {budget // 2:,}:" in yours[0]  # compared in the config's unit, per GPU
 
 
 def _emitted(run, budgets, backend="estimate"):

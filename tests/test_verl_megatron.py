@@ -212,11 +212,6 @@ def test_a_world_the_megatron_sizes_do_not_divide_is_a_fault():
     ("keys", "said"),
     [
         (
-            _megatron(context_parallel_size=2),
-            "the config's actor_rollout_ref.actor.megatron.context_parallel_size=2 splits each sequence over Megatron's "
-            "context-parallel ranks",
-        ),
-        (
             _megatron(expert_model_parallel_size=4),
             "the config's actor_rollout_ref.actor.megatron.expert_model_parallel_size=4 splits an MoE model's experts",
         ),
@@ -229,7 +224,7 @@ def test_a_world_the_megatron_sizes_do_not_divide_is_a_fault():
             "the config's algorithm.adv_estimator='gae' trains a critic beside the Megatron actor",
         ),
     ],
-    ids=["context-parallel", "expert-parallel", "lora", "critic"],
+    ids=["expert-parallel", "lora", "critic"],
 )
 def test_what_the_megatron_profile_does_not_model_is_one_refusal_naming_key_value_and_fix(keys, said):
     run = read_run_config(_config(**keys))

@@ -48,7 +48,7 @@ def _dapo(tmp_path):
 
 def _profile(run, budgets, *, sp=1, longest=None):
     """A RunProfile's shape: the run, each pass's budget (tokens per micro-batch of a group), the policy's options."""
-    options = types.SimpleNamespace(sharding=types.SimpleNamespace(sequence_parallel=sp), max_seq_len=longest)
+    options = types.SimpleNamespace(sharding=types.SimpleNamespace(sequence_parallel=sp, context_parallel=1), max_seq_len=longest)
     return types.SimpleNamespace(
         run=run, budgets={r: types.SimpleNamespace(tokens=t) for r, t in budgets.items()}, options={"policy": options}
     )

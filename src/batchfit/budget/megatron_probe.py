@@ -129,8 +129,15 @@ class MegatronStep:
             pipeline stages ]); ``None`` or 1: none. Needs ``pipeline_parallel > 1``, the layers
             divisible by ``pipeline_parallel × virtual_pipeline`` and ``micro_batches`` a multiple
             of ``pipeline_parallel``.
-        data_parallel: data-parallel ranks; the world is ``tensor_parallel × pipeline_parallel ×
-            data_parallel`` ranks (Megatron's order: tp fastest, then dp, then pp).
+        data_parallel: data-parallel ranks; the world is ``tensor_parallel × context_parallel ×
+            pipeline_parallel × data_parallel`` ranks (Megatron's order: tp fastest, then cp, then
+            dp, then pp).
+        context_parallel: ranks each row is cut over (Megatron's ``context_parallel_size``, NOTE
+            [ Context parallelism as Megatron runs it ] in :mod:`batchfit.models.megatron_context`):
+            a measurement of rows of ``s`` tokens runs ``s / context_parallel`` of them on each rank
+            (``s`` padded up to a multiple of ``2 × context_parallel``, and of ``tensor_parallel``
+            more under sequence parallelism, as verl and slime pad), attention a ring over the
+            group. Needs ``attention="sdpa"``.
         distributed_optimizer: Megatron's distributed optimizer (main parameters and Adam's
             moments sharded over the data-parallel group, the gradient buffer reduce-scattered).
         main_params_fp32: Megatron's mixed-precision optimizer (fp32 main parameters and fp32
@@ -183,6 +190,7 @@ class MegatronStep:
         micro_batches: int | None = None,
         virtual_pipeline: int | None = None,
         data_parallel: int = 1,
+        context_parallel: int = 1,
         distributed_optimizer: bool = False,
         main_params_fp32: bool | None = None,
         backend: Backend,
@@ -212,6 +220,12 @@ class MegatronStep:
         self.pipeline_parallel = check_positive_int("pipeline_parallel", pipeline_parallel)
         self.sequence_parallel = bool(sequence_parallel)
         self.data_parallel = check_positive_int("data_parallel", data_parallel)
+        self.context_parallel = check_positive_int("context_parallel", context_parallel)
+        if self.context_parallel > 1 and self.attention == "local":
+            raise InvalidArgument(
+                f"context_parallel={context_parallel} needs attention='sdpa' (Megatron's local DotProductAttention has no "
+                "context parallelism: it is Transformer Engine's, modelled by the fused attention's ring); pass attention='sdpa'"
+            )
         self.distributed_optimizer = bool(distributed_optimizer)
         if micro_batches is None:
             micro_batches = self.pipeline_parallel
@@ -256,12 +270,25 @@ class MegatronStep:
 
     @property
     def world_size(self) -> int:
-        """The ranks of the layout: ``tensor_parallel × pipeline_parallel × data_parallel``."""
-        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+        """The ranks of the layout: ``tensor_parallel × context_parallel × pipeline_parallel × data_parallel``."""
+        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel * self.data_parallel
+
+    @property
+    def _stage_ranks(self) -> int:
+        return self.tensor_parallel * self.context_parallel * self.data_parallel
 
     def stage_first_rank(self, stage: int) -> int:
-        """The global rank of ``stage``'s first rank (Megatron's order: tp fastest, then dp, then pp)."""
-        return stage * self.tensor_parallel * self.data_parallel
+        """The global rank of ``stage``'s first rank (Megatron's order: tp fastest, then cp, then dp, then pp)."""
+        return stage * self._stage_ranks
+
+    def local_length(self, seq: int) -> int:
+        """Tokens of a row of ``seq`` each rank runs: ``seq`` padded (to a multiple of ``2 × context_parallel``, and
+        ``× tensor_parallel`` under sequence parallelism) over ``context_parallel`` (NOTE [ Context parallelism as
+        Megatron runs it ])."""
+        if self.context_parallel == 1:
+            return seq
+        multiple = 2 * self.context_parallel * (self.tensor_parallel if self.sequence_parallel else 1)
+        return -(-seq // multiple) * multiple // self.context_parallel
 
     def measure(self, lengths: Sequence[int]) -> MemoryMeasurement:
         """The peak of one training step (or forward-only pass) of ``micro_batches`` micro-batches of ``len(lengths)`` rows of ``max(lengths)`` tokens.
@@ -289,10 +316,10 @@ class MegatronStep:
         if not dist.is_initialized() or dist.get_world_size() != self.world_size:
             have = dist.get_world_size() if dist.is_initialized() else None
             raise InvalidArgument(
-                f"MegatronStep on the cpu backend runs on tensor_parallel × pipeline_parallel × data_parallel = {self.world_size} real ranks, "
+                f"MegatronStep on the cpu backend runs on tensor_parallel × context_parallel × pipeline_parallel × data_parallel = {self.world_size} real ranks, "
                 f"but the process group has {have}; run it on every rank of a group of {self.world_size} (torchrun)"
             )
-        return dist.get_rank() // (self.tensor_parallel * self.data_parallel)  # Megatron's order: tp fastest, then dp, then pp
+        return dist.get_rank() // self._stage_ranks  # Megatron's order: tp fastest, then cp, then dp, then pp
 
     def _measure_here(self, rows: int, seq: int) -> MemoryMeasurement:
         """Build this rank's stage fresh and measure its first step (NOTE [ A fresh Megatron model per measurement ])."""
@@ -306,7 +333,9 @@ class MegatronStep:
         )
 
         backend, real = self.backend, not self.backend.simulated
-        parallel = model_parallel(self.tensor_parallel, self.pipeline_parallel, self.virtual_pipeline)
+        parallel = model_parallel(
+            self.tensor_parallel, self.pipeline_parallel, self.virtual_pipeline, context_parallel=self.context_parallel
+        )
         with parallel, megatron_cpu_patches(), _rope_cache_cleared():
             if real:
                 torch.manual_seed(self.seed)
@@ -317,6 +346,7 @@ class MegatronStep:
                     tensor_parallel=self.tensor_parallel,
                     pipeline_parallel=self.pipeline_parallel,
                     sequence_parallel=self.sequence_parallel,
+                    context_parallel=self.context_parallel,
                     dtype=self.dtype,
                     initialise=real,
                     gpt_args=self.gpt_args,
@@ -331,7 +361,8 @@ class MegatronStep:
                 vocab = chunks[0].vocab_size
                 mask = self.attention == "local"  # fused attention takes the causal mask as a flag
                 batches = [
-                    synthetic_batch(vocab, rows, seq, seed=i, attention_mask=mask) for i in range(self.micro_batches)
+                    synthetic_batch(vocab, rows, self.local_length(seq), seed=i, attention_mask=mask)
+                    for i in range(self.micro_batches)
                 ]
             if self.forward_only:
                 forward_chunks = chunks if optimizer is None else optimizer.chunks
@@ -379,6 +410,7 @@ class MegatronStep:
         out = {
             "tensor_parallel": self.tensor_parallel,
             "pipeline_parallel": self.pipeline_parallel,
+            "context_parallel": self.context_parallel,
             "virtual_pipeline": self.virtual_pipeline,
             "sequence_parallel": self.sequence_parallel,
             "micro_batches": self.micro_batches,

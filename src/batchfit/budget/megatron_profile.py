@@ -234,6 +234,7 @@ def megatron_step(
         config,
         tensor_parallel=plan.tensor_parallel,
         pipeline_parallel=plan.pipeline_parallel,
+        context_parallel=plan.context_parallel,
         virtual_pipeline=plan.virtual_pipeline_parallel,
         sequence_parallel=plan.megatron_sequence_parallel,
         backend=backend,
@@ -293,13 +294,18 @@ def _state_bytes(model: Any, role: str, options: ProfileOptions, kinds: Sequence
     most = 0
     for stage in range(plan.pipeline_parallel):  # the stage that keeps the most binds
         with simulated_rank(step.world_size, step.stage_first_rank(stage)), contextlib.ExitStack() as inside:
-            inside.enter_context(model_parallel(plan.tensor_parallel, plan.pipeline_parallel, plan.virtual_pipeline_parallel))
+            inside.enter_context(
+                model_parallel(
+                    plan.tensor_parallel, plan.pipeline_parallel, plan.virtual_pipeline_parallel,
+                    context_parallel=plan.context_parallel,
+                )
+            )
             inside.enter_context(megatron_cpu_patches())
             with be.context():
                 chunks = build_gpt_chunks(
                     config, tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
                     virtual_pipeline=plan.virtual_pipeline_parallel, sequence_parallel=plan.megatron_sequence_parallel,
-                    dtype=dtype, initialise=False, gpt_args=step.gpt_args,
+                    context_parallel=plan.context_parallel, dtype=dtype, initialise=False, gpt_args=step.gpt_args,
                 )
                 net = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
                 state: tuple[Any, ...] = (net,)

@@ -184,9 +184,10 @@ def _rows() -> Iterator[ProfileSetting]:
     yield s("distributed_optimizer", "--distributed-optimizer", "sharding", "bool", help=(
         "--sharding megatron: the optimizer state sharded over data parallel (use_distributed_optimizer; default "
         "off, or the config's)"))
-    yield s("context_parallel", "--context-parallel", "request", "int", metavar="N", said=False, help=(
-        "ring attention over N ranks: refused above 1 (PyTorch's context_parallel has no CPU sharding strategy "
-        "for sdpa and no packed rows); use --sequence-parallel"))
+    yield s("context_parallel", "--context-parallel", "sharding", "int", metavar="N", help=(
+        "--sharding megatron: Megatron's context parallelism, each sequence cut over N ranks and attention a ring "
+        "(Transformer Engine's p2p exchange; default 1, or the config's context_parallel_size); data parallel = "
+        "--world-size / (tensor × context × pipeline). Refused under other strategies: use --sequence-parallel"))
     yield s("dtype", "--dtype", "options", "str", metavar="bf16|fp32", said=False,
             help="dtype parameters are stored in (default fp32 under --mixed-precision bf16, else bf16)")
     yield s("gradient_checkpointing", "--gradient-checkpointing", "options", "bool", help=(

@@ -111,14 +111,8 @@ def run_profile_options(
         # NOTE [ An unmodelled strategy profiled as another ]: the run the budgets are for has dp over every GPU
         run, retrained = as_data_parallel(run, str(chosen.strategy), chosen.sequence_parallel)
     ring = run.batch.context_parallel or 1
-    if ring > 1 and megatron:
-        key = (run.key_names or {}).get("context_parallel", "context_parallel")
-        raise InvalidArgument(
-            f"the config's {key}={ring} splits each sequence over a context-parallel group, which batchfit does not model "
-            "under Megatron (Megatron-core's context parallelism runs only in Transformer Engine's attention, which does "
-            f"not run here); set {key}=1 and raise the tensor parallelism instead"
-        )
-    if ring > 1 and chosen.sequence_parallel is None:
+    # under Megatron the config's context parallelism is profiled (NOTE [ Context parallelism as Megatron runs it ])
+    if ring > 1 and not megatron and chosen.sequence_parallel is None:
         # NOTE [ Ring attention is refused ] in batchfit.frameworks.profile_request: OpenRLHF's --ds.ring_attn_size,
         # Megatron's context parallelism (slime)
         key = (run.key_names or {}).get("context_parallel", "context_parallel")
@@ -194,6 +188,7 @@ def _megatron_layout(run: RunConfig) -> dict[str, Any]:
     return {
         "tensor_parallel": batch.tensor_parallel or 1,
         "pipeline_parallel": batch.pipeline_parallel or 1,
+        "context_parallel": batch.context_parallel or 1,
         "virtual_pipeline_parallel": run.virtual_pipeline_parallel,
         "megatron_sequence_parallel": bool(run.megatron_sequence_parallel),
         "distributed_optimizer": bool(run.distributed_optimizer),

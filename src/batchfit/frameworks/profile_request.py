@@ -35,6 +35,7 @@ from batchfit.budget.settings import (
 from batchfit.errors import KEYWORDS, InvalidArgument, Setting, Vocabulary
 from batchfit.frameworks.run import RunConfig
 from batchfit.memory import backend_class
+from batchfit.parallel.sharding import MODEL_PARALLEL_STRATEGIES
 
 if TYPE_CHECKING:
     from batchfit.budget.model_profile import ModelProfile
@@ -302,7 +303,7 @@ class _Resolver:
             world = launched if v["world_size"] is None else v["world_size"]  # never the config's: the group's
             default_world = launched
         self._check_response()
-        self._check_context_parallel()
+        self._check_context_parallel(run)
         check_sequence_parallel(
             v["sequence_parallel"], v["world_size"], run, model, default_world,
             names=(said("sequence_parallel"), said("world_size")),
@@ -330,6 +331,7 @@ class _Resolver:
             expert_parallel=v["expert_parallel"],
             tensor_parallel=v["tensor_parallel"],
             pipeline_parallel=v["pipeline_parallel"],
+            context_parallel=v["context_parallel"],
             virtual_pipeline_parallel=v["virtual_pipeline_parallel"],
             megatron_sequence_parallel=v["megatron_sequence_parallel"],
             distributed_optimizer=v["distributed_optimizer"],
@@ -429,10 +431,13 @@ class _Resolver:
 
             raise InvalidArgument(as_flags(str(exc), {**PROSE_FLAGS, "strategy": flags["sharding"]})) from None
 
-    def _check_context_parallel(self) -> None:
-        """Refuse ring attention (``context_parallel`` above 1) in one line, with the reason and the setting that serves.
+    def _check_context_parallel(self, run: Any) -> None:
+        """Refuse ring attention (``context_parallel`` above 1) but under Megatron, in one line, with the reason and the
+        setting that serves.
 
-        NOTE [ Ring attention is refused ]: PyTorch's own ring attention
+        Under ``--sharding megatron`` (or a Megatron config) context parallelism is Megatron's, modelled
+        (NOTE [ Context parallelism as Megatron runs it ] in :mod:`batchfit.models.megatron_context`).
+        NOTE [ Ring attention is refused ] (every other strategy): PyTorch's own ring attention
         (``torch.distributed.tensor.experimental.context_parallel``) dispatches only the CUDA sdpa kernels;
         on the CPU (gloo, and the estimate's fake tensors) it raises "Operator
         aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
@@ -449,11 +454,13 @@ class _Resolver:
         from batchfit.validation import check_int
 
         check_int(self.said("context_parallel"), size, minimum=1)
-        if size > 1:
+        strategy = self.v["sharding"] or getattr(run, "strategy", None)
+        if size > 1 and strategy not in MODEL_PARALLEL_STRATEGIES:
             raise InvalidArgument(
-                f"{self.said('context_parallel', size)} (ring attention) is not modelled: PyTorch's context_parallel runs "
-                "only CUDA's sdpa kernels (no CPU, no estimate) and no packed rows; use "
-                f"{self.said('sequence_parallel', size)} (Ulysses: the same tokens per rank)"
+                f"{self.said('context_parallel', size)} (ring attention) is not modelled under {self.said('sharding', strategy or 'fsdp2')}: "
+                "PyTorch's context_parallel runs only CUDA's sdpa kernels (no CPU, no estimate) and no packed rows; use "
+                f"{self.said('sequence_parallel', size)} (Ulysses: the same tokens per rank), or "
+                f"{self.said('sharding', 'megatron')} (Megatron's context parallelism)"
             )
 
     def _check_response(self) -> None:

@@ -470,15 +470,10 @@ def _megatron_faults(flat: dict[str, Any], reference: bool) -> list[str]:
 # NOTE [ What a SkyRL Megatron profile refuses ]
 # As NOTE [ What a Megatron profile refuses ] in batchfit.frameworks.verl: `batchfit plan` keeps answering (SkyRL
 # runs it) while `profile` refuses, through SPEC.strategy_refusal (megatron_refusal), what batchfit's Megatron
-# profile does not model: context parallelism (Transformer Engine's attention), MoE expert parallelism (dense
-# layers) and Megatron LoRA (megatron_config.lora_config with a rank). A critic under Megatron is SkyRL's own
-# refusal (validate_megatron_cfg), a fault of the config.
+# profile does not model: MoE expert parallelism (dense layers) and Megatron LoRA (megatron_config.lora_config with
+# a rank). A critic under Megatron is SkyRL's own refusal (validate_megatron_cfg), a fault of the config. Context
+# parallelism is profiled (NOTE [ Context parallelism as Megatron runs it ] in batchfit.models.megatron_context).
 _REFUSAL_WHY = {
-    "context_parallel": (
-        "splits each sequence over Megatron's context-parallel ranks (ring attention through Transformer Engine), "
-        "which batchfit's Megatron profile does not model",
-        "set it to 1 (tensor parallelism, with the sequence parallelism SkyRL turns on, splits the activations too)",
-    ),
     "expert_parallel": (
         "splits an MoE model's experts over expert-parallel ranks, which batchfit's Megatron profile (dense layers) "
         "does not model",
@@ -495,9 +490,6 @@ _REFUSAL_WHY = {
 def _megatron_refusals(flat: dict[str, Any], values: dict[str, Any]) -> dict[str, str]:
     """What a Megatron run sets that ``profile`` refuses (NOTE [ What a SkyRL Megatron profile refuses ]): setting → key=value."""
     out = {}
-    cp = values.get("context_parallel")
-    if _is_above_one(cp):
-        out["context_parallel"] = f"{MEGATRON}context_parallel_size={cp}"
     ep = as_int(flat.get(MEGATRON + "expert_model_parallel_size", 1))
     if _is_above_one(ep):
         out["expert_parallel"] = f"{MEGATRON}expert_model_parallel_size={ep}"

@@ -35,11 +35,16 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
     trained = min(budgets[r] for r in ("policy", "critic") if r in budgets)
     forward = min(budgets[r] for r in ("policy_forward", "critic_forward", "reference") if r in budgets)
     binding = min(budgets, key=budgets.get)
-    sp = profile.options["policy"].sharding.sequence_parallel
+    sharding = profile.options["policy"].sharding
+    sp = sharding.sequence_parallel
+    if sharding.context_parallel > 1:  # Megatron's: the same count before the split (megatron_worker._forward_logprobs)
+        sp, sp_name = sharding.context_parallel, "context_parallel_size"
+    else:
+        sp_name = "sequence_parallel_size"
     # SkyRL counts a micro-batch's valid tokens before the sequence-parallel split (worker_utils.py
     # TokenBasedBatchIterator: attention_mask.sum over the micro-batch; the model wrapper then slices
     # it over sequence_parallel_size): the group's budget as it is, not per GPU
-    split = f"; SkyRL counts the micro-batch before splitting it over sequence_parallel_size={sp}" if sp > 1 else ""
+    split = f"; SkyRL counts the micro-batch before splitting it over {sp_name}={sp}" if sp > 1 else ""
     # NOTE [ SkyRL's soft cap ]: TokenBasedBatchIterator packs with the "balanced" packer, whose capacity is
     # soft (skyrl/train/dataset/bin_packing.py, Balanced, a9564572, 2026-08-21; SkyRL #1477): a sequence longer
     # than the cap gets a micro-batch of its own, over it, instead of an error. A budget always holds one
@@ -291,7 +296,12 @@ def _megatron_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
                 else "the reference laid out as the policy, as profiled",
             ),
             Key(prefix + "pipeline_model_parallel_size", s.pipeline_parallel, "1F1B over the stages, the binding stage's peak profiled" if policy else ""),
-            Key(prefix + "context_parallel_size", 1, "no context parallelism (batchfit does not model Megatron's)" if policy else ""),
+            Key(
+                prefix + "context_parallel_size",
+                s.context_parallel,
+                (f"each sequence cut over {s.context_parallel} GPUs, attention a ring, as profiled" if s.context_parallel > 1
+                 else "no context parallelism, as profiled") if policy else "",
+            ),
             Key(prefix + "expert_model_parallel_size", 1, "dense layers, as profiled" if policy else ""),
         ]
     keys.append(

@@ -37,7 +37,8 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
     parsed but not read at that commit, so it is not emitted.
     """
     del max_seq_len, world
-    sp = profile.options["policy"].sharding.sequence_parallel
+    sharding = profile.options["policy"].sharding
+    sp = sharding.context_parallel * sharding.sequence_parallel  # one of them is 1: Megatron's CP, or the FSDP approximation's
     binding = smallest_budget(budgets, tuple(budgets))
     keys = [
         Key("--use-dynamic-batch-size", True, "micro-batches by the token count below (build_dp_schedule)")
@@ -92,7 +93,12 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             f"{s.data_parallel_size}",
         ),
         Key("--pipeline-model-parallel-size", s.pipeline_parallel),
-        Key("--context-parallel-size", 1, "context parallelism is not modelled (Transformer Engine's attention)"),
+        Key(
+            "--context-parallel-size",
+            s.context_parallel,
+            f"each sequence cut over {s.context_parallel} GPUs, attention a ring, as profiled" if s.context_parallel > 1
+            else "no context parallelism, as profiled",
+        ),
     ]
     if s.megatron_sequence_parallel:
         keys.append(Key("--sequence-parallel", True, "activations outside attention split over the tensor-parallel group"))

@@ -752,16 +752,11 @@ def _check_megatron_batch(
 # batchfit profiles verl's Megatron actor and reference (batchfit.budget.megatron_probe); a setting it cannot model
 # keeps `batchfit plan` answering (verl runs it) but stops `profile`: the reader records it in RunConfig.source as
 # "refused:<setting>" → the config's key=value, and SPEC.strategy_refusal (megatron_refusal) turns the first into a
-# one-line refusal naming the key, its value and the fix. Refused: context parallelism (Megatron's CP needs
-# Transformer Engine's attention, which batchfit's CPU build of Megatron-core has not), a critic (verl's Megatron
-# critic, a value head on a GPTModel, is not probed), MoE expert parallelism (the probe builds dense layers) and
-# Megatron's LoRA (megatron_peft.py adapters on Megatron's linear layers).
+# one-line refusal naming the key, its value and the fix. Refused: a critic (verl's Megatron critic, a value head
+# on a GPTModel, is not probed), MoE expert parallelism (the probe builds dense layers) and Megatron's LoRA
+# (megatron_peft.py adapters on Megatron's linear layers). Context parallelism is profiled (NOTE [ Context
+# parallelism as Megatron runs it ] in batchfit.models.megatron_context); dynamic_context_parallel is not.
 _REFUSAL_WHY = {
-    "context_parallel": (
-        "splits each sequence over Megatron's context-parallel ranks (ring attention through Transformer Engine), "
-        "which batchfit's Megatron profile does not model",
-        "set it to 1 (tensor parallelism with sequence_parallel splits the activations too)",
-    ),
     "critic": (
         "trains a critic beside the Megatron actor (model_engine=megatron composes verl's Megatron critic, a value "
         "head on Megatron's GPTModel), which batchfit's Megatron profile does not model",
@@ -785,9 +780,7 @@ def _megatron_refusals(
 ) -> dict[str, str]:
     """What a Megatron run sets that ``profile`` refuses (NOTE [ What a Megatron profile refuses ]): setting → key=value."""
     out = {}
-    cp, ep = as_int(mcore["context_parallel_size"]), as_int(mcore["expert_model_parallel_size"])
-    if isinstance(cp, int) and cp > 1:
-        out["context_parallel"] = f"{MCORE}context_parallel_size={cp}"
+    ep = as_int(mcore["expert_model_parallel_size"])
     if critic:  # need_critic: critic.enable, else GAE advantages
         enable = as_bool(flat.get("critic.enable"))
         out["critic"] = "critic.enable=True" if enable is True else (

@@ -127,14 +127,14 @@ def _megatron_token_keys(sharding: Any, budgets: dict[str, int], why: Any) -> li
 
     NOTE [ verl's Megatron token lengths ]: MegatronEngine.forward_backward_batch sets ``sp_size =
     context_parallel_size`` and prepare_micro_batches packs ``max_token_len_per_gpu × sp_size`` tokens per
-    micro-batch (verl/workers/engine/utils.py); context parallelism is 1 here (refused otherwise), so each
-    length is the budget itself: the tokens of one micro-batch, which every GPU of its tensor × pipeline group
-    runs (tensor parallelism splits the weights and, with sequence_parallel, the activations; pipeline
-    parallelism the layers). A budget of a Megatron profile counts exactly that (one data-parallel rank's
-    micro-batch, the binding pipeline stage's peak).
+    micro-batch (verl/workers/engine/utils.py). A budget of a Megatron profile counts the tokens of one
+    data-parallel rank's micro-batch (the binding pipeline stage's peak), which every GPU of its tensor ×
+    context × pipeline group runs (tensor parallelism splits the weights and, with sequence_parallel, the
+    activations; context parallelism the sequence; pipeline parallelism the layers), so each length is the
+    budget over context_parallel_size.
     """
     keys = []
-    cp = 1  # batchfit's Megatron sharding has no context parallelism
+    cp = sharding.context_parallel
     for role, switch, length, what in VERL_KEYS:
         if role not in budgets:
             continue
@@ -144,6 +144,7 @@ def _megatron_token_keys(sharding: Any, budgets: dict[str, int], why: Any) -> li
             f"; the tokens of one micro-batch on each GPU of a tensor {sharding.tensor_parallel} × pipeline "
             f"{sharding.pipeline_parallel} group: verl multiplies it by megatron.context_parallel_size={cp} "
             "(MegatronEngine.forward_backward_batch: sp_size; prepare_micro_batches)"
+            + (f", a micro-batch of {budgets[role] // cp * cp:,} tokens split over {cp} GPUs" if cp > 1 else "")
         )
         keys.append(Key(length, budgets[role] // cp, comment))
     return keys
@@ -299,7 +300,9 @@ def _megatron_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     layout = [
         ("tensor_model_parallel_size", s.tensor_parallel, "mpu.initialize_model_parallel (MegatronEngine._init_device_mesh)"),
         ("pipeline_model_parallel_size", s.pipeline_parallel, "1F1B over the stages, the binding stage's peak profiled"),
-        ("context_parallel_size", 1, "no context parallelism (batchfit does not model Megatron's)"),
+        ("context_parallel_size", s.context_parallel,
+         f"each sequence cut over {s.context_parallel} GPUs, attention a ring, as profiled" if s.context_parallel > 1
+         else "no context parallelism, as profiled"),
         ("expert_model_parallel_size", 1, "dense layers, as profiled"),
         ("virtual_pipeline_model_parallel_size", s.virtual_pipeline_parallel,
          f"{s.virtual_pipeline_parallel} model chunks per stage, the interleaved 1F1B schedule, as profiled"

@@ -118,7 +118,7 @@ def compare(profile: Any) -> list[SizeComparison]:
     if not sizes or not budgets:
         return []
     options = profile.options.get("policy") or next(iter(profile.options.values()), None)
-    split = 1 if options is None else max(options.sharding.sequence_parallel, 1)
+    split = 1 if options is None else max(options.sharding.sequence_parallel, 1) * options.sharding.context_parallel
     longest = (options.max_seq_len if options is not None else None) or run.max_seq_len
     if not longest:
         return []

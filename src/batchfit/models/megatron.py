@@ -332,6 +332,8 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
             return _dropout_as_cuda_runs_it(*args, **kwargs)
         if _names_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": torch.device("cpu")}
+        if kwargs.get("pin_memory"):  # host memory on a GPU (the context-parallel RoPE slice's index); no accelerator here
+            kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
 
@@ -356,12 +358,18 @@ def megatron_cpu_patches() -> Iterator[None]:
 
 # ----------------------------------------------------------------- parallel state
 @contextlib.contextmanager
-def model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual_pipeline: int | None = None) -> Iterator[None]:
+def model_parallel(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    virtual_pipeline: int | None = None,
+    context_parallel: int = 1,
+) -> Iterator[None]:
     """Megatron's ``parallel_state`` over the default process group inside; destroyed on exit.
 
     The default group (real gloo ranks, or :func:`batchfit.parallel.distributed.simulated_world`)
-    must have a multiple of ``tensor_parallel * pipeline_parallel`` members; the rest is data
-    parallel, in Megatron's order (tp fastest, then dp, then pp). ``virtual_pipeline`` (> 1, with
+    must have a multiple of ``tensor_parallel * context_parallel * pipeline_parallel`` members; the
+    rest is data parallel, in Megatron's order (tp fastest, then cp, then dp, then pp:
+    ``order="tp-cp-ep-dp-pp"``). ``virtual_pipeline`` (> 1, with
     ``pipeline_parallel > 1``) sets Megatron's ``virtual_pipeline_model_parallel_size``: each
     stage holds that many model chunks (the interleaved schedule).
 
@@ -374,15 +382,17 @@ def model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual
     require_megatron()
     tp = check_positive_int("tensor_parallel", tensor_parallel)
     pp = check_positive_int("pipeline_parallel", pipeline_parallel)
+    cp = check_positive_int("context_parallel", context_parallel)
     vp = virtual_stages(virtual_pipeline, pp)
     if not dist.is_initialized():
         raise InvalidArgument(
             f"Megatron's model parallelism (tensor_parallel={tp}, pipeline_parallel={pp}) needs a process group; run under torchrun or inside simulated_world"
         )
     world = dist.get_world_size()
-    if world % (tp * pp):
+    if world % (tp * cp * pp):
         raise InvalidArgument(
-            f"world_size={world} must be a multiple of tensor_parallel * pipeline_parallel = {tp * pp}; change the sizes or the number of ranks"
+            f"world_size={world} must be a multiple of tensor_parallel * context_parallel * pipeline_parallel = {tp * cp * pp}; "
+            "change the sizes or the number of ranks"
         )
     from megatron.core import parallel_state
 
@@ -391,6 +401,7 @@ def model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, virtual
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
+        context_parallel_size=cp,
         create_gloo_process_groups=False,
     )
     try:
@@ -453,6 +464,7 @@ def transformer_config(
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
     virtual_pipeline: int | None = None,
+    context_parallel: int = 1,
     **overrides: Any,
 ) -> Any:
     """Megatron's ``TransformerConfig`` for ``spec`` as mbridge converts it, made to run on CPU ranks.
@@ -467,6 +479,9 @@ def transformer_config(
         virtual_pipeline: Megatron's ``virtual_pipeline_model_parallel_size`` (model chunks per
             stage; ``None`` or 1: none); needs ``pipeline_parallel > 1`` and the layers divisible
             by ``pipeline_parallel × virtual_pipeline``.
+        context_parallel: Megatron's ``context_parallel_size`` (each sequence cut over that many
+            ranks, attention a ring: NOTE [ Context parallelism as Megatron runs it ] in
+            :mod:`batchfit.models.megatron_context`; needs the ``sdpa`` layer spec).
         **overrides: ``TransformerConfig`` fields to set last (``num_layers=2``, ``recompute_granularity=...``).
 
     Raises:
@@ -484,6 +499,7 @@ def transformer_config(
 
     tp = check_positive_int("tensor_parallel", tensor_parallel)
     pp = check_positive_int("pipeline_parallel", pipeline_parallel)
+    cp = check_positive_int("context_parallel", context_parallel)
     if sequence_parallel and tp == 1:
         raise InvalidArgument(
             "sequence_parallel=True needs tensor_parallel > 1 (Megatron splits the sequence over the tensor-parallel group), but got tensor_parallel=1"
@@ -501,13 +517,14 @@ def transformer_config(
                 f"num_layers={layers} must be divisible by pipeline_parallel × virtual_pipeline = {pp} × {vp} = {pp * vp} "
                 "(Megatron gives every model chunk the same layers); choose sizes that divide the layers"
             )
-    states = ParallelStates(tp_size=tp, pp_size=pp, vpp_size=vp)
+    states = ParallelStates(tp_size=tp, pp_size=pp, vpp_size=vp, cp_size=cp)
     bridge = AutoBridge.from_config(hf_config, dtype=dtype, parallel_states=states)
     bridge.set_extra_args(
         use_cpu_initialization=True,
         variable_seq_lengths=False,
         masked_softmax_fusion=False,
         sequence_parallel=bool(sequence_parallel),
+        context_parallel_size=cp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype is torch.bfloat16,
@@ -558,6 +575,7 @@ def build_gpt_model(
     gpt_args: Mapping[str, Any] | None = None,
     virtual_pipeline: int | None = None,
     vp_stage: int | None = None,
+    context_parallel: int = 1,
     **overrides: Any,
 ) -> torch.nn.Module:
     """This rank's ``GPTModel`` (its tensor shard of its pipeline stage, or of one model chunk of it), in ``train()`` mode.
@@ -568,8 +586,8 @@ def build_gpt_model(
     model's forward must run inside them too.
 
     Args:
-        spec, tensor_parallel, pipeline_parallel, sequence_parallel, dtype, overrides: as
-            :func:`transformer_config`.
+        spec, tensor_parallel, pipeline_parallel, sequence_parallel, context_parallel, dtype,
+            overrides: as :func:`transformer_config`.
         initialise: draw the initial weights (Megatron's ``perform_initialization``; its CPU
             path draws the full matrix and slices this rank's shard); ``False`` leaves them
             empty (for counting, or under a meta or fake device).
@@ -596,6 +614,7 @@ def build_gpt_model(
         sequence_parallel=sequence_parallel,
         dtype=dtype,
         virtual_pipeline=virtual_pipeline,
+        context_parallel=context_parallel,
         perform_initialization=bool(initialise),
         **overrides,
     )
@@ -605,13 +624,18 @@ def build_gpt_model(
             f"vp_stage={vp_stage!r} must be a model chunk in [0, {chunks}) with virtual_pipeline={virtual_pipeline!r} "
             "(and None without virtual stages); build every chunk with build_gpt_chunks"
         )
+    ready = parallel_state.model_parallel_is_initialized()
     have = (
-        parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else None,
-        parallel_state.get_pipeline_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else None,
+        parallel_state.get_tensor_model_parallel_world_size() if ready else None,
+        parallel_state.get_pipeline_model_parallel_world_size() if ready else None,
+        parallel_state.get_context_parallel_world_size() if ready else None,
     )
-    if have != (config.tensor_model_parallel_size, config.pipeline_model_parallel_size):
+    want = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size)
+    if have != want:
         raise InvalidArgument(
-            f"build_gpt_model(tensor_parallel={tensor_parallel}, pipeline_parallel={pipeline_parallel}) needs Megatron's parallel state of those sizes, but it has (tp, pp)={have}; build inside model_parallel({tensor_parallel}, {pipeline_parallel})"
+            f"build_gpt_model(tensor_parallel={tensor_parallel}, pipeline_parallel={pipeline_parallel}, context_parallel={context_parallel}) "
+            f"needs Megatron's parallel state of those sizes, but it has (tp, pp, cp)={have}; build inside "
+            f"model_parallel({tensor_parallel}, {pipeline_parallel}, context_parallel={context_parallel})"
         )
     args = {**gpt_model_args(spec), **dict(gpt_args or {})}
     if args["vocab_size"] % config.tensor_model_parallel_size:

@@ -66,7 +66,8 @@ def _sdpa_attention_class() -> type:
 
         Takes what ``DotProductAttention`` takes (``[s, b, heads, d]`` query, ``[s, b, groups, d]``
         key and value) and returns ``[s, b, heads/t · d]``. Causal masks only, no packed rows, no
-        context parallelism (Transformer Engine's), no attention bias.
+        attention bias; under context parallelism the ring of Transformer Engine's ``p2p`` exchange
+        (:func:`batchfit.models.megatron_context.ring_attention`), without dropout.
         """
 
         def __init__(
@@ -81,10 +82,11 @@ def _sdpa_attention_class() -> type:
             pg_collection: Any = None,
         ):
             super().__init__(config=config)
-            if config.context_parallel_size != 1:
+            self.context_parallel = config.context_parallel_size
+            if self.context_parallel != 1 and (cp_comm_type or "p2p") != "p2p":
                 raise InvalidArgument(
-                    f"context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention, which "
-                    "does not run here; use context_parallel_size=1"
+                    f"cp_comm_type={cp_comm_type!r} is not modelled (the ring of Transformer Engine's default exchange is: "
+                    "NOTE [ Context parallelism as Megatron runs it ]); use cp_comm_type='p2p' or leave it unset"
                 )
             if attn_mask_type != AttnMaskType.causal:
                 raise InvalidArgument(
@@ -100,6 +102,11 @@ def _sdpa_attention_class() -> type:
             if config.apply_query_key_layer_scaling:
                 self.softmax_scale /= max(1, layer_number)
             self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+            if self.context_parallel != 1 and self.dropout:
+                raise InvalidArgument(
+                    f"attention_dropout={self.dropout} under context_parallel_size={self.context_parallel} is not modelled "
+                    "(the ring runs without dropout inside attention); use attention_dropout=0"
+                )
 
         def forward(
             self,
@@ -117,6 +124,14 @@ def _sdpa_attention_class() -> type:
                 )
             s, b = query.shape[0], query.shape[1]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d], views
+            if self.context_parallel != 1:
+                from megatron.core import parallel_state
+
+                from batchfit.models.megatron_context import ring_attention
+
+                group = parallel_state.get_context_parallel_group()
+                out = ring_attention(q, k, v, scale=self.softmax_scale, group=group)
+                return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
             out = torch.nn.functional.scaled_dot_product_attention(
                 q,
                 k,

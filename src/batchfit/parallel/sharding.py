@@ -104,6 +104,10 @@ class Sharding:
             ``virtual_pipeline_model_parallel_size``, the interleaved 1F1B schedule); ``None`` or 1:
             none; above 1 needs ``pipeline_parallel > 1`` (the layers must divide by
             ``pipeline_parallel × virtual_pipeline_parallel``, checked when the model is built).
+        context_parallel: ``megatron`` only: ranks each sequence is cut over (Megatron's
+            ``context_parallel_size``: ``2 × context_parallel`` load-balanced chunks, attention a
+            ring, NOTE [ Context parallelism as Megatron runs it ]); ``tensor_parallel ×
+            context_parallel × pipeline_parallel`` divides ``world_size``; default 1.
         expert_parallel: ``fsdp2`` only: ranks each MoE layer's experts are spread over (each holds
             ``experts / expert_parallel`` of them, tokens sent by all-to-all, NOTE [ Expert parallelism
             the torchtitan way ] in :mod:`batchfit.parallel.expert_parallel`); divides ``world_size``;
@@ -136,6 +140,7 @@ class Sharding:
     megatron_sequence_parallel: bool = False
     distributed_optimizer: bool = False
     virtual_pipeline_parallel: int | None = None
+    context_parallel: int = 1
     expert_parallel: int = 1
 
     def __post_init__(self) -> None:
@@ -204,6 +209,7 @@ class Sharding:
     def _check_model_parallel(self, strategy: str, spec: StrategySpec) -> None:
         tp = check_positive_int("tensor_parallel", self.tensor_parallel)
         pp = check_positive_int("pipeline_parallel", self.pipeline_parallel)
+        cp = check_positive_int("context_parallel", self.context_parallel)
         for name in ("megatron_sequence_parallel", "distributed_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")
@@ -226,6 +232,7 @@ class Sharding:
             for name, value, default in (
                 ("tensor_parallel", tp, 1),
                 ("pipeline_parallel", pp, 1),
+                ("context_parallel", cp, 1),
                 ("megatron_sequence_parallel", self.megatron_sequence_parallel, False),
                 ("distributed_optimizer", self.distributed_optimizer, False),
             ):
@@ -235,10 +242,13 @@ class Sharding:
                         f"use strategy='megatron' or leave {name} at {default}"
                     )
             return
-        if self.world_size % (tp * pp):
+        if self.world_size % (tp * cp * pp):
+            names, sizes = ("tensor_parallel × pipeline_parallel", f"{tp} × {pp}") if cp == 1 else (
+                "tensor_parallel × context_parallel × pipeline_parallel", f"{tp} × {cp} × {pp}"
+            )
             raise InvalidArgument(
-                f"tensor_parallel × pipeline_parallel = {tp} × {pp} = {tp * pp} must divide world_size={self.world_size} "
-                f"(world = tensor × pipeline × data parallel ranks); use a world size that is a multiple of {tp * pp}"
+                f"{names} = {sizes} = {tp * cp * pp} must divide world_size={self.world_size} (world = tensor × "
+                f"{'' if cp == 1 else 'context × '}pipeline × data parallel ranks); use a world size that is a multiple of {tp * cp * pp}"
             )
         if tp == 1:
             object.__setattr__(self, "megatron_sequence_parallel", False)  # Megatron-LM arguments.py does the same
@@ -251,13 +261,14 @@ class Sharding:
     @property
     def data_parallel_size(self) -> int:
         """Groups that run different micro-batches: ``world_size // sequence_parallel``, or under ``megatron``
-        ``world_size // (tensor_parallel × pipeline_parallel)``."""
+        ``world_size // (tensor_parallel × context_parallel × pipeline_parallel)``."""
         return self.world_size // (self.sequence_parallel * self.model_parallel_size)
 
     @property
     def model_parallel_size(self) -> int:
-        """The ranks one model replica spans: ``tensor_parallel × pipeline_parallel`` (1 but under ``megatron``)."""
-        return self.tensor_parallel * self.pipeline_parallel
+        """The ranks one micro-batch spans: ``tensor_parallel × context_parallel × pipeline_parallel`` (1 but under
+        ``megatron``)."""
+        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel
 
     @property
     def shards_state(self) -> bool:
@@ -285,7 +296,10 @@ class Sharding:
         if self.strategy == "ddp":
             return f"ddp over {self._ranks()} (full replica + gradient buckets)"
         if self.spec.model_parallel:
-            parts = [f"tensor {self.tensor_parallel} × pipeline {self.pipeline_parallel} × data {self.data_parallel_size}"]
+            context = "" if self.context_parallel == 1 else f" × context {self.context_parallel}"
+            parts = [
+                f"tensor {self.tensor_parallel}{context} × pipeline {self.pipeline_parallel} × data {self.data_parallel_size}"
+            ]
             if self.virtual_pipeline_parallel:
                 parts.append(f"{self.virtual_pipeline_parallel} virtual stages per pipeline stage")
             if self.megatron_sequence_parallel:
@@ -331,6 +345,8 @@ class Sharding:
             del out["reduce_bucket_size"], out["overlap_comm"]
         if out["virtual_pipeline_parallel"] is None:
             del out["virtual_pipeline_parallel"]
+        if out["context_parallel"] == 1:
+            del out["context_parallel"]
         if out["expert_parallel"] == 1:
             del out["expert_parallel"]
         if self.spec.model_parallel:

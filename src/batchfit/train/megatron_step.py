@@ -536,7 +536,7 @@ def megatron_pipeline_step(
                 data_iterator=_data_iterators(micro_batches, len(chunks)),
                 model=list(chunks),
                 num_microbatches=len(micro_batches),
-                seq_length=seq_length,
+                seq_length=seq_length * _context_parallel(),  # the schedule's shapes divide it by cp
                 micro_batch_size=micro_batch_size,
                 forward_only=False,
             )
@@ -652,7 +652,7 @@ def megatron_forward_step(
                 data_iterator=_data_iterators(micro_batches, len(chunks)),
                 model=chunks,
                 num_microbatches=len(micro_batches),
-                seq_length=seq_length,
+                seq_length=seq_length * _context_parallel(),  # the schedule's shapes divide it by cp
                 micro_batch_size=micro_batch_size,
                 forward_only=True,
             )
@@ -690,6 +690,14 @@ def _one_shape(micro_batches: Sequence[MegatronBatch]) -> set[tuple[int, ...]]:
             f"micro_batches must share one [batch, seq] shape (Megatron's schedule sends one tensor shape), but got {sorted(shapes)}"
         )
     return shapes
+
+
+def _context_parallel() -> int:
+    """Megatron's context-parallel size: a micro-batch's rows hold ``seq / cp`` tokens on each rank (NOTE [ Context
+    parallelism as Megatron runs it ] in :mod:`batchfit.models.megatron_context`)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_world_size()
 
 
 def _value(loss: torch.Tensor) -> float:
