@@ -174,3 +174,25 @@ def test_context_parallelism_needs_fused_attention(megatron):
 
     with pytest.raises(InvalidArgument, match="context_parallel=2 needs attention='sdpa'"):
         MegatronStep("tiny", context_parallel=2, backend=get_backend("estimate", memory_limit="1GiB"))
+
+
+def test_the_distributed_optimizer_shards_over_the_context_parallel_ranks_too(megatron):
+    """Megatron's DDP and distributed optimizer run over the data- and context-parallel group (``with_context_parallel``)."""
+    import torch
+
+    from batchfit.budget.megatron_profile import megatron_step
+    from batchfit.budget.options import ProfileOptions
+    from batchfit.memory import get_backend
+    from batchfit.models import load_config
+    from batchfit.parallel.sharding import Sharding
+
+    def optimizer_state(cp: int) -> int:
+        plan = Sharding("megatron", world_size=cp, context_parallel=cp, distributed_optimizer=True)
+        options = ProfileOptions(max_seq_len=64, backend="estimate", memory_limit="4GiB", sharding=plan)
+        backend = get_backend("estimate", memory_limit="4GiB", reserve_bytes=0)
+        step = megatron_step(load_config("tiny"), plan, backend, torch.bfloat16, options, num_layers=LAYERS)
+        assert (step.data_parallel, step.context_parallel, step.distributed_optimizer) == (1, cp, cp > 1)
+        return step.measure([64]).breakdown["optimizer_state"]
+
+    one, two = optimizer_state(1), optimizer_state(2)
+    assert 0.45 < two / one < 0.55  # no data parallelism, the state halved over the 2 context-parallel ranks

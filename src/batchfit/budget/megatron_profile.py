@@ -228,7 +228,9 @@ def megatron_step(
     if options.gradient_checkpointing:
         overrides = {**FULL_RECOMPUTE, **overrides}
     data = {}
-    if plan.data_parallel_size > 1:  # one data-parallel rank holds the whole optimizer state either way
+    # Megatron's DDP and distributed optimizer shard over the data- and context-parallel ranks together
+    # (parallel_state.get_data_parallel_group(with_context_parallel=True)); over one rank the state is whole either way
+    if plan.data_parallel_size * plan.context_parallel > 1:
         data = {"data_parallel": plan.data_parallel_size, "distributed_optimizer": plan.distributed_optimizer}
     return MegatronStep(
         config,

@@ -24,9 +24,10 @@ FSDP1's ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32, buffer_dtype=fp32)
 memory, the optimizer step on the CPU; FSDP1's ``CPUOffload(offload_params=True)``, which
 verl gives its forward-only reference model).
 
-- ``megatron``: Megatron-core's ``GPTModel`` split ``tensor_parallel`` ways within each layer and
-  over ``pipeline_parallel`` stages, data parallel over the rest of ``world_size`` (Megatron's
-  order: tp fastest, then dp, then pp); ``megatron_sequence_parallel`` splits the activations
+- ``megatron``: Megatron-core's ``GPTModel`` split ``tensor_parallel`` ways within each layer,
+  each sequence over ``context_parallel`` ranks and the layers over ``pipeline_parallel`` stages,
+  data parallel over the rest of ``world_size`` (Megatron's order: tp fastest, then cp, then dp,
+  then pp); ``megatron_sequence_parallel`` splits the activations
   outside attention over the tensor-parallel group, ``distributed_optimizer`` shards the optimizer
   state over data parallel. Profiled by its own probe (:mod:`batchfit.budget.megatron_profile`).
 - ``zero1`` / ``zero2``: DeepSpeed ZeRO stage 1 / 2 (what OpenRLHF and many TRL users run):
