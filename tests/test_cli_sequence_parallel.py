@@ -142,16 +142,6 @@ SLIME = (
 )
 
 
-def test_a_megatron_configs_context_parallelism_is_refused_in_one_line_naming_its_key(tmp_path, capsys):
-    config = tmp_path / "slime.sh"
-    config.write_text(SLIME, encoding="utf-8")
-    assert main(["profile", "--config", str(config), "--memory", "1GiB", "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1
-    assert "the config's --context-parallel-size=2 splits each sequence over a context-parallel group" in err
-    assert "set --context-parallel-size=1 and raise the tensor parallelism instead" in err
-
-
 def test_slime_emitted_as_fsdp2_is_refused_slime_trains_with_megatron_only(tmp_path, capsys):
     config = tmp_path / "slime.sh"
     config.write_text(SLIME, encoding="utf-8")

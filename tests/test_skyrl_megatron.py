@@ -222,7 +222,8 @@ def test_the_micro_sizes_come_from_the_profiled_megatron_dp():
 def test_profile_emits_skyrl_megatron_keys_for_the_example(capsys):
     from batchfit.cli import main
 
-    flags = ["--model", "tiny", "--max-seq-len", "512", "--backend", "estimate", "--no-progress", "--json"]
+    # a tiny model on an 8 GiB device (on 80 GB its budget runs to millions of tokens, past the estimate's integer values)
+    flags = ["--model", "tiny", "--max-seq-len", "512", "--backend", "estimate", "--memory", "8GiB", "--no-progress", "--json"]
     assert main(["profile", "--config", str(EXAMPLE), "--emit", "skyrl", *flags]) == 0
     emit = json.loads(capsys.readouterr().out)["emit"]
     assert emit["trainer.strategy"] == "megatron"

@@ -243,6 +243,8 @@ def test_slimes_context_parallelism_is_profiled_and_its_per_gpu_tokens_emitted(t
 
     from batchfit.cli import main
 
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
     script = _script(tmp_path, extra="--context-parallel-size 2")
     assert main(["profile", "--config", str(script), "--backend", "estimate", "--model", "tiny", "--emit", "slime", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

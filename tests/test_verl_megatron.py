@@ -123,7 +123,29 @@ def test_the_entropy_modes_are_the_megatron_engines():
     assert (run.entropy, run.forward_entropy, run.entropy_chunk_size) == ("none", "chunked", 2048)
     run = read_run_config(_config(actor_rollout_ref__actor__entropy_coeff=0.01))
     assert run.entropy == "full" and run.entropy_in_loss
-    assert any("does not measure" in w and "entropy_coeff=0.01" in w for w in run.warnings)
+    assert not any("entropy_coeff" in w for w in run.warnings)  # profiled, not warned about
+
+
+def test_the_megatron_profile_runs_verls_head_with_the_entropy_each_pass_computes():
+    from batchfit.budget.megatron_profile import megatron_head
+    from batchfit.frameworks.config_options import run_profile_options
+
+    run = read_run_config(_config(actor_rollout_ref__actor__entropy_coeff=0.01))
+    options = run_profile_options(run, {}).options
+    heads = {role: megatron_head(options, role) for role in ("policy", "policy_forward", "reference")}
+    assert {role: (h.framework, h.entropy) for role, h in heads.items()} == {
+        "policy": ("verl", True),  # entropy_coeff != 0: the update's entropy, with its graph
+        "policy_forward": ("verl", True),  # the old log-probs always compute it
+        "reference": ("verl", False),
+    }
+    assert heads["policy"].entropy_grad
+    chunked = run_profile_options(read_run_config(_config(actor_rollout_ref__actor__entropy_from_logits_with_chunking=True)), {})
+    assert megatron_head(chunked.options, "policy_forward").chunk_size == 2048
+    both = read_run_config(
+        _config(actor_rollout_ref__actor__entropy_from_logits_with_chunking=True, actor_rollout_ref__actor__entropy_coeff=0.01)
+    )
+    with pytest.raises(InvalidArgument, match="verl's chunked entropy"):
+        megatron_head(run_profile_options(both, {}).options, "policy")
 
 
 def test_the_megatron_offload_keys_decide_what_stays_resident():
@@ -321,7 +343,8 @@ def test_the_token_lengths_are_the_budgets_per_gpu_of_a_tensor_pipeline_group():
 def test_profile_emits_verl_megatron_keys_for_the_example(capsys):
     from batchfit.cli import main
 
-    flags = ["--model", "tiny", "--max-seq-len", "512", "--backend", "estimate", "--no-progress", "--json"]
+    # a tiny model on an 8 GiB device (on 80 GB its budget runs to millions of tokens, past the estimate's integer values)
+    flags = ["--model", "tiny", "--max-seq-len", "512", "--backend", "estimate", "--memory", "8GiB", "--no-progress", "--json"]
     assert main(["profile", "--config", str(EXAMPLE), "--emit", "verl", *flags]) == 0
     data = json.loads(capsys.readouterr().out)
     emit = data["emit"]
@@ -329,7 +352,9 @@ def test_profile_emits_verl_megatron_keys_for_the_example(capsys):
     assert emit["actor_rollout_ref.actor.use_dynamic_bsz"] is True
     assert emit[MCORE + "tensor_model_parallel_size"] == 2 and emit[MCORE + "pipeline_model_parallel_size"] == 2
     length = emit["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]
-    # NOTE [ A Megatron profile's roles ]: the forward-only passes have their own budgets, at least the update's
-    assert length >= 512 and emit["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"] >= length
-    assert emit["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] >= length
+    # NOTE [ A Megatron profile's roles ]: the forward-only passes have their own budgets; the reference's (no entropy)
+    # at least the update's, the old log-probs' below the reference's (verl computes their entropy on a clone)
+    reference = emit["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"]
+    assert length >= 512 and reference >= length
+    assert 512 <= emit["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] < reference
     assert not [k for k in emit if "fsdp_config" in k or "ulysses" in k]

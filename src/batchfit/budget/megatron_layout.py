@@ -18,6 +18,8 @@ class MegatronLayout:
         micro_batches: micro-batches of the measured step (the most 1F1B holds in flight on the first stage).
         attention: the core attention measured (``sdpa``: NOTE [ Fused attention for Megatron budgets ]).
         recompute: Megatron's recomputation (``"full"`` or ``None``).
+        heads: role → the framework's head on the last stage's logits (``MegatronHead.describe()``), for the
+            roles whose head is not Megatron's own cross-entropy (NOTE [ Framework heads under Megatron ]).
     """
 
     stage_peaks: dict[int, int]
@@ -25,6 +27,7 @@ class MegatronLayout:
     micro_batches: int
     attention: str
     recompute: str | None
+    heads: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
         """One line for reports: ``"pipeline stage 0 binds (stage 0: 61.2 GiB, stage 1: 48.0 GiB), 2 micro-batches in flight"``."""
@@ -39,13 +42,16 @@ class MegatronLayout:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "stage_peaks": {str(k): v for k, v in sorted(self.stage_peaks.items())},
             "binding_stage": self.binding_stage,
             "micro_batches": self.micro_batches,
             "attention": self.attention,
             "recompute": self.recompute,
         }
+        if self.heads:
+            out["heads"] = {role: dict(head) for role, head in self.heads.items()}
+        return out
 
 
 def check_layout(config: Any, sharding: Any, vocabulary: Vocabulary | None = None) -> None:

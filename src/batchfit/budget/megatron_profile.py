@@ -19,9 +19,12 @@ as the training one (the binding stage, the two shallow copies per stage extrapo
 - ``reference``: the forward-only pass of a model that holds its parameters only (verl's
   reference engine is built ``forward_only`` without DDP or an optimizer: ``optimizer="none"``).
 
-A forward pass under ``no_grad`` keeps no activations between layers or micro-batches, so its
-budget is at least the training step's (tiny, TP 2 × PP 2: ``tests/test_megatron_profile.py``);
-a framework that takes one token cap for every pass takes the smallest (``combined``).
+A forward pass under ``no_grad`` keeps no activations between layers or micro-batches, so with the
+same head its budget is at least the training step's (tiny, TP 2 × PP 2: ``tests/test_megatron_profile.py``);
+each role runs the head its framework runs (:func:`megatron_head`, NOTE [ Framework heads under
+Megatron ]), and verl's old log-probs compute an entropy over a clone of the fp32 logits, which
+can put that pass below the update. A framework that takes one token cap for every pass takes
+the smallest (``combined``).
 :attr:`ModelProfile.megatron` describes the trained role's step (the first role's when none is
 trained). A critic is refused: Megatron's value model (verl's ``megatron_critic``) is not built
 here, and SkyRL trains none under Megatron.
@@ -168,6 +171,7 @@ def _profile(
             micro_batches=step.micro_batches,
             attention=ATTENTION,
             recompute=step.overrides.get("recompute_granularity"),
+            heads={role: head.describe() for role in chosen if not (head := megatron_head(options, role)).is_default},
         ),
     )
 
@@ -182,13 +186,50 @@ FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform"
 
 def role_pass(role: str, options: ProfileOptions) -> dict[str, Any]:
     """What ``role``'s :class:`~batchfit.budget.megatron_probe.MegatronStep` measures (NOTE [ A Megatron profile's roles ]):
-    ``{}`` for a training step, else ``forward_only`` and what stays resident."""
+    ``{}`` for a training step with Megatron's own head, else ``forward_only`` and what stays resident, and the
+    framework's head (:func:`megatron_head`) when it is not Megatron's own."""
     check_choice("role", role, ROLES)
+    head = megatron_head(options, role)
+    out: dict[str, Any] = {} if head.is_default else {"head": head}
     if not forward_role(role):
-        return {}
+        return out
     if role == "reference":
-        return {"forward_only": True, "optimizer": "none"}
-    return {"forward_only": True, "optimizer": "offloaded" if options.optimizer_offload else "resident"}
+        return {**out, "forward_only": True, "optimizer": "none"}
+    return {**out, "forward_only": True, "optimizer": "offloaded" if options.optimizer_offload else "resident"}
+
+
+def megatron_head(options: ProfileOptions, role: str) -> Any:
+    """The head ``role``'s pass runs on the last stage's logits (NOTE [ Framework heads under Megatron ]).
+
+    ``options.logprobs`` a verl or SkyRL :class:`~batchfit.train.framework_heads.FrameworkHead` (read from
+    the framework's config): that framework's Megatron head, with the entropy its config computes in
+    each pass (verl: the update's ``entropy``, the old log-probs' ``forward_entropy``, chunked in
+    ``entropy_chunk_size`` rows; SkyRL: an entropy in the update, with its graph under
+    ``use_entropy_loss``, and log-probs in chunks of 1,024 tokens); the reference computes none.
+    Anything else: Megatron's own cross-entropy.
+
+    Raises:
+        InvalidArgument: verl's chunked entropy in the update (its backward fails in verl 0.9.1: the
+            chunks' in-place gradient changes a tensor autograd saved).
+    """
+    from batchfit.train.framework_heads import FrameworkHead
+    from batchfit.train.megatron_heads import MegatronHead
+
+    head = options.logprobs
+    if not isinstance(head, FrameworkHead):
+        return MegatronHead()
+    trained = not forward_role(role)
+    if head.framework == "skyrl":
+        return MegatronHead("skyrl", entropy=trained, entropy_grad=trained and head.entropy_grad, chunk_size=1024, entropy_chunk_size=0)
+    mode = "none" if role == "reference" else head.entropy if trained else head.forward_entropy
+    if trained and mode == "chunked":
+        raise InvalidArgument(
+            "verl's chunked entropy (entropy_from_logits_with_chunking) in the Megatron update is not modelled: its "
+            "backward (vocab_parallel_entropy_with_chunking) changes a saved tensor in place and fails under autograd; "
+            "turn entropy_from_logits_with_chunking off, or the update's entropy (entropy_coeff=0, calculate_entropy=False)"
+        )
+    on = mode != "none"
+    return MegatronHead("verl", entropy=on, entropy_grad=on, chunk_size=head.entropy_chunk_size if mode == "chunked" else None)
 
 
 def budget_step(

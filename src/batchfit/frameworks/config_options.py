@@ -84,6 +84,7 @@ def run_profile_options(
     """
     from batchfit.frameworks.emit import TARGETS, target_head, target_reference_dtype
     from batchfit.frameworks.run_step import framework_step
+    from batchfit.train.framework_heads import FrameworkHead
 
     say = KEYWORDS if vocabulary is None else vocabulary
     chosen = Choices(**chosen)
@@ -138,6 +139,10 @@ def run_profile_options(
         notes = [*([retrained] if retrained else []), f"the budgets' probe runs {emit}'s log-prob head, the one the emitted run uses"]
     if step is not None and logprobs is None:
         logprobs = step.head
+    if megatron and logprobs is None and emit in (None, run.vocabulary):
+        # the framework's own head on Megatron's logits (NOTE [ Framework heads under Megatron ]): verl's and SkyRL's
+        head = getattr(framework_step(run), "head", None)
+        logprobs = head if isinstance(head, FrameworkHead) else None
     config_cost = step.cost if step is not None else ("packed" if run.remove_padding or megatron else "padded")
     cost = chosen.cost
     if emit is not None:  # every framework counts a micro-batch's tokens

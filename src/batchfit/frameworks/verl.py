@@ -830,13 +830,6 @@ def _megatron_warnings(
                     f"{short_repr(mcore[key])}: batchfit profiles the reference with the actor's layout ({title}); set "
                     "them alike, or confirm the reference's on the device (profile --confirm)"
                 )
-    if as_bool(flat.get(ACTOR + "calculate_entropy")) is True or _number(flat.get(ACTOR + "entropy_coeff")) != 0:
-        out.append(
-            f"{ACTOR}calculate_entropy={short_repr(flat.get(ACTOR + 'calculate_entropy'))}, entropy_coeff="
-            f"{short_repr(flat.get(ACTOR + 'entropy_coeff'))}: verl's Megatron update computes the entropy over a clone of "
-            "the vocab-parallel logits (MegatronEngineWithLMHead._lm_head_logits_processor), which batchfit's Megatron "
-            "profile (the cross-entropy's step) does not measure; confirm this setting on the device (profile --confirm)"
-        )
     if as_bool(flat.get(MODEL + "use_fused_kernels")) is True:
         out.append(
             f"{MODEL}use_fused_kernels=True: verl's Megatron engine takes log-probs from the hidden states "
