@@ -49,10 +49,18 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 
 def _exchange(buffer: torch.Tensor, send_to: int, receive_from: int, group: Any) -> tuple[torch.Tensor, list[Any]]:
-    """Post the ring's send of ``buffer`` to ``send_to`` and the receive of its like from ``receive_from``; wait on the works."""
+    """Post the ring's send of ``buffer`` to ``send_to`` and the receive of its like from ``receive_from``: the
+    buffer that will hold it and the works to wait on (:func:`_wait`)."""
     received = torch.empty_like(buffer)
     ops = [dist.P2POp(dist.isend, buffer, send_to, group), dist.P2POp(dist.irecv, received, receive_from, group)]
     return received, dist.batch_isend_irecv(ops)
+
+
+def _ring(group: Any) -> tuple[int, int, int, int]:
+    """This rank's place in ``group``'s ring: (size, rank in the group, the global rank it sends to, the one it receives from)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group)
+    return size, rank, ranks[(rank + 1) % size], ranks[(rank - 1) % size]
 
 
 def _wait(works: list[Any]) -> None:
@@ -74,9 +82,7 @@ def _blocks(step: int, rank: int, size: int, chunk: int) -> tuple[slice, slice, 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group: Any) -> torch.Tensor:
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        ranks = dist.get_process_group_ranks(group)
-        send_to, receive_from = ranks[(rank + 1) % size], ranks[(rank - 1) % size]
+        size, rank, send_to, receive_from = _ring(group)
         chunk = q.shape[2] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -107,9 +113,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        ranks = dist.get_process_group_ranks(group)
-        send_to, receive_from = ranks[(rank + 1) % size], ranks[(rank - 1) % size]
+        size, rank, send_to, receive_from = _ring(group)
         chunk = q.shape[2] // 2
         grad_out = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
