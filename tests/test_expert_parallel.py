@@ -233,3 +233,95 @@ def test_the_cli_accepts_expert_parallel_2_and_states_the_receiving_rank(tmp_pat
     assert profile["sharding"]["expert_parallel"] == 2
     assert main([*args[:-1], "--expert-parallel", "2"]) == 0
     assert "budgeted for the rank that receives the most, all 2 ranks' tokens routed to its experts" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------- prime-rl's trainer.model.ep
+def _prime_rl(**model_keys: Any) -> dict:
+    """examples/prime_rl_rl.toml with ``trainer.model`` keys set (``model`` the top-level ``model.name``)."""
+    from pathlib import Path
+
+    import tomllib
+
+    data = tomllib.loads((Path(__file__).resolve().parent.parent / "examples" / "prime_rl_rl.toml").read_text(encoding="utf-8"))
+    if "model" in model_keys:
+        data["model"]["name"] = model_keys.pop("model")
+    if "gpus" in model_keys:
+        data["deployment"]["num_train_gpus"] = model_keys.pop("gpus")
+    data.setdefault("trainer", {}).setdefault("model", {}).update(model_keys)
+    return data
+
+
+@pytest.mark.parametrize(
+    ("keys", "ep"),
+    [
+        # resolve_ep (prime-rl 559b4477 parallel_dims.py): a MoE gets min(GPUs // dp_replicate, 8)
+        pytest.param({"model": "qwen3-30b-a3b"}, 4, id="auto-moe-4-gpus"),  # min(4 // 1, 8) = 4
+        pytest.param({"model": "qwen3-30b-a3b", "gpus": 1}, 1, id="auto-moe-1-gpu"),  # min(1, 8)
+        pytest.param({"model": "qwen3-0.6b"}, 1, id="auto-dense"),  # not a MoE: 1
+        pytest.param({"model": "qwen3-30b-a3b", "impl": "hf"}, 1, id="auto-hf-impl"),  # impl hf: 1
+        pytest.param({"model": "qwen3-30b-a3b", "ep": 2}, 2, id="explicit"),
+        pytest.param({"model": "qwen3-30b-a3b", "ep": 1}, 1, id="explicit-1"),
+    ],
+)
+def test_prime_rls_ep_resolves_as_prime_rl_resolves_it(keys, ep):
+    from batchfit.frameworks import prime_rl
+
+    run = prime_rl.read(_prime_rl(**keys), {})
+    assert run.expert_parallel == ep and not run.faults
+
+
+def test_prime_rls_auto_ep_caps_at_8_gpus():
+    from batchfit.frameworks import prime_rl
+
+    data = _prime_rl(model="qwen3-30b-a3b")
+    data["deployment"] = {"type": "multi_node", "gpus_per_node": 8, "num_train_nodes": 2, "num_infer_nodes": 1}
+    run = prime_rl.read(data, {})
+    assert run.expert_parallel == 8  # min(16 // 1, 8)
+    assert any("min(16 GPUs // dp_replicate 1, 8) = 8" in note for note in run.notes)
+
+
+@pytest.mark.parametrize(
+    ("keys", "match"),
+    [
+        pytest.param({"ep": 3}, r"ep=3 does not divide the trainer's 4 GPUs", id="not-a-divisor"),
+        pytest.param({"ep": 2, "impl": "hf"}, r"EP is only supported with the custom implementation", id="hf-impl"),
+        pytest.param({"ep": 0}, r"ep=0 must be a positive integer", id="zero"),
+    ],
+)
+def test_an_ep_prime_rl_refuses_is_a_fault(keys, match):
+    from batchfit.frameworks import prime_rl
+
+    run = prime_rl.read(_prime_rl(model="qwen3-30b-a3b", **keys), {})
+    assert run.expert_parallel == 1 and any(__import__("re").search(match, f) for f in run.faults), run.faults
+
+
+def test_a_prime_rl_moe_config_profiles_with_its_ep():
+    from batchfit.budget.choices import Choices
+    from batchfit.frameworks import prime_rl
+    from batchfit.frameworks.config_options import run_profile_options
+
+    made = run_profile_options(prime_rl.read(_prime_rl(model="qwen3-30b-a3b"), {}), Choices())
+    sharding = made.options.sharding
+    assert (sharding.strategy, sharding.world_size, sharding.expert_parallel) == ("fsdp2", 4, 4)
+    dense = run_profile_options(prime_rl.read(_prime_rl(model="qwen3-0.6b"), {}), Choices())
+    assert dense.options.sharding.expert_parallel == 1
+
+
+@pytest.mark.slow  # the CLI's imports and the probes of a small MoE on the estimate
+def test_a_prime_rl_config_with_ep_2_profiles_the_receiving_rank(tmp_path, capsys):
+    import json
+    from pathlib import Path
+
+    from batchfit.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_MOE))
+    example = (Path(__file__).resolve().parent.parent / "examples" / "prime_rl_rl.toml").read_text(encoding="utf-8")
+    text = example.replace('"qwen3-0.6b"', json.dumps(str(tmp_path))).replace("seq_len = 8192", "seq_len = 512")
+    path = tmp_path / "rl.toml"
+    path.write_text(text.replace("[trainer.model.ac]", "[trainer.model]\nep = 2\n\n[trainer.model.ac]"), encoding="utf-8")
+    args = ["profile", "--config", str(path), "--backend", "estimate", "--memory", "1GiB", "--reserve", "0",
+            "--engine-reserve", "0", "--no-progress", "--json"]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    profile = next(iter(out["profiles"].values())) if "profiles" in out else out
+    assert profile["sharding"]["expert_parallel"] == 2 and profile["moe"]["routing"] == "skewed"

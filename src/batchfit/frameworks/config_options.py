@@ -180,6 +180,7 @@ def run_profile_options(
         allocator=run.allocator,
         # what the config's own framework does between its passes; another target's run keeps the state
         optimizer_offload=True if run.optimizer_offload and emit in (None, run.vocabulary) else None,
+        expert_parallel=run.expert_parallel if run.expert_parallel > 1 else None,  # prime-rl's trainer.model.ep
         **(_megatron_layout(run) if megatron and modelled_strategy(run) else {}),
     )
     filled = Choices(**chosen).or_(from_config).or_(defaults or {})

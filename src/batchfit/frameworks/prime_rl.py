@@ -166,17 +166,9 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
             "prime-rl keeps the optimizer state on the host by default (trainer.model.optim_cpu_offload); the budgets "
             "keep it on the GPU: an upper bound"
         )
-    ep = flat.get(TM + "ep", "auto")
-    if is_positive_int(as_int(ep)) and as_int(ep) > 1:
-        warnings.append(
-            f"{TM}ep={ep} splits a MoE model's experts over {ep} GPUs (expert parallelism), which batchfit's budgets do "
-            "not model; profile with ep = 1, or confirm this setting on the device (profile --confirm)"
-        )
-    elif ep == "auto":
-        notes.append(
-            f"{TM}ep = \"auto\": prime-rl splits a MoE model's experts over min(GPUs, 8) ranks, which batchfit does not "
-            "model (a dense model gets ep = 1)"
-        )
+    ep, ep_faults, ep_notes = _expert_parallel(flat, world)  # NOTE [ prime-rl's expert parallelism ]
+    faults += ep_faults
+    notes += ep_notes
     head = flat.get(TM + "fused_lm_head_token_chunk_size", 8192)
     fused = head != "disabled"
     if fused:
@@ -201,6 +193,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         fused_kernels=fused,
         # src/prime_rl/utils/process.py DEFAULT_TRAINER_ENV_VARS: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
         allocator="expandable_segments",
+        expert_parallel=ep,
         faults=tuple(faults),
         warnings=tuple(warnings),
         notes=tuple(notes),
@@ -212,6 +205,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
             "world_size": "the trainer's GPUs (deployment.num_train_gpus, or num_train_nodes × gpus_per_node)",
             "context_parallel": TM + "cp",
             "sequence_parallel": TM + "cp (cp_style ulysses)",
+            "expert_parallel": TM + "ep",
         },
         configured=pass_sizes(("seq_len", packed_len, "tokens"), ("seq_len", None, "tokens"), reference=False, critic=False, per_gpu=False),
         source={
@@ -224,6 +218,70 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     if misspelt:
         every_fault(run, misspelt)
     return run
+
+
+# NOTE [ prime-rl's expert parallelism ]
+# prime-rl trains MoE models with PyTorch-native expert parallelism under FSDP2, torchtitan's pattern
+# (src/prime_rl/trainer/distributed/expert_parallel.py, model.py's experts on parallel_dims.get_mesh("ep")), which is
+# batchfit's Sharding(expert_parallel=N) (NOTE [ Expert parallelism the torchtitan way ] in
+# batchfit.parallel.expert_parallel). trainer.model.ep (configs/trainer.py ModelConfig, default "auto") resolves in
+# src/prime_rl/trainer/parallel_dims.py resolve_ep: an integer is kept; "auto" is 1 when impl is neither "custom"
+# nor "auto", 1 for a model that is not MoE (_is_moe_model: its HF config has num_experts or n_routed_experts), else
+# min(world_size // dp_replicate, 8). ParallelDims._validate asserts ep % cp == 0 and (dp_shard * cp) % ep == 0 (EP
+# borrows the cp ranks and some of dp_shard); ep != 1 with impl "hf" is refused (ep_only_with_custom_impl).
+
+
+def _expert_parallel(flat: dict[str, Any], world: Any) -> tuple[int, list[str], list[str]]:
+    """``trainer.model.ep`` resolved as prime-rl resolves it (NOTE [ prime-rl's expert parallelism ]): (size, faults, notes)."""
+    ep, impl = flat.get(TM + "ep", "auto"), flat.get(TM + "impl", "auto")
+    if ep != "auto":
+        size = as_int(ep)
+        if not is_positive_int(size):
+            return 1, [f"{TM}ep={short_repr(ep)} must be a positive integer or \"auto\" (ModelConfig.ep)"], []
+        if size > 1 and impl not in ("custom", "auto"):
+            return 1, [
+                f"{TM}ep={size} with {TM}impl={short_repr(impl)}: prime-rl refuses it ('EP is only supported with the "
+                "custom implementation or auto mode', ep_only_with_custom_impl); set impl to custom or auto, or ep = 1"
+            ], []
+        if size > 1 and is_positive_int(world) and world % size:
+            return 1, [
+                f"{TM}ep={size} does not divide the trainer's {world} GPUs: prime-rl asserts (dp_shard * cp) % ep == 0 "
+                "(ParallelDims._validate); use a divisor of the GPUs"
+            ], []
+        return size, [], []
+    if impl not in ("custom", "auto"):
+        return 1, [], [f"{TM}ep = \"auto\" with impl={short_repr(impl)}: prime-rl resolves it to 1 (resolve_ep)"]
+    model = flat.get("model.name") or flat.get(TM + "name")
+    moe = _has_routed_experts(model)
+    if moe is None:
+        return 1, [], [
+            f"{TM}ep = \"auto\": the model's config ({short_repr(model)}) could not be read to tell a MoE from a dense "
+            "model, so the budgets are for ep = 1; set ep in the config to profile expert parallelism"
+        ]
+    replicate = as_int(flat.get(TM + "dp_replicate", 1))
+    if not moe:
+        return 1, [], [f"{TM}ep = \"auto\": prime-rl resolves it to 1 for {short_repr(model)}, not a MoE (resolve_ep)"]
+    if not is_positive_int(world) or not is_positive_int(replicate):
+        return 1, [], []  # the GPU counts' own faults are reported
+    size = min(world // replicate, 8)
+    return size, [], [
+        f"{TM}ep = \"auto\": prime-rl resolves it to min({world} GPUs // dp_replicate {replicate}, 8) = {size} for this "
+        "MoE (resolve_ep); the budgets are for expert parallelism over that many GPUs"
+    ]
+
+
+def _has_routed_experts(model: Any) -> bool | None:
+    """prime-rl's ``_is_moe_model``: the HF config has ``num_experts`` or ``n_routed_experts``; ``None`` if unreadable."""
+    if not isinstance(model, str) or not model:
+        return None
+    from batchfit.errors import BatchfitError
+    from batchfit.models import load_config
+
+    try:
+        config = load_config(model)
+    except (BatchfitError, OSError):
+        return None
+    return hasattr(config, "num_experts") or hasattr(config, "n_routed_experts")
 
 
 def _train_gpus(flat: dict[str, Any]) -> tuple[Any, list[str]]:

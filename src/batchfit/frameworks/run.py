@@ -118,6 +118,8 @@ class RunConfig:
         virtual_pipeline_parallel: under ``strategy="megatron"``, model chunks per pipeline stage
             (the interleaved schedule: verl's ``megatron.virtual_pipeline_model_parallel_size``), or
             ``None`` when the config sets none.
+        expert_parallel: ranks each MoE layer's experts are spread over (prime-rl's
+            ``trainer.model.ep``; 1: none), as :class:`~batchfit.parallel.Sharding` reads it.
         faults: the framework's own rules that the config breaks (beyond the batch plan's).
         warnings: what the config sets that batchfit does not model or the framework would
             refuse outside its batch rules (keys not in the framework's schema, settings that
@@ -169,6 +171,7 @@ class RunConfig:
     megatron_sequence_parallel: bool = False
     distributed_optimizer: bool = False
     virtual_pipeline_parallel: int | None = None
+    expert_parallel: int = 1
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
