@@ -231,3 +231,63 @@ def test_profile_emits_skyrl_megatron_keys_for_the_example(capsys):
     assert emit["trainer.max_tokens_per_microbatch"] >= 512
     assert 64 % emit["trainer.micro_train_batch_size_per_gpu"] == 0  # divides dp 2's 64 samples per GPU
     assert not [k for k in emit if "fsdp_config" in k or "sequence_parallel_size" in k]
+
+
+# --- the entropy's chunks sized from memory (NOTE [ SkyRL's entropy chunks sized from memory ]) -------------------
+
+
+@pytest.mark.parametrize(
+    ("memory_mb", "vocab_shard", "seq_len", "expected"),
+    [
+        (512, 75_968, 8192, 256),  # 536,870,912 // (75,968 × 4 B × 4 = 1,215,488) = 441 -> 256
+        (512, 75_968, 256, None),  # min(256, 441) = 256: the whole sequence, one chunk
+        (512, 75_968, 200, 128),  # min(200, 441) = 200 -> 128 < 200: chunks of 128 and 72
+        (1, 151_936, 4096, 1),  # 1,048,576 // 2,430,976 = 0 -> max(1, 0) = 1
+        (4096, 151_936, 32768, 1024),  # 4,294,967,296 // 2,430,976 = 1,766 -> 1,024
+    ],
+)
+def test_entropy_chunks_are_the_largest_power_of_two_under_the_memory(memory_mb, vocab_shard, seq_len, expected):
+    from batchfit.frameworks.skyrl import entropy_chunk_tokens
+
+    assert entropy_chunk_tokens(memory_mb, vocab_shard, seq_len) == expected
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [{"trainer__vocab_entropy_chunk_memory_mb": 2048}, {"trainer__vocab_entropy_chunk_size": 4096},
+     {"trainer__vocab_entropy_chunk_size": None}],
+    ids=["memory", "tokens", "no-chunks"],
+)
+def test_entropy_chunks_set_away_from_skyrls_defaults_are_a_warning(keys):
+    data = _config(**keys)
+    if "trainer__vocab_entropy_chunk_size" in keys and keys["trainer__vocab_entropy_chunk_size"] is None:
+        data["trainer"]["vocab_entropy_chunk_size"] = None
+    said = read_run_config(data).warnings
+    assert [w for w in said if "batchfit's Megatron profile measures SkyRL's head with its defaults" in w]
+
+
+def test_entropy_chunks_at_skyrls_defaults_are_no_warning():
+    said = read_run_config(_config(trainer__vocab_entropy_chunk_size=0, trainer__vocab_entropy_chunk_memory_mb=512)).warnings
+    assert not [w for w in said if "vocab_entropy_chunk" in w]
+
+
+@pytest.mark.parametrize(
+    ("keys", "said"),
+    [
+        ({"trainer__vocab_entropy_chunk_memory_mb": 0}, r"trainer\.vocab_entropy_chunk_memory_mb=0: SkyRL's TrainerConfig refuses"),
+        ({"trainer__vocab_entropy_chunk_size": -1}, r"trainer\.vocab_entropy_chunk_size=-1: SkyRL's TrainerConfig refuses"),
+        ({"trainer__vocab_entropy_chunk_size": True}, r"trainer\.vocab_entropy_chunk_size=True: SkyRL's TrainerConfig"),
+    ],
+    ids=["memory-0", "size-negative", "size-bool"],
+)
+def test_entropy_chunk_values_skyrl_refuses_are_faults(keys, said):
+    import re
+
+    faults = read_run_config(_config(**keys)).faults
+    assert [f for f in faults if re.match(said, f)], faults
+
+
+def test_the_emitted_keys_write_skyrls_entropy_chunk_defaults():
+    keys = _keys(read_run_config(_config(trainer__vocab_entropy_chunk_memory_mb=2048)))
+    assert keys["trainer.vocab_entropy_chunk_size"] == 0
+    assert keys["trainer.vocab_entropy_chunk_memory_mb"] == 512

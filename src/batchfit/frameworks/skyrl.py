@@ -215,6 +215,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         )
         values["reference_model_parallel"] = _reference_model_parallel(flat, megatron)
     _validate_cfg(flat, given, values, critic_model, kl_loss, kl_reward, megatron, faults)
+    faults += _entropy_chunk_faults(flat)
 
     prompt = as_int(flat.get("generator.max_input_length") or flat.get(T + "max_prompt_length"))
     response = as_int(flat.get("generator.sampling_params.max_generate_length"))
@@ -239,6 +240,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     if megatron:
         warnings += unmodelled_warnings(given, defaults, MEGATRON_UNMODELLED, schema.title)
         warnings += _megatron_warnings(flat, reference, schema.title)
+        warnings += _entropy_chunk_warnings(flat, given)
         refused = _megatron_refusals(flat, values)
         faults += _megatron_faults(flat, reference)
         checkpointing = _recompute(flat, checkpointing, warnings)
@@ -505,6 +507,78 @@ def megatron_refusal(run: RunConfig) -> str | None:
     NOTE [ What a SkyRL Megatron profile refuses ]; ``None`` for every other strategy (FSDP is judged by the CLI).
     """
     return first_refusal(run, _REFUSAL_WHY)
+
+
+# NOTE [ SkyRL's entropy chunks sized from memory ]
+# SkyRL's Megatron update computes the entropy over the [b, s, V/tp] logits in sequence chunks
+# (skyrl/backends/skyrl_train/distributed/megatron/model_utils.py vocab_parallel_entropy, a9564572, SkyRL #1890).
+# trainer.vocab_entropy_chunk_size says how many tokens a chunk holds: None, no chunks; a positive n, n tokens (no
+# chunks when n >= s); 0 (the default), derived by _resolve_vocab_entropy_chunk_size from
+# trainer.vocab_entropy_chunk_memory_mb (default 512): bytes_per_token = b × V/tp × the logits' element size × 4 (its
+# peak_factor), chunk = the largest power of two <= max(1, min(s, memory_mb MiB // bytes_per_token)), no chunks when
+# that is s or more. config.py (SkyRLTrainConfig, l. 1487-1491) holds the defaults and __post_init__ refuses a
+# negative size and a memory of 0 or less. The Megatron profile runs SkyRL's head with the defaults (0 and 512:
+# batchfit.budget.megatron_profile.megatron_head), so a config that sets either away from them is profiled with chunks
+# of another size, a warning (ENTROPY_CHUNK_KEYS), and --emit skyrl writes both defaults (skyrl_emit._megatron_head).
+ENTROPY_CHUNK_KEY = T + "vocab_entropy_chunk_size"
+ENTROPY_MEMORY_KEY = T + "vocab_entropy_chunk_memory_mb"
+ENTROPY_CHUNK_DEFAULTS = {ENTROPY_CHUNK_KEY: 0, ENTROPY_MEMORY_KEY: 512}
+ENTROPY_PEAK_FACTOR = 4  # model_utils.py _resolve_vocab_entropy_chunk_size(peak_factor=4)
+
+
+def entropy_chunk_tokens(memory_mb: int, vocab_shard: int, seq_len: int, rows: int = 1, element_size: int = 4) -> int | None:
+    """The tokens of one entropy chunk SkyRL derives at ``vocab_entropy_chunk_size: 0``; ``None``: not chunked.
+
+    NOTE [ SkyRL's entropy chunks sized from memory ]. ``vocab_shard`` is ``V / tp`` (the logits' last dimension on
+    one rank), ``seq_len`` the logits' sequence length, ``rows`` their leading size, ``element_size`` the bytes of a
+    logit (4: batchfit's Megatron heads take an fp32 copy).
+
+    >>> entropy_chunk_tokens(512, 151_936 // 2, 8192)  # 512 MiB // (75,968 × 4 B × 4) = 441 -> 256
+    256
+    >>> entropy_chunk_tokens(512, 151_936 // 2, 256) is None  # min(256, 441) = 256 tokens: one chunk
+    True
+    """
+    per_token = rows * vocab_shard * element_size * ENTROPY_PEAK_FACTOR
+    chunk = max(1, min(seq_len, memory_mb * 1024 * 1024 // per_token))
+    chunk = 1 << (chunk.bit_length() - 1)
+    return chunk if chunk < seq_len else None
+
+
+def _entropy_chunk_warnings(flat: dict[str, Any], given: dict[str, Any]) -> list[str]:
+    """The entropy chunk keys a Megatron config sets away from SkyRL's defaults (NOTE [ SkyRL's entropy chunks sized
+    from memory ]): the profile measures the default chunks."""
+    out = []
+    for key, default in ENTROPY_CHUNK_DEFAULTS.items():
+        if key not in given:
+            continue
+        value = as_int(flat.get(key))
+        if value == default and not isinstance(value, bool):
+            continue
+        out.append(
+            f"{key}={short_repr(value)}: SkyRL sizes the Megatron update's entropy chunks from it (model_utils.py "
+            "_resolve_vocab_entropy_chunk_size, SkyRL a9564572), but batchfit's Megatron profile measures SkyRL's head "
+            f"with its defaults ({ENTROPY_CHUNK_KEY}=0, {ENTROPY_MEMORY_KEY}=512: chunks of the largest power of two "
+            "<= 512 MiB / (4 x V/tp x 4 B) tokens); set it to the default, or confirm this setting on the device "
+            "(profile --confirm)"
+        )
+    return out
+
+
+def _entropy_chunk_faults(flat: dict[str, Any]) -> list[str]:
+    """TrainerConfig.__post_init__'s refusals of the entropy chunk keys (config.py l. 1544-1560, SkyRL a9564572)."""
+    out = []
+    size, memory = as_int(flat.get(ENTROPY_CHUNK_KEY)), as_int(flat.get(ENTROPY_MEMORY_KEY))
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        out.append(
+            f"{ENTROPY_CHUNK_KEY}={short_repr(size)}: SkyRL's TrainerConfig refuses it (a non-negative integer or None); "
+            "set it to 0 (chunks sized from vocab_entropy_chunk_memory_mb), a token count, or null (no chunks)"
+        )
+    if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
+        out.append(
+            f"{ENTROPY_MEMORY_KEY}={short_repr(memory)}: SkyRL's TrainerConfig refuses it (a positive integer, MiB); "
+            "set it to 512, SkyRL's default"
+        )
+    return out
 
 
 def _megatron_warnings(flat: dict[str, Any], reference: bool, title: str) -> list[str]:

@@ -24,7 +24,7 @@ from batchfit.frameworks.assumptions import (
 from batchfit.frameworks.emit import REMOVE_PADDING
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import RunProfile
-from batchfit.frameworks.skyrl import SPEC
+from batchfit.frameworks.skyrl import ENTROPY_CHUNK_DEFAULTS, ENTROPY_CHUNK_KEY, ENTROPY_MEMORY_KEY, SPEC
 from batchfit.train.framework_heads import FrameworkHead
 
 __all__ = ["assumption_keys", "skyrl_plan", "token_keys"]
@@ -340,20 +340,31 @@ def _megatron_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
 
 
 def _megatron_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
-    """SkyRL's Megatron head: vocab-parallel log-probs from the logits (megatron_model_wrapper.py).
+    """SkyRL's Megatron head: vocab-parallel log-probs from the logits (megatron_model_wrapper.py), the update's entropy
+    in chunks sized from memory.
 
-    A Megatron profile measures Megatron's vocab-parallel cross-entropy over the whole logits (whatever ``--logprobs``
-    says): ``fused_lm_head_logprob`` off is that head. ``logprobs_chunk_size`` and ``vocab_entropy_chunk_size`` are
-    the config's (chunks hold less than the whole logits profiled); the algorithm's settings are never changed.
+    A Megatron profile runs SkyRL's own head on the ``[b, s, V/tp]`` logits (``fused_lm_head_logprob`` off), with the
+    entropy chunks SkyRL derives from its defaults, ``vocab_entropy_chunk_size: 0`` and
+    ``vocab_entropy_chunk_memory_mb: 512`` (NOTE [ SkyRL's entropy chunks sized from memory ] in
+    :mod:`batchfit.frameworks.skyrl`): both are written. The algorithm's settings are never changed.
     """
-    del run, a, same
+    del run, same
+    tp = a.sharding.tensor_parallel
     return [
         Key(
             "trainer.fused_lm_head_logprob",
             False,
-            "log-probs from Megatron's vocab-parallel logits (megatron_model_wrapper.py), as profiled over the whole "
-            "logits (the config's logprobs_chunk_size chunks hold less)",
-        )
+            "log-probs from Megatron's vocab-parallel logits (megatron_model_wrapper.py), as profiled with SkyRL's "
+            "head",
+        ),
+        Key(
+            ENTROPY_CHUNK_KEY,
+            ENTROPY_CHUNK_DEFAULTS[ENTROPY_CHUNK_KEY],
+            "the update's entropy chunks sized from the memory below, as profiled: SkyRL takes the largest power of "
+            f"two <= 512 MiB / (4 x V/{tp} x 4 B) tokens per chunk (model_utils.py _resolve_vocab_entropy_chunk_size, "
+            "SkyRL a9564572)",
+        ),
+        Key(ENTROPY_MEMORY_KEY, ENTROPY_CHUNK_DEFAULTS[ENTROPY_MEMORY_KEY], "MiB of temporaries per entropy chunk"),
     ]
 
 
