@@ -238,6 +238,79 @@ def test_profile_reads_slimes_megatron_layout_into_the_sharding(tmp_path):
     assert s.megatron_sequence_parallel and s.distributed_optimizer and options.cost == "packed"
 
 
+@pytest.mark.parametrize(
+    ("extra", "chunk", "grad", "rollout_entropy"),
+    [
+        ("", None, False, False),  # slime's defaults: one chunk, the entropy a metric, none in the forward passes
+        ("--log-probs-chunk-size 2048 --entropy-coef 0.01 --use-rollout-entropy", 2048, True, True),
+        ("--entropy-coef 0.00 --log-probs-chunk-size -1", None, False, False),
+    ],
+)
+def test_slimes_flags_select_each_pass_head(tmp_path, extra, chunk, grad, rollout_entropy):
+    from batchfit.frameworks.config_options import run_profile_options
+    from batchfit.train.megatron_heads import MegatronHead, MegatronHeads
+
+    run = read_run_config(_script(tmp_path, extra=extra))
+    heads = run_profile_options(run, {"backend": "estimate", "max_seq_len": 4096}).options.logprobs
+    assert isinstance(heads, MegatronHeads)
+    # loss.py: the update always computes the entropy, with its graph only when --entropy-coef != 0
+    assert heads.update == MegatronHead("slime", entropy=True, entropy_grad=grad, chunk_size=chunk)
+    # model.py forward_only: with_entropy=args.use_rollout_entropy, for the old and the reference log-probs alike
+    assert heads.old_log_probs == heads.reference == MegatronHead("slime", entropy=rollout_entropy, chunk_size=chunk)
+    assert heads.for_role("policy") is heads.update and heads.for_role("policy_forward") is heads.old_log_probs
+
+
+def test_a_megatron_head_outside_megatron_is_refused():
+    from batchfit.errors import InvalidArgument
+    from batchfit.train.megatron_heads import MegatronHead, MegatronHeads
+
+    head = MegatronHead("slime")
+    heads = MegatronHeads(update=head, old_log_probs=head, reference=head)
+    with pytest.raises(InvalidArgument, match="runs on Megatron's last pipeline stage, but got sharding='fsdp2'"):
+        ProfileOptions(max_seq_len=512, logprobs=heads, sharding="fsdp2")
+    with pytest.raises(InvalidArgument, match="MegatronHeads.reference must be a MegatronHead, but got str"):
+        MegatronHeads(update=head, old_log_probs=head, reference="slime")
+
+
+@pytest.mark.slow
+def test_slimes_head_runs_in_its_profile_and_its_entropy_graph_costs_tokens(tmp_path, capsys):
+    import json
+
+    from batchfit.cli import main
+
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
+    budgets = {}
+    for coef in ("0.00", "0.01"):
+        script = _script(tmp_path, extra=f"--entropy-coef {coef}")
+        argv = ["profile", "--config", str(script), "--backend", "estimate", "--model", "tiny", "--json", "--no-progress"]
+        assert main(argv) == 0
+        profile = json.loads(capsys.readouterr().out)["profiles"]["policy"]
+        heads = profile["megatron"]["heads"]
+        assert heads["policy"]["framework"] == "slime" and heads["policy"]["entropy_grad"] is (coef != "0.00")
+        budgets[coef] = profile["budgets"]["policy"]["tokens"]
+    # the entropy's graph keeps its fp32 softmax and logits through the backward: fewer tokens fit
+    assert budgets["0.01"] < budgets["0.00"]
+
+
+def test_the_emitted_flags_carry_slimes_head_as_profiled(tmp_path):
+    from batchfit.frameworks.config_options import run_profile_options
+
+    run = read_run_config(_script(tmp_path, perf="", extra="--log-probs-chunk-size 4096 --use-rollout-entropy"))
+    options = run_profile_options(run, {"backend": "estimate", "max_seq_len": 9216}).options
+    profile = types.SimpleNamespace(
+        run=run,
+        budgets={"policy": types.SimpleNamespace(tokens=12_000, backend="estimate", usable_bytes=70 * 2**30, cost="packed")},
+        options=role_options(run, options),
+    )
+    text = render_flags(emit_keys(profile, "slime", max_seq_len=9216, margin=0.85), [])
+    words = flag_words(text)
+    assert words[-3:] == ["--log-probs-chunk-size", "4096", "--use-rollout-entropy"]
+    assert "the update's entropy is a metric (--entropy-coef 0), as profiled" in text
+    args, _ = flag_spec("slime").parser().parse_known_args(["--rollout-batch-size", "32", *words])
+    assert args.log_probs_chunk_size == 4096 and args.use_rollout_entropy is True
+
+
 def test_slimes_context_parallelism_is_profiled_and_its_per_gpu_tokens_emitted(tmp_path, capsys):
     import json
 

@@ -201,7 +201,8 @@ def role_pass(role: str, options: ProfileOptions) -> dict[str, Any]:
 def megatron_head(options: ProfileOptions, role: str) -> Any:
     """The head ``role``'s pass runs on the last stage's logits (NOTE [ Framework heads under Megatron ]).
 
-    ``options.logprobs`` a verl or SkyRL :class:`~batchfit.train.framework_heads.FrameworkHead` (read from
+    ``options.logprobs`` a :class:`~batchfit.train.megatron_heads.MegatronHeads`: its head for ``role``.
+    A verl or SkyRL :class:`~batchfit.train.framework_heads.FrameworkHead` (read from
     the framework's config): that framework's Megatron head, with the entropy its config computes in
     each pass (verl: the update's ``entropy``, the old log-probs' ``forward_entropy``, chunked in
     ``entropy_chunk_size`` rows; SkyRL: an entropy in the update, with its graph under
@@ -213,9 +214,11 @@ def megatron_head(options: ProfileOptions, role: str) -> Any:
             chunks' in-place gradient changes a tensor autograd saved).
     """
     from batchfit.train.framework_heads import FrameworkHead
-    from batchfit.train.megatron_heads import MegatronHead
+    from batchfit.train.megatron_heads import MegatronHead, MegatronHeads
 
     head = options.logprobs
+    if isinstance(head, MegatronHeads):  # each pass's head as the framework's config selects it (slime)
+        return head.for_role(role)
     if not isinstance(head, FrameworkHead):
         return MegatronHead()
     trained = not forward_role(role)

@@ -25,6 +25,7 @@ from batchfit.models.moe import ROUTINGS, check_experts_implementation
 from batchfit.parallel.sharding import Sharding, as_sharding
 from batchfit.plan import COSTS
 from batchfit.train.framework_heads import FrameworkHead
+from batchfit.train.megatron_heads import MegatronHeads
 from batchfit.train.model_outputs import check_head
 from batchfit.validation import check_choice, check_number
 
@@ -48,7 +49,8 @@ class ProfileOptions:
         gradient_checkpointing: non-reentrant activation checkpointing of every layer (off unless
             asked; ``batchfit profile`` asks by default, ``--no-gradient-checkpointing`` not).
         logprobs: the policy's log-prob head, one of :data:`batchfit.train.HEADS` or a
-            :class:`~batchfit.train.framework_heads.FrameworkHead` (``full``
+            :class:`~batchfit.train.framework_heads.FrameworkHead`, or under ``megatron`` a
+            :class:`~batchfit.train.megatron_heads.MegatronHeads` (each pass's head) (``full``
             fp32 ``log_softmax`` of the whole logits, ``chunked``, ``fused``; ``trl``: TRL's own
             fused kernel, NOTE [ TRL's head ] in :mod:`batchfit.train.trl_head`, needs TRL).
         cost: ``padded`` (rows × longest) or ``packed`` (sum of lengths, counted to the token).
@@ -129,7 +131,7 @@ class ProfileOptions:
     reserve_bytes: int | str | None = None
     dtype: str | None = None
     gradient_checkpointing: bool = False
-    logprobs: str | FrameworkHead = "full"
+    logprobs: str | FrameworkHead | MegatronHeads = "full"
     cost: str = "padded"
     safety_margin: float | None = None
     seq_lens: Sequence[int] | None = None
@@ -174,7 +176,7 @@ class ProfileOptions:
         checks: dict[str, Callable[[Any], Any]] = {
             "max_seq_len": lambda v: check_max_seq_len(v, name(Setting("max_seq_len"))),
             "backend": lambda v: check_choice(name(Setting("backend")), v, BACKEND_NAMES),
-            "logprobs": lambda v: check_head(name(Setting("logprobs")), v),
+            "logprobs": lambda v: v if isinstance(v, MegatronHeads) else check_head(name(Setting("logprobs")), v),
             "cost": lambda v: check_choice(name(Setting("cost")), v, COSTS),
             "allocator": lambda v: check_choice(name(Setting("allocator")), DEFAULT_ALLOCATOR if v is None else v, ALLOCATORS),
             "memory_limit": lambda v: v,
@@ -213,6 +215,18 @@ class ProfileOptions:
             raise InvalidArgument(
                 f"response_fraction={self.response_fraction} is read only by the response-only head, but got "
                 "response_only=False; pass response_only=True (--response-only) or drop response_fraction"
+            )
+        if isinstance(self.logprobs, MegatronHeads) and self.sharding.strategy != "megatron":
+            raise InvalidArgument(
+                Phrase(
+                    "a MegatronHeads head runs on Megatron's last pipeline stage, but got ",
+                    Setting("sharding", self.sharding.strategy),
+                    "; use ",
+                    Setting("sharding", "megatron"),
+                    ", or name a head (",
+                    Setting("logprobs", "full"),
+                    ")",
+                ).say(vocabulary)
             )
         if self.sharding.sequence_parallel > 1 and self.cost != "packed":
             raise InvalidArgument(

@@ -43,6 +43,7 @@ from batchfit.frameworks.run import RunConfig, dtype_name
 from batchfit.models.lora import LoraSpec
 from batchfit.parallel.sharding import Sharding
 from batchfit.train.framework_heads import FrameworkHead, as_framework_head
+from batchfit.train.megatron_heads import MegatronHead, MegatronHeads
 
 __all__ = [
     "Assumptions",
@@ -99,7 +100,8 @@ class Assumptions:
         dtypes: model role → the dtype its parameters were stored in (``fp32``, ``bf16``).
         gradient_checkpointing: activation checkpointing of every layer.
         cost: ``packed`` or ``padded`` rows.
-        head: the policy's log-prob head: ``full``, ``chunked``, ``fused`` or a :class:`FrameworkHead`.
+        head: the policy's log-prob head: ``full``, ``chunked``, ``fused``, a :class:`FrameworkHead`, or under
+            Megatron each pass's :class:`~batchfit.train.megatron_heads.MegatronHeads` (slime's).
         lora: model role (``policy``, ``critic``) → its adapters, ``None`` without.
         response_only: the head ran on the loss tokens only.
         activation_offload: the trained models offloaded their layers' saved activations to the
@@ -115,7 +117,7 @@ class Assumptions:
     dtypes: dict[str, str]
     gradient_checkpointing: bool
     cost: str
-    head: str | FrameworkHead
+    head: str | FrameworkHead | MegatronHeads
     lora: dict[str, LoraSpec | None]
     response_only: bool
     activation_offload: bool = False
@@ -326,13 +328,15 @@ def check_precision(target: str, a: Assumptions, why: str) -> None:
 
 
 def check_head(target: str, a: Assumptions, allowed: tuple[str, ...], why: str, fix: str) -> None:
-    """Refuse a log-prob head ``target`` does not run (a :class:`FrameworkHead` by its framework's name).
+    """Refuse a log-prob head ``target`` does not run (a :class:`FrameworkHead` or Megatron head by its framework's name).
 
     Raises:
         EmitError: the policy's head is not one of ``allowed``.
     """
     head = a.head
-    name = head.framework if isinstance(head, FrameworkHead) else head
+    if isinstance(head, MegatronHeads):
+        head = head.update
+    name = head.framework if isinstance(head, (FrameworkHead, MegatronHead)) else head
     if name not in allowed:
         raise refuse(target, f"--logprobs {name}", why, fix)
 

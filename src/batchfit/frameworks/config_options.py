@@ -83,8 +83,9 @@ def run_profile_options(
         BatchConfigError: with ``emit="skyrl"``, the batch plan its micro sizes come from breaks.
     """
     from batchfit.frameworks.emit import TARGETS, target_head, target_reference_dtype
-    from batchfit.frameworks.run_step import framework_step
+    from batchfit.frameworks.run_step import framework_step, megatron_heads
     from batchfit.train.framework_heads import FrameworkHead
+    from batchfit.train.megatron_heads import MegatronHeads
 
     say = KEYWORDS if vocabulary is None else vocabulary
     chosen = Choices(**chosen)
@@ -140,9 +141,10 @@ def run_profile_options(
     if step is not None and logprobs is None:
         logprobs = step.head
     if megatron and logprobs is None and emit in (None, run.vocabulary):
-        # the framework's own head on Megatron's logits (NOTE [ Framework heads under Megatron ]): verl's and SkyRL's
-        head = getattr(framework_step(run), "head", None)
-        logprobs = head if isinstance(head, FrameworkHead) else None
+        # the framework's own head on Megatron's logits (NOTE [ Framework heads under Megatron ]): slime's pass by
+        # pass, verl's and SkyRL's from their FrameworkHead
+        head = megatron_heads(run) or getattr(framework_step(run), "head", None)
+        logprobs = head if isinstance(head, (FrameworkHead, MegatronHeads)) else None
     config_cost = step.cost if step is not None else ("packed" if run.remove_padding or megatron else "padded")
     cost = chosen.cost
     if emit is not None:  # every framework counts a micro-batch's tokens

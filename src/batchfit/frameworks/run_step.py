@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from batchfit.frameworks.registry import get_framework
 from batchfit.frameworks.run import RunConfig
 from batchfit.train.framework_heads import FRAMEWORK_HEADS, FrameworkHead
+from batchfit.train.megatron_heads import MegatronHead, MegatronHeads
 
-__all__ = ["FrameworkStep", "framework_step"]
+__all__ = ["FrameworkStep", "framework_step", "megatron_heads"]
 
 @dataclass(frozen=True)
 class FrameworkStep:
@@ -80,3 +81,28 @@ def framework_step(run: RunConfig) -> FrameworkStep | None:
     if compiled is not None and "full" in (entropy, forward_entropy):
         notes.append(compiled)
     return FrameworkStep(head=head, cost=cost, notes=tuple(notes))
+
+
+def megatron_heads(run: RunConfig) -> MegatronHeads | None:
+    """Each pass's head of ``run``'s Megatron run, for a framework that names its head only under Megatron (slime).
+
+    slime (624b824a) computes log-probs and entropy in one pass over the vocabulary-parallel
+    logits (``_VocabParallelLogProbEntropy``), in chunks of ``--log-probs-chunk-size`` tokens
+    (``RunConfig.logprobs_chunk_size``): the entropy in the update always
+    (``policy_loss_function``: ``with_entropy=True``), with its graph when ``--entropy-coef`` is not
+    0 (``get_log_probs_and_entropy``: ``with_entropy_grad``, ``RunConfig.entropy_grad``); the
+    forward passes (old log-probs, and the reference's on the same model) compute it under
+    ``--use-rollout-entropy`` (``model.forward_only``: ``with_entropy=args.use_rollout_entropy``,
+    ``RunConfig.forward_entropy``). verl's and SkyRL's heads come from their
+    :class:`FrameworkHead` (``None`` here).
+    """
+    if run.vocabulary != "slime":
+        return None
+    chunk = run.logprobs_chunk_size
+    rollout_entropy = run.forward_entropy != "none"
+    forward = MegatronHead("slime", entropy=rollout_entropy, chunk_size=chunk)
+    return MegatronHeads(
+        update=MegatronHead("slime", entropy=True, entropy_grad=bool(run.entropy_grad), chunk_size=chunk),
+        old_log_probs=forward,
+        reference=forward,
+    )

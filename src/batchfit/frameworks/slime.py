@@ -71,6 +71,9 @@ READ = frozenset(
         "sequence_parallel",
         "use_distributed_optimizer",
         "optimizer_cpu_offload",
+        "log_probs_chunk_size",
+        "entropy_coef",
+        "use_rollout_entropy",
     }
 )
 KEY_NAMES = {
@@ -170,6 +173,14 @@ def read(command: Command) -> FrameworkRun:
         distributed_optimizer=True,
         gradient_checkpointing=v.get("recompute_granularity") == "full",
         remove_padding=True,  # megatron_utils validate_args: "always use varlen" (packed THD micro-batches)
+        # the head of each pass (frameworks.run_step.megatron_heads): loss.py get_log_probs_and_entropy chunks by
+        # --log-probs-chunk-size (-1: one chunk), the update's entropy keeps its graph when --entropy-coef != 0,
+        # the forward passes compute one under --use-rollout-entropy (model.py forward_only)
+        logprobs_chunk_size=v["log_probs_chunk_size"] if is_positive_int(v.get("log_probs_chunk_size")) else None,
+        entropy="full",
+        entropy_grad=bool(v.get("entropy_coef")),
+        entropy_in_loss=bool(v.get("entropy_coef")),
+        forward_entropy="full" if v.get("use_rollout_entropy") else "none",
         # with a critic slime offloads the idle model (use_critic forces offload_train)
         colocated=("policy", "critic") if critic else (),
         resident={},

@@ -24,6 +24,7 @@ from batchfit.frameworks.assumptions import (
 from batchfit.frameworks.emit import cost_note, smallest_budget
 from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import RunProfile
+from batchfit.train.megatron_heads import MegatronHeads
 
 __all__ = ["assumption_keys", "token_keys"]
 
@@ -133,10 +134,48 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     check_head(
         target,
         a,
-        ("full",),
-        "slime computes log-probs with Megatron's vocab-parallel cross-entropy over the whole logits (what the profile "
-        "runs) and has no flag for another head",
+        ("full", "slime"),
+        "slime computes log-probs and entropy with its own vocab-parallel head over the whole logits "
+        "(_VocabParallelLogProbEntropy) and has no flag for another head",
         "drop --logprobs",
+    )
+    return keys + head_keys(a)
+
+
+def head_keys(a: Assumptions) -> list[Key]:
+    """slime's head as profiled (frameworks.run_step.megatron_heads): its chunk, the rollout entropy, the entropy's graph.
+
+    ``--log-probs-chunk-size`` and ``--use-rollout-entropy`` are given as profiled; ``--entropy-coef`` is
+    the algorithm's, so a comment says what a change of it from 0 (or to 0) does to the budget. A
+    profile that ran Megatron's own cross-entropy (a config of another framework) emits none.
+    """
+    heads = a.head
+    if not isinstance(heads, MegatronHeads):
+        return []
+    update, forward = heads.update, heads.old_log_probs
+    chunk = update.chunk_size
+    keys = [
+        Key(
+            "--log-probs-chunk-size",
+            -1 if chunk is None else chunk,
+            "log-probs and entropy over the whole micro-batch at once, as profiled" if chunk is None
+            else f"log-probs and entropy {chunk:,} tokens at a time, as profiled",
+        )
+    ]
+    keys.append(
+        Key("--use-rollout-entropy", True, "the old and reference log-probs compute the entropy too, as profiled")
+        if forward.entropy
+        else Key("", False, "profiled without --use-rollout-entropy: leave it out of the command")
+    )
+    keys.append(
+        Key(
+            "",
+            False,
+            "the update's entropy keeps its graph through the backward (--entropy-coef is not 0), as profiled"
+            if update.entropy_grad
+            else "the update's entropy is a metric (--entropy-coef 0), as profiled: a non-zero --entropy-coef keeps its "
+            "graph and needs a new profile",
+        )
     )
     return keys
 

@@ -174,6 +174,42 @@ def as_megatron_head(head: str | MegatronHead | None, *, forward_only: bool = Fa
     )
 
 
+@dataclass(frozen=True)
+class MegatronHeads:
+    """The head each pass of a framework's Megatron run computes (NOTE [ Framework heads under Megatron ]).
+
+    What a framework's config selects, pass by pass (slime: ``--entropy-coef``,
+    ``--use-rollout-entropy``, ``--log-probs-chunk-size``), carried to the probe as
+    ``ProfileOptions(logprobs=MegatronHeads(...))`` under ``Sharding("megatron")``.
+
+    Attributes:
+        update: the policy's training step.
+        old_log_probs: the policy's forward-only pass (``policy_forward``).
+        reference: the reference model's forward-only pass.
+
+    Raises:
+        InvalidArgument: a field that is not a :class:`MegatronHead`.
+    """
+
+    update: MegatronHead
+    old_log_probs: MegatronHead
+    reference: MegatronHead
+
+    def __post_init__(self) -> None:
+        for name in ("update", "old_log_probs", "reference"):
+            if not isinstance(getattr(self, name), MegatronHead):
+                raise InvalidArgument(
+                    f"MegatronHeads.{name} must be a MegatronHead, but got {type(getattr(self, name)).__name__}"
+                )
+
+    def for_role(self, role: str) -> MegatronHead:
+        """The head of ``role``'s pass: the update for a trained role, the old log-probs' for ``policy_forward``
+        (and a critic's passes, which compute no log-probs), the reference's for ``reference``."""
+        if role == "reference":
+            return self.reference
+        return self.update if role in ("policy", "critic") else self.old_log_probs
+
+
 def verl_tensor_parallel() -> ModuleType:
     """verl's ``verl/utils/megatron/tensor_parallel.py``, imported, or loaded from its file when ``import verl`` fails.
 
@@ -684,6 +720,7 @@ __all__ = [
     "ENTROPY_COEFF",
     "MEGATRON_HEADS",
     "MegatronHead",
+    "MegatronHeads",
     "as_megatron_head",
     "compiled_mul_reduce",
     "fused_mul_reduce",
