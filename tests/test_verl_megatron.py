@@ -358,3 +358,36 @@ def test_profile_emits_verl_megatron_keys_for_the_example(capsys):
     assert length >= 512 and reference >= length
     assert 512 <= emit["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] < reference
     assert not [k for k in emit if "fsdp_config" in k or "ulysses" in k]
+
+
+# --- dynamic context parallelism (NOTE [ What a Megatron profile refuses ]) and pad_to_length ---------------------
+
+
+def test_dynamic_context_parallelism_is_one_refusal_naming_the_scheduler_and_its_cap():
+    run = read_run_config(_config(**_megatron(dynamic_context_parallel=True, max_seqlen_per_dp_cp_rank=8192)))
+    refusal = megatron_refusal(run)
+    assert refusal is not None and refusal.startswith(
+        "the config's actor_rollout_ref.actor.megatron.dynamic_context_parallel=True (max_seqlen_per_dp_cp_rank=8192) "
+        "lets Megatron-Core's DefaultDynamicCPScheduler"
+    )
+    assert "ceil(length / max_seqlen_per_dp_cp_rank)" in refusal and "; set it to false and a fixed" in refusal
+    assert not [w for w in run.warnings if "dynamic_context_parallel" in w]  # refused, not also warned
+    run.plan()  # verl runs it: `batchfit plan` still answers
+
+
+def test_megatron_pad_to_length_is_read_for_the_actor_and_the_reference():
+    run = read_run_config(_config(**_megatron(pad_to_length=True)))
+    assert run.token_bucket == 512  # McoreEngineConfig.pad_to_length_bucket
+    assert not [w for w in run.warnings if "pad_to_length" in w]  # the reference's interpolates the actor's
+    assert read_run_config(_config(**_megatron(pad_to_length=True, pad_to_length_bucket=2048))).token_bucket == 2048
+
+
+def test_megatron_lengths_are_multiples_of_lcm_of_the_bucket_and_the_context_parallel_size():
+    run = read_run_config(_config(**_megatron(pad_to_length=True, context_parallel_size=2)))
+    profile = SimpleNamespace(run=run, options={"policy": SimpleNamespace(sharding=_megatron_sharding(context_parallel=2))})
+    budgets = {"policy": 6000, "policy_forward": 6000, "reference": 6000}
+    keys = {k.path: k for k in token_keys(profile, budgets, lambda role, what: what, 512, 8)}
+    # lcm(512, 2) = 512: 6,000 // 512 = 11 × 512 = 5,632 tokens a micro-batch, over cp 2: 2,816 per GPU
+    assert keys["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"].value == 2816
+    assert "a micro-batch of 5,632 tokens split over 2 GPUs" in keys["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"].comment
+    assert keys[MCORE + "pad_to_length_bucket"].value == 512

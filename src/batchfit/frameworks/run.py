@@ -120,6 +120,9 @@ class RunConfig:
             ``None`` when the config sets none.
         expert_parallel: ranks each MoE layer's experts are spread over (prime-rl's
             ``trainer.model.ep``; 1: none), as :class:`~batchfit.parallel.Sharding` reads it.
+        token_bucket: the framework pads each packed micro-batch up to a multiple of this many
+            tokens (verl's ``pad_to_length`` with ``pad_to_length_bucket``), or ``None``: emitted
+            token lengths are rounded down to a multiple of it.
         faults: the framework's own rules that the config breaks (beyond the batch plan's).
         warnings: what the config sets that batchfit does not model or the framework would
             refuse outside its batch rules (keys not in the framework's schema, settings that
@@ -172,6 +175,7 @@ class RunConfig:
     distributed_optimizer: bool = False
     virtual_pipeline_parallel: int | None = None
     expert_parallel: int = 1
+    token_bucket: int | None = None
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()

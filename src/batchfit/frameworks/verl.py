@@ -108,8 +108,6 @@ UNMODELLED: dict[str, str] = {
     ENGINE + "fsdp_size": "hybrid sharding: state sharded over fsdp_size GPUs, not all of them",
     ENGINE + "forward_prefetch": "the next unit's parameters gathered while one computes",
     ENGINE + "wrap_policy.*": "how the model is wrapped into FSDP units (batchfit wraps each decoder layer)",
-    ENGINE + "pad_to_length": "packed micro-batches padded up to a bucket of tokens",
-    ACTOR + "pad_to_length": "packed micro-batches padded up to a bucket of tokens",
     CRITIC_ENGINE + "fsdp_size": _SAME,
 }
 
@@ -117,6 +115,8 @@ UNMODELLED: dict[str, str] = {
 # setting for every model of a run): a critic that differs gets a warning naming both.
 CRITIC_SAME = {
     CRITIC + "strategy": ACTOR + "strategy",
+    CRITIC_ENGINE + "pad_to_length": ENGINE + "pad_to_length",
+    CRITIC_ENGINE + "pad_to_length_bucket": ENGINE + "pad_to_length_bucket",
     CRITIC_ENGINE + "offload_policy": ENGINE + "offload_policy",
     CRITIC_ENGINE + "reshard_after_forward": ENGINE + "reshard_after_forward",
     CRITIC_ENGINE + "model_dtype": ENGINE + "model_dtype",
@@ -165,6 +165,9 @@ MCORE_DEFAULTS: dict[str, Any] = {
     "dtype": "bfloat16",
     "use_megatron_fsdp": False,
     "dynamic_context_parallel": False,
+    "max_seqlen_per_dp_cp_rank": None,
+    "pad_to_length": False,
+    "pad_to_length_bucket": 512,  # McoreEngineConfig (verl/workers/config/engine.py)
     "override_transformer_config.recompute_granularity": None,
     "override_transformer_config.recompute_method": None,
     "override_transformer_config.recompute_num_layers": None,
@@ -176,6 +179,8 @@ REF_FROM_ACTOR = (
     "expert_model_parallel_size",
     "virtual_pipeline_model_parallel_size",
     "param_offload",
+    "pad_to_length",  # _generated_ppo_megatron_trainer.yaml: ${oc.select:actor_rollout_ref.actor.megatron.pad_to_length,False}
+    "pad_to_length_bucket",
 )
 # megatron_actor.yaml: the engine's entropy keys interpolate the actor's (${oc.select:actor_rollout_ref.actor.<key>})
 MCORE_ENTROPY = ("entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size")
@@ -183,11 +188,9 @@ MCORE_ENTROPY = ("entropy_from_logits_with_chunking", "entropy_from_logits_chunk
 # holds the FSDP engine's); judged against MCORE_DEFAULTS.
 MCORE_UNMODELLED: dict[str, str] = {
     MCORE + "use_megatron_fsdp": "Megatron-FSDP (parameters sharded ZeRO-3 style over data parallel)",
-    MCORE + "dynamic_context_parallel": "dynamic context parallel scheduling",
     MCORE + "expert_tensor_parallel_size": "the experts' own tensor-parallel size",
     MCORE + "override_ddp_config.*": "Megatron DDP's buffers as overridden (bucket sizes, gradient dtype)",
     MCORE + "override_mcore_model_config.*": "overrides of Megatron's model config",
-    MCORE + "pad_to_length": "packed micro-batches padded up to a bucket of tokens",
     MCORE + "qat.enable": "quantisation-aware training",
 }
 # What the actor's key names in messages under Megatron (the plan's dp is Megatron's: world / (tp · pp · cp)).
@@ -335,6 +338,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     }
     resident = {role: kept for role, kept in resident.items() if role in roles}
     notes: list[str] = []
+    token_bucket = _token_bucket(flat, mcore, ref_mcore, remove_padding, reference, warnings, faults)
     run = RunConfig(
         vocabulary="verl",
         batch=BatchConfig(**values, framework="verl"),
@@ -385,6 +389,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         allocator="expandable_segments",
         # BaseEngineCtx._context_switch: eval_mode (compute_log_prob) loads the parameters only, train_mode the optimizer
         optimizer_offload=as_bool(mcore["optimizer_offload"] if megatron else flat.get(ENGINE + "optimizer_offload")) is True,
+        token_bucket=token_bucket,
         notes=tuple(notes),
         faults=tuple(faults),
         warnings=tuple(warnings),
@@ -755,7 +760,8 @@ def _check_megatron_batch(
 # one-line refusal naming the key, its value and the fix. Refused: a critic (verl's Megatron critic, a value head
 # on a GPTModel, is not probed), MoE expert parallelism (the probe builds dense layers) and Megatron's LoRA
 # (megatron_peft.py adapters on Megatron's linear layers). Context parallelism is profiled (NOTE [ Context
-# parallelism as Megatron runs it ] in batchfit.models.megatron_context); dynamic_context_parallel is not.
+# parallelism as Megatron runs it ] in batchfit.models.megatron_context); dynamic_context_parallel is not: NOTE [ verl's
+# dynamic context parallelism ].
 _REFUSAL_WHY = {
     "critic": (
         "trains a critic beside the Megatron actor (model_engine=megatron composes verl's Megatron critic, a value "
@@ -771,6 +777,15 @@ _REFUSAL_WHY = {
     "lora": (
         "trains Megatron LoRA adapters (verl/utils/megatron_peft.py), which batchfit's Megatron profile does not model",
         "set it to 0, or train LoRA with actor_rollout_ref.actor.strategy=fsdp2 (lora_rank)",
+    ),
+    "dynamic_context_parallel": (
+        "lets Megatron-Core's DefaultDynamicCPScheduler (Megatron-LM #5154) give each sequence its own context-"
+        "parallel group, ceil(length / max_seqlen_per_dp_cp_rank) of the DP x CP ranks, with data parallelism 1 "
+        "(verl/utils/dynamic_cp_scheduler.py, megatron/transformer_impl.py get_data_parallel_size; verl-project/verl "
+        "1dda039b, #6555): batchfit's Megatron profile runs one fixed context-parallel size, and a rank's micro-batch "
+        "under the scheduler is not one it can name",
+        "set it to false and a fixed actor_rollout_ref.actor.megatron.context_parallel_size, which batchfit profiles "
+        "(--emit verl then writes each length per GPU)",
     ),
 }
 
@@ -790,7 +805,60 @@ def _megatron_refusals(
         out["expert_parallel"] = f"{MCORE}expert_model_parallel_size={ep}"
     if lora is not None:
         out["lora"] = f"{MODEL}lora.rank={lora['rank']}"
+    if as_bool(mcore["dynamic_context_parallel"]) is True:
+        cap = mcore["max_seqlen_per_dp_cp_rank"]
+        out["dynamic_context_parallel"] = f"{MCORE}dynamic_context_parallel=True" + (
+            f" (max_seqlen_per_dp_cp_rank={short_repr(cap)})" if cap is not None else ""
+        )
     return out
+
+
+# NOTE [ verl pads packed micro-batches to a bucket ]
+# With pad_to_length on and padding removed, verl rounds each packed micro-batch up to a multiple of
+# pad_to_length_bucket tokens, on the whole packed sequence before the sequence-parallel split: the FSDP engine
+# (actor.pad_to_length, forwarded to fsdp_config.pad_to_length; FSDPEngineConfig.pad_to_length_bucket 1024) in
+# verl/workers/engine/fsdp/transformer_impl.py _get_packed_pad_size (ceildiv(n, bucket) × bucket), then ulysses_pad to a
+# multiple of ulysses_sequence_parallel_size; the Megatron engine (megatron.pad_to_length, McoreEngineConfig
+# pad_to_length_bucket 512, the reference's interpolated from the actor's) in verl/models/mcore/util.py
+# preprocess_thd_engine, to a multiple of lcm(bucket, context_parallel_size) (verl-project/verl 1dda039b; the same code
+# in verl 0.9.1). The pad tokens run a full forward (engine.py: "they still cost a full forward pass"). A micro-batch
+# packed to at most L = max_token_len_per_gpu × factor tokens (factor: the Ulysses or context-parallel size) then runs
+# at most L tokens exactly when L is a multiple of lcm(bucket, factor): --emit verl rounds each length down to one
+# (verl_emit.bucketed); RunConfig.token_bucket carries the bucket. The reference and the critic pad as the actor does
+# (batchfit emits one bucket): one that differs is a warning.
+def _token_bucket(
+    flat: dict[str, Any],
+    mcore: dict[str, Any],
+    ref_mcore: dict[str, Any],
+    remove_padding: Any,
+    reference: bool,
+    warnings: list[str],
+    faults: list[str],
+) -> int | None:
+    """The tokens verl pads each packed micro-batch to a multiple of (NOTE [ verl pads packed micro-batches to a bucket ]),
+    ``None`` when it pads none."""
+    if mcore:
+        on, bucket, key = as_bool(mcore["pad_to_length"]), as_int(mcore["pad_to_length_bucket"]), MCORE
+        ref_on = as_bool(ref_mcore["pad_to_length"]) if reference else on
+        ref_key = REF_MCORE
+    else:
+        on, bucket, key = as_bool(flat.get(ENGINE + "pad_to_length")), as_int(flat.get(ENGINE + "pad_to_length_bucket")), ENGINE
+        ref_on = as_bool(flat.get(REF + "fsdp_config.pad_to_length")) if reference else on
+        ref_key = REF + "fsdp_config."
+    if ref_on != on:
+        warnings.append(
+            f"{ref_key}pad_to_length={short_repr(ref_on)} differs from the actor's {key}pad_to_length={short_repr(on)}: "
+            "--emit verl rounds every token length to the actor's bucket; set them alike"
+        )
+    if on is not True or remove_padding is not True:
+        return None
+    if not isinstance(bucket, int) or isinstance(bucket, bool) or bucket <= 0:
+        faults.append(
+            f"{key}pad_to_length_bucket={short_repr(bucket)}: verl pads packed micro-batches to a multiple of it and "
+            "refuses one that is not a positive integer (verl/models/mcore/util.py); set a positive token count"
+        )
+        return None
+    return bucket
 
 
 def megatron_refusal(run: RunConfig) -> str | None:

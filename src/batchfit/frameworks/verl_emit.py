@@ -9,6 +9,7 @@ verl cannot express (NOTE [ Emitted keys carry every assumption ] in
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from batchfit.frameworks.assumptions import (
@@ -28,7 +29,7 @@ from batchfit.frameworks.source import in_composed
 from batchfit.frameworks.verl import SPEC
 from batchfit.train.framework_heads import FrameworkHead
 
-__all__ = ["VERL_KEYS", "assumption_keys", "override_prefix", "token_keys"]
+__all__ = ["VERL_KEYS", "assumption_keys", "bucketed", "override_prefix", "token_keys"]
 
 # verl: each pass → the key that turns token-length micro-batching on, its length key, and what runs.
 VERL_KEYS = (
@@ -81,6 +82,45 @@ def override_prefix(path: str) -> str:
     return "" if in_composed("verl", path) else "++"
 
 
+def bucketed(budget: int, factor: int, bucket: int | None, longest: int = 0) -> int:
+    """The per-GPU token length verl is given for a micro-batch budget of ``budget`` tokens split over ``factor`` GPUs.
+
+    ``budget // factor`` without a bucket (NOTE [ verl multiplies by the Ulysses size ]); with verl's ``pad_to_length``
+    (NOTE [ verl pads packed micro-batches to a bucket ] in :mod:`batchfit.frameworks.verl`) the largest length whose
+    micro-batch, ``length × factor`` tokens, is a multiple of ``lcm(bucket, factor)`` and at most ``budget``, so that
+    verl's padding never takes it past the budget. ``longest``: the longest sequence, which that micro-batch must
+    still hold (verl's ``rearrange_micro_batches`` asserts ``max_token_len >= max_seq_len``).
+
+    >>> bucketed(10_000, 1, None), bucketed(10_000, 1, 1024), bucketed(10_000, 2, 1024), bucketed(10_000, 3, 1024)
+    (10000, 9216, 4608, 3072)
+
+    Raises:
+        EmitError: the budget rounded down to a bucket holds no micro-batch, or not the longest sequence.
+    """
+    if bucket is None:
+        return budget // factor
+    step = math.lcm(bucket, factor)
+    if budget // step * step < max(step, longest or 0):
+        raise refuse(
+            "verl",
+            f"a budget of {budget:,} tokens with pad_to_length_bucket={bucket}",
+            f"verl pads each packed micro-batch up to a multiple of lcm(pad_to_length_bucket, {factor}) = {step:,} tokens "
+            f"(transformer_impl.py _get_packed_pad_size), and no multiple within the budget holds "
+            f"{'one micro-batch' if longest <= step else f'a sequence of {longest:,} tokens'}",
+            f"set pad_to_length_bucket to at most {budget:,}, or pad_to_length=false",
+        )
+    return budget // step * step // factor
+
+
+def _bucket_comment(bucket: int | None, factor: int) -> str:
+    if bucket is None:
+        return ""
+    return (
+        f"; a multiple of lcm(pad_to_length_bucket={bucket}, {factor}) tokens per micro-batch: verl pads each packed "
+        "micro-batch up to the next one (pad_to_length, transformer_impl.py _get_packed_pad_size)"
+    )
+
+
 def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_len: int, world: int) -> list[Key]:
     """verl has a switch and a token length per pass (:data:`VERL_KEYS`), per GPU: the budget over the Ulysses size.
 
@@ -91,15 +131,16 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
     critic and reward passes alike) and splits each micro-batch over the sp GPUs of its group. A
     budget of ``C`` tokens per group's micro-batch is therefore written as ``C // sp``.
     """
-    del max_seq_len, world
+    del world
     sharding = profile.options["policy"].sharding
     sp = sharding.sequence_parallel
+    bucket = getattr(getattr(profile, "run", None), "token_bucket", None)
     keys = [
         Key("actor_rollout_ref.actor.use_dynamic_bsz", True, "micro-batches by the token lengths below"),
         Key("actor_rollout_ref.model.use_remove_padding", True, REMOVE_PADDING.format(framework="verl")),
     ]
     if sharding.spec.model_parallel:
-        return keys + _megatron_token_keys(sharding, budgets, why)
+        return keys + _megatron_token_keys(sharding, budgets, why, bucket, max_seq_len) + _bucket_keys(bucket, "megatron.")
     if "critic" in budgets:
         keys.append(Key("critic.model.use_remove_padding", True, "the critic's micro-batches packed too"))
     for role, switch, length, what in VERL_KEYS:
@@ -118,11 +159,23 @@ def token_keys(profile: RunProfile, budgets: dict[str, int], why: Any, max_seq_l
                     f"; per GPU: verl multiplies it by ulysses_sequence_parallel_size={sp} (dp_actor.py), so a "
                     f"micro-batch holds {value // sp * sp:,} tokens split over {sp} GPUs"
                 )
-            keys.append(Key(length, value // sp, comment))
-    return keys
+            per_gpu = bucketed(value, sp, bucket, max_seq_len)
+            if sp > 1 and bucket is not None:
+                comment = comment.replace(f"holds {value // sp * sp:,} tokens", f"holds {per_gpu * sp:,} tokens")
+            keys.append(Key(length, per_gpu, comment + _bucket_comment(bucket, sp)))
+    return keys + _bucket_keys(bucket, "fsdp_config.")
 
 
-def _megatron_token_keys(sharding: Any, budgets: dict[str, int], why: Any) -> list[Key]:
+def _bucket_keys(bucket: int | None, engine: str) -> list[Key]:
+    """The actor's ``pad_to_length_bucket`` the lengths are multiples of (the reference's and critic's follow it)."""
+    if bucket is None:
+        return []
+    return [Key(f"actor_rollout_ref.actor.{engine}pad_to_length_bucket", bucket, "the bucket the lengths above are multiples of")]
+
+
+def _megatron_token_keys(
+    sharding: Any, budgets: dict[str, int], why: Any, bucket: int | None = None, longest: int = 0
+) -> list[Key]:
     """The token lengths of verl's Megatron actor, its log-prob pass and its reference (NOTE [ verl's Megatron engine ]).
 
     NOTE [ verl's Megatron token lengths ]: MegatronEngine.forward_backward_batch sets ``sp_size =
@@ -144,9 +197,9 @@ def _megatron_token_keys(sharding: Any, budgets: dict[str, int], why: Any) -> li
             f"; the tokens of one micro-batch on each GPU of a tensor {sharding.tensor_parallel} × pipeline "
             f"{sharding.pipeline_parallel} group: verl multiplies it by megatron.context_parallel_size={cp} "
             "(MegatronEngine.forward_backward_batch: sp_size; prepare_micro_batches)"
-            + (f", a micro-batch of {budgets[role] // cp * cp:,} tokens split over {cp} GPUs" if cp > 1 else "")
+            + (f", a micro-batch of {bucketed(budgets[role], cp, bucket, longest) * cp:,} tokens split over {cp} GPUs" if cp > 1 else "")
         )
-        keys.append(Key(length, budgets[role] // cp, comment))
+        keys.append(Key(length, bucketed(budgets[role], cp, bucket, longest), comment + _bucket_comment(bucket, cp)))
     return keys
 
 
