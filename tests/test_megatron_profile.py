@@ -53,6 +53,9 @@ def test_a_megatron_profile_names_its_binding_stage_and_gives_forward_passes_bud
     assert all(t % 256 == 0 for t in tokens.values())
     assert p.megatron.binding_stage in (0, 1) and set(p.megatron.stage_peaks) == {0, 1}
     assert p.megatron.stage_peaks[p.megatron.binding_stage] == max(p.megatron.stage_peaks.values())
+    # the stages' peaks are the budget point's (the largest micro-batch that fits), not the last probe's
+    point = min(p.budgets["policy"].points, key=lambda q: q.tokens)
+    assert p.megatron.stage_peaks[p.megatron.binding_stage] == point.peak_bytes
     doc = p.to_dict()
     assert doc["sharding"]["data_parallel"] == 1 and doc["megatron"]["attention"] == "sdpa"
 

@@ -46,6 +46,8 @@ class DepthExtrapolatedMegatronStep:
     Attributes:
         stage_peaks: each stage's extrapolated peak at the last measurement.
         binding_stage: the stage whose extrapolated peak is the largest.
+        peaks_by_shape: every measurement's ``stage_peaks``, by its
+            :func:`~batchfit.budget.megatron_probe.shape_key`.
     """
 
     def __init__(self, make: Any, chunks: int, layers_per_stage: int, backend: Any):
@@ -55,6 +57,7 @@ class DepthExtrapolatedMegatronStep:
         self.backend = backend
         self.stage_peaks: dict[int, int] = {}
         self.binding_stage: int | None = None
+        self.peaks_by_shape: dict[tuple[int, int], dict[int, int]] = {}
 
     @property
     def _step(self) -> Any:
@@ -73,7 +76,7 @@ class DepthExtrapolatedMegatronStep:
 
     def measure(self, lengths: Sequence[int]) -> MemoryMeasurement:
         """The binding stage's peak at the model's depth, each stage extrapolated from its two copies."""
-        from batchfit.budget.megatron_probe import stage_measurements
+        from batchfit.budget.megatron_probe import shape_key, stage_measurements
 
         k1, k2 = STAGE_DEPTHS
         shallow = stage_measurements(self.steps[k1], lengths)
@@ -83,6 +86,7 @@ class DepthExtrapolatedMegatronStep:
             stage: extrapolate(shallow[stage], deeper[stage], k1, k2, self.layers_per_stage, limit) for stage in shallow
         }
         self.stage_peaks = {stage: m.peak_bytes for stage, m in at_depth.items()}
+        self.peaks_by_shape[shape_key(lengths)] = self.stage_peaks
         self.binding_stage = max(at_depth, key=lambda stage: (at_depth[stage].peak_bytes, -stage))
         return at_depth[self.binding_stage]
 

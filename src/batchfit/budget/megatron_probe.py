@@ -172,6 +172,8 @@ class MegatronStep:
         stage_peaks: the last measurement's peak per pipeline stage (every stage on the
             estimate backend, this rank's on real ranks).
         binding_stage: the stage whose peak the last measurement returned.
+        peaks_by_shape: every measurement's ``stage_peaks``, by its :func:`shape_key` (a report
+            gives the budget point's, :func:`batchfit.budget.megatron_profile.budget_stage_peaks`).
 
     Raises:
         InvalidArgument: a bad size, a backend other than ``estimate`` and ``cpu``,
@@ -267,6 +269,7 @@ class MegatronStep:
             self.gpt_args.setdefault("transformer_layer_spec", functools.partial(layer_spec, attention=self.attention))
         self.stage_peaks: dict[int, int] = {}
         self.binding_stage: int | None = None
+        self.peaks_by_shape: dict[tuple[int, int], dict[int, int]] = {}
 
     @property
     def world_size(self) -> int:
@@ -306,6 +309,7 @@ class MegatronStep:
             rows, seq = _rows_and_length(lengths)
             measured = {self._this_stage(): self._measure_here(rows, seq)}
         self.stage_peaks = {stage: m.peak_bytes for stage, m in measured.items()}
+        self.peaks_by_shape[shape_key(lengths)] = self.stage_peaks
         # the first of equal peaks binds: the stage with the most micro-batches in flight
         self.binding_stage = max(measured, key=lambda stage: (measured[stage].peak_bytes, -stage))
         return measured[self.binding_stage]
@@ -461,6 +465,12 @@ def _rope_cache_cleared() -> Iterator[None]:
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
         RotaryEmbedding.forward.cache_clear()
+
+
+def shape_key(lengths: Sequence[int]) -> tuple[int, int]:
+    """A micro-batch's shape as a budget's :class:`~batchfit.budget.probe.Probe` records it: its longest row and its tokens
+    (rows of the longest length and one shorter remainder, padded or packed)."""
+    return (max(lengths), sum(lengths))
 
 
 def stage_measurements(step: MegatronStep, lengths: Sequence[int]) -> dict[int, MemoryMeasurement]:

@@ -146,6 +146,7 @@ def _profile(
             raise exc.replace(Phrase(f"{role}{stage}: ", *exc.message.parts)) from None
     budgets = {role: budgets[role] for role in chosen}
     step = steps[order[0]]  # the trained role's (the first role's when none is trained)
+    stage_peaks = budget_stage_peaks(step, budgets[order[0]])
     return ModelProfile(
         model=model_name(model),
         dtype=str(dtype).removeprefix("torch."),
@@ -166,14 +167,23 @@ def _profile(
         measured_depths=_measured_depths(step, plan),
         untracked=be.untracked,
         megatron=MegatronLayout(
-            stage_peaks=dict(step.stage_peaks),
-            binding_stage=step.binding_stage,
+            stage_peaks=stage_peaks,
+            binding_stage=max(stage_peaks, key=lambda stage: (stage_peaks[stage], -stage)) if stage_peaks else None,
             micro_batches=step.micro_batches,
             attention=ATTENTION,
             recompute=step.overrides.get("recompute_granularity"),
             heads={role: head.describe() for role in chosen if not (head := megatron_head(options, role)).is_default},
         ),
     )
+
+
+def budget_stage_peaks(step: Any, budget: TokenBudget) -> dict[int, int]:
+    """Each pipeline stage's peak at ``budget``'s binding point: the largest micro-batch that fits at the length that
+    sets the budget, as ``step`` measured it (``step.peaks_by_shape``); the last measurement's when that one was not
+    measured by this step (a budget combined from other searches)."""
+    point = min(budget.points, key=lambda p: p.tokens, default=None)
+    found = None if point is None else step.peaks_by_shape.get((point.seq_len, point.tokens))
+    return dict(step.stage_peaks if found is None else found)
 
 
 #: The core attention a profile measures (NOTE [ Fused attention for Megatron budgets ]).
