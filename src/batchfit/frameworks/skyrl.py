@@ -297,6 +297,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         allocator="caching" if as_bool(flat.get(EXPANDABLE_KEY)) is False else "expandable_segments",
         faults=tuple(faults),
         warnings=tuple(warnings),
+        notes=tuple(version_notes(given)),
         key_names=_key_names(megatron),
         # the sizes the config sets, put beside batchfit's budgets (your_sizes.compare); SkyRL's one token key
         # bounds every pass and counts the micro-batch before its sequence-parallel split
@@ -562,6 +563,45 @@ def _entropy_chunk_warnings(flat: dict[str, Any], given: dict[str, Any]) -> list
             "(profile --confirm)"
         )
     return out
+
+
+# NOTE [ Which SkyRL a config is written for ]
+# SkyRL renamed and added budget keys after skyrl_train-v0.4.0 (2026-02-13; the skyrl 0.4.0 wheel batchfit's defaults
+# come from has them all): trainer.max_tokens_per_microbatch (#1477, eda11272, 2026-06-12), trainer.use_sample_packing
+# renamed trainer.remove_microbatch_padding (#1738, 8cd5f165, 2026-06-01; from_cli_overrides still maps the old name,
+# with a DeprecationWarning), trainer.use_expandable_segments (#1768, 4e7fa48f, 2026-06-12),
+# trainer.vocab_entropy_chunk_memory_mb (#1890, d5bbe8ce, 2026-07-21). A config's keys tell which side of each it was
+# written on; --emit skyrl writes the new names (SkyRL at a9564572, 2026-08-21, reads them as the wheel does), and the
+# note says which SkyRL that needs.
+SINCE: dict[str, str] = {  # key -> the SkyRL PR (commit) that added it
+    TOKEN_KEY: "#1477 (eda11272)",
+    REMOVE_PADDING_KEY: "#1738 (8cd5f165)",
+    EXPANDABLE_KEY: "#1768 (4e7fa48f)",
+    T + "vocab_entropy_chunk_memory_mb": "#1890 (d5bbe8ce)",
+}
+
+
+def version_notes(given: dict[str, Any]) -> list[str]:
+    """Which SkyRL the config's keys are written for, and which SkyRL the emitted keys need (NOTE [ Which SkyRL a
+    config is written for ]); empty when the keys say nothing older than batchfit's SkyRL.
+
+    >>> version_notes({"trainer.use_sample_packing": True})[0][:80]
+    'trainer.use_sample_packing is the name SkyRL #1738 renamed trainer.remove_microb'
+    """
+    if REMOVE_PADDING_ALIAS not in given:
+        return []
+    newer = [key for key in SINCE if key in given and key != REMOVE_PADDING_KEY]
+    written = (
+        f"mixes it with keys of a later SkyRL ({', '.join(newer)})"
+        if newer
+        else "is written for a SkyRL before #1738 (8cd5f165, 2026-06-01)"
+    )
+    needs = ", ".join(f"{key} {since}" for key, since in SINCE.items())
+    return [
+        f"{REMOVE_PADDING_ALIAS} is the name SkyRL #1738 renamed {REMOVE_PADDING_KEY}: the config {written}; batchfit "
+        f"reads it as {REMOVE_PADDING_KEY} (SkyRLTrainConfig.from_cli_overrides maps it, with a DeprecationWarning), "
+        f"and --emit skyrl writes the keys of SkyRL 0.4.0 (read alike at a9564572), which an older SkyRL lacks: {needs}"
+    ]
 
 
 def _entropy_chunk_faults(flat: dict[str, Any]) -> list[str]:

@@ -337,7 +337,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         "critic": _kept(flat, CRITIC_ENGINE, optimizer=True),
     }
     resident = {role: kept for role, kept in resident.items() if role in roles}
-    notes: list[str] = []
+    notes: list[str] = version_notes(given)
     token_bucket = _token_bucket(flat, mcore, ref_mcore, remove_padding, reference, warnings, faults)
     run = RunConfig(
         vocabulary="verl",
@@ -584,7 +584,8 @@ def _micro_size(
 
 
 def _check_dynamic(flat: dict[str, Any], dynamic: bool, faults: list[str]) -> None:
-    """engine_workers.py init_model asserts the rollout's log-prob pass batches as the actor does."""
+    """engine_workers.py init_model asserts the rollout's log-prob pass batches as the actor does (verl 0.9.1, and
+    l. 615 at verl-project/verl 1dda039b, where the engine workers are the only ones: #6067)."""
     rollout = as_bool(flat.get(ROLLOUT + "log_prob_use_dynamic_bsz")) is True
     if rollout != dynamic:
         faults.append(
@@ -751,6 +752,32 @@ def _check_megatron_batch(
         f"validate_config asserts it without use_dynamic_bsz; dp = {world} GPUs / (tp · pp · cp) = {world} / {model}); "
         f"set data.train_batch_size to a multiple of {step}"
     )
+
+
+# NOTE [ Which verl a config is written for ]
+# verl #6067 (044bbba2, 2026-04-20, first in v0.8.0) deleted the legacy workers (verl/workers/fsdp_workers.py,
+# megatron_workers.py) and with them trainer.use_legacy_worker_impl ("auto", "enable", "disable"): only the engine
+# workers (engine_workers.py) remain, in verl 0.9.1 and at verl-project/verl 1dda039b alike. A config that sets the
+# key is written for a verl before 0.8.0; batchfit reads it as the engine workers run it and --emit verl writes their
+# keys (verl 0.9.1's; the head reads them alike). trainer.use_v1=false (the legacy trainer, main_ppo_v0.py, still at
+# the head with a deprecation warning) is a warning of its own; the deprecated global micro-batch sizes
+# (ppo_micro_batch_size, log_prob_micro_batch_size) are faults (_micro_size).
+LEGACY_WORKER_KEY = "trainer.use_legacy_worker_impl"
+
+
+def version_notes(given: dict[str, Any]) -> list[str]:
+    """Which verl the config's keys are written for, and which the emitted keys are (NOTE [ Which verl a config is
+    written for ]); empty when the keys say nothing older than verl 0.9.1."""
+    if LEGACY_WORKER_KEY not in given:
+        return []
+    value = given[LEGACY_WORKER_KEY]
+    legacy = " and runs the legacy workers, whose micro-batching batchfit does not mirror" if value == "enable" else ""
+    return [
+        f"{LEGACY_WORKER_KEY}={short_repr(value)} is a key of verl before 0.8.0: #6067 (044bbba2, 2026-04-20) deleted it "
+        f"with the legacy workers, so the config is written for an older verl{legacy}; batchfit reads it as verl 0.9.1's "
+        "engine workers (engine_workers.py, the only workers at verl-project/verl 1dda039b too) run it, and --emit verl "
+        "writes their keys: drop the key for verl 0.9.1"
+    ]
 
 
 # NOTE [ What a Megatron profile refuses ]
