@@ -29,3 +29,18 @@ def test_a_layout_the_model_cannot_be_split_into_names_the_sizes_that_fit(tp, pp
 
 def test_a_layout_that_divides_the_model_passes():
     check_layout(load_config("llama-3.1-70b"), Sharding("megatron", world_size=16, tensor_parallel=8, pipeline_parallel=2))
+
+
+@pytest.mark.parametrize(
+    ("virtual", "schedule"),
+    [(None, "1F1B with 4 micro-batches"), (3, "interleaved 1F1B, 3 model chunks per rank with 4 micro-batches")],
+)
+def test_the_report_names_the_schedule_it_measured(virtual, schedule):
+    from batchfit.budget.megatron_layout import MegatronLayout
+
+    layout = MegatronLayout(
+        stage_peaks={0: 3 * 2**30, 1: 2 * 2**30}, binding_stage=0, micro_batches=4, attention="sdpa", recompute=None,
+        virtual_stages=virtual,
+    )
+    assert f"pipeline stage 0 binds (stage 0: 3.00 GiB, stage 1: 2.00 GiB; {schedule})" in layout.describe()
+    assert layout.to_dict().get("virtual_stages") == virtual  # only written under the interleaved schedule

@@ -260,6 +260,47 @@ def test_slimes_flags_select_each_pass_head(tmp_path, extra, chunk, grad, rollou
     assert heads.for_role("policy") is heads.update and heads.for_role("policy_forward") is heads.old_log_probs
 
 
+@pytest.mark.parametrize(
+    ("extra", "chunks"),
+    [
+        ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 3", 3),
+        # validate_args: num_layers / pipeline size / layers per virtual stage = 36 / 2 / 6
+        ("--pipeline-model-parallel-size 2 --num-layers 36 --num-layers-per-virtual-pipeline-stage 6", 3),
+        ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 1", None),  # 1 is none
+        ("", None),
+    ],
+)
+def test_megatrons_virtual_stages_are_read_as_validate_args_derives_them(tmp_path, extra, chunks):
+    from batchfit.frameworks.config_options import run_profile_options
+
+    run = read_run_config(_script(tmp_path, extra=extra))
+    assert run.virtual_pipeline_parallel == chunks and not run.faults
+    sharding = run_profile_options(run, {"backend": "estimate", "max_seq_len": 4096}).options.sharding
+    assert sharding.virtual_pipeline_parallel == chunks
+    if chunks:
+        profile = types.SimpleNamespace(
+            run=run,
+            budgets={"policy": types.SimpleNamespace(tokens=8192, backend="estimate", usable_bytes=70 * 2**30, cost="packed")},
+            options=role_options(run, run_profile_options(run, {"backend": "estimate", "max_seq_len": 9216}).options),
+        )
+        words = flag_words(render_flags(emit_keys(profile, "slime", max_seq_len=9216, margin=0.85), []))
+        at = words.index("--num-virtual-stages-per-pipeline-rank")
+        assert words[at + 1] == str(chunks)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ("--num-layers-per-virtual-pipeline-stage 6", "needs the model's --num-layers in the command"),
+        ("--num-layers 36 --num-layers-per-virtual-pipeline-stage 5", "is not a multiple of --num-layers-per-virtual"),
+        ("--pipeline-model-parallel-layout 'Et|t|tL'", "lays layers out unevenly over the pipeline"),
+    ],
+)
+def test_virtual_stages_batchfit_cannot_count_are_faults(tmp_path, extra, match):
+    run = read_run_config(_script(tmp_path, extra="--pipeline-model-parallel-size 2 " + extra))
+    assert any(match in fault for fault in run.faults), run.faults
+
+
 def test_a_megatron_head_outside_megatron_is_refused():
     from batchfit.errors import InvalidArgument
     from batchfit.train.megatron_heads import MegatronHead, MegatronHeads

@@ -20,6 +20,7 @@ class MegatronLayout:
         recompute: Megatron's recomputation (``"full"`` or ``None``).
         heads: role → the framework's head on the last stage's logits (``MegatronHead.describe()``), for the
             roles whose head is not Megatron's own cross-entropy (NOTE [ Framework heads under Megatron ]).
+        virtual_stages: model chunks per pipeline rank under the interleaved 1F1B schedule (``None``: 1F1B).
     """
 
     stage_peaks: dict[int, int]
@@ -28,6 +29,14 @@ class MegatronLayout:
     attention: str
     recompute: str | None
     heads: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    virtual_stages: int | None = None
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule measured, in words."""
+        if self.virtual_stages:
+            return f"interleaved 1F1B, {self.virtual_stages} model chunks per rank"
+        return "1F1B"
 
     def describe(self) -> str:
         """One line for reports: ``"pipeline stage 0 binds (stage 0: 61.2 GiB, stage 1: 48.0 GiB), 2 micro-batches in flight"``."""
@@ -37,7 +46,7 @@ class MegatronLayout:
             return f"Megatron-core GPTModel, {self.attention} attention, recompute {self.recompute or 'off'}"
         peaks = ", ".join(f"stage {s}: {format_bytes(b)}" for s, b in sorted(self.stage_peaks.items()))
         return (
-            f"pipeline stage {self.binding_stage} binds ({peaks}; 1F1B with {self.micro_batches} micro-batches), "
+            f"pipeline stage {self.binding_stage} binds ({peaks}; {self.schedule} with {self.micro_batches} micro-batches), "
             f"{self.attention} attention, recompute {self.recompute or 'off'}"
         )
 
@@ -49,6 +58,8 @@ class MegatronLayout:
             "attention": self.attention,
             "recompute": self.recompute,
         }
+        if self.virtual_stages:
+            out["virtual_stages"] = self.virtual_stages
         if self.heads:
             out["heads"] = {role: dict(head) for role, head in self.heads.items()}
         return out

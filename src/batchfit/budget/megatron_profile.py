@@ -173,6 +173,7 @@ def _profile(
             attention=ATTENTION,
             recompute=step.overrides.get("recompute_granularity"),
             heads={role: head.describe() for role in chosen if not (head := megatron_head(options, role)).is_default},
+            virtual_stages=plan.virtual_pipeline_parallel if (plan.virtual_pipeline_parallel or 1) > 1 else None,
         ),
     )
 

@@ -30,7 +30,9 @@ from batchfit.plan.placement import RolloutEngine, process_allocator_setting
 # Megatron-LM flags slime reads (Megatron's parser, not slime's file): ModelParallelConfig's
 # tensor/pipeline/context_parallel_size, TrainingConfig.decrease_batch_size_if_needed,
 # TransformerConfig.recompute_granularity and sequence_parallel, DistributedDataParallelConfig's
-# use_distributed_optimizer, OptimizerConfig's optimizer_cpu_offload (flags are the fields with dashes).
+# use_distributed_optimizer, OptimizerConfig's optimizer_cpu_offload (flags are the fields with dashes), and the
+# virtual pipeline stages validate_args derives (--num-layers, --num-layers-per-virtual-pipeline-stage,
+# --num-virtual-stages-per-pipeline-rank, --pipeline-model-parallel-layout: _virtual_stages).
 MEGATRON_FLAGS: tuple[dict[str, Any], ...] = tuple(
     {"flags": [flag], "dest": dest, "action": action, "type": kind, "nargs": None, "const": None,
      "default": default, "choices": choices, "required": False}
@@ -43,6 +45,10 @@ MEGATRON_FLAGS: tuple[dict[str, Any], ...] = tuple(
         ("--sequence-parallel", "sequence_parallel", "_StoreTrueAction", None, False, None),
         ("--use-distributed-optimizer", "use_distributed_optimizer", "_StoreTrueAction", None, False, None),
         ("--optimizer-cpu-offload", "optimizer_cpu_offload", "_StoreTrueAction", None, False, None),
+        ("--num-layers", "num_layers", "_StoreAction", "int", None, None),
+        ("--num-layers-per-virtual-pipeline-stage", "num_layers_per_virtual_pipeline_stage", "_StoreAction", "int", None, None),
+        ("--num-virtual-stages-per-pipeline-rank", "num_virtual_stages_per_pipeline_rank", "_StoreAction", "int", None, None),
+        ("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout", "_StoreAction", "str", None, None),
     )
 )  # fmt: skip
 READ = frozenset(
@@ -74,6 +80,10 @@ READ = frozenset(
         "log_probs_chunk_size",
         "entropy_coef",
         "use_rollout_entropy",
+        "num_layers",
+        "num_layers_per_virtual_pipeline_stage",
+        "num_virtual_stages_per_pipeline_rank",
+        "pipeline_model_parallel_layout",
     }
 )
 KEY_NAMES = {
@@ -113,6 +123,7 @@ def read(command: Command) -> FrameworkRun:
     )
     dp = world // (tp * pp * cp) if is_positive_int(world) and all(map(is_positive_int, (tp, pp, cp))) else None
     gbs, derived = _global_batch_size(v, dp)
+    vpp, vpp_fault = _virtual_stages(v)
     notes = [*command.notes, *parsed.notes]
     if derived:
         notes.append(derived)
@@ -171,6 +182,8 @@ def read(command: Command) -> FrameworkRun:
         megatron_sequence_parallel=bool(v.get("sequence_parallel")) and tp != 1,
         # set_default_megatron_args (slime/backends/megatron_utils/arguments.py): "always use zero optimizer"
         distributed_optimizer=True,
+        virtual_pipeline_parallel=vpp,
+        faults=(vpp_fault,) if vpp_fault else (),
         gradient_checkpointing=v.get("recompute_granularity") == "full",
         remove_padding=True,  # megatron_utils validate_args: "always use varlen" (packed THD micro-batches)
         # the head of each pass (frameworks.run_step.megatron_heads): loss.py get_log_probs_and_entropy chunks by
@@ -212,6 +225,45 @@ def read(command: Command) -> FrameworkRun:
             critic=critic,
         ),
     )
+
+
+def _virtual_stages(v: dict[str, Any]) -> tuple[int | None, str]:
+    """Model chunks per pipeline rank, as Megatron-LM's ``validate_args`` derives them (d98e8a64, arguments.py l. 927–979),
+    and the fault that keeps batchfit from knowing them (``""`` when none).
+
+    ``--num-virtual-stages-per-pipeline-rank`` is the count; ``--num-layers-per-virtual-pipeline-stage`` gives
+    ``num_layers / pp / it``; 1 means none. ``--pipeline-model-parallel-layout`` (an uneven layout) is not
+    modelled, and neither is a per-stage layer count without ``--num-layers`` in the command.
+    """
+    pp, per_rank, per_stage = (
+        v.get("pipeline_model_parallel_size"),
+        v.get("num_virtual_stages_per_pipeline_rank"),
+        v.get("num_layers_per_virtual_pipeline_stage"),
+    )
+    if v.get("pipeline_model_parallel_layout") is not None:
+        return None, (
+            f"--pipeline-model-parallel-layout={v['pipeline_model_parallel_layout']!r} lays layers out unevenly over the "
+            "pipeline, which batchfit does not model (its stages hold equal layers); use "
+            "--num-virtual-stages-per-pipeline-rank N, or profile without it"
+        )
+    if is_positive_int(per_rank):
+        return (per_rank if per_rank > 1 else None), ""
+    if per_stage is None:
+        return None, ""
+    layers = v.get("num_layers")
+    if not (is_positive_int(layers) and is_positive_int(pp) and is_positive_int(per_stage)):
+        return None, (
+            f"--num-layers-per-virtual-pipeline-stage={per_stage} needs the model's --num-layers in the command to count "
+            "the virtual stages (Megatron's validate_args: num_layers / pipeline size / it); pass "
+            "--num-virtual-stages-per-pipeline-rank N instead, or resolve MODEL_ARGS"
+        )
+    if layers % pp or (layers // pp) % per_stage:
+        return None, (
+            f"--num-layers={layers} over --pipeline-model-parallel-size={pp} is not a multiple of "
+            f"--num-layers-per-virtual-pipeline-stage={per_stage} (Megatron's validate_args asserts it)"
+        )
+    chunks = layers // pp // per_stage
+    return (chunks if chunks > 1 else None), ""
 
 
 def _global_batch_size(v: dict[str, Any], dp: int | None) -> tuple[int | None, str]:

@@ -94,6 +94,12 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             f"{s.data_parallel_size}",
         ),
         Key("--pipeline-model-parallel-size", s.pipeline_parallel),
+        *(
+            [Key("--num-virtual-stages-per-pipeline-rank", s.virtual_pipeline_parallel,
+                 f"{s.virtual_pipeline_parallel} model chunks per pipeline rank, the interleaved 1F1B schedule, as profiled")]
+            if s.virtual_pipeline_parallel
+            else []
+        ),
         Key(
             "--context-parallel-size",
             s.context_parallel,
