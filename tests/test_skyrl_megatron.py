@@ -121,9 +121,11 @@ def test_skyrls_own_megatron_refusals_are_faults():
     assert any(f.startswith("generator.inference_engine.backend='sglang' with trainer.strategy=megatron") for f in faults)
 
 
-def test_an_entropy_loss_is_a_warning_the_budget_leaves_it_out():
-    said = read_run_config(_config(trainer__algorithm__use_entropy_loss=True)).warnings
-    assert any(w.startswith("trainer.algorithm.use_entropy_loss=True: SkyRL's Megatron update") for w in said)
+def test_an_entropy_loss_is_modelled_not_warned():
+    # the Megatron profile runs SkyRL's head with the entropy's graph (megatron_profile.megatron_head: entropy_grad)
+    run = read_run_config(_config(trainer__algorithm__use_entropy_loss=True))
+    assert run.entropy_grad is True and run.entropy_in_loss is True
+    assert not [w for w in run.warnings if "use_entropy_loss" in w]
 
 
 # --- what profile refuses ------------------------------------------------------------------------------

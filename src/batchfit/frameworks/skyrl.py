@@ -622,15 +622,12 @@ def _entropy_chunk_faults(flat: dict[str, Any]) -> list[str]:
 
 
 def _megatron_warnings(flat: dict[str, Any], reference: bool, title: str) -> list[str]:
-    """An entropy loss (its graph over the vocab-parallel logits, not in the budget); the reference laid out unlike
-    the policy (batchfit profiles every model with the policy's layout)."""
-    out = []
-    if as_bool(flat.get(T + "algorithm.use_entropy_loss")) is True:
-        out.append(
-            "trainer.algorithm.use_entropy_loss=True: SkyRL's Megatron update keeps the entropy's graph over the "
-            "vocab-parallel logits (megatron_model_wrapper.py), which batchfit's Megatron profile (the cross-entropy's "
-            "step) does not measure; confirm this setting on the device (profile --confirm)"
-        )
+    """The reference laid out unlike the policy (batchfit profiles every model with the policy's layout).
+
+    An entropy loss is modelled: the Megatron profile runs SkyRL's head with the entropy's graph under
+    ``use_entropy_loss`` (:func:`batchfit.budget.megatron_profile.megatron_head`, ``RunConfig.entropy_grad``).
+    """
+    out: list[str] = []
     if not reference:
         return out
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
