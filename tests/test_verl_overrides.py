@@ -121,3 +121,22 @@ def test_the_emitted_overrides_compose_with_verls_own_config(tmp_path, capsys, m
     # the user's own keys first (a launch command's), the emitted lines after: verl composes them too
     composed = compose([*_config_overrides(config), *lines])
     assert OmegaConf.select(composed, MIXED + "param_dtype") in ("bf16", "fp32")
+
+
+@pytest.mark.slow
+@needs_verl
+def test_lengths_emitted_for_pad_to_length_are_multiples_of_the_bucket_and_compose(tmp_path, capsys, monkeypatch):
+    # NOTE [ verl pads packed micro-batches to a bucket ]: verl pads each packed micro-batch up to a multiple of
+    # pad_to_length_bucket, so each emitted length (× sp) is one, and verl's Hydra takes the bucket key
+    use_recorder(monkeypatch)
+    config = _verl_ppo(tmp_path, pad_to_length=True, fsdp_config={"pad_to_length_bucket": 16})
+    lines, err = _overrides(config, ["--sequence-parallel", "2"], capsys)
+    lengths = {p: int(v) for p, v in (line.lstrip("+").split("=", 1) for line in lines) if p.endswith("max_token_len_per_gpu")}
+    assert lengths and all(v * 2 % 16 == 0 for v in lengths.values()), lengths
+    assert "actor_rollout_ref.actor.fsdp_config.pad_to_length_bucket=16" in lines
+    assert "_get_packed_pad_size" in err
+    from omegaconf import OmegaConf
+
+    composed = compose([*_config_overrides(config), *lines])
+    assert OmegaConf.select(composed, "actor_rollout_ref.actor.fsdp_config.pad_to_length") is True
+    assert OmegaConf.select(composed, "actor_rollout_ref.actor.fsdp_config.pad_to_length_bucket") == 16
