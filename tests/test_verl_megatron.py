@@ -391,3 +391,15 @@ def test_megatron_lengths_are_multiples_of_lcm_of_the_bucket_and_the_context_par
     assert keys["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"].value == 2816
     assert "a micro-batch of 5,632 tokens split over 2 GPUs" in keys["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"].comment
     assert keys[MCORE + "pad_to_length_bucket"].value == 512
+
+
+def test_dynamic_context_parallelism_without_its_cap_or_with_pad_to_length_is_a_fault():
+    faults = read_run_config(_config(**_megatron(dynamic_context_parallel=True))).faults
+    assert [f for f in faults if f.startswith(
+        "actor_rollout_ref.actor.megatron.dynamic_context_parallel=True with max_seqlen_per_dp_cp_rank=None: verl refuses"
+    )]
+    faults = read_run_config(
+        _config(**_megatron(dynamic_context_parallel=True, max_seqlen_per_dp_cp_rank=4096, pad_to_length=True))
+    ).faults
+    assert [f for f in faults if "dynamic_context_parallel does not support pad_to_length" in f]
+    assert not [f for f in faults if "max_seqlen_per_dp_cp_rank=4096" in f]

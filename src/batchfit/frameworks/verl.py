@@ -318,6 +318,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     if megatron:
         _check_megatron_batch(values, world, dynamic, micro, faults)
         refused = _megatron_refusals(flat, mcore, critic, lora)
+        faults += _dynamic_cp_faults(mcore)
         warnings += _megatron_warnings(flat, given, mcore, ref_mcore, reference, schema.title)
         entropy, forward_entropy, chunk = _megatron_entropy(flat, mcore)
         mixed_precision, dtype = None, dtype_name(mcore["dtype"])
@@ -836,6 +837,27 @@ def _megatron_refusals(
         cap = mcore["max_seqlen_per_dp_cp_rank"]
         out["dynamic_context_parallel"] = f"{MCORE}dynamic_context_parallel=True" + (
             f" (max_seqlen_per_dp_cp_rank={short_repr(cap)})" if cap is not None else ""
+        )
+    return out
+
+
+def _dynamic_cp_faults(mcore: dict[str, Any]) -> list[str]:
+    """McoreEngineConfig.__post_init__'s and _check_dcp_unsupported_features' refusals of dynamic context parallelism
+    (verl/workers/config/engine.py l. 229, megatron/transformer_impl.py, verl-project/verl 1dda039b)."""
+    if as_bool(mcore["dynamic_context_parallel"]) is not True:
+        return []
+    out = []
+    cap = as_int(mcore["max_seqlen_per_dp_cp_rank"])
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0:
+        out.append(
+            f"{MCORE}dynamic_context_parallel=True with max_seqlen_per_dp_cp_rank={short_repr(cap)}: verl refuses it "
+            "('max_seqlen_per_dp_cp_rank must be a positive integer when dynamic_context_parallel is enabled', "
+            "McoreEngineConfig); set it to the tokens one DP x CP rank may hold"
+        )
+    if as_bool(mcore["pad_to_length"]) is True:
+        out.append(
+            f"{MCORE}dynamic_context_parallel=True with pad_to_length=True: verl raises 'dynamic_context_parallel does "
+            "not support pad_to_length' (_check_dcp_unsupported_features); set one of them to false"
         )
     return out
 
