@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -148,9 +148,43 @@ def _leaves(out: Any) -> Iterable[Any]:
     return tree_flatten(out)[0]
 
 
-def _storage_keys(tree: Any) -> set[int]:
-    """The storages of the tensors in ``tree`` (an op's arguments)."""
-    return {t.untyped_storage()._cdata for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)}
+# what an op's argument can be that pytree would take for a leaf holding no tensor
+_LEAVES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _storage_keys(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> set[int]:
+    """The storages of the tensors in an op's ``args`` and ``kwargs`` (tensors, and tensors in lists of them).
+
+    The arguments of an ATen op are tensors, scalars and flat lists of either; those are
+    read directly, anything else through pytree, as all of them were before (NOTE [ The
+    tracker's hot path ]).
+    """
+    keys: set[int] = set()
+    for values in (args, () if kwargs is None else kwargs.values()):
+        for a in values:
+            if isinstance(a, torch.Tensor):
+                keys.add(a.untyped_storage()._cdata)
+            elif isinstance(a, (list, tuple)) and all(isinstance(t, torch.Tensor) or t is None for t in a):
+                keys.update(t.untyped_storage()._cdata for t in a if t is not None)
+            elif not isinstance(a, _LEAVES):
+                keys.update(t.untyped_storage()._cdata for t in tree_flatten(a)[0] if isinstance(t, torch.Tensor))
+    return keys
+
+
+#: ``{tensor type: is it a DTensor}``, filled as types are seen (NOTE [ The tracker's hot path ]).
+_IS_DTENSOR: dict[type, bool] = {}
+
+
+def _has_dtensor(types: Iterable[type]) -> bool:
+    """Any of an op's tensor ``types`` is a ``DTensor`` (or a subclass)."""
+    for t in types:
+        known = _IS_DTENSOR.get(t)
+        if known is None:
+            dtensor = _dtensor_type()
+            known = _IS_DTENSOR[t] = dtensor is not None and issubclass(t, dtensor)
+        if known:
+            return True
+    return False
 
 
 def _work_type() -> Any:
@@ -474,8 +508,7 @@ class MemoryTracker(TorchDispatchMode):
         # NOTE [ The tracker's hot path ]: this runs for every op of a probe (7,000 per step of
         # qwen2.5-7b at two depths), so it reads the fake mode with one C call and walks plain
         # outputs without pytree; both were a fifth of the main job's time
-        dtensor = _dtensor_type()
-        if dtensor is not None and any(issubclass(t, dtensor) for t in types):
+        if _has_dtensor(types):
             # let DTensor desugar into local ops, which come back here (NOTE above)
             return NotImplemented
         _RESIZE.ensure()  # NOTE [ Patched once, restored exactly ]: the limit
@@ -493,7 +526,7 @@ class MemoryTracker(TorchDispatchMode):
                     # slice, in-place op) of a tensor made before the block shares its storage;
                     # counting it would charge the whole pre-existing tensor to the block
                     if inputs is None:
-                        inputs = _storage_keys((args, kwargs))
+                        inputs = _storage_keys(args, kwargs)
                     if storage._cdata in inputs:
                         continue
                 self._add(storage, category)
