@@ -559,7 +559,7 @@ def _entropy_chunk_warnings(flat: dict[str, Any], given: dict[str, Any]) -> list
             f"{key}={short_repr(value)}: SkyRL sizes the Megatron update's entropy chunks from it (model_utils.py "
             "_resolve_vocab_entropy_chunk_size, SkyRL a9564572), but batchfit's Megatron profile measures SkyRL's head "
             f"with its defaults ({ENTROPY_CHUNK_KEY}=0, {ENTROPY_MEMORY_KEY}=512: chunks of the largest power of two "
-            "<= 512 MiB / (4 x V/tp x 4 B) tokens); set it to the default, or confirm this setting on the device "
+            "<= 512 MiB / (rows x V/tp x 4 B x 4) tokens); set it to the default, or confirm this setting on the device "
             "(profile --confirm)"
         )
     return out

@@ -361,7 +361,7 @@ def _megatron_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             ENTROPY_CHUNK_KEY,
             ENTROPY_CHUNK_DEFAULTS[ENTROPY_CHUNK_KEY],
             "the update's entropy chunks sized from the memory below, as profiled: SkyRL takes the largest power of "
-            f"two <= 512 MiB / (4 x V/{tp} x 4 B) tokens per chunk (model_utils.py _resolve_vocab_entropy_chunk_size, "
+            f"two <= 512 MiB / (rows x V/{tp} x 4 B x 4) tokens per chunk (model_utils.py _resolve_vocab_entropy_chunk_size, "
             "SkyRL a9564572)",
         ),
         Key(ENTROPY_MEMORY_KEY, ENTROPY_CHUNK_DEFAULTS[ENTROPY_MEMORY_KEY], "MiB of temporaries per entropy chunk"),
