@@ -95,6 +95,11 @@ def test_the_ulysses_dimension_is_sequence_parallelism(tmp_path):
         pytest.param({"train_dataset.batch_size": 4, "gconfig.n_samples": 1, "actor.ppo_n_minibatches": 2}, "fewer than actor.ppo_n_minibatches=2", id="minibatches"),
         pytest.param({"actor.mb_spec.max_tokens_per_mb": 1000}, "below the longest sequence.*2048 tokens", id="cap-below-longest"),
         pytest.param({"actor.mb_spec.n_mbs": 512}, "at least 512 sequences per micro-batch split", id="n_mbs"),
+        # 256 prompts × 4 samples / 4 ranks = 256 sequences a split: max(n_mbs 1, divisor 512) × granularity 1 = 512
+        pytest.param({"actor.mb_spec.n_mbs_divisor": 512}, "at least 512 sequences per micro-batch split", id="n_mbs_divisor"),
+        # max(n_mbs 4, divisor 1) × granularity 128 = 512 > 256
+        pytest.param({"actor.mb_spec.n_mbs": 4, "actor.mb_spec.granularity": 128}, "at least 512 sequences", id="granularity-least"),
+        pytest.param({"actor.mb_spec.granularity": 3}, r"granularity=3 does not divide the 256 sequences of a split", id="granularity"),
         pytest.param({"actor.backend": "d4"}, "needs a backend prefix", id="backend"),
         pytest.param({"actor.ppo_n_minibatches": 0}, "actor.ppo_n_minibatches=0 must be a positive integer", id="zero"),
     ],
