@@ -80,6 +80,19 @@ the resident state plus one micro-batch's forward (the last stage's logits and t
 cross-entropy's fp32 temporaries, or one layer's transients). ``micro_batches`` keeps its
 default (``pipeline_parallel``); more only add their kept log-probs (4 B a token on the last stage).
 
+NOTE [ The Megatron probe's worst rank ]
+A mixture of experts under Megatron routes drop-less (no ``moe_expert_capacity_factor``, as mbridge
+and verl run it): how many token-expert pairs an EP rank's experts receive is decided by every
+rank's router. The probe fixes every router's choice (:func:`batchfit.models.moe_megatron.fix_megatron_routing`,
+Megatron's own top-k replay hook) to :func:`batchfit.models.moe.fixed_routing` of ``routing``:
+``"skewed"``, the worst case, sends every rank's pairs to experts ``0 … top-k − 1``, held by EP rank 0,
+which receives ``ep`` times its own (:func:`batchfit.models.moe.received_rows`); the estimate
+simulates each stage's first rank, which is EP rank 0 in Megatron's expert order (``tp-ep-dp-pp``),
+and the count exchange under the fake process group gives this rank's counts for every rank (NOTE
+[ Megatron's mixture of experts on CPU ranks ] in :mod:`batchfit.models.moe_megatron`). On real
+ranks every rank routes the same way and rank 0 receives the most. A dense model has no router:
+``routing`` changes nothing.
+
 NOTE [ Virtual pipeline stages ]
 ``MegatronStep(..., virtual_pipeline=v)`` builds each stage's ``v`` model chunks
 (:func:`~batchfit.models.megatron.build_gpt_chunks`: Megatron's ``vp_stage``, chunk ``i`` of
@@ -138,6 +151,11 @@ class MegatronStep:
             (``s`` padded up to a multiple of ``2 × context_parallel``, and of ``tensor_parallel``
             more under sequence parallelism, as verl and slime pad), attention a ring over the
             group. Needs ``attention="sdpa"``.
+        expert_parallel, expert_tensor_parallel: a mixture of experts' ``expert_model_parallel_size``
+            and ``expert_tensor_parallel_size`` (NOTE [ The Megatron probe's worst rank ]); their
+            product divides ``tensor_parallel × context_parallel × data_parallel``.
+        routing: the fixed routing of a mixture of experts' routers (:data:`batchfit.models.moe.ROUTINGS`):
+            ``"skewed"``, the worst case (the default), or ``"balanced"``.
         distributed_optimizer: Megatron's distributed optimizer (main parameters and Adam's
             moments sharded over the data-parallel group, the gradient buffer reduce-scattered).
         main_params_fp32: Megatron's mixed-precision optimizer (fp32 main parameters and fp32
@@ -193,6 +211,9 @@ class MegatronStep:
         virtual_pipeline: int | None = None,
         data_parallel: int = 1,
         context_parallel: int = 1,
+        expert_parallel: int = 1,
+        expert_tensor_parallel: int = 1,
+        routing: str = "skewed",
         distributed_optimizer: bool = False,
         main_params_fp32: bool | None = None,
         backend: Backend,
@@ -223,6 +244,18 @@ class MegatronStep:
         self.sequence_parallel = bool(sequence_parallel)
         self.data_parallel = check_positive_int("data_parallel", data_parallel)
         self.context_parallel = check_positive_int("context_parallel", context_parallel)
+        self.expert_parallel = check_positive_int("expert_parallel", expert_parallel)
+        self.expert_tensor_parallel = check_positive_int("expert_tensor_parallel", expert_tensor_parallel)
+        from batchfit.models.moe import ROUTINGS
+
+        self.routing = check_choice("routing", routing, ROUTINGS)
+        experts = self.expert_parallel * self.expert_tensor_parallel
+        if self._stage_ranks % experts:
+            raise InvalidArgument(
+                f"expert_parallel × expert_tensor_parallel = {self.expert_parallel} × {self.expert_tensor_parallel} must divide "
+                f"tensor_parallel × context_parallel × data_parallel = {self._stage_ranks} (Megatron carves the expert groups out of "
+                "a stage's ranks); raise data_parallel or lower expert_parallel"
+            )
         if self.context_parallel > 1 and self.attention == "local":
             raise InvalidArgument(
                 f"context_parallel={context_parallel} needs attention='sdpa' (Megatron's local DotProductAttention has no "
@@ -337,8 +370,15 @@ class MegatronStep:
         )
 
         backend, real = self.backend, not self.backend.simulated
+        from batchfit.models.moe_megatron import fix_megatron_routing
+
         parallel = model_parallel(
-            self.tensor_parallel, self.pipeline_parallel, self.virtual_pipeline, context_parallel=self.context_parallel
+            self.tensor_parallel,
+            self.pipeline_parallel,
+            self.virtual_pipeline,
+            context_parallel=self.context_parallel,
+            expert_parallel=self.expert_parallel,
+            expert_tensor_parallel=self.expert_tensor_parallel,
         )
         with parallel, megatron_cpu_patches(), _rope_cache_cleared():
             if real:
@@ -351,11 +391,15 @@ class MegatronStep:
                     pipeline_parallel=self.pipeline_parallel,
                     sequence_parallel=self.sequence_parallel,
                     context_parallel=self.context_parallel,
+                    expert_parallel=self.expert_parallel,
+                    expert_tensor_parallel=self.expert_tensor_parallel,
                     dtype=self.dtype,
                     initialise=real,
                     gpt_args=self.gpt_args,
                     **self.overrides,
                 )
+                for chunk in chunks:  # NOTE [ The Megatron probe's worst rank ]: a mixture of experts' routing fixed
+                    fix_megatron_routing(chunk, self.routing)
                 model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # what is registered
                 optimizer = None
                 if self.optimizer != "none":  # NOTE [ Forward-only Megatron probes ]
@@ -363,6 +407,11 @@ class MegatronStep:
                         chunks, mixed_precision=self.main_params_fp32, distributed=self.distributed_optimizer
                     )
                 vocab = chunks[0].vocab_size
+                if self.head is not None and self.head.framework == "skyrl":
+                    # SkyRL's backward keeps one index a target in this rank's vocabulary shard (masked_select):
+                    # every token drawn from the simulated rank's shard, the rank that holds the most
+                    # (NOTE [ SkyRL's fused LM head ] in batchfit.train.megatron_heads)
+                    vocab //= self.tensor_parallel
                 mask = self.attention == "local"  # fused attention takes the causal mask as a flag
                 batches = [
                     synthetic_batch(vocab, rows, self.local_length(seq), seed=i, attention_mask=mask)
@@ -415,6 +464,8 @@ class MegatronStep:
             "tensor_parallel": self.tensor_parallel,
             "pipeline_parallel": self.pipeline_parallel,
             "context_parallel": self.context_parallel,
+            "expert_parallel": self.expert_parallel,
+            "expert_tensor_parallel": self.expert_tensor_parallel,
             "virtual_pipeline": self.virtual_pipeline,
             "sequence_parallel": self.sequence_parallel,
             "micro_batches": self.micro_batches,

@@ -148,6 +148,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from batchfit.errors import InvalidArgument
+from batchfit.models.moe_megatron import moe_cpu_patches
 from batchfit.models.specs import load_config
 from batchfit.patching import AttributePatch
 from batchfit.validation import check_positive_int, is_int
@@ -351,6 +352,7 @@ def megatron_cpu_patches() -> Iterator[None]:
         _NO_COALESCING.active(),
         _NO_CUDA_RNG_STATE.active(),
         _NO_CUDA_RNG_RESTORE.active(),
+        moe_cpu_patches(),
         _CudaFactoriesOnCpu(),
     ):
         yield
@@ -363,6 +365,8 @@ def model_parallel(
     pipeline_parallel: int = 1,
     virtual_pipeline: int | None = None,
     context_parallel: int = 1,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int = 1,
 ) -> Iterator[None]:
     """Megatron's ``parallel_state`` over the default process group inside; destroyed on exit.
 
@@ -371,7 +375,10 @@ def model_parallel(
     rest is data parallel, in Megatron's order (tp fastest, then cp, then dp, then pp:
     ``order="tp-cp-ep-dp-pp"``). ``virtual_pipeline`` (> 1, with
     ``pipeline_parallel > 1``) sets Megatron's ``virtual_pipeline_model_parallel_size``: each
-    stage holds that many model chunks (the interleaved schedule).
+    stage holds that many model chunks (the interleaved schedule). ``expert_parallel`` and
+    ``expert_tensor_parallel`` (Megatron's expert groups, in its expert order ``tp-ep-dp-pp``:
+    ``expert_tensor_parallel × expert_parallel`` must divide ``tensor_parallel × context_parallel ×
+    data_parallel``) spread a mixture of experts' experts.
 
     Raises:
         InvalidArgument: no process group, a bad size, a world the sizes do not divide, or
@@ -383,6 +390,8 @@ def model_parallel(
     tp = check_positive_int("tensor_parallel", tensor_parallel)
     pp = check_positive_int("pipeline_parallel", pipeline_parallel)
     cp = check_positive_int("context_parallel", context_parallel)
+    ep = check_positive_int("expert_parallel", expert_parallel)
+    etp = check_positive_int("expert_tensor_parallel", expert_tensor_parallel)
     vp = virtual_stages(virtual_pipeline, pp)
     if not dist.is_initialized():
         raise InvalidArgument(
@@ -394,6 +403,11 @@ def model_parallel(
             f"world_size={world} must be a multiple of tensor_parallel * context_parallel * pipeline_parallel = {tp * cp * pp}; "
             "change the sizes or the number of ranks"
         )
+    if (world // pp) % (ep * etp):
+        raise InvalidArgument(
+            f"expert_parallel × expert_tensor_parallel = {ep} × {etp} must divide the {world // pp} ranks of a pipeline stage "
+            "(Megatron carves the expert groups out of tensor × context × data parallel); change the sizes"
+        )
     from megatron.core import parallel_state
 
     # NOTE [ Megatron under the fake process group ]: no extra gloo groups (the default is gloo already)
@@ -402,6 +416,8 @@ def model_parallel(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         create_gloo_process_groups=False,
     )
     try:
@@ -465,6 +481,8 @@ def transformer_config(
     dtype: torch.dtype = torch.float32,
     virtual_pipeline: int | None = None,
     context_parallel: int = 1,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int = 1,
     **overrides: Any,
 ) -> Any:
     """Megatron's ``TransformerConfig`` for ``spec`` as mbridge converts it, made to run on CPU ranks.
@@ -482,10 +500,14 @@ def transformer_config(
         context_parallel: Megatron's ``context_parallel_size`` (each sequence cut over that many
             ranks, attention a ring: NOTE [ Context parallelism as Megatron runs it ] in
             :mod:`batchfit.models.megatron_context`; needs the ``sdpa`` layer spec).
+        expert_parallel: Megatron's ``expert_model_parallel_size`` (a mixture of experts' experts
+            spread over that many ranks, tokens sent by the all-to-all dispatcher: NOTE [ Megatron's
+            mixture of experts on CPU ranks ] in :mod:`batchfit.models.moe_megatron`).
+        expert_tensor_parallel: Megatron's ``expert_tensor_parallel_size`` (mbridge's default 1).
         **overrides: ``TransformerConfig`` fields to set last (``num_layers=2``, ``recompute_granularity=...``).
 
     Raises:
-        InvalidArgument: megatron missing, a bad size, a mixture of experts (not mapped yet),
+        InvalidArgument: megatron missing, a bad size, expert parallelism on a dense model,
             sequence parallelism without tensor parallelism, or virtual stages without pipeline
             parallelism or with layers they do not divide.
 
@@ -504,10 +526,20 @@ def transformer_config(
         raise InvalidArgument(
             "sequence_parallel=True needs tensor_parallel > 1 (Megatron splits the sequence over the tensor-parallel group), but got tensor_parallel=1"
         )
+    ep = check_positive_int("expert_parallel", expert_parallel)
+    etp = check_positive_int("expert_tensor_parallel", expert_tensor_parallel)
     hf_config = load_config(spec)
-    if _is_mixture_of_experts(hf_config):
+    moe = _is_mixture_of_experts(hf_config)
+    kind = getattr(hf_config, "model_type", None)
+    if moe and kind not in MOE_MODEL_TYPES:
         raise InvalidArgument(
-            f"model_type={getattr(hf_config, 'model_type', None)!r} is a mixture of experts; batchfit maps dense models to Megatron only so far; choose a dense preset (qwen2.5-*, qwen3-8b, llama-3.1-8b, ...)"
+            f"model_type={kind!r} is a mixture of experts batchfit does not map to Megatron yet (mapped: "
+            f"{', '.join(sorted(MOE_MODEL_TYPES))}: every layer a MoE with standard attention); profile it with --sharding fsdp2"
+        )
+    if (ep > 1 or etp > 1) and not moe:
+        raise InvalidArgument(
+            f"expert_parallel={ep}, expert_tensor_parallel={etp} need a mixture of experts, but "
+            f"model_type={getattr(hf_config, 'model_type', None)!r} is dense; use expert_parallel=1 and expert_tensor_parallel=1"
         )
     vp = virtual_stages(virtual_pipeline, pp)
     if vp is not None:
@@ -517,8 +549,12 @@ def transformer_config(
                 f"num_layers={layers} must be divisible by pipeline_parallel × virtual_pipeline = {pp} × {vp} = {pp * vp} "
                 "(Megatron gives every model chunk the same layers); choose sizes that divide the layers"
             )
-    states = ParallelStates(tp_size=tp, pp_size=pp, vpp_size=vp, cp_size=cp)
+    states = ParallelStates(tp_size=tp, pp_size=pp, vpp_size=vp, cp_size=cp, ep_size=ep, etp_size=etp)
     bridge = AutoBridge.from_config(hf_config, dtype=dtype, parallel_states=states)
+    if moe:
+        from batchfit.models.moe_megatron import MOE_CPU_SETTINGS
+
+        overrides = {**MOE_CPU_SETTINGS, **overrides}  # NOTE [ Megatron's mixture of experts on CPU ranks ]
     bridge.set_extra_args(
         use_cpu_initialization=True,
         variable_seq_lengths=False,
@@ -532,6 +568,12 @@ def transformer_config(
         **{"overlap_p2p_comm": False, **overrides},
     )
     return bridge.config
+
+
+#: Mixtures of experts mapped to Megatron (NOTE [ Megatron's mixture of experts on CPU ranks ]): mbridge's bridges
+#: whose every layer is a MoE under megatron-core's local spec with standard attention. DeepSeek-V3 and GLM-4.5
+#: (dense first layers, DeepSeek's multi-latent attention) need Megatron's decoder block spec; gpt-oss has no bridge.
+MOE_MODEL_TYPES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral"})
 
 
 def _is_mixture_of_experts(hf_config: Any) -> bool:
@@ -576,6 +618,8 @@ def build_gpt_model(
     virtual_pipeline: int | None = None,
     vp_stage: int | None = None,
     context_parallel: int = 1,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int = 1,
     **overrides: Any,
 ) -> torch.nn.Module:
     """This rank's ``GPTModel`` (its tensor shard of its pipeline stage, or of one model chunk of it), in ``train()`` mode.
@@ -615,6 +659,8 @@ def build_gpt_model(
         dtype=dtype,
         virtual_pipeline=virtual_pipeline,
         context_parallel=context_parallel,
+        expert_parallel=expert_parallel,
+        expert_tensor_parallel=expert_tensor_parallel,
         perform_initialization=bool(initialise),
         **overrides,
     )
@@ -629,13 +675,19 @@ def build_gpt_model(
         parallel_state.get_tensor_model_parallel_world_size() if ready else None,
         parallel_state.get_pipeline_model_parallel_world_size() if ready else None,
         parallel_state.get_context_parallel_world_size() if ready else None,
+        parallel_state.get_expert_model_parallel_world_size() if ready else None,
     )
-    want = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size)
+    want = (
+        config.tensor_model_parallel_size,
+        config.pipeline_model_parallel_size,
+        config.context_parallel_size,
+        config.expert_model_parallel_size,
+    )
     if have != want:
         raise InvalidArgument(
-            f"build_gpt_model(tensor_parallel={tensor_parallel}, pipeline_parallel={pipeline_parallel}, context_parallel={context_parallel}) "
-            f"needs Megatron's parallel state of those sizes, but it has (tp, pp, cp)={have}; build inside "
-            f"model_parallel({tensor_parallel}, {pipeline_parallel}, context_parallel={context_parallel})"
+            f"build_gpt_model(tensor_parallel={tensor_parallel}, pipeline_parallel={pipeline_parallel}, context_parallel={context_parallel}, "
+            f"expert_parallel={expert_parallel}) needs Megatron's parallel state of those sizes, but it has (tp, pp, cp, ep)={have}; "
+            f"build inside model_parallel({tensor_parallel}, {pipeline_parallel}, context_parallel={context_parallel}, expert_parallel={expert_parallel})"
         )
     args = {**gpt_model_args(spec), **dict(gpt_args or {})}
     if args["vocab_size"] % config.tensor_model_parallel_size:
@@ -646,8 +698,10 @@ def build_gpt_model(
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     layer_spec = args.pop("transformer_layer_spec", None)  # a ModuleSpec, or a function of the config making one
-    if layer_spec is None:
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    if layer_spec is None:  # with experts: Megatron's MoELayer, SequentialMLP (NOTE [ Megatron's mixture of experts on CPU ranks ])
+        layer_spec = get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm, normalization=config.normalization
+        )
     elif callable(layer_spec):
         layer_spec = layer_spec(config)
     default = torch.get_default_dtype()

@@ -39,7 +39,7 @@ def layer_spec(config: Any, attention: str = "sdpa") -> Any:
     """Megatron-core's local GPT layer spec for ``config`` with ``attention``'s core attention.
 
     Args:
-        config: the model's ``TransformerConfig`` (its ``qk_layernorm`` and ``normalization``).
+        config: the model's ``TransformerConfig`` (its ``qk_layernorm``, ``normalization`` and ``num_moe_experts``).
         attention: ``"sdpa"`` (:class:`SdpaAttention`: NOTE [ Fused attention for Megatron
             budgets ]) or ``"local"`` (Megatron's unfused ``DotProductAttention``).
 
@@ -50,7 +50,10 @@ def layer_spec(config: Any, attention: str = "sdpa") -> Any:
 
     if attention not in ATTENTIONS:
         raise InvalidArgument(f"attention must be one of {', '.join(ATTENTIONS)}, but got attention={attention!r}; use 'sdpa'")
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    # a mixture of experts: Megatron's MoELayer with SequentialMLP experts (NOTE [ Megatron's mixture of experts on CPU ranks ])
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm, normalization=config.normalization
+    )
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = __getattr__("SdpaAttention")
     return spec

@@ -109,10 +109,12 @@ class Sharding:
             ``context_parallel_size``: ``2 × context_parallel`` load-balanced chunks, attention a
             ring, NOTE [ Context parallelism as Megatron runs it ]); ``tensor_parallel ×
             context_parallel × pipeline_parallel`` divides ``world_size``; default 1.
-        expert_parallel: ``fsdp2`` only: ranks each MoE layer's experts are spread over (each holds
-            ``experts / expert_parallel`` of them, tokens sent by all-to-all, NOTE [ Expert parallelism
-            the torchtitan way ] in :mod:`batchfit.parallel.expert_parallel`); divides ``world_size``;
-            default 1.
+        expert_parallel: ``fsdp2`` or ``megatron``: ranks each MoE layer's experts are spread over (each
+            holds ``experts / expert_parallel`` of them, tokens sent by all-to-all: NOTE [ Expert
+            parallelism the torchtitan way ] in :mod:`batchfit.parallel.expert_parallel`, or Megatron's
+            ``expert_model_parallel_size``, NOTE [ Megatron's mixture of experts on CPU ranks ] in
+            :mod:`batchfit.models.moe_megatron`); divides ``world_size`` (under ``megatron`` a pipeline
+            stage's ranks, ``world_size / pipeline_parallel``); default 1.
 
     Raises:
         InvalidArgument: an unknown name (the choices and the closest are listed), a bad
@@ -196,10 +198,18 @@ class Sharding:
 
     def _check_expert_parallel(self, strategy: str) -> None:
         ep = check_positive_int("expert_parallel", self.expert_parallel)
-        if ep > 1 and strategy != "fsdp2":
+        if ep > 1 and strategy not in ("fsdp2", "megatron"):
             raise InvalidArgument(
                 f"expert_parallel={ep} needs strategy='fsdp2' (experts spread over an EP group, the rest sharded by "
-                f"FSDP2, as torchtitan runs MoE), but got strategy={strategy!r}; use strategy='fsdp2' or expert_parallel=1"
+                f"FSDP2, as torchtitan runs MoE) or 'megatron' (its expert_model_parallel_size), but got "
+                f"strategy={strategy!r}; use one of them or expert_parallel=1"
+            )
+        stage = self.world_size // self.pipeline_parallel  # checked by _check_model_parallel
+        if strategy == "megatron" and stage % ep:
+            raise InvalidArgument(
+                f"expert_parallel={ep} must divide a pipeline stage's {stage} ranks (world_size={self.world_size} / "
+                f"pipeline_parallel={self.pipeline_parallel}: Megatron carves the expert groups out of tensor × context × "
+                f"data parallel); use a divisor of {stage}"
             )
         if self.world_size % ep:
             raise InvalidArgument(

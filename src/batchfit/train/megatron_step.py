@@ -66,6 +66,15 @@ Three choices of a GPU run, modelled as it runs them:
   on CPU ranks ]).
 fp16 (a loss scaler whose ``found_inf`` is read with ``.item()``) is refused.
 
+NOTE [ A mixture of experts' two optimizers ]
+Under a mixture of experts ``get_megatron_optimizer`` builds two optimizers, chained
+(``ChainedOptimizer``): one over the dense parameters (reduced over data parallel) and one over
+the experts' (reduced over the expert-data-parallel group, ``DistributedDataParallel``'s
+``expert_parallel_buffers``). The chain's ``step`` takes the global gradient norm first, which
+ends in a value a fake tensor has not; without clipping (``clip_grad=0``) the norm changes
+nothing, so the step runs each optimizer's own ``step`` in turn (``prepare_grads`` and
+``step_with_ready_grads``, what the chain runs after the norm), each with its own fused Adam.
+
 NOTE [ Pipeline sends are waited on whole ]
 A search on real ranks waits in slices (:func:`batchfit.parallel.rank_signals.listening`: each
 ``Work.wait`` is given 50 ms, then the guard checks whether another rank left, then waits again).
@@ -106,8 +115,9 @@ DDP buffers and Megatron's optimizer state (:func:`megatron_optimizer`, register
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,7 +127,7 @@ from batchfit.errors import InvalidArgument
 from batchfit.memory import labels
 from batchfit.memory.categories import GRADIENTS, LOGPROB_HEAD, OPTIMIZER_STATE, OPTIMIZER_STEP, PARAMETERS
 from batchfit.parallel.rank_signals import listening
-from batchfit.train.megatron_heads import MegatronHead, head_loss, head_outputs
+from batchfit.train.megatron_heads import MegatronHead, fused_head_outputs, head_loss, head_outputs
 from batchfit.train.optim import initialize_optimizer_state
 from batchfit.validation import check_positive_int
 
@@ -206,9 +216,15 @@ class MegatronTraining:
         """DDP's contiguous parameter buffers (the distributed optimizer's; none without it)."""
         return [b.param_data for b in self._buffers() if b.param_data is not None]
 
+    @property
+    def optimizers(self) -> list[Any]:
+        """Megatron's optimizers: one for a dense model; a mixture of experts' dense and expert parameters each have
+        their own (their data-parallel groups differ), chained (NOTE [ A mixture of experts' two optimizers ])."""
+        return list(getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer])
+
     def main_parameters(self) -> list[torch.Tensor]:
-        """The tensors the inner Adam updates: fp32 main parameters (or their shards), or the parameters themselves."""
-        return [p for group in self.optimizer.optimizer.param_groups for p in group["params"]]
+        """The tensors the inner Adams update: fp32 main parameters (or their shards), or the parameters themselves."""
+        return [p for o in self.optimizers for group in o.optimizer.param_groups for p in group["params"]]
 
     def registered(self, *, optimizer_state: bool = True) -> tuple[list[Any], list[str | None]]:
         """What a measurement registers beside the ``GPTModel`` (register the model first), with their categories.
@@ -225,7 +241,7 @@ class MegatronTraining:
         if not optimizer_state:
             return [self.parameter_buffers(), self.gradient_buffers()], [PARAMETERS, GRADIENTS]
         return (
-            [self.parameter_buffers(), self.gradient_buffers(), self.main_parameters(), self.optimizer.optimizer],
+            [self.parameter_buffers(), self.gradient_buffers(), self.main_parameters(), [o.optimizer for o in self.optimizers]],
             [PARAMETERS, GRADIENTS, OPTIMIZER_STATE, OPTIMIZER_STATE],
         )
 
@@ -309,8 +325,9 @@ def megatron_optimizer(
     chained = getattr(optimizer, "chained_optimizers", None)
     if chained is not None and len(chained) == 1:
         optimizer = chained[0]  # a dense model: one optimizer; the chain's step would take the norm (clip_grad=0)
-    _fused_adam(optimizer.optimizer)
-    _initialize_main_state(optimizer.optimizer)
+    for inner in chained or [optimizer]:  # NOTE [ A mixture of experts' two optimizers ]
+        _fused_adam(inner.optimizer)
+        _initialize_main_state(inner.optimizer)
     return MegatronTraining(
         model=wrapped[0], optimizer=optimizer, mixed_precision=mixed_precision, distributed=bool(distributed), chunks=wrapped
     )
@@ -361,14 +378,41 @@ def _per_token_loss(model: torch.nn.Module, batch: MegatronBatch, head: Megatron
     try:
         if head is None or head.is_default:
             return model(batch.input_ids, batch.position_ids, batch.attention_mask, labels=batch.labels)
-        output = model(batch.input_ids, batch.position_ids, batch.attention_mask)  # the logits on the last stage
+        with _hidden_states_out(head_module if head.fused else None) as weight:
+            output = model(batch.input_ids, batch.position_ids, batch.attention_mask)  # the logits on the last stage
         if head_module is None:
             return output
-        return head_loss(head, output, batch.labels)  # still in the head's region
+        return head_loss(head, output, batch.labels, weight=weight.get("weight"))  # still in the head's region
     finally:
         labels.set_region(None)
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def _hidden_states_out(output_layer: torch.nn.Module | None) -> Iterator[dict[str, torch.Tensor]]:
+    """SkyRL's fused LM head (NOTE [ SkyRL's fused LM head ] in :mod:`batchfit.train.megatron_heads`): ``output_layer``
+    returns its input, the ``[s, b, h]`` hidden states (gathered over the tensor-parallel group under sequence
+    parallelism, as the layer would before its matmul), and leaves the weight it would use in the dict yielded.
+    ``None``: nothing changes."""
+    seen: dict[str, torch.Tensor] = {}
+    if output_layer is None:
+        yield seen
+        return
+
+    def forward(hidden_states: torch.Tensor, weight: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, None]:
+        seen["weight"] = output_layer.weight if weight is None else weight
+        if getattr(output_layer, "sequence_parallel", False):
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True)
+        return hidden_states, None
+
+    output_layer.forward = forward  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        del output_layer.forward
 
 
 def _masked_mean(per_token: torch.Tensor, batch: MegatronBatch) -> torch.Tensor:
@@ -426,7 +470,8 @@ def _zero_grads(training: MegatronTraining) -> None:
 
 def _optimizer_step(training: MegatronTraining) -> None:
     with labels.phase(labels.OPTIMIZER), labels.region(OPTIMIZER_STEP):
-        training.optimizer.step()
+        for optimizer in training.optimizers:  # NOTE [ A mixture of experts' two optimizers ]
+            optimizer.step()
 
 
 def megatron_train_step(
@@ -615,9 +660,12 @@ def megatron_forward_step(
 
     def forward_step(data_iterator: Any, stage: torch.nn.Module) -> tuple[torch.Tensor, Any]:
         batch = next(data_iterator)
-        hook = _log_probs_head(_unwrapped(stage))
+        inner = _unwrapped(stage)
+        hook = _log_probs_head(inner)
+        fused = head is not None and head.fused and getattr(inner, "post_process", True)
         try:
-            output = stage(batch.input_ids, batch.position_ids, batch.attention_mask)  # no labels: the logits
+            with _hidden_states_out(inner.output_layer if fused else None) as weight:
+                output = stage(batch.input_ids, batch.position_ids, batch.attention_mask)  # no labels: the logits
         finally:
             if hook is None:
                 labels.set_region(None)
@@ -630,7 +678,10 @@ def megatron_forward_step(
                     if head is None or head.is_default:
                         log_probs = megatron_log_probs(logits, batch.labels)
                     else:
-                        log_probs, entropy = head_outputs(head, logits, batch.labels)
+                        log_probs, entropy = (
+                            fused_head_outputs(head, logits, weight["weight"], batch.labels) if fused
+                            else head_outputs(head, logits, batch.labels)
+                        )
                         if entropy is not None:
                             kept_entropy.append(entropy.detach())
             finally:

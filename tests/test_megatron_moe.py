@@ -1,0 +1,201 @@
+"""Megatron-core's mixture of experts on CPU ranks (batchfit.models.moe_megatron): a tiny Qwen3-MoE under expert parallelism.
+
+The cpu backend on real gloo ranks is the referee of the estimate backend, as in
+tests/test_megatron_step.py: the first step of a fresh model with EP 2 on 2 ranks, to the byte,
+the receiving rank (EP rank 0, NOTE [ The Megatron probe's worst rank ]) simulated. Skipped where
+megatron-core or mbridge is not installed (``pip install -e '.[megatron]'``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from batchfit import InvalidArgument
+from multirank import run_ranks
+
+# tests/test_expert_parallel.py's small Qwen3-MoE: 8 experts of 32, 2 per token, 2 layers
+CONFIG = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "norm_topk_prob": True,
+}
+ROWS, SEQ = 1, 64
+
+
+@pytest.fixture
+def megatron():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
+
+
+def _config():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**CONFIG)
+
+
+def _step(backend_name: str, ep: int, data_parallel: int, routing: str = "skewed", **kwargs):
+    import warnings
+
+    import torch
+
+    from batchfit.budget.megatron_probe import MegatronStep
+    from batchfit.memory import get_backend
+
+    warnings.filterwarnings("ignore")
+    return MegatronStep(
+        _config(),
+        data_parallel=data_parallel,
+        expert_parallel=ep,
+        routing=routing,
+        backend=get_backend(backend_name, round_to=1),
+        dtype=torch.bfloat16,
+        attention="sdpa",
+        **kwargs,
+    )
+
+
+def _measure(backend_name: str, ep: int, data_parallel: int, routing: str = "skewed") -> dict[str, object]:
+    got = _step(backend_name, ep, data_parallel, routing).measure([SEQ] * ROWS)
+    return {"peak": got.peak_bytes, "breakdown": dict(got.breakdown)}
+
+
+def _real_rank(rank: int, runs: tuple[tuple[int, int, str], ...]) -> list[dict[str, object]]:
+    return [_measure("cpu", *run) for run in runs]
+
+
+#: (expert_parallel, data_parallel, routing) of each 2-rank run
+RUNS = ((2, 2, "skewed"), (2, 2, "balanced"), (1, 2, "skewed"))
+IDS = ["ep2-skewed", "ep2-balanced", "ep1"]
+
+
+@pytest.fixture(scope="module")
+def real_runs():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
+    return run_ranks(_real_rank, RUNS, world=2, timeout=400)
+
+
+@pytest.mark.slow  # 2 gloo ranks, then the estimate
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("run", RUNS, ids=IDS)
+def test_ep_estimate_equals_the_receiving_gloo_rank_to_the_byte(megatron, real_runs, run):
+    real = real_runs[0][RUNS.index(run)]  # rank 0: EP rank 0, which receives the most under the skewed routing
+    estimate = _measure("estimate", *run)
+    assert (real["peak"], real["breakdown"]) == (estimate["peak"], estimate["breakdown"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_receiving_rank_holds_more_than_the_other_under_the_worst_routing(megatron, real_runs):
+    skewed, balanced = (real_runs[rank][0] for rank in (0, 1)), None
+    rank0, rank1 = skewed
+    assert rank0["peak"] > rank1["peak"]  # EP rank 0 receives both ranks' pairs for experts 0 and 1
+    balanced = [real_runs[rank][1]["peak"] for rank in (0, 1)]
+    assert rank0["peak"] > max(balanced)
+
+
+@pytest.mark.slow  # the estimate alone, a few seconds
+def test_ep_2_halves_the_expert_parameters_per_rank(megatron):
+    from batchfit.models.megatron import build_gpt_model, megatron_cpu_patches, model_parallel
+    from batchfit.parallel.distributed import simulated_world
+
+    counts = {}
+    for ep in (1, 2):
+        with simulated_world(2), model_parallel(1, 1, expert_parallel=ep), megatron_cpu_patches():
+            model = build_gpt_model(_config(), expert_parallel=ep, initialise=False)
+            counts[ep] = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    # 2 layers × 8 experts × (64·2·32 fc1 + 32·64 fc2) = 2 × 8 × 6,144 = 98,304; EP 2 keeps 4 experts a layer
+    assert counts == {1: 98_304, 2: 49_152}
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused(megatron):
+    from batchfit.models.megatron import transformer_config
+
+    with pytest.raises(InvalidArgument, match=r"expert_parallel=2, expert_tensor_parallel=1 need a mixture of experts"):
+        transformer_config("tiny", expert_parallel=2)
+
+
+def test_an_expert_group_that_does_not_divide_a_stage_is_refused():  # first tier: no megatron needed
+    with pytest.raises(InvalidArgument, match=r"expert_parallel × expert_tensor_parallel = 4 × 1 must divide"):
+        _step("estimate", 4, 2)
+    with pytest.raises(InvalidArgument, match=r"routing"):
+        _step("estimate", 2, 2, routing="random")
+
+
+def test_the_fixed_top_k_gathers_the_scores_at_the_fixed_routing():  # first tier: Megatron's replay hook, plain torch
+    import torch
+
+    from batchfit.models.moe import fixed_routing
+    from batchfit.models.moe_megatron import FixedTopK
+
+    scores = torch.randn(10, 8, requires_grad=True)
+    probs, index = FixedTopK("skewed", 8).get_replay_topk(scores, 2)
+    assert torch.equal(index, fixed_routing(10, 2, 8, "skewed", "cpu"))
+    # skewed: the first ceil(8 / 2) = 4 tokens hit every expert once, the other 6 experts 0 and 1
+    assert index[:4].flatten().tolist() == list(range(8)) and index[4:].tolist() == [[0, 1]] * 6
+    assert torch.equal(probs, scores.gather(1, index))
+    probs.sum().backward()
+    assert scores.grad.sum() == 20  # the router's gradient flows through every chosen score
+
+
+def test_a_name_megatron_leaves_undefined_is_defined_while_active_and_removed_after():
+    import types
+
+    from batchfit.models.moe_megatron import _UnsetNameDefined
+
+    owner = types.SimpleNamespace(kept="theirs", empty=None)
+    missing, empty, kept = (_UnsetNameDefined(lambda: owner, name, "ours") for name in ("te_general_gemm", "empty", "kept"))
+    with missing.active(), empty.active(), kept.active():
+        assert (owner.te_general_gemm, owner.empty, owner.kept) == ("ours", "ours", "theirs")
+    assert not hasattr(owner, "te_general_gemm") and owner.empty is None and owner.kept == "theirs"
+
+
+def test_the_mapping_is_mbridges_with_sequential_experts(megatron):
+    from batchfit.models.megatron import transformer_config
+
+    config = transformer_config(_config(), expert_parallel=2)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (8, 2, 32)
+    assert (config.moe_token_dispatcher_type, config.moe_grouped_gemm, config.expert_model_parallel_size) == ("alltoall", False, 2)
+    assert config.moe_router_load_balancing_type == "none"  # mbridge's "default None for RL"
+
+
+def test_megatron_sharding_takes_expert_parallelism_that_divides_a_stage():  # first tier
+    from batchfit.parallel import Sharding
+
+    assert Sharding("megatron", world_size=8, pipeline_parallel=2, expert_parallel=4).expert_parallel == 4
+    with pytest.raises(InvalidArgument, match=r"expert_parallel=8 must divide a pipeline stage's 4 ranks"):
+        Sharding("megatron", world_size=8, pipeline_parallel=2, expert_parallel=8)
+    with pytest.raises(InvalidArgument, match=r"needs strategy='fsdp2' .* or 'megatron'"):
+        Sharding("fsdp1", world_size=8, expert_parallel=2)
+
+
+@pytest.mark.slow  # the CLI's imports and a few estimate probes of the small MoE under Megatron
+@pytest.mark.timeout(600)
+def test_the_cli_profiles_megatron_with_expert_parallelism(megatron, tmp_path, capsys):
+    import json
+
+    from batchfit.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    args = ["profile", "--model", str(tmp_path), "--sharding", "megatron", "--world-size", "2", "--backend", "estimate",
+            "--memory", "1GiB", "--max-seq-len", "256", "--no-progress", "--json"]  # fmt: skip
+    tokens = {}
+    for ep in (1, 2):
+        assert main([*args, "--expert-parallel", str(ep)]) == 0
+        out = json.loads(capsys.readouterr().out)
+        profile = next(iter(out["profiles"].values())) if "profiles" in out else out
+        assert profile["sharding"].get("expert_parallel", 1) == ep
+        tokens[ep] = profile["budgets"]["policy"]["tokens"]
+    # EP 2 holds half the experts (less state) but receives both ranks' pairs for experts 0 and 1 (more activations)
+    assert tokens[1] != tokens[2]
