@@ -31,6 +31,9 @@ HEADS = (
     ("slime-chunked-entropy-grad", {"framework": "slime", "entropy": True, "entropy_grad": True, "chunk_size": 32}),
 )
 IDS = [name for name, _ in HEADS]
+#: SkyRL's fused LM head (hidden states and the output weight, no logits), measured beside the heads above
+FUSED = (("skyrl-fused", {"framework": "skyrl", "entropy": True, "chunk_size": 16, "fused": True}),)
+MEASURED = HEADS + FUSED
 
 
 @pytest.fixture
@@ -120,6 +123,67 @@ def test_log_probs_and_entropy_equal_the_gathered_logits(megatron, values, name)
         torch.testing.assert_close(got["grad"], expected, rtol=1e-5, atol=1e-5)
 
 
+def _fused_values(rank: int) -> dict[str, object]:
+    """SkyRL's fused head on this rank's vocabulary shard of the output weight, and the plain head on ``hidden @ Wᵀ``."""
+    import warnings
+
+    import torch
+
+    from batchfit.models.megatron import model_parallel
+    from batchfit.train.megatron_heads import MegatronHead, fused_head_outputs
+
+    warnings.filterwarnings("ignore")
+    vocab, width = 96, 12
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(BATCH, SEQ, width, generator=generator)
+    weight = torch.randn(vocab, width, generator=generator)
+    target = torch.randint(0, vocab, (BATCH, SEQ), generator=generator)
+    scale = torch.rand(BATCH, SEQ, generator=generator)
+    local = vocab // TP
+    plain_hidden, plain_weight = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    log_softmax = torch.log_softmax(plain_hidden @ plain_weight.t(), dim=-1)
+    plain_log_probs = log_softmax.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    plain_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    (plain_log_probs * scale).sum().backward()
+    ours_hidden = hidden.clone().requires_grad_(True)
+    ours_weight = weight[rank * local : (rank + 1) * local].clone().requires_grad_(True)
+    with model_parallel(TP, 1):
+        head = MegatronHead("skyrl", entropy=True, chunk_size=16, fused=True)
+        log_probs, entropy = fused_head_outputs(head, ours_hidden, ours_weight, target)
+        (log_probs * scale).sum().backward()
+    return {
+        "plain": (plain_log_probs.detach(), plain_entropy.detach(), plain_hidden.grad,
+                  plain_weight.grad[rank * local : (rank + 1) * local]),
+        "fused": (log_probs.detach(), entropy, ours_hidden.grad, ours_weight.grad),
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_skyrls_fused_head_equals_the_head_on_the_projected_logits(megatron):
+    import torch
+
+    got = run_ranks(_fused_values, world=TP, timeout=240)
+    for rank in range(TP):
+        (lp, ent, _, grad_w), (plain_lp, plain_ent, _, plain_grad_w) = got[rank]["fused"], got[rank]["plain"]
+        torch.testing.assert_close(lp, plain_lp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, plain_ent, rtol=1e-5, atol=1e-5)  # the metric, without graph
+        torch.testing.assert_close(grad_w, plain_grad_w, rtol=1e-5, atol=1e-5)  # this rank's rows of W
+    # each rank's hidden gradient is its vocabulary shard's part; the sequence-parallel gather's backward sums them
+    summed = got[0]["fused"][2] + got[1]["fused"][2]
+    torch.testing.assert_close(summed, got[0]["plain"][2], rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_head_is_skyrls_and_keeps_no_entropy_graph():
+    from batchfit.train.megatron_heads import MegatronHead
+
+    with pytest.raises(InvalidArgument, match="fused=True is SkyRL's fused_lm_head_logprob, but got framework='verl'"):
+        MegatronHead("verl", fused=True)
+    with pytest.raises(InvalidArgument, match="SkyRL raises|NotImplementedError for use_entropy_loss"):
+        MegatronHead("skyrl", entropy=True, entropy_grad=True, fused=True)
+    assert MegatronHead("skyrl", fused=True).describe()["fused"] is True
+    assert "fused" not in MegatronHead("skyrl").describe()
+
+
 # --- estimate = cpu ----------------------------------------------------------------------------
 
 
@@ -143,7 +207,7 @@ def _measure(backend_name: str, name: str, options: dict[str, object] | None, fo
 
 
 def _real_rank(rank: int) -> list[tuple[int, dict]]:
-    return [_measure("cpu", name, options, fo) for fo in (False, True) for name, options in HEADS]
+    return [_measure("cpu", name, options, fo) for fo in (False, True) for name, options in MEASURED]
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +219,16 @@ def real_measurements():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("forward_only", [False, True], ids=["train", "forward"])
-@pytest.mark.parametrize("name", IDS)
+@pytest.mark.parametrize("name", [name for name, _ in MEASURED])
 def test_estimate_equals_every_real_rank_to_the_byte(megatron, real_measurements, name, forward_only):
-    index = [(fo, n) for fo in (False, True) for n, _ in HEADS].index((forward_only, name))
-    options = dict(HEADS)[name]
+    index = [(fo, n) for fo in (False, True) for n, _ in MEASURED].index((forward_only, name))
+    options = dict(MEASURED)[name]
     estimate = _measure("estimate", name, options, forward_only)
+    if name.startswith("skyrl"):
+        # NOTE [ SkyRL's fused LM head ]: every target in rank 0's shard, the rank whose backward selects the most
+        assert real_measurements[0][index] == estimate
+        assert real_measurements[1][index][0] <= estimate[0]
+        return
     for rank in range(TP):
         assert real_measurements[rank][index] == estimate, rank
 
@@ -195,6 +264,34 @@ def test_verl_entropy_raises_the_peak_over_megatron_cross_entropy_at_a_large_voc
 
     extra = peak(False, MegatronHead("verl", entropy=True, entropy_grad=True)) - peak(False, None)
     assert extra >= logits_fp32, extra
+
+
+@pytest.mark.slow
+def test_skyrls_fused_head_holds_no_logits_at_a_large_vocab(megatron):
+    import warnings
+
+    import torch
+
+    from batchfit.budget.megatron_probe import MegatronStep
+    from batchfit.memory import get_backend
+    from batchfit.train.megatron_heads import MegatronHead
+
+    warnings.filterwarnings("ignore")
+    vocab, rows, seq, chunk = 65536, 1, 256, 32
+
+    def peak(head: object) -> int:
+        backend = get_backend("estimate", reserve_bytes=0, round_to=1)
+        step = MegatronStep(
+            "tiny", tensor_parallel=TP, backend=backend, num_layers=1, dtype=torch.bfloat16, head=head,
+            gpt_args={"vocab_size": vocab},
+        )  # fmt: skip
+        return step.measure([seq] * rows).peak_bytes
+
+    logits_fp32 = rows * seq * (vocab // TP) * 4  # one fp32 copy of the [1, 256, 32,768] shard: 33,554,432 B
+    chunked = peak(MegatronHead("skyrl", entropy=True, chunk_size=chunk, entropy_chunk_size=chunk))
+    fused = peak(MegatronHead("skyrl", entropy=True, chunk_size=chunk, fused=True))
+    # SkyRL's chunked head still builds the bf16 logits and their fp32 copy; the fused one only chunks of them
+    assert chunked - fused >= logits_fp32, (chunked, fused)
 
 
 # --- arguments ---------------------------------------------------------------------------------

@@ -128,6 +128,31 @@ def test_an_entropy_loss_is_modelled_not_warned():
     assert not [w for w in run.warnings if "use_entropy_loss" in w]
 
 
+def test_the_fused_lm_head_is_profiled_in_every_pass_and_emitted():
+    from batchfit.frameworks.config_options import run_profile_options
+    from batchfit.train.megatron_heads import MegatronHead, MegatronHeads
+
+    run = read_run_config(_config(trainer__fused_lm_head_logprob=True, trainer__logprobs_chunk_size=2048))
+    assert not [w for w in run.warnings if "fused_lm_head_logprob" in w]  # modelled, not warned
+    options = run_profile_options(run, {"backend": "estimate", "max_seq_len": 4096}).options
+    heads = options.logprobs
+    # NOTE [ SkyRL's fused LM head ]: every pass from the hidden states, the update's entropy a metric
+    assert isinstance(heads, MegatronHeads)
+    assert heads.update == MegatronHead("skyrl", entropy=True, chunk_size=2048, fused=True)
+    assert heads.old_log_probs == heads.reference == MegatronHead("skyrl", chunk_size=2048, fused=True)
+    keys = {k.path: k.value for k in setting_keys(run, role_options(run, options), "skyrl") if k.path}
+    assert keys["trainer.fused_lm_head_logprob"] is True and keys["trainer.logprobs_chunk_size"] == 2048
+
+
+def test_the_fused_lm_head_with_an_entropy_loss_is_refused_as_skyrl_refuses_it():
+    from batchfit.errors import InvalidArgument
+    from batchfit.frameworks.config_options import run_profile_options
+
+    run = read_run_config(_config(trainer__fused_lm_head_logprob=True, trainer__algorithm__use_entropy_loss=True))
+    with pytest.raises(InvalidArgument, match="SkyRL raises NotImplementedError"):
+        run_profile_options(run, {"backend": "estimate", "max_seq_len": 4096})
+
+
 # --- what profile refuses ------------------------------------------------------------------------------
 
 

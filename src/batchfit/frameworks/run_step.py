@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batchfit.errors import InvalidArgument
 from batchfit.frameworks.registry import get_framework
 from batchfit.frameworks.run import RunConfig
 from batchfit.train.framework_heads import FRAMEWORK_HEADS, FrameworkHead
@@ -93,9 +94,26 @@ def megatron_heads(run: RunConfig) -> MegatronHeads | None:
     0 (``get_log_probs_and_entropy``: ``with_entropy_grad``, ``RunConfig.entropy_grad``); the
     forward passes (old log-probs, and the reference's on the same model) compute it under
     ``--use-rollout-entropy`` (``model.forward_only``: ``with_entropy=args.use_rollout_entropy``,
-    ``RunConfig.forward_entropy``). verl's and SkyRL's heads come from their
-    :class:`FrameworkHead` (``None`` here).
+    ``RunConfig.forward_entropy``). SkyRL under ``trainer.fused_lm_head_logprob``
+    (``RunConfig.fused_kernels``; NOTE [ SkyRL's fused LM head ] in
+    :mod:`batchfit.train.megatron_heads`): the fused head in every pass, in chunks of
+    ``logprobs_chunk_size`` tokens, the update's entropy a metric. verl's and SkyRL's other heads
+    come from their :class:`FrameworkHead` (``None`` here).
+
+    Raises:
+        InvalidArgument: SkyRL's fused head with ``use_entropy_loss`` (SkyRL raises
+            ``NotImplementedError``: its fused entropy has no graph).
     """
+    if run.vocabulary == "skyrl" and run.fused_kernels:
+        if run.entropy_grad:
+            raise InvalidArgument(
+                "trainer.fused_lm_head_logprob=true with trainer.algorithm.use_entropy_loss=true: SkyRL raises "
+                "NotImplementedError (megatron_model_wrapper.py, a9564572: the fused entropy is a no-grad metric); turn "
+                "one of them off"
+            )
+        chunk = run.logprobs_chunk_size or 1024  # SkyRL's default logprobs_chunk_size
+        fused = MegatronHead("skyrl", chunk_size=chunk, fused=True)
+        return MegatronHeads(update=MegatronHead("skyrl", entropy=True, chunk_size=chunk, fused=True), old_log_probs=fused, reference=fused)
     if run.vocabulary != "slime":
         return None
     chunk = run.logprobs_chunk_size

@@ -143,8 +143,6 @@ MEGATRON_UNMODELLED: dict[str, str] = {
     MEGATRON + "ddp_config.grad_reduce_in_fp32": "the gradient buffer's dtype (fp32 by default)",
     MEGATRON + "fp8": "FP8 GEMMs (Transformer Engine)",
     MEGATRON + "fp8_param": "FP8 parameters",
-    T + "fused_lm_head_logprob": "log-probs from the hidden states (batchfit's Megatron profile computes them from "
-    "the vocab-parallel logits, an upper bound)",
 }
 
 # skyrl/backends/skyrl_train/workers/fsdp/fsdp_worker.py: the policy loads with

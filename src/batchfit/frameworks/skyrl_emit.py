@@ -26,6 +26,7 @@ from batchfit.frameworks.run import RunConfig
 from batchfit.frameworks.run_profile import RunProfile
 from batchfit.frameworks.skyrl import ENTROPY_CHUNK_DEFAULTS, ENTROPY_CHUNK_KEY, ENTROPY_MEMORY_KEY, SPEC
 from batchfit.train.framework_heads import FrameworkHead
+from batchfit.train.megatron_heads import MegatronHeads
 
 __all__ = ["assumption_keys", "skyrl_plan", "token_keys"]
 
@@ -343,13 +344,26 @@ def _megatron_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     """SkyRL's Megatron head: vocab-parallel log-probs from the logits (megatron_model_wrapper.py), the update's entropy
     in chunks sized from memory.
 
-    A Megatron profile runs SkyRL's own head on the ``[b, s, V/tp]`` logits (``fused_lm_head_logprob`` off), with the
+    A profile of ``fused_lm_head_logprob`` (NOTE [ SkyRL's fused LM head ] in :mod:`batchfit.train.megatron_heads`)
+    writes it on, with its chunk. Otherwise a Megatron profile runs SkyRL's own head on the ``[b, s, V/tp]`` logits
+    (``fused_lm_head_logprob`` off), with the
     entropy chunks SkyRL derives from its defaults, ``vocab_entropy_chunk_size: 0`` and
     ``vocab_entropy_chunk_memory_mb: 512`` (NOTE [ SkyRL's entropy chunks sized from memory ] in
     :mod:`batchfit.frameworks.skyrl`): both are written. The algorithm's settings are never changed.
     """
     del run, same
     tp = a.sharding.tensor_parallel
+    heads = a.head
+    if isinstance(heads, MegatronHeads) and heads.update.fused:  # NOTE [ SkyRL's fused LM head ]
+        return [
+            Key(
+                "trainer.fused_lm_head_logprob",
+                True,
+                "log-probs from the hidden states, the output layer folded into each chunk: no [tokens, V/tp] logits "
+                "(FusedLinearChunkedDistributedLogprob, model_utils.py, SkyRL a9564572), as profiled",
+            ),
+            Key("trainer.logprobs_chunk_size", heads.update.chunk_size, "tokens per fused chunk, as profiled"),
+        ]
     return [
         Key(
             "trainer.fused_lm_head_logprob",

@@ -36,8 +36,7 @@ are freed (the output layer saves its input, not its output). Then, per framewor
   in sequence chunks (``vocab_entropy_chunk_size``: 0 sizes them to ``vocab_entropy_chunk_memory_mb``,
   512 MiB at 4 × the logits' bytes a token). The forward pass computes no entropy. SkyRL is not
   installed here: the functions below (``_skyrl_*``) are SkyRL's, as SkyRL writes them.
-  ``fused_lm_head_logprob`` (the output layer folded into the chunks, no logits at all) is not
-  modelled.
+  ``fused_lm_head_logprob``: NOTE [ SkyRL's fused LM head ] below.
 - ``slime`` (slime ``624b824a``, ``slime/backends/megatron_utils/loss.py``
   ``get_log_probs_and_entropy`` and ``slime/utils/ppo_utils.py`` ``calculate_log_probs_and_entropy``):
   the logits as one ``[T, V/t]`` row (slime packs a micro-batch into one row; our rows are
@@ -46,6 +45,28 @@ are freed (the output layer saves its input, not its output). Then, per framewor
   in place in one ``[T, V/t]`` fp32 buffer. Entropy in the update always (``policy_loss_function``:
   ``with_entropy=True``), with its graph only when ``entropy_coef != 0``; in the forward pass under
   ``use_rollout_entropy``. slime is not installed either: the ``_slime_*`` functions below are its own.
+
+NOTE [ SkyRL's fused LM head ]
+Under ``trainer.fused_lm_head_logprob`` (SkyRL a9564572, ``megatron_model_wrapper.py``
+``_fused_lm_head_output_processor``) ``GPTModel`` skips its output layer: the last stage returns the
+``[b, s, h]`` hidden states (gathered over the tensor-parallel group under sequence parallelism, as
+the layer would), which ``Float16Module`` casts to fp32, and the output layer's weight is kept
+beside them. ``FusedLinearChunkedDistributedLogprob`` then computes each ``logprobs_chunk_size``
+chunk's ``[b, c, V/t]`` logits from them, its log-softmax and target, and saves only the hidden
+states and the weight; its backward recomputes each chunk and accumulates ``grad_hidden`` and an
+fp32 ``grad_weight`` (``[V/t, h]``). No ``[b, s, V/t]`` tensor exists. The update's entropy is a
+metric without graph (SkyRL raises for ``use_entropy_loss``), by
+``_fused_vocab_parallel_entropy_from_hidden`` in the same chunks; SkyRL takes it over the response
+tokens, here over every token (the same chunk-sized peak once the response is longer than a
+chunk). megatron-core 0.16.1 has no ``output_processor`` hook, so the probe replaces the output
+layer's ``forward`` for the call (:mod:`batchfit.train.megatron_step`). The Triton backend
+(``fused_lm_head_logprob_backend: triton``) is not modelled: it needs CUDA.
+
+SkyRL's backwards (this one's and ``ChunkedDistributedLogprob``'s) select the targets that fall in
+the rank's vocabulary shard (``masked_select``): one index and one gradient per such token, so a
+rank's bytes depend on where the labels fall. A probe of a SkyRL head draws every token from the
+first shard (:class:`batchfit.budget.megatron_probe.MegatronStep`): the simulated rank holds the
+most, the others less.
 
 Two kernels of a GPU run are modelled as it runs them, not as a CPU would: verl's and SkyRL's
 entropy compile ``(softmax * logits).sum(-1)`` (``torch.compile``, one fused reduction, no
@@ -93,10 +114,14 @@ class MegatronHead:
         entropy_chunk_size: SkyRL's ``vocab_entropy_chunk_size`` (``0``: sized to
             ``entropy_chunk_memory_mb``; ``None``: not chunked).
         entropy_chunk_memory_mb: SkyRL's ``vocab_entropy_chunk_memory_mb``.
+        fused: SkyRL's ``fused_lm_head_logprob``: the model returns the last stage's hidden
+            states and the head folds the output layer into its ``chunk_size`` chunks (no
+            ``[b, s, V/t]`` logits, NOTE [ SkyRL's fused LM head ]).
 
     Raises:
         InvalidArgument: an unknown framework, a chunk size below 1, an entropy option on
-            ``"megatron"``, or verl's entropy without its graph.
+            ``"megatron"``, verl's entropy without its graph, ``fused`` on another head than
+            SkyRL's or with the entropy's graph (SkyRL refuses ``use_entropy_loss`` there).
     """
 
     framework: str = "megatron"
@@ -105,6 +130,7 @@ class MegatronHead:
     chunk_size: int | None = None
     entropy_chunk_size: int | None = None
     entropy_chunk_memory_mb: int = 512
+    fused: bool = False
 
     def __post_init__(self) -> None:
         check_choice("framework", self.framework, MEGATRON_HEADS)
@@ -117,6 +143,15 @@ class MegatronHead:
             raise InvalidArgument(
                 f"head 'megatron' is Megatron's own cross-entropy (no entropy, no chunks), but got entropy={self.entropy!r}, "
                 f"chunk_size={self.chunk_size!r}; pick a framework's head (one of {', '.join(MEGATRON_HEADS[1:])})"
+            )
+        if self.fused and self.framework != "skyrl":
+            raise InvalidArgument(
+                f"fused=True is SkyRL's fused_lm_head_logprob, but got framework={self.framework!r}; pass framework='skyrl'"
+            )
+        if self.fused and self.entropy_grad:
+            raise InvalidArgument(
+                "SkyRL's fused LM head computes its entropy as a metric without graph (megatron_model_wrapper.py raises "
+                "NotImplementedError for use_entropy_loss), but got entropy_grad=True; pass entropy_grad=False"
             )
         if self.framework == "verl" and self.entropy and not self.entropy_grad:
             raise InvalidArgument(
@@ -147,13 +182,14 @@ class MegatronHead:
         return self.framework == "megatron"
 
     def describe(self) -> dict[str, Any]:
-        """The head as plain values (for a report)."""
+        """The head as plain values (for a report); ``fused`` only when on."""
         return {
             "framework": self.framework,
             "entropy": self.entropy,
             "entropy_grad": self.entropy_grad,
             "chunk_size": self.chunk_size,
             "entropy_chunk_size": self.entropy_chunk_size,
+            **({"fused": True} if self.fused else {}),
         }
 
 
@@ -293,9 +329,50 @@ def head_outputs(head: MegatronHead, logits: torch.Tensor, target: torch.Tensor)
         return _slime(head, logits, target)
 
 
-def head_loss(head: MegatronHead, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The per-token loss ``[b, s]`` of a training step: ``-log_probs``, minus :data:`ENTROPY_COEFF` × entropy where it has a graph."""
-    log_probs, entropy = head_outputs(head, logits, target)
+def fused_head_outputs(
+    head: MegatronHead, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """SkyRL's fused head (:attr:`MegatronHead.fused`): log-probs ``[b, s]`` and the entropy metric from the last
+    stage's ``[b, s, h]`` hidden states and the output layer's ``[V/t, h]`` weight (NOTE [ SkyRL's fused LM head ]).
+
+    Raises:
+        InvalidArgument: a head that is not fused.
+    """
+    if not head.fused:
+        raise InvalidArgument(f"fused_head_outputs runs SkyRL's fused LM head, but got head {head.describe()}; use head_outputs")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    hidden = _fp32(hidden)  # Float16Module casts the last stage's output, the hidden states here too
+    group = parallel_state.get_tensor_model_parallel_group()
+    local = int(weight.shape[0])
+    start = dist.get_rank(group) * local
+    seq = int(hidden.shape[1])
+    chunk = head.chunk_size if head.chunk_size is not None and head.chunk_size < seq else seq
+    # from_parallel_hidden_to_logprobs (model_utils.py l. 713), on labels already shifted
+    log_probs = _SkyrlFusedLinearChunkedDistributedLogprob.apply(
+        hidden, weight, target, start, start + local, chunk, group, not torch.is_grad_enabled()
+    ).contiguous()
+    entropy = None
+    if head.entropy:  # the update's metric: megatron_model_wrapper.py, torch.set_grad_enabled(use_entropy_loss=False)
+        with torch.no_grad():
+            entropy = _skyrl_fused_entropy_from_hidden(hidden, weight, group, chunk_size=head.chunk_size)
+    return log_probs, entropy
+
+
+def head_loss(
+    head: MegatronHead, logits: torch.Tensor, target: torch.Tensor, *, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The per-token loss ``[b, s]`` of a training step: ``-log_probs``, minus :data:`ENTROPY_COEFF` × entropy where it has a graph.
+
+    A fused head (:attr:`MegatronHead.fused`) takes the hidden states as ``logits`` and the output layer's ``weight``.
+    """
+    if head.fused:
+        if weight is None:
+            raise InvalidArgument("a fused head needs the output layer's weight; pass weight=")
+        log_probs, entropy = fused_head_outputs(head, logits, weight, target)
+    else:
+        log_probs, entropy = head_outputs(head, logits, target)
     loss = -log_probs
     if entropy is not None and entropy.requires_grad:
         loss = loss - ENTROPY_COEFF * entropy
@@ -516,6 +593,97 @@ def _skyrl_from_parallel_logits_to_logprobs(
     return logprobs
 
 
+class _SkyrlFusedLinearChunkedDistributedLogprob(torch.autograd.Function):
+    """SkyRL's ``FusedLinearChunkedDistributedLogprob`` (model_utils.py l. 275): the output layer folded into the chunks."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_start_index: int,
+                vocab_end_index: int, chunk_size: int, tp_group: Any, inference_only: bool = False) -> torch.Tensor:  # fmt: skip
+        import torch.distributed as dist
+
+        target_mask = (target < vocab_start_index) | (target >= vocab_end_index)
+        masked_target = target - vocab_start_index
+        masked_target[target_mask] = 0
+        seq_size = int(hidden.shape[1])
+        num_chunks = (seq_size + chunk_size - 1) // chunk_size
+        all_log_probs = []
+        for chunk_idx in range(num_chunks):
+            chunk_start = chunk_idx * chunk_size
+            chunk_end = min(seq_size, (chunk_idx + 1) * chunk_size)
+            logits = torch.matmul(hidden[:, chunk_start:chunk_end, :].to(weight.dtype), weight.t()).to(dtype=torch.float32)
+            log_probs = _skyrl_distributed_log_softmax(logits, group=tp_group)
+            log_probs = torch.gather(log_probs, -1, masked_target[:, chunk_start:chunk_end].unsqueeze(-1)).squeeze(-1)
+            log_probs[target_mask[:, chunk_start:chunk_end]] = 0.0
+            all_log_probs.append(log_probs)
+        log_probs = torch.cat(all_log_probs, dim=1)
+        dist.all_reduce(log_probs, op=dist.ReduceOp.SUM, group=tp_group)
+        if not inference_only:
+            ctx.save_for_backward(hidden, weight, target_mask, masked_target)
+            ctx.chunk_size = chunk_size
+            ctx.tp_group = tp_group
+        return log_probs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_output = grad_outputs[0]
+        hidden, weight, target_mask, masked_target = ctx.saved_tensors
+        chunk_size, tp_group = ctx.chunk_size, ctx.tp_group
+        partition_vocab_size, hidden_size = int(weight.shape[0]), int(weight.shape[1])
+        batch_size, seq_size = int(hidden.shape[0]), int(hidden.shape[1])
+        num_chunks = (seq_size + chunk_size - 1) // chunk_size
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros((partition_vocab_size, hidden_size), dtype=torch.float32, device=weight.device)
+        for chunk_idx in range(num_chunks):
+            chunk_start = chunk_idx * chunk_size
+            chunk_end = min(seq_size, (chunk_idx + 1) * chunk_size)
+            chunk_len = chunk_end - chunk_start
+            h_chunk = hidden[:, chunk_start:chunk_end, :]
+            logits = torch.matmul(h_chunk.to(weight.dtype), weight.t()).to(dtype=torch.float32)
+            softmax_output = _skyrl_distributed_log_softmax(logits, group=tp_group).exp_()
+            chunk_target_mask = target_mask[:, chunk_start:chunk_end]
+            chunk_masked_target = masked_target[:, chunk_start:chunk_end]
+            chunk_grad_output = grad_output[:, chunk_start:chunk_end]
+            row = torch.arange(batch_size, device=softmax_output.device).view(-1, 1).expand(-1, chunk_len).reshape(-1)
+            col = torch.arange(chunk_len, device=softmax_output.device).expand(batch_size, -1).reshape(-1)
+            flat_idx = (row * chunk_len + col) * partition_vocab_size
+            valid_mask = ~chunk_target_mask
+            flat_chosen = flat_idx.masked_select(valid_mask.reshape(-1)) + chunk_masked_target.masked_select(valid_mask)
+            grad_logits = softmax_output.neg_()
+            grad_logits.mul_(chunk_grad_output.unsqueeze(-1))
+            grad_output_selected = chunk_grad_output.masked_select(valid_mask)
+            grad_logits.view(-1).scatter_add_(0, flat_chosen, grad_output_selected)
+            grad_logits = grad_logits.to(dtype=weight.dtype)
+            grad_hidden[:, chunk_start:chunk_end, :] = torch.matmul(grad_logits, weight)
+            grad_logits_2d = grad_logits.reshape(-1, partition_vocab_size)
+            h_2d = h_chunk.reshape(-1, hidden_size)
+            grad_weight.add_(torch.matmul(grad_logits_2d.t(), h_2d.to(dtype=grad_logits.dtype)).to(torch.float32))
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
+
+
+def _skyrl_fused_entropy_from_hidden(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, tp_group: Any, chunk_size: int | None = None
+) -> torch.Tensor:
+    """SkyRL's ``_fused_vocab_parallel_entropy_from_hidden`` (model_utils.py l. 1090), at temperature 1, over every token."""
+    import torch.distributed as dist
+
+    rows, seq = int(hidden.shape[0]), int(hidden.shape[1])
+    out = torch.empty((rows, seq), dtype=torch.float32, device=hidden.device)
+    eff = chunk_size if (chunk_size is not None and chunk_size < seq) else seq
+    for c0 in range(0, seq, eff):
+        c1 = min(seq, c0 + eff)
+        logits = torch.matmul(hidden[:, c0:c1, :].to(lm_head_weight.dtype), lm_head_weight.t()).to(torch.float32)
+        logits_max = logits.max(dim=-1, keepdim=True).values
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp_group)
+        exp = (logits - logits_max).exp_()
+        sum_exp = exp.sum(dim=-1, keepdim=True)
+        dist.all_reduce(sum_exp, group=tp_group)
+        softmax = exp / sum_exp
+        sum_softmax_times_logits = (softmax * logits).sum(dim=-1, keepdim=True)
+        dist.all_reduce(sum_softmax_times_logits, group=tp_group)
+        out[:, c0:c1] = (logits_max + sum_exp.log() - sum_softmax_times_logits).squeeze(-1)
+    return out
+
+
 class _SkyrlVocabParallelEntropy(torch.autograd.Function):
     """SkyRL's ``_VocabParallelEntropy`` (model_utils.py l. 1316; verl's forward, a backward that leaves the logits alone)."""
 
@@ -723,6 +891,7 @@ __all__ = [
     "MegatronHeads",
     "as_megatron_head",
     "compiled_mul_reduce",
+    "fused_head_outputs",
     "fused_mul_reduce",
     "head_loss",
     "head_outputs",
