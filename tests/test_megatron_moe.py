@@ -199,3 +199,35 @@ def test_the_cli_profiles_megatron_with_expert_parallelism(megatron, tmp_path, c
         tokens[ep] = profile["budgets"]["policy"]["tokens"]
     # EP 2 holds half the experts (less state) but receives both ranks' pairs for experts 0 and 1 (more activations)
     assert tokens[1] != tokens[2]
+
+
+# ----------------------------------------------------------------- the frameworks' Megatron EP keys
+def test_verls_megatron_expert_parallel_size_is_profiled_and_emitted():  # first tier: reading and emitting only
+    import copy
+    from pathlib import Path
+
+    import yaml
+
+    from batchfit.budget.choices import Choices
+    from batchfit.budget.options import ProfileOptions
+    from batchfit.frameworks import read_run_config
+    from batchfit.frameworks.assumptions import setting_keys
+    from batchfit.frameworks.config_options import run_profile_options
+    from batchfit.frameworks.run_profile import role_options
+    from batchfit.frameworks.verl import megatron_refusal
+    from batchfit.parallel import Sharding
+
+    data = copy.deepcopy(yaml.safe_load((Path(__file__).resolve().parent.parent / "examples" / "verl_megatron.yaml").read_text()))
+    data["actor_rollout_ref"]["actor"]["megatron"]["expert_model_parallel_size"] = 2
+    run = read_run_config(data)
+    assert run.expert_parallel == 2 and megatron_refusal(run) is None
+    sharding = run_profile_options(run, Choices()).options.sharding
+    # the example's 8 GPUs as tensor 2 × pipeline 2 × data 2: EP 2 within a stage's 4 ranks
+    assert (sharding.strategy, sharding.tensor_parallel, sharding.pipeline_parallel, sharding.expert_parallel) == ("megatron", 2, 2, 2)
+    values = {"max_seq_len": 512, "cost": "packed", "dtype": "bf16", "gradient_checkpointing": True}
+    options = ProfileOptions(sharding=sharding, **values)
+    keys = {k.path: k for k in setting_keys(run, role_options(run, options), "verl") if k.path}
+    key = keys["actor_rollout_ref.actor.megatron.expert_model_parallel_size"]
+    assert key.value == 2 and "the rank receiving the most tokens" in key.comment
+    dense = ProfileOptions(sharding=Sharding("megatron", world_size=8, tensor_parallel=2, pipeline_parallel=2), **values)
+    assert {k.path: k.value for k in setting_keys(run, role_options(run, dense), "verl")}["actor_rollout_ref.actor.megatron.expert_model_parallel_size"] == 1

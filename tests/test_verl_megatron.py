@@ -234,10 +234,6 @@ def test_a_world_the_megatron_sizes_do_not_divide_is_a_fault():
     ("keys", "said"),
     [
         (
-            _megatron(expert_model_parallel_size=4),
-            "the config's actor_rollout_ref.actor.megatron.expert_model_parallel_size=4 splits an MoE model's experts",
-        ),
-        (
             {"actor_rollout_ref__model__lora": {"rank": 8, "alpha": 16}},
             "the config's actor_rollout_ref.model.lora.rank=8 trains Megatron LoRA adapters",
         ),
@@ -246,7 +242,7 @@ def test_a_world_the_megatron_sizes_do_not_divide_is_a_fault():
             "the config's algorithm.adv_estimator='gae' trains a critic beside the Megatron actor",
         ),
     ],
-    ids=["expert-parallel", "lora", "critic"],
+    ids=["lora", "critic"],  # expert parallelism is profiled: tests/test_megatron_moe.py
 )
 def test_what_the_megatron_profile_does_not_model_is_one_refusal_naming_key_value_and_fix(keys, said):
     run = read_run_config(_config(**keys))
@@ -274,8 +270,8 @@ _ASKS_THE_FRAMEWORK = "strategy_refusal(run)" in inspect.getsource(config_option
     "(/work/notes/helpers/frameworks-megatron.patch)",
 )
 def test_profile_refuses_an_unmodelled_megatron_setting_before_any_probe():
-    run = read_run_config(_config(**_megatron(expert_model_parallel_size=2)))
-    with pytest.raises(InvalidArgument, match=r"expert_model_parallel_size=2 splits an MoE model's experts"):
+    run = read_run_config(_config(actor_rollout_ref__model__lora={"rank": 8, "alpha": 16}))
+    with pytest.raises(InvalidArgument, match=r"lora.rank=8 trains Megatron LoRA adapters"):
         config_options.run_profile_options(run, Choices())
 
 

@@ -198,6 +198,7 @@ MCORE_KEY_NAMES = {
     "tensor_parallel": MCORE + "tensor_model_parallel_size",
     "pipeline_parallel": MCORE + "pipeline_model_parallel_size",
     "context_parallel": MCORE + "context_parallel_size",
+    "expert_parallel": MCORE + "expert_model_parallel_size",
 }
 
 
@@ -368,6 +369,9 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         megatron_sequence_parallel=megatron and _megatron_sequence_parallel(mcore),
         distributed_optimizer=megatron and as_bool(mcore["use_distributed_optimizer"]) is True,
         virtual_pipeline_parallel=as_int(mcore["virtual_pipeline_model_parallel_size"]) if megatron else None,
+        # NOTE [ Megatron's mixture of experts on CPU ranks ] in batchfit.models.moe_megatron: verl's
+        # mpu.initialize_model_parallel(expert_model_parallel_size=...) (MegatronEngine._init_device_mesh)
+        expert_parallel=_expert_parallel(mcore) if megatron else 1,
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=as_bool(flat.get(CRITIC + "model.use_remove_padding")) if critic else None,
         fused_kernels=as_bool(flat.get(MODEL + "use_fused_kernels")) is True,
@@ -786,8 +790,9 @@ def version_notes(given: dict[str, Any]) -> list[str]:
 # keeps `batchfit plan` answering (verl runs it) but stops `profile`: the reader records it in RunConfig.source as
 # "refused:<setting>" → the config's key=value, and SPEC.strategy_refusal (megatron_refusal) turns the first into a
 # one-line refusal naming the key, its value and the fix. Refused: a critic (verl's Megatron critic, a value head
-# on a GPTModel, is not probed), MoE expert parallelism (the probe builds dense layers) and Megatron's LoRA
-# (megatron_peft.py adapters on Megatron's linear layers). Context parallelism is profiled (NOTE [ Context
+# on a GPTModel, is not probed) and Megatron's LoRA (megatron_peft.py adapters on Megatron's linear layers). MoE
+# expert parallelism is profiled (expert_model_parallel_size: NOTE [ The Megatron probe's worst rank ] in
+# batchfit.budget.megatron_probe). Context parallelism is profiled (NOTE [ Context
 # parallelism as Megatron runs it ] in batchfit.models.megatron_context); dynamic_context_parallel is not: NOTE [ verl's
 # dynamic context parallelism ].
 _REFUSAL_WHY = {
@@ -796,11 +801,6 @@ _REFUSAL_WHY = {
         "head on Megatron's GPTModel), which batchfit's Megatron profile does not model",
         "use a critic-free estimator (algorithm.adv_estimator=grpo), or train with actor_rollout_ref.actor.strategy="
         "fsdp2",
-    ),
-    "expert_parallel": (
-        "splits an MoE model's experts over expert-parallel ranks, which batchfit's Megatron profile (dense layers) "
-        "does not model",
-        "set it to 1, or profile with --sharding fsdp2",
     ),
     "lora": (
         "trains Megatron LoRA adapters (verl/utils/megatron_peft.py), which batchfit's Megatron profile does not model",
@@ -823,14 +823,11 @@ def _megatron_refusals(
 ) -> dict[str, str]:
     """What a Megatron run sets that ``profile`` refuses (NOTE [ What a Megatron profile refuses ]): setting → key=value."""
     out = {}
-    ep = as_int(mcore["expert_model_parallel_size"])
     if critic:  # need_critic: critic.enable, else GAE advantages
         enable = as_bool(flat.get("critic.enable"))
         out["critic"] = "critic.enable=True" if enable is True else (
             f"algorithm.adv_estimator={short_repr(flat.get('algorithm.adv_estimator'))}"
         )
-    if isinstance(ep, int) and ep > 1:
-        out["expert_parallel"] = f"{MCORE}expert_model_parallel_size={ep}"
     if lora is not None:
         out["lora"] = f"{MODEL}lora.rank={lora['rank']}"
     if as_bool(mcore["dynamic_context_parallel"]) is True:
@@ -908,6 +905,12 @@ def _token_bucket(
         )
         return None
     return bucket
+
+
+def _expert_parallel(mcore: dict[str, Any]) -> int:
+    """The actor's ``expert_model_parallel_size`` (1 when it is not a positive integer: the config's faults name it)."""
+    ep = as_int(mcore["expert_model_parallel_size"])
+    return ep if is_positive_int(ep) else 1
 
 
 def megatron_refusal(run: RunConfig) -> str | None:

@@ -356,7 +356,9 @@ def _megatron_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         ("context_parallel_size", s.context_parallel,
          f"each sequence cut over {s.context_parallel} GPUs, attention a ring, as profiled" if s.context_parallel > 1
          else "no context parallelism, as profiled"),
-        ("expert_model_parallel_size", 1, "dense layers, as profiled"),
+        ("expert_model_parallel_size", s.expert_parallel,
+         f"each MoE layer's experts spread over {s.expert_parallel} GPUs, the rank receiving the most tokens profiled"
+         if s.expert_parallel > 1 else "experts (if any) whole on every GPU, as profiled"),
         ("virtual_pipeline_model_parallel_size", s.virtual_pipeline_parallel,
          f"{s.virtual_pipeline_parallel} model chunks per stage, the interleaved 1F1B schedule, as profiled"
          if s.virtual_pipeline_parallel else "no interleaved schedule, as profiled"),
