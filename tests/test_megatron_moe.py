@@ -231,3 +231,31 @@ def test_verls_megatron_expert_parallel_size_is_profiled_and_emitted():  # first
     assert key.value == 2 and "the rank receiving the most tokens" in key.comment
     dense = ProfileOptions(sharding=Sharding("megatron", world_size=8, tensor_parallel=2, pipeline_parallel=2), **values)
     assert {k.path: k.value for k in setting_keys(run, role_options(run, dense), "verl")}["actor_rollout_ref.actor.megatron.expert_model_parallel_size"] == 1
+
+
+def test_skyrls_megatron_expert_parallel_size_is_profiled_and_emitted():  # first tier: reading and emitting only
+    import copy
+    from pathlib import Path
+
+    import yaml
+
+    from batchfit.budget.choices import Choices
+    from batchfit.budget.options import ProfileOptions
+    from batchfit.frameworks import read_run_config
+    from batchfit.frameworks.assumptions import setting_keys
+    from batchfit.frameworks.config_options import run_profile_options
+    from batchfit.frameworks.run_profile import role_options
+    from batchfit.frameworks.skyrl import megatron_refusal
+
+    data = copy.deepcopy(yaml.safe_load((Path(__file__).resolve().parent.parent / "examples" / "skyrl_megatron.yaml").read_text()))
+    for role in ("policy", "ref"):
+        data["trainer"][role]["megatron_config"]["expert_model_parallel_size"] = 2
+    run = read_run_config(data)
+    assert run.expert_parallel == 2 and megatron_refusal(run) is None
+    sharding = run_profile_options(run, Choices()).options.sharding
+    assert (sharding.strategy, sharding.expert_parallel) == ("megatron", 2)
+    options = ProfileOptions(sharding=sharding, max_seq_len=512, cost="packed", dtype="bf16", gradient_checkpointing=True)
+    keys = {k.path: k for k in setting_keys(run, role_options(run, options), "skyrl") if k.path}
+    key = keys["trainer.policy.megatron_config.expert_model_parallel_size"]
+    assert key.value == 2 and "the rank receiving the most tokens" in key.comment
+    assert keys["trainer.ref.megatron_config.expert_model_parallel_size"].value == 2

@@ -160,15 +160,11 @@ def test_the_fused_lm_head_with_an_entropy_loss_is_refused_as_skyrl_refuses_it()
     ("keys", "said"),
     [
         (
-            _megatron(expert_model_parallel_size=2),
-            "the config's trainer.policy.megatron_config.expert_model_parallel_size=2 splits an MoE model's experts",
-        ),
-        (
             {"trainer__policy__model__lora": {"rank": 16}},
             "the config's trainer.policy.model.lora.rank=16 trains Megatron LoRA adapters",
         ),
     ],
-    ids=["expert-parallel", "lora"],
+    ids=["lora"],  # expert parallelism is profiled: tests/test_megatron_moe.py
 )
 def test_what_the_megatron_profile_does_not_model_is_one_refusal_naming_key_value_and_fix(keys, said):
     run = read_run_config(_config(**keys))

@@ -273,6 +273,9 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         megatron_sequence_parallel=megatron and _is_above_one(values.get("tensor_parallel")),
         distributed_optimizer=megatron
         and as_bool(flat.get(MEGATRON + "optimizer_config_kwargs.use_distributed_optimizer", True)) is not False,
+        # NOTE [ SkyRL's Megatron worker ]: the provider's expert_model_parallel_size (NOTE [ The Megatron probe's
+        # worst rank ] in batchfit.budget.megatron_probe)
+        expert_parallel=_expert_parallel(flat) if megatron else 1,
         logprobs_chunk_size=chunk,
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=(remove_padding if isinstance(remove_padding, bool) else None)
@@ -471,15 +474,10 @@ def _megatron_faults(flat: dict[str, Any], reference: bool) -> list[str]:
 # NOTE [ What a SkyRL Megatron profile refuses ]
 # As NOTE [ What a Megatron profile refuses ] in batchfit.frameworks.verl: `batchfit plan` keeps answering (SkyRL
 # runs it) while `profile` refuses, through SPEC.strategy_refusal (megatron_refusal), what batchfit's Megatron
-# profile does not model: MoE expert parallelism (dense layers) and Megatron LoRA (megatron_config.lora_config with
-# a rank). A critic under Megatron is SkyRL's own refusal (validate_megatron_cfg), a fault of the config. Context
+# profile does not model: Megatron LoRA (megatron_config.lora_config with a rank). MoE expert parallelism is
+# profiled (expert_model_parallel_size: NOTE [ The Megatron probe's worst rank ] in batchfit.budget.megatron_probe). A critic under Megatron is SkyRL's own refusal (validate_megatron_cfg), a fault of the config. Context
 # parallelism is profiled (NOTE [ Context parallelism as Megatron runs it ] in batchfit.models.megatron_context).
 _REFUSAL_WHY = {
-    "expert_parallel": (
-        "splits an MoE model's experts over expert-parallel ranks, which batchfit's Megatron profile (dense layers) "
-        "does not model",
-        "set it to 1, or profile with --sharding fsdp2",
-    ),
     "lora": (
         "trains Megatron LoRA adapters (megatron-bridge's peft, megatron_config.lora_config), which batchfit's Megatron "
         "profile does not model",
@@ -491,13 +489,16 @@ _REFUSAL_WHY = {
 def _megatron_refusals(flat: dict[str, Any], values: dict[str, Any]) -> dict[str, str]:
     """What a Megatron run sets that ``profile`` refuses (NOTE [ What a SkyRL Megatron profile refuses ]): setting → key=value."""
     out = {}
-    ep = as_int(flat.get(MEGATRON + "expert_model_parallel_size", 1))
-    if _is_above_one(ep):
-        out["expert_parallel"] = f"{MEGATRON}expert_model_parallel_size={ep}"
     lora = _lora(flat, LORA)
     if lora is not None:
         out["lora"] = f"{LORA}rank={lora['rank']}"
     return out
+
+
+def _expert_parallel(flat: dict[str, Any]) -> int:
+    """The policy's ``megatron_config.expert_model_parallel_size`` (1 when it is not an integer above 1)."""
+    ep = as_int(flat.get(MEGATRON + "expert_model_parallel_size", 1))
+    return ep if _is_above_one(ep) else 1
 
 
 def megatron_refusal(run: RunConfig) -> str | None:

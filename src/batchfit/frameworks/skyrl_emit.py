@@ -303,7 +303,12 @@ def _megatron_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
                 (f"each sequence cut over {s.context_parallel} GPUs, attention a ring, as profiled" if s.context_parallel > 1
                  else "no context parallelism, as profiled") if policy else "",
             ),
-            Key(prefix + "expert_model_parallel_size", 1, "dense layers, as profiled" if policy else ""),
+            Key(
+                prefix + "expert_model_parallel_size",
+                s.expert_parallel,
+                (f"each MoE layer's experts spread over {s.expert_parallel} GPUs, the rank receiving the most tokens "
+                 "profiled" if s.expert_parallel > 1 else "experts (if any) whole on every GPU, as profiled") if policy else "",
+            ),
         ]
     keys.append(
         Key(
