@@ -64,3 +64,16 @@ def test_inplace_op_on_a_view_of_registered_state_counts_nothing():
         x[:512].add_(1)
         y = torch.stack([x[:4], x[4:8]])  # a list argument: a new 32-byte output
     assert t.peak_bytes == y.untyped_storage().nbytes() == 32
+
+
+def test_is_meta_of_fake_tensors_is_their_device():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from batchfit.memory.tracker import _is_meta
+
+    mode = FakeTensorMode()
+    with mode:
+        fake_cpu, fake_meta = torch.empty(3), torch.empty(3, device="meta")
+    for t in (fake_cpu, fake_meta, torch.empty(2), torch.empty(2, device="meta")):
+        assert _is_meta(t) == t.is_meta
+    assert not _is_meta(fake_cpu) and _is_meta(fake_meta)
