@@ -259,3 +259,26 @@ def test_skyrls_megatron_expert_parallel_size_is_profiled_and_emitted():  # firs
     key = keys["trainer.policy.megatron_config.expert_model_parallel_size"]
     assert key.value == 2 and "the rank receiving the most tokens" in key.comment
     assert keys["trainer.ref.megatron_config.expert_model_parallel_size"].value == 2
+
+
+def test_slimes_expert_model_parallel_size_is_profiled_and_emitted(tmp_path):  # first tier: reading and emitting only
+    from pathlib import Path
+
+    from batchfit.budget.choices import Choices
+    from batchfit.budget.options import ProfileOptions
+    from batchfit.frameworks import read_run_config
+    from batchfit.frameworks.assumptions import setting_keys
+    from batchfit.frameworks.config_options import run_profile_options
+    from batchfit.frameworks.run_profile import role_options
+
+    script = (Path(__file__).resolve().parent.parent / "examples" / "slime_megatron.sh").read_text()
+    path = tmp_path / "run.sh"
+    path.write_text(script.replace("--context-parallel-size 1", "--context-parallel-size 1\n   --expert-model-parallel-size 2"))
+    run = read_run_config(path)
+    assert run.expert_parallel == 2
+    sharding = run_profile_options(run, Choices()).options.sharding
+    assert (sharding.strategy, sharding.expert_parallel) == ("megatron", 2)
+    options = ProfileOptions(sharding=sharding, max_seq_len=512, cost="packed", dtype="bf16", gradient_checkpointing=True)
+    keys = {k.path: k for k in setting_keys(run, role_options(run, options), "slime") if k.path}
+    key = keys["--expert-model-parallel-size"]
+    assert key.value == 2 and "the rank receiving the most tokens" in key.comment

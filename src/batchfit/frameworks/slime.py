@@ -40,6 +40,7 @@ MEGATRON_FLAGS: tuple[dict[str, Any], ...] = tuple(
         ("--tensor-model-parallel-size", "tensor_model_parallel_size", "_StoreAction", "int", 1, None),
         ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", "_StoreAction", "int", 1, None),
         ("--context-parallel-size", "context_parallel_size", "_StoreAction", "int", 1, None),
+        ("--expert-model-parallel-size", "expert_model_parallel_size", "_StoreAction", "int", 1, None),
         ("--decrease-batch-size-if-needed", "decrease_batch_size_if_needed", "_StoreTrueAction", None, False, None),
         ("--recompute-granularity", "recompute_granularity", "_StoreAction", "str", None, ["full", "selective"]),
         ("--sequence-parallel", "sequence_parallel", "_StoreTrueAction", None, False, None),
@@ -72,6 +73,7 @@ READ = frozenset(
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
         "context_parallel_size",
+        "expert_model_parallel_size",
         "decrease_batch_size_if_needed",
         "recompute_granularity",
         "sequence_parallel",
@@ -183,6 +185,8 @@ def read(command: Command) -> FrameworkRun:
         # set_default_megatron_args (slime/backends/megatron_utils/arguments.py): "always use zero optimizer"
         distributed_optimizer=True,
         virtual_pipeline_parallel=vpp,
+        # Megatron-LM's --expert-model-parallel-size (NOTE [ The Megatron probe's worst rank ] in batchfit.budget.megatron_probe)
+        expert_parallel=v["expert_model_parallel_size"] if is_positive_int(v.get("expert_model_parallel_size")) else 1,
         faults=(vpp_fault,) if vpp_fault else (),
         gradient_checkpointing=v.get("recompute_granularity") == "full",
         remove_padding=True,  # megatron_utils validate_args: "always use varlen" (packed THD micro-batches)

@@ -106,6 +106,12 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             f"each sequence cut over {s.context_parallel} GPUs, attention a ring, as profiled" if s.context_parallel > 1
             else "no context parallelism, as profiled",
         ),
+        *(  # Megatron-LM's default is 1: written only when the profile spread the experts
+            [Key("--expert-model-parallel-size", s.expert_parallel,
+                 f"each MoE layer's experts spread over {s.expert_parallel} GPUs, the rank receiving the most tokens profiled")]
+            if s.expert_parallel > 1
+            else []
+        ),
     ]
     if s.megatron_sequence_parallel:
         keys.append(Key("--sequence-parallel", True, "activations outside attention split over the tensor-parallel group"))
