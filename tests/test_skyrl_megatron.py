@@ -289,6 +289,13 @@ def test_entropy_chunks_set_away_from_skyrls_defaults_are_a_warning(keys):
     assert [w for w in said if "batchfit's Megatron profile measures SkyRL's head with its defaults" in w]
 
 
+def test_entropy_chunk_keys_under_the_fused_head_are_no_warning():
+    # megatron_model_wrapper.py: the fused head's entropy (_fused_vocab_parallel_entropy_from_hidden) chunks by
+    # logprobs_chunk_size; vocab_entropy_chunk_* are not read
+    data = _config(trainer__fused_lm_head_logprob=True, trainer__vocab_entropy_chunk_memory_mb=2048)
+    assert not [w for w in read_run_config(data).warnings if "vocab_entropy_chunk" in w]
+
+
 def test_entropy_chunks_at_skyrls_defaults_are_no_warning():
     said = read_run_config(_config(trainer__vocab_entropy_chunk_size=0, trainer__vocab_entropy_chunk_memory_mb=512)).warnings
     assert not [w for w in said if "vocab_entropy_chunk" in w]

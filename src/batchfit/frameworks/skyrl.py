@@ -238,7 +238,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     if megatron:
         warnings += unmodelled_warnings(given, defaults, MEGATRON_UNMODELLED, schema.title)
         warnings += _megatron_warnings(flat, reference, schema.title)
-        warnings += _entropy_chunk_warnings(flat, given)
+        if as_bool(flat.get(T + "fused_lm_head_logprob")) is not True:  # the fused head chunks by logprobs_chunk_size
+            warnings += _entropy_chunk_warnings(flat, given)
         refused = _megatron_refusals(flat, values)
         faults += _megatron_faults(flat, reference)
         checkpointing = _recompute(flat, checkpointing, warnings)
