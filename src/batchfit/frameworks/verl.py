@@ -17,6 +17,13 @@ composes) is read from its ``McoreEngineConfig`` (``actor.megatron.*``, ``ref.me
 interpolations of ``_generated_ppo_megatron_trainer.yaml``) and the engine that runs it
 (``verl/workers/engine/megatron/transformer_impl.py``): NOTE [ verl's Megatron engine ].
 
+verl's repository moved to the verl-project organisation (github.com/verl-project/verl); its head at 1dda039b
+(2026-08-22) was read beside 0.9.1 for the rules that cite it: the engine workers as the only ones (#6067, NOTE
+[ Which verl a config is written for ]), ``pad_to_length`` (NOTE [ verl pads packed micro-batches to a bucket ]),
+dynamic context parallelism (refused: ``_REFUSAL_WHY``), ``force_group_size`` (batch data, no config key:
+``verl/workers/engine/utils.py`` ``prepare_micro_batches`` reads it with ``tu.get_non_tensor_data``, and no trainer
+sets it). The generated config of the head has the same batch keys as 0.9.1's.
+
 Units: verl counts ``train_batch_size`` and ``ppo_mini_batch_size`` in prompts (the trainer
 multiplies by ``rollout.n``), micro sizes in samples per GPU, token lengths per GPU.
 """
