@@ -95,6 +95,20 @@ def test_ep_estimate_equals_the_receiving_gloo_rank_to_the_byte(megatron, real_r
     assert (real["peak"], real["breakdown"]) == (estimate["peak"], estimate["breakdown"])
 
 
+def _real_rank_4(rank: int) -> dict[str, object]:
+    got = _step("cpu", 2, 2, tensor_parallel=2, sequence_parallel=True).measure([SEQ] * ROWS)
+    return {"peak": got.peak_bytes, "breakdown": dict(got.breakdown)}
+
+
+@pytest.mark.slow  # 4 gloo ranks, then the estimate
+@pytest.mark.timeout(900)
+def test_tp2_sp_ep2_estimate_equals_the_receiving_gloo_rank_to_the_byte(megatron):
+    # tensor 2 (sequence parallel) × data 2, experts over EP 2 with Megatron's default expert TP (= tensor_parallel)
+    real = run_ranks(_real_rank_4, world=4, timeout=600)
+    estimate = _step("estimate", 2, 2, tensor_parallel=2, sequence_parallel=True).measure([SEQ] * ROWS)
+    assert (real[0]["peak"], real[0]["breakdown"]) == (estimate.peak_bytes, dict(estimate.breakdown))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_receiving_rank_holds_more_than_the_other_under_the_worst_routing(megatron, real_runs):

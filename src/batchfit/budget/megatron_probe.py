@@ -154,6 +154,8 @@ class MegatronStep:
         expert_parallel, expert_tensor_parallel: a mixture of experts' ``expert_model_parallel_size``
             and ``expert_tensor_parallel_size`` (NOTE [ The Megatron probe's worst rank ]); their
             product divides ``tensor_parallel × context_parallel × data_parallel``.
+            ``expert_tensor_parallel=None`` is Megatron's own default, ``tensor_parallel``
+            (``initialize_model_parallel``: what verl's ``null`` gives).
         routing: the fixed routing of a mixture of experts' routers (:data:`batchfit.models.moe.ROUTINGS`):
             ``"skewed"``, the worst case (the default), or ``"balanced"``.
         distributed_optimizer: Megatron's distributed optimizer (main parameters and Adam's
@@ -212,7 +214,7 @@ class MegatronStep:
         data_parallel: int = 1,
         context_parallel: int = 1,
         expert_parallel: int = 1,
-        expert_tensor_parallel: int = 1,
+        expert_tensor_parallel: int | None = None,
         routing: str = "skewed",
         distributed_optimizer: bool = False,
         main_params_fp32: bool | None = None,
@@ -245,7 +247,9 @@ class MegatronStep:
         self.data_parallel = check_positive_int("data_parallel", data_parallel)
         self.context_parallel = check_positive_int("context_parallel", context_parallel)
         self.expert_parallel = check_positive_int("expert_parallel", expert_parallel)
-        self.expert_tensor_parallel = check_positive_int("expert_tensor_parallel", expert_tensor_parallel)
+        self.expert_tensor_parallel = check_positive_int(
+            "expert_tensor_parallel", self.tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel
+        )
         from batchfit.models.moe import ROUTINGS
 
         self.routing = check_choice("routing", routing, ROUTINGS)

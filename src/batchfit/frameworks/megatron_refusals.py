@@ -1,9 +1,11 @@
 """What a framework's Megatron config sets that batchfit's Megatron profile does not model, refused in one line.
 
 NOTE [ What a Megatron profile refuses ] (verl's and SkyRL's readers): a reader records each such setting
-in :attr:`RunConfig.source` under ``"refused:<setting>"`` with the ``key=value`` it read it from (context
-parallelism above 1, expert parallelism above 1, a Megatron critic, Megatron LoRA); :func:`first_refusal`
-turns the first into the line ``profile`` raises, from the reader's table of why and the fix.
+in :attr:`RunConfig.source` under ``"refused:<setting>"`` with the ``key=value`` it read it from (a Megatron
+critic, Megatron LoRA); :func:`first_refusal` turns the first into the line ``profile`` raises, from the
+reader's table of why and the fix. Context and expert parallelism are profiled (NOTE [ Context parallelism as
+Megatron runs it ] in :mod:`batchfit.models.megatron_context`, NOTE [ The Megatron probe's worst rank ] in
+:mod:`batchfit.budget.megatron_probe`).
 """
 
 from __future__ import annotations

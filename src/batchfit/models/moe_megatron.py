@@ -32,7 +32,7 @@ The dispatcher (``MoEAlltoAllTokenDispatcher``) runs on gloo ranks after two cha
   copies the split sizes on it (``_maybe_dtoh_and_synchronize``: ``torch.cuda.current_stream()``,
   ``torch.cuda.stream``, an event it synchronises on). Here every tensor is on the host and every op
   synchronous: no stream is made (a placeholder stands in the class attribute), and at the copy point the split sizes become the host integers a
-  GPU run turns them into (``maybe_move_tensor_to_cpu(..., as_numpy=True)``: lists here), the other
+  GPU run turns them into (``maybe_move_tensor_to_cpu(..., as_numpy=True)``: numpy arrays), the other
   counts stay tensors;
 - under the fake process group (the estimate) the count exchange (``gather_from_sequence_parallel_region``
   of each rank's tokens per expert over the TP × EP group) returns no values. With the routing fixed
@@ -168,7 +168,9 @@ def _splits_on_the_host(self: Any, point: str, tokens_per_expert: torch.Tensor |
         for name in ("input_splits", "output_splits", "output_splits_tp"):
             value = getattr(self, name)
             if isinstance(value, torch.Tensor):
-                setattr(self, name, value.tolist())
+                import numpy
+
+                setattr(self, name, numpy.array(value.tolist()))  # as_numpy=True, as a GPU run's copy gives them
     return tokens_per_expert
 
 
