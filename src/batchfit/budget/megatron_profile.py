@@ -356,6 +356,7 @@ def _state_bytes(model: Any, role: str, options: ProfileOptions, kinds: Sequence
                 model_parallel(
                     plan.tensor_parallel, plan.pipeline_parallel, plan.virtual_pipeline_parallel,
                     context_parallel=plan.context_parallel, expert_parallel=plan.expert_parallel,
+                    expert_tensor_parallel=step.expert_tensor_parallel,
                 )
             )
             inside.enter_context(megatron_cpu_patches())
@@ -364,7 +365,7 @@ def _state_bytes(model: Any, role: str, options: ProfileOptions, kinds: Sequence
                     config, tensor_parallel=plan.tensor_parallel, pipeline_parallel=plan.pipeline_parallel,
                     virtual_pipeline=plan.virtual_pipeline_parallel, sequence_parallel=plan.megatron_sequence_parallel,
                     context_parallel=plan.context_parallel, dtype=dtype, initialise=False, gpt_args=step.gpt_args,
-                    expert_parallel=plan.expert_parallel,
+                    expert_parallel=plan.expert_parallel, expert_tensor_parallel=step.expert_tensor_parallel,
                 )
                 net = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
                 state: tuple[Any, ...] = (net,)
