@@ -144,6 +144,17 @@ def test_the_fused_lm_head_is_profiled_in_every_pass_and_emitted():
     assert keys["trainer.fused_lm_head_logprob"] is True and keys["trainer.logprobs_chunk_size"] == 2048
 
 
+@pytest.mark.parametrize(("chunk", "expected"), [(None, 1024), (4096, 4096)])
+def test_the_log_probs_are_profiled_in_the_configs_chunks(chunk, expected):
+    from batchfit.budget.megatron_profile import megatron_head
+    from batchfit.frameworks.config_options import run_profile_options
+
+    keys = {} if chunk is None else {"trainer__logprobs_chunk_size": chunk}
+    options = run_profile_options(read_run_config(_config(**keys)), {"backend": "estimate", "max_seq_len": 4096}).options
+    # ChunkedDistributedLogprob over trainer.logprobs_chunk_size tokens (SkyRL #1610's 1,024 by default)
+    assert megatron_head(options, "policy").chunk_size == megatron_head(options, "policy_forward").chunk_size == expected
+
+
 def test_the_fused_lm_head_with_an_entropy_loss_is_refused_as_skyrl_refuses_it():
     from batchfit.errors import InvalidArgument
     from batchfit.frameworks.config_options import run_profile_options

@@ -97,8 +97,10 @@ def megatron_heads(run: RunConfig) -> MegatronHeads | None:
     ``RunConfig.forward_entropy``). SkyRL under ``trainer.fused_lm_head_logprob``
     (``RunConfig.fused_kernels``; NOTE [ SkyRL's fused LM head ] in
     :mod:`batchfit.train.megatron_heads`): the fused head in every pass, in chunks of
-    ``logprobs_chunk_size`` tokens, the update's entropy a metric. verl's and SkyRL's other heads
-    come from their :class:`FrameworkHead` (``None`` here).
+    ``logprobs_chunk_size`` tokens, the update's entropy a metric; otherwise its vocab-parallel head
+    with the config's ``logprobs_chunk_size`` and ``vocab_entropy_chunk_size``, the update's entropy
+    with its graph under ``use_entropy_loss``. verl's head comes from its :class:`FrameworkHead`
+    (``None`` here).
 
     Raises:
         InvalidArgument: SkyRL's fused head with ``use_entropy_loss`` (SkyRL raises
@@ -114,6 +116,16 @@ def megatron_heads(run: RunConfig) -> MegatronHeads | None:
         chunk = run.logprobs_chunk_size or 1024  # SkyRL's default logprobs_chunk_size
         fused = MegatronHead("skyrl", chunk_size=chunk, fused=True)
         return MegatronHeads(update=MegatronHead("skyrl", entropy=True, chunk_size=chunk, fused=True), old_log_probs=fused, reference=fused)
+    if run.vocabulary == "skyrl":
+        # log-probs in trainer.logprobs_chunk_size chunks (None: DistributedLogprob, one piece); the update's entropy in
+        # vocab_entropy_chunk_size chunks (RunConfig.entropy "full": None, no chunks; a size; 0: sized from memory)
+        entropy_chunk = None if run.entropy == "full" else (run.entropy_chunk_size or 0)
+        plain = MegatronHead("skyrl", chunk_size=run.logprobs_chunk_size, entropy_chunk_size=entropy_chunk)
+        update = MegatronHead(
+            "skyrl", entropy=True, entropy_grad=bool(run.entropy_grad), chunk_size=run.logprobs_chunk_size,
+            entropy_chunk_size=entropy_chunk,
+        )  # fmt: skip
+        return MegatronHeads(update=update, old_log_probs=plain, reference=plain)
     if run.vocabulary != "slime":
         return None
     chunk = run.logprobs_chunk_size
