@@ -536,7 +536,8 @@ def transformer_config(
             f"model_type={kind!r} is a mixture of experts batchfit does not map to Megatron yet (mapped: "
             f"{', '.join(sorted(MOE_MODEL_TYPES))}: every layer a MoE with standard attention); profile it with --sharding fsdp2"
         )
-    if (ep > 1 or etp > 1) and not moe:
+    # Megatron's expert tensor parallelism defaults to the tensor-parallel size and means nothing to a dense model
+    if (ep > 1 or etp not in (1, tp)) and not moe:
         raise InvalidArgument(
             f"expert_parallel={ep}, expert_tensor_parallel={etp} need a mixture of experts, but "
             f"model_type={getattr(hf_config, 'model_type', None)!r} is dense; use expert_parallel=1 and expert_tensor_parallel=1"
