@@ -230,7 +230,8 @@ def _rows() -> Iterator[ProfileSetting]:
         "and print both (slow: the loop runs every expert)"))
     yield s("expert_parallel", "--expert-parallel", "sharding", "int", metavar="N", said=False, help=(
         "fsdp2: each MoE layer's experts spread over N ranks, tokens sent by all-to-all (torchtitan's expert "
-        "parallelism; divides --world-size and the experts); budgeted for the rank that receives the most "
+        "parallelism; divides --world-size and the experts); megatron: Megatron's expert_model_parallel_size "
+        "(divides a pipeline stage's ranks); budgeted for the rank that receives the most "
         "(every rank's tokens routed to its experts), docs/moe.md (default 1)"))
     yield s("safety_margin", "--safety-margin", "options", "float", metavar="F", help=(
         "fraction of usable memory (default: what --allocator needs, 0.85 for expandable_segments, 0.83 for "
