@@ -146,7 +146,7 @@ OPTIONS = {
     ),
     "full-head": (
         ["--logprobs", "full"],
-        {"verl": "its own head", "skyrl": "its own head", "openrlhf": None, "slime": None},
+        {"verl": "its own head", "skyrl": "its own head", "openrlhf": None, "slime": "no flag for another head"},
     ),
     "response-share": (
         ["--response-only", "--response-fraction", "0.5"],

@@ -301,6 +301,24 @@ def test_virtual_stages_batchfit_cannot_count_are_faults(tmp_path, extra, match)
     assert any(match in fault for fault in run.faults), run.faults
 
 
+def test_megatrons_own_cross_entropy_cannot_be_emitted_to_slime(tmp_path):
+    from batchfit.frameworks.assumptions import EmitError
+
+    run = read_run_config(_script(tmp_path, perf=""))
+    options = ProfileOptions(
+        max_seq_len=9216, backend="estimate", cost="packed", logprobs="full", gradient_checkpointing=True,
+        sharding=Sharding("megatron", world_size=8, tensor_parallel=2, megatron_sequence_parallel=True, distributed_optimizer=True),
+    )  # fmt: skip
+    profile = types.SimpleNamespace(
+        run=run,
+        budgets={"policy": types.SimpleNamespace(tokens=8192, backend="estimate", usable_bytes=70 * 2**30, cost="packed")},
+        options=role_options(run, options),
+    )
+    # slime always runs its own head: a budget of Megatron's cross-entropy would not hold for it
+    with pytest.raises(EmitError, match="--emit slime cannot carry --logprobs full: slime computes log-probs"):
+        emit_keys(profile, "slime", max_seq_len=9216, margin=0.85)
+
+
 def test_a_megatron_head_outside_megatron_is_refused():
     from batchfit.errors import InvalidArgument
     from batchfit.train.megatron_heads import MegatronHead, MegatronHeads
@@ -309,7 +327,7 @@ def test_a_megatron_head_outside_megatron_is_refused():
     heads = MegatronHeads(update=head, old_log_probs=head, reference=head)
     with pytest.raises(InvalidArgument, match="runs on Megatron's last pipeline stage, but got sharding='fsdp2'"):
         ProfileOptions(max_seq_len=512, logprobs=heads, sharding="fsdp2")
-    with pytest.raises(InvalidArgument, match="MegatronHeads.reference must be a MegatronHead, but got str"):
+    with pytest.raises(InvalidArgument, match=r"MegatronHeads\.reference must be a MegatronHead, but got str"):
         MegatronHeads(update=head, old_log_probs=head, reference="slime")
 
 
@@ -375,8 +393,11 @@ def test_slimes_context_parallelism_is_profiled_and_its_per_gpu_tokens_emitted(t
 
 
 def _emitted(run, budgets, backend="estimate"):
-    # what `profile --config … --emit slime` profiles: its Megatron layout over its GPUs, packed rows
+    # what `profile --config … --emit slime` profiles: its Megatron layout over its GPUs, packed rows, slime's head
+    from batchfit.frameworks.run_step import megatron_heads
+
     options = ProfileOptions(
+        logprobs=megatron_heads(run),
         max_seq_len=run.max_seq_len,
         backend="estimate",
         sharding=Sharding(
@@ -416,10 +437,13 @@ def test_emitted_flags_are_accepted_by_slimes_parser_and_plan_when_added(tmp_pat
         "--actor-num-gpus-per-node",
         "8",
         *megatron,
+        "--log-probs-chunk-size",  # slime's head as profiled: one chunk
+        "-1",
     ]
     # slime's own flags; the recompute flags are Megatron-LM's, whose parser slime's extends
     args, unknown = flag_spec("slime").parser().parse_known_args(["--rollout-batch-size", "32", *words])
     assert args.use_dynamic_batch_size is True and args.max_tokens_per_gpu == 12_000 and unknown == megatron
+    assert args.log_probs_chunk_size == -1
     assert "set by policy: estimated budget 12,000 tokens per GPU" in text
     merged = _script(tmp_path, perf=" ".join(words))
     assert read_run_config(merged).plan().config.max_tokens_per_micro_batch == 12_000
@@ -437,6 +461,7 @@ def test_emitted_flags_are_accepted_by_the_real_parser_of_that_commit(tmp_path):
         "--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1",
     ]
+    assert args.log_probs_chunk_size == -1  # slime's own flag
 
 
 def test_the_shipped_flags_are_that_commits():

@@ -83,7 +83,7 @@ def run_profile_options(
         BatchConfigError: with ``emit="skyrl"``, the batch plan its micro sizes come from breaks.
     """
     from batchfit.frameworks.emit import TARGETS, target_head, target_reference_dtype
-    from batchfit.frameworks.run_step import framework_step, megatron_heads
+    from batchfit.frameworks.run_step import default_megatron_heads, framework_step, megatron_heads
     from batchfit.train.framework_heads import FrameworkHead
     from batchfit.train.megatron_heads import MegatronHeads
 
@@ -135,7 +135,8 @@ def run_profile_options(
         notes.insert(0, retrained)
     logprobs = chosen.logprobs
     if emit is not None and emit != run.vocabulary and logprobs is None:
-        logprobs = target_head(emit)  # the head the emitted run computes log-probs with
+        # the head the emitted run computes log-probs with (under Megatron slime's own, pass by pass)
+        logprobs = (default_megatron_heads(emit) if megatron else None) or target_head(emit)
         run = run.replace(reference_dtype=target_reference_dtype(emit))  # and the reference it loads
         notes = [*([retrained] if retrained else []), f"the budgets' probe runs {emit}'s log-prob head, the one the emitted run uses"]
     if step is not None and logprobs is None:

@@ -17,7 +17,7 @@ from batchfit.frameworks.run import RunConfig
 from batchfit.train.framework_heads import FRAMEWORK_HEADS, FrameworkHead
 from batchfit.train.megatron_heads import MegatronHead, MegatronHeads
 
-__all__ = ["FrameworkStep", "framework_step", "megatron_heads"]
+__all__ = ["FrameworkStep", "default_megatron_heads", "framework_step", "megatron_heads"]
 
 @dataclass(frozen=True)
 class FrameworkStep:
@@ -136,3 +136,13 @@ def megatron_heads(run: RunConfig) -> MegatronHeads | None:
         old_log_probs=forward,
         reference=forward,
     )
+
+
+def default_megatron_heads(framework: str) -> MegatronHeads | None:
+    """The heads ``framework``'s default config runs under Megatron, for a profile of another framework's config
+    emitted to it: slime's (:meth:`MegatronHead.default`: the update's entropy a metric, none in the forward
+    passes, one chunk); ``None`` for a framework whose head is not carried this way."""
+    if framework != "slime":
+        return None
+    forward = MegatronHead.default("slime", forward_only=True)
+    return MegatronHeads(update=MegatronHead.default("slime"), old_log_probs=forward, reference=forward)

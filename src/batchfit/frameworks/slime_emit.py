@@ -146,7 +146,7 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     check_head(
         target,
         a,
-        ("full", "slime"),
+        ("slime",),
         "slime computes log-probs and entropy with its own vocab-parallel head over the whole logits "
         "(_VocabParallelLogProbEntropy) and has no flag for another head",
         "drop --logprobs",
