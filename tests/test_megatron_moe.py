@@ -284,6 +284,7 @@ def test_slimes_expert_model_parallel_size_is_profiled_and_emitted(tmp_path):  #
     from batchfit.frameworks.assumptions import setting_keys
     from batchfit.frameworks.config_options import run_profile_options
     from batchfit.frameworks.run_profile import role_options
+    from batchfit.frameworks.run_step import megatron_heads
 
     script = (Path(__file__).resolve().parent.parent / "examples" / "slime_megatron.sh").read_text()
     path = tmp_path / "run.sh"
@@ -292,7 +293,9 @@ def test_slimes_expert_model_parallel_size_is_profiled_and_emitted(tmp_path):  #
     assert run.expert_parallel == 2
     sharding = run_profile_options(run, Choices()).options.sharding
     assert (sharding.strategy, sharding.expert_parallel) == ("megatron", 2)
-    options = ProfileOptions(sharding=sharding, max_seq_len=512, cost="packed", dtype="bf16", gradient_checkpointing=True)
+    # slime's own head (--emit slime refuses another: run_step.megatron_heads)
+    options = ProfileOptions(sharding=sharding, max_seq_len=512, cost="packed", dtype="bf16", gradient_checkpointing=True,
+                             logprobs=megatron_heads(run))  # fmt: skip
     keys = {k.path: k for k in setting_keys(run, role_options(run, options), "slime") if k.path}
     key = keys["--expert-model-parallel-size"]
     assert key.value == 2 and "the rank receiving the most tokens" in key.comment

@@ -13,8 +13,12 @@ mbridge 0.15.1 maps a Hugging Face MoE config to Megatron's (``Qwen3MoEBridge._b
 RL": no auxiliary loss), ``moe_token_dispatcher_type="alltoall"`` in its base config; Qwen2-MoE's
 bridge adds ``moe_shared_expert_intermediate_size``, Mixtral's and DeepSeek-V3's theirs), and
 ``expert_model_parallel_size`` / ``expert_tensor_parallel_size`` from its parallel states. That
-config is used as mbridge builds it, with two changes: ``persist_layer_norm`` off (Apex's persistent
-kernel of the same norm, which torch's norm refuses) and ``moe_grouped_gemm=False``. mbridge turns the
+config is used as mbridge builds it, with three changes: ``persist_layer_norm`` off (Apex's persistent
+kernel of the same norm, which torch's norm refuses); ``bias_dropout_fusion`` and ``bias_activation_fusion``
+off, as mbridge's dense bridges and Megatron's defaults have them (the fused functions are
+``torch.compile``'d, and an inductor kernel called with the estimate's fake tensors ended the process
+with a segmentation fault; the unfused functions compute the same sums and SwiGLU in eager ops, as the
+dense Megatron path runs them); and ``moe_grouped_gemm=False``. mbridge turns the
 grouped GEMM on, which is Transformer Engine's (``TEGroupedMLP``) or the ``grouped_gemm`` package's
 CUDA kernels, neither of which runs on a CPU; megatron-core's local layer spec with experts
 (``get_gpt_layer_local_spec(num_experts=..., moe_grouped_gemm=False)``) builds ``SequentialMLP``: each
@@ -72,6 +76,10 @@ MOE_CPU_SETTINGS: dict[str, Any] = {
     "moe_permute_fusion": False,  # Transformer Engine's fused permutation (megatron-core's default)
     "moe_router_fusion": False,  # Transformer Engine's fused top-k (megatron-core's default)
     "persist_layer_norm": False,  # Apex's persistent LayerNorm kernel (the same norm): torch's norm refuses the flag
+    # torch.compile'd fusions (megatron.core.jit's jit_fuser): inductor kernels called with fake tensors crash the
+    # process (a segfault, seen under the estimate); off, as in mbridge's dense bridges and Megatron's defaults
+    "bias_dropout_fusion": False,
+    "bias_activation_fusion": False,
 }
 
 
