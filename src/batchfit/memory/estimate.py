@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -12,8 +12,8 @@ import torch
 from batchfit.memory.cuda_untracked import UntrackedMemory, untracked_memory
 from batchfit.memory.fake_fsdp1 import fsdp1_fake_patches
 from batchfit.memory.fake_patches import transformers_fake_patches
-from batchfit.memory.shadow_values import ShadowFakeTensorMode
-from batchfit.memory.tracked_backend import TrackedBackend
+from batchfit.memory.observed_fake import ObservedFakeTensorMode, ObservingTracker
+from batchfit.memory.tracked_backend import TrackedBackend, _Trial
 
 #: Default storage rounding: the CUDA caching allocator hands out multiples of 512 bytes.
 DEFAULT_ROUND_TO = 512
@@ -97,10 +97,23 @@ class EstimateBackend(TrackedBackend):
         self.expect_world_size(1)
         # NOTE [ Integer tensors keep their values ]: masks, lengths and indices made from host
         # data keep real values, so remove-padding and masked log-probs run (floats stay fake)
-        self.fake_mode: ShadowFakeTensorMode = ShadowFakeTensorMode(allow_non_fake_inputs=True)
+        # NOTE [ The estimate's tracker is fed by its fake mode ] in batchfit.memory.observed_fake
+        self.fake_mode: ObservedFakeTensorMode = ObservedFakeTensorMode(allow_non_fake_inputs=True)
         fake_mode = self.fake_mode
         fake_mode.__deepcopy__ = lambda memo: fake_mode  # NOTE [ Deep copies of fake tensors ]
         self._depth = 0
+
+    def _prepare(
+        self,
+        registered: list[tuple[torch.Tensor, str]],
+        parameters: list[torch.nn.Parameter],
+        host_categories: Sequence[str],
+    ) -> _Trial:
+        """The trial's tracker is fed by this backend's fake mode (NOTE [ The estimate's tracker is fed by its fake mode ])."""
+        tracker = ObservingTracker(
+            self.fake_mode, round_to=self.round_to, limit_bytes=self._abort_bytes(), host_categories=host_categories
+        )
+        return _Trial(tracker, registered, parameters)
 
     @property
     def kept_values_bytes(self) -> int | None:

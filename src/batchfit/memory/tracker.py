@@ -486,7 +486,7 @@ class MemoryTracker(TorchDispatchMode):
             for patch in _PATCHES:
                 patch.acquire()
                 undo.append(patch.release)
-            super().__enter__()
+            self._enter_dispatch()
         except BaseException as exc:
             undo_all(reversed(undo), exc)
             raise
@@ -504,12 +504,20 @@ class MemoryTracker(TorchDispatchMode):
                 "MemoryTracker.__exit__ called on a tracker that is not active: call __exit__ once per __enter__ (or use a with-block)"
             )
         self._depth -= 1
-        steps: list[Callable[[], object]] = [functools.partial(_remove_mode, self, exc)]
+        steps: list[Callable[[], object]] = [functools.partial(self._exit_dispatch, exc)]
         steps += [patch.release for patch in reversed(_PATCHES)]
         steps.append(functools.partial(labels._pop, self._labels))
         if self._depth == 0:
             steps.append(self._detach)
         undo_all(steps)
+
+    def _enter_dispatch(self) -> None:
+        """Start seeing ops: push this tracker on the dispatch-mode stack (a subclass may be fed otherwise)."""
+        TorchDispatchMode.__enter__(self)
+
+    def _exit_dispatch(self, exc: tuple[Any, ...]) -> None:
+        """Stop seeing ops (one entry): take this tracker off the dispatch-mode stack (NOTE [ Trackers exit out of order ])."""
+        _remove_mode(self, exc)
 
     def _detach(self) -> None:
         """After the last exit: no owner for the labels, and no finalizer calling into this tracker."""
@@ -532,6 +540,11 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if _fake_mode() is not self._entry_fake_mode:
             return out  # DTensor's sharding propagation, not memory
+        self._observe(func, args, kwargs, out)
+        return out
+
+    def _observe(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Count what op ``func`` returned (``out``, from ``args`` and ``kwargs``): its new storages and collective buffers."""
         category = self._labels.region or ACTIVATIONS
         inputs = None
         for t in _leaves(out):
@@ -551,4 +564,3 @@ class MemoryTracker(TorchDispatchMode):
             for index, role in roles:
                 if index < len(args) and isinstance(args[index], torch.Tensor):
                     self.recategorize(args[index], role)
-        return out
