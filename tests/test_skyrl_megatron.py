@@ -287,17 +287,26 @@ def test_entropy_chunks_are_the_largest_power_of_two_under_the_memory(memory_mb,
 
 
 @pytest.mark.parametrize(
-    "keys",
-    [{"trainer__vocab_entropy_chunk_memory_mb": 2048}, {"trainer__vocab_entropy_chunk_size": 4096},
-     {"trainer__vocab_entropy_chunk_size": None}],
+    ("keys", "size", "memory"),
+    [({"trainer__vocab_entropy_chunk_memory_mb": 2048}, 0, 2048), ({"trainer__vocab_entropy_chunk_size": 4096}, 4096, 512),
+     ({"trainer__vocab_entropy_chunk_size": None}, None, 512)],
     ids=["memory", "tokens", "no-chunks"],
 )
-def test_entropy_chunks_set_away_from_skyrls_defaults_are_a_warning(keys):
+def test_entropy_chunks_set_away_from_skyrls_defaults_are_profiled_and_emitted(keys, size, memory):
+    from batchfit.budget.megatron_profile import megatron_head
+    from batchfit.frameworks.config_options import run_profile_options
+
     data = _config(**keys)
     if "trainer__vocab_entropy_chunk_size" in keys and keys["trainer__vocab_entropy_chunk_size"] is None:
         data["trainer"]["vocab_entropy_chunk_size"] = None
-    said = read_run_config(data).warnings
-    assert [w for w in said if "batchfit's Megatron profile measures SkyRL's head with its defaults" in w]
+    run = read_run_config(data)
+    assert not [w for w in run.warnings if "vocab_entropy_chunk" in w]  # modelled, not warned
+    options = run_profile_options(run, {"backend": "estimate", "max_seq_len": 4096}).options
+    head = megatron_head(options, "policy")
+    assert (head.entropy_chunk_size, head.entropy_chunk_memory_mb) == (size, memory)
+    keys = {k.path: k.value for k in setting_keys(run, role_options(run, options), "skyrl") if k.path}
+    assert keys["trainer.vocab_entropy_chunk_size"] == size
+    assert keys.get("trainer.vocab_entropy_chunk_memory_mb") == (memory if size == 0 else None)
 
 
 def test_entropy_chunk_keys_under_the_fused_head_are_no_warning():

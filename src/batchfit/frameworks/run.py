@@ -78,6 +78,9 @@ class RunConfig:
         entropy_chunk_size: rows (verl ``fsdp_config.entropy_from_logits_chunk_size``) or
             tokens along the sequence (SkyRL ``logprobs_chunk_size``) per entropy chunk, or
             ``None`` when the entropy is not chunked.
+        entropy_chunk_memory_mb: SkyRL's ``trainer.vocab_entropy_chunk_memory_mb`` under Megatron, the
+            temporaries an entropy chunk sized from memory may hold (``vocab_entropy_chunk_size: 0``);
+            ``None``: not read.
         entropy_grad: the trained pass's entropy keeps its autograd graph (verl: whenever it
             is computed, the pass runs with gradients; SkyRL: ``use_entropy_loss``).
         entropy_in_loss: the entropy is a term of the loss (verl ``actor.entropy_coeff != 0``,
@@ -159,6 +162,7 @@ class RunConfig:
     fused_kernels: bool = False
     entropy: str = "none"
     entropy_chunk_size: int | None = None
+    entropy_chunk_memory_mb: int | None = None
     entropy_grad: bool = False
     entropy_in_loss: bool = False
     forward_entropy: str = "none"

@@ -98,7 +98,8 @@ def megatron_heads(run: RunConfig) -> MegatronHeads | None:
     (``RunConfig.fused_kernels``; NOTE [ SkyRL's fused LM head ] in
     :mod:`batchfit.train.megatron_heads`): the fused head in every pass, in chunks of
     ``logprobs_chunk_size`` tokens, the update's entropy a metric; otherwise its vocab-parallel head
-    with the config's ``logprobs_chunk_size`` and ``vocab_entropy_chunk_size``, the update's entropy
+    with the config's ``logprobs_chunk_size``, ``vocab_entropy_chunk_size`` and
+    ``vocab_entropy_chunk_memory_mb``, the update's entropy
     with its graph under ``use_entropy_loss``. verl's head comes from its :class:`FrameworkHead`
     (``None`` here).
 
@@ -120,10 +121,13 @@ def megatron_heads(run: RunConfig) -> MegatronHeads | None:
         # log-probs in trainer.logprobs_chunk_size chunks (None: DistributedLogprob, one piece); the update's entropy in
         # vocab_entropy_chunk_size chunks (RunConfig.entropy "full": None, no chunks; a size; 0: sized from memory)
         entropy_chunk = None if run.entropy == "full" else (run.entropy_chunk_size or 0)
-        plain = MegatronHead("skyrl", chunk_size=run.logprobs_chunk_size, entropy_chunk_size=entropy_chunk)
+        memory = run.entropy_chunk_memory_mb or MegatronHead.entropy_chunk_memory_mb  # SkyRL's default, 512 MiB
+        plain = MegatronHead(
+            "skyrl", chunk_size=run.logprobs_chunk_size, entropy_chunk_size=entropy_chunk, entropy_chunk_memory_mb=memory
+        )
         update = MegatronHead(
             "skyrl", entropy=True, entropy_grad=bool(run.entropy_grad), chunk_size=run.logprobs_chunk_size,
-            entropy_chunk_size=entropy_chunk,
+            entropy_chunk_size=entropy_chunk, entropy_chunk_memory_mb=memory,
         )  # fmt: skip
         return MegatronHeads(update=update, old_log_probs=plain, reference=plain)
     if run.vocabulary != "slime":

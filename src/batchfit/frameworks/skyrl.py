@@ -238,8 +238,6 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     if megatron:
         warnings += unmodelled_warnings(given, defaults, MEGATRON_UNMODELLED, schema.title)
         warnings += _megatron_warnings(flat, reference, schema.title)
-        if as_bool(flat.get(T + "fused_lm_head_logprob")) is not True:  # the fused head chunks by logprobs_chunk_size
-            warnings += _entropy_chunk_warnings(flat, given)
         refused = _megatron_refusals(flat, values)
         faults += _megatron_faults(flat, reference)
         checkpointing = _recompute(flat, checkpointing, warnings)
@@ -285,6 +283,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         fused_kernels=as_bool(flat.get(T + "fused_lm_head_logprob")) is True,
         entropy=entropy,
         entropy_chunk_size=entropy_chunk,
+        entropy_chunk_memory_mb=as_int(flat.get(ENTROPY_MEMORY_KEY)) if megatron else None,
         entropy_grad=entropy_loss,
         entropy_in_loss=entropy_loss,
         forward_entropy="none",  # worker.py _forward_micro_batch: log-probs only
@@ -518,9 +517,10 @@ def megatron_refusal(run: RunConfig) -> str | None:
 # trainer.vocab_entropy_chunk_memory_mb (default 512): bytes_per_token = b × V/tp × the logits' element size × 4 (its
 # peak_factor), chunk = the largest power of two <= max(1, min(s, memory_mb MiB // bytes_per_token)), no chunks when
 # that is s or more. config.py (SkyRLTrainConfig, l. 1487-1491) holds the defaults and __post_init__ refuses a
-# negative size and a memory of 0 or less. The Megatron profile runs SkyRL's head with the defaults (0 and 512:
-# batchfit.budget.megatron_profile.megatron_head), so a config that sets either away from them is profiled with chunks
-# of another size, a warning (ENTROPY_CHUNK_KEYS), and --emit skyrl writes both defaults (skyrl_emit._megatron_head).
+# negative size and a memory of 0 or less. The Megatron profile runs SkyRL's head with the config's two values
+# (RunConfig.entropy_chunk_size, entropy_chunk_memory_mb: batchfit.frameworks.run_step.megatron_heads, the chunk
+# resolved in batchfit.train.megatron_heads as SkyRL resolves it), and --emit skyrl writes them as profiled
+# (skyrl_emit._megatron_head). The fused head (fused_lm_head_logprob) chunks its entropy by logprobs_chunk_size.
 ENTROPY_CHUNK_KEY = T + "vocab_entropy_chunk_size"
 ENTROPY_MEMORY_KEY = T + "vocab_entropy_chunk_memory_mb"
 ENTROPY_CHUNK_DEFAULTS = {ENTROPY_CHUNK_KEY: 0, ENTROPY_MEMORY_KEY: 512}
@@ -543,26 +543,6 @@ def entropy_chunk_tokens(memory_mb: int, vocab_shard: int, seq_len: int, rows: i
     chunk = max(1, min(seq_len, memory_mb * 1024 * 1024 // per_token))
     chunk = 1 << (chunk.bit_length() - 1)
     return chunk if chunk < seq_len else None
-
-
-def _entropy_chunk_warnings(flat: dict[str, Any], given: dict[str, Any]) -> list[str]:
-    """The entropy chunk keys a Megatron config sets away from SkyRL's defaults (NOTE [ SkyRL's entropy chunks sized
-    from memory ]): the profile measures the default chunks."""
-    out = []
-    for key, default in ENTROPY_CHUNK_DEFAULTS.items():
-        if key not in given:
-            continue
-        value = as_int(flat.get(key))
-        if value == default and not isinstance(value, bool):
-            continue
-        out.append(
-            f"{key}={short_repr(value)}: SkyRL sizes the Megatron update's entropy chunks from it (model_utils.py "
-            "_resolve_vocab_entropy_chunk_size, SkyRL a9564572), but batchfit's Megatron profile measures SkyRL's head "
-            f"with its defaults ({ENTROPY_CHUNK_KEY}=0, {ENTROPY_MEMORY_KEY}=512: chunks of the largest power of two "
-            "<= 512 MiB / (rows x V/tp x 4 B x 4) tokens); set it to the default, or confirm this setting on the device "
-            "(profile --confirm)"
-        )
-    return out
 
 
 # NOTE [ Which SkyRL a config is written for ]

@@ -352,9 +352,8 @@ def _megatron_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     A profile of ``fused_lm_head_logprob`` (NOTE [ SkyRL's fused LM head ] in :mod:`batchfit.train.megatron_heads`)
     writes it on, with its chunk. Otherwise a Megatron profile runs SkyRL's own head on the ``[b, s, V/tp]`` logits
     (``fused_lm_head_logprob`` off), with the
-    entropy chunks SkyRL derives from its defaults, ``vocab_entropy_chunk_size: 0`` and
-    ``vocab_entropy_chunk_memory_mb: 512`` (NOTE [ SkyRL's entropy chunks sized from memory ] in
-    :mod:`batchfit.frameworks.skyrl`): both are written. The algorithm's settings are never changed.
+    entropy chunks the config sets (``vocab_entropy_chunk_size``, ``vocab_entropy_chunk_memory_mb``; NOTE [ SkyRL's
+    entropy chunks sized from memory ] in :mod:`batchfit.frameworks.skyrl`): both are written as profiled. The algorithm's settings are never changed.
     """
     del run, same
     tp = a.sharding.tensor_parallel
@@ -376,14 +375,27 @@ def _megatron_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             "log-probs from Megatron's vocab-parallel logits (megatron_model_wrapper.py), as profiled with SkyRL's "
             "head",
         ),
+        *_entropy_chunk_keys(heads.update if isinstance(heads, MegatronHeads) else None, tp),
+    ]
+
+
+def _entropy_chunk_keys(update: Any, tp: int) -> list[Key]:
+    """The update's entropy chunks as profiled (SkyRL's defaults when the profile carried no SkyRL heads)."""
+    size = ENTROPY_CHUNK_DEFAULTS[ENTROPY_CHUNK_KEY] if update is None else update.entropy_chunk_size
+    memory = ENTROPY_CHUNK_DEFAULTS[ENTROPY_MEMORY_KEY] if update is None else update.entropy_chunk_memory_mb
+    if size is None:
+        return [Key(ENTROPY_CHUNK_KEY, None, "the update's entropy over the whole micro-batch at once, as profiled")]
+    if size:
+        return [Key(ENTROPY_CHUNK_KEY, size, f"the update's entropy {size:,} tokens at a time, as profiled")]
+    return [
         Key(
             ENTROPY_CHUNK_KEY,
-            ENTROPY_CHUNK_DEFAULTS[ENTROPY_CHUNK_KEY],
+            0,
             "the update's entropy chunks sized from the memory below, as profiled: SkyRL takes the largest power of "
-            f"two <= 512 MiB / (rows x V/{tp} x 4 B x 4) tokens per chunk (model_utils.py _resolve_vocab_entropy_chunk_size, "
-            "SkyRL a9564572)",
+            f"two <= {memory} MiB / (rows x V/{tp} x 4 B x 4) tokens per chunk (model_utils.py "
+            "_resolve_vocab_entropy_chunk_size, SkyRL a9564572)",
         ),
-        Key(ENTROPY_MEMORY_KEY, ENTROPY_CHUNK_DEFAULTS[ENTROPY_MEMORY_KEY], "MiB of temporaries per entropy chunk"),
+        Key(ENTROPY_MEMORY_KEY, memory, "MiB of temporaries per entropy chunk"),
     ]
 
 
