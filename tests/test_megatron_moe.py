@@ -215,6 +215,25 @@ def test_the_cli_profiles_megatron_with_expert_parallelism(megatron, tmp_path, c
     assert tokens[1] != tokens[2]
 
 
+def test_a_megatron_profile_states_the_experts_and_the_receiving_rank():  # first tier: no build
+    from batchfit.budget.megatron_profile import megatron_moe_summary
+    from batchfit.parallel import Sharding
+
+    moe = megatron_moe_summary(_config(), Sharding("megatron", world_size=2, expert_parallel=2))
+    said = moe.describe()
+    # Megatron-core's SequentialMLP, not transformers' experts; every router fixed to the worst case
+    assert "experts SequentialMLP (Megatron-core's default: TEGroupedMLP), routing fixed as the worst case" in said
+    assert "expert parallel 2: 4 experts per rank; budgeted for the rank that receives the most" in said
+    assert moe.to_dict()["experts_implementation"] == "SequentialMLP" and "runs_in" not in moe.to_dict()
+    assert megatron_moe_summary(_dense(), Sharding("megatron", world_size=2)) is None
+
+
+def _dense():
+    from batchfit.models import load_config
+
+    return load_config("tiny")
+
+
 # ----------------------------------------------------------------- the frameworks' Megatron EP keys
 def test_verls_megatron_expert_parallel_size_is_profiled_and_emitted():  # first tier: reading and emitting only
     import copy

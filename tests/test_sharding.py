@@ -95,6 +95,8 @@ def test_megatron_lays_out_tensor_pipeline_and_data_parallel_ranks():
                  distributed_optimizer=True)
     assert (s.data_parallel_size, s.model_parallel_size, s.distributed, s.shards_state) == (2, 4, True, False)
     assert s.describe() == "megatron over 8 ranks (tensor 2 × pipeline 2 × data 2, sequence parallel, distributed optimizer)"
+    ep = Sharding("megatron", world_size=8, tensor_parallel=2, expert_parallel=4)
+    assert ep.describe() == "megatron over 8 ranks (tensor 2 × pipeline 1 × data 4, expert parallel 4)"
     assert {k: s.to_dict()[k] for k in ("tensor_parallel", "pipeline_parallel", "data_parallel")} == {
         "tensor_parallel": 2, "pipeline_parallel": 2, "data_parallel": 2}
     # Megatron-LM turns sequence parallelism off without tensor parallelism (arguments.py)

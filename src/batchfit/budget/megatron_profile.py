@@ -119,6 +119,7 @@ def _profile(
     config = load_config(model)
     check_layout(config, plan, options.caller_vocabulary)  # before any build
     _check_chunks(int(config.num_hidden_layers), plan, options)
+    moe = megatron_moe_summary(config, plan)
     be = get_backend(options.backend, memory_limit=options.memory_limit, reserve_bytes=options.reserve_bytes)
     resident_bytes = check_int("resident_bytes", resident_bytes, minimum=0)
     if options.engine_reserve is not None:
@@ -143,7 +144,8 @@ def _profile(
             )
         except DoesNotFitError as exc:
             stage = "" if plan.pipeline_parallel == 1 else f" (pipeline stage {step.binding_stage} binds)"
-            raise exc.replace(Phrase(f"{role}{stage}: ", *exc.message.parts)) from None
+            experts = "" if moe is None else f"{moe.short()}; "
+            raise exc.replace(Phrase(f"{experts}{role}{stage}: ", *exc.message.parts)) from None
     budgets = {role: budgets[role] for role in chosen}
     step = steps[order[0]]  # the trained role's (the first role's when none is trained)
     stage_peaks = budget_stage_peaks(step, budgets[order[0]])
@@ -163,6 +165,7 @@ def _profile(
         budgets=budgets,
         combined=TokenBudget.min(*budgets.values()),
         sharding=plan,
+        moe=moe,
         depth=int(config.num_hidden_layers),
         measured_depths=_measured_depths(step, plan),
         untracked=be.untracked,
@@ -175,6 +178,25 @@ def _profile(
             heads={role: head.describe() for role in chosen if not (head := megatron_head(options, role)).is_default},
             virtual_stages=plan.virtual_pipeline_parallel if (plan.virtual_pipeline_parallel or 1) > 1 else None,
         ),
+    )
+
+
+def megatron_moe_summary(config: Any, plan: Sharding) -> Any:
+    """A mixture of experts as the Megatron probe runs it, for the report; ``None`` for a dense model.
+
+    Megatron-core's ``SequentialMLP`` experts (Transformer Engine's grouped GEMM, ``TEGroupedMLP``, needs CUDA),
+    every router fixed to the worst case (NOTE [ The Megatron probe's worst rank ] in
+    :mod:`batchfit.budget.megatron_probe`): the report states what the receiving rank holds.
+    """
+    import dataclasses
+
+    from batchfit.models.moe import moe_summary
+
+    moe = moe_summary(config, None, plan.expert_parallel)
+    if moe is None:
+        return None
+    return dataclasses.replace(
+        moe, implementation="SequentialMLP", default_implementation="TEGroupedMLP", runs_in="Megatron-core", routing="skewed"
     )
 
 

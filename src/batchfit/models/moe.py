@@ -302,6 +302,8 @@ class MoeSummary:
         dense_layers: decoder layers without routed experts (DeepSeek's ``first_k_dense_replace``).
         expert_parallel: ranks each layer's experts are spread over (1: none); above 1 the probe runs
             as the rank that receives the most (NOTE [ The rank that receives the most ]).
+        runs_in: whose experts modules are measured: ``"transformers"``, or ``"Megatron-core"``
+            under ``--sharding megatron`` (its ``SequentialMLP``).
     """
 
     total_parameters: int
@@ -316,6 +318,7 @@ class MoeSummary:
     shared_experts: int = 0
     dense_layers: int = 0
     expert_parallel: int = 1
+    runs_in: str = "transformers"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON-ready)."""
@@ -354,7 +357,10 @@ class MoeSummary:
 
         DeepSeek-V2-Lite's: ``…; 26 MoE layers (1 dense layer first) of 64 routed + 2 shared experts, 6 per token; …``.
         """
-        default = " (transformers' default)" if self.implementation == self.default_implementation else f" (transformers' default: {self.default_implementation})"
+        default = (
+            f" ({self.runs_in}'s default)" if self.implementation == self.default_implementation
+            else f" ({self.runs_in}'s default: {self.default_implementation})"
+        )
         routing = (
             "its memory does not depend on the routing"
             if self.routing == "any"

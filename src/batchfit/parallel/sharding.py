@@ -313,6 +313,8 @@ class Sharding:
             ]
             if self.virtual_pipeline_parallel:
                 parts.append(f"{self.virtual_pipeline_parallel} virtual stages per pipeline stage")
+            if self.expert_parallel > 1:  # Megatron's expert_model_parallel_size, over tensor × context × data
+                parts.append(f"expert parallel {self.expert_parallel}")
             if self.megatron_sequence_parallel:
                 parts.append("sequence parallel")
             if self.distributed_optimizer:
