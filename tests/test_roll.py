@@ -80,18 +80,65 @@ def test_dynamic_batching_under_fsdp2_warns_that_the_cap_is_not_honoured(tmp_pat
     assert any("under megatron strategies only" in w for w in run.plan().warnings)
 
 
-def test_profile_refuses_megatron_and_names_the_approximation(tmp_path, capsys):
+def test_megatron_train_reads_its_strategy_config_into_a_megatron_run(tmp_path):
+    run = read_run_config(EXAMPLE)  # strategy_config: tp 1, pp 1, ep 1, use_distributed_optimizer, recompute full
+    assert (run.strategy, run.distributed_optimizer, run.gradient_checkpointing) == ("megatron", True, True)
+    assert (run.megatron_sequence_parallel, run.virtual_pipeline_parallel, run.expert_parallel) == (False, None, 1)
+    config = "actor_train.strategy_args.strategy_config."
+    run = read_run_config(_config(tmp_path, **{
+        config + "tensor_model_parallel_size": 2, config + "pipeline_model_parallel_size": 2,
+        config + "virtual_pipeline_model_parallel_size": 2, config + "sequence_parallel": True,
+        config + "use_distributed_optimizer": False, config + "recompute_granularity": None,
+        "actor_train.training_args.gradient_accumulation_steps": 256,
+    }))  # fmt: skip
+    b = run.batch
+    assert (b.tensor_parallel, b.pipeline_parallel, run.virtual_pipeline_parallel) == (2, 2, 2)
+    assert (run.megatron_sequence_parallel, run.distributed_optimizer, run.gradient_checkpointing) == (True, False, False)
+    # mcore_adapter model_config.py: sequence parallelism off without tensor parallelism, on with tp and ep both
+    off = read_run_config(_config(tmp_path, **{config + "sequence_parallel": True}))
+    assert off.megatron_sequence_parallel is False
+    on = read_run_config(_config(tmp_path, **{
+        config + "tensor_model_parallel_size": 2, config + "expert_model_parallel_size": 2,
+        "actor_train.training_args.gradient_accumulation_steps": 128,
+    }))  # fmt: skip
+    assert (on.megatron_sequence_parallel, on.expert_parallel) == (True, 2)
+
+
+def test_megatron_dynamic_batching_no_longer_warns_that_the_cap_is_ignored():
+    assert not any("under megatron strategies only" in w for w in read_run_config(EXAMPLE).plan().warnings)
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        pytest.param({"actor_train.model_args.lora_target": "all-linear"}, "lora_target='all-linear' trains LoRA", id="lora"),
+        pytest.param({"adv_estimator": "gae"}, "adv_estimator='gae' trains a critic", id="critic"),
+    ],
+)
+def test_profile_refuses_what_its_megatron_profile_does_not_model(tmp_path, capsys, changes, match):
     from batchfit.cli import main
 
-    path = _config(tmp_path, pretrain="tiny")
+    path = _config(tmp_path, pretrain="tiny", **changes)
     assert main(["profile", "--config", str(path), "--backend", "estimate", "--no-progress"]) == 2
-    assert "which batchfit does not model; pass --sharding fsdp2" in capsys.readouterr().err
+    assert match in capsys.readouterr().err
 
 
-def _emitted(run, budgets):
+def test_unmodelled_megatron_settings_are_warned_in_rolls_keys(tmp_path):
+    config = "actor_train.strategy_args.strategy_config."
+    run = read_run_config(_config(tmp_path, **{config + "recompute_granularity": "selective", config + "optimizer_cpu_offload": True}))
+    text = " ".join(run.warnings)
+    assert "recompute_granularity='selective'" in text and "optimizer_cpu_offload=True is not modelled" in text
+    assert "accumulate_allreduce_grads_in_fp32 is false" in text
+    assert run.gradient_checkpointing is False  # profiled without recompute
+    layout = read_run_config(_config(tmp_path, **{config + "pipeline_model_parallel_layout": "E,t*4|t*4,L"}))
+    with pytest.raises(BatchConfigError, match="lays layers out unevenly"):
+        layout.plan()
+
+
+def _emitted(run, budgets, sharding=None):
     options = ProfileOptions(
-        max_seq_len=run.max_seq_len, backend="estimate", sharding=Sharding("fsdp2", world_size=run.world_size), cost="packed",
-        gradient_checkpointing=bool(run.gradient_checkpointing),
+        max_seq_len=run.max_seq_len, backend="estimate", sharding=sharding or Sharding("fsdp2", world_size=run.world_size),
+        cost="packed", gradient_checkpointing=bool(run.gradient_checkpointing),
     )
     profile = types.SimpleNamespace(
         run=run,
@@ -112,6 +159,39 @@ def test_emitted_caps_are_rounded_down_to_the_configs_sequence_length_round():
     assert out["actor_train"]["use_dynamic_batching_in_train"] is True
     assert out["actor_train"]["model_args"]["disable_gradient_checkpointing"] is False
     assert "a hard cap on padded tokens" in text and "Megatron layout is approximated" in text
+
+
+def test_a_megatron_profile_emits_megatron_trains_strategy_config():
+    run = read_run_config(EXAMPLE)
+    sharding = Sharding("megatron", world_size=8, tensor_parallel=2, pipeline_parallel=2, megatron_sequence_parallel=True,
+                        distributed_optimizer=True)  # fmt: skip
+    out = yaml.safe_load(_emitted(run, {"policy": 20_000, "policy_forward": 50_000, "reference": 60_000}, sharding))
+    actor = out["actor_train"]
+    assert actor["strategy_args"]["strategy_name"] == "megatron_train"
+    config = actor["strategy_args"]["strategy_config"]
+    assert (config["tensor_model_parallel_size"], config["pipeline_model_parallel_size"]) == (2, 2)
+    assert (config["sequence_parallel"], config["use_distributed_optimizer"], config["recompute_granularity"]) == (True, True, "full")
+    assert config["accumulate_allreduce_grads_in_fp32"] is True
+    assert out["reference"]["strategy_args"]["strategy_config"]["tensor_model_parallel_size"] == 2
+    assert actor["max_tokens_per_microbatch_in_train"] == 19_968
+    assert "disable_gradient_checkpointing" not in actor.get("model_args", {})
+
+
+@pytest.mark.slow
+def test_profile_emits_rolls_keys_under_megatron_for_the_example_on_the_tiny_preset(tmp_path, capsys):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
+    from batchfit.cli import main
+
+    path = _config(tmp_path, pretrain="tiny")
+    argv = ["profile", "--config", str(path), "--backend", "estimate", "--engine-reserve", "0", "--no-progress",
+            "--emit", "roll"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "megatron over 8 ranks" in out and "strategy_name: megatron_train" in out, out
+    caps = {k: int(v) for k, v in re.findall(r"(max_tokens_per_microbatch_in_\w+): (\d+)", out)}
+    assert set(caps) == {"max_tokens_per_microbatch_in_train", "max_tokens_per_microbatch_in_infer"}, out
+    assert all(v % 128 == 0 and v >= 6144 for v in caps.values()), out
 
 
 @pytest.mark.slow

@@ -15,6 +15,9 @@ product, per data-parallel rank); ``infer_batch_size`` sequences per forward-onl
 ``max_tokens_per_microbatch_in_train/infer`` a hard cap on a micro-batch's **padded** tokens
 (sequences × the longest one rounded up to ``sequence_length_round_in_*``), honoured by the Megatron
 strategy only at this commit (NOTE [ ROLL's token cap ]).
+
+``megatron_train`` is profiled as :class:`~batchfit.parallel.sharding.Sharding` ``"megatron"`` with the layout its
+``strategy_config`` sets (NOTE [ ROLL's Megatron strategy ]).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import re
 from typing import Any
 
 from batchfit.frameworks.flags import FrameworkRun, Verdict
+from batchfit.frameworks.megatron_refusals import first_refusal, refused_sources
 from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     as_bool,
@@ -51,6 +55,22 @@ TITLE = "ROLL 8eb27cc2"
 # micro-batch to that length, is called by megatron_strategy.py only: fsdp2_strategy.py's train_step and
 # forward_step cut micro-batches by per_device_train_batch_size and infer_batch_size whatever the cap, and
 # base_worker.py groups gradient_accumulation_steps of the capped micro-batches into one optimizer step.
+
+# NOTE [ ROLL's Megatron strategy ]
+# megatron_strategy.py (8eb27cc2) MegatronInferStrategy.__init__ builds mcore_adapter's TrainingArguments from the
+# worker's training_args updated with strategy_args.strategy_config, so each strategy_config key is a field of
+# mcore_adapter/src/mcore_adapter/training_args.py: tensor_model_parallel_size, pipeline_model_parallel_size,
+# context_parallel_size, virtual_pipeline_model_parallel_size, expert_model_parallel_size (None: 1),
+# sequence_parallel (False), recompute_granularity (None; "full" with recompute_method and recompute_num_layers unset
+# becomes uniform over 1 layer: models/model_config.py __post_init__, i.e. every layer's input checkpointed, which is
+# batchfit's full recompute), use_distributed_optimizer (False), accumulate_allreduce_grads_in_fp32 (False: a bf16
+# gradient buffer, MegatronTrainStrategy.initialize's DistributedDataParallelConfig(grad_reduce_in_fp32=...)),
+# optimizer_cpu_offload (False). model_config.py turns sequence_parallel off without tensor parallelism and on with
+# tensor and expert parallelism both. The parameters are bf16 when model_args.dtype is bf16 (worker_config.py sets
+# training_args.bf16), the optimizer's main copy fp32 (get_megatron_optimizer). Under Megatron
+# model_args.disable_gradient_checkpointing is not read (model_providers.py reads it for HF models only): recompute is
+# strategy_config.recompute_granularity. Log-probs: vocab_parallel_logprobs over the tensor-parallel logits
+# (op_compute_log_probs); the profile runs Megatron's vocab-parallel head.
 
 _RANGE = re.compile(r"^\s*list\(\s*range\(\s*(\d+)\s*,\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)\s*\)\s*$")
 
@@ -125,6 +145,91 @@ def _worker(flat: dict[str, Any], role: str) -> dict[str, Any]:
         "infer_cap": as_int(flat.get(w + "max_tokens_per_microbatch_in_infer")),
         "infer_round": as_int(flat.get(w + "sequence_length_round_in_infer")),
         "checkpointing": as_bool(flat.get(w + "model_args.disable_gradient_checkpointing")) is not True,
+        "vpp": as_int(flat.get(config + "virtual_pipeline_model_parallel_size")),
+        "ep": as_int(flat.get(config + "expert_model_parallel_size") or 1),
+        "megatron_sp": as_bool(flat.get(config + "sequence_parallel")) is True,
+        "distributed_optimizer": as_bool(flat.get(config + "use_distributed_optimizer")) is True,
+        "recompute": flat.get(config + "recompute_granularity"),
+    }
+
+
+#: strategy_config keys of megatron_train batchfit's Megatron profile does not reproduce: key → (ROLL's default, what
+#: the budgets leave out). mcore_adapter/src/mcore_adapter/training_args.py (8eb27cc2) for the defaults.
+_MEGATRON_UNMODELLED: dict[str, tuple[Any, str]] = {
+    "recompute_method": (None, "a recompute method other than uniform (batchfit's full recompute checkpoints every layer)"),
+    "recompute_num_layers": (None, "recompute over more than 1 layer per unit (batchfit's full recompute checkpoints every layer)"),
+    "recompute_modules": (None, "selective recompute's modules"),
+    "expert_tensor_parallel_size": (None, "the experts' own tensor-parallel size"),
+    "optimizer_cpu_offload": (False, "the optimizer state offloaded to the host (counted on the GPU: budgets lower than the run needs)"),
+    "optimizer_offload_fraction": (0.0, "part of the optimizer state on the host (counted on the GPU)"),
+    "fp8": (None, "FP8 GEMMs (Transformer Engine)"),
+}
+
+
+def _megatron(flat: dict[str, Any], actor: dict[str, Any], workers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What ``profile`` reads of ``actor_train``'s Megatron strategy (NOTE [ ROLL's Megatron strategy ]): the layout,
+    the recompute, the warnings and faults of what it does not model, and the settings it refuses."""
+    config = "actor_train.strategy_args.strategy_config."
+    warnings: list[str] = []
+    faults: list[str] = []
+    refused: dict[str, str] = {}
+    tp, ep = actor["tp"], actor["ep"]
+    sp = actor["megatron_sp"]
+    if is_positive_int(tp) and tp > 1 and is_positive_int(ep) and ep > 1:
+        sp = True  # model_config.py: expert and tensor parallelism need sequence parallelism
+    sp = sp and is_positive_int(tp) and tp > 1  # model_config.py: off without tensor parallelism
+    vpp = actor["vpp"]
+    if vpp is not None and not is_positive_int(vpp):
+        faults.append(f"{config}virtual_pipeline_model_parallel_size={short_repr(vpp)} must be a positive integer")
+    if flat.get(config + "pipeline_model_parallel_layout") is not None:
+        faults.append(
+            f"{config}pipeline_model_parallel_layout={short_repr(flat.get(config + 'pipeline_model_parallel_layout'))} "
+            "lays layers out unevenly over the pipeline, which batchfit does not model (its stages hold equal layers); "
+            "use virtual_pipeline_model_parallel_size, or profile without it"
+        )
+    recompute = actor["recompute"]
+    if recompute not in (None, "full"):
+        warnings.append(
+            f"{config}recompute_granularity={short_repr(recompute)} recomputes parts of each layer, which batchfit does "
+            "not model: profiled without recompute (more activations than the run keeps: the budgets are conservative); "
+            "set it to full to profile Megatron's full recompute"
+        )
+    for key, (default, what) in _MEGATRON_UNMODELLED.items():
+        value = flat.get(config + key)
+        if value is not None and value != default:
+            warnings.append(
+                f"{config}{key}={short_repr(value)} is not modelled ({what}); ROLL's default is {short_repr(default)}"
+            )
+    if as_bool(flat.get(config + "accumulate_allreduce_grads_in_fp32")) is not True:
+        warnings.append(
+            f"{config}accumulate_allreduce_grads_in_fp32 is false (ROLL's default): Megatron keeps a bf16 gradient "
+            "buffer and casts it to fp32 at the optimizer step, where batchfit's Megatron profile keeps an fp32 buffer "
+            "(grad_reduce_in_fp32); the budgets are for the run with it set true (--emit roll writes it)"
+        )
+    if flat.get("actor_train.model_args.lora_target") is not None:
+        refused["lora"] = f"actor_train.model_args.lora_target={short_repr(flat.get('actor_train.model_args.lora_target'))}"
+    if "critic" in workers:
+        refused["critic"] = f"adv_estimator={short_repr(flat.get('adv_estimator'))}"
+    ref = workers.get("reference")
+    if ref is not None:
+        layout = ("tp", "pp", "cp")
+        if not (isinstance(ref["strategy"], str) and "megatron" in ref["strategy"]) or any(
+            ref[k] != actor[k] for k in layout
+        ):
+            warnings.append(
+                f"reference.strategy_args ({ref['strategy']}, tensor {ref['tp']} × pipeline {ref['pp']} × context "
+                f"{ref['cp']}) differs from actor_train's Megatron layout: batchfit profiles the reference laid out as "
+                "the actor"
+            )
+    return {
+        "sp": sp,
+        "vpp": vpp if is_positive_int(vpp) and vpp > 1 else None,
+        "ep": ep if is_positive_int(ep) else 1,
+        "distributed_optimizer": actor["distributed_optimizer"],
+        "recompute": recompute == "full",
+        "warnings": warnings,
+        "faults": faults,
+        "refused": refused,
     }
 
 
@@ -196,9 +301,18 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
     workers = {"actor_train": actor, **({"reference": _worker(flat, "reference")} if reference else {})}
     if critic:
         workers["critic"] = _worker(flat, "critic")
-    notes.append(
-        f"{TITLE} computes log-probs from the whole logits; profiled with batchfit's full head (fp32 log_softmax)"
-    )
+    mcore = _megatron(flat, actor, workers) if megatron else None
+    if mcore is not None:
+        warnings += mcore["warnings"]
+        faults += mcore["faults"]
+        notes.append(
+            f"{TITLE}'s {name} computes log-probs from the tensor-parallel logits (vocab_parallel_logprobs); profiled "
+            "with Megatron's vocab-parallel head"
+        )
+    else:
+        notes.append(
+            f"{TITLE} computes log-probs from the whole logits; profiled with batchfit's full head (fp32 log_softmax)"
+        )
     run = FrameworkRun(
         vocabulary="roll",
         batch=batch,
@@ -208,7 +322,17 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
         max_seq_len=max_seq_len if is_positive_int(max_seq_len) else None,
         max_response_len=response if is_positive_int(response) else None,
         strategy=strategy,
-        gradient_checkpointing=actor["checkpointing"],
+        gradient_checkpointing=mcore["recompute"] if mcore is not None else actor["checkpointing"],
+        **(
+            {
+                "megatron_sequence_parallel": mcore["sp"],
+                "distributed_optimizer": mcore["distributed_optimizer"],
+                "virtual_pipeline_parallel": mcore["vpp"],
+                "expert_parallel": mcore["ep"],
+            }
+            if mcore is not None
+            else {}
+        ),
         remove_padding=True,  # the cap bounds padded tokens; a packed budget of as many tokens bounds it (emit)
         critic_remove_padding=True if critic else None,
         engine=_engine(flat),
@@ -222,6 +346,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
             "world_size": "actor_train.device_mapping",
             "model": "pretrain",
             "strategy": "actor_train.strategy_args.strategy_name",
+            **(refused_sources(mcore["refused"]) if mcore is not None else {}),
         },
         rules=rules,
         values={"workers": workers, "dp": dp, "n": n, "prompts": prompts, "strategy_name": name},
@@ -320,18 +445,23 @@ def _key_names(by_prompt: bool) -> dict[str, str]:
     }
 
 
+_REFUSAL_WHY = {
+    "lora": (
+        "trains LoRA adapters on Megatron (mcore_adapter's LoRA layers), which batchfit's Megatron profile does not model",
+        "drop it, or train LoRA with actor_train.strategy_args.strategy_name=fsdp2_train",
+    ),
+    "critic": (
+        "trains a critic (rlvr_pipeline.py: gae) beside the Megatron actor, which batchfit's Megatron profile does not "
+        "model",
+        "use a critic-free estimator (adv_estimator: reinforce or grpo), or train with fsdp2_train",
+    ),
+}
+
+
 def strategy_refusal(run: Any) -> str | None:
-    """Why ``profile`` cannot model ROLL's Megatron strategy, and the approximation a flag gives; ``None`` for fsdp2_train."""
-    if run.strategy == "fsdp":
-        return None
-    cfg = run.batch
-    return (
-        f"actor_train trains with {run.values.get('strategy_name')} (Megatron-core: tensor {cfg.tensor_parallel} × "
-        f"pipeline {cfg.pipeline_parallel} × context {cfg.context_parallel}), which batchfit does not model; pass "
-        "--sharding fsdp2 to profile FSDP2 over the same GPUs instead (an approximation: FSDP2 shards parameters and "
-        "gradients that Megatron keeps per tensor × pipeline group, and holds whole activations that tensor "
-        "parallelism splits)"
-    )
+    """Why ``profile`` cannot model a ROLL Megatron run (LoRA, a critic: NOTE [ What a Megatron profile refuses ]),
+    naming the key, its value and the fix; ``None`` when it can, and for fsdp2_train."""
+    return first_refusal(run, _REFUSAL_WHY)
 
 
 SPEC = FrameworkSpec(
