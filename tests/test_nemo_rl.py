@@ -162,9 +162,9 @@ def test_an_unmodelled_key_is_a_warning(tmp_path):
     ("sections", "match"),
     [
         pytest.param(
-            {"policy__megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 2}, "policy__dtensor_cfg": {"enabled": False}},
-            r"NeMo-RL's Megatron backend .*tensor 2 × pipeline 1 × context 1.* pass --sharding fsdp2",
-            id="megatron",
+            {"policy__megatron_cfg": {"enabled": True, "peft": {"enabled": True}}, "policy__dtensor_cfg": {"enabled": False}},
+            r"policy.megatron_cfg.peft.enabled=True trains Megatron-Bridge LoRA adapters",
+            id="megatron-lora",
         ),
         pytest.param(
             {"policy__dtensor_cfg": {"tensor_parallel_size": 2}},
@@ -185,6 +185,49 @@ def test_what_profile_does_not_model_is_refused_naming_the_approximation(tmp_pat
     run = read_run_config(_config(tmp_path, **sections))
     with pytest.raises(InvalidArgument, match=match):
         run_profile_options(run, {})
+
+
+MEGATRON_EXAMPLE = EXAMPLES / "nemo_rl_grpo_megatron.yaml"
+
+
+def _megatron_config(tmp_path, **megatron_cfg) -> Path:
+    data = yaml.safe_load(MEGATRON_EXAMPLE.read_text(encoding="utf-8"))
+    data["policy"]["megatron_cfg"] = _merge(data["policy"]["megatron_cfg"], megatron_cfg)
+    path = tmp_path / "nemo_rl_megatron.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def test_megatron_cfg_reads_into_a_megatron_run(tmp_path):
+    run = read_run_config(MEGATRON_EXAMPLE)  # grpo_math_1B_megatron.yaml: tp 1, distributed optimizer, bf16
+    assert (run.strategy, run.dtype, run.distributed_optimizer, run.gradient_checkpointing) == ("megatron", "bf16", True, False)
+    # grpo_math_1B.yaml's defaults: the precision-aware optimizer and a bf16 gradient buffer, each warned
+    assert any(w.startswith("policy.megatron_cfg.optimizer.use_precision_aware_optimizer=True is not modelled") for w in run.warnings)
+    assert any("grad_reduce_in_fp32=False is not modelled" for w in run.warnings)
+    run = read_run_config(_megatron_config(
+        tmp_path, tensor_model_parallel_size=2, sequence_parallel=True, activation_checkpointing=True,
+        optimizer={"use_distributed_optimizer": False},
+    ))  # fmt: skip
+    assert (run.batch.tensor_parallel, run.megatron_sequence_parallel, run.gradient_checkpointing) == (2, True, True)
+    assert run.distributed_optimizer is False
+    selective = read_run_config(_megatron_config(tmp_path, activation_checkpointing=True, recompute_granularity="selective"))
+    assert selective.gradient_checkpointing is False and any("recompute_granularity='selective'" in w for w in selective.warnings)
+
+
+def test_a_megatron_profile_emits_megatron_cfg():
+    from batchfit.parallel.sharding import Sharding
+
+    run = read_run_config(MEGATRON_EXAMPLE)
+    sharding = Sharding("megatron", world_size=4, tensor_parallel=2, megatron_sequence_parallel=True, distributed_optimizer=True)
+    a = _assumptions()
+    a = type(a)(**{**a.__dict__, "sharding": sharding, "dtypes": {"policy": "bf16"}})
+    keys = {k.path: k.value for k in nemo_rl_emit.assumption_keys(run, a, True) if k.path}
+    mg = "policy.megatron_cfg."
+    assert keys[mg + "enabled"] is True and keys["policy.dtensor_cfg.enabled"] is False
+    assert (keys[mg + "tensor_model_parallel_size"], keys[mg + "sequence_parallel"], keys["policy.precision"]) == (2, True, "bfloat16")
+    assert keys[mg + "optimizer.use_precision_aware_optimizer"] is False
+    assert keys[mg + "distributed_data_parallel_config.grad_reduce_in_fp32"] is True
+    assert (keys[mg + "activation_checkpointing"], keys[mg + "recompute_granularity"]) == (True, "full")
 
 
 def test_the_token_keys_pack_and_take_each_pass_s_budget():
@@ -293,3 +336,20 @@ def _merge(base: dict, extra: dict) -> dict:
     for key, value in extra.items():
         out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
     return out
+
+
+@pytest.mark.slow
+def test_the_megatron_example_profiles_under_megatron_and_emits_nemo_rls_token_keys(tmp_path):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
+    argv = ["profile", "--config", str(MEGATRON_EXAMPLE), "--model", "tiny", "--backend", "estimate",
+            "--engine-reserve", "0", "--no-progress", "--emit", "nemo_rl"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _CLI, *argv], capture_output=True, text=True, timeout=600, env={**os.environ}, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "megatron over 1 rank" in done.stdout
+    emitted = yaml.safe_load(done.stdout)
+    packing = emitted["policy"]["sequence_packing"]
+    assert packing["train_mb_tokens"] >= 512 and packing["logprob_mb_tokens"] >= packing["train_mb_tokens"]
+    assert emitted["policy"]["megatron_cfg"]["enabled"] is True

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchfit.frameworks.megatron_refusals import first_refusal, refused_sources
 from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     RunConfig,
@@ -212,15 +213,16 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
     if reference:
         notes.append(
             "reference log-probs run on the policy's own model with the reference weights swapped in "
-            "(dtensor_policy_worker_v2.py use_reference_model: a pinned host copy of the state dict), over the "
-            "log-prob micro-batches: the policy's forward pass covers them"
+            + (
+                "(megatron/setup.py setup_reference_model_state: a host copy of the state dict), over the "
+                if megatron
+                else "(dtensor_policy_worker_v2.py use_reference_model: a pinned host copy of the state dict), over the "
+            )
+            + "log-prob micro-batches: the policy's forward pass covers them"
         )
-    if megatron:
-        notes.append(
-            "this config trains with Megatron (policy.megatron_cfg.enabled), which batchfit does not profile: "
-            "`profile --config` needs --sharding (fsdp2 over the same GPUs is an approximation; see the error it "
-            "gives without)"
-        )
+    mcore = _megatron(flat, tp, precision) if megatron else None
+    if mcore is not None:
+        warnings += mcore["warnings"]
     warnings += unmodelled_warnings(given, framework_defaults("nemo_rl"), UNMODELLED, schema.title)
     engine = _engine(flat)
     prefix = (MG if megatron else DT) + "env_vars."  # a section, flattened
@@ -235,10 +237,23 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         max_response_len=response if is_positive_int(response) and max_seq_len and response < max_seq_len else None,
         strategy=strategy,
         offload="cpu" if not megatron and as_bool(flat.get(DT + "cpu_offload")) is True else "none",
-        mixed_precision=mixed,
-        dtype="fp32",  # automodel/setup.py: AutoConfig(torch_dtype=float32) "Always load in float32 for master weights"
+        mixed_precision=None if mcore is not None else mixed,
+        # automodel/setup.py: AutoConfig(torch_dtype=float32) "Always load in float32 for master weights"; Megatron:
+        # megatron/setup.py _apply_precision_config, params_dtype from policy.precision
+        dtype=mcore["dtype"] if mcore is not None else "fp32",
         reference_dtype="fp32",
-        gradient_checkpointing=as_bool(flat.get((MG if megatron else DT) + "activation_checkpointing")) is True,
+        gradient_checkpointing=mcore["recompute"]
+        if mcore is not None
+        else as_bool(flat.get(DT + "activation_checkpointing")) is True,
+        **(
+            {
+                "megatron_sequence_parallel": mcore["sp"],
+                "distributed_optimizer": mcore["distributed_optimizer"],
+                "expert_parallel": mcore["ep"],
+            }
+            if mcore is not None
+            else {}
+        ),
         remove_padding=packing,  # dynamic batching pads each micro-batch to its longest (rounded) sequence
         temperature=flat.get(GEN + "temperature"),
         engine=engine,
@@ -268,11 +283,92 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
             "model": P + "model_name",
             "remove_padding": PACK + "enabled",
             "strategy": MG + "enabled" if megatron else DT + "enabled",
+            **(refused_sources(mcore["refused"]) if mcore is not None else {}),
         },
     )
     if misspelt:
         every_fault(run, misspelt)
     return run
+
+
+# NOTE [ NeMo-RL's Megatron backend ]
+# nemo_rl/models/megatron/setup.py (7ea279ab) copies policy.megatron_cfg onto Megatron-Bridge's model provider:
+# tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel, context_parallel_size (which needs
+# sequence packing), expert_model_parallel_size (_apply_moe_config); params_dtype from policy.precision
+# (_apply_precision_config: bfloat16 → bf16 parameters); activation_checkpointing with recompute_granularity "full"
+# is uniform over 1 layer (batchfit's full recompute), "selective" recomputes modules batchfit does not model. The
+# DDP config's grad_reduce_in_fp32 (default false) and the optimizer's use_distributed_optimizer (default true) are
+# megatron_cfg.distributed_data_parallel_config's and megatron_cfg.optimizer's. grpo_math_1B.yaml turns on
+# optimizer.use_precision_aware_optimizer, Transformer Engine's FusedAdam keeping the main parameters and moments in
+# the optimizer's own dtypes: batchfit's Megatron profile runs the standard distributed optimizer (fp32 main shards,
+# fp32 moments), so a config with it on is profiled as if it were off, and warned. The reference is a host copy of
+# the weights swapped in (setup_reference_model_state), as on the DTensor path.
+
+#: megatron_cfg keys batchfit's Megatron profile does not reproduce (checked against the merged config, the defaults
+#: included): key → (the value batchfit profiles, what the budgets leave out).
+MEGATRON_UNMODELLED: dict[str, tuple[Any, str]] = {
+    MG + "optimizer.use_precision_aware_optimizer": (
+        False,
+        "Megatron's precision-aware optimizer (Transformer Engine's FusedAdam, main parameters and moments in its own "
+        "dtypes); batchfit profiles the standard distributed optimizer (fp32 main shards and moments): set it to "
+        "false to run as profiled",
+    ),
+    MG + "distributed_data_parallel_config.grad_reduce_in_fp32": (
+        True,
+        "a bf16 gradient buffer, cast to fp32 at the optimizer step; batchfit's Megatron profile keeps an fp32 buffer: "
+        "set it to true to run as profiled",
+    ),
+    MG + "optimizer.optimizer_cpu_offload": (False, "the optimizer state offloaded to the host (counted on the GPU)"),
+    MG + "optimizer.optimizer_offload_fraction": (0.0, "part of the optimizer state on the host (counted on the GPU)"),
+    MG + "use_fused_linear_logprobs": (
+        False,
+        "log-probs fused with the output layer in chunks (profiled with Megatron's vocab-parallel head over the "
+        "whole logits: an upper bound)",
+    ),
+    MG + "fine_grained_activation_offloading": (False, "activations of some modules offloaded to the host"),
+    MG + "fp8_cfg.enabled": (False, "FP8 GEMMs (Transformer Engine)"),
+    MG + "expert_tensor_parallel_size": (1, "the experts' own tensor-parallel size"),
+    MG + "num_layers_in_first_pipeline_stage": (None, "an uneven pipeline (batchfit's stages hold equal layers)"),
+    MG + "num_layers_in_last_pipeline_stage": (None, "an uneven pipeline (batchfit's stages hold equal layers)"),
+}
+
+_MEGATRON_REFUSAL_WHY = {
+    "lora": (
+        "trains Megatron-Bridge LoRA adapters, which batchfit's Megatron profile does not model",
+        f"set it to false, or train with {DT}enabled: true",
+    ),
+}
+
+
+def _megatron(flat: dict[str, Any], tp: Any, precision: str | None) -> dict[str, Any]:
+    """What ``profile`` reads of ``policy.megatron_cfg`` (NOTE [ NeMo-RL's Megatron backend ]): the layout, the
+    recompute, the dtype, the warnings of what it does not model and the settings it refuses."""
+    warnings = []
+    for key, (modelled, what) in MEGATRON_UNMODELLED.items():
+        value = flat.get(key)
+        if value is not None and value != modelled:
+            warnings.append(f"{key}={short_repr(value)} is not modelled: {what}")
+    checkpointing = as_bool(flat.get(MG + "activation_checkpointing")) is True
+    granularity = flat.get(MG + "recompute_granularity", "full")
+    if checkpointing and granularity != "full":
+        warnings.append(
+            f"{MG}recompute_granularity={short_repr(granularity)} recomputes some modules of each layer, which batchfit "
+            "does not model: profiled without recompute (more activations than the run keeps); set it to full to "
+            "profile Megatron's full recompute"
+        )
+    refused = {}
+    if as_bool(flat.get(MG + "peft.enabled")) is True:
+        refused["lora"] = f"{MG}peft.enabled=True"
+    ep = as_int(flat.get(MG + "expert_model_parallel_size", 1))
+    return {
+        "sp": as_bool(flat.get(MG + "sequence_parallel")) is True and is_positive_int(tp) and tp > 1,
+        "distributed_optimizer": as_bool(flat.get(MG + "optimizer.use_distributed_optimizer")) is True,
+        "ep": ep if is_positive_int(ep) else 1,
+        "recompute": checkpointing and granularity == "full",
+        "dtype": "bf16" if precision == "bf16" else "fp32",
+        "warnings": warnings,
+        "refused": refused,
+    }
 
 
 def _product(a: Any, b: Any) -> Any:
@@ -446,16 +542,11 @@ def _key_names(by_prompt: bool, megatron: bool) -> dict[str, str]:
 
 
 def strategy_refusal(run: Any) -> str | None:
-    """Why ``profile`` cannot model NeMo-RL's Megatron or DTensor-TP training, and the approximation a flag gives."""
+    """Why ``profile`` cannot model NeMo-RL's Megatron training (its LoRA: NOTE [ What a Megatron profile refuses ]) or
+    its DTensor tensor parallelism, and the approximation a flag gives; ``None`` when it can."""
     cfg = run.batch
     if run.strategy == "megatron":
-        return (
-            f"the config trains with NeMo-RL's Megatron backend ({MG}enabled: tensor {cfg.tensor_parallel} × pipeline "
-            f"{cfg.pipeline_parallel} × context {cfg.context_parallel} parallel, data parallel over the rest), which "
-            "batchfit does not model; pass --sharding fsdp2 to profile FSDP2 over the same GPUs instead (an "
-            "approximation: FSDP2 shards parameters and gradients that Megatron keeps per tensor × pipeline group, and "
-            f"holds whole activations that tensor parallelism splits), or set {DT}enabled: true and {MG}enabled: false"
-        )
+        return first_refusal(run, _MEGATRON_REFUSAL_WHY)
     if run.strategy == "dtensor_tp":
         return (
             f"the config's {DT}tensor_parallel_size={cfg.tensor_parallel} splits each layer's weights and activations "

@@ -95,9 +95,9 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     check_strategy(
         target,
         a,
-        ("fsdp2",),
-        "NeMo-RL's DTensor path shards with FSDP2 (nemo_rl/models/automodel/setup.py setup_distributed: FSDP2Config, "
-        "fully_shard)",
+        ("fsdp2", "megatron"),
+        "NeMo-RL trains with its DTensor path (FSDP2: nemo_rl/models/automodel/setup.py setup_distributed) or its "
+        "Megatron backend (policy.megatron_cfg)",
     )
     if "critic" in a.roles:
         raise refuse(
@@ -106,6 +106,8 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             "batchfit reads NeMo-RL's GRPO config, which trains no value model",
             "profile without the critic (--roles policy,policy_forward)",
         )
+    if s.strategy == "megatron":
+        return _megatron_keys(run, a)
     if s.sequence_parallel > 1:
         raise refuse(
             target,
@@ -184,6 +186,80 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             "(FSDP2Config(activation_checkpointing))",
         ),
         Key("policy.precision", precision, f"{precision} compute over fp32 master weights, fp32 gradient reduction"),
+        Key(
+            "policy.offload_optimizer_for_logprob",
+            a.optimizer_offload,
+            "the optimizer state "
+            + ("leaves" if a.optimizer_offload else "stays on")
+            + " the GPUs during the log-prob passes, as profiled",
+        ),
+    ]
+
+
+_MG = "policy.megatron_cfg."
+
+
+def _megatron_keys(run: RunConfig, a: Assumptions) -> list[Key]:
+    """``policy.megatron_cfg`` as profiled (NOTE [ NeMo-RL's Megatron backend ] in :mod:`batchfit.frameworks.nemo_rl`).
+
+    Raises:
+        EmitError: context or expert parallelism, virtual pipeline stages, LoRA, activation offload, a dtype other
+            than bf16 or fp32, another head than Megatron's.
+    """
+    target = "nemo_rl"
+    s = a.sharding
+    for flag, value, why in (
+        (f"--context-parallel {s.context_parallel}", s.context_parallel > 1,
+         "batchfit has not checked how NeMo-RL's packed bins meet Megatron's context-parallel split"),
+        (f"--expert-parallel {s.expert_parallel}", s.expert_parallel > 1,
+         "batchfit does not write NeMo-RL's MoE keys (expert_model_parallel_size beside expert_tensor_parallel_size)"),
+        (f"--virtual-pipeline-parallel {s.virtual_pipeline_parallel}", bool(s.virtual_pipeline_parallel),
+         "policy.megatron_cfg has no virtual-pipeline key at 7ea279ab"),
+        ("--lora-rank", a.lora.get("policy") is not None, "batchfit does not write NeMo-RL's Megatron LoRA (peft)"),
+        ("--activation-offload", a.activation_offload, "batchfit does not write NeMo-RL's Megatron activation offload"),
+    ):  # fmt: skip
+        if value:
+            raise refuse(target, flag, why, f"profile without {flag.split()[0]}")
+    precision = {"bf16": "bfloat16", "fp32": "float32"}.get(a.trained_dtype)
+    if precision is None:
+        raise refuse(target, f"--dtype {a.trained_dtype}", "batchfit writes NeMo-RL's Megatron run in bf16 or fp32",
+                     "pass --dtype bf16")  # fmt: skip
+    nodes, per_node = nodes_and_gpus(run, a, target)
+    engine = run.engine if run.vocabulary == target else None
+    gpus = (
+        [Key("", False, f"the policy was profiled on {s.world_size} GPUs: keep cluster.* and policy.generation.colocated."
+             "resources so that the policy keeps that many (grpo.py setup gives generation its own GPUs)")]
+        if engine is not None and not engine.colocated
+        else [Key("cluster.num_nodes", nodes, f"the {s.world_size} GPUs profiled (generation colocated on them)"),
+              Key("cluster.gpus_per_node", per_node)]
+    )  # fmt: skip
+    recompute = a.gradient_checkpointing
+    return [
+        *gpus,
+        Key(_MG + "enabled", True, f"the Megatron backend, profiled as {s.describe()} (nemo_rl/models/megatron/setup.py)"),
+        Key(_DT + "enabled", False),
+        Key(_MG + "tensor_model_parallel_size", s.tensor_parallel,
+            f"Megatron's layout as profiled: tensor {s.tensor_parallel} × pipeline {s.pipeline_parallel} × data "
+            f"{s.data_parallel_size}"),
+        Key(_MG + "pipeline_model_parallel_size", s.pipeline_parallel),
+        Key(_MG + "context_parallel_size", 1),
+        Key(_MG + "expert_model_parallel_size", 1),
+        Key(_MG + "sequence_parallel", s.megatron_sequence_parallel,
+            "activations outside attention split over the tensor-parallel group, as profiled"
+            if s.megatron_sequence_parallel else "activations whole on each tensor-parallel rank, as profiled"),
+        Key(_MG + "optimizer.use_distributed_optimizer", s.distributed_optimizer,
+            f"optimizer state sharded over the {s.data_parallel_size} data-parallel ranks, as profiled"
+            if s.distributed_optimizer else "optimizer state whole on every data-parallel rank, as profiled"),
+        Key(_MG + "optimizer.use_precision_aware_optimizer", False,
+            "the standard distributed optimizer (fp32 main shards and moments), as profiled; grpo_math_1B.yaml turns "
+            "the precision-aware one on, which batchfit does not model"),
+        Key(_MG + "distributed_data_parallel_config.grad_reduce_in_fp32", True, "an fp32 gradient buffer, as profiled"),
+        Key(_MG + "activation_checkpointing", recompute,
+            "every layer's input checkpointed (recompute full, uniform over 1 layer: megatron/setup.py), as profiled"
+            if recompute else "no recompute, as profiled"),
+        *([Key(_MG + "recompute_granularity", "full")] if recompute else []),
+        Key(_MG + "use_fused_linear_logprobs", False, "log-probs from the vocab-parallel logits, the head profiled"),
+        Key("policy.precision", precision, f"{precision} parameters (megatron/setup.py _apply_precision_config)"),
         Key(
             "policy.offload_optimizer_for_logprob",
             a.optimizer_offload,
