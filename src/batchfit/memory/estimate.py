@@ -13,7 +13,7 @@ from batchfit.memory.cuda_untracked import UntrackedMemory, untracked_memory
 from batchfit.memory.fake_fsdp1 import fsdp1_fake_patches
 from batchfit.memory.fake_patches import transformers_fake_patches
 from batchfit.memory.observed_fake import ObservedFakeTensorMode, ObservingTracker
-from batchfit.memory.tracked_backend import TrackedBackend, _Trial
+from batchfit.memory.tracked_backend import TrackedBackend
 
 #: Default storage rounding: the CUDA caching allocator hands out multiples of 512 bytes.
 DEFAULT_ROUND_TO = 512
@@ -103,17 +103,11 @@ class EstimateBackend(TrackedBackend):
         fake_mode.__deepcopy__ = lambda memo: fake_mode  # NOTE [ Deep copies of fake tensors ]
         self._depth = 0
 
-    def _prepare(
-        self,
-        registered: list[tuple[torch.Tensor, str]],
-        parameters: list[torch.nn.Parameter],
-        host_categories: Sequence[str],
-    ) -> _Trial:
+    def _tracker(self, host_categories: Sequence[str]) -> ObservingTracker:
         """The trial's tracker is fed by this backend's fake mode (NOTE [ The estimate's tracker is fed by its fake mode ])."""
-        tracker = ObservingTracker(
+        return ObservingTracker(
             self.fake_mode, round_to=self.round_to, limit_bytes=self._abort_bytes(), host_categories=host_categories
         )
-        return _Trial(tracker, registered, parameters)
 
     @property
     def kept_values_bytes(self) -> int | None:

@@ -53,10 +53,11 @@ class TrackedBackend(Backend):
         parameters: list[torch.nn.Parameter],
         host_categories: Sequence[str],
     ) -> _Trial:
-        tracker = MemoryTracker(
-            round_to=self.round_to, limit_bytes=self._abort_bytes(), host_categories=host_categories
-        )
-        return _Trial(tracker, registered, parameters)
+        return _Trial(self._tracker(host_categories), registered, parameters)
+
+    def _tracker(self, host_categories: Sequence[str]) -> MemoryTracker:
+        """The trial's tracker: a dispatch mode here; the estimate's is fed by its fake mode."""
+        return MemoryTracker(round_to=self.round_to, limit_bytes=self._abort_bytes(), host_categories=host_categories)
 
     @contextlib.contextmanager
     def _running(self, state: _Trial) -> Iterator[None]:
