@@ -122,7 +122,37 @@ def test_a_misspelt_key_names_the_one_meant(tmp_path):
         read_run_config(path)
 
 
-@pytest.mark.parametrize("backend", ["megatron:d2p2t1", "fsdp:d2t2"])
+MEGATRON_EXAMPLE = EXAMPLE.with_name("areal_gsm8k_grpo_megatron.yaml")
+
+
+def test_the_megatron_backend_reads_into_a_megatron_run(tmp_path):
+    run = read_run_config(MEGATRON_EXAMPLE)  # gsm8k_grpo_megatron.yaml: megatron:d4p1t1
+    assert (run.strategy, run.dtype, run.distributed_optimizer, run.megatron_sequence_parallel) == ("megatron", "bf16", True, False)
+    assert run.mixed_precision is None and run.warnings == ()  # AReaL's Megatron defaults are batchfit's
+    path = _config(tmp_path, **{"actor.backend": "megatron:d1t2p2", "actor.gradient_checkpointing": True,
+                                "actor.megatron.virtual_pipeline_parallel_size": 2, "actor.megatron.ddp.grad_reduce_in_fp32": False})  # fmt: skip
+    run = read_run_config(path)
+    assert (run.batch.tensor_parallel, run.batch.pipeline_parallel, run.virtual_pipeline_parallel) == (2, 2, 2)
+    assert run.megatron_sequence_parallel is True and run.gradient_checkpointing is True  # t > 1: SP; full, uniform, 1
+    assert any("grad_reduce_in_fp32=False is not modelled" in w for w in run.warnings)
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        pytest.param({"actor.use_lora": True}, "actor.use_lora=True trains Megatron LoRA", id="lora"),
+        pytest.param({"critic": {"path": "tiny"}}, "critic (a section) trains a critic", id="critic"),
+    ],
+)
+def test_profile_refuses_what_its_megatron_profile_does_not_model(tmp_path, capsys, changes, match):
+    from batchfit.cli import main
+
+    path = _config(tmp_path, **{"actor.backend": "megatron:d4", "actor.path": "tiny", **changes})
+    assert main(["profile", "--config", str(path), "--backend", "estimate", "--no-progress"]) == 2
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["fsdp:d2t2"])
 def test_profile_refuses_what_it_does_not_model_and_names_the_approximation(tmp_path, capsys, backend):
     from batchfit.cli import main
 
@@ -132,11 +162,11 @@ def test_profile_refuses_what_it_does_not_model_and_names_the_approximation(tmp_
     assert "which batchfit does not model; pass --sharding fsdp2" in err, err
 
 
-def _emitted(run, budgets):
+def _emitted(run, budgets, sharding=None):
     options = ProfileOptions(
         max_seq_len=run.max_seq_len,
         backend="estimate",
-        sharding=Sharding("fsdp2", world_size=run.world_size),
+        sharding=sharding or Sharding("fsdp2", world_size=run.world_size),
         cost="packed",
         gradient_checkpointing=bool(run.gradient_checkpointing),
     )
@@ -169,6 +199,16 @@ def test_emitted_caps_are_each_engines_smallest_budget_in_pages_of_256(tmp_path)
     assert read_run_config(path).plan().config.max_tokens_per_micro_batch == 12_288
 
 
+def test_a_megatron_profile_emits_the_megatron_engines_keys():
+    run = read_run_config(MEGATRON_EXAMPLE)
+    sharding = Sharding("megatron", world_size=4, tensor_parallel=2, megatron_sequence_parallel=True, distributed_optimizer=True)
+    out = yaml.safe_load(_emitted(run, {"policy": 12_345, "policy_forward": 30_000}, sharding))
+    actor = out["actor"]
+    assert actor["backend"] == "megatron:d2t2" and actor["mb_spec"]["max_tokens_per_mb"] == 12_288
+    assert actor["megatron"]["ddp"] == {"use_distributed_optimizer": True, "grad_reduce_in_fp32": True}
+    assert actor["megatron"]["use_precision_aware_optimizer"] is False
+
+
 def test_a_budget_below_the_longest_sequence_says_areal_raises(tmp_path):
     run = read_run_config(EXAMPLE)
     text = _emitted(run, {"policy": 1_000, "policy_forward": 3_000})
@@ -186,3 +226,18 @@ def test_profile_emits_areals_keys_for_the_example_on_the_tiny_preset(tmp_path, 
     caps = [int(v) for v in re.findall(r"max_tokens_per_mb: (\d+)", out)]
     assert len(caps) == 1 and caps[0] % 256 == 0 and caps[0] >= 2048, out
     assert "backend: fsdp:d4" in out and "old log-probs: yours actor.mb_spec.max_tokens_per_mb=10,240" in out
+
+
+@pytest.mark.slow
+def test_the_megatron_example_profiles_under_megatron_and_emits_areals_keys(tmp_path, capsys):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
+    from batchfit.cli import main
+
+    argv = ["profile", "--config", str(MEGATRON_EXAMPLE), "--model", "tiny", "--backend", "estimate", "--engine-reserve", "0",
+            "--no-progress", "--emit", "areal"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    caps = [int(v) for v in re.findall(r"max_tokens_per_mb: (\d+)", out)]
+    assert len(caps) == 1 and caps[0] % 256 == 0 and caps[0] >= 2048, out
+    assert "megatron over 4 ranks" in out and "backend: megatron:d4" in out, out

@@ -25,6 +25,7 @@ import re
 from typing import Any
 
 from batchfit.frameworks.flags import FrameworkRun, Verdict
+from batchfit.frameworks.megatron_refusals import first_refusal, refused_sources
 from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     as_bool,
@@ -221,6 +222,10 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
             "adam_bf16 keeps bf16 moments and sgd none, where batchfit profiles AdamW (the budgets are then conservative); "
             "profile with adam, or confirm this setting on the device (profile --confirm)"
         )
+    mcore = _megatron(flat, actor, has_critic, reference) if actor.name == "megatron" and not actor.fault else None
+    if mcore is not None:
+        warnings += mcore["warnings"]
+        faults += mcore["faults"]
     precision = "bf16" if dtype_name(flat.get("actor.grad_reduce_dtype")) == "fp32" else "none"
     offload = "cpu" if as_bool(flat.get("actor.fsdp.offload_params")) is True else "none"
     colocated, resident = _placement(flat, reference, offload)
@@ -237,10 +242,20 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
         # fsdp_utils/parallel.py parallelize_model: reshard_after_forward=True, MixedPrecisionPolicy(param_dtype=dtype,
         # reduce_dtype=grad_reduce_dtype) over parameters loaded in actor.dtype (fsdp_engine.py _create_llm_actor_or_critic)
         reshard_after_forward=True,
-        mixed_precision=precision,
+        mixed_precision=None if mcore is not None else precision,
         dtype=dtype_name(flat.get("actor.dtype")),
         reference_dtype=dtype_name(_engine_value(flat, "ref", "dtype")) if reference else None,
-        gradient_checkpointing=as_bool(flat.get("actor.gradient_checkpointing")) is True,
+        gradient_checkpointing=mcore["recompute"] if mcore is not None else as_bool(flat.get("actor.gradient_checkpointing")) is True,
+        **(
+            {
+                "megatron_sequence_parallel": mcore["sp"],
+                "distributed_optimizer": mcore["distributed_optimizer"],
+                "virtual_pipeline_parallel": mcore["vpp"],
+                "expert_parallel": mcore["ep"],
+            }
+            if mcore is not None
+            else {}
+        ),
         remove_padding=True,  # fsdp_engine.py _prepare_mb_list: every micro-batch is one packed row (pack_tensor_dict)
         critic_remove_padding=True if has_critic else None,
         temperature=flat.get("actor.temperature"),
@@ -258,6 +273,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
             "world_size": "actor.backend (d × t × p × c)",
             "model": "actor.path",
             "strategy": "actor.backend",
+            **(refused_sources(mcore["refused"]) if mcore is not None else {}),
         },
         rules=rules,
         values={
@@ -447,11 +463,92 @@ def _key_names(by_prompt: bool) -> dict[str, str]:
     }
 
 
+# NOTE [ AReaL's Megatron backend ]
+# actor.backend "megatron:d…t…p…c…e…" trains with areal/engine/megatron_engine.py (4aef98d8): mbridge builds the model
+# in actor.dtype, with Megatron's sequence parallelism whenever tensor parallelism is on
+# (_make_parallel_strategy: use_sequence_parallel=tensor_parallel_size > 1), actor.megatron.virtual_pipeline_parallel_size
+# model chunks per stage (1: none), and under actor.gradient_checkpointing the recompute of actor.megatron (full,
+# uniform, 1 layer by default: batchfit's full recompute). Megatron's DDP and optimizer take actor.megatron.ddp
+# (grad_reduce_in_fp32 and use_distributed_optimizer both true by default; LoRA turns the distributed optimizer off)
+# and use_precision_aware_optimizer (false; adam_bf16 turns it on: _normalize_adam_bf16_config). cli_args.py
+# MegatronEngineConfig and DistributedDataParallelConfig hold the defaults. Profiled as Sharding("megatron").
+
+#: actor.megatron keys batchfit's Megatron profile does not reproduce: key → (the value profiled, what is left out).
+_MEGATRON_UNMODELLED: dict[str, tuple[Any, str]] = {
+    "actor.megatron.use_precision_aware_optimizer": (False, "Megatron's precision-aware optimizer (moments in their own dtypes)"),
+    "actor.megatron.ddp.grad_reduce_in_fp32": (True, "a bf16 gradient buffer (batchfit's Megatron profile keeps it fp32)"),
+    "actor.megatron.use_torch_fsdp2": (False, "Megatron's torch FSDP2 wrapper"),
+    "actor.megatron.use_custom_fsdp": (False, "Megatron's custom FSDP"),
+    "actor.megatron.recompute_modules": (None, "selective recompute's modules"),
+}
+
+
+def _megatron(flat: dict[str, Any], actor: Backend, critic: bool, reference: bool) -> dict[str, Any]:
+    """What ``profile`` reads of the actor's Megatron engine (NOTE [ AReaL's Megatron backend ]): the layout, the
+    recompute, the warnings and faults of what it does not model, and the settings it refuses."""
+    m = "actor.megatron."
+    warnings: list[str] = []
+    faults: list[str] = []
+    refused: dict[str, str] = {}
+    if not actor.sizes:
+        faults.append(
+            f"actor.backend={short_repr(flat.get('actor.backend'))}: hybrid (attn|ffn) Megatron layouts are not modelled "
+            "by batchfit; write the backend as megatron:d…t…p…c…e…"
+        )
+    for key, (modelled, what) in _MEGATRON_UNMODELLED.items():
+        value = flat.get(key)
+        if value is not None and value != modelled:
+            warnings.append(f"{key}={short_repr(value)} is not modelled: {what}; {TITLE}'s default is {short_repr(modelled)}")
+    if flat.get("actor.optimizer.type") == "adam_bf16":
+        warnings.append(
+            "actor.optimizer.type='adam_bf16' turns Megatron's precision-aware optimizer on with bf16 moments "
+            "(megatron_engine.py _normalize_adam_bf16_config), which batchfit does not model: profiled with fp32 moments "
+            "(the budgets are conservative)"
+        )
+    checkpointing = as_bool(flat.get("actor.gradient_checkpointing")) is True
+    recompute = (flat.get(m + "recompute_granularity"), flat.get(m + "recompute_method"), as_int(flat.get(m + "recompute_num_layers")))
+    full = recompute == ("full", "uniform", 1)
+    if checkpointing and not full:
+        warnings.append(
+            f"actor.megatron recompute {recompute} is not batchfit's full recompute (full, uniform, 1 layer): profiled "
+            "without recompute (more activations than the run keeps)"
+        )
+    if as_bool(flat.get("actor.use_lora")) is True:
+        refused["lora"] = "actor.use_lora=True"
+    if critic:
+        refused["critic"] = "critic (a section)"
+    if reference and flat.get("ref.backend") not in (None, flat.get("actor.backend")):
+        warnings.append(
+            f"ref.backend={short_repr(flat.get('ref.backend'))} differs from actor.backend: batchfit profiles the "
+            "reference laid out as the actor"
+        )
+    vpp = as_int(flat.get(m + "virtual_pipeline_parallel_size"))
+    return {
+        "sp": actor.size("t") > 1,
+        "distributed_optimizer": as_bool(flat.get(m + "ddp.use_distributed_optimizer")) is not False,
+        "vpp": vpp if is_positive_int(vpp) and vpp > 1 else None,
+        "ep": actor.size("e"),
+        "recompute": checkpointing and full,
+        "warnings": warnings,
+        "faults": faults,
+        "refused": refused,
+    }
+
+
+_REFUSAL_WHY = {
+    "lora": ("trains Megatron LoRA adapters, which batchfit's Megatron profile does not model", "set it to false, or train LoRA with actor.backend fsdp:…"),
+    "critic": ("trains a critic beside the Megatron actor, which batchfit's Megatron profile does not model", "profile a critic-free run, or the run with --sharding fsdp2"),
+}
+
+
 def strategy_refusal(run: Any) -> str | None:
-    """Why ``profile`` cannot model AReaL's Megatron or Archon backend, or FSDP with tensor parallelism, and the flag
-    that approximates it; ``None`` for FSDP over data and context (Ulysses) parallelism."""
+    """Why ``profile`` cannot model AReaL's Archon backend, or FSDP with tensor parallelism, and the flag that
+    approximates it, or what it does not model of a Megatron run (LoRA, a critic: NOTE [ What a Megatron profile
+    refuses ]); ``None`` for FSDP over data and context (Ulysses) parallelism, and for a modelled Megatron run."""
     if run.strategy == "fsdp":
         return None
+    if run.strategy == "megatron":
+        return first_refusal(run, _REFUSAL_WHY)
     cfg = run.batch
     what = {
         "fsdp+tp": f"FSDP2 with DTensor tensor parallelism (t={cfg.tensor_parallel})",

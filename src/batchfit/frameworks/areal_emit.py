@@ -80,7 +80,10 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
     del same
     target = "areal"
     s = a.sharding
-    check_strategy(target, a, ("fsdp2",), "AReaL's FSDP engine is fully_shard (FSDP2: " + _PARALLEL + " apply_fsdp2)")
+    check_strategy(target, a, ("fsdp2", "megatron"), "AReaL trains with its FSDP engine (fully_shard: " + _PARALLEL
+                   + " apply_fsdp2) or its Megatron engine (actor.backend megatron:…)")  # fmt: skip
+    if s.strategy == "megatron":
+        return _megatron_keys(a)
     if not s.reshard_after_forward:
         raise refuse(
             target, "--no-reshard-after-forward", f"AReaL always reshards after forward ({_PARALLEL})", "drop it"
@@ -125,6 +128,49 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         "drop --logprobs (full is AReaL's)",
     )
     keys.append(Key("", False, "AReaL packs every micro-batch into one row (fsdp_engine.py _prepare_mb_list): the budgets are packed rows"))
+    return keys
+
+
+def _megatron_keys(a: Assumptions) -> list[Key]:
+    """The Megatron engine's keys as profiled (NOTE [ AReaL's Megatron backend ] in :mod:`batchfit.frameworks.areal`).
+
+    Raises:
+        EmitError: a critic, LoRA, activation offload, a dtype other than bf16, Megatron's sequence parallelism set
+            apart from tensor parallelism (AReaL ties them), another head.
+    """
+    target = "areal"
+    s = a.sharding
+    for flag, value, why in (
+        ("a critic under --sharding megatron", "critic" in a.roles, "batchfit does not profile AReaL's Megatron critic"),
+        ("--lora-rank with --sharding megatron", a.lora.get("policy") is not None, "batchfit does not model Megatron LoRA"),
+        ("--activation-offload with --sharding megatron", a.activation_offload, "AReaL's Megatron engine has no key for it"),
+        (f"--dtype {a.trained_dtype} with --sharding megatron", a.trained_dtype != "bf16", "batchfit writes AReaL's Megatron run in bf16"),
+        ("Megatron sequence parallelism apart from tensor parallelism", s.megatron_sequence_parallel != (s.tensor_parallel > 1),
+         "AReaL turns it on exactly when t > 1 (megatron_engine.py _make_parallel_strategy)"),
+    ):  # fmt: skip
+        if value:
+            raise refuse(target, flag, why, "profile without it")
+    dims = f"d{s.data_parallel_size}" + "".join(
+        f"{letter}{n}" for letter, n in (("t", s.tensor_parallel), ("p", s.pipeline_parallel), ("c", s.context_parallel), ("e", s.expert_parallel)) if n > 1
+    )  # fmt: skip
+    recompute = a.gradient_checkpointing
+    m = "actor.megatron."
+    keys = [
+        Key("actor.backend", f"megatron:{dims}", f"profiled as {s.describe()} (alloc_mode.py: d × t × p × c, e)"),
+        Key("actor.dtype", "bfloat16", "bf16 parameters (mbridge), fp32 main copy in the optimizer, as profiled"),
+        Key(m + "virtual_pipeline_parallel_size", s.virtual_pipeline_parallel or 1,
+            "the interleaved schedule, as profiled" if s.virtual_pipeline_parallel else "no interleaved schedule, as profiled"),
+        Key(m + "ddp.use_distributed_optimizer", s.distributed_optimizer,
+            f"optimizer state sharded over the {s.data_parallel_size} data-parallel ranks, as profiled"
+            if s.distributed_optimizer else "optimizer state whole on every data-parallel rank, as profiled"),
+        Key(m + "ddp.grad_reduce_in_fp32", True, "an fp32 gradient buffer, as profiled"),
+        Key(m + "use_precision_aware_optimizer", False, "the standard optimizer (fp32 main copy and moments), as profiled"),
+        Key("actor.gradient_checkpointing", bool(recompute), "every layer's input recomputed (Megatron's full recompute)" if recompute else "no recompute"),
+        *([Key(m + "recompute_granularity", "full"), Key(m + "recompute_method", "uniform"), Key(m + "recompute_num_layers", 1)] if recompute else []),
+        Key("actor.use_lora", False, "every parameter trained"),
+    ]  # fmt: skip
+    if "reference" in a.roles:
+        keys.append(Key("ref.backend", f"megatron:{dims}", "the reference laid out as the actor, as profiled"))
     return keys
 
 
