@@ -318,3 +318,18 @@ def test_slimes_expert_model_parallel_size_is_profiled_and_emitted(tmp_path):  #
     keys = {k.path: k for k in setting_keys(run, role_options(run, options), "slime") if k.path}
     key = keys["--expert-model-parallel-size"]
     assert key.value == 2 and "the rank receiving the most tokens" in key.comment
+
+
+@pytest.mark.parametrize(
+    ("sizes", "label"),
+    [
+        ({"world_size": 16, "expert_parallel": 8}, " (dense 1/16, experts 1/2 shard)"),  # experts over 16 / 8 ranks
+        ({"world_size": 8, "tensor_parallel": 2, "context_parallel": 2}, " (1/4 shard)"),  # data 2 × context 2
+        ({"world_size": 2, "tensor_parallel": 2}, ""),  # no data-parallel rank to shard over
+    ],
+)
+def test_the_distributed_optimizers_shard_is_named_as_megatron_lays_it_out(sizes, label):
+    from batchfit.cli.render_budget import _distributed_optimizer_shard
+    from batchfit.parallel import Sharding
+
+    assert _distributed_optimizer_shard(Sharding("megatron", distributed_optimizer=True, **sizes)) == label

@@ -109,8 +109,8 @@ def breakdown_rows(profile: ModelProfile) -> list[tuple[str, list[int | None]]]:
         label = labels.get(cat, cat.replace("_", " "))
         if cat in partitioned:
             label += f" (1/{profile.sharding.world_size} shard)"
-        elif cat == "optimizer_state" and profile.sharding.distributed_optimizer and profile.sharding.data_parallel_size > 1:
-            label += f" (1/{profile.sharding.data_parallel_size} shard)"
+        elif cat == "optimizer_state" and profile.sharding.distributed_optimizer:
+            label += _distributed_optimizer_shard(profile.sharding)
         rows.append((label, [None if p is None else p.breakdown.get(cat, 0) for p in points]))
     rows.append(("peak at C", [None if p is None else p.peak_bytes for p in points]))
     rows.append(("reserve (CUDA context, NCCL, workspaces)", [profile.reserve_bytes] * len(points)))
@@ -360,3 +360,13 @@ def plot_budget(budgets: dict[str, TokenBudget], path: str) -> None:
             fig.savefig(tmp, dpi=120, format=suffix)
     finally:
         plt.close(fig)
+
+
+def _distributed_optimizer_shard(s: Any) -> str:
+    """What Megatron's distributed optimizer leaves on a rank: the dense state over data × context ranks, an expert's
+    over the expert-data-parallel ranks, world / (EP × expert TP × pp), expert TP being Megatron's default (= TP)."""
+    dense = s.data_parallel_size * s.context_parallel
+    if s.expert_parallel > 1:
+        experts = s.world_size // (s.expert_parallel * s.tensor_parallel * s.pipeline_parallel)
+        return f" (dense 1/{dense}, experts 1/{experts} shard)"
+    return f" (1/{dense} shard)" if dense > 1 else ""
