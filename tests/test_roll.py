@@ -84,6 +84,7 @@ def test_megatron_train_reads_its_strategy_config_into_a_megatron_run(tmp_path):
     run = read_run_config(EXAMPLE)  # strategy_config: tp 1, pp 1, ep 1, use_distributed_optimizer, recompute full
     assert (run.strategy, run.distributed_optimizer, run.gradient_checkpointing) == ("megatron", True, True)
     assert (run.megatron_sequence_parallel, run.virtual_pipeline_parallel, run.expert_parallel) == (False, None, 1)
+    assert run.optimizer_offload is True  # base_worker.py compute_log_probs loads the parameters only
     config = "actor_train.strategy_args.strategy_config."
     run = read_run_config(_config(tmp_path, **{
         config + "tensor_model_parallel_size": 2, config + "pipeline_model_parallel_size": 2,

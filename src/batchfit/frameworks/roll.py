@@ -337,6 +337,10 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
         critic_remove_padding=True if critic else None,
         engine=_engine(flat),
         generation_resident={},  # rlvr_pipeline.py offloads actor_train before the engines generate
+        # base_worker.py compute_log_probs loads the model parameters only (state_offload_manger(load_kwargs={"include":
+        # [model_params]}), which offloads the other states: utils/context_managers.py): the log-prob passes run
+        # without the optimizer state
+        optimizer_offload=True,
         faults=tuple(faults),
         warnings=tuple(warnings),
         notes=tuple(notes),
