@@ -32,6 +32,7 @@ from batchfit.frameworks.registry import FrameworkSpec
 from batchfit.frameworks.run import (
     as_bool,
     as_int,
+    dtype_name,
     every_fault,
     int_product,
     is_positive_int,
@@ -323,6 +324,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
         max_response_len=response if is_positive_int(response) else None,
         strategy=strategy,
         gradient_checkpointing=mcore["recompute"] if mcore is not None else actor["checkpointing"],
+        # worker_config.py: model_args.dtype bf16 sets training_args.bf16, Megatron's params_dtype (megatron_strategy.py)
+        dtype=dtype_name(flat.get("actor_train.model_args.dtype")) if mcore is not None else None,
         **(
             {
                 "megatron_sequence_parallel": mcore["sp"],
