@@ -333,3 +333,22 @@ def test_the_distributed_optimizers_shard_is_named_as_megatron_lays_it_out(sizes
     from batchfit.parallel import Sharding
 
     assert _distributed_optimizer_shard(Sharding("megatron", distributed_optimizer=True, **sizes)) == label
+
+
+@pytest.mark.slow  # two searches of the small MoE under Megatron
+@pytest.mark.timeout(600)
+def test_compare_routing_sets_the_balanced_budget_beside_the_worst_case(megatron, tmp_path, capsys):
+    import json
+
+    from batchfit.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    args = ["profile", "--model", str(tmp_path), "--sharding", "megatron", "--world-size", "2", "--expert-parallel", "2",
+            "--backend", "estimate", "--memory", "1GiB", "--max-seq-len", "256", "--no-progress", "--json",
+            "--compare-routing"]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    profile = next(iter(out["profiles"].values())) if "profiles" in out else out
+    moe, worst = profile["moe"], profile["budgets"]["policy"]["tokens"]
+    # every router balanced: EP rank 0 receives its own share, not both ranks' pairs
+    assert moe["routing"] == "skewed" and moe["balanced_tokens"] > worst

@@ -43,6 +43,7 @@ budget they take.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -147,6 +148,8 @@ def _profile(
             experts = "" if moe is None else f"{moe.short()}; "
             raise exc.replace(Phrase(f"{experts}{role}{stage}: ", *exc.message.parts)) from None
     budgets = {role: budgets[role] for role in chosen}
+    if moe is not None and options.compare_routing:  # the binding role again with balanced routing, beside it
+        moe = dataclasses.replace(moe, balanced_tokens=_balanced_tokens(config, plan, be, dtype, options, budgets))
     step = steps[order[0]]  # the trained role's (the first role's when none is trained)
     stage_peaks = budget_stage_peaks(step, budgets[order[0]])
     return ModelProfile(
@@ -181,6 +184,22 @@ def _profile(
     )
 
 
+def _balanced_tokens(
+    config: Any, plan: Sharding, backend: Any, dtype: Any, options: ProfileOptions, budgets: dict[str, TokenBudget]
+) -> int | None:
+    """The binding role's budget at ``max_seq_len`` with every router balanced (``--compare-routing``), to set beside
+    the worst case's; ``None`` when one sequence does not fit even so."""
+    role = TokenBudget.min(*budgets.values()).binding_role or next(iter(budgets))
+    step = budget_step(config, plan, backend, dtype, options, role=role, routing="balanced")
+    try:
+        return find_token_budget(
+            step, max_seq_len=options.max_seq_len, safety_margin=options.safety_margin, seq_lens=[options.max_seq_len],
+            cost=options.cost, progress=options.progress, role=role,
+        ).tokens  # fmt: skip
+    except DoesNotFitError:
+        return None
+
+
 def megatron_moe_summary(config: Any, plan: Sharding) -> Any:
     """A mixture of experts as the Megatron probe runs it, for the report; ``None`` for a dense model.
 
@@ -188,7 +207,6 @@ def megatron_moe_summary(config: Any, plan: Sharding) -> Any:
     every router fixed to the worst case (NOTE [ The Megatron probe's worst rank ] in
     :mod:`batchfit.budget.megatron_probe`): the report states what the receiving rank holds.
     """
-    import dataclasses
 
     from batchfit.models.moe import moe_summary
 
@@ -269,14 +287,22 @@ def megatron_head(options: ProfileOptions, role: str) -> Any:
 
 
 def budget_step(
-    config: Any, plan: Sharding, backend: Any, dtype: Any, options: ProfileOptions, *, role: str = "policy"
+    config: Any,
+    plan: Sharding,
+    backend: Any,
+    dtype: Any,
+    options: ProfileOptions,
+    *,
+    role: str = "policy",
+    routing: str = "skewed",
 ) -> Any:
     """The step a Megatron profile searches for ``role``: :func:`megatron_step` at the model's depth, or two shallow
-    copies of it extrapolated stage by stage (NOTE [ Megatron stages are affine in their depth ])."""
+    copies of it extrapolated stage by stage (NOTE [ Megatron stages are affine in their depth ]); a mixture of
+    experts' routers fixed to ``routing`` (NOTE [ The Megatron probe's worst rank ])."""
     from batchfit.budget.megatron_depth import DepthExtrapolatedMegatronStep, extrapolates
 
     layers = int(config.num_hidden_layers)
-    probe = role_pass(role, options)
+    probe = {**role_pass(role, options), **({} if routing == "skewed" else {"routing": routing})}
     chunks = model_chunks(plan)
     if not extrapolates(backend, layers, chunks, options.depth_extrapolation):
         return megatron_step(config, plan, backend, dtype, options, **probe)
