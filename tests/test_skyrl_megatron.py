@@ -155,6 +155,15 @@ def test_the_log_probs_are_profiled_in_the_configs_chunks(chunk, expected):
     assert megatron_head(options, "policy").chunk_size == megatron_head(options, "policy_forward").chunk_size == expected
 
 
+def test_the_fused_lm_head_without_chunks_is_one_chunk():
+    from batchfit.frameworks.config_options import run_profile_options
+
+    data = _config(trainer__fused_lm_head_logprob=True)
+    data["trainer"]["logprobs_chunk_size"] = None  # SkyRL's eff_chunk: the whole sequence
+    options = run_profile_options(read_run_config(data), {"backend": "estimate", "max_seq_len": 4096}).options
+    assert options.logprobs.update.chunk_size is None and options.logprobs.update.fused
+
+
 def test_the_fused_lm_head_with_an_entropy_loss_is_refused_as_skyrl_refuses_it():
     from batchfit.errors import InvalidArgument
     from batchfit.frameworks.config_options import run_profile_options

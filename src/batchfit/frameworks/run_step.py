@@ -114,7 +114,7 @@ def megatron_heads(run: RunConfig) -> MegatronHeads | None:
                 "NotImplementedError (megatron_model_wrapper.py, a9564572: the fused entropy is a no-grad metric); turn "
                 "one of them off"
             )
-        chunk = run.logprobs_chunk_size or 1024  # SkyRL's default logprobs_chunk_size
+        chunk = run.logprobs_chunk_size  # None (null): the whole sequence as one chunk, as SkyRL's eff_chunk
         fused = MegatronHead("skyrl", chunk_size=chunk, fused=True)
         return MegatronHeads(update=MegatronHead("skyrl", entropy=True, chunk_size=chunk, fused=True), old_log_probs=fused, reference=fused)
     if run.vocabulary == "skyrl":

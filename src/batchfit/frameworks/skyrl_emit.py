@@ -366,7 +366,11 @@ def _megatron_head(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
                 "log-probs from the hidden states, the output layer folded into each chunk: no [tokens, V/tp] logits "
                 "(FusedLinearChunkedDistributedLogprob, model_utils.py, SkyRL a9564572), as profiled",
             ),
-            Key("trainer.logprobs_chunk_size", heads.update.chunk_size, "tokens per fused chunk, as profiled"),
+            Key(
+                "trainer.logprobs_chunk_size",
+                heads.update.chunk_size,
+                "tokens per fused chunk, as profiled" if heads.update.chunk_size else "one chunk, as profiled",
+            ),
         ]
     return [
         Key(
