@@ -352,3 +352,75 @@ def test_compare_routing_sets_the_balanced_budget_beside_the_worst_case(megatron
     moe, worst = profile["moe"], profile["budgets"]["policy"]["tokens"]
     # every router balanced: EP rank 0 receives its own share, not both ranks' pairs
     assert moe["routing"] == "skewed" and moe["balanced_tokens"] > worst
+
+
+@pytest.mark.slow  # two searches of the small MoE under Megatron on a simulated world of 4
+@pytest.mark.timeout(600)
+def test_expert_tensor_parallelism_splits_the_experts_as_megatron_does(megatron, tmp_path, capsys):
+    import json
+
+    from batchfit.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    args = ["profile", "--model", str(tmp_path), "--sharding", "megatron", "--world-size", "4", "--tensor-parallel", "2",
+            "--megatron-sequence-parallel", "--expert-parallel", "2", "--backend", "estimate", "--memory", "1GiB",
+            "--max-seq-len", "256", "--no-progress", "--json"]  # fmt: skip  (Megatron's MoE needs SP with TP)
+    tokens = {}
+    for etp in (None, 1):
+        assert main(args + ([] if etp is None else ["--expert-tensor-parallel", str(etp)])) == 0
+        out = json.loads(capsys.readouterr().out)
+        profile = next(iter(out["profiles"].values())) if "profiles" in out else out
+        assert profile["sharding"].get("expert_tensor_parallel") == etp
+        tokens[etp] = profile["budgets"]["policy"]["tokens"]
+    # expert TP 1 keeps each of the rank's experts whole (Megatron's default splits them over TP 2)
+    assert tokens[1] != tokens[None]
+
+
+@pytest.mark.slow  # imports megatron-core
+def test_a_mixture_of_experts_under_tensor_parallelism_without_sequence_parallelism_is_refused(megatron, tmp_path, capsys):
+    import json
+
+    from batchfit.cli import main
+
+    # megatron-core's MoELayer raises a ValueError mid-step; batchfit refuses in one line, naming the fix
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    args = ["profile", "--model", str(tmp_path), "--sharding", "megatron", "--world-size", "4", "--tensor-parallel", "2",
+            "--expert-parallel", "2", "--backend", "estimate", "--memory", "1GiB", "--max-seq-len", "256", "--no-progress"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "needs Megatron's sequence parallelism" in err and "--megatron-sequence-parallel" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("framework", ["verl", "skyrl"])
+def test_the_frameworks_expert_tensor_parallel_size_is_profiled_and_emitted(framework):  # first tier: no build
+    import copy
+    from pathlib import Path
+
+    import yaml
+
+    from batchfit.budget.choices import Choices
+    from batchfit.frameworks import read_run_config
+    from batchfit.frameworks.assumptions import setting_keys
+    from batchfit.frameworks.config_options import run_profile_options
+    from batchfit.frameworks.run_profile import role_options
+
+    example = Path(__file__).resolve().parent.parent / "examples" / f"{framework}_megatron.yaml"
+    data = copy.deepcopy(yaml.safe_load(example.read_text()))
+    if framework == "verl":
+        node, key = data["actor_rollout_ref"]["actor"]["megatron"], "actor_rollout_ref.actor.megatron."
+    else:
+        node, key = data["trainer"]["policy"]["megatron_config"], "trainer.policy.megatron_config."
+    node.update(expert_model_parallel_size=4, expert_tensor_parallel_size=1)  # what MoE configs set beside EP
+    run = read_run_config(data)
+    assert (run.expert_parallel, run.expert_tensor_parallel) == (4, 1)
+    assert not [w for w in run.warnings if "expert_tensor_parallel_size" in w]  # profiled, no longer warned
+    options = run_profile_options(run, Choices()).options
+    assert options.sharding.expert_tensor_parallel == 1
+    keys = {k.path: k.value for k in setting_keys(run, role_options(run, options), framework) if k.path}
+    assert keys[key + "expert_tensor_parallel_size"] == 1 and keys[key + "expert_model_parallel_size"] == 4
+    node.pop("expert_tensor_parallel_size")  # null: Megatron's default, nothing written
+    run = read_run_config(data)
+    assert run.expert_tensor_parallel is None
+    keys = {k.path for k in setting_keys(run, role_options(run, run_profile_options(run, Choices()).options), framework)}
+    assert key + "expert_tensor_parallel_size" not in keys

@@ -97,11 +97,29 @@ def test_megatron_lays_out_tensor_pipeline_and_data_parallel_ranks():
     assert s.describe() == "megatron over 8 ranks (tensor 2 × pipeline 2 × data 2, sequence parallel, distributed optimizer)"
     ep = Sharding("megatron", world_size=8, tensor_parallel=2, expert_parallel=4)
     assert ep.describe() == "megatron over 8 ranks (tensor 2 × pipeline 1 × data 4, expert parallel 4)"
+    assert "expert_tensor_parallel" not in ep.to_dict()  # Megatron's default (= tensor_parallel) is not written
+    etp = Sharding("megatron", world_size=8, tensor_parallel=2, expert_parallel=8, expert_tensor_parallel=1)
+    assert etp.describe().endswith("expert parallel 8, expert tensor parallel 1)")
+    assert etp.to_dict()["expert_tensor_parallel"] == 1
+
     assert {k: s.to_dict()[k] for k in ("tensor_parallel", "pipeline_parallel", "data_parallel")} == {
         "tensor_parallel": 2, "pipeline_parallel": 2, "data_parallel": 2}
     # Megatron-LM turns sequence parallelism off without tensor parallelism (arguments.py)
     assert Sharding("megatron", world_size=4, megatron_sequence_parallel=True).megatron_sequence_parallel is False
     assert "tensor_parallel" not in Sharding("fsdp2", world_size=8).to_dict()
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"strategy": "fsdp2", "expert_tensor_parallel": 1}, "is Megatron's expert_tensor_parallel_size and needs strategy='megatron'"),
+        ({"strategy": "megatron", "tensor_parallel": 2, "expert_parallel": 8, "expert_tensor_parallel": 2},
+         r"expert_parallel × expert_tensor_parallel = 8 × 2 must divide a pipeline stage's 8 ranks"),
+        ({"strategy": "megatron", "expert_tensor_parallel": 0}, "expert_tensor_parallel"),
+    ],
+)
+def test_a_bad_expert_tensor_parallel_size_is_refused(fields, said):
+    with pytest.raises(InvalidArgument, match=said):
+        Sharding(fields.pop("strategy"), world_size=8, **fields)
 
 
 @pytest.mark.parametrize(

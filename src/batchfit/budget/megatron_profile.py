@@ -341,6 +341,7 @@ def megatron_step(
         pipeline_parallel=plan.pipeline_parallel,
         context_parallel=plan.context_parallel,
         expert_parallel=plan.expert_parallel,  # NOTE [ The Megatron probe's worst rank ]
+        expert_tensor_parallel=plan.expert_tensor_parallel,  # None: Megatron's default, the tensor-parallel size
         virtual_pipeline=plan.virtual_pipeline_parallel,
         sequence_parallel=plan.megatron_sequence_parallel,
         backend=backend,

@@ -233,6 +233,9 @@ def _rows() -> Iterator[ProfileSetting]:
         "parallelism; divides --world-size and the experts); megatron: Megatron's expert_model_parallel_size "
         "(divides a pipeline stage's ranks); budgeted for the rank that receives the most "
         "(every rank's tokens routed to its experts), docs/moe.md (default 1)"))
+    yield s("expert_tensor_parallel", "--expert-tensor-parallel", "sharding", "int", metavar="N", said=False, help=(
+        "megatron: Megatron's expert_tensor_parallel_size, the ranks each expert's matrices are split over "
+        "(default: --tensor-parallel, Megatron's own; frameworks set 1 beside a large --expert-parallel)"))
     yield s("safety_margin", "--safety-margin", "options", "float", metavar="F", help=(
         "fraction of usable memory (default: what --allocator needs, 0.85 for expandable_segments, 0.83 for "
         "caching; or the --calibration file's)"))

@@ -364,9 +364,10 @@ def plot_budget(budgets: dict[str, TokenBudget], path: str) -> None:
 
 def _distributed_optimizer_shard(s: Any) -> str:
     """What Megatron's distributed optimizer leaves on a rank: the dense state over data × context ranks, an expert's
-    over the expert-data-parallel ranks, world / (EP × expert TP × pp), expert TP being Megatron's default (= TP)."""
+    over the expert-data-parallel ranks, world / (EP × expert TP × pp), expert TP Megatron's default (= TP) unless set."""
     dense = s.data_parallel_size * s.context_parallel
     if s.expert_parallel > 1:
-        experts = s.world_size // (s.expert_parallel * s.tensor_parallel * s.pipeline_parallel)
+        etp = s.tensor_parallel if s.expert_tensor_parallel is None else s.expert_tensor_parallel
+        experts = s.world_size // (s.expert_parallel * etp * s.pipeline_parallel)
         return f" (dense 1/{dense}, experts 1/{experts} shard)"
     return f" (1/{dense} shard)" if dense > 1 else ""

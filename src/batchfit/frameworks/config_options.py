@@ -201,6 +201,8 @@ def _megatron_layout(run: RunConfig) -> dict[str, Any]:
         "virtual_pipeline_parallel": run.virtual_pipeline_parallel,
         "megatron_sequence_parallel": bool(run.megatron_sequence_parallel),
         "distributed_optimizer": bool(run.distributed_optimizer),
+        # the config's expert_tensor_parallel_size; None: Megatron's default (= tensor_parallel)
+        **({} if run.expert_tensor_parallel is None else {"expert_tensor_parallel": run.expert_tensor_parallel}),
     }
 
 

@@ -329,6 +329,7 @@ class _Resolver:
             offload=v["offload"],
             sequence_parallel=v["sequence_parallel"],
             expert_parallel=v["expert_parallel"],
+            expert_tensor_parallel=v["expert_tensor_parallel"],
             tensor_parallel=v["tensor_parallel"],
             pipeline_parallel=v["pipeline_parallel"],
             context_parallel=v["context_parallel"],

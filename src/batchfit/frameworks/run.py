@@ -121,6 +121,8 @@ class RunConfig:
         virtual_pipeline_parallel: under ``strategy="megatron"``, model chunks per pipeline stage
             (the interleaved schedule: verl's ``megatron.virtual_pipeline_model_parallel_size``), or
             ``None`` when the config sets none.
+        expert_tensor_parallel: under Megatron, the config's ``expert_tensor_parallel_size`` (verl,
+            SkyRL); ``None``: Megatron's default, the tensor-parallel size.
         expert_parallel: ranks each MoE layer's experts are spread over (prime-rl's
             ``trainer.model.ep``; 1: none), as :class:`~batchfit.parallel.Sharding` reads it.
         token_bucket: the framework pads each packed micro-batch up to a multiple of this many
@@ -179,6 +181,7 @@ class RunConfig:
     distributed_optimizer: bool = False
     virtual_pipeline_parallel: int | None = None
     expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None
     token_bucket: int | None = None
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()

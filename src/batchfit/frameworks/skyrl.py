@@ -135,7 +135,6 @@ MEGATRON_UNMODELLED: dict[str, str] = {
     + RECOMPUTE
     + "virtual_pipeline_model_parallel_size": "the interleaved 1F1B schedule (virtual pipeline stages keep more "
     "micro-batches in flight on the first stage)",
-    MEGATRON + "expert_tensor_parallel_size": "the experts' own tensor-parallel size",
     MEGATRON + "optimizer_config_kwargs.optimizer_cpu_offload": "the optimizer state offloaded to the host",
     MEGATRON + "optimizer_config_kwargs.optimizer_offload_fraction": "part of the optimizer state on the host",
     MEGATRON + "optimizer_config_kwargs.use_precision_aware_optimizer": "Megatron's precision-aware optimizer "
@@ -275,6 +274,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         # NOTE [ SkyRL's Megatron worker ]: the provider's expert_model_parallel_size (NOTE [ The Megatron probe's
         # worst rank ] in batchfit.budget.megatron_probe)
         expert_parallel=_expert_parallel(flat) if megatron else 1,
+        # the provider's expert_tensor_parallel_size (null: Megatron's default, the tensor-parallel size)
+        expert_tensor_parallel=_expert_tensor_parallel(flat) if megatron else None,
         logprobs_chunk_size=chunk,
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=(remove_padding if isinstance(remove_padding, bool) else None)
@@ -493,6 +494,12 @@ def _megatron_refusals(flat: dict[str, Any], values: dict[str, Any]) -> dict[str
     if lora is not None:
         out["lora"] = f"{LORA}rank={lora['rank']}"
     return out
+
+
+def _expert_tensor_parallel(flat: dict[str, Any]) -> int | None:
+    """The policy's ``megatron_config.expert_tensor_parallel_size``, ``None`` when unset (Megatron's default)."""
+    etp = as_int(flat.get(MEGATRON + "expert_tensor_parallel_size"))
+    return etp if isinstance(etp, int) and not isinstance(etp, bool) and etp >= 1 else None
 
 
 def _expert_parallel(flat: dict[str, Any]) -> int:

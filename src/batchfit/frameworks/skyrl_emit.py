@@ -309,6 +309,11 @@ def _megatron_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
                 (f"each MoE layer's experts spread over {s.expert_parallel} GPUs, the rank receiving the most tokens "
                  "profiled" if s.expert_parallel > 1 else "experts (if any) whole on every GPU, as profiled") if policy else "",
             ),
+            *(
+                [Key(prefix + "expert_tensor_parallel_size", s.expert_tensor_parallel,
+                     f"each expert's matrices split over {s.expert_tensor_parallel} GPUs, as profiled" if policy else "")]
+                if s.expert_tensor_parallel is not None else []
+            ),
         ]
     keys.append(
         Key(

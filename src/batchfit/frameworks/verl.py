@@ -164,6 +164,7 @@ MCORE_DEFAULTS: dict[str, Any] = {
     "pipeline_model_parallel_size": 1,
     "context_parallel_size": 1,
     "expert_model_parallel_size": 1,
+    "expert_tensor_parallel_size": None,  # null: Megatron's default, the tensor-parallel size
     "virtual_pipeline_model_parallel_size": None,
     "sequence_parallel": True,
     "use_distributed_optimizer": True,
@@ -195,7 +196,6 @@ MCORE_ENTROPY = ("entropy_from_logits_with_chunking", "entropy_from_logits_chunk
 # holds the FSDP engine's); judged against MCORE_DEFAULTS.
 MCORE_UNMODELLED: dict[str, str] = {
     MCORE + "use_megatron_fsdp": "Megatron-FSDP (parameters sharded ZeRO-3 style over data parallel)",
-    MCORE + "expert_tensor_parallel_size": "the experts' own tensor-parallel size",
     MCORE + "override_ddp_config.*": "Megatron DDP's buffers as overridden (bucket sizes, gradient dtype)",
     MCORE + "override_mcore_model_config.*": "overrides of Megatron's model config",
     MCORE + "qat.enable": "quantisation-aware training",
@@ -379,6 +379,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         # NOTE [ Megatron's mixture of experts on CPU ranks ] in batchfit.models.moe_megatron: verl's
         # mpu.initialize_model_parallel(expert_model_parallel_size=...) (MegatronEngine._init_device_mesh)
         expert_parallel=_expert_parallel(mcore) if megatron else 1,
+        # McoreEngineConfig.expert_tensor_parallel_size (null: Megatron's default, the tensor-parallel size)
+        expert_tensor_parallel=_positive_or_none(mcore["expert_tensor_parallel_size"]) if megatron else None,
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=as_bool(flat.get(CRITIC + "model.use_remove_padding")) if critic else None,
         fused_kernels=as_bool(flat.get(MODEL + "use_fused_kernels")) is True,
@@ -912,6 +914,12 @@ def _token_bucket(
         )
         return None
     return bucket
+
+
+def _positive_or_none(value: Any) -> int | None:
+    """A size the config sets as a positive integer, else ``None`` (the default; a bad value is the config's fault)."""
+    value = as_int(value)
+    return value if is_positive_int(value) else None
 
 
 def _expert_parallel(mcore: dict[str, Any]) -> int:

@@ -359,6 +359,9 @@ def _megatron_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
         ("expert_model_parallel_size", s.expert_parallel,
          f"each MoE layer's experts spread over {s.expert_parallel} GPUs, the rank receiving the most tokens profiled"
          if s.expert_parallel > 1 else "experts (if any) whole on every GPU, as profiled"),
+        *([("expert_tensor_parallel_size", s.expert_tensor_parallel,
+            f"each expert's matrices split over {s.expert_tensor_parallel} GPUs, as profiled")]
+          if s.expert_tensor_parallel is not None else []),
         ("virtual_pipeline_model_parallel_size", s.virtual_pipeline_parallel,
          f"{s.virtual_pipeline_parallel} model chunks per stage, the interleaved 1F1B schedule, as profiled"
          if s.virtual_pipeline_parallel else "no interleaved schedule, as profiled"),

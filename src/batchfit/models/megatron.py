@@ -536,6 +536,13 @@ def transformer_config(
             f"model_type={kind!r} is a mixture of experts batchfit does not map to Megatron yet (mapped: "
             f"{', '.join(sorted(MOE_MODEL_TYPES))}: every layer a MoE with standard attention); profile it with --sharding fsdp2"
         )
+    if moe and tp > 1 and not sequence_parallel:
+        # megatron-core 0.16.1 moe_layer.py MoELayer.forward raises ValueError when training so
+        raise InvalidArgument(
+            f"a mixture of experts at tensor_parallel={tp} needs Megatron's sequence parallelism (Megatron-core's "
+            "MoELayer refuses to train without it); pass --megatron-sequence-parallel (sequence_parallel=True), as "
+            "verl, SkyRL and slime turn it on with tensor parallelism"
+        )
     # Megatron's expert tensor parallelism defaults to the tensor-parallel size and means nothing to a dense model
     if (ep > 1 or etp not in (1, tp)) and not moe:
         raise InvalidArgument(

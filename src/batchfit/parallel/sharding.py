@@ -115,6 +115,10 @@ class Sharding:
             ``expert_model_parallel_size``, NOTE [ Megatron's mixture of experts on CPU ranks ] in
             :mod:`batchfit.models.moe_megatron`); divides ``world_size`` (under ``megatron`` a pipeline
             stage's ranks, ``world_size / pipeline_parallel``); default 1.
+        expert_tensor_parallel: ``megatron`` only: Megatron's ``expert_tensor_parallel_size``, the ranks
+            each expert's matrices are split over; ``None``: Megatron's default, ``tensor_parallel``
+            (what verl's ``null`` gives); ``expert_parallel × expert_tensor_parallel`` divides a pipeline
+            stage's ranks (frameworks set 1 beside a large ``expert_parallel``).
 
     Raises:
         InvalidArgument: an unknown name (the choices and the closest are listed), a bad
@@ -145,6 +149,7 @@ class Sharding:
     virtual_pipeline_parallel: int | None = None
     context_parallel: int = 1
     expert_parallel: int = 1
+    expert_tensor_parallel: int | None = None
 
     def __post_init__(self) -> None:
         strategy = check_choice("sharding", self.strategy, strategy_names())
@@ -215,6 +220,20 @@ class Sharding:
             raise InvalidArgument(
                 f"expert_parallel must divide world_size={self.world_size} (each EP group spans expert_parallel ranks), "
                 f"but got expert_parallel={ep}; use a divisor of {self.world_size}"
+            )
+        etp = self.expert_tensor_parallel
+        if etp is None:
+            return
+        check_positive_int("expert_tensor_parallel", etp)
+        if strategy != "megatron":
+            raise InvalidArgument(
+                f"expert_tensor_parallel={etp} is Megatron's expert_tensor_parallel_size and needs strategy='megatron', "
+                f"but got strategy={strategy!r}; drop it"
+            )
+        if stage % (ep * etp):
+            raise InvalidArgument(
+                f"expert_parallel × expert_tensor_parallel = {ep} × {etp} must divide a pipeline stage's {stage} ranks "
+                f"(Megatron carves the expert groups out of tensor × context × data parallel); lower one of them"
             )
 
     def _check_model_parallel(self, strategy: str, spec: StrategySpec) -> None:
@@ -315,6 +334,8 @@ class Sharding:
                 parts.append(f"{self.virtual_pipeline_parallel} virtual stages per pipeline stage")
             if self.expert_parallel > 1:  # Megatron's expert_model_parallel_size, over tensor × context × data
                 parts.append(f"expert parallel {self.expert_parallel}")
+            if self.expert_tensor_parallel is not None:
+                parts.append(f"expert tensor parallel {self.expert_tensor_parallel}")
             if self.megatron_sequence_parallel:
                 parts.append("sequence parallel")
             if self.distributed_optimizer:
@@ -362,6 +383,8 @@ class Sharding:
             del out["context_parallel"]
         if out["expert_parallel"] == 1:
             del out["expert_parallel"]
+        if out["expert_tensor_parallel"] is None:
+            del out["expert_tensor_parallel"]
         if self.spec.model_parallel:
             out["data_parallel"] = self.data_parallel_size
         else:
