@@ -34,6 +34,7 @@ from batchfit.frameworks.run import (
     every_fault,
     int_product,
     is_positive_int,
+    megatron_layout_fields,
     positive_int_faults,
     unmodelled_warnings,
 )
@@ -246,16 +247,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
         dtype=dtype_name(flat.get("actor.dtype")),
         reference_dtype=dtype_name(_engine_value(flat, "ref", "dtype")) if reference else None,
         gradient_checkpointing=mcore["recompute"] if mcore is not None else as_bool(flat.get("actor.gradient_checkpointing")) is True,
-        **(
-            {
-                "megatron_sequence_parallel": mcore["sp"],
-                "distributed_optimizer": mcore["distributed_optimizer"],
-                "virtual_pipeline_parallel": mcore["vpp"],
-                "expert_parallel": mcore["ep"],
-            }
-            if mcore is not None
-            else {}
-        ),
+        **megatron_layout_fields(mcore),
         remove_padding=True,  # fsdp_engine.py _prepare_mb_list: every micro-batch is one packed row (pack_tensor_dict)
         critic_remove_padding=True if has_critic else None,
         temperature=flat.get("actor.temperature"),

@@ -30,6 +30,7 @@ from batchfit.frameworks.run import (
     dtype_name,
     every_fault,
     is_positive_int,
+    megatron_layout_fields,
     size_faults,
     unmodelled_warnings,
 )
@@ -245,15 +246,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         gradient_checkpointing=mcore["recompute"]
         if mcore is not None
         else as_bool(flat.get(DT + "activation_checkpointing")) is True,
-        **(
-            {
-                "megatron_sequence_parallel": mcore["sp"],
-                "distributed_optimizer": mcore["distributed_optimizer"],
-                "expert_parallel": mcore["ep"],
-            }
-            if mcore is not None
-            else {}
-        ),
+        **megatron_layout_fields(mcore),
         remove_padding=packing,  # dynamic batching pads each micro-batch to its longest (rounded) sequence
         temperature=flat.get(GEN + "temperature"),
         engine=engine,

@@ -36,6 +36,7 @@ from batchfit.frameworks.run import (
     every_fault,
     int_product,
     is_positive_int,
+    megatron_layout_fields,
     positive_int_faults,
 )
 from batchfit.frameworks.source import flatten, framework_schema
@@ -326,16 +327,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> FrameworkRun:
         gradient_checkpointing=mcore["recompute"] if mcore is not None else actor["checkpointing"],
         # worker_config.py: model_args.dtype bf16 sets training_args.bf16, Megatron's params_dtype (megatron_strategy.py)
         dtype=dtype_name(flat.get("actor_train.model_args.dtype")) if mcore is not None else None,
-        **(
-            {
-                "megatron_sequence_parallel": mcore["sp"],
-                "distributed_optimizer": mcore["distributed_optimizer"],
-                "virtual_pipeline_parallel": mcore["vpp"],
-                "expert_parallel": mcore["ep"],
-            }
-            if mcore is not None
-            else {}
-        ),
+        **megatron_layout_fields(mcore),
         remove_padding=True,  # the cap bounds padded tokens; a packed budget of as many tokens bounds it (emit)
         critic_remove_padding=True if critic else None,
         engine=_engine(flat),

@@ -274,6 +274,19 @@ def positive_int_faults(counts: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(f"{name}={value!r} must be a positive integer" for name, value in counts.items() if not is_positive_int(value))
 
 
+def megatron_layout_fields(mcore: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A reader's Megatron layout (its ``sp``, ``distributed_optimizer``, ``ep`` and, where the framework has
+    one, ``vpp``) as :class:`RunConfig` fields; ``{}`` for a run without Megatron."""
+    if mcore is None:
+        return {}
+    return {
+        "megatron_sequence_parallel": mcore["sp"],
+        "distributed_optimizer": mcore["distributed_optimizer"],
+        "virtual_pipeline_parallel": mcore.get("vpp"),
+        "expert_parallel": mcore["ep"],
+    }
+
+
 def as_int(value: Any) -> Any:
     """``"1024"`` → 1024 (CLI overrides and YAML strings); other values unchanged.
 
