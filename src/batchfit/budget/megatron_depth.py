@@ -21,6 +21,11 @@ With virtual pipeline stages (``v`` model chunks per stage, NOTE [ Virtual pipel
 is affine in the layers per chunk: the copies hold ``k1·pp·v`` and ``k2·pp·v`` layers (``k`` per
 chunk) and each stage is extrapolated to ``L / (pp·v)`` per chunk. The interleaved schedule's
 micro-batches in flight do not depend on the depth, so the law is the same.
+
+Uneven stages (Megatron's ``num_layers_in_first_pipeline_stage`` / ``..._last_...``) change only
+how many layers each stage holds: a stage's peak depends on its own layers, not on its
+neighbours', so the copies split evenly (``k1·pp``, ``k2·pp`` layers) and each stage is read at its
+own layers (``layers_per_stage`` one count per stage, :func:`batchfit.budget.megatron_layout.stage_layers`).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ class DepthExtrapolatedMegatronStep:
     NOTE [ Megatron stages are affine in their depth ]. Estimate backend only (every stage is
     simulated in this process). ``make(n)`` builds the step of ``n`` layers; ``chunks`` is the
     model chunks along the pipeline (``pipeline_parallel``, times the virtual stages), so the
-    copies hold ``k · chunks`` layers and are read at ``layers_per_stage`` per chunk.
+    copies hold ``k · chunks`` layers and are read at ``layers_per_stage`` per chunk (one count for
+    every stage, or a sequence of one per stage: uneven stages).
 
     Attributes:
         stage_peaks: each stage's extrapolated peak at the last measurement.
@@ -50,7 +56,7 @@ class DepthExtrapolatedMegatronStep:
             :func:`~batchfit.budget.megatron_probe.shape_key`.
     """
 
-    def __init__(self, make: Any, chunks: int, layers_per_stage: int, backend: Any):
+    def __init__(self, make: Any, chunks: int, layers_per_stage: int | Sequence[int], backend: Any):
         k1, k2 = STAGE_DEPTHS
         self.steps = {k: make(k * chunks) for k in (k1, k2)}
         self.layers_per_stage = layers_per_stage
@@ -82,8 +88,12 @@ class DepthExtrapolatedMegatronStep:
         shallow = stage_measurements(self.steps[k1], lengths)
         deeper = stage_measurements(self.steps[k2], lengths)
         limit = self.backend.limit_bytes
+        per_stage = self.layers_per_stage
         at_depth = {
-            stage: extrapolate(shallow[stage], deeper[stage], k1, k2, self.layers_per_stage, limit) for stage in shallow
+            stage: extrapolate(
+                shallow[stage], deeper[stage], k1, k2, per_stage if isinstance(per_stage, int) else per_stage[stage], limit
+            )
+            for stage in shallow
         }
         self.stage_peaks = {stage: m.peak_bytes for stage, m in at_depth.items()}
         self.peaks_by_shape[shape_key(lengths)] = self.stage_peaks
@@ -91,11 +101,18 @@ class DepthExtrapolatedMegatronStep:
         return at_depth[self.binding_stage]
 
 
-def extrapolates(backend: Any, num_layers: int, chunks: int, wanted: bool | None) -> bool:
+def extrapolates(
+    backend: Any, num_layers: int, chunks: int, wanted: bool | None, *, per_stage: Sequence[int] | None = None
+) -> bool:
     """Whether a Megatron profile measures two shallow copies: on the estimate backend (unless ``wanted`` is
     ``False``), with the layers splitting evenly over the ``chunks`` model chunks (the stages, times the
-    virtual stages) and deeper than the copies."""
-    if wanted is False or not backend.simulated or num_layers % chunks:
+    virtual stages) and deeper than the copies; with uneven stages (``per_stage``, one count per stage) every
+    stage deeper than the copies."""
+    if wanted is False or not backend.simulated:
+        return False
+    if per_stage is not None:
+        return min(per_stage) > STAGE_DEPTHS[1]
+    if num_layers % chunks:
         return False
     return num_layers // chunks > STAGE_DEPTHS[1]
 

@@ -21,6 +21,8 @@ class MegatronLayout:
         heads: role → the framework's head on the last stage's logits (``MegatronHead.describe()``), for the
             roles whose head is not Megatron's own cross-entropy (NOTE [ Framework heads under Megatron ]).
         virtual_stages: model chunks per pipeline rank under the interleaved 1F1B schedule (``None``: 1F1B).
+        stage_layers: stage → its decoder layers, when the stages are uneven (Megatron's
+            ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``); ``{}`` for an even split.
     """
 
     stage_peaks: dict[int, int]
@@ -30,6 +32,7 @@ class MegatronLayout:
     recompute: str | None
     heads: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     virtual_stages: int | None = None
+    stage_layers: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def schedule(self) -> str:
@@ -44,7 +47,11 @@ class MegatronLayout:
 
         if len(self.stage_peaks) <= 1:
             return f"Megatron-core GPTModel, {self.attention} attention, recompute {self.recompute or 'off'}"
-        peaks = ", ".join(f"stage {s}: {format_bytes(b)}" for s, b in sorted(self.stage_peaks.items()))
+        layers = self.stage_layers
+        peaks = ", ".join(
+            f"stage {s}{f' ({layers[s]} layers)' if s in layers else ''}: {format_bytes(b)}"
+            for s, b in sorted(self.stage_peaks.items())
+        )
         return (
             f"pipeline stage {self.binding_stage} binds ({peaks}; {self.schedule} with {self.micro_batches} micro-batches), "
             f"{self.attention} attention, recompute {self.recompute or 'off'}"
@@ -60,6 +67,8 @@ class MegatronLayout:
         }
         if self.virtual_stages:
             out["virtual_stages"] = self.virtual_stages
+        if self.stage_layers:
+            out["stage_layers"] = {str(k): v for k, v in sorted(self.stage_layers.items())}
         if self.heads:
             out["heads"] = {role: dict(head) for role, head in self.heads.items()}
         return out
@@ -90,15 +99,78 @@ def check_layout(config: Any, sharding: Any, vocabulary: Vocabulary | None = Non
                 f"over the tensor-parallel group); use one of {', '.join(map(str, fits))}",
             ).say(vocabulary)
         )
+    if uneven(sharding):
+        stage_layers(layers, sharding, vocabulary)
+        return
     if layers % pp:
         fits = [n for n in range(1, layers + 1) if layers % n == 0]
         raise InvalidArgument(
             Phrase(
                 Setting("pipeline_parallel", pp),
                 f" must divide the model's {layers} layers (Megatron gives every pipeline stage as many); use one of "
-                f"{', '.join(map(str, fits))}",
+                f"{', '.join(map(str, fits))}, or size the last stage (",
+                Setting("last_pipeline_stage_layers", layers - (pp - 1) * (layers // pp)),
+                ", Megatron's num_layers_in_last_pipeline_stage)",
             ).say(vocabulary)
         )
 
 
-__all__ = ["MegatronLayout", "check_layout"]
+def uneven(sharding: Any) -> bool:
+    """Whether ``sharding`` sets the first or the last pipeline stage's layers (Megatron's uneven pipeline)."""
+    return getattr(sharding, "first_pipeline_stage_layers", None) is not None or (
+        getattr(sharding, "last_pipeline_stage_layers", None) is not None
+    )
+
+
+def stage_layers(layers: int, sharding: Any, vocabulary: Vocabulary | None = None) -> tuple[int, ...]:
+    """The decoder layers of each pipeline stage of a ``layers``-layer model, as Megatron-core builds them.
+
+    Megatron-core 0.16.1 ``transformer_block.py`` ``get_num_layers_to_build``: the first (last)
+    stage holds ``num_layers_in_first_pipeline_stage`` (``..._last_...``) when set, and the middle
+    stages split the rest evenly; without either, every stage holds ``layers / pp``.
+    ``TransformerConfig.__post_init__`` refuses middle layers left without middle stages (or middle
+    stages left without layers) and ``get_num_layers_to_build`` a rest the middle stages do not
+    divide; both are refused here, naming the field, its value and the fix.
+
+        >>> from types import SimpleNamespace as S
+        >>> stage_layers(94, S(pipeline_parallel=4, first_pipeline_stage_layers=None, last_pipeline_stage_layers=22))
+        (24, 24, 24, 22)
+
+    Raises:
+        InvalidArgument: the uneven stages Megatron refuses; an even split that does not divide.
+    """
+    pp = int(sharding.pipeline_parallel)
+    first, last = getattr(sharding, "first_pipeline_stage_layers", None), getattr(sharding, "last_pipeline_stage_layers", None)
+    if first is None and last is None:
+        if layers % pp:
+            raise InvalidArgument(f"pipeline_parallel={pp} must divide the model's {layers} layers; use a divisor or uneven stages")
+        return (layers // pp,) * pp
+    set_ = [(name, n) for name, n in (("first_pipeline_stage_layers", first), ("last_pipeline_stage_layers", last)) if n is not None]
+    rest = layers - sum(n for _, n in set_)
+    middle = pp - len(set_)
+    named = Phrase(*[part for i, (name, n) in enumerate(set_) for part in ((" + " if i else ""), Setting(name, n))])
+    if rest < 0 or bool(rest) != bool(middle) or (middle and rest % middle):
+        name, value = set_[-1]
+        other = sum(n for _, n in set_[:-1])
+        if middle == 0:
+            fits = [layers - other] if layers - other > 0 else []
+        else:  # the values of the last one set that leave the middle stages an even split
+            near = sorted((n for n in range(1, layers - other) if (layers - other - n) % middle == 0), key=lambda n: abs(n - value))
+            fits = sorted(near[:2])
+        fix = f"set {name} to {' or '.join(map(str, fits))}" if fits else "lower them"
+        raise InvalidArgument(
+            Phrase(
+                *named.parts,
+                f" leave {rest} of the model's {layers} layers to {middle} middle pipeline stages of ",
+                Setting("pipeline_parallel", pp),
+                " (Megatron-core splits the rest evenly over the middle stages, and refuses middle layers without middle "
+                f"stages); {fix}",
+            ).say(vocabulary)
+        )
+    each = rest // middle if middle else 0
+    return tuple(
+        first if (s == 0 and first is not None) else last if (s == pp - 1 and last is not None) else each for s in range(pp)
+    )
+
+
+__all__ = ["MegatronLayout", "check_layout", "stage_layers", "uneven"]

@@ -50,7 +50,7 @@ from typing import Any
 
 from batchfit.budget.budget_search import find_token_budget
 from batchfit.budget.engine import EngineReserve, given_engine_reserve
-from batchfit.budget.megatron_layout import MegatronLayout, check_layout
+from batchfit.budget.megatron_layout import MegatronLayout, check_layout, stage_layers, uneven
 from batchfit.budget.model_profile import (
     ROLES,
     ModelProfile,
@@ -180,6 +180,7 @@ def _profile(
             recompute=step.overrides.get("recompute_granularity"),
             heads={role: head.describe() for role in chosen if not (head := megatron_head(options, role)).is_default},
             virtual_stages=plan.virtual_pipeline_parallel if (plan.virtual_pipeline_parallel or 1) > 1 else None,
+            stage_layers=dict(enumerate(stage_layers(int(config.num_hidden_layers), plan))) if uneven(plan) else {},
         ),
     )
 
@@ -304,12 +305,14 @@ def budget_step(
     layers = int(config.num_hidden_layers)
     probe = {**role_pass(role, options), **({} if routing == "skewed" else {"routing": routing})}
     chunks = model_chunks(plan)
-    if not extrapolates(backend, layers, chunks, options.depth_extrapolation):
+    # each stage's own layers (per model chunk): uneven stages are extrapolated each to its own depth from even copies
+    per_stage = stage_layers(layers, plan) if uneven(plan) else (layers // chunks,) * plan.pipeline_parallel
+    if not extrapolates(backend, layers, chunks, options.depth_extrapolation, per_stage=per_stage if uneven(plan) else None):
         return megatron_step(config, plan, backend, dtype, options, **probe)
     return DepthExtrapolatedMegatronStep(
         lambda n: megatron_step(config, plan, backend, dtype, options, num_layers=n, **probe),
         chunks,
-        layers // chunks,
+        per_stage,
         backend,
     )
 
@@ -330,6 +333,8 @@ def megatron_step(
 
     if options.gradient_checkpointing:
         overrides = {**FULL_RECOMPUTE, **overrides}
+    if "num_layers" not in overrides:  # the model's own depth: its uneven stages (a shallow copy's are even)
+        overrides = {**uneven_stage_fields(plan), **overrides}
     data = {}
     # Megatron's DDP and distributed optimizer shard over the data- and context-parallel ranks together
     # (parallel_state.get_data_parallel_group(with_context_parallel=True)); over one rank the state is whole either way
@@ -350,6 +355,17 @@ def megatron_step(
         **data,
         **overrides,
     )
+
+
+def uneven_stage_fields(plan: Sharding) -> dict[str, int]:
+    """``plan``'s uneven first and last pipeline stages as Megatron's ``TransformerConfig`` fields
+    (``num_layers_in_first_pipeline_stage``, ``num_layers_in_last_pipeline_stage``), those set; ``{}`` for an even split."""
+    out = {}
+    if plan.first_pipeline_stage_layers is not None:
+        out["num_layers_in_first_pipeline_stage"] = plan.first_pipeline_stage_layers
+    if plan.last_pipeline_stage_layers is not None:
+        out["num_layers_in_last_pipeline_stage"] = plan.last_pipeline_stage_layers
+    return out
 
 
 def _measured_depths(step: Any, plan: Sharding) -> tuple[int, int] | None:
@@ -415,6 +431,7 @@ def _state_bytes(model: Any, role: str, options: ProfileOptions, kinds: Sequence
                     virtual_pipeline=plan.virtual_pipeline_parallel, sequence_parallel=plan.megatron_sequence_parallel,
                     context_parallel=plan.context_parallel, dtype=dtype, initialise=False, gpt_args=step.gpt_args,
                     expert_parallel=plan.expert_parallel, expert_tensor_parallel=step.expert_tensor_parallel,
+                    **uneven_stage_fields(plan),
                 )
                 net = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
                 state: tuple[Any, ...] = (net,)
@@ -433,8 +450,18 @@ def _state_bytes(model: Any, role: str, options: ProfileOptions, kinds: Sequence
 
 
 def _check_chunks(layers: int, plan: Sharding, options: ProfileOptions) -> None:
-    """Virtual stages give every model chunk as many layers (NOTE [ Virtual pipeline stages ]): ``pp × vp`` divides them."""
+    """Virtual stages give every model chunk as many layers (NOTE [ Virtual pipeline stages ]): ``pp × vp`` divides them.
+    Uneven first or last stages beside virtual stages are not modelled (the depth law per chunk assumes equal chunks)."""
     vp = plan.virtual_pipeline_parallel
+    if vp is not None and uneven(plan):
+        raise InvalidArgument(
+            Phrase(
+                Setting("virtual_pipeline_parallel", vp),
+                " beside uneven pipeline stages (",
+                Setting("last_pipeline_stage_layers" if plan.first_pipeline_stage_layers is None else "first_pipeline_stage_layers"),
+                ") is not modelled; profile without virtual stages, or with an even split",
+            ).say(options.caller_vocabulary)
+        )
     if vp is None or layers % model_chunks(plan) == 0:
         return
     fits = [n for n in range(2, layers // plan.pipeline_parallel + 1) if layers % (plan.pipeline_parallel * n) == 0]

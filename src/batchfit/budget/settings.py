@@ -178,6 +178,13 @@ def _rows() -> Iterator[ProfileSetting]:
         "--sharding megatron: model chunks per pipeline stage (the interleaved 1F1B schedule; needs "
         "--pipeline-parallel > 1 and the layers divisible by pipeline × N; default none, or the config's "
         "virtual_pipeline_model_parallel_size)"))
+    yield s("first_pipeline_stage_layers", "--first-pipeline-stage-layers", "sharding", "int", metavar="N", help=(
+        "--sharding megatron: decoder layers of the first pipeline stage (Megatron's "
+        "num_layers_in_first_pipeline_stage, --decoder-first-pipeline-num-layers); the middle stages split the rest "
+        "evenly (default: an even split, or the config's)"))
+    yield s("last_pipeline_stage_layers", "--last-pipeline-stage-layers", "sharding", "int", metavar="N", help=(
+        "--sharding megatron: decoder layers of the last pipeline stage (Megatron's "
+        "num_layers_in_last_pipeline_stage, --decoder-last-pipeline-num-layers; default: an even split, or the config's)"))
     yield s("megatron_sequence_parallel", "--megatron-sequence-parallel", "sharding", "bool", help=(
         "--sharding megatron: Megatron's sequence parallelism, the activations outside attention split over the "
         "tensor-parallel group (default off, or the config's sequence_parallel)"))

@@ -203,6 +203,8 @@ def _megatron_layout(run: RunConfig) -> dict[str, Any]:
         "distributed_optimizer": bool(run.distributed_optimizer),
         # the config's expert_tensor_parallel_size; None: Megatron's default (= tensor_parallel)
         **({} if run.expert_tensor_parallel is None else {"expert_tensor_parallel": run.expert_tensor_parallel}),
+        # Megatron's num_layers_in_first/last_pipeline_stage (uneven stages); None: an even split
+        **{k: getattr(run, k) for k in ("first_pipeline_stage_layers", "last_pipeline_stage_layers") if getattr(run, k) is not None},
     }
 
 

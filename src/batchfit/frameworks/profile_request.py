@@ -334,6 +334,8 @@ class _Resolver:
             pipeline_parallel=v["pipeline_parallel"],
             context_parallel=v["context_parallel"],
             virtual_pipeline_parallel=v["virtual_pipeline_parallel"],
+            first_pipeline_stage_layers=v["first_pipeline_stage_layers"],
+            last_pipeline_stage_layers=v["last_pipeline_stage_layers"],
             megatron_sequence_parallel=v["megatron_sequence_parallel"],
             distributed_optimizer=v["distributed_optimizer"],
             allocator=v["allocator"] if limits is None else self._calibrated_allocator(limits),

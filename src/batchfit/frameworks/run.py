@@ -123,6 +123,10 @@ class RunConfig:
             ``None`` when the config sets none.
         expert_tensor_parallel: under Megatron, the config's ``expert_tensor_parallel_size`` (verl,
             SkyRL); ``None``: Megatron's default, the tensor-parallel size.
+        first_pipeline_stage_layers, last_pipeline_stage_layers: under Megatron, the layers of the
+            pipeline's first and last stage (slime's ``--decoder-first-pipeline-num-layers`` /
+            ``--decoder-last-pipeline-num-layers``, Megatron's ``num_layers_in_first/last_pipeline_stage``);
+            ``None``: an even split.
         expert_parallel: ranks each MoE layer's experts are spread over (prime-rl's
             ``trainer.model.ep``; 1: none), as :class:`~batchfit.parallel.Sharding` reads it.
         token_bucket: the framework pads each packed micro-batch up to a multiple of this many
@@ -182,6 +186,8 @@ class RunConfig:
     virtual_pipeline_parallel: int | None = None
     expert_parallel: int = 1
     expert_tensor_parallel: int | None = None
+    first_pipeline_stage_layers: int | None = None
+    last_pipeline_stage_layers: int | None = None
     token_bucket: int | None = None
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()

@@ -30,7 +30,9 @@ from batchfit.plan.placement import RolloutEngine, process_allocator_setting
 # Megatron-LM flags slime reads (Megatron's parser, not slime's file): ModelParallelConfig's
 # tensor/pipeline/context_parallel_size, TrainingConfig.decrease_batch_size_if_needed,
 # TransformerConfig.recompute_granularity and sequence_parallel, DistributedDataParallelConfig's
-# use_distributed_optimizer, OptimizerConfig's optimizer_cpu_offload (flags are the fields with dashes), and the
+# use_distributed_optimizer, OptimizerConfig's optimizer_cpu_offload (flags are the fields with dashes), the
+# uneven first/last pipeline stages (--decoder-first/last-pipeline-num-layers, d98e8a64 arguments.py l. 3095: Megatron's
+# TransformerConfig.num_layers_in_first/last_pipeline_stage), --expert-tensor-parallel-size, and the
 # virtual pipeline stages validate_args derives (--num-layers, --num-layers-per-virtual-pipeline-stage,
 # --num-virtual-stages-per-pipeline-rank, --pipeline-model-parallel-layout: _virtual_stages).
 MEGATRON_FLAGS: tuple[dict[str, Any], ...] = tuple(
@@ -41,6 +43,9 @@ MEGATRON_FLAGS: tuple[dict[str, Any], ...] = tuple(
         ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", "_StoreAction", "int", 1, None),
         ("--context-parallel-size", "context_parallel_size", "_StoreAction", "int", 1, None),
         ("--expert-model-parallel-size", "expert_model_parallel_size", "_StoreAction", "int", 1, None),
+        ("--expert-tensor-parallel-size", "expert_tensor_parallel_size", "_StoreAction", "int", None, None),
+        ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers", "_StoreAction", "int", None, None),
+        ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers", "_StoreAction", "int", None, None),
         ("--decrease-batch-size-if-needed", "decrease_batch_size_if_needed", "_StoreTrueAction", None, False, None),
         ("--recompute-granularity", "recompute_granularity", "_StoreAction", "str", None, ["full", "selective"]),
         ("--sequence-parallel", "sequence_parallel", "_StoreTrueAction", None, False, None),
@@ -74,6 +79,9 @@ READ = frozenset(
         "pipeline_model_parallel_size",
         "context_parallel_size",
         "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
+        "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers",
         "decrease_batch_size_if_needed",
         "recompute_granularity",
         "sequence_parallel",
@@ -187,7 +195,13 @@ def read(command: Command) -> FrameworkRun:
         virtual_pipeline_parallel=vpp,
         # Megatron-LM's --expert-model-parallel-size (NOTE [ The Megatron probe's worst rank ] in batchfit.budget.megatron_probe)
         expert_parallel=v["expert_model_parallel_size"] if is_positive_int(v.get("expert_model_parallel_size")) else 1,
-        faults=(vpp_fault,) if vpp_fault else (),
+        # Megatron-LM's --expert-tensor-parallel-size (None: Megatron's default, the tensor-parallel size)
+        expert_tensor_parallel=_positive_or_none(v.get("expert_tensor_parallel_size")),
+        # Megatron-LM's uneven pipeline (TransformerConfig.num_layers_in_first/last_pipeline_stage): the middle
+        # stages split the rest; checked against the model's layers when the profile builds it
+        first_pipeline_stage_layers=_positive_or_none(v.get("decoder_first_pipeline_num_layers")),
+        last_pipeline_stage_layers=_positive_or_none(v.get("decoder_last_pipeline_num_layers")),
+        faults=tuple(f for f in (vpp_fault, *_layer_count_faults(v)) if f),
         gradient_checkpointing=v.get("recompute_granularity") == "full",
         remove_padding=True,  # megatron_utils validate_args: "always use varlen" (packed THD micro-batches)
         # the head of each pass (frameworks.run_step.megatron_heads): loss.py get_log_probs_and_entropy chunks by
@@ -268,6 +282,25 @@ def _virtual_stages(v: dict[str, Any]) -> tuple[int | None, str]:
         )
     chunks = layers // pp // per_stage
     return (chunks if chunks > 1 else None), ""
+
+
+def _positive_or_none(value: Any) -> int | None:
+    return value if is_positive_int(value) else None
+
+
+def _layer_count_faults(v: dict[str, Any]) -> tuple[str, ...]:
+    """What Megatron-LM refuses of the per-stage sizes before any build: ``TransformerConfig.__post_init__``'s
+    "must be larger than 0" for the uneven stages, and a non-positive ``--expert-tensor-parallel-size``."""
+    out = []
+    for flag, dest in (
+        ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
+        ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"),
+        ("--expert-tensor-parallel-size", "expert_tensor_parallel_size"),
+    ):
+        value = v.get(dest)
+        if value is not None and not is_positive_int(value):
+            out.append(f"{flag}={value!r} must be a positive integer (Megatron-LM refuses it); pass a positive count or drop it")
+    return tuple(out)
 
 
 def _global_batch_size(v: dict[str, Any], dp: int | None) -> tuple[int | None, str]:

@@ -100,6 +100,13 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             if s.virtual_pipeline_parallel
             else []
         ),
+        *(  # Megatron-LM's uneven pipeline: written only when the profile sized the first or last stage
+            [Key(flag, layers, f"the {end} pipeline stage's {layers} decoder layers, the middle stages splitting the rest, as profiled")
+             for flag, end, layers in (
+                 ("--decoder-first-pipeline-num-layers", "first", s.first_pipeline_stage_layers),
+                 ("--decoder-last-pipeline-num-layers", "last", s.last_pipeline_stage_layers),
+             ) if layers is not None]
+        ),
         Key(
             "--context-parallel-size",
             s.context_parallel,
@@ -110,6 +117,12 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             [Key("--expert-model-parallel-size", s.expert_parallel,
                  f"each MoE layer's experts spread over {s.expert_parallel} GPUs, the rank receiving the most tokens profiled")]
             if s.expert_parallel > 1
+            else []
+        ),
+        *(
+            [Key("--expert-tensor-parallel-size", s.expert_tensor_parallel,
+                 f"each expert's matrices split over {s.expert_tensor_parallel} GPUs, as profiled")]
+            if s.expert_tensor_parallel is not None
             else []
         ),
     ]

@@ -119,6 +119,12 @@ class Sharding:
             each expert's matrices are split over; ``None``: Megatron's default, ``tensor_parallel``
             (what verl's ``null`` gives); ``expert_parallel × expert_tensor_parallel`` divides a pipeline
             stage's ranks (frameworks set 1 beside a large ``expert_parallel``).
+        first_pipeline_stage_layers, last_pipeline_stage_layers: ``megatron`` only: the layers of the
+            pipeline's first and last stage (Megatron's ``num_layers_in_first_pipeline_stage`` /
+            ``num_layers_in_last_pipeline_stage``, Megatron-LM's ``--decoder-first-pipeline-num-layers``
+            / ``--decoder-last-pipeline-num-layers``), the middle stages splitting the rest evenly;
+            ``None``: an even split. Need ``pipeline_parallel > 1``; checked against the model's
+            layers when it is built (:func:`batchfit.budget.megatron_layout.stage_layers`).
 
     Raises:
         InvalidArgument: an unknown name (the choices and the closest are listed), a bad
@@ -150,6 +156,8 @@ class Sharding:
     context_parallel: int = 1
     expert_parallel: int = 1
     expert_tensor_parallel: int | None = None
+    first_pipeline_stage_layers: int | None = None
+    last_pipeline_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
         strategy = check_choice("sharding", self.strategy, strategy_names())
@@ -258,6 +266,21 @@ class Sharding:
                     f"virtual_pipeline_parallel={vp} needs pipeline_parallel > 1 (virtual stages interleave a pipeline's "
                     "stages), but got pipeline_parallel=1; raise pipeline_parallel or leave virtual_pipeline_parallel unset"
                 )
+        for name in ("first_pipeline_stage_layers", "last_pipeline_stage_layers"):
+            layers = getattr(self, name)
+            if layers is None:
+                continue
+            check_positive_int(name, layers)  # Megatron: "must be larger than 0"
+            if not spec.model_parallel:
+                raise InvalidArgument(
+                    f"{name}={layers} is Megatron's and needs strategy='megatron', but got strategy={strategy!r}; "
+                    f"use strategy='megatron' or leave {name} unset"
+                )
+            if pp == 1:
+                raise InvalidArgument(
+                    f"{name}={layers} needs pipeline_parallel > 1 (it sizes one stage of a pipeline), but got "
+                    f"pipeline_parallel=1; raise pipeline_parallel or leave {name} unset"
+                )
         if not spec.model_parallel:
             for name, value, default in (
                 ("tensor_parallel", tp, 1),
@@ -332,6 +355,13 @@ class Sharding:
             ]
             if self.virtual_pipeline_parallel:
                 parts.append(f"{self.virtual_pipeline_parallel} virtual stages per pipeline stage")
+            uneven = [
+                f"{end} stage {layers} layers"
+                for end, layers in (("first", self.first_pipeline_stage_layers), ("last", self.last_pipeline_stage_layers))
+                if layers is not None
+            ]
+            if uneven:  # Megatron's num_layers_in_first/last_pipeline_stage
+                parts.append(", ".join(uneven))
             if self.expert_parallel > 1:  # Megatron's expert_model_parallel_size, over tensor × context × data
                 parts.append(f"expert parallel {self.expert_parallel}")
             if self.expert_tensor_parallel is not None:
@@ -385,6 +415,9 @@ class Sharding:
             del out["expert_parallel"]
         if out["expert_tensor_parallel"] is None:
             del out["expert_tensor_parallel"]
+        for name in ("first_pipeline_stage_layers", "last_pipeline_stage_layers"):
+            if out[name] is None:
+                del out[name]
         if self.spec.model_parallel:
             out["data_parallel"] = self.data_parallel_size
         else:
