@@ -51,6 +51,7 @@ from batchfit.budget import profile_model
 from batchfit.memory import parse_memory
 from batchfit.models import build_causal_lm, load_config
 from batchfit.models.attention import use_varlen_attention
+from batchfit.parallel import process_exit
 from batchfit.parallel.distributed import check_same_arguments
 from batchfit.parallel.reduce import parameter_agreement, reduce_figures
 from batchfit.parallel.shard import unwrap
@@ -491,6 +492,7 @@ def run_settings(s: Settings) -> int:
         )
     if joined:
         dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+        process_exit.note_joined()  # ends without finalizing (NOTE [ A collective's worker outlives the interpreter ])
     try:
         if joined:  # ranks that disagree would plan differently and deadlock: one line on every rank instead
             flags = {"--" + k.replace("_", "-"): v for k, v in asdict(s).items()}
@@ -556,4 +558,7 @@ def check_parameters(model: torch.nn.Module, console: Any) -> bool:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    if process_exit.joined():  # gloo's worker may still be letting go of the last collective
+        process_exit.exit_after_collectives(code)
+    raise SystemExit(code)

@@ -31,6 +31,7 @@ from trl import GRPOConfig, GRPOTrainer
 from batchfit.budget import profile_model
 from batchfit.integrations.trl import grpo_config
 from batchfit.parallel import Sharding
+from batchfit.parallel.process_exit import exit_after_collectives
 from batchfit.train.measure import PeakTracker
 
 MAX_PROMPT_LENGTH = 8  # the prompts below are at most 8 characters, one token each
@@ -165,7 +166,8 @@ if __name__ == "__main__":
     cli = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="batchfit-trl-") as folder:
         result = main(folder, max_steps=cli.steps, logprobs=cli.logprobs, memory=cli.memory)
-    if dist.is_initialized():
+    joined = dist.is_initialized()
+    if joined:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
         dist.destroy_process_group()
@@ -173,3 +175,5 @@ if __name__ == "__main__":
         gathered = [result]
     if result["rank"] == 0:
         print(json.dumps({"ranks": gathered}))
+    if joined:  # gloo's worker may still be letting go of the gather: exit without finalizing
+        exit_after_collectives(0)  # (NOTE [ A collective's worker outlives the interpreter ])

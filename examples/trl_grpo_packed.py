@@ -41,6 +41,7 @@ from batchfit.budget import profile_model
 from batchfit.integrations.trl import token_budget_grpo_config
 from batchfit.integrations.trl_packed import TokenBudgetGRPOTrainer
 from batchfit.parallel import Sharding
+from batchfit.parallel.process_exit import exit_after_collectives
 from batchfit.train.measure import PeakTracker
 
 
@@ -116,7 +117,8 @@ def main(output_dir: str, max_steps: int = 3) -> dict[str, Any]:
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory(prefix="batchfit-trl-") as folder:
         result = main(folder, max_steps=int(sys.argv[1]) if len(sys.argv) > 1 else 3)  # optimizer steps
-    if dist.is_initialized():
+    joined = dist.is_initialized()
+    if joined:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
         dist.destroy_process_group()
@@ -124,3 +126,5 @@ if __name__ == "__main__":
         gathered = [result]
     if result["rank"] == 0:
         print(json.dumps({"ranks": gathered}))
+    if joined:  # gloo's worker may still be letting go of the gather: exit without finalizing
+        exit_after_collectives(0)  # (NOTE [ A collective's worker outlives the interpreter ])

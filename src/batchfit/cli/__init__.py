@@ -180,6 +180,19 @@ EXIT_OUTPUT = 2
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``batchfit`` console script; returns the exit code.
 
+    A process that joined torchrun's ranks here ends in :func:`~batchfit.parallel.process_exit.exit_after_collectives`
+    instead of returning (NOTE [ A collective's worker outlives the interpreter ]).
+    """
+    code = _main(argv)
+    exiting = sys.modules.get("batchfit.parallel.process_exit")  # imported only by a command that joined ranks
+    if exiting is not None and exiting.joined():
+        exiting.exit_after_collectives(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    """The command's exit code.
+
     Ctrl-C at any point, the imports that building the parser triggers included, exits 130
     with ``batchfit: interrupted`` and no traceback; a command that writes a file adds, on the
     same line, whether the file is the old one, untouched, or the new one, complete. A stdout that cannot be written exits

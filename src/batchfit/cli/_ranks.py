@@ -57,6 +57,7 @@ def process_group(device: str = "cpu") -> Iterator[int]:
     import torch.distributed as dist
 
     from batchfit.parallel.distributed import collective_timeout
+    from batchfit.parallel.process_exit import note_joined
 
     if not launched_by_torchrun() or dist.is_initialized():
         yield dist.get_rank() if dist.is_initialized() else 0
@@ -64,6 +65,7 @@ def process_group(device: str = "cpu") -> Iterator[int]:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=collective_timeout())
+    note_joined()  # NOTE [ A collective's worker outlives the interpreter ]: batchfit's main exits without finalizing
     try:
         yield dist.get_rank()
     finally:

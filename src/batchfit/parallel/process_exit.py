@@ -1,0 +1,59 @@
+"""Ending a process that ran collectives, without racing their worker threads through the interpreter's exit.
+
+NOTE [ A collective's worker outlives the interpreter ]
+A gloo process group runs each collective on a worker thread of its own, and that thread
+drops its reference to the finished work *after* the caller's ``wait()`` has returned.
+Dropping it releases the work's tensors, and releasing a tensor that has a Python object
+takes the GIL. When the main thread has meanwhile reached the interpreter's exit
+(``Py_FinalizeEx``), the worker's ``take_gil`` ends its thread, the unwind meets a
+``noexcept`` destructor, and the process aborts with "terminate called without an active
+exception" (SIGABRT), after it printed everything it meant to. Seen here on one run in ten
+of ``torchrun --nproc-per-node 2 examples/trl_grpo_packed.py`` beside two CPU burners
+(2026-12-02): the core's crashing thread is ``ProcessGroupGloo::runLoop`` →
+``~AsyncAllgatherWork`` → ``decref_pyobject`` → ``take_gil`` → ``pthread_exit``.
+``destroy_process_group()`` does not help (it does not join the workers), nor does a
+``barrier()`` after the last collective (its work holds the previous ones: the same
+destructor runs from ``~AsyncBarrierWork``). PyTorch's own fix (pytorch/pytorch#179291,
+an atexit ``destroy_process_group``) was abandoned as not enough.
+
+The only exit that no worker can race is one without finalization: flush what the process
+wrote, then ``os._exit``. :func:`exit_after_collectives` does that; the CLI calls it when it
+joined torchrun's ranks itself (:func:`batchfit.cli._ranks.process_group`), and the examples
+that gather their ranks' results call it last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import NoReturn
+
+_JOINED = False
+
+
+def note_joined() -> None:
+    """Record that this process joined a process group whose workers may outlive its exit."""
+    global _JOINED
+    _JOINED = True
+
+
+def joined() -> bool:
+    """Whether :func:`note_joined` ran in this process."""
+    return _JOINED
+
+
+def exit_after_collectives(code: int = 0) -> NoReturn:
+    """Flush stdout, stderr and logging, then end the process with ``code`` and no finalization.
+
+    NOTE [ A collective's worker outlives the interpreter ]. ``atexit`` handlers do not
+    run: call it only once everything the process owns is closed (temporary directories
+    removed, files written, process groups destroyed).
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+    os._exit(code)
