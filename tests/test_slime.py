@@ -475,6 +475,12 @@ def test_the_documented_example_plans():
     assert run.model == "qwen2.5-7b" and run.plan().config.max_tokens_per_micro_batch == 8192
 
 
-def test_a_cpu_offloaded_optimizer_is_noted_as_not_modelled(tmp_path):
-    run = read_run_config(_script(tmp_path, extra="--optimizer-cpu-offload"))
-    assert any("--optimizer-cpu-offload (Megatron's HybridDeviceOptimizer) is not modelled" in n for n in run.notes)
+def test_a_cpu_offloaded_precision_aware_optimizer_is_read_into_the_sharding(tmp_path):
+    from batchfit.frameworks.config_options import run_profile_options
+
+    extra = "--optimizer-cpu-offload --optimizer-offload-fraction 0.5 --use-precision-aware-optimizer --exp-avg-dtype bf16"
+    run = read_run_config(_script(tmp_path, extra=extra))
+    assert not any("not modelled" in n for n in run.notes)
+    s = run_profile_options(run, {"backend": "estimate", "max_seq_len": 4096}).options.sharding
+    assert (s.optimizer_cpu_offload, s.optimizer_offload_fraction, s.precision_aware_optimizer) == (True, 0.5, True)
+    assert (s.exp_avg_dtype, s.exp_avg_sq_dtype, s.main_params_dtype) == ("bf16", "fp32", "fp32")

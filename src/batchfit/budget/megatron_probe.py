@@ -163,6 +163,11 @@ class MegatronStep:
         main_params_fp32: Megatron's mixed-precision optimizer (fp32 main parameters and fp32
             gradient buffer) for 16-bit parameters; ``None``: when ``dtype`` is bf16. Must not be
             ``False`` with the distributed optimizer on bf16 parameters.
+        precision, offload_fraction: Megatron's precision-aware optimizer (an
+            :class:`~batchfit.train.megatron_step.OptimizerPrecision`; ``None``: off) and the share of its
+            state ``optimizer_cpu_offload`` moves to the host (0: none; needs ``precision``), counted in
+            the measurement's ``host_bytes`` (NOTE [ Megatron's optimizer offload and precision-aware
+            optimizer ] in :mod:`batchfit.train.megatron_step`).
         micro_batches: micro-batches of the step under pipeline parallelism (1F1B); ``None``:
             ``pipeline_parallel``, the most the first stage holds in flight. Must be 1 (or
             ``None``) without pipeline parallelism.
@@ -218,6 +223,8 @@ class MegatronStep:
         routing: str = "skewed",
         distributed_optimizer: bool = False,
         main_params_fp32: bool | None = None,
+        precision: Any = None,
+        offload_fraction: float = 0.0,
         backend: Backend,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
@@ -266,6 +273,13 @@ class MegatronStep:
                 "context parallelism: it is Transformer Engine's, modelled by the fused attention's ring); pass attention='sdpa'"
             )
         self.distributed_optimizer = bool(distributed_optimizer)
+        self.precision = precision
+        self.offload_fraction = float(offload_fraction)
+        if self.offload_fraction and precision is None:
+            raise InvalidArgument(
+                f"offload_fraction={offload_fraction} needs the precision-aware optimizer (Megatron-LM asserts "
+                "--optimizer-cpu-offload comes with --use-precision-aware-optimizer); pass precision=OptimizerPrecision()"
+            )
         if micro_batches is None:
             micro_batches = self.pipeline_parallel
         self.micro_batches = check_positive_int("micro_batches", micro_batches)
@@ -408,7 +422,8 @@ class MegatronStep:
                 optimizer = None
                 if self.optimizer != "none":  # NOTE [ Forward-only Megatron probes ]
                     optimizer = megatron_optimizer(
-                        chunks, mixed_precision=self.main_params_fp32, distributed=self.distributed_optimizer
+                        chunks, mixed_precision=self.main_params_fp32, distributed=self.distributed_optimizer,
+                        precision=self.precision, offload_fraction=self.offload_fraction,
                     )
                 vocab = chunks[0].vocab_size
                 if self.head is not None and self.head.framework == "skyrl":
@@ -440,10 +455,13 @@ class MegatronStep:
             categories: list[str | None] = []
             if optimizer is not None:
                 objects, categories = optimizer.registered(optimizer_state=self.optimizer == "resident")
+            from batchfit.train.megatron_step import OFFLOADED_OPTIMIZER_STATE
+
             return backend.measure(
                 run,
                 register=(model, *objects, [b.tensors() for b in batches]),
                 categories=(None, *categories, None),
+                host_categories=(OFFLOADED_OPTIMIZER_STATE,),  # the offloaded optimizer's host share
             )
 
     def remedies(self) -> list[str | Phrase]:
@@ -476,6 +494,8 @@ class MegatronStep:
             "data_parallel": self.data_parallel,
             "distributed_optimizer": self.distributed_optimizer,
             "main_params_fp32": self.main_params_fp32,
+            "precision_aware": None if self.precision is None else dict(vars(self.precision)),
+            "offload_fraction": self.offload_fraction,
             "world_size": self.world_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention": self.attention,

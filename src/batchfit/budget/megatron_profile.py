@@ -340,6 +340,7 @@ def megatron_step(
     # (parallel_state.get_data_parallel_group(with_context_parallel=True)); over one rank the state is whole either way
     if plan.data_parallel_size * plan.context_parallel > 1:
         data = {"data_parallel": plan.data_parallel_size, "distributed_optimizer": plan.distributed_optimizer}
+    data.update(optimizer_layout(plan))
     return MegatronStep(
         config,
         tensor_parallel=plan.tensor_parallel,
@@ -355,6 +356,21 @@ def megatron_step(
         **data,
         **overrides,
     )
+
+
+def optimizer_layout(plan: Sharding) -> dict[str, Any]:
+    """``plan``'s precision-aware optimizer and CPU offload as :class:`~batchfit.budget.megatron_probe.MegatronStep`'s
+    ``precision`` and ``offload_fraction`` (NOTE [ Megatron's optimizer offload and precision-aware optimizer ] in
+    :mod:`batchfit.train.megatron_step`); ``{}`` when neither is on."""
+    if not plan.precision_aware_optimizer:
+        return {}
+    from batchfit.train.megatron_step import OptimizerPrecision
+
+    precision = OptimizerPrecision(
+        main_params=plan.main_params_dtype, main_grads=plan.main_grads_dtype, exp_avg=plan.exp_avg_dtype,
+        exp_avg_sq=plan.exp_avg_sq_dtype,
+    )  # fmt: skip
+    return {"precision": precision, "offload_fraction": plan.optimizer_offload_fraction if plan.optimizer_cpu_offload else 0.0}
 
 
 def uneven_stage_fields(plan: Sharding) -> dict[str, int]:
@@ -440,7 +456,8 @@ def _state_bytes(model: Any, role: str, options: ProfileOptions, kinds: Sequence
                     # Megatron's DDP and optimizer (NOTE [ The Megatron step's optimizer ]): the fp32 grad buffer,
                     # main parameters and moments are registered with their categories, not as one object
                     training = megatron_optimizer(
-                        chunks, mixed_precision=step.main_params_fp32, distributed=step.distributed_optimizer
+                        chunks, mixed_precision=step.main_params_fp32, distributed=step.distributed_optimizer,
+                        precision=step.precision, offload_fraction=step.offload_fraction,
                     )
                     objects, cats = training.registered()
                     state, categories = (net, *objects), (None, *cats)

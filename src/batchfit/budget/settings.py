@@ -191,6 +191,18 @@ def _rows() -> Iterator[ProfileSetting]:
     yield s("distributed_optimizer", "--distributed-optimizer", "sharding", "bool", help=(
         "--sharding megatron: the optimizer state sharded over data parallel (use_distributed_optimizer; default "
         "off, or the config's)"))
+    yield s("optimizer_cpu_offload", "--optimizer-cpu-offload", "sharding", "bool", help=(
+        "--sharding megatron: Megatron's HybridDeviceOptimizer, the main parameters, Adam's moments and a gradient copy "
+        "on the host (host bytes beside the budget; needs --precision-aware-optimizer; default off, or the config's)"))
+    yield s("optimizer_offload_fraction", "--optimizer-offload-fraction", "sharding", "float", metavar="F", help=(
+        "--sharding megatron: the share of the optimizer state --optimizer-cpu-offload moves (default 1.0, Megatron-LM's)"))
+    yield s("precision_aware_optimizer", "--precision-aware-optimizer", "sharding", "bool", help=(
+        "--sharding megatron: Megatron's precision-aware optimizer (Transformer Engine's FusedAdam, modelled with "
+        "PyTorch's tensors in the dtypes below; needs --distributed-optimizer; default off, or the config's)"))
+    for name, choices in (("main_params", "fp32|fp16"), ("main_grads", "fp32|bf16"), ("exp_avg", "fp32|fp16|bf16|fp8"),
+                          ("exp_avg_sq", "fp32|fp16|bf16|fp8")):
+        yield s(f"{name}_dtype", f"--{name.replace('_', '-')}-dtype", "sharding", "str", metavar=choices, help=(
+            f"--precision-aware-optimizer: Megatron's {name}_dtype (default fp32, or the config's)"))
     yield s("context_parallel", "--context-parallel", "sharding", "int", metavar="N", help=(
         "--sharding megatron: Megatron's context parallelism, each sequence cut over N ranks and attention a ring "
         "(Transformer Engine's p2p exchange; default 1, or the config's context_parallel_size); data parallel = "

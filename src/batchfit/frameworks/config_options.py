@@ -205,6 +205,10 @@ def _megatron_layout(run: RunConfig) -> dict[str, Any]:
         **({} if run.expert_tensor_parallel is None else {"expert_tensor_parallel": run.expert_tensor_parallel}),
         # Megatron's num_layers_in_first/last_pipeline_stage (uneven stages); None: an even split
         **{k: getattr(run, k) for k in ("first_pipeline_stage_layers", "last_pipeline_stage_layers") if getattr(run, k) is not None},
+        # Megatron's HybridDeviceOptimizer and precision-aware optimizer (their dtypes as the config sets them)
+        **({"optimizer_cpu_offload": True, "optimizer_offload_fraction": run.optimizer_offload_fraction}
+           if run.optimizer_cpu_offload else {}),
+        **({"precision_aware_optimizer": True, **run.optimizer_dtypes} if run.precision_aware_optimizer else {}),
     }
 
 

@@ -127,6 +127,10 @@ class RunConfig:
             pipeline's first and last stage (slime's ``--decoder-first-pipeline-num-layers`` /
             ``--decoder-last-pipeline-num-layers``, Megatron's ``num_layers_in_first/last_pipeline_stage``);
             ``None``: an even split.
+        optimizer_cpu_offload, optimizer_offload_fraction: under Megatron, its ``HybridDeviceOptimizer``
+            (``optimizer_cpu_offload``) and the share it moves to the host (Megatron-LM's default 1.0).
+        precision_aware_optimizer, optimizer_dtypes: under Megatron, its precision-aware optimizer and the
+            dtypes the config sets (``{"exp_avg_dtype": "bf16", ...}``, :class:`Sharding`'s field names).
         expert_parallel: ranks each MoE layer's experts are spread over (prime-rl's
             ``trainer.model.ep``; 1: none), as :class:`~batchfit.parallel.Sharding` reads it.
         token_bucket: the framework pads each packed micro-batch up to a multiple of this many
@@ -188,6 +192,10 @@ class RunConfig:
     expert_tensor_parallel: int | None = None
     first_pipeline_stage_layers: int | None = None
     last_pipeline_stage_layers: int | None = None
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    precision_aware_optimizer: bool = False
+    optimizer_dtypes: dict[str, str] = dataclasses.field(default_factory=dict)
     token_bucket: int | None = None
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()

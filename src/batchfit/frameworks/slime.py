@@ -30,7 +30,8 @@ from batchfit.plan.placement import RolloutEngine, process_allocator_setting
 # Megatron-LM flags slime reads (Megatron's parser, not slime's file): ModelParallelConfig's
 # tensor/pipeline/context_parallel_size, TrainingConfig.decrease_batch_size_if_needed,
 # TransformerConfig.recompute_granularity and sequence_parallel, DistributedDataParallelConfig's
-# use_distributed_optimizer, OptimizerConfig's optimizer_cpu_offload (flags are the fields with dashes), the
+# use_distributed_optimizer, OptimizerConfig's optimizer_cpu_offload, optimizer_offload_fraction, use_precision_aware_optimizer
+# and its main_params/main_grads/exp_avg/exp_avg_sq dtypes (flags are the fields with dashes), the
 # uneven first/last pipeline stages (--decoder-first/last-pipeline-num-layers, d98e8a64 arguments.py l. 3095: Megatron's
 # TransformerConfig.num_layers_in_first/last_pipeline_stage), --expert-tensor-parallel-size, and the
 # virtual pipeline stages validate_args derives (--num-layers, --num-layers-per-virtual-pipeline-stage,
@@ -51,6 +52,12 @@ MEGATRON_FLAGS: tuple[dict[str, Any], ...] = tuple(
         ("--sequence-parallel", "sequence_parallel", "_StoreTrueAction", None, False, None),
         ("--use-distributed-optimizer", "use_distributed_optimizer", "_StoreTrueAction", None, False, None),
         ("--optimizer-cpu-offload", "optimizer_cpu_offload", "_StoreTrueAction", None, False, None),
+        ("--optimizer-offload-fraction", "optimizer_offload_fraction", "_StoreAction", "float", 1.0, None),
+        ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", "_StoreTrueAction", None, False, None),
+        ("--main-params-dtype", "main_params_dtype", "_StoreAction", "str", "fp32", ["fp32", "fp16"]),
+        ("--main-grads-dtype", "main_grads_dtype", "_StoreAction", "str", "fp32", ["fp32", "bf16"]),
+        ("--exp-avg-dtype", "exp_avg_dtype", "_StoreAction", "str", "fp32", ["fp32", "fp16", "bf16", "fp8"]),
+        ("--exp-avg-sq-dtype", "exp_avg_sq_dtype", "_StoreAction", "str", "fp32", ["fp32", "fp16", "bf16", "fp8"]),
         ("--num-layers", "num_layers", "_StoreAction", "int", None, None),
         ("--num-layers-per-virtual-pipeline-stage", "num_layers_per_virtual_pipeline_stage", "_StoreAction", "int", None, None),
         ("--num-virtual-stages-per-pipeline-rank", "num_virtual_stages_per_pipeline_rank", "_StoreAction", "int", None, None),
@@ -87,6 +94,12 @@ READ = frozenset(
         "sequence_parallel",
         "use_distributed_optimizer",
         "optimizer_cpu_offload",
+        "optimizer_offload_fraction",
+        "use_precision_aware_optimizer",
+        "main_params_dtype",
+        "main_grads_dtype",
+        "exp_avg_dtype",
+        "exp_avg_sq_dtype",
         "log_probs_chunk_size",
         "entropy_coef",
         "use_rollout_entropy",
@@ -150,12 +163,6 @@ def read(command: Command) -> FrameworkRun:
             "--log-probs-max-tokens-per-gpu is parsed but not read at this slime commit: log-probs run the "
             "training micro-batches (build_dp_schedule)"
         )
-    if v.get("optimizer_cpu_offload"):
-        notes.append(
-            "--optimizer-cpu-offload (Megatron's HybridDeviceOptimizer) is not modelled: the optimizer state is counted "
-            "on the GPU, so the budgets are lower than this run needs and a layout that fits only with the offload is "
-            "refused"
-        )
     mini = (gbs // n if by_prompt else gbs) if is_positive_int(gbs) else None
     batch = BatchConfig(
         train_batch_size=rollout if by_prompt else int_product(rollout, n),
@@ -201,6 +208,12 @@ def read(command: Command) -> FrameworkRun:
         # stages split the rest; checked against the model's layers when the profile builds it
         first_pipeline_stage_layers=_positive_or_none(v.get("decoder_first_pipeline_num_layers")),
         last_pipeline_stage_layers=_positive_or_none(v.get("decoder_last_pipeline_num_layers")),
+        # Megatron-LM's --optimizer-cpu-offload (HybridDeviceOptimizer, --optimizer-offload-fraction of the state on the
+        # host) and --use-precision-aware-optimizer with its dtypes (arguments.py l. 2922, 3667-3683; defaults fp32)
+        optimizer_cpu_offload=bool(v.get("optimizer_cpu_offload")),
+        optimizer_offload_fraction=v["optimizer_offload_fraction"],
+        precision_aware_optimizer=bool(v.get("use_precision_aware_optimizer")),
+        optimizer_dtypes={k: v[k] for k in ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype") if v[k] != "fp32"},
         faults=tuple(f for f in (vpp_fault, *_layer_count_faults(v)) if f),
         gradient_checkpointing=v.get("recompute_granularity") == "full",
         remove_padding=True,  # megatron_utils validate_args: "always use varlen" (packed THD micro-batches)

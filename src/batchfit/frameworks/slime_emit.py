@@ -136,6 +136,17 @@ def assumption_keys(run: RunConfig, a: Assumptions, same: bool) -> list[Key]:
             "drop --no-megatron-sequence-parallel, or remove --sequence-parallel from the command",
         )
     keys.append(Key("", False, "slime always trains with Megatron's distributed optimizer (set_default_megatron_args)"))
+    if s.precision_aware_optimizer:  # Megatron-LM's precision-aware optimizer, its dtypes where not fp32
+        keys.append(Key("--use-precision-aware-optimizer", True, "Megatron's precision-aware optimizer, as profiled"))
+        keys += [
+            Key(f"--{name.replace('_', '-')}", getattr(s, name), f"{name} as profiled")
+            for name in ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+            if getattr(s, name) != "fp32"
+        ]
+    if s.optimizer_cpu_offload:  # Megatron's HybridDeviceOptimizer: the profiled share of the state on the host
+        keys.append(Key("--optimizer-cpu-offload", True, "the optimizer state on the host, as profiled"))
+        if s.optimizer_offload_fraction != 1.0:
+            keys.append(Key("--optimizer-offload-fraction", s.optimizer_offload_fraction, "the share offloaded, as profiled"))
     on = a.gradient_checkpointing
     if on:
         # Megatron's TransformerConfig needs a method with full recompute; uniform over 1 layer checkpoints every

@@ -125,6 +125,14 @@ class Sharding:
             / ``--decoder-last-pipeline-num-layers``), the middle stages splitting the rest evenly;
             ``None``: an even split. Need ``pipeline_parallel > 1``; checked against the model's
             layers when it is built (:func:`batchfit.budget.megatron_layout.stage_layers`).
+        optimizer_cpu_offload, optimizer_offload_fraction: ``megatron`` only: Megatron's
+            ``HybridDeviceOptimizer`` (``--optimizer-cpu-offload``), moving ``optimizer_offload_fraction``
+            of the main parameters' elements (Megatron-LM's default 1.0) with their moments and
+            gradient copies to the host; needs ``precision_aware_optimizer`` (Megatron-LM asserts it).
+        precision_aware_optimizer, main_params_dtype, main_grads_dtype, exp_avg_dtype, exp_avg_sq_dtype:
+            ``megatron`` only: Megatron's precision-aware optimizer (``--use-precision-aware-optimizer``,
+            Transformer Engine's FusedAdam) and its state's dtypes (Megatron-LM's defaults ``fp32``);
+            needs ``distributed_optimizer`` (megatron-core asserts it); the dtypes need it on.
 
     Raises:
         InvalidArgument: an unknown name (the choices and the closest are listed), a bad
@@ -158,6 +166,13 @@ class Sharding:
     expert_tensor_parallel: int | None = None
     first_pipeline_stage_layers: int | None = None
     last_pipeline_stage_layers: int | None = None
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    precision_aware_optimizer: bool = False
+    main_params_dtype: str = "fp32"
+    main_grads_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         strategy = check_choice("sharding", self.strategy, strategy_names())
@@ -207,6 +222,7 @@ class Sharding:
             )
         self._check_model_parallel(strategy, spec)
         self._check_expert_parallel(strategy)
+        self._check_megatron_optimizer(strategy)
         object.__setattr__(self, "mixed_precision", precision)
 
     def _check_expert_parallel(self, strategy: str) -> None:
@@ -242,6 +258,51 @@ class Sharding:
             raise InvalidArgument(
                 f"expert_parallel × expert_tensor_parallel = {ep} × {etp} must divide a pipeline stage's {stage} ranks "
                 f"(Megatron carves the expert groups out of tensor × context × data parallel); lower one of them"
+            )
+
+    def _check_megatron_optimizer(self, strategy: str) -> None:
+        """Megatron's optimizer offload and precision-aware optimizer: what Megatron-LM and megatron-core refuse."""
+        from batchfit.validation import check_choice
+
+        for name in ("optimizer_cpu_offload", "precision_aware_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgument(f"{name} must be True or False, but got {name}={getattr(self, name)!r}")
+        fraction = self.optimizer_offload_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+            raise InvalidArgument(
+                f"optimizer_offload_fraction must be a fraction in [0, 1] (Megatron's share of the optimizer state on the "
+                f"host), but got optimizer_offload_fraction={fraction!r}; pass e.g. 1.0"
+            )
+        dtypes = {
+            "main_params_dtype": ("fp32", "fp16"),  # Megatron-LM arguments.py --main-params-dtype choices
+            "main_grads_dtype": ("fp32", "bf16"),
+            "exp_avg_dtype": ("fp32", "fp16", "bf16", "fp8"),
+            "exp_avg_sq_dtype": ("fp32", "fp16", "bf16", "fp8"),
+        }
+        for name, choices in dtypes.items():
+            check_choice(name, getattr(self, name), choices)
+        changed = [n for n in dtypes if getattr(self, n) != "fp32"]
+        on = [n for n in ("optimizer_cpu_offload", "precision_aware_optimizer") if getattr(self, n)]
+        if (on or changed) and strategy != "megatron":
+            name = (on or changed)[0]
+            raise InvalidArgument(
+                f"{name}={getattr(self, name)!r} is Megatron's optimizer's and needs strategy='megatron', but got "
+                f"strategy={strategy!r}; use strategy='megatron' or drop it"
+            )
+        if changed and not self.precision_aware_optimizer:
+            raise InvalidArgument(
+                f"{changed[0]}={getattr(self, changed[0])!r} needs precision_aware_optimizer=True (megatron-core: "
+                f"'{changed[0]} can only be fp32 when not using precision-aware optimizer'); turn it on or use fp32"
+            )
+        if self.optimizer_cpu_offload and not self.precision_aware_optimizer:
+            raise InvalidArgument(
+                "optimizer_cpu_offload=True needs precision_aware_optimizer=True (Megatron-LM: 'The optimizer cpu offload "
+                "must be used in conjunction with --use-precision-aware-optimizer'); turn it on"
+            )
+        if self.precision_aware_optimizer and not self.distributed_optimizer:
+            raise InvalidArgument(
+                "precision_aware_optimizer=True needs distributed_optimizer=True (megatron-core: '--use-precision-aware-"
+                "optimizer only supported with distributed optimizer'); turn the distributed optimizer on"
             )
 
     def _check_model_parallel(self, strategy: str, spec: StrategySpec) -> None:
@@ -370,6 +431,13 @@ class Sharding:
                 parts.append("sequence parallel")
             if self.distributed_optimizer:
                 parts.append("distributed optimizer")
+            if self.precision_aware_optimizer:
+                dtypes = "/".join(
+                    getattr(self, n) for n in ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+                )
+                parts.append(f"precision-aware optimizer (main params/grads/exp_avg/exp_avg_sq {dtypes})")
+            if self.optimizer_cpu_offload:
+                parts.append(f"optimizer offloaded to the host ({self.optimizer_offload_fraction:g})")
             return f"{self.strategy} over {self._ranks()} ({', '.join(parts)})"
         if self.strategy in ZERO_STRATEGIES:
             what = "optimizer state and gradients" if self.strategy == "zero2" else "optimizer state"
@@ -417,6 +485,11 @@ class Sharding:
             del out["expert_tensor_parallel"]
         for name in ("first_pipeline_stage_layers", "last_pipeline_stage_layers"):
             if out[name] is None:
+                del out[name]
+        if not self.optimizer_cpu_offload:
+            del out["optimizer_cpu_offload"], out["optimizer_offload_fraction"]
+        if not self.precision_aware_optimizer:
+            for name in ("precision_aware_optimizer", "main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
                 del out[name]
         if self.spec.model_parallel:
             out["data_parallel"] = self.data_parallel_size

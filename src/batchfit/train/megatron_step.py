@@ -66,6 +66,38 @@ Three choices of a GPU run, modelled as it runs them:
   on CPU ranks ]).
 fp16 (a loss scaler whose ``found_inf`` is read with ``.item()``) is refused.
 
+NOTE [ Megatron's optimizer offload and precision-aware optimizer ]
+``megatron_optimizer(..., precision=OptimizerPrecision(...), offload_fraction=f)`` models two
+options of megatron-core 0.16.1's ``OptimizerConfig`` that cannot run here: the precision-aware
+optimizer (``use_precision_aware_optimizer``) needs Transformer Engine's ``FusedAdam``
+(``optimizer_config.py`` l. 386–410 raises without it), and ``optimizer_cpu_offload`` builds a
+``HybridDeviceOptimizer`` that offloads only ``param.is_cuda`` tensors and opens CUDA streams
+(``cpu_offloading/hybrid_optimizer.py`` l. 217, 271). Megatron's DDP and optimizer are built as
+always, and the state is then laid out as those classes lay it out, with PyTorch's own tensors:
+
+- precision-aware (``use_precision_aware_optimizer_no_fp8_or_ds_fp8``, ``optimizer_config.py``
+  l. 355): megatron-core makes no fp32 main shards (``distrib_optimizer.py`` l. 378: "main params
+  are held by FusedAdam"); FusedAdam keeps the master weights in ``main_params_dtype`` and the
+  moments in ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``optimizer/__init__.py`` l. 365–383): the
+  inner ``AdamW``'s state is remade as ``torch.zeros_like(p, dtype=...)`` in those dtypes; the
+  gradient buffer is ``main_grads_dtype`` (Megatron-LM's ``--main-grads-dtype bf16`` turns
+  ``accumulate_allreduce_grads_in_fp32`` off, arguments.py l. 1215);
+- CPU offload (Megatron-LM asserts it comes with the precision-aware optimizer, arguments.py
+  l. 1885): the ``HybridDeviceOptimizer`` over the shards, ``param_update_in_fp32=True``. It walks
+  the parameters in order and moves them to the host until ``offload_fraction`` of their elements
+  are there (``_get_sub_optimizer_param_groups``); each moved one gets an fp32 host copy, torch's
+  CPU ``AdamW`` two fp32 moments on the host, and a pinned fp32 host gradient the device gradient
+  is copied into before the step (``_set_sub_optimizer_grads``): 16 B per element, counted under
+  :data:`OFFLOADED_OPTIMIZER_STATE`, a host category (the device peak leaves it out). What stays
+  keeps an fp32 copy and fp32 moments on the device (the device ``Adam`` gets none of the
+  precision-aware dtypes, ``optimizer/__init__.py`` l. 306–345). The bf16 parameters and the
+  gradient buffer stay on the device.
+
+Under either, the step is not run (``MegatronTraining.modelled_step``): FusedAdam and the CPU
+``AdamW`` update in place, the device→host gradient copy lands in the pinned buffers made at the
+first step and the host→device copy in the parameters themselves, so the step makes no device
+tensor; torch's fused ``AdamW`` of the plain path makes none either (``tests/test_megatron_step.py``).
+
 NOTE [ A mixture of experts' two optimizers ]
 Under a mixture of experts ``get_megatron_optimizer`` builds two optimizers, chained
 (``ChainedOptimizer``): one over the dense parameters (reduced over data parallel) and one over
@@ -181,6 +213,44 @@ def synthetic_batch(vocab_size: int, batch: int, seq: int, *, seed: int = 0, att
     )
 
 
+#: Host bytes of the optimizer state Megatron's ``HybridDeviceOptimizer`` moved to the host (NOTE [ Megatron's
+#: optimizer offload and precision-aware optimizer ]): a host category, not in the device peak.
+OFFLOADED_OPTIMIZER_STATE = "offloaded_optimizer_state"
+#: Megatron-LM's dtype names of the precision-aware optimizer's flags (``--exp-avg-dtype`` …; ``fp8``: e4m3).
+STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+@dataclass(frozen=True)
+class OptimizerPrecision:
+    """Megatron's precision-aware optimizer (``--use-precision-aware-optimizer``) and its dtypes, Megatron-LM's defaults.
+
+    ``main_params`` is ``fp32`` or ``fp16``, ``main_grads`` ``fp32`` or ``bf16``, the moments ``fp32``, ``fp16``,
+    ``bf16`` or ``fp8`` (Megatron-LM arguments.py l. 3671–3683 choices).
+
+    Raises:
+        InvalidArgument: a dtype Megatron-LM does not offer for that field.
+    """
+
+    main_params: str = "fp32"
+    main_grads: str = "fp32"
+    exp_avg: str = "fp32"
+    exp_avg_sq: str = "fp32"
+
+    def __post_init__(self) -> None:
+        from batchfit.validation import check_choice
+
+        for name, choices in (
+            ("main_params", ("fp32", "fp16")),
+            ("main_grads", ("fp32", "bf16")),
+            ("exp_avg", tuple(STATE_DTYPES)),
+            ("exp_avg_sq", tuple(STATE_DTYPES)),
+        ):
+            check_choice(f"{name}_dtype", getattr(self, name), choices)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return STATE_DTYPES[getattr(self, name)]
+
+
 @dataclass
 class MegatronTraining:
     """What one rank trains with (NOTE [ The Megatron step's optimizer ]): its model in Megatron's DDP, Megatron's optimizer.
@@ -196,6 +266,11 @@ class MegatronTraining:
             over the data-parallel group).
         chunks: every model chunk of this stage in its DDP wrapper (``[model]`` without virtual
             pipeline stages).
+        device_state: the optimizer state on the device when it is laid out as the precision-aware or
+            offloaded optimizer keeps it (NOTE [ Megatron's optimizer offload and precision-aware optimizer ]);
+            ``None``: the inner Adams' own main parameters and moments.
+        host_state: the offloaded share's host tensors (fp32 copies, moments, gradients).
+        modelled_step: the optimizer step is not run (it makes no device tensor under those optimizers).
     """
 
     model: torch.nn.Module
@@ -203,6 +278,9 @@ class MegatronTraining:
     mixed_precision: bool
     distributed: bool
     chunks: list[torch.nn.Module] = dataclasses.field(default_factory=list)
+    device_state: list[torch.Tensor] | None = None
+    host_state: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    modelled_step: bool = False
 
     def __post_init__(self) -> None:
         if not self.chunks:
@@ -240,6 +318,11 @@ class MegatronTraining:
         """
         if not optimizer_state:
             return [self.parameter_buffers(), self.gradient_buffers()], [PARAMETERS, GRADIENTS]
+        if self.device_state is not None:  # NOTE [ Megatron's optimizer offload and precision-aware optimizer ]
+            return (
+                [self.parameter_buffers(), self.gradient_buffers(), self.device_state, self.host_state],
+                [PARAMETERS, GRADIENTS, OPTIMIZER_STATE, OFFLOADED_OPTIMIZER_STATE],
+            )
         return (
             [self.parameter_buffers(), self.gradient_buffers(), self.main_parameters(), [o.optimizer for o in self.optimizers]],
             [PARAMETERS, GRADIENTS, OPTIMIZER_STATE, OPTIMIZER_STATE],
@@ -256,6 +339,8 @@ def megatron_optimizer(
     mixed_precision: bool | None = None,
     distributed: bool = False,
     lr: float = 1e-6,
+    precision: OptimizerPrecision | None = None,
+    offload_fraction: float = 0.0,
 ) -> MegatronTraining:
     """Wrap ``model`` in Megatron's DDP and build Megatron's optimizer over it, its state made now (NOTE [ The Megatron step's optimizer ]).
 
@@ -274,13 +359,19 @@ def megatron_optimizer(
             data-parallel rank keeps the main parameters and moments of its 1/dp range of the
             gradient buffer, which is reduce-scattered instead of all-reduced.
         lr: the learning rate.
+        precision: Megatron's precision-aware optimizer and its dtypes; ``None``: off.
+        offload_fraction: the share of the main parameters' elements Megatron's ``HybridDeviceOptimizer``
+            moves to the host (``optimizer_cpu_offload`` with ``optimizer_offload_fraction``); 0: no offload.
+            Needs ``precision`` (Megatron-LM asserts it). NOTE [ Megatron's optimizer offload and
+            precision-aware optimizer ].
 
     Returns:
         The wrapped model and the optimizer; the inner Adam's moments exist, zero.
 
     Raises:
         InvalidArgument: fp16 parameters, or ``mixed_precision=False`` with the distributed
-            optimizer on 16-bit parameters (it always keeps fp32 main shards).
+            optimizer on 16-bit parameters (it always keeps fp32 main shards); an offload
+            without the precision-aware optimizer, or a fraction outside [0, 1].
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -302,8 +393,19 @@ def megatron_optimizer(
             "mixed_precision=False with distributed=True: Megatron's distributed optimizer always keeps fp32 main shards "
             "of bf16 parameters (DistributedOptimizer._build_model_and_main_param_groups); pass mixed_precision=True, or distributed=False"
         )
+    offload_fraction = float(offload_fraction)
+    if not 0.0 <= offload_fraction <= 1.0:
+        raise InvalidArgument(
+            f"offload_fraction={offload_fraction} must be a fraction in [0, 1] (Megatron's optimizer_offload_fraction); pass e.g. 1.0"
+        )
+    if offload_fraction and precision is None:
+        raise InvalidArgument(
+            "an optimizer offloaded to the host needs the precision-aware optimizer (Megatron-LM arguments.py: 'The optimizer "
+            "cpu offload must be used in conjunction with --use-precision-aware-optimizer'); pass precision=OptimizerPrecision()"
+        )
+    fp32_grads = mixed_precision and (precision is None or precision.main_grads == "fp32")
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=mixed_precision or dtype is torch.float32,
+        grad_reduce_in_fp32=fp32_grads or dtype is torch.float32,
         use_distributed_optimizer=bool(distributed),
         overlap_grad_reduce=False,
         overlap_param_gather=False,
@@ -328,9 +430,41 @@ def megatron_optimizer(
     for inner in chained or [optimizer]:  # NOTE [ A mixture of experts' two optimizers ]
         _fused_adam(inner.optimizer)
         _initialize_main_state(inner.optimizer)
-    return MegatronTraining(
+    training = MegatronTraining(
         model=wrapped[0], optimizer=optimizer, mixed_precision=mixed_precision, distributed=bool(distributed), chunks=wrapped
     )
+    if precision is not None and mixed_precision:
+        _lay_out_state(training, precision, offload_fraction)
+    return training
+
+
+def _lay_out_state(training: MegatronTraining, precision: OptimizerPrecision, offload_fraction: float) -> None:
+    """The optimizer state as the precision-aware optimizer (and the ``HybridDeviceOptimizer``) keeps it, in PyTorch's own
+    tensors (NOTE [ Megatron's optimizer offload and precision-aware optimizer ])."""
+    device: list[torch.Tensor] = []
+    host: list[torch.Tensor] = []
+    for inner in training.optimizers:
+        adam = inner.optimizer
+        params = [p for group in adam.param_groups for p in group["params"]]
+        threshold, moved = offload_fraction * sum(p.numel() for p in params), 0
+        for p in params:
+            state = adam.state.get(p, {})
+            if moved < threshold:  # HybridDeviceOptimizer._get_sub_optimizer_param_groups: in order, by elements
+                moved += p.numel()
+                # the fp32 host copy, CPU AdamW's two fp32 moments, the pinned fp32 host gradient
+                host += [torch.empty(p.shape, dtype=torch.float32) for _ in range(4)]
+            elif offload_fraction:
+                # HybridDeviceOptimizer's device share: an fp32 copy (param_update_in_fp32) and the device Adam's fp32 moments
+                device += [torch.empty(p.shape, dtype=torch.float32) for _ in range(3)]
+            else:
+                # FusedAdam's master weight and moments in the configured dtypes
+                device += [
+                    torch.empty(p.shape, dtype=precision.dtype("main_params")),
+                    torch.zeros_like(p, dtype=precision.dtype("exp_avg")),
+                    torch.zeros_like(p, dtype=precision.dtype("exp_avg_sq")),
+                ]
+            state.clear()  # megatron-core's own fp32 main shard and moments are not made under these optimizers
+    training.device_state, training.host_state, training.modelled_step = device, host, True
 
 
 def _fused_adam(adam: torch.optim.Optimizer) -> None:
@@ -469,6 +603,8 @@ def _zero_grads(training: MegatronTraining) -> None:
 
 
 def _optimizer_step(training: MegatronTraining) -> None:
+    if training.modelled_step:  # NOTE [ Megatron's optimizer offload and precision-aware optimizer ]: no device tensor
+        return
     with labels.phase(labels.OPTIMIZER), labels.region(OPTIMIZER_STEP):
         for optimizer in training.optimizers:  # NOTE [ A mixture of experts' two optimizers ]
             optimizer.step()
@@ -758,8 +894,11 @@ def _value(loss: torch.Tensor) -> float:
 
 
 __all__ = [
+    "OFFLOADED_OPTIMIZER_STATE",
+    "STATE_DTYPES",
     "MegatronBatch",
     "MegatronTraining",
+    "OptimizerPrecision",
     "finalize_sequence_parallel_grads",
     "megatron_forward_step",
     "megatron_log_probs",
