@@ -16,9 +16,9 @@ from multirank import run_ranks
 pytestmark = pytest.mark.slow
 
 #: The presets that are a mixture of experts not mapped to Megatron yet (refused by name).
-MOE_PRESETS = {"deepseek-v3", "glm-4.5-air", "gpt-oss-20b"}
+MOE_PRESETS = {"glm-4.5-air", "gpt-oss-20b"}
 #: The mixtures of experts mapped (batchfit.models.megatron.MOE_MODEL_TYPES): transformers' count too.
-MAPPED_MOE_PRESETS = {"qwen3-235b-a22b", "qwen3-30b-a3b"}
+MAPPED_MOE_PRESETS = {"qwen3-235b-a22b", "qwen3-30b-a3b", "deepseek-v3"}
 
 
 @pytest.fixture
@@ -69,6 +69,7 @@ def test_every_dense_preset_has_transformers_parameter_count(megatron):
     for name in MAPPED_MOE_PRESETS:  # Megatron's MoELayer (router, SequentialMLP experts) holds transformers' parameters
         assert isinstance(counts[name], tuple) and counts[name][0] == counts[name][1], (name, counts[name])
     assert counts["qwen3-30b-a3b"][0] == 30_532_122_624
+    assert counts["deepseek-v3"][0] == 671_026_404_352  # multi-latent attention, 3 dense layers, no MTP layer
 
 
 def _tied_and_biased(rank: int) -> dict[str, object]:
@@ -108,8 +109,8 @@ def test_refusals_name_the_fix(megatron):
 
     with pytest.raises(InvalidArgument, match="sequence_parallel=True needs tensor_parallel > 1"):
         transformer_config("tiny", sequence_parallel=True)
-    with pytest.raises(InvalidArgument, match="model_type='deepseek_v3' is a mixture of experts batchfit does not map"):
-        transformer_config("deepseek-v3")
+    with pytest.raises(InvalidArgument, match="model_type='glm4_moe' is a mixture of experts batchfit does not map"):
+        transformer_config("glm-4.5-air")
 
 
 def test_the_cpu_patches_are_undone_on_exit(megatron):

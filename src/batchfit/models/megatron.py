@@ -148,6 +148,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from batchfit.errors import InvalidArgument
+from batchfit.models.megatron_mla import mla_cpu_patches
 from batchfit.models.moe_megatron import moe_cpu_patches
 from batchfit.models.specs import load_config
 from batchfit.patching import AttributePatch
@@ -353,6 +354,7 @@ def megatron_cpu_patches() -> Iterator[None]:
         _NO_CUDA_RNG_STATE.active(),
         _NO_CUDA_RNG_RESTORE.active(),
         moe_cpu_patches(),
+        mla_cpu_patches(),
         _CudaFactoriesOnCpu(),
     ):
         yield
@@ -534,7 +536,7 @@ def transformer_config(
     if moe and kind not in MOE_MODEL_TYPES:
         raise InvalidArgument(
             f"model_type={kind!r} is a mixture of experts batchfit does not map to Megatron yet (mapped: "
-            f"{', '.join(sorted(MOE_MODEL_TYPES))}: every layer a MoE with standard attention); profile it with --sharding fsdp2"
+            f"{', '.join(sorted(MOE_MODEL_TYPES))}); profile it with --sharding fsdp2"
         )
     if moe and tp > 1 and not sequence_parallel:
         # megatron-core 0.16.1 moe_layer.py MoELayer.forward raises ValueError when training so
@@ -558,7 +560,13 @@ def transformer_config(
                 "(Megatron gives every model chunk the same layers); choose sizes that divide the layers"
             )
     states = ParallelStates(tp_size=tp, pp_size=pp, vpp_size=vp, cp_size=cp, ep_size=ep, etp_size=etp)
-    bridge = AutoBridge.from_config(hf_config, dtype=dtype, parallel_states=states)
+    if kind in MLA_MODEL_TYPES:  # NOTE [ DeepSeek-V3 from a Hugging Face config ]
+        from batchfit.models.megatron_mla import deepseek_v3_bridge, deepseek_v3_settings
+
+        bridge = deepseek_v3_bridge(hf_config, dtype=dtype, parallel_states=states)
+        overrides = {**deepseek_v3_settings(hf_config, overrides.get("num_layers")), **overrides}
+    else:
+        bridge = AutoBridge.from_config(hf_config, dtype=dtype, parallel_states=states)
     if moe:
         from batchfit.models.moe_megatron import MOE_CPU_SETTINGS
 
@@ -579,9 +587,12 @@ def transformer_config(
 
 
 #: Mixtures of experts mapped to Megatron (NOTE [ Megatron's mixture of experts on CPU ranks ]): mbridge's bridges
-#: whose every layer is a MoE under megatron-core's local spec with standard attention. DeepSeek-V3 and GLM-4.5
-#: (dense first layers, DeepSeek's multi-latent attention) need Megatron's decoder block spec; gpt-oss has no bridge.
-MOE_MODEL_TYPES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral"})
+#: whose every layer is a MoE under megatron-core's local spec with standard attention, and DeepSeek-V3 (dense first
+#: layers, multi-latent attention: Megatron's decoder block spec, NOTE [ DeepSeek-V3 from a Hugging Face config ]).
+#: GLM-4.5 is not mapped yet; gpt-oss has no bridge.
+MOE_MODEL_TYPES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"})
+#: Models with multi-latent attention (:mod:`batchfit.models.megatron_mla`).
+MLA_MODEL_TYPES = frozenset({"deepseek_v3"})
 
 
 def _is_mixture_of_experts(hf_config: Any) -> bool:
@@ -645,8 +656,9 @@ def build_gpt_model(
             empty (for counting, or under a meta or fake device).
         gpt_args: ``GPTModel`` arguments to set over :func:`gpt_model_args`'s
             (``{"position_embedding_type": "learned_absolute"}``, as Korthikanti et al.'s GPT);
-            ``transformer_layer_spec`` may be a function of the ``TransformerConfig``
-            (:func:`batchfit.models.megatron_attention.layer_spec`), default Megatron's local spec.
+            ``transformer_layer_spec`` may be a function of the ``TransformerConfig`` and
+            ``vp_stage`` (:func:`batchfit.models.megatron_attention.layer_spec`), default Megatron's
+            local spec (its decoder block spec for DeepSeek-V3, with PyTorch's fused attention).
         virtual_pipeline, vp_stage: with virtual stages (:func:`transformer_config`), the model
             chunk ``vp_stage`` of ``virtual_pipeline`` this builds (Megatron's ``vp_stage``: its
             layers, and the embedding or the head when it is the pipeline's first or last);
@@ -702,16 +714,17 @@ def build_gpt_model(
         raise InvalidArgument(
             f"vocab_size={args['vocab_size']} must be divisible by tensor_parallel={tensor_parallel} (no vocabulary padding, as verl calls mbridge); choose a tensor_parallel that divides it"
         )
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    layer_spec = args.pop("transformer_layer_spec", None)  # a ModuleSpec, or a function of the config making one
+    layer_spec = args.pop("transformer_layer_spec", None)  # a ModuleSpec, or a function of the config (and vp_stage) making one
     if layer_spec is None:  # with experts: Megatron's MoELayer, SequentialMLP (NOTE [ Megatron's mixture of experts on CPU ranks ])
-        layer_spec = get_gpt_layer_local_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm, normalization=config.normalization
-        )
+        from batchfit.models.megatron_attention import layer_spec as local_spec
+
+        # multi-latent attention runs with PyTorch's fused attention only (megatron_attention.layer_spec)
+        attention = "sdpa" if getattr(config, "multi_latent_attention", False) else "local"
+        layer_spec = local_spec(config, attention=attention, vp_stage=vp_stage)
     elif callable(layer_spec):
-        layer_spec = layer_spec(config)
+        layer_spec = layer_spec(config, vp_stage=vp_stage)  # a decoder block spec holds this chunk's layers
     default = torch.get_default_dtype()
     if config.params_dtype.is_floating_point:
         torch.set_default_dtype(config.params_dtype)  # NOTE [ Megatron's parameters in one dtype ]

@@ -25,6 +25,7 @@ measure it: the table counts its scores).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -35,27 +36,51 @@ from batchfit.errors import InvalidArgument
 ATTENTIONS = ("sdpa", "local")
 
 
-def layer_spec(config: Any, attention: str = "sdpa") -> Any:
+def layer_spec(config: Any, attention: str = "sdpa", vp_stage: int | None = None) -> Any:
     """Megatron-core's local GPT layer spec for ``config`` with ``attention``'s core attention.
 
+    A model whose layers differ (dense first layers: ``moe_layer_freq`` not 1) or with multi-latent
+    attention gets Megatron's decoder block spec of the same local specs instead, this pipeline stage's
+    layers (model chunk ``vp_stage``'s with virtual stages: :func:`batchfit.models.megatron_mla.decoder_block_spec`).
+
     Args:
-        config: the model's ``TransformerConfig`` (its ``qk_layernorm``, ``normalization`` and ``num_moe_experts``).
+        config: the model's ``TransformerConfig`` (its ``qk_layernorm``, ``normalization``, ``num_moe_experts``,
+            ``moe_layer_freq`` and ``multi_latent_attention``).
         attention: ``"sdpa"`` (:class:`SdpaAttention`: NOTE [ Fused attention for Megatron
             budgets ]) or ``"local"`` (Megatron's unfused ``DotProductAttention``).
+        vp_stage: the model chunk a block spec is for (``None`` without virtual stages).
 
     Raises:
-        InvalidArgument: another ``attention``.
+        InvalidArgument: another ``attention``, or ``"local"`` with multi-latent attention (megatron-core
+            0.16.1's ``DotProductAttention`` takes no separate key and value head sizes).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if attention not in ATTENTIONS:
         raise InvalidArgument(f"attention must be one of {', '.join(ATTENTIONS)}, but got attention={attention!r}; use 'sdpa'")
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    if mla and attention == "local":
+        raise InvalidArgument(
+            "attention='local' cannot run multi-latent attention (megatron-core 0.16.1's DotProductAttention takes no "
+            "k_channels/v_channels, which MLASelfAttention passes); use attention='sdpa'"
+        )
+    if mla or getattr(config, "moe_layer_freq", 1) != 1:
+        from batchfit.models.megatron_mla import decoder_block_spec
+
+        return decoder_block_spec(config, lambda spec: _with_core_attention(spec, attention), vp_stage=vp_stage)
     # a mixture of experts: Megatron's MoELayer with SequentialMLP experts (NOTE [ Megatron's mixture of experts on CPU ranks ])
     spec = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm, normalization=config.normalization
     )
-    if attention == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = __getattr__("SdpaAttention")
+    return _with_core_attention(spec, attention)
+
+
+def _with_core_attention(spec: Any, attention: str) -> Any:
+    """``spec`` (a layer's ``ModuleSpec``) with ``attention``'s core attention, a copy when it changes."""
+    if attention != "sdpa":
+        return spec
+    spec = copy.deepcopy(spec)  # the block spec shares one spec between its layers
+    spec.submodules.self_attention.submodules.core_attention = __getattr__("SdpaAttention")
     return spec
 
 
@@ -68,7 +93,8 @@ def _sdpa_attention_class() -> type:
         """Megatron's core attention as PyTorch's ``scaled_dot_product_attention`` (NOTE [ Fused attention for Megatron budgets ]).
 
         Takes what ``DotProductAttention`` takes (``[s, b, heads, d]`` query, ``[s, b, groups, d]``
-        key and value) and returns ``[s, b, heads/t · d]``. Causal masks only, no packed rows, no
+        key and value; multi-latent attention's values of their own width ``k_channels``/``v_channels``) and
+        returns ``[s, b, heads/t · d_v]``. Causal masks only, no packed rows, no
         attention bias; under context parallelism the ring of Transformer Engine's ``p2p`` exchange
         (:func:`batchfit.models.megatron_context.ring_attention`), without dropout.
         """
@@ -83,6 +109,8 @@ def _sdpa_attention_class() -> type:
             softmax_scale: float | None = None,
             cp_comm_type: str | None = None,
             pg_collection: Any = None,
+            k_channels: int | None = None,
+            v_channels: int | None = None,
         ):
             super().__init__(config=config)
             self.context_parallel = config.context_parallel_size
@@ -98,9 +126,10 @@ def _sdpa_attention_class() -> type:
             from megatron.core import parallel_state
 
             tp = parallel_state.get_tensor_model_parallel_world_size() if pg_collection is None else pg_collection.tp.size()
-            projection = config.kv_channels * config.num_attention_heads
-            self.hidden_size_per_partition = divide(projection, tp)
-            head = divide(projection, config.num_attention_heads)
+            # multi-latent attention passes its query/key and value head sizes (MLASelfAttention: k_channels, v_channels)
+            head = config.kv_channels if k_channels is None else k_channels
+            value_head = head if v_channels is None else v_channels
+            self.hidden_size_per_partition = divide(value_head * config.num_attention_heads, tp)
             self.softmax_scale = softmax_scale if softmax_scale is not None else head**-0.5
             if config.apply_query_key_layer_scaling:
                 self.softmax_scale /= max(1, layer_number)

@@ -27,6 +27,9 @@ parameters; its activations are each expert's ``fc1``/``fc2`` inputs and the Swi
 slice, where the grouped GEMM keeps the same tensors for all local experts at once (the same bytes
 summed, up to the grouped kernel's own workspace, which is not modelled).
 
+A router with an expert bias (DeepSeek-V3's) counts its tokens per expert in ``_apply_expert_bias``, which
+megatron-core ``torch.compile``s at import (``jit_fuser``): it runs under ``torch.compiler.set_stance("force_eager")``,
+the same sum in eager ops (the compiled kernel, called with the estimate's fake tensors, ended the process).
 The router runs after one change: without Transformer Engine its gating linear
 (``RouterGatingLinearFunction``) meets an undefined ``te_general_gemm`` (:class:`_GemmNamedWithoutTransformerEngine`);
 defined as ``None``, it runs torch's ``mm`` in the router's dtype, as megatron-core means it to
@@ -101,7 +104,14 @@ def _router_module() -> Any:
     return router
 
 
+def _router_class() -> Any:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return TopKRouter
+
+
 _ROUTING_MAP_OF_THE_INDICES = AttributePatch(_router_module, "topk_routing_with_score_function", lazy=True)
+_EXPERT_BIAS_IN_EAGER_OPS = AttributePatch(_router_class, "_apply_expert_bias", lazy=True)
 _SPLITS_ON_THE_HOST = AttributePatch(_dispatcher, "_maybe_dtoh_and_synchronize", lazy=True)
 _SYMMETRIC_COUNTS = AttributePatch(_dispatcher_module, "gather_from_sequence_parallel_region", lazy=True)
 
@@ -168,6 +178,14 @@ def _routing_map_of_the_indices(logits: torch.Tensor, topk: int, *args: Any, rou
     return probs, routing_map
 
 
+@_EXPERT_BIAS_IN_EAGER_OPS.bind
+def _expert_bias_in_eager_ops(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``TopKRouter._apply_expert_bias`` (``torch.compile``'d by megatron-core's ``jit_fuser``) run eagerly
+    (NOTE [ Megatron's mixture of experts on CPU ranks ]: an inductor kernel called with fake tensors ends the process)."""
+    with torch.compiler.set_stance("force_eager"):
+        return _EXPERT_BIAS_IN_EAGER_OPS.call_below(self, *args, **kwargs)
+
+
 @_SPLITS_ON_THE_HOST.bind
 def _splits_on_the_host(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
     """``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` with every tensor on the host: the split sizes
@@ -202,6 +220,7 @@ def moe_cpu_patches() -> Iterator[None]:
         _SYMMETRIC_COUNTS.active(),
         _ROUTER_GEMM_NAMED.active(),
         _ROUTING_MAP_OF_THE_INDICES.active(),
+        _EXPERT_BIAS_IN_EAGER_OPS.active(),
     ):
         yield
 
