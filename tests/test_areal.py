@@ -241,3 +241,18 @@ def test_the_megatron_example_profiles_under_megatron_and_emits_areals_keys(tmp_
     caps = [int(v) for v in re.findall(r"max_tokens_per_mb: (\d+)", out)]
     assert len(caps) == 1 and caps[0] % 256 == 0 and caps[0] >= 2048, out
     assert "megatron over 4 ranks" in out and "backend: megatron:d4" in out, out
+
+
+def test_adam_bf16_under_megatron_is_read_as_the_precision_aware_optimizer_with_bf16_moments(tmp_path):
+    import yaml as _yaml
+
+    from batchfit.frameworks.config_options import run_profile_options
+
+    data = _yaml.safe_load(MEGATRON_EXAMPLE.read_text(encoding="utf-8"))
+    data.setdefault("actor", {}).setdefault("optimizer", {})["type"] = "adam_bf16"
+    path = tmp_path / "areal_adam_bf16.yaml"
+    path.write_text(_yaml.safe_dump(data), encoding="utf-8")
+    run = read_run_config(path)
+    assert not any("precision-aware" in w and "not model" in w for w in run.warnings)
+    s = run_profile_options(run, {"backend": "estimate", "max_seq_len": 1024}).options.sharding
+    assert (s.precision_aware_optimizer, s.exp_avg_dtype, s.exp_avg_sq_dtype) == (True, "bf16", "bf16")

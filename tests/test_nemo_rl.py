@@ -201,8 +201,8 @@ def _megatron_config(tmp_path, **megatron_cfg) -> Path:
 def test_megatron_cfg_reads_into_a_megatron_run(tmp_path):
     run = read_run_config(MEGATRON_EXAMPLE)  # grpo_math_1B_megatron.yaml: tp 1, distributed optimizer, bf16
     assert (run.strategy, run.dtype, run.distributed_optimizer, run.gradient_checkpointing) == ("megatron", "bf16", True, False)
-    # grpo_math_1B.yaml's defaults: the precision-aware optimizer and a bf16 gradient buffer, each warned
-    assert any(w.startswith("policy.megatron_cfg.optimizer.use_precision_aware_optimizer=True is not modelled") for w in run.warnings)
+    # grpo_math_1B.yaml's defaults: the precision-aware optimizer read (modelled), a bf16 gradient buffer warned
+    assert run.precision_aware_optimizer is True and not any("use_precision_aware_optimizer" in w for w in run.warnings)
     assert any("grad_reduce_in_fp32=False is not modelled" for w in run.warnings)
     run = read_run_config(_megatron_config(
         tmp_path, tensor_model_parallel_size=2, sequence_parallel=True, activation_checkpointing=True,
@@ -225,7 +225,7 @@ def test_a_megatron_profile_emits_megatron_cfg():
     mg = "policy.megatron_cfg."
     assert keys[mg + "enabled"] is True and keys["policy.dtensor_cfg.enabled"] is False
     assert (keys[mg + "tensor_model_parallel_size"], keys[mg + "sequence_parallel"], keys["policy.precision"]) == (2, True, "bfloat16")
-    assert keys[mg + "optimizer.use_precision_aware_optimizer"] is False
+    assert keys[mg + "optimizer.use_precision_aware_optimizer"] is False  # as profiled: the sharding has it off
     assert keys[mg + "distributed_data_parallel_config.grad_reduce_in_fp32"] is True
     assert (keys[mg + "activation_checkpointing"], keys[mg + "recompute_granularity"]) == (True, "full")
 
@@ -353,3 +353,16 @@ def test_the_megatron_example_profiles_under_megatron_and_emits_nemo_rls_token_k
     packing = emitted["policy"]["sequence_packing"]
     assert packing["train_mb_tokens"] >= 512 and packing["logprob_mb_tokens"] >= packing["train_mb_tokens"]
     assert emitted["policy"]["megatron_cfg"]["enabled"] is True
+
+
+def test_megatron_cfgs_uneven_stages_offload_and_optimizer_dtypes_are_read(tmp_path):
+    from batchfit.frameworks.config_options import run_profile_options
+
+    run = read_run_config(_megatron_config(
+        tmp_path, pipeline_model_parallel_size=2, num_layers_in_last_pipeline_stage=10,
+        optimizer={"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0, "exp_avg_dtype": "bf16"},
+    ))  # fmt: skip
+    assert not any("num_layers_in_last_pipeline_stage" in w or "optimizer_cpu_offload" in w for w in run.warnings)
+    s = run_profile_options(run, {"backend": "estimate", "max_seq_len": 1024, "world_size": 2}).options.sharding
+    assert (s.pipeline_parallel, s.last_pipeline_stage_layers, s.optimizer_cpu_offload) == (2, 10, True)
+    assert (s.precision_aware_optimizer, s.exp_avg_dtype, s.optimizer_offload_fraction) == (True, "bf16", 1.0)

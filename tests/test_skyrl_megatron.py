@@ -350,3 +350,20 @@ def test_the_emitted_keys_write_skyrls_entropy_chunk_defaults():
     keys = _keys(read_run_config(_config(trainer__vocab_entropy_chunk_memory_mb=2048)))
     assert keys["trainer.vocab_entropy_chunk_size"] == 0
     assert keys["trainer.vocab_entropy_chunk_memory_mb"] == 512
+
+
+def test_the_providers_uneven_stages_and_megatrons_optimizer_offload_are_read():
+    from batchfit.frameworks.config_options import run_profile_options
+
+    data = _config(
+        trainer__policy__megatron_config__transformer_config_kwargs__num_layers_in_last_pipeline_stage=10,
+        trainer__policy__megatron_config__optimizer_config_kwargs__optimizer_cpu_offload=True,
+        trainer__policy__megatron_config__optimizer_config_kwargs__optimizer_offload_fraction=1.0,
+        trainer__policy__megatron_config__optimizer_config_kwargs__use_precision_aware_optimizer=True,
+        trainer__policy__megatron_config__optimizer_config_kwargs__exp_avg_dtype="bfloat16",
+    )
+    run = read_run_config(data)
+    assert not any("optimizer_cpu_offload" in w or "precision_aware" in w for w in run.warnings)
+    s = run_profile_options(run, {"backend": "estimate", "max_seq_len": 1024}).options.sharding
+    assert (s.last_pipeline_stage_layers, s.optimizer_cpu_offload, s.optimizer_offload_fraction) == (10, True, 1.0)
+    assert (s.precision_aware_optimizer, s.exp_avg_dtype) == (True, "bf16")

@@ -467,7 +467,6 @@ def _key_names(by_prompt: bool) -> dict[str, str]:
 
 #: actor.megatron keys batchfit's Megatron profile does not reproduce: key → (the value profiled, what is left out).
 _MEGATRON_UNMODELLED: dict[str, tuple[Any, str]] = {
-    "actor.megatron.use_precision_aware_optimizer": (False, "Megatron's precision-aware optimizer (moments in their own dtypes)"),
     "actor.megatron.ddp.grad_reduce_in_fp32": (True, "a bf16 gradient buffer (batchfit's Megatron profile keeps it fp32)"),
     "actor.megatron.use_torch_fsdp2": (False, "Megatron's torch FSDP2 wrapper"),
     "actor.megatron.use_custom_fsdp": (False, "Megatron's custom FSDP"),
@@ -491,12 +490,17 @@ def _megatron(flat: dict[str, Any], actor: Backend, critic: bool, reference: boo
         value = flat.get(key)
         if value is not None and value != modelled:
             warnings.append(f"{key}={short_repr(value)} is not modelled: {what}; {TITLE}'s default is {short_repr(modelled)}")
-    if flat.get("actor.optimizer.type") == "adam_bf16":
-        warnings.append(
-            "actor.optimizer.type='adam_bf16' turns Megatron's precision-aware optimizer on with bf16 moments "
-            "(megatron_engine.py _normalize_adam_bf16_config), which batchfit does not model: profiled with fp32 moments "
-            "(the budgets are conservative)"
-        )
+    # use_precision_aware_optimizer and its dtypes (cli_args.py MegatronEngineConfig, "float32" by default), read;
+    # adam_bf16 turns it on with bf16 moments (megatron_engine.py _normalize_adam_bf16_config)
+    adam_bf16 = flat.get("actor.optimizer.type") == "adam_bf16"
+    precision_aware = adam_bf16 or as_bool(flat.get(m + "use_precision_aware_optimizer")) is True
+    dtypes = {
+        name: dtype_name(flat.get(m + name)) or flat.get(m + name)
+        for name in ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+        if flat.get(m + name) is not None
+    }
+    if adam_bf16:
+        dtypes.update(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
     checkpointing = as_bool(flat.get("actor.gradient_checkpointing")) is True
     recompute = (flat.get(m + "recompute_granularity"), flat.get(m + "recompute_method"), as_int(flat.get(m + "recompute_num_layers")))
     full = recompute == ("full", "uniform", 1)
@@ -520,6 +524,8 @@ def _megatron(flat: dict[str, Any], actor: Backend, critic: bool, reference: boo
         "distributed_optimizer": as_bool(flat.get(m + "ddp.use_distributed_optimizer")) is not False,
         "vpp": vpp if is_positive_int(vpp) and vpp > 1 else None,
         "ep": actor.size("e"),
+        "precision_aware": precision_aware,
+        "optimizer_dtypes": {k: v for k, v in dtypes.items() if v != "fp32"} if precision_aware else None,
         "recompute": checkpointing and full,
         "warnings": warnings,
         "faults": faults,

@@ -164,7 +164,13 @@ def _megatron_keys(a: Assumptions) -> list[Key]:
             f"optimizer state sharded over the {s.data_parallel_size} data-parallel ranks, as profiled"
             if s.distributed_optimizer else "optimizer state whole on every data-parallel rank, as profiled"),
         Key(m + "ddp.grad_reduce_in_fp32", True, "an fp32 gradient buffer, as profiled"),
-        Key(m + "use_precision_aware_optimizer", False, "the standard optimizer (fp32 main copy and moments), as profiled"),
+        Key(m + "use_precision_aware_optimizer", s.precision_aware_optimizer,
+            "Megatron's precision-aware optimizer, as profiled" if s.precision_aware_optimizer
+            else "the standard optimizer (fp32 main copy and moments), as profiled"),
+        *[Key(m + name, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(getattr(s, name), getattr(s, name)),
+              f"{name} as profiled")
+          for name in ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+          if s.precision_aware_optimizer and getattr(s, name) != "fp32"],
         Key("actor.gradient_checkpointing", bool(recompute), "every layer's input recomputed (Megatron's full recompute)" if recompute else "no recompute"),
         *([Key(m + "recompute_granularity", "full"), Key(m + "recompute_method", "uniform"), Key(m + "recompute_num_layers", 1)] if recompute else []),
         Key("actor.use_lora", False, "every parameter trained"),

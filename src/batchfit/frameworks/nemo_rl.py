@@ -293,26 +293,20 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
 # DDP config's grad_reduce_in_fp32 (default false) and the optimizer's use_distributed_optimizer (default true) are
 # megatron_cfg.distributed_data_parallel_config's and megatron_cfg.optimizer's. grpo_math_1B.yaml turns on
 # optimizer.use_precision_aware_optimizer, Transformer Engine's FusedAdam keeping the main parameters and moments in
-# the optimizer's own dtypes: batchfit's Megatron profile runs the standard distributed optimizer (fp32 main shards,
-# fp32 moments), so a config with it on is profiled as if it were off, and warned. The reference is a host copy of
+# the optimizer's own dtypes (optimizer.main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype, main_grads_dtype: read),
+# with optimizer.optimizer_cpu_offload / optimizer_offload_fraction (default 0.0) and the uneven pipeline's
+# num_layers_in_first/last_pipeline_stage, all profiled (NOTE [ Megatron's optimizer offload and precision-aware
+# optimizer ] in batchfit.train.megatron_step). The reference is a host copy of
 # the weights swapped in (setup_reference_model_state), as on the DTensor path.
 
 #: megatron_cfg keys batchfit's Megatron profile does not reproduce (checked against the merged config, the defaults
 #: included): key → (the value batchfit profiles, what the budgets leave out).
 MEGATRON_UNMODELLED: dict[str, tuple[Any, str]] = {
-    MG + "optimizer.use_precision_aware_optimizer": (
-        False,
-        "Megatron's precision-aware optimizer (Transformer Engine's FusedAdam, main parameters and moments in its own "
-        "dtypes); batchfit profiles the standard distributed optimizer (fp32 main shards and moments): set it to "
-        "false to run as profiled",
-    ),
     MG + "distributed_data_parallel_config.grad_reduce_in_fp32": (
         True,
         "a bf16 gradient buffer, cast to fp32 at the optimizer step; batchfit's Megatron profile keeps an fp32 buffer: "
         "set it to true to run as profiled",
     ),
-    MG + "optimizer.optimizer_cpu_offload": (False, "the optimizer state offloaded to the host (counted on the GPU)"),
-    MG + "optimizer.optimizer_offload_fraction": (0.0, "part of the optimizer state on the host (counted on the GPU)"),
     MG + "use_fused_linear_logprobs": (
         False,
         "log-probs fused with the output layer in chunks (profiled with Megatron's vocab-parallel head over the "
@@ -321,8 +315,6 @@ MEGATRON_UNMODELLED: dict[str, tuple[Any, str]] = {
     MG + "fine_grained_activation_offloading": (False, "activations of some modules offloaded to the host"),
     MG + "fp8_cfg.enabled": (False, "FP8 GEMMs (Transformer Engine)"),
     MG + "expert_tensor_parallel_size": (1, "the experts' own tensor-parallel size"),
-    MG + "num_layers_in_first_pipeline_stage": (None, "an uneven pipeline (batchfit's stages hold equal layers)"),
-    MG + "num_layers_in_last_pipeline_stage": (None, "an uneven pipeline (batchfit's stages hold equal layers)"),
 }
 
 _MEGATRON_REFUSAL_WHY = {
@@ -353,7 +345,20 @@ def _megatron(flat: dict[str, Any], tp: Any, precision: str | None) -> dict[str,
     if as_bool(flat.get(MG + "peft.enabled")) is True:
         refused["lora"] = f"{MG}peft.enabled=True"
     ep = as_int(flat.get(MG + "expert_model_parallel_size", 1))
+    precision_aware = as_bool(flat.get(MG + "optimizer.use_precision_aware_optimizer")) is True
+    dtypes = {
+        name: _short_dtype(flat.get(MG + "optimizer." + name))
+        for name in ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+        if flat.get(MG + "optimizer." + name) is not None and _short_dtype(flat.get(MG + "optimizer." + name)) != "fp32"
+    }
+    fraction = flat.get(MG + "optimizer.optimizer_offload_fraction")
     return {
+        "first": _positive(flat.get(MG + "num_layers_in_first_pipeline_stage")),
+        "last": _positive(flat.get(MG + "num_layers_in_last_pipeline_stage")),
+        "offload": as_bool(flat.get(MG + "optimizer.optimizer_cpu_offload")) is True,
+        "offload_fraction": float(fraction) if isinstance(fraction, (int, float)) and not isinstance(fraction, bool) else None,
+        "precision_aware": precision_aware,
+        "optimizer_dtypes": dtypes if precision_aware else None,
         "sp": as_bool(flat.get(MG + "sequence_parallel")) is True and is_positive_int(tp) and tp > 1,
         "distributed_optimizer": as_bool(flat.get(MG + "optimizer.use_distributed_optimizer")) is True,
         "ep": ep if is_positive_int(ep) else 1,
@@ -362,6 +367,17 @@ def _megatron(flat: dict[str, Any], tp: Any, precision: str | None) -> dict[str,
         "warnings": warnings,
         "refused": refused,
     }
+
+
+def _positive(value: Any) -> int | None:
+    value = as_int(value)
+    return value if is_positive_int(value) else None
+
+
+def _short_dtype(value: Any) -> Any:
+    """Megatron-Bridge's optimizer dtypes (``torch.bfloat16``, ``"bf16"``, ``"float32"``) as Megatron-LM's flag names."""
+    name = str(value).removeprefix("torch.")
+    return {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float8_e4m3fn": "fp8"}.get(name, name)
 
 
 def _product(a: Any, b: Any) -> Any:

@@ -250,9 +250,15 @@ def _megatron_keys(run: RunConfig, a: Assumptions) -> list[Key]:
         Key(_MG + "optimizer.use_distributed_optimizer", s.distributed_optimizer,
             f"optimizer state sharded over the {s.data_parallel_size} data-parallel ranks, as profiled"
             if s.distributed_optimizer else "optimizer state whole on every data-parallel rank, as profiled"),
-        Key(_MG + "optimizer.use_precision_aware_optimizer", False,
-            "the standard distributed optimizer (fp32 main shards and moments), as profiled; grpo_math_1B.yaml turns "
-            "the precision-aware one on, which batchfit does not model"),
+        Key(_MG + "optimizer.use_precision_aware_optimizer", s.precision_aware_optimizer,
+            "Megatron's precision-aware optimizer (FusedAdam's main parameters and moments in their dtypes), as profiled"
+            if s.precision_aware_optimizer else "the standard distributed optimizer (fp32 main shards and moments), as profiled"),
+        *[Key(_MG + "optimizer." + name, getattr(s, name), f"{name} as profiled")
+          for name in ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+          if s.precision_aware_optimizer and getattr(s, name) != "fp32"],
+        *([Key(_MG + "optimizer.optimizer_cpu_offload", True, "Megatron's HybridDeviceOptimizer, as profiled"),
+           Key(_MG + "optimizer.optimizer_offload_fraction", s.optimizer_offload_fraction, "the share on the host, as profiled")]
+          if s.optimizer_cpu_offload else []),
         Key(_MG + "distributed_data_parallel_config.grad_reduce_in_fp32", True, "an fp32 gradient buffer, as profiled"),
         Key(_MG + "activation_checkpointing", recompute,
             "every layer's input checkpointed (recompute full, uniform over 1 layer: megatron/setup.py), as profiled"

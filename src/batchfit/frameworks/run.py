@@ -290,7 +290,8 @@ def positive_int_faults(counts: Mapping[str, Any]) -> tuple[str, ...]:
 
 def megatron_layout_fields(mcore: Mapping[str, Any] | None) -> dict[str, Any]:
     """A reader's Megatron layout (its ``sp``, ``distributed_optimizer``, ``ep`` and, where the framework has
-    one, ``vpp``) as :class:`RunConfig` fields; ``{}`` for a run without Megatron."""
+    them, ``vpp``, ``first``/``last`` stage layers, ``etp``, ``offload``/``offload_fraction``, ``precision_aware`` and
+    ``optimizer_dtypes``) as :class:`RunConfig` fields; ``{}`` for a run without Megatron."""
     if mcore is None:
         return {}
     return {
@@ -298,7 +299,22 @@ def megatron_layout_fields(mcore: Mapping[str, Any] | None) -> dict[str, Any]:
         "distributed_optimizer": mcore["distributed_optimizer"],
         "virtual_pipeline_parallel": mcore.get("vpp"),
         "expert_parallel": mcore["ep"],
+        # where the framework carries them: Megatron's uneven first/last stages, its optimizer offload and the
+        # precision-aware optimizer with its dtypes (Sharding's field names)
+        **{field: mcore[key] for key, field in _MCORE_OPTIONAL.items() if mcore.get(key) is not None},
     }
+
+
+#: A reader's optional Megatron keys → :class:`RunConfig` fields (:func:`megatron_layout_fields`).
+_MCORE_OPTIONAL = {
+    "first": "first_pipeline_stage_layers",
+    "last": "last_pipeline_stage_layers",
+    "etp": "expert_tensor_parallel",
+    "offload": "optimizer_cpu_offload",
+    "offload_fraction": "optimizer_offload_fraction",
+    "precision_aware": "precision_aware_optimizer",
+    "optimizer_dtypes": "optimizer_dtypes",
+}
 
 
 def as_int(value: Any) -> Any:

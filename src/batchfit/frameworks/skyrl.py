@@ -27,6 +27,7 @@ from batchfit.frameworks.run import (
     differing_warnings,
     dtype_name,
     every_fault,
+    is_positive_int,
     size_faults,
     unmodelled_warnings,
 )
@@ -135,10 +136,6 @@ MEGATRON_UNMODELLED: dict[str, str] = {
     + RECOMPUTE
     + "virtual_pipeline_model_parallel_size": "the interleaved 1F1B schedule (virtual pipeline stages keep more "
     "micro-batches in flight on the first stage)",
-    MEGATRON + "optimizer_config_kwargs.optimizer_cpu_offload": "the optimizer state offloaded to the host",
-    MEGATRON + "optimizer_config_kwargs.optimizer_offload_fraction": "part of the optimizer state on the host",
-    MEGATRON + "optimizer_config_kwargs.use_precision_aware_optimizer": "Megatron's precision-aware optimizer "
-    "(lower-precision optimizer state)",
     MEGATRON + "ddp_config.grad_reduce_in_fp32": "the gradient buffer's dtype (fp32 by default)",
     MEGATRON + "fp8": "FP8 GEMMs (Transformer Engine)",
     MEGATRON + "fp8_param": "FP8 parameters",
@@ -276,6 +273,9 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         expert_parallel=_expert_parallel(flat) if megatron else 1,
         # the provider's expert_tensor_parallel_size (null: Megatron's default, the tensor-parallel size)
         expert_tensor_parallel=_expert_tensor_parallel(flat) if megatron else None,
+        # the provider's uneven pipeline and Megatron's optimizer offload / precision-aware optimizer (OptimizerConfig
+        # through optimizer_config_kwargs; NOTE [ Megatron's optimizer offload and precision-aware optimizer ])
+        **(_megatron_optimizer_fields(flat) if megatron else {}),
         logprobs_chunk_size=chunk,
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=(remove_padding if isinstance(remove_padding, bool) else None)
@@ -493,6 +493,31 @@ def _megatron_refusals(flat: dict[str, Any], values: dict[str, Any]) -> dict[str
     lora = _lora(flat, LORA)
     if lora is not None:
         out["lora"] = f"{LORA}rank={lora['rank']}"
+    return out
+
+
+def _megatron_optimizer_fields(flat: dict[str, Any]) -> dict[str, Any]:
+    """The policy's ``transformer_config_kwargs.num_layers_in_first/last_pipeline_stage`` and ``optimizer_config_kwargs``'
+    ``optimizer_cpu_offload``, ``optimizer_offload_fraction`` (SkyRL's default 0.0), ``use_precision_aware_optimizer`` and
+    its dtypes, as :class:`RunConfig` fields (those set)."""
+    out: dict[str, Any] = {}
+    for key, field_name in (("num_layers_in_first_pipeline_stage", "first_pipeline_stage_layers"),
+                            ("num_layers_in_last_pipeline_stage", "last_pipeline_stage_layers")):
+        layers = as_int(flat.get(MEGATRON + RECOMPUTE + key))
+        if is_positive_int(layers):
+            out[field_name] = layers
+    opt = MEGATRON + "optimizer_config_kwargs."
+    if as_bool(flat.get(opt + "optimizer_cpu_offload")) is True:
+        fraction = flat.get(opt + "optimizer_offload_fraction", 0.0)
+        out["optimizer_cpu_offload"] = True
+        out["optimizer_offload_fraction"] = float(fraction) if isinstance(fraction, (int, float)) else fraction
+    if as_bool(flat.get(opt + "use_precision_aware_optimizer")) is True:
+        out["precision_aware_optimizer"] = True
+        out["optimizer_dtypes"] = {
+            name: dtype_name(flat[opt + name]) or flat[opt + name]
+            for name in ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+            if flat.get(opt + name) is not None
+        }
     return out
 
 
