@@ -8,6 +8,11 @@ seconds (user + sys, less sensitive to other processes on a shared machine) and 
 budgets are the same to the token (every ``tokens`` and ``response_tokens`` in ``--json``) and
 the whole ``--json`` output byte for byte. Both sides read the working tree's example files.
 
+The new side runs twice over: ``new`` with an empty profile cache each run (a first run: what
+the bar compares), and ``warm``, the same command again after one untimed run filled a cache
+(a re-run after a change of config that leaves the profiles alone: NOTE [ A profile is a
+function of its inputs ] in ``batchfit.budget.profile_cache``). The base never reads a cache.
+
     python benchmarks/speed.py                          # base: the merge-base with the upstream, else HEAD
     python benchmarks/speed.py --back 3 --repeat 5      # base: HEAD~3
     python benchmarks/speed.py --base d033994 --long-context --moe
@@ -76,8 +81,8 @@ class Row:
         values = [r.cpu_seconds if cpu else r.seconds for r in self.runs if r.side == side and r.returncode == 0]
         return statistics.median(values) if values else None
 
-    def ratio(self, cpu: bool = False) -> float | None:
-        base, new = self.median("base", cpu), self.median("new", cpu)
+    def ratio(self, cpu: bool = False, side: str = "new") -> float | None:
+        base, new = self.median("base", cpu), self.median(side, cpu)
         return None if not base or new is None else new / base
 
     def outputs(self, side: str) -> list[str]:
@@ -89,14 +94,14 @@ class Row:
 
     @property
     def same_json(self) -> bool | None:
-        every = self.outputs("base") + self.outputs("new")
+        every = self.outputs("base") + self.outputs("new") + self.outputs("warm")
         if not self.outputs("base") or not self.outputs("new"):
             return None
         return all(_canonical(o) == _canonical(every[0]) for o in every)
 
     @property
     def same_budgets(self) -> bool | None:
-        base, new = self.outputs("base"), self.outputs("new")
+        base, new = self.outputs("base"), self.outputs("new") + self.outputs("warm")
         if not base or not new:
             return None
         first = budgets_of(json.loads(base[0]))
@@ -165,9 +170,17 @@ class Worktree:
             _git("worktree", "prune")
 
 
-def run_once(side: str, src: Path, argv: Sequence[str], timeout: float) -> Run:
-    """``python -m batchfit ARGV --no-progress --json`` with ``src`` first on ``PYTHONPATH``; wall and CPU seconds."""
+def run_once(side: str, src: Path, argv: Sequence[str], timeout: float, cache: Path | None = None) -> Run:
+    """``python -m batchfit ARGV --no-progress --json`` with ``src`` first on ``PYTHONPATH``; wall and CPU seconds.
+
+    ``cache``: the profile cache's folder (``BATCHFIT_CACHE_DIR``); ``None`` turns it off.
+    """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env.pop("BATCHFIT_CACHE", None)
+    if cache is None:
+        env["BATCHFIT_CACHE"] = "0"
+    else:
+        env["BATCHFIT_CACHE_DIR"] = str(cache)
     before = os.times()
     start = time.perf_counter()
     try:
@@ -184,13 +197,22 @@ def run_once(side: str, src: Path, argv: Sequence[str], timeout: float) -> Run:
     return Run(side, seconds, cpu, code, out, err[-2000:])
 
 
-def interleaved(rows: Sequence[Row], sides: dict[str, Path], repeat: int, timeout: float) -> Iterator[Run]:
-    """Run every row ``repeat`` times per side, base and new alternating (the order flips each round)."""
-    for row in rows:
+def interleaved(rows: Sequence[Row], sides: dict[str, Path], repeat: int, timeout: float, folder: Path) -> Iterator[Run]:
+    """Run every row ``repeat`` times per side, base, new and warm alternating (the order turns each round).
+
+    ``new`` gets an empty cache folder under ``folder`` each run; ``warm`` one folder per row,
+    filled by an untimed run first.
+    """
+    for r, row in enumerate(rows):
+        warm = folder / f"warm-{r}"
+        run_once("warm", sides["new"], row.argv, timeout, warm)  # fills the cache
+        sides_order = ["base", "new", "warm"]
         for i in range(repeat):
-            order = ("base", "new") if i % 2 == 0 else ("new", "base")
+            order = sides_order[i % 3 :] + sides_order[: i % 3]
             for side in order:
-                run = run_once(side, sides[side], row.argv, timeout)
+                src = sides["base" if side == "base" else "new"]
+                cache = None if side == "base" else warm if side == "warm" else folder / f"cold-{r}-{i}"
+                run = run_once(side, src, row.argv, timeout, cache)
                 row.runs.append(run)
                 yield run
 
@@ -210,14 +232,15 @@ def render(rows: Sequence[Row], base: str, load: tuple[tuple[float, ...], tuple[
         f"; {os.cpu_count()} CPUs",
         "",
         f"{'command':<14}{'base wall':>11}{'new wall':>11}{'new/base':>10}{'base cpu':>11}{'new cpu':>11}"
-        f"{'cpu ratio':>11}{'budgets':>9}{'json':>6}",
+        f"{'cpu ratio':>11}{'warm wall':>11}{'warm/base':>11}{'warm cpu':>10}{'cpu ratio':>11}{'budgets':>9}{'json':>6}",
     ]
     for row in rows:
-        ratio, cpu_ratio = row.ratio(), row.ratio(cpu=True)
         lines.append(
             f"{row.name:<14}{_fmt(row.median('base')):>11}{_fmt(row.median('new')):>11}"
-            f"{_fmt(ratio, '×'):>10}{_fmt(row.median('base', True)):>11}{_fmt(row.median('new', True)):>11}"
-            f"{_fmt(cpu_ratio, '×'):>11}{_yes(row.same_budgets):>9}{_yes(row.same_json):>6}"
+            f"{_fmt(row.ratio(), '×'):>10}{_fmt(row.median('base', True)):>11}{_fmt(row.median('new', True)):>11}"
+            f"{_fmt(row.ratio(cpu=True), '×'):>11}{_fmt(row.median('warm')):>11}{_fmt(row.ratio(side='warm'), '×'):>11}"
+            f"{_fmt(row.median('warm', True)):>10}{_fmt(row.ratio(cpu=True, side='warm'), '×'):>11}"
+            f"{_yes(row.same_budgets):>9}{_yes(row.same_json):>6}"
         )
     for row in rows:
         for run in row.failed:
@@ -225,6 +248,7 @@ def render(rows: Sequence[Row], base: str, load: tuple[tuple[float, ...], tuple[
     lines.append("")
     lines.append("walls per run: " + "; ".join(
         f"{r.name} base {', '.join(f'{s:.1f}' for s in r.seconds('base'))} / new {', '.join(f'{s:.1f}' for s in r.seconds('new'))}"
+        f" / warm {', '.join(f'{s:.1f}' for s in r.seconds('warm'))}"
         for r in rows
     ))  # fmt: skip
     return "\n".join(lines)
@@ -255,9 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(Row("moe", MOE))
     base = resolve_base(args.base, args.back)
     load_before = os.getloadavg()
-    with Worktree(base, keep=args.keep) as tree:
+    with Worktree(base, keep=args.keep) as tree, tempfile.TemporaryDirectory(prefix="batchfit-speed-cache-") as folder:
         sides = {"base": tree.path / "src", "new": ROOT / "src"}
-        for run in interleaved(rows, sides, args.repeat, args.timeout):
+        for run in interleaved(rows, sides, args.repeat, args.timeout, Path(folder)):
             print(f"  {run.side:<4} {run.seconds:7.1f} s (exit {run.returncode})", file=sys.stderr, flush=True)
     load = (load_before, os.getloadavg())
     print(render(rows, base, load))
@@ -268,8 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rows": [
                 {
                     "name": r.name, "argv": list(r.argv), "same_budgets": r.same_budgets, "same_json": r.same_json,
-                    "median": {s: r.median(s) for s in ("base", "new")}, "ratio": r.ratio(),
-                    "cpu_median": {s: r.median(s, True) for s in ("base", "new")}, "cpu_ratio": r.ratio(cpu=True),
+                    "median": {s: r.median(s) for s in ("base", "new", "warm")}, "ratio": r.ratio(),
+                    "warm_ratio": r.ratio(side="warm"),
+                    "cpu_median": {s: r.median(s, True) for s in ("base", "new", "warm")}, "cpu_ratio": r.ratio(cpu=True),
+                    "warm_cpu_ratio": r.ratio(cpu=True, side="warm"),
                     "runs": [{k: v for k, v in asdict(x).items() if k != "output"} for x in r.runs],
                 }
                 for r in rows

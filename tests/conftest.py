@@ -19,6 +19,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # only contend -- a tiny profile took twice the CPU time with two.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    # Every test (and its subprocesses) measures: a profile answered from the user's cache would
+    # test the cache, not the code (tests/test_profile_cache.py turns it on in a folder of its own).
+    os.environ["BATCHFIT_CACHE"] = "0"
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -354,6 +354,43 @@ def profile_model(
     if forward_too:
         extra = [f"{r}_forward" for r in chosen_roles if r in TRAINED_ROLES]
         chosen_roles = tuple(dict.fromkeys([*chosen_roles, *extra]))
+    cache, key = _cache_key(
+        model, opts, call="profile_model", roles=chosen_roles, resident_bytes=resident_bytes, engine=engine
+    )
+    kept = None if key is None else cache.get(key)
+    if kept is not None:  # NOTE [ A profile is a function of its inputs ]
+        return kept
+    profile = _profile_model(model, opts, chosen_roles, resident_bytes, engine)
+    if key is not None:
+        cache.put(key, profile)
+    return profile
+
+
+def _cache_key(model: Any, opts: ProfileOptions, **inputs: Any) -> tuple[Any, str | None]:
+    """The active profile cache and the key in it of a call on ``model`` with ``opts`` and the other ``inputs``.
+
+    ``None`` for the key: not cached (NOTE [ A profile is a function of its inputs ] in
+    :mod:`batchfit.budget.profile_cache`).
+    """
+    import torch
+
+    from batchfit.budget.profile_cache import active
+    from batchfit.parallel.distributed import is_distributed
+
+    cache = active()
+    if cache is None or opts.backend != "estimate" or isinstance(model, torch.nn.Module):
+        return cache, None
+    if is_distributed():  # real ranks that disagreed on a hit would deadlock in the search's collectives
+        return cache, None
+    from batchfit.models import load_config
+
+    config = load_config(model)  # what a name, a directory or a hub id stands for, by content
+    return cache, cache.key({"model": model, "config": config, "options": opts, **inputs})
+
+
+def _profile_model(
+    model: Any, opts: ProfileOptions, chosen_roles: tuple[str, ...], resident_bytes: int, engine: EngineReserve | None
+) -> ModelProfile:
     own = opts.sharding.spec.profiler()
     if own is not None:  # a strategy that builds its own model (Megatron-core's GPTModel)
         return own.profile_model(model, opts, roles=chosen_roles, resident_bytes=resident_bytes, engine=engine)
@@ -781,10 +818,21 @@ def resident_state_bytes(
     Raises:
         InvalidArgument: bad model or role.
     """
+    check_choice("role", role, ROLES)
+    cache, key = _cache_key(model, options, call="resident_state_bytes", role=role, kinds=tuple(kinds))
+    kept = None if key is None else cache.get(key)
+    if kept is not None:  # NOTE [ A profile is a function of its inputs ]
+        return kept
+    measured = _resident_state_bytes(model, role, options, kinds)
+    if key is not None:
+        cache.put(key, measured)
+    return measured
+
+
+def _resident_state_bytes(model: Any, role: str, options: ProfileOptions, kinds: Sequence[str]) -> int:
     from batchfit.memory import get_backend
     from batchfit.models import load_config, parse_dtype
 
-    check_choice("role", role, ROLES)
     plan = options.sharding
     own = plan.spec.profiler()
     if own is not None:  # a strategy that builds its own model

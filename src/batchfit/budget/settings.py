@@ -278,6 +278,9 @@ def _rows() -> Iterator[ProfileSetting]:
             help="plot peak memory vs. tokens per probed length")
     yield s("progress", "--no-progress", "output", "off", default=True, said=False,
             help="no progress (a bar on a terminal; else a line per probe on stderr)")
+    yield s("cache", "--no-cache", "output", "off", default=True, said=False, help=(
+        "measure again instead of answering from the profiles already estimated with the same model, settings and "
+        "batchfit (kept in $BATCHFIT_CACHE_DIR, default ~/.cache/batchfit/profiles; BATCHFIT_CACHE=0 turns it off)"))
 
 
 #: Every setting of a profile request, in the order ``batchfit profile --help`` lists them.

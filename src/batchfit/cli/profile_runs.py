@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from batchfit.budget.profile_cache import ProfileCache, caching
 from batchfit.cli._ranks import process_group
 from batchfit.cli.probe_progress import ProbeProgress
 from batchfit.cli.render_profile import device_lines, render_profile
@@ -58,10 +59,12 @@ def run(args: argparse.Namespace) -> int:
         console = Console(soft_wrap=True)
         err = Console(stderr=True)
         show_progress = request.progress and not request.json and rank == 0  # a bar, or lines when not a terminal
-        with ProbeProgress(err, show_progress) as callback:
+        with ProbeProgress(err, show_progress) as callback, caching(enabled=request.cache) as cache:
             answer = request.profile(progress=callback)
         if rank != 0:
             return 0
+        if cache is not None and cache.hits:
+            _say_cached(err, cache)
         if request.plot:
             from batchfit.cli.render_budget import plot_budget
 
@@ -74,6 +77,19 @@ def run(args: argparse.Namespace) -> int:
             return _render_config(answer, console)
         render_profile(console, answer.profile, request)
     return 0
+
+
+def _say_cached(err: Any, cache: ProfileCache) -> None:
+    """One line on stderr: how many of the run's profiles came from the cache (NOTE [ A profile is a function of its inputs ])."""
+    total = len(cache.hits) + len(cache.misses)
+    what = "the profile" if total == 1 else f"{len(cache.hits)} of {total} measurements"
+    err.print(
+        f"batchfit: {what} answered from the cache in {cache.directory} (same model, settings and batchfit); "
+        "--no-cache measures again",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
 
 
 def _run_confirm(request: ProfileRequest) -> int:

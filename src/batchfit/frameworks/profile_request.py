@@ -74,6 +74,8 @@ class ProfileRequest:
         json: print the result as JSON.
         plot: the plot's file, or ``None``.
         progress: show progress (when not ``json`` and on rank 0).
+        cache: :meth:`profile` answers estimates from the profile cache when it can (NOTE [ A profile is a
+            function of its inputs ] in :mod:`batchfit.budget.profile_cache`); on unless ``--no-cache``.
         vocabulary: how this request's messages name its settings.
     """
 
@@ -93,6 +95,7 @@ class ProfileRequest:
     json: bool = False
     plot: str | None = None
     progress: bool = True
+    cache: bool = True
     vocabulary: Vocabulary = field(default=KEYWORDS, compare=False, repr=False)
 
     @property
@@ -121,7 +124,12 @@ class ProfileRequest:
                 "a confirm request runs on the device's ranks: call batchfit.budget.confirm.plan_confirm and "
                 "run_confirm (batchfit profile --confirm does)"
             )
-        options = self.options.replace(progress=progress)
+        from batchfit.budget.profile_cache import caching
+
+        with caching(enabled=self.cache):
+            return self._profile(self.options.replace(progress=progress))
+
+    def _profile(self, options: ProfileOptions) -> ProfileAnswer:
         if self.run is None:
             from batchfit.budget.model_profile import profile_model
 
@@ -425,6 +433,7 @@ class _Resolver:
             json=bool(v["json"]),
             plot=v["plot"],
             progress=bool(v["progress"]),
+            cache=bool(v["cache"]),
             vocabulary=self.vocabulary,
         )
 
