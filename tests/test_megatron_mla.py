@@ -208,3 +208,15 @@ def test_a_copy_of_another_depth_has_every_layer_a_moe(megatron):
     assert transformer_config(_config(), num_layers=3).moe_layer_freq == [0, 1, 1]  # its own depth: as the model
     assert transformer_config(_config(), num_layers=4).moe_layer_freq == 1  # NOTE [ Shallow copies of DeepSeek-V3 ]
     assert transformer_config(_config(), num_layers=4, moe_layer_freq=[0, 0, 1, 1]).moe_layer_freq == [0, 0, 1, 1]
+
+
+@pytest.mark.slow
+def test_context_parallelism_with_value_heads_of_their_own_width_is_refused(megatron):
+    from batchfit.models.megatron import build_gpt_model, megatron_cpu_patches, model_parallel
+    from batchfit.parallel.distributed import simulated_world
+
+    config = _config()
+    config.v_head_dim = 24  # query/key heads 8 + 8, values 24: DeepSeek-V3's 192 and 128 alike
+    refused = r"context_parallel_size=2 with multi-latent attention \(query/key heads of 16, value heads of 24\)"
+    with simulated_world(2), model_parallel(1, 1, context_parallel=2), megatron_cpu_patches(), pytest.raises(InvalidArgument, match=refused):
+        build_gpt_model(config, context_parallel=2, initialise=False)

@@ -130,6 +130,12 @@ def _sdpa_attention_class() -> type:
             head = config.kv_channels if k_channels is None else k_channels
             value_head = head if v_channels is None else v_channels
             self.hidden_size_per_partition = divide(value_head * config.num_attention_heads, tp)
+            if self.context_parallel != 1 and value_head != head:
+                raise InvalidArgument(
+                    f"context_parallel_size={self.context_parallel} with multi-latent attention (query/key heads of {head}, "
+                    f"value heads of {value_head}) is not modelled: the ring (batchfit.models.megatron_context) exchanges key "
+                    "and value as one buffer of one head size; use context_parallel=1 (--context-parallel 1)"
+                )
             self.softmax_scale = softmax_scale if softmax_scale is not None else head**-0.5
             if config.apply_query_key_layer_scaling:
                 self.softmax_scale /= max(1, layer_number)
