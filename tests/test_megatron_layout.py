@@ -16,7 +16,9 @@ from batchfit.parallel.sharding import Sharding
     [
         (3, 1, r"--tensor-parallel 3 must divide the model's 28 attention heads and 4 key-value heads .*use one of 1, 2, 4$"),
         (8, 1, r"--tensor-parallel 8 must divide the model's 28 attention heads and 4 key-value heads"),
-        (1, 5, r"--pipeline-parallel 5 must divide the model's 28 layers .*use one of 1, 2, 4, 7, 14, 28$"),
+        # or an uneven last stage: 28 - 4 × 5 = 8 layers, the other four stages 5 each
+        (1, 5, r"--pipeline-parallel 5 must divide the model's 28 layers .*use one of 1, 2, 4, 7, 14, 28, or size the last "
+               r"stage \(--last-pipeline-stage-layers 8, Megatron's num_layers_in_last_pipeline_stage\)$"),
     ],
     ids=["tp-3", "tp-above-kv-heads", "pp-5"],
 )
