@@ -155,6 +155,7 @@ from typing import Any
 
 import torch
 
+from batchfit.dtypes import parse_dtype
 from batchfit.errors import InvalidArgument
 from batchfit.memory import labels
 from batchfit.memory.categories import GRADIENTS, LOGPROB_HEAD, OPTIMIZER_STATE, OPTIMIZER_STEP, PARAMETERS
@@ -217,7 +218,7 @@ def synthetic_batch(vocab_size: int, batch: int, seq: int, *, seed: int = 0, att
 #: optimizer offload and precision-aware optimizer ]): a host category, not in the device peak.
 OFFLOADED_OPTIMIZER_STATE = "offloaded_optimizer_state"
 #: Megatron-LM's dtype names of the precision-aware optimizer's flags (``--exp-avg-dtype`` …; ``fp8``: e4m3).
-STATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+STATE_DTYPES = {**{short: parse_dtype(short) for short in ("fp32", "fp16", "bf16")}, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
