@@ -76,3 +76,26 @@ def test_the_scripts_layout_measures_every_stage_of_a_small_model_of_its_shape(t
     # last's 22 and a 512-token vocabulary's head it binds
     assert step.binding_stage == 0
     assert measured.host_bytes > 0 and "optimizer_state" not in measured.breakdown  # all of it offloaded (fraction 1.0)
+
+
+def test_the_scripts_layout_is_emitted_back_as_slime_flags():
+    import types
+
+    from batchfit.budget.options import ProfileOptions
+    from batchfit.frameworks.config_options import run_profile_options
+    from batchfit.frameworks.emit import emit_keys, render_flags
+    from batchfit.frameworks.run_profile import role_options
+
+    run = read_run_config(EXAMPLE)
+    options = run_profile_options(run, {"backend": "estimate", "max_seq_len": 8192}).options
+    assert isinstance(options, ProfileOptions)
+    profile = types.SimpleNamespace(
+        run=run,
+        budgets={"policy": types.SimpleNamespace(tokens=16_384, backend="estimate", usable_bytes=70 * 2**30, cost="packed")},
+        options=role_options(run, options),
+    )
+    text = render_flags(emit_keys(profile, "slime", max_seq_len=8192, margin=0.85), [])
+    for words in ("--decoder-last-pipeline-num-layers 22", "--expert-tensor-parallel-size 1", "--expert-model-parallel-size 16",
+                  "--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--pipeline-model-parallel-size 4"):
+        assert words in text, words
+    assert "--decoder-first-pipeline-num-layers" not in text and "--optimizer-offload-fraction" not in text  # unset / 1.0
