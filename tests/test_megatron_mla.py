@@ -180,6 +180,7 @@ def test_deepseek_v3_on_the_meta_device_holds_671b_parameters(megatron):
     assert count == 671_026_404_352  # transformers' DeepseekV3ForCausalLM of the preset on meta: the same (measured)
 
 
+@pytest.mark.slow  # needs megatron
 def test_local_attention_with_mla_is_refused(megatron):
     from batchfit.models.megatron import transformer_config
     from batchfit.models.megatron_attention import layer_spec
