@@ -221,3 +221,34 @@ def test_context_parallelism_with_value_heads_of_their_own_width_is_refused(mega
     refused = r"context_parallel_size=2 with multi-latent attention \(query/key heads of 16, value heads of 24\)"
     with simulated_world(2), model_parallel(1, 1, context_parallel=2), megatron_cpu_patches(), pytest.raises(InvalidArgument, match=refused):
         build_gpt_model(config, context_parallel=2, initialise=False)
+
+
+@pytest.mark.slow  # the CLI's Megatron profile of the tiny DeepSeek-V3, two pipeline stages simulated (~30 s)
+@pytest.mark.timeout(600)
+def test_the_cli_profiles_a_deepseek_v3_under_megatron_with_its_dense_layer_on_the_first_stage(megatron, tmp_path, capsys):
+    import json
+
+    from batchfit.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_DEEPSEEK_V3))
+    code = main(["profile", "--model", str(tmp_path), "--max-seq-len", "256", "--sharding", "megatron", "--world-size", "4",
+                 "--tensor-parallel", "2", "--megatron-sequence-parallel", "--expert-parallel", "2", "--expert-tensor-parallel", "1",
+                 "--pipeline-parallel", "2", "--last-pipeline-stage-layers", "2", "--distributed-optimizer", "--memory", "1GiB",
+                 "--no-progress"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "2 MoE layers (1 dense layer first) of 8 routed + 1 shared experts, 2 per token" in out
+    assert "stage 0 (1 layers): " in out and "stage 1 (2 layers): " in out
+
+
+@pytest.mark.slow
+def test_each_pipeline_stage_builds_its_own_layers_of_the_block_spec(megatron):
+    from batchfit.models.megatron import build_gpt_model, megatron_cpu_patches, model_parallel, simulated_rank
+
+    layers = {}
+    for rank in (0, 1):
+        with simulated_rank(2, rank), model_parallel(1, 2), megatron_cpu_patches():
+            model = build_gpt_model(_config(), pipeline_parallel=2, initialise=False, num_layers_in_last_pipeline_stage=2)
+            layers[rank] = [type(layer.mlp).__name__ for layer in model.decoder.layers]
+    # Megatron's decoder block spec sliced to each stage: the dense first layer on stage 0, the two MoE layers on stage 1
+    assert layers == {0: ["MLP"], 1: ["MoELayer", "MoELayer"]}
