@@ -375,10 +375,13 @@ def _cache_key(model: Any, opts: ProfileOptions, **inputs: Any) -> tuple[Any, st
     import torch
 
     from batchfit.budget.profile_cache import active
+    from batchfit.memory import backend_class
     from batchfit.parallel.distributed import is_distributed
 
     cache = active()
-    if cache is None or opts.backend != "estimate" or isinstance(model, torch.nn.Module):
+    if cache is None or isinstance(model, torch.nn.Module) or not isinstance(opts.backend, str):
+        return cache, None
+    if not backend_class(opts.backend).simulated:  # a device is measured: that is why it runs
         return cache, None
     if is_distributed():  # real ranks that disagreed on a hit would deadlock in the search's collectives
         return cache, None
