@@ -96,7 +96,9 @@ def _measure(backend_name: str, run: dict) -> dict[str, object]:
 
 
 def _real_rank(rank: int, runs: tuple[dict, ...]) -> list[dict[str, object]]:
-    return [_measure("cpu", run) for run in runs]
+    # the lower of two real runs, as in test_megatron_step.py: a gloo buffer let go after its last Python
+    # reference an op late adds its bytes to one run's peak (dp2-ep2 once in a .ci/run, 2026-12-02)
+    return [min((_measure("cpu", run) for _ in range(2)), key=lambda got: got["peak"]) for run in runs]
 
 
 @pytest.fixture(scope="module")
