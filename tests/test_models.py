@@ -212,3 +212,24 @@ def test_value_head_outputs_one_value_per_token():
     critic = build_causal_lm("tiny", value_head=True)
     out = critic(input_ids=torch.randint(0, 1024, (2, 5))).logits
     assert out.shape == (2, 5, 1)
+
+
+def test_a_presets_own_hub_id_is_answered_by_the_preset_offline(monkeypatch):
+    # NOTE [ A preset answers for its hub id offline ]: ROLL's example names pretrain: Qwen/Qwen2.5-7B
+    import transformers
+
+    from batchfit.models import specs
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(specs, "_ANSWERED_BY_PRESET", set())
+    with pytest.warns(UserWarning, match=r"using batchfit's preset 'qwen2\.5-7b'"):
+        config = load_config("Qwen/Qwen2.5-7B")
+    preset = load_config("qwen2.5-7b")
+    assert config.to_dict() == preset.to_dict()
+    with pytest.raises(InvalidArgument, match=r"looks like a hub id"):  # an -Instruct variant's config may differ
+        load_config("Qwen/Qwen2.5-7B-Instruct")
+    assert specs._preset_of_hub_id("qwen/qwen2.5-7b") is None  # exact, as the hub spells it

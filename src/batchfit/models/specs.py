@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from functools import cache
 from importlib import resources
@@ -51,6 +52,25 @@ def preset_info(name: str) -> dict[str, Any]:
     if key not in files:
         raise InvalidArgument(_unknown_spec_message(name))
     return json.loads(files[key])
+
+
+# NOTE [ A preset answers for its hub id offline ]
+# A framework's config names its model by hub id (ROLL's example: pretrain: Qwen/Qwen2.5-7B),
+# and a machine without the network or a cached download could not read it. Each preset holds
+# the config.json of the hub id it records (hub_id), so a hub id that is exactly a preset's,
+# neither cached nor fetchable, is answered by that preset, with a warning; any other id (an
+# -Instruct variant, another organisation) is still refused, since its config may differ.
+
+
+_ANSWERED_BY_PRESET: set[str] = set()
+
+
+def _preset_of_hub_id(spec: str) -> str | None:
+    """The preset recorded from hub id ``spec`` (exact match), or ``None``."""
+    for name in list_presets():
+        if preset_info(name).get("hub_id") == spec:
+            return name
+    return None
 
 
 def _unknown_spec_message(spec: str) -> str:
@@ -293,6 +313,17 @@ def _config_from_string(spec: str, auto_config: Any) -> Any:
                 raise OSError(unreachable)
             return auto_config.from_pretrained(spec)
         except (OSError, ValueError) as exc:
+            preset = _preset_of_hub_id(spec)
+            if preset is not None:  # NOTE [ A preset answers for its hub id offline ]
+                if spec not in _ANSWERED_BY_PRESET:  # once a process: a run loads its model's config several times
+                    _ANSWERED_BY_PRESET.add(spec)
+                    warnings.warn(
+                        f"spec={spec!r} is not cached and the hub cannot be reached: using batchfit's preset {preset!r}, "
+                        "recorded from that hub id's config.json",
+                        stacklevel=2,
+                    )
+                data = dict(preset_info(preset)["config"])
+                return auto_config.for_model(data.pop("model_type"), **data)
             reason = " ".join(str(exc).split())[:200] or type(exc).__name__
             raise InvalidArgument(
                 f"spec={spec!r} looks like a hub id but its config is not cached and could not be fetched ({reason}); check the id and the network, or use a preset ({', '.join(list_presets())}) or a local directory with config.json (HF_HUB_OFFLINE=1 skips the network at once)"
