@@ -91,6 +91,21 @@ _MEGATRON_LABELS = {
 }
 
 
+def _megatron_labels(sharding: Any) -> dict[str, str]:
+    """:data:`_MEGATRON_LABELS` with the precision-aware optimizer's dtypes where it is on (bf16 main grads, moments)."""
+    if not getattr(sharding, "precision_aware_optimizer", False):
+        return _MEGATRON_LABELS
+    grads, params = sharding.main_grads_dtype, sharding.main_params_dtype
+    moments = sharding.exp_avg_dtype if sharding.exp_avg_dtype == sharding.exp_avg_sq_dtype else (
+        f"{sharding.exp_avg_dtype}/{sharding.exp_avg_sq_dtype}"
+    )
+    return {
+        **_MEGATRON_LABELS,
+        "gradients": f"gradients ({grads} main_grad buffer)",
+        "optimizer_state": f"optimizer state ({params} main parameters, {moments} Adam moments)",
+    }
+
+
 def breakdown_rows(profile: ModelProfile) -> list[tuple[str, list[int | None]]]:
     """``(label, bytes per role)`` rows of one rank's memory at each role's budget peak.
 
@@ -104,7 +119,7 @@ def breakdown_rows(profile: ModelProfile) -> list[tuple[str, list[int | None]]]:
     cats = [c for c in _CATEGORY_LABELS if any(p is not None and p.breakdown.get(c) for p in points)]
     cats += sorted({c for p in points if p is not None for c in p.breakdown} - set(cats))
     rows: list[tuple[str, list[int | None]]] = []
-    labels = {**_CATEGORY_LABELS, **(_MEGATRON_LABELS if profile.megatron is not None else {})}
+    labels = {**_CATEGORY_LABELS, **(_megatron_labels(profile.sharding) if profile.megatron is not None else {})}
     for cat in cats:
         label = labels.get(cat, cat.replace("_", " "))
         if cat in partitioned:
