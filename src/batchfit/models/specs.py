@@ -73,6 +73,12 @@ def _preset_of_hub_id(spec: str) -> str | None:
     return None
 
 
+def _preset_config(name: str, auto_config: Any) -> Any:
+    """The transformers config of preset ``name``."""
+    data = dict(preset_info(name)["config"])
+    return auto_config.for_model(data.pop("model_type"), **data)
+
+
 def _unknown_spec_message(spec: str) -> str:
     presets = list_presets()
     near = closest(spec.strip().lower(), presets)
@@ -258,8 +264,7 @@ def check_config(config: Any, spec: Any) -> Any:
 def _config_from_string(spec: str, auto_config: Any) -> Any:
     key = spec.strip().lower()
     if key in _preset_files():
-        data = dict(preset_info(key)["config"])
-        return auto_config.for_model(data.pop("model_type"), **data)
+        return _preset_config(key, auto_config)
     path = Path(spec).expanduser()
     try:
         is_dir = path.is_dir()
@@ -322,8 +327,7 @@ def _config_from_string(spec: str, auto_config: Any) -> Any:
                         "recorded from that hub id's config.json",
                         stacklevel=2,
                     )
-                data = dict(preset_info(preset)["config"])
-                return auto_config.for_model(data.pop("model_type"), **data)
+                return _preset_config(preset, auto_config)
             reason = " ".join(str(exc).split())[:200] or type(exc).__name__
             raise InvalidArgument(
                 f"spec={spec!r} looks like a hub id but its config is not cached and could not be fetched ({reason}); check the id and the network, or use a preset ({', '.join(list_presets())}) or a local directory with config.json (HF_HUB_OFFLINE=1 skips the network at once)"
