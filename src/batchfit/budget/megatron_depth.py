@@ -26,6 +26,21 @@ Uneven stages (Megatron's ``num_layers_in_first_pipeline_stage`` / ``..._last_..
 how many layers each stage holds: a stage's peak depends on its own layers, not on its
 neighbours', so the copies split evenly (``k1·pp``, ``k2·pp`` layers) and each stage is read at its
 own layers (``layers_per_stage`` one count per stage, :func:`batchfit.budget.megatron_layout.stage_layers`).
+
+NOTE [ Dense first layers in the shallow copies ]
+A mixture of experts whose first ``d`` layers are dense (DeepSeek-V3's and GLM-4.5's
+``first_k_dense_replace``: ``moe_layer_freq`` ``[0]·d + [1]·(L − d)``) has two kinds of layer, and a
+stage's peak is affine in each kind's count, not in its layers. The dense layers are the model's
+first, so they lie on the first stage (its first model chunk). The copies keep them there, on top
+of the ``k`` MoE layers every stage holds: ``d + k·pp`` layers with ``moe_layer_freq``
+``[0]·d + [1]·k·pp`` and ``num_layers_in_first_pipeline_stage = d + k`` (``pp > 1``), so every stage
+adds one MoE layer from one copy to the next, and the first stage carries its ``d`` dense layers in
+both. The first stage is then read at its own MoE layers (``layers_per_stage[0] − d``), the others at
+theirs: each stage exact (``tests/test_megatron_dense_first.py``: the extrapolated stage peaks equal
+the full build's to the byte). Where the dense layers do not all fit on the first stage beside one
+MoE layer, or with virtual pipeline stages (a chunk's uneven share), the copies make every layer a
+MoE instead (NOTE [ Shallow copies of DeepSeek-V3 ] in :mod:`batchfit.models.megatron_mla`): the
+first stage is then overestimated by ``d`` × (a MoE layer's share − a dense layer's), on the safe side.
 """
 
 from __future__ import annotations
@@ -101,6 +116,25 @@ class DepthExtrapolatedMegatronStep:
         return at_depth[self.binding_stage]
 
 
+def dense_first_layers(config: Any, plan: Any, layers_per_stage: Sequence[int]) -> int:
+    """The dense first layers of ``config`` (``first_k_dense_replace``) the shallow copies keep on their first stage
+    (NOTE [ Dense first layers in the shallow copies ]); 0 for a model without, with virtual pipeline stages, or
+    when they leave the first stage (``layers_per_stage[0]`` layers) no MoE layer."""
+    dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    if dense <= 0 or (plan.virtual_pipeline_parallel or 1) > 1 or dense >= layers_per_stage[0]:
+        return 0
+    return dense
+
+
+def dense_first_copy(dense: int, layers: int, pipeline_parallel: int) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields of a shallow copy of ``layers`` MoE layers (``layers / pipeline_parallel`` a
+    stage) that keeps the ``dense`` first layers on its first stage (NOTE [ Dense first layers in the shallow copies ])."""
+    fields: dict[str, Any] = {"num_layers": dense + layers, "moe_layer_freq": [0] * dense + [1] * layers}
+    if pipeline_parallel > 1:
+        fields["num_layers_in_first_pipeline_stage"] = dense + layers // pipeline_parallel
+    return fields
+
+
 def extrapolates(
     backend: Any, num_layers: int, chunks: int, wanted: bool | None, *, per_stage: Sequence[int] | None = None
 ) -> bool:
@@ -117,4 +151,4 @@ def extrapolates(
     return num_layers // chunks > STAGE_DEPTHS[1]
 
 
-__all__ = ["STAGE_DEPTHS", "DepthExtrapolatedMegatronStep", "extrapolates"]
+__all__ = ["STAGE_DEPTHS", "DepthExtrapolatedMegatronStep", "dense_first_copy", "dense_first_layers", "extrapolates"]

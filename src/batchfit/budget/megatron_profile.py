@@ -300,7 +300,12 @@ def budget_step(
     """The step a Megatron profile searches for ``role``: :func:`megatron_step` at the model's depth, or two shallow
     copies of it extrapolated stage by stage (NOTE [ Megatron stages are affine in their depth ]); a mixture of
     experts' routers fixed to ``routing`` (NOTE [ The Megatron probe's worst rank ])."""
-    from batchfit.budget.megatron_depth import DepthExtrapolatedMegatronStep, extrapolates
+    from batchfit.budget.megatron_depth import (
+        DepthExtrapolatedMegatronStep,
+        dense_first_copy,
+        dense_first_layers,
+        extrapolates,
+    )
 
     layers = int(config.num_hidden_layers)
     probe = {**role_pass(role, options), **({} if routing == "skewed" else {"routing": routing})}
@@ -309,6 +314,15 @@ def budget_step(
     per_stage = stage_layers(layers, plan) if uneven(plan) else (layers // chunks,) * plan.pipeline_parallel
     if not extrapolates(backend, layers, chunks, options.depth_extrapolation, per_stage=per_stage if uneven(plan) else None):
         return megatron_step(config, plan, backend, dtype, options, **probe)
+    dense = dense_first_layers(config, plan, per_stage)  # NOTE [ Dense first layers in the shallow copies ]
+    if dense:
+        pp = plan.pipeline_parallel
+        return DepthExtrapolatedMegatronStep(
+            lambda n: megatron_step(config, plan, backend, dtype, options, **dense_first_copy(dense, n, pp), **probe),
+            chunks,
+            (per_stage[0] - dense, *per_stage[1:]),
+            backend,
+        )
     return DepthExtrapolatedMegatronStep(
         lambda n: megatron_step(config, plan, backend, dtype, options, num_layers=n, **probe),
         chunks,
@@ -389,8 +403,9 @@ def _measured_depths(step: Any, plan: Sharding) -> tuple[int, int] | None:
 
     if not isinstance(step, DepthExtrapolatedMegatronStep):
         return None
-    k1, k2 = STAGE_DEPTHS
-    return (k1 * model_chunks(plan), k2 * model_chunks(plan))
+    # each copy's own depth: k layers per model chunk, and any dense first layers it keeps
+    k1, k2 = (int(step.steps[k].overrides.get("num_layers", k * model_chunks(plan))) for k in STAGE_DEPTHS)
+    return (k1, k2)
 
 
 def resident_state_bytes(model: Any, role: str, options: ProfileOptions, *, kinds: Sequence[str]) -> int:

@@ -48,12 +48,13 @@ choice, the sigmoid scores, the expert bias and the scaling run as Megatron runs
 NOTE [ Shallow copies of DeepSeek-V3 ]
 mbridge's ``moe_layer_freq`` is a list of the model's depth (Megatron's block spec asserts its length), so a copy of
 another depth (``num_layers`` given: the depth extrapolation's shallow copies, NOTE [ Megatron stages are affine in
-their depth ]) needs its own. Its every layer is a MoE (``moe_layer_freq=1``): the extrapolation adds identical layers
-between its two copies, and the model read at its depth then counts its dense first layers (DeepSeek-V3's 3) as MoE
-layers, on the safe side for the stage that holds them (a MoE layer's expert shards, its shared expert and the
-tokens it receives hold more than one dense MLP of ``intermediate_size`` split over TP; docs/moe.md gives the
-figure). Keeping the dense layers first in the copies would be worse: a copy of 2 or 3 layers per stage would be
-all dense on the first stage, and its slope that of a dense layer. Given ``moe_layer_freq`` is used as given.
+their depth ]) needs its own. The extrapolation gives it: its copies keep the dense first layers on their first
+stage, beside that stage's MoE layers (NOTE [ Dense first layers in the shallow copies ] in
+:mod:`batchfit.budget.megatron_depth`), and a given ``moe_layer_freq`` is used as given. A copy of another depth
+built without one makes every layer a MoE (``moe_layer_freq=1``); the extrapolation builds those where it cannot keep
+the dense layers (virtual pipeline stages, or dense layers that fill the first stage), and the first stage is then
+counted with MoE layers in place of its dense ones, on the safe side (a MoE layer's expert shards, its shared expert
+and the tokens it receives hold more than one dense MLP of ``intermediate_size`` split over TP).
 """
 
 from __future__ import annotations
