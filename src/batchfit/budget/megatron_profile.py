@@ -342,9 +342,12 @@ def megatron_step(
 ) -> Any:
     """The :class:`~batchfit.budget.megatron_probe.MegatronStep` of ``plan``'s layout (one data-parallel rank's);
     ``overrides`` are its ``forward_only`` and ``optimizer`` (:func:`role_pass`) and ``TransformerConfig`` fields
-    (``num_layers``)."""
+    (``num_layers``), over ``options.megatron_router``'s (NOTE [ Megatron's router settings ] in
+    :mod:`batchfit.budget.options`)."""
     from batchfit.budget.megatron_probe import MegatronStep
 
+    if options.megatron_router:  # the router's TransformerConfig fields the config or the caller set
+        overrides = {**options.megatron_router, **overrides}
     if options.gradient_checkpointing:
         overrides = {**FULL_RECOMPUTE, **overrides}
     if "num_layers" not in overrides:  # the model's own depth: its uneven stages (a shallow copy's are even)

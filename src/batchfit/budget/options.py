@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy as _copy
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -27,9 +27,106 @@ from batchfit.plan import COSTS
 from batchfit.train.framework_heads import FrameworkHead
 from batchfit.train.megatron_heads import MegatronHeads
 from batchfit.train.model_outputs import check_head
-from batchfit.validation import check_choice, check_number
+from batchfit.validation import check_choice, check_number, closest, short_repr
 
-__all__ = ["ProfileOptions"]
+__all__ = ["MEGATRON_ROUTER_FIELDS", "ROUTER_DTYPES", "ROUTER_LOAD_BALANCING", "ProfileOptions", "check_megatron_router"]
+
+# NOTE [ Megatron's router settings ]
+# Four ``TransformerConfig`` fields of megatron-core 0.16.1 change what a mixture of experts' router keeps for
+# backward (tests/test_megatron_moe.py, tiny Qwen3-MoE at EP 2, estimate = cpu to the byte: +4,240 B for the
+# auxiliary loss, +7,136 B for fp32 router logits, +268 B for the z-loss): ``moe_router_load_balancing_type`` with
+# ``moe_aux_loss_coeff`` (a loss, with its fp32 scores, only where the coefficient of that type is above 0:
+# ``TopKRouter.get_aux_loss_coeff``), ``moe_router_dtype`` (the gating linear and its logits in fp32 or fp64;
+# ``None``: the parameters' dtype) and ``moe_z_loss_coeff`` (``None``: no z-loss). Megatron-LM's flags of the same
+# names set them (``--moe-aux-loss-coeff`` ...). A profile carries them as ``ProfileOptions.megatron_router``, the
+# fields set and nothing else: a field left out keeps the model's own mapping (mbridge's: no load balancing, so no
+# auxiliary loss, "default None for RL"; fp32 router logits for DeepSeek-V3). Not modelled: ``sinkhorn`` (its
+# routing is decided by float scores in a convergence loop, outside Megatron's top-k replay hook through which the
+# probe fixes the worst case: NOTE [ Megatron's mixture of experts on CPU ranks ] in batchfit.models.moe_megatron),
+# ``quantile_balancing`` (Megatron-LM's, not megatron-core 0.16.1's) and lists of several types.
+
+#: The ``TransformerConfig`` fields ``megatron_router`` takes (NOTE [ Megatron's router settings ]).
+MEGATRON_ROUTER_FIELDS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_dtype", "moe_z_loss_coeff")
+#: The load balancing types a profile models (megatron-core 0.16.1's but ``sinkhorn``).
+ROUTER_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+#: ``moe_router_dtype``'s values (``None``: the parameters' dtype).
+ROUTER_DTYPES = ("fp32", "fp64")
+_NOT_MODELLED = {
+    "sinkhorn": (
+        "is not modelled: Sinkhorn routing picks experts from float scores in a convergence loop, outside Megatron's "
+        "top-k replay hook the probe fixes the worst-case routing through"
+    ),
+    "quantile_balancing": "is Megatron-LM's, not megatron-core 0.16.1's (the version batchfit runs)",
+}
+
+
+def check_megatron_router(name: str, value: Any, *, names: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """``value`` as ``megatron_router``: a dict of the :data:`MEGATRON_ROUTER_FIELDS` it sets, in that order; ``None`` for
+    none (NOTE [ Megatron's router settings ]).
+
+    ``value`` is ``None``, a mapping, or the command line's ``"field=value,field=value"``
+    (``"moe_aux_loss_coeff=1e-3,moe_router_load_balancing_type=seq_aux_loss"``). A message names a field as
+    ``names`` says it (a framework's flag: ``{"moe_aux_loss_coeff": "--moe-aux-loss-coeff"}``), else ``"{name} {field}"``.
+
+    Raises:
+        InvalidArgument: an unknown field (the closest named), a load balancing type not modelled or not
+            Megatron's, a dtype other than fp32 or fp64, a coefficient that is not a number >= 0.
+
+    Example:
+        >>> check_megatron_router("megatron_router", "moe_router_dtype=fp32,moe_aux_loss_coeff=0.001")
+        {'moe_aux_loss_coeff': 0.001, 'moe_router_dtype': 'fp32'}
+    """
+    if value is None:
+        return None
+    fix = "pass e.g. moe_aux_loss_coeff=0.001,moe_router_load_balancing_type=seq_aux_loss"
+    if isinstance(value, str):
+        value = _router_pairs(name, value, fix)
+    if not isinstance(value, Mapping):
+        raise InvalidArgument(
+            f"{name} must map Megatron TransformerConfig router fields to values, but got {name}={short_repr(value)}; {fix}"
+        )
+    out: dict[str, Any] = {}
+    for key, given in value.items():
+        if key not in MEGATRON_ROUTER_FIELDS:
+            near = closest(str(key), MEGATRON_ROUTER_FIELDS)
+            raise InvalidArgument(
+                f"{name} has no field {short_repr(key)}{f' (did you mean {near!r}?)' if near else ''}; its fields are "
+                f"{', '.join(MEGATRON_ROUTER_FIELDS)}"
+            )
+        said = (names or {}).get(key, f"{name} {key}")
+        if key == "moe_router_load_balancing_type":
+            if isinstance(given, (list, tuple)):
+                raise InvalidArgument(
+                    f"{said}={short_repr(given)} combines several load balancing types, which is not modelled; pass one of "
+                    f"{', '.join(ROUTER_LOAD_BALANCING)}"
+                )
+            if given in _NOT_MODELLED:
+                raise InvalidArgument(f"{said}={given!r} {_NOT_MODELLED[given]}; use one of {', '.join(ROUTER_LOAD_BALANCING)}")
+            out[key] = check_choice(said, given, ROUTER_LOAD_BALANCING)
+        elif key == "moe_router_dtype":
+            out[key] = None if given is None else check_choice(said, given, ROUTER_DTYPES)
+        elif key == "moe_z_loss_coeff" and given is None:  # Megatron's default: no z-loss
+            out[key] = None
+        else:
+            out[key] = check_number(said, given, low=0.0)
+    return {key: out[key] for key in MEGATRON_ROUTER_FIELDS if key in out} or None
+
+
+def _router_pairs(name: str, text: str, fix: str) -> dict[str, Any]:
+    """``"field=value,field=value"`` → a dict, the coefficients read as numbers (checked by :func:`check_megatron_router`)."""
+    out: dict[str, Any] = {}
+    for pair in (p.strip() for p in text.split(",") if p.strip()):
+        key, sep, raw = (part.strip() for part in pair.partition("="))
+        if not sep or not key or not raw:
+            raise InvalidArgument(f"{name} takes field=value pairs, but got {name}={text!r}; {fix}")
+        if key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            try:
+                out[key] = float(raw)
+            except ValueError:
+                raise InvalidArgument(f"{name} {key} must be a number, but got {name} {key}={raw!r}; {fix}") from None
+        else:
+            out[key] = raw
+    return out
 
 
 @dataclass(frozen=True)
@@ -111,6 +208,10 @@ class ProfileOptions:
             budget with balanced routing and report it beside the worst case's
             (``ModelProfile.moe.balanced_tokens``). Off by default: the loop then runs every
             expert of every layer, slowly on the estimate (minutes for 128 experts).
+        megatron_router: under ``sharding="megatron"``, the router settings of a mixture of experts as
+            Megatron's ``TransformerConfig`` fields (:data:`MEGATRON_ROUTER_FIELDS`: the auxiliary loss's type and
+            coefficient, the router's dtype, the z-loss): a mapping, or ``"field=value,..."``; the fields set pass to
+            the probe, the others keep the model's mapping (NOTE [ Megatron's router settings ]). ``None``: none set.
 
     Args:
         vocabulary: how a bad value's message names its setting (not a field): ``None``
@@ -149,6 +250,7 @@ class ProfileOptions:
     allocator: str | None = None
     engine_reserve: int | str | None = None
     optimizer_offload: bool = False
+    megatron_router: Mapping[str, Any] | None = None
     vocabulary: InitVar[Vocabulary | None] = None
     # the margin was left to the allocator (safety_margin=None): replace(allocator=...) derives it again
     _margin_defaulted: bool = field(default=False, init=False, repr=False, compare=False)
@@ -187,6 +289,7 @@ class ProfileOptions:
             "response_fraction": lambda v: check_response_fraction(v, name(Setting("response_fraction"))),
             "experts_implementation": lambda v: check_experts_implementation(name(Setting("experts_implementation")), v),
             "routing": lambda v: None if v is None else check_choice(name(Setting("routing")), v, ROUTINGS),
+            "megatron_router": lambda v: check_megatron_router(name(Setting("megatron_router")), v),
         }
         if "allocator" in names:  # the margin left to the allocator follows it
             names = names | ({"safety_margin"} if self.safety_margin is None or self._margin_defaulted else set())
@@ -226,6 +329,17 @@ class ProfileOptions:
                     ", or name a head (",
                     Setting("logprobs", "full"),
                     ")",
+                ).say(vocabulary)
+            )
+        if self.megatron_router is not None and self.sharding.strategy != "megatron":
+            raise InvalidArgument(
+                Phrase(
+                    Setting("megatron_router", ",".join(f"{k}={v}" for k, v in self.megatron_router.items())),
+                    " sets Megatron's router, read only by a Megatron profile, but got ",
+                    Setting("sharding", self.sharding.strategy),
+                    "; use ",
+                    Setting("sharding", "megatron"),
+                    ", or drop it",
                 ).say(vocabulary)
             )
         if self.sharding.sequence_parallel > 1 and self.cost != "packed":

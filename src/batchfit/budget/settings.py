@@ -255,6 +255,12 @@ def _rows() -> Iterator[ProfileSetting]:
     yield s("expert_tensor_parallel", "--expert-tensor-parallel", "sharding", "int", metavar="N", said=False, help=(
         "megatron: Megatron's expert_tensor_parallel_size, the ranks each expert's matrices are split over "
         "(default: --tensor-parallel, Megatron's own; frameworks set 1 beside a large --expert-parallel)"))
+    yield s("megatron_router", "--megatron-router", "options", "str", metavar="FIELD=VALUE,...", help=(
+        "--sharding megatron: a mixture of experts' router as Megatron's TransformerConfig fields, "
+        "moe_router_load_balancing_type (aux_loss|seq_aux_loss|global_aux_loss|none), moe_aux_loss_coeff, "
+        "moe_router_dtype (fp32|fp64), moe_z_loss_coeff (e.g. moe_aux_loss_coeff=0.001,moe_router_dtype=fp32; the "
+        "auxiliary and z-losses and fp32 logits keep more for backward); fields not given keep the model's mapping "
+        "(mbridge's: no auxiliary loss), or the config's (slime's --moe-* flags)"))
     yield s("safety_margin", "--safety-margin", "options", "float", metavar="F", help=(
         "fraction of usable memory (default: what --allocator needs, 0.85 for expandable_segments, 0.83 for "
         "caching; or the --calibration file's)"))

@@ -185,6 +185,8 @@ def run_profile_options(
         optimizer_offload=True if run.optimizer_offload and emit in (None, run.vocabulary) else None,
         expert_parallel=run.expert_parallel if run.expert_parallel > 1 else None,  # prime-rl's trainer.model.ep
         **(_megatron_layout(run) if megatron and modelled_strategy(run) else {}),
+        # the config's Megatron router settings (slime's --moe-* flags); given, the caller's replace them
+        megatron_router=(run.megatron_router or None) if megatron and modelled_strategy(run) else None,
     )
     filled = Choices(**chosen).or_(from_config).or_(defaults or {})
     return RunOptions(run=run, options=with_run_fraction(run, filled.options(vocabulary)), notes=tuple(notes))

@@ -355,6 +355,7 @@ class _Resolver:
             distributed_optimizer=v["distributed_optimizer"],
             allocator=v["allocator"] if limits is None else self._calibrated_allocator(limits),
             engine_reserve=v["engine_reserve"],
+            megatron_router=v["megatron_router"],
         )
         defaults = Choices(
             max_seq_len=DEFAULT_MAX_SEQ_LEN,

@@ -131,6 +131,9 @@ class RunConfig:
             (``optimizer_cpu_offload``) and the share it moves to the host (Megatron-LM's default 1.0).
         precision_aware_optimizer, optimizer_dtypes: under Megatron, its precision-aware optimizer and the
             dtypes the config sets (``{"exp_avg_dtype": "bf16", ...}``, :class:`Sharding`'s field names).
+        megatron_router: under Megatron, the router settings the config sets, as ``TransformerConfig`` fields
+            (slime's ``--moe-aux-loss-coeff`` …: NOTE [ Megatron's router settings ] in
+            :mod:`batchfit.budget.options`); ``{}``: none, the model's own mapping.
         expert_parallel: ranks each MoE layer's experts are spread over (prime-rl's
             ``trainer.model.ep``; 1: none), as :class:`~batchfit.parallel.Sharding` reads it.
         token_bucket: the framework pads each packed micro-batch up to a multiple of this many
@@ -196,6 +199,7 @@ class RunConfig:
     optimizer_offload_fraction: float = 1.0
     precision_aware_optimizer: bool = False
     optimizer_dtypes: dict[str, str] = dataclasses.field(default_factory=dict)
+    megatron_router: dict[str, Any] = dataclasses.field(default_factory=dict)
     token_bucket: int | None = None
     faults: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()

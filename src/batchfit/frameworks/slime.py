@@ -35,9 +35,13 @@ from batchfit.plan.placement import RolloutEngine, process_allocator_setting
 # uneven first/last pipeline stages (--decoder-first/last-pipeline-num-layers, d98e8a64 arguments.py l. 3095: Megatron's
 # TransformerConfig.num_layers_in_first/last_pipeline_stage), --expert-tensor-parallel-size, and the
 # virtual pipeline stages validate_args derives (--num-layers, --num-layers-per-virtual-pipeline-stage,
-# --num-virtual-stages-per-pipeline-rank, --pipeline-model-parallel-layout: _virtual_stages).
+# --num-virtual-stages-per-pipeline-rank, --pipeline-model-parallel-layout: _virtual_stages), and the MoE router's
+# --moe-router-load-balancing-type and --moe-aux-loss-coeff (d98e8a64 arguments.py l. 3532-3537: nargs '+', Megatron-LM's
+# choices and defaults) and --moe-router-dtype, --moe-z-loss-coeff (TransformerConfig's fields, their flags made by
+# ArgumentGroupFactory: the Literal's choices, default None): NOTE [ Megatron's router settings ] in batchfit.budget.options.
+_MANY = ("moe_router_load_balancing_type", "moe_aux_loss_coeff")  # Megatron-LM's nargs '+' (a list combines types)
 MEGATRON_FLAGS: tuple[dict[str, Any], ...] = tuple(
-    {"flags": [flag], "dest": dest, "action": action, "type": kind, "nargs": None, "const": None,
+    {"flags": [flag], "dest": dest, "action": action, "type": kind, "nargs": "+" if dest in _MANY else None, "const": None,
      "default": default, "choices": choices, "required": False}
     for flag, dest, action, kind, default, choices in (
         ("--tensor-model-parallel-size", "tensor_model_parallel_size", "_StoreAction", "int", 1, None),
@@ -62,8 +66,20 @@ MEGATRON_FLAGS: tuple[dict[str, Any], ...] = tuple(
         ("--num-layers-per-virtual-pipeline-stage", "num_layers_per_virtual_pipeline_stage", "_StoreAction", "int", None, None),
         ("--num-virtual-stages-per-pipeline-rank", "num_virtual_stages_per_pipeline_rank", "_StoreAction", "int", None, None),
         ("--pipeline-model-parallel-layout", "pipeline_model_parallel_layout", "_StoreAction", "str", None, None),
+        ("--moe-router-load-balancing-type", "moe_router_load_balancing_type", "_StoreAction", "str", "aux_loss",
+         ["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"]),
+        ("--moe-aux-loss-coeff", "moe_aux_loss_coeff", "_StoreAction", "float", 0.0, None),
+        ("--moe-router-dtype", "moe_router_dtype", "_StoreAction", "str", None, ["fp32", "fp64"]),
+        ("--moe-z-loss-coeff", "moe_z_loss_coeff", "_StoreAction", "float", None, None),
     )
 )  # fmt: skip
+#: Megatron-LM's router flags → their TransformerConfig fields (NOTE [ Megatron's router settings ])
+ROUTER_FLAGS = {
+    "moe_router_load_balancing_type": "--moe-router-load-balancing-type",
+    "moe_aux_loss_coeff": "--moe-aux-loss-coeff",
+    "moe_router_dtype": "--moe-router-dtype",
+    "moe_z_loss_coeff": "--moe-z-loss-coeff",
+}
 READ = frozenset(
     {
         "hf_checkpoint",
@@ -107,6 +123,7 @@ READ = frozenset(
         "num_layers_per_virtual_pipeline_stage",
         "num_virtual_stages_per_pipeline_rank",
         "pipeline_model_parallel_layout",
+        *ROUTER_FLAGS,
     }
 )
 KEY_NAMES = {
@@ -213,6 +230,9 @@ def read(command: Command) -> FrameworkRun:
         optimizer_cpu_offload=bool(v.get("optimizer_cpu_offload")),
         optimizer_offload_fraction=v["optimizer_offload_fraction"],
         precision_aware_optimizer=bool(v.get("use_precision_aware_optimizer")),
+        # Megatron-LM's router flags the command sets, as TransformerConfig fields (slime builds its config from
+        # Megatron's arguments: core_transformer_config_from_args); what it refuses, strategy_refusal names
+        megatron_router=_router(v, parsed.given),
         optimizer_dtypes={k: v[k] for k in ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype") if v[k] != "fp32"},
         faults=tuple(f for f in (vpp_fault, *_layer_count_faults(v)) if f),
         gradient_checkpointing=v.get("recompute_granularity") == "full",
@@ -243,6 +263,7 @@ def read(command: Command) -> FrameworkRun:
             "world_size": "--actor-num-nodes × --actor-num-gpus-per-node",
             "model": "--hf-checkpoint",
             "strategy": "--train-backend megatron",
+            "megatron_router": ", ".join(ROUTER_FLAGS.values()),
         },
         rules=rules,
         values={**v, "global_batch_size": gbs},
@@ -295,6 +316,38 @@ def _virtual_stages(v: dict[str, Any]) -> tuple[int | None, str]:
         )
     chunks = layers // pp // per_stage
     return (chunks if chunks > 1 else None), ""
+
+
+def _router(v: dict[str, Any], given: frozenset[str]) -> dict[str, Any]:
+    """The router's ``TransformerConfig`` fields the command sets (NOTE [ Megatron's router settings ] in
+    :mod:`batchfit.budget.options`), unchecked (:func:`strategy_refusal` checks them).
+
+    Megatron-LM's ``validate_args`` makes a one-element list of ``--moe-router-load-balancing-type`` or
+    ``--moe-aux-loss-coeff`` its element (d98e8a64 l. 1661-1664). Either flag given sets both fields, the other at
+    Megatron-LM's default (``aux_loss``, 0.0): slime's model is Megatron-LM's arguments, where the model's mapping
+    (mbridge's, which the probe builds) has no load balancing and the Hugging Face config's coefficient. The dtype
+    and the z-loss are set only when given.
+    """
+    out: dict[str, Any] = {}
+    for dest in ROUTER_FLAGS:
+        value = v.get(dest)
+        out[dest] = value[0] if isinstance(value, list) and len(value) == 1 else tuple(value) if isinstance(value, list) else value
+    balancing = {"moe_router_load_balancing_type", "moe_aux_loss_coeff"}
+    chosen = {*(balancing if balancing & given else set()), *({"moe_router_dtype", "moe_z_loss_coeff"} & given)}
+    return {dest: out[dest] for dest in ROUTER_FLAGS if dest in chosen}
+
+
+def strategy_refusal(run: Any) -> str | None:
+    """What slime's command sets of Megatron's router that batchfit's Megatron profile does not model (a load
+    balancing type, a coefficient), in one line naming the flag, its value and the fix; ``None``: everything modelled."""
+    from batchfit.budget.options import check_megatron_router
+    from batchfit.errors import InvalidArgument
+
+    try:
+        check_megatron_router("megatron_router", run.megatron_router, names=ROUTER_FLAGS)
+    except InvalidArgument as exc:
+        return f"{exc} (or drop it from the command to profile without it)"
+    return None
 
 
 def _positive_or_none(value: Any) -> int | None:
@@ -541,6 +594,7 @@ SPEC = FrameworkSpec(
     launchers=("train.py", "train_async.py"),
     markers=("--rollout-batch-size", "--global-batch-size"),
     read_command=read,
+    strategy_refusal=strategy_refusal,
     emit="batchfit.frameworks.slime_emit",
 )
 """slime in :mod:`batchfit.frameworks.registry`: its rules apply at ``FrameworkRun.plan``; the whole logits' log-probs;
