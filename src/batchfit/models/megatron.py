@@ -148,6 +148,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from batchfit.errors import InvalidArgument
+from batchfit.models.megatron_glm import GLM_MODEL_TYPES, rotary_percent
 from batchfit.models.megatron_mla import mla_cpu_patches
 from batchfit.models.moe_megatron import moe_cpu_patches
 from batchfit.models.specs import load_config
@@ -534,9 +535,9 @@ def transformer_config(
     moe = _is_mixture_of_experts(hf_config)
     kind = getattr(hf_config, "model_type", None)
     if moe and kind not in MOE_MODEL_TYPES:
+        why = UNMAPPED_MOE_REASONS.get(kind, "a mixture of experts batchfit does not map to Megatron yet")
         raise InvalidArgument(
-            f"model_type={kind!r} is a mixture of experts batchfit does not map to Megatron yet (mapped: "
-            f"{', '.join(sorted(MOE_MODEL_TYPES))}); profile it with --sharding fsdp2"
+            f"model_type={kind!r} is {why} (mapped: {', '.join(sorted(MOE_MODEL_TYPES))}); profile it with --sharding fsdp2"
         )
     if moe and tp > 1 and not sequence_parallel:
         # megatron-core 0.16.1 moe_layer.py MoELayer.forward raises ValueError when training so
@@ -565,6 +566,11 @@ def transformer_config(
 
         bridge = deepseek_v3_bridge(hf_config, dtype=dtype, parallel_states=states)
         overrides = {**deepseek_v3_settings(hf_config, overrides.get("num_layers")), **overrides}
+    elif kind in GLM_MODEL_TYPES:  # NOTE [ GLM-4.5 from a Hugging Face config ]: mbridge's GLM4MoEBridge
+        from batchfit.models.megatron_glm import glm4_moe_settings
+
+        bridge = AutoBridge.from_config(hf_config, dtype=dtype, parallel_states=states)
+        overrides = {**glm4_moe_settings(hf_config, overrides.get("num_layers")), **overrides}
     else:
         bridge = AutoBridge.from_config(hf_config, dtype=dtype, parallel_states=states)
     if moe:
@@ -587,10 +593,35 @@ def transformer_config(
 
 
 #: Mixtures of experts mapped to Megatron (NOTE [ Megatron's mixture of experts on CPU ranks ]): mbridge's bridges
-#: whose every layer is a MoE under megatron-core's local spec with standard attention, and DeepSeek-V3 (dense first
-#: layers, multi-latent attention: Megatron's decoder block spec, NOTE [ DeepSeek-V3 from a Hugging Face config ]).
-#: GLM-4.5 is not mapped yet; gpt-oss has no bridge.
-MOE_MODEL_TYPES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"})
+#: whose every layer is a MoE under megatron-core's local spec with standard attention, DeepSeek-V3 (dense first
+#: layers, multi-latent attention: Megatron's decoder block spec, NOTE [ DeepSeek-V3 from a Hugging Face config ]) and
+#: GLM-4.5 (mbridge's bridge: dense first layers, a shared expert, the sigmoid router's expert bias, the qkv bias, partial
+#: RoPE; NOTE [ GLM-4.5 from a Hugging Face config ]). gpt-oss is refused, saying why (NOTE [ gpt-oss under Megatron ]).
+MOE_MODEL_TYPES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe"})
+# NOTE [ gpt-oss under Megatron ]
+# megatron-core 0.16.1 has every piece of gpt-oss: attention sinks (``softmax_type="learnable"``: a learned offset per
+# head), sliding-window layers (``window_size`` with ``window_attn_skip_freq=2``), the clamped SwiGLU
+# (``activation_func_clamp_value``, ``glu_linear_offset``), the router's and experts' biases (``add_bias_linear``) and
+# YaRN (``position_embedding_type="yarn"``); Megatron-LM's own example trains it with Transformer Engine
+# (``examples/gptoss/02_train.sh``, NVIDIA/Megatron-LM d98e8a64: ``--transformer-impl transformer_engine
+# --softmax-type learnable --window-size 127,0 --window-attn-skip-freq 2 --quick-geglu --glu-linear-offset 1.0
+# --activation-func-clamp-value 7.0``). mbridge 0.15.1 has no bridge for it. The sinks are what stops a CPU run:
+# fused, they are Transformer Engine's (``TEDotProductAttention`` passes ``softmax_type``, extensions/
+# transformer_engine.py), which does not run here; batchfit's stand-in for fused attention (``SdpaAttention``, NOTE
+# [ Fused attention for Megatron budgets ]) is PyTorch's kernel, which takes no sink; and megatron-core's local
+# ``DotProductAttention`` runs them (``SoftmaxOne`` over the scores) only on its unfused path, whose ``[b, heads, s, s]``
+# scores a budget would count and no GPU run keeps. So gpt-oss is refused by name. Mapping it needs the sink in
+# ``SdpaAttention`` (its ``[heads/t]`` parameter, the output scaled by ``sigmoid(lse - sink)`` from the kernel's
+# log-sum-exp) and a bridge of the fields above.
+#: Why a mixture of experts is not mapped, where it is known (NOTE [ gpt-oss under Megatron ]).
+UNMAPPED_MOE_REASONS = {
+    "gpt_oss": (
+        "a mixture of experts not mapped to Megatron: its attention sinks (megatron-core 0.16.1's softmax_type='learnable') run fused only in "
+        "Transformer Engine's attention, which does not run on a CPU; batchfit's stand-in for it (PyTorch's "
+        "scaled_dot_product_attention) has no sinks, megatron-core's unfused DotProductAttention would budget "
+        "[b, heads, s, s] scores no GPU run keeps, and mbridge 0.15.1 has no gpt-oss bridge"
+    ),
+}
 #: Models with multi-latent attention (:mod:`batchfit.models.megatron_mla`).
 MLA_MODEL_TYPES = frozenset({"deepseek_v3"})
 
@@ -619,6 +650,8 @@ def gpt_model_args(spec: Any) -> dict[str, Any]:
         "rotary_base": 10000 if base is None else base,
         "share_embeddings_and_output_weights": bool(getattr(hf_config, "tie_word_embeddings", False)),
     }
+    if rotary_percent(hf_config) != 1.0:  # GLM-4.5's partial RoPE (NOTE [ GLM-4.5 from a Hugging Face config ])
+        args["rotary_percent"] = rotary_percent(hf_config)
     if rope.get("rope_type", rope.get("type")) == "llama3":
         args["rope_scaling"] = True
         args["rope_scaling_factor"] = float(rope["factor"])
