@@ -160,3 +160,41 @@ def test_the_auxiliary_loss_flag_raises_the_profiles_peak(tmp_path):
     # the auxiliary loss keeps its fp32 scores for backward (tests/test_megatron_moe.py: +4,240 B at EP 2 without TP)
     assert with_loss.peak_bytes > without.peak_bytes
     assert with_loss.breakdown["activations"] > without.breakdown["activations"]
+
+
+def test_the_megatron_report_names_the_router_settings_profiled():
+    from batchfit.budget.megatron_layout import MegatronLayout
+
+    layout = MegatronLayout(stage_peaks={0: 1}, binding_stage=0, micro_batches=1, attention="sdpa", recompute="full")
+    assert "router" not in layout.describe() and "router" not in layout.to_dict()  # the model's own mapping
+    layout = MegatronLayout(
+        stage_peaks={0: 1}, binding_stage=0, micro_batches=1, attention="sdpa", recompute="full",
+        router={"moe_aux_loss_coeff": 0.001, "moe_router_dtype": "fp32"},
+    )  # fmt: skip
+    assert layout.describe() == (
+        "Megatron-core GPTModel, sdpa attention, recompute full, router moe_aux_loss_coeff=0.001 moe_router_dtype=fp32"
+    )
+    assert layout.to_dict()["router"] == {"moe_aux_loss_coeff": 0.001, "moe_router_dtype": "fp32"}
+
+
+@pytest.mark.slow  # a budget search of the Megatron step (about 30 s on 2 cores)
+def test_a_slime_profiles_json_states_the_router_it_profiled(tmp_path):
+    import warnings
+
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
+    from batchfit.budget import profile_model
+    from batchfit.frameworks.config_options import run_profile_options
+    from test_megatron_moe import CONFIG
+
+    warnings.filterwarnings("ignore")
+    model = tmp_path / "tiny-qwen3-moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIG), encoding="utf-8")
+    script = _script(tmp_path, extra="--expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-3")
+    script.write_text(script.read_text().replace("--hf-checkpoint /root/Qwen3-4B", f"--hf-checkpoint {model}"))
+    chosen = {"backend": "estimate", "max_seq_len": 64, "memory_limit": "16MiB", "reserve_bytes": 0}
+    options = run_profile_options(read_run_config(script), chosen).options
+    profile = profile_model(str(model), options=options, roles=("policy",))
+    assert profile.to_dict()["megatron"]["router"] == {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.001}
+    assert profile.megatron.describe().endswith("router moe_router_load_balancing_type=aux_loss moe_aux_loss_coeff=0.001")

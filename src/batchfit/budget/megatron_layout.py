@@ -23,6 +23,8 @@ class MegatronLayout:
         virtual_stages: model chunks per pipeline rank under the interleaved 1F1B schedule (``None``: 1F1B).
         stage_layers: stage → its decoder layers, when the stages are uneven (Megatron's
             ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``); ``{}`` for an even split.
+        router: the router's ``TransformerConfig`` fields the profile set (``ProfileOptions.megatron_router``: NOTE
+            [ Megatron's router settings ] in :mod:`batchfit.budget.options`); ``{}``: the model's own mapping.
     """
 
     stage_peaks: dict[int, int]
@@ -33,6 +35,7 @@ class MegatronLayout:
     heads: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     virtual_stages: int | None = None
     stage_layers: dict[int, int] = dataclasses.field(default_factory=dict)
+    router: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def schedule(self) -> str:
@@ -45,8 +48,9 @@ class MegatronLayout:
         """One line for reports: ``"pipeline stage 0 binds (stage 0: 61.2 GiB, stage 1: 48.0 GiB), 2 micro-batches in flight"``."""
         from batchfit.memory import format_bytes
 
+        router = f", router {' '.join(f'{k}={v}' for k, v in self.router.items())}" if self.router else ""
         if len(self.stage_peaks) <= 1:
-            return f"Megatron-core GPTModel, {self.attention} attention, recompute {self.recompute or 'off'}"
+            return f"Megatron-core GPTModel, {self.attention} attention, recompute {self.recompute or 'off'}{router}"
         layers = self.stage_layers
         peaks = ", ".join(
             f"stage {s}{f' ({layers[s]} layers)' if s in layers else ''}: {format_bytes(b)}"
@@ -54,7 +58,7 @@ class MegatronLayout:
         )
         return (
             f"pipeline stage {self.binding_stage} binds ({peaks}; {self.schedule} with {self.micro_batches} micro-batches), "
-            f"{self.attention} attention, recompute {self.recompute or 'off'}"
+            f"{self.attention} attention, recompute {self.recompute or 'off'}{router}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,6 +75,8 @@ class MegatronLayout:
             out["stage_layers"] = {str(k): v for k, v in sorted(self.stage_layers.items())}
         if self.heads:
             out["heads"] = {role: dict(head) for role, head in self.heads.items()}
+        if self.router:
+            out["router"] = dict(self.router)
         return out
 
 
