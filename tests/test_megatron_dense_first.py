@@ -1,4 +1,4 @@
-"""NOTE [ Dense first layers in the shallow copies ]: a DeepSeek-V3 whose first layers are dense, extrapolated from
+"""NOTE [ Dense first layers in the shallow copies ]: a DeepSeek-V3 or GLM-4.5 whose first layers are dense, extrapolated from
 shallow copies that keep them on the first stage, gives every stage's peak of the full build to the byte.
 
 Skipped where megatron-core or mbridge is not installed (``pip install -e '.[megatron]'``).
@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from batchfit.parallel.sharding import Sharding
+from test_megatron_glm import TINY_GLM4_MOE
 from test_megatron_mla import TINY_DEEPSEEK_V3
 
 SHAPE = [64]
@@ -20,7 +21,7 @@ def megatron():
     pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
 
 
-def _steps(layers: int, dense: int, sharding: Sharding):
+def _steps(layers: int, dense: int, sharding: Sharding, model: dict = TINY_DEEPSEEK_V3):
     import warnings
 
     from transformers import AutoConfig
@@ -31,7 +32,7 @@ def _steps(layers: int, dense: int, sharding: Sharding):
     from batchfit.models import parse_dtype
 
     warnings.filterwarnings("ignore")
-    config = AutoConfig.for_model(**{**TINY_DEEPSEEK_V3, "num_hidden_layers": layers, "first_k_dense_replace": dense})
+    config = AutoConfig.for_model(**{**model, "num_hidden_layers": layers, "first_k_dense_replace": dense})
     out = {}
     for extrapolated in (True, False):
         backend = get_backend("estimate", reserve_bytes=0, round_to=1)
@@ -46,17 +47,17 @@ def _steps(layers: int, dense: int, sharding: Sharding):
 @pytest.mark.slow  # four builds of a tiny DeepSeek-V3 over two simulated stages, and two more of one
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    ("layers", "dense", "pipeline_parallel", "per_stage"),
-    [(10, 2, 2, (3, 5)), (6, 2, 1, (4,))],
-    ids=["pp2", "pp1"],
+    ("model", "layers", "dense", "pipeline_parallel", "per_stage"),
+    [(TINY_DEEPSEEK_V3, 10, 2, 2, (3, 5)), (TINY_DEEPSEEK_V3, 6, 2, 1, (4,)), (TINY_GLM4_MOE, 10, 1, 2, (4, 5))],
+    ids=["deepseek-v3-pp2", "deepseek-v3-pp1", "glm-4.5-pp2"],
 )
 def test_copies_that_keep_the_dense_layers_extrapolate_every_stage_to_the_full_builds_peak(
-    megatron, layers, dense, pipeline_parallel, per_stage
+    megatron, model, layers, dense, pipeline_parallel, per_stage
 ):
     from batchfit.budget.megatron_depth import DepthExtrapolatedMegatronStep
 
     sharding = Sharding("megatron", world_size=pipeline_parallel, pipeline_parallel=pipeline_parallel)
-    deep, full = _steps(layers, dense, sharding)
+    deep, full = _steps(layers, dense, sharding, model)
     assert isinstance(deep, DepthExtrapolatedMegatronStep) and not isinstance(full, DepthExtrapolatedMegatronStep)
     assert deep.layers_per_stage == per_stage  # the first stage read at its MoE layers, beside its dense ones
     assert deep.stage_peaks == full.stage_peaks

@@ -35,9 +35,10 @@ does not call (:func:`batchfit.models.megatron.gpt_model_args` reads :func:`rota
 fixed as for every Megatron MoE (NOTE [ Megatron's mixture of experts on CPU ranks ]): the sigmoid scores, the expert
 bias and the scaling run as Megatron runs them.
 
-A copy of another depth (the depth extrapolation's shallow copies) has every layer a MoE, as DeepSeek-V3's (NOTE
-[ Shallow copies of DeepSeek-V3 ]: Megatron's block spec asserts ``moe_layer_freq``'s length; the dense first layer
-is then counted as a MoE layer, on the safe side).
+A copy of another depth (the depth extrapolation's shallow copies) needs a ``moe_layer_freq`` of its own length, as
+DeepSeek-V3's (NOTE [ Shallow copies of DeepSeek-V3 ]): the extrapolation gives one that keeps the dense first layer on
+the first stage (NOTE [ Dense first layers in the shallow copies ] in :mod:`batchfit.budget.megatron_depth`); a copy
+built without one has every layer a MoE.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ GLM4_MOE_SETTINGS: dict[str, Any] = {
 
 def glm4_moe_settings(hf_config: Any, num_layers: int | None = None) -> dict[str, Any]:
     """:data:`GLM4_MOE_SETTINGS` with the shared expert of ``n_shared_experts × moe_intermediate_size`` (none if
-    ``n_shared_experts`` is 0); for a copy of another depth than the model's (``num_layers``) every layer a MoE
+    ``n_shared_experts`` is 0); for a copy of another depth than the model's (``num_layers``) every layer a MoE, unless the caller gives its ``moe_layer_freq``
     (NOTE [ GLM-4.5 from a Hugging Face config ])."""
     shared = int(getattr(hf_config, "n_shared_experts", 1) or 0) * int(hf_config.moe_intermediate_size)
     depth = {} if num_layers is None or int(num_layers) == int(hf_config.num_hidden_layers) else {"moe_layer_freq": 1}
