@@ -103,6 +103,16 @@ def test_megatron_train_reads_its_strategy_config_into_a_megatron_run(tmp_path):
         "actor_train.training_args.gradient_accumulation_steps": 128,
     }))  # fmt: skip
     assert (on.megatron_sequence_parallel, on.expert_parallel) == (True, 2)
+    assert on.expert_tensor_parallel is None  # Megatron's default: the tensor-parallel size
+    etp = read_run_config(_config(tmp_path, **{
+        config + "tensor_model_parallel_size": 2, config + "expert_model_parallel_size": 2,
+        config + "expert_tensor_parallel_size": 1, "actor_train.training_args.gradient_accumulation_steps": 128,
+    }))  # fmt: skip
+    assert etp.expert_tensor_parallel == 1 and not any("expert_tensor_parallel_size" in w for w in etp.warnings)
+    from batchfit.frameworks.config_options import run_profile_options
+
+    sharding = run_profile_options(etp, {"backend": "estimate", "max_seq_len": 8192}).options.sharding
+    assert (sharding.tensor_parallel, sharding.expert_parallel, sharding.expert_tensor_parallel) == (2, 2, 1)
 
 
 def test_megatron_dynamic_batching_no_longer_warns_that_the_cap_is_ignored():

@@ -63,6 +63,8 @@ TITLE = "ROLL 8eb27cc2"
 # worker's training_args updated with strategy_args.strategy_config, so each strategy_config key is a field of
 # mcore_adapter/src/mcore_adapter/training_args.py: tensor_model_parallel_size, pipeline_model_parallel_size,
 # context_parallel_size, virtual_pipeline_model_parallel_size, expert_model_parallel_size (None: 1),
+# expert_tensor_parallel_size (None: initialize.py passes it to Megatron's initialize_model_parallel, whose default is
+# the tensor-parallel size),
 # sequence_parallel (False), recompute_granularity (None; "full" with recompute_method and recompute_num_layers unset
 # becomes uniform over 1 layer: models/model_config.py __post_init__, i.e. every layer's input checkpointed, which is
 # batchfit's full recompute), use_distributed_optimizer (False), accumulate_allreduce_grads_in_fp32 (False: a bf16
@@ -149,6 +151,8 @@ def _worker(flat: dict[str, Any], role: str) -> dict[str, Any]:
         "checkpointing": as_bool(flat.get(w + "model_args.disable_gradient_checkpointing")) is not True,
         "vpp": as_int(flat.get(config + "virtual_pipeline_model_parallel_size")),
         "ep": as_int(flat.get(config + "expert_model_parallel_size") or 1),
+        # mcore_adapter training_args.py: None, passed to initialize_model_parallel (Megatron's default: the TP size)
+        "etp": as_int(flat.get(config + "expert_tensor_parallel_size")),
         "megatron_sp": as_bool(flat.get(config + "sequence_parallel")) is True,
         "distributed_optimizer": as_bool(flat.get(config + "use_distributed_optimizer")) is True,
         "recompute": flat.get(config + "recompute_granularity"),
@@ -161,7 +165,6 @@ _MEGATRON_UNMODELLED: dict[str, tuple[Any, str]] = {
     "recompute_method": (None, "a recompute method other than uniform (batchfit's full recompute checkpoints every layer)"),
     "recompute_num_layers": (None, "recompute over more than 1 layer per unit (batchfit's full recompute checkpoints every layer)"),
     "recompute_modules": (None, "selective recompute's modules"),
-    "expert_tensor_parallel_size": (None, "the experts' own tensor-parallel size"),
     "optimizer_cpu_offload": (False, "the optimizer state offloaded to the host (counted on the GPU: budgets lower than the run needs)"),
     "optimizer_offload_fraction": (0.0, "part of the optimizer state on the host (counted on the GPU)"),
     "fp8": (None, "FP8 GEMMs (Transformer Engine)"),
@@ -227,6 +230,7 @@ def _megatron(flat: dict[str, Any], actor: dict[str, Any], workers: dict[str, di
         "sp": sp,
         "vpp": vpp if is_positive_int(vpp) and vpp > 1 else None,
         "ep": ep if is_positive_int(ep) else 1,
+        "etp": actor["etp"] if is_positive_int(actor["etp"]) else None,
         "distributed_optimizer": actor["distributed_optimizer"],
         "recompute": recompute == "full",
         "warnings": warnings,
