@@ -198,3 +198,58 @@ def test_a_slime_profiles_json_states_the_router_it_profiled(tmp_path):
     profile = profile_model(str(model), options=options, roles=("policy",))
     assert profile.to_dict()["megatron"]["router"] == {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.001}
     assert profile.megatron.describe().endswith("router moe_router_load_balancing_type=aux_loss moe_aux_loss_coeff=0.001")
+
+
+def _example(framework: str) -> tuple[dict, dict]:
+    import copy
+    from pathlib import Path
+
+    import yaml
+
+    data = copy.deepcopy(yaml.safe_load((Path(__file__).resolve().parent.parent / "examples" / f"{framework}_megatron.yaml").read_text()))
+    node = data["actor_rollout_ref"]["actor"]["megatron"] if framework == "verl" else data["trainer"]["policy"]["megatron_config"]
+    return data, node
+
+
+def _config_router(data: dict) -> dict | None:
+    from batchfit.budget.choices import Choices
+    from batchfit.frameworks.config_options import run_profile_options
+
+    return run_profile_options(read_run_config(data), Choices()).options.megatron_router
+
+
+def test_skyrls_router_keys_reach_the_options_with_skyrls_defaults():
+    data, node = _example("skyrl")
+    # SkyRL's MegatronConfig defaults, which its worker sets on the provider: no load balancing, fp32 router logits
+    assert _config_router(data) == {"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0, "moe_router_dtype": "fp32"}
+    node.update(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.001)
+    node.setdefault("transformer_config_kwargs", {}).update(moe_z_loss_coeff="1e-3", moe_router_dtype="fp64")  # applied last
+    assert _config_router(data) == {
+        "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 0.001, "moe_router_dtype": "fp64",
+        "moe_z_loss_coeff": 0.001,
+    }  # fmt: skip
+
+
+def test_verls_override_transformer_config_router_keys_reach_the_options():
+    data, node = _example("verl")
+    assert _config_router(data) is None  # none set: mbridge's mapping
+    node.setdefault("override_transformer_config", {}).update(moe_aux_loss_coeff="1e-3", moe_router_load_balancing_type="aux_loss")
+    assert _config_router(data) == {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.001}
+
+
+@pytest.mark.parametrize(
+    ("framework", "key", "value", "match"),
+    [
+        ("skyrl", "moe_router_load_balancing_type", "sinkhorn",
+         r"^the config's trainer\.policy\.megatron_config\.moe_router_load_balancing_type='sinkhorn' is not modelled"),
+        ("verl", "moe_router_dtype", "bf16",
+         r"^the config's actor_rollout_ref\.actor\.megatron\.override_transformer_config\.moe_router_dtype must be one of "
+         r"'fp32', 'fp64', but got .*='bf16'$"),
+    ],
+    ids=["skyrl-sinkhorn", "verl-bf16"],
+)
+def test_a_configs_router_not_modelled_is_refused_naming_its_key(framework, key, value, match):
+    data, node = _example(framework)
+    (node if framework == "skyrl" else node.setdefault("override_transformer_config", {}))[key] = value
+    with pytest.raises(InvalidArgument, match=match):
+        _config_router(data)

@@ -181,7 +181,8 @@ def _profile(
             heads={role: head.describe() for role in chosen if not (head := megatron_head(options, role)).is_default},
             virtual_stages=plan.virtual_pipeline_parallel if (plan.virtual_pipeline_parallel or 1) > 1 else None,
             stage_layers=dict(enumerate(stage_layers(int(config.num_hidden_layers), plan))) if uneven(plan) else {},
-            router=dict(options.megatron_router or {}),  # NOTE [ Megatron's router settings ] in batchfit.budget.options
+            # NOTE [ Megatron's router settings ] in batchfit.budget.options: a dense model has no router to set
+            router=dict(options.megatron_router or {}) if moe is not None else {},
         ),
     )
 

@@ -107,9 +107,19 @@ def check_megatron_router(name: str, value: Any, *, names: Mapping[str, str] | N
             out[key] = None if given is None else check_choice(said, given, ROUTER_DTYPES)
         elif key == "moe_z_loss_coeff" and given is None:  # Megatron's default: no z-loss
             out[key] = None
-        else:
-            out[key] = check_number(said, given, low=0.0)
+        else:  # a coefficient; a YAML reader gives 1e-3 (no dot) as a string
+            out[key] = check_number(said, _as_number(given), low=0.0)
     return {key: out[key] for key in MEGATRON_ROUTER_FIELDS if key in out} or None
+
+
+def _as_number(value: Any) -> Any:
+    """``"1e-3"`` → 0.001; anything else unchanged (for :func:`check_number` to judge)."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _router_pairs(name: str, text: str, fix: str) -> dict[str, Any]:

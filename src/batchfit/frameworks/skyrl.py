@@ -276,6 +276,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         # the provider's uneven pipeline and Megatron's optimizer offload / precision-aware optimizer (OptimizerConfig
         # through optimizer_config_kwargs; NOTE [ Megatron's optimizer offload and precision-aware optimizer ])
         **(_megatron_optimizer_fields(flat) if megatron else {}),
+        # the provider's router (NOTE [ SkyRL's Megatron router ])
+        megatron_router=_megatron_router(flat) if megatron else {},
         logprobs_chunk_size=chunk,
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=(remove_padding if isinstance(remove_padding, bool) else None)
@@ -521,6 +523,29 @@ def _megatron_optimizer_fields(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# NOTE [ SkyRL's Megatron router ]
+# megatron_worker.py (MegatronWorker's provider) sets moe_router_load_balancing_type, moe_aux_loss_coeff and
+# moe_router_dtype from megatron_config (SkyRL's defaults: none, 0.0, fp32), then applies transformer_config_kwargs
+# over them ("can override the above"), where moe_z_loss_coeff may be set too. The profile carries them as
+# ProfileOptions.megatron_router (NOTE [ Megatron's router settings ] in batchfit.budget.options): by SkyRL's
+# defaults its router logits are fp32, which mbridge's mapping alone leaves in bf16.
+ROUTER_KEYS = {
+    "moe_router_load_balancing_type": MEGATRON + "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff": MEGATRON + "moe_aux_loss_coeff",
+    "moe_router_dtype": MEGATRON + "moe_router_dtype",
+}
+
+
+def _megatron_router(flat: dict[str, Any]) -> dict[str, Any]:
+    """The policy's router as its provider gets it (NOTE [ SkyRL's Megatron router ]), ``TransformerConfig`` fields
+    (unchecked: :func:`megatron_refusal` refuses what the profile does not model)."""
+    from batchfit.budget.options import MEGATRON_ROUTER_FIELDS
+
+    out = {field: flat[key] for field, key in ROUTER_KEYS.items() if key in flat}
+    out.update({f: flat[MEGATRON + RECOMPUTE + f] for f in MEGATRON_ROUTER_FIELDS if MEGATRON + RECOMPUTE + f in flat})
+    return out
+
+
 def _expert_tensor_parallel(flat: dict[str, Any]) -> int | None:
     """The policy's ``megatron_config.expert_tensor_parallel_size``, ``None`` when unset (Megatron's default)."""
     etp = as_int(flat.get(MEGATRON + "expert_tensor_parallel_size"))
@@ -538,7 +563,23 @@ def megatron_refusal(run: RunConfig) -> str | None:
 
     NOTE [ What a SkyRL Megatron profile refuses ]; ``None`` for every other strategy (FSDP is judged by the CLI).
     """
-    return first_refusal(run, _REFUSAL_WHY)
+    return first_refusal(run, _REFUSAL_WHY) or _router_refusal(run)
+
+
+def _router_refusal(run: RunConfig) -> str | None:
+    """The router setting the Megatron profile does not model (NOTE [ SkyRL's Megatron router ]), in one line naming its
+    key (megatron_config's; the z-loss transformer_config_kwargs'), its value and the fix; ``None``: all modelled."""
+    from batchfit.budget.options import check_megatron_router
+    from batchfit.errors import InvalidArgument
+
+    if run.strategy != "megatron":
+        return None
+    names = {**ROUTER_KEYS, "moe_z_loss_coeff": MEGATRON + RECOMPUTE + "moe_z_loss_coeff"}
+    try:
+        check_megatron_router("megatron_router", run.megatron_router, names=names)
+    except InvalidArgument as exc:
+        return f"the config's {exc}"
+    return None
 
 
 # NOTE [ SkyRL's entropy chunks sized from memory ]

@@ -381,6 +381,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         expert_parallel=_expert_parallel(mcore) if megatron else 1,
         # McoreEngineConfig.expert_tensor_parallel_size (null: Megatron's default, the tensor-parallel size)
         expert_tensor_parallel=_positive_or_none(mcore["expert_tensor_parallel_size"]) if megatron else None,
+        # the router fields override_transformer_config sets (NOTE [ verl's Megatron router ])
+        megatron_router=_megatron_router(flat) if megatron else {},
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=as_bool(flat.get(CRITIC + "model.use_remove_padding")) if critic else None,
         fused_kernels=as_bool(flat.get(MODEL + "use_fused_kernels")) is True,
@@ -933,7 +935,39 @@ def megatron_refusal(run: RunConfig) -> str | None:
 
     NOTE [ What a Megatron profile refuses ]; ``None`` for every other strategy (FSDP is judged by the CLI).
     """
-    return first_refusal(run, _REFUSAL_WHY)
+    return first_refusal(run, _REFUSAL_WHY) or _router_refusal(run)
+
+
+# NOTE [ verl's Megatron router ]
+# verl's Megatron engine builds the TransformerConfig as mbridge maps the model and applies the actor's
+# megatron.override_transformer_config over it (bridge.set_extra_args(**override_transformer_config)), so the router
+# fields set there (moe_router_load_balancing_type, moe_aux_loss_coeff, moe_router_dtype, moe_z_loss_coeff) are the
+# run's; those not set keep mbridge's (no load balancing, "default None for RL"). The profile carries them as
+# ProfileOptions.megatron_router (NOTE [ Megatron's router settings ] in batchfit.budget.options).
+ROUTER_OVERRIDES = MCORE + "override_transformer_config."
+
+
+def _megatron_router(flat: dict[str, Any]) -> dict[str, Any]:
+    """The actor's router fields its ``override_transformer_config`` sets (NOTE [ verl's Megatron router ]), unchecked
+    (:func:`megatron_refusal` refuses what the profile does not model)."""
+    from batchfit.budget.options import MEGATRON_ROUTER_FIELDS
+
+    return {field: flat[ROUTER_OVERRIDES + field] for field in MEGATRON_ROUTER_FIELDS if ROUTER_OVERRIDES + field in flat}
+
+
+def _router_refusal(run: RunConfig) -> str | None:
+    """The router setting the Megatron profile does not model, in one line naming its key, value and fix; ``None``: all
+    modelled (NOTE [ verl's Megatron router ])."""
+    from batchfit.budget.options import MEGATRON_ROUTER_FIELDS, check_megatron_router
+    from batchfit.errors import InvalidArgument
+
+    if run.strategy != "megatron":
+        return None
+    try:
+        check_megatron_router("megatron_router", run.megatron_router, names={f: ROUTER_OVERRIDES + f for f in MEGATRON_ROUTER_FIELDS})
+    except InvalidArgument as exc:
+        return f"the config's {exc}"
+    return None
 
 
 def _megatron_warnings(
