@@ -155,6 +155,34 @@ def test_the_megatron_offload_keys_decide_what_stays_resident():
     assert run.optimizer_offload is True
 
 
+OPTIM = "actor_rollout_ref__actor__optim__"
+
+
+def test_the_optimizer_overrides_offload_the_state_with_the_precision_aware_optimizer():
+    # NOTE [ verl's Megatron optimizer ]: run_deepseek_v3_671b_megatron.sh's four overrides
+    override = OPTIM + "override_optimizer_config__"
+    run = read_run_config(_config(**{override + "optimizer_cpu_offload": True, override + "optimizer_offload_fraction": "1",
+                                     override + "use_precision_aware_optimizer": True, override + "overlap_cpu_optimizer_d2h_h2d": True}))
+    assert (run.precision_aware_optimizer, run.optimizer_cpu_offload, run.optimizer_offload_fraction) == (True, True, 1.0)
+    assert run.optimizer_dtypes == {} and run.warnings == ()
+    sharding = config_options.run_profile_options(run, {"backend": "estimate", "max_seq_len": 4096}).options.sharding
+    assert (sharding.precision_aware_optimizer, sharding.optimizer_cpu_offload, sharding.optimizer_offload_fraction) == (True, True, 1.0)
+    # the optim config's own keys, the dtypes verl reads under it; an override wins over them
+    own = read_run_config(_config(**{OPTIM + "use_precision_aware_optimizer": True, OPTIM + "main_grads_dtype": "bf16",
+                                     OPTIM + "exp_avg_dtype": "bf16", override + "exp_avg_sq_dtype": "bf16"}))
+    assert own.precision_aware_optimizer is True and own.optimizer_cpu_offload is False
+    assert own.optimizer_dtypes == {"main_grads_dtype": "bf16", "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}
+    sharding = config_options.run_profile_options(own, {"backend": "estimate", "max_seq_len": 4096}).options.sharding
+    assert (sharding.main_grads_dtype, sharding.exp_avg_dtype, sharding.main_params_dtype) == ("bf16", "bf16", "fp32")
+    assert read_run_config(EXAMPLE).precision_aware_optimizer is False  # verl's default
+
+
+def test_an_offload_without_the_precision_aware_optimizer_is_profiled_on_the_gpu_with_a_warning():
+    run = read_run_config(_config(**{OPTIM + "override_optimizer_config__optimizer_cpu_offload": True}))
+    assert run.optimizer_cpu_offload is False and run.precision_aware_optimizer is False
+    assert any("optimizer_cpu_offload=True without use_precision_aware_optimizer is not modelled" in w for w in run.warnings)
+
+
 def test_fsdp_only_keys_set_under_megatron_are_warnings():
     data = _config(actor_rollout_ref__actor__ulysses_sequence_parallel_size=2)
     data["actor_rollout_ref"]["model"]["enable_activation_offload"] = True

@@ -383,6 +383,8 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         expert_tensor_parallel=_positive_or_none(mcore["expert_tensor_parallel_size"]) if megatron else None,
         # the router fields override_transformer_config sets (NOTE [ verl's Megatron router ])
         megatron_router=_megatron_router(flat) if megatron else {},
+        # the actor's Megatron optimizer: precision-aware with its dtypes, CPU offload (NOTE [ verl's Megatron optimizer ])
+        **(_megatron_optimizer(flat, warnings) if megatron else {}),
         remove_padding=remove_padding if isinstance(remove_padding, bool) else None,
         critic_remove_padding=as_bool(flat.get(CRITIC + "model.use_remove_padding")) if critic else None,
         fused_kernels=as_bool(flat.get(MODEL + "use_fused_kernels")) is True,
@@ -936,6 +938,64 @@ def megatron_refusal(run: RunConfig) -> str | None:
     NOTE [ What a Megatron profile refuses ]; ``None`` for every other strategy (FSDP is judged by the CLI).
     """
     return first_refusal(run, _REFUSAL_WHY) or _router_refusal(run)
+
+
+# NOTE [ verl's Megatron optimizer ]
+# verl/utils/megatron/optimizer.py init_megatron_optim_config (verl 0.9.1) builds megatron-core's OptimizerConfig from
+# the actor's optim config: under bf16, use_precision_aware_optimizer (default False) with main_grads_dtype,
+# exp_avg_dtype and exp_avg_sq_dtype (default fp32; the master parameters stay fp32), then every key of
+# optim.override_optimizer_config over the result (verl's large MoE examples set optimizer_cpu_offload,
+# optimizer_offload_fraction and use_precision_aware_optimizer there: run_deepseek_v3_671b_megatron.sh). The profile
+# models Megatron's CPU offload with the precision-aware optimizer, as Megatron-LM asserts it; megatron-core alone lets
+# verl offload without it (its fp32 main shards then stay on the GPU), which is profiled with the state on the GPU and
+# a warning (budgets lower than the run allows). megatron-core's offload fraction defaults to 0.0.
+OPTIM = ACTOR + "optim."
+OPTIMIZER_OVERRIDES = OPTIM + "override_optimizer_config."
+OPTIMIZER_DTYPES = ("main_params_dtype", "main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+
+
+def _megatron_optimizer(flat: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
+    """The actor's precision-aware optimizer, its dtypes and its CPU offload as :class:`RunConfig` fields (those on),
+    as verl builds megatron-core's ``OptimizerConfig`` (NOTE [ verl's Megatron optimizer ])."""
+
+    def value(key: str, default: Any = None) -> Any:
+        return flat[OPTIMIZER_OVERRIDES + key] if OPTIMIZER_OVERRIDES + key in flat else flat.get(OPTIM + key, default)
+
+    out: dict[str, Any] = {}
+    precision_aware = as_bool(value("use_precision_aware_optimizer", False)) is True
+    if precision_aware:
+        # the dtypes verl reads under the precision-aware optimizer; main_params_dtype only from the overrides
+        names = {name: value(name) if name != "main_params_dtype" else flat.get(OPTIMIZER_OVERRIDES + name) for name in OPTIMIZER_DTYPES}
+        dtypes = {name: dtype_name(v) or v for name, v in names.items() if v is not None}
+        out["precision_aware_optimizer"] = True
+        out["optimizer_dtypes"] = {name: v for name, v in dtypes.items() if v != "fp32"}
+    if as_bool(flat.get(OPTIMIZER_OVERRIDES + "optimizer_cpu_offload")) is True:
+        fraction = _as_float(flat.get(OPTIMIZER_OVERRIDES + "optimizer_offload_fraction", 0.0))
+        if precision_aware:
+            out["optimizer_cpu_offload"] = True
+            out["optimizer_offload_fraction"] = fraction
+        else:
+            warnings.append(
+                f"{OPTIMIZER_OVERRIDES}optimizer_cpu_offload=True without use_precision_aware_optimizer is not modelled "
+                "(megatron-core keeps the fp32 main shards on the GPU beside the offloaded moments): profiled with the "
+                f"optimizer state on the GPU (budgets lower than the run allows); set {OPTIMIZER_OVERRIDES}"
+                "use_precision_aware_optimizer=True to profile the offload"
+            )
+    return out
+
+
+def _as_float(value: Any) -> Any:
+    """``"0.5"`` → 0.5 (YAML and hydra strings), an int as a float; other values unchanged."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 # NOTE [ verl's Megatron router ]
