@@ -107,6 +107,21 @@ ends in a value a fake tensor has not; without clipping (``clip_grad=0``) the no
 nothing, so the step runs each optimizer's own ``step`` in turn (``prepare_grads`` and
 ``step_with_ready_grads``, what the chain runs after the norm), each with its own fused Adam.
 
+NOTE [ Megatron's MoE globals start fresh in every step ]
+megatron-core keeps two tensors of a mixture of experts' router in module globals, made by the
+first step that needs them and reused by every later one: the layer-wise logging tracker of the
+auxiliary and z losses (``moe_utils.save_to_aux_losses_tracker``: ``torch.zeros(num_layers)``
+per loss, fp32, 8 B for two layers) and ``MoEAuxLossAutoScaler.main_loss_backward_scale`` (a
+scalar, made by the first backward or the pipeline schedule's ``set_loss_scale``). A step that
+made them counted their bytes; a second step of the same setting in the same process did not
+(measured: 3,416,500 against 3,416,508 B on the tiny Qwen3-MoE's aux-loss step, cpu and estimate
+alike), so a step's peak depended on what the process had run before; and an estimate left
+them as fake tensors of a fake mode that had ended, which a later step of the process would
+mix with its own. Every step here therefore starts from none of them, as the first step of a
+fresh process does (:func:`_fresh_moe_globals`, around :func:`megatron_train_step`,
+:func:`megatron_pipeline_step` and :func:`megatron_forward_step`), and puts back what the
+process held before when it ends: what the step made is dropped with it, after its peak.
+
 NOTE [ Pipeline sends are waited on whole ]
 A search on real ranks waits in slices (:func:`batchfit.parallel.rank_signals.listening`: each
 ``Work.wait`` is given 50 ms, then the guard checks whether another rank left, then waits again).
@@ -611,6 +626,24 @@ def _optimizer_step(training: MegatronTraining) -> None:
             optimizer.step()
 
 
+@contextlib.contextmanager
+def _fresh_moe_globals() -> Iterator[None]:
+    """Run a step without megatron-core's MoE globals, then put back what the process held (NOTE [ Megatron's MoE globals start fresh in every step ])."""
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    scaler = moe_utils.MoEAuxLossAutoScaler
+    saved_tracker, saved_scale = dict(tracker), scaler.main_loss_backward_scale
+    tracker.clear()
+    scaler.main_loss_backward_scale = None
+    try:
+        yield
+    finally:
+        tracker.clear()
+        tracker.update(saved_tracker)
+        scaler.main_loss_backward_scale = saved_scale
+
+
 def megatron_train_step(
     model: torch.nn.Module, optimizer: MegatronTraining, batch: MegatronBatch, *, head: MegatronHead | None = None
 ) -> float:
@@ -637,14 +670,15 @@ def megatron_train_step(
     from megatron.core.distributed import finalize_model_grads
 
     training = _training(optimizer)
-    _zero_grads(training)
-    with labels.phase(labels.FORWARD):
-        labels.set_position(labels.EMBED)
-        loss = megatron_loss(training.model, batch, head=head)
-    with labels.phase(labels.BACKWARD):
-        loss.backward()
-        finalize_model_grads([training.model])
-    _optimizer_step(training)
+    with _fresh_moe_globals():  # NOTE [ Megatron's MoE globals start fresh in every step ]
+        _zero_grads(training)
+        with labels.phase(labels.FORWARD):
+            labels.set_position(labels.EMBED)
+            loss = megatron_loss(training.model, batch, head=head)
+        with labels.phase(labels.BACKWARD):
+            loss.backward()
+            finalize_model_grads([training.model])
+        _optimizer_step(training)
     return _value(loss)
 
 
@@ -711,20 +745,21 @@ def megatron_pipeline_step(
     config.finalize_model_grads_func, config.no_sync_func = finalize_model_grads, no_sync
     _zero_grads(training)
     forward_backward = get_forward_backward_func()
-    try:
-        with listening(None):  # type: ignore[arg-type]  # NOTE [ Pipeline sends are waited on whole ]
-            forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=_data_iterators(micro_batches, len(chunks)),
-                model=list(chunks),
-                num_microbatches=len(micro_batches),
-                seq_length=seq_length * _context_parallel(),  # the schedule's shapes divide it by cp
-                micro_batch_size=micro_batch_size,
-                forward_only=False,
-            )
-    finally:
-        config.finalize_model_grads_func, config.no_sync_func = saved
-    _optimizer_step(training)
+    with _fresh_moe_globals():  # NOTE [ Megatron's MoE globals start fresh in every step ]
+        try:
+            with listening(None):  # type: ignore[arg-type]  # NOTE [ Pipeline sends are waited on whole ]
+                forward_backward(
+                    forward_step_func=forward_step,
+                    data_iterator=_data_iterators(micro_batches, len(chunks)),
+                    model=list(chunks),
+                    num_microbatches=len(micro_batches),
+                    seq_length=seq_length * _context_parallel(),  # the schedule's shapes divide it by cp
+                    micro_batch_size=micro_batch_size,
+                    forward_only=False,
+                )
+        finally:
+            config.finalize_model_grads_func, config.no_sync_func = saved
+        _optimizer_step(training)
     if not losses:
         return None
     return _value(torch.stack(losses).mean())
@@ -833,7 +868,8 @@ def megatron_forward_step(
         chunk.eval()
     forward_backward = get_forward_backward_func()
     try:
-        with torch.no_grad(), labels.phase(labels.FORWARD), listening(None):  # type: ignore[arg-type]
+        # NOTE [ Megatron's MoE globals start fresh in every step ]
+        with torch.no_grad(), labels.phase(labels.FORWARD), listening(None), _fresh_moe_globals():  # type: ignore[arg-type]
             labels.set_position(labels.EMBED)
             forward_backward(
                 forward_step_func=forward_step,
