@@ -460,3 +460,20 @@ def test_router_losses_and_fp32_logits_estimate_equals_the_gloo_rank_and_cost_me
     # against mbridge's Qwen3-MoE (no auxiliary loss, router in bf16), 3,412,268 B at EP 2 skewed (RUNS[0]):
     # the auxiliary loss keeps its fp32 scores, fp32 logits their copy, the z-loss its logsumexp
     assert [peak - 3_412_268 for peak, _ in real] == [4_240, 7_136, 268]
+
+
+@pytest.mark.slow  # builds the tiny Qwen3-MoE twice under the estimate
+def test_a_probe_leaves_no_model_alive(megatron):
+    import gc
+
+    from megatron.core.distributed import DistributedDataParallel
+
+    def alive() -> int:
+        gc.collect()
+        return sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+
+    # NOTE [ A MoE dispatcher keeps its step's graph ]: each probe's model stayed alive (one more DDP a probe)
+    step, before = _step("estimate", 2, 2), alive()
+    for _ in range(2):
+        step.measure([SEQ] * ROWS)
+    assert alive() == before
