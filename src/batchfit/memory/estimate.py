@@ -42,6 +42,29 @@ _DATA_PTR_WARNING = r"Accessing the data pointer of FakeTensor"
 # the caller's setting back.
 
 
+# NOTE [ torch's fake dispatch cache is bounded ]
+# torch keeps one FakeTensor dispatch cache for the whole process (``FakeTensorMode.cache``, a
+# class attribute every mode shares) and never empties it: every op at a new shape adds its
+# entries, so a long search over many token counts grows it without end (about 550 entries,
+# 0.85 MiB, a probe of a tiny Qwen3-MoE: the part of a 235B search's host-memory climb that is
+# not its models). Entries memoize output metadata only, so emptying the cache changes no
+# measurement (the same peaks to the byte at 12 token counts, emptied before every probe or
+# never); emptying it before every probe cost 57% more time, so it is emptied only before a
+# trial that finds it past :data:`FAKE_CACHE_ENTRIES` (the main job's search leaves about 3,000).
+FAKE_CACHE_ENTRIES = 50_000
+
+
+def bound_fake_cache(entries: int | None = None) -> bool:
+    """Empty torch's process-wide fake dispatch cache when it holds more than ``entries`` (default
+    :data:`FAKE_CACHE_ENTRIES`; NOTE [ torch's fake dispatch cache is bounded ]); whether it was emptied."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if len(FakeTensorMode.cache) <= (FAKE_CACHE_ENTRIES if entries is None else entries):
+        return False
+    FakeTensorMode.cache_clear()
+    return True
+
+
 class EstimateBackend(TrackedBackend):
     """Predict a CUDA step's peak by running it on fake CPU tensors: shapes only, no memory.
 
@@ -104,7 +127,9 @@ class EstimateBackend(TrackedBackend):
         self._depth = 0
 
     def _tracker(self, host_categories: Sequence[str]) -> ObservingTracker:
-        """The trial's tracker is fed by this backend's fake mode (NOTE [ The estimate's tracker is fed by its fake mode ])."""
+        """The trial's tracker is fed by this backend's fake mode (NOTE [ The estimate's tracker is fed by its fake mode ]);
+        torch's fake dispatch cache is bounded first (NOTE [ torch's fake dispatch cache is bounded ])."""
+        bound_fake_cache()
         return ObservingTracker(
             self.fake_mode, round_to=self.round_to, limit_bytes=self._abort_bytes(), host_categories=host_categories
         )
