@@ -46,6 +46,21 @@ def describe(value: Any) -> str:
     return f"{short_repr(value)} ({type(value).__name__})"
 
 
+def as_number(value: Any) -> Any:
+    """A number written as a string (``"1e-3"``, ``"0.5"``: YAML reads a float without a dot as a string, command-line
+    overrides are strings) as a float; anything else unchanged, for a check to judge.
+
+        >>> as_number("1e-3"), as_number(2), as_number("two")
+        (0.001, 2, 'two')
+    """
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def is_int(value: Any) -> bool:
     """True for integers (Python or numpy), False for ``bool`` and everything else."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

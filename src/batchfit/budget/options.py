@@ -27,7 +27,7 @@ from batchfit.plan import COSTS
 from batchfit.train.framework_heads import FrameworkHead
 from batchfit.train.megatron_heads import MegatronHeads
 from batchfit.train.model_outputs import check_head
-from batchfit.validation import check_choice, check_number, closest, short_repr
+from batchfit.validation import as_number, check_choice, check_number, closest, short_repr
 
 __all__ = ["MEGATRON_ROUTER_FIELDS", "ROUTER_DTYPES", "ROUTER_LOAD_BALANCING", "ProfileOptions", "check_megatron_router"]
 
@@ -108,18 +108,8 @@ def check_megatron_router(name: str, value: Any, *, names: Mapping[str, str] | N
         elif key == "moe_z_loss_coeff" and given is None:  # Megatron's default: no z-loss
             out[key] = None
         else:  # a coefficient; a YAML reader gives 1e-3 (no dot) as a string
-            out[key] = check_number(said, _as_number(given), low=0.0)
+            out[key] = check_number(said, as_number(given), low=0.0)
     return {key: out[key] for key in MEGATRON_ROUTER_FIELDS if key in out} or None
-
-
-def _as_number(value: Any) -> Any:
-    """``"1e-3"`` → 0.001; anything else unchanged (for :func:`check_number` to judge)."""
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
 
 
 def _router_pairs(name: str, text: str, fix: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from batchfit.errors import InvalidArgument
 from batchfit.frameworks.registry import framework_names, framework_of
 from batchfit.frameworks.run import as_int
 from batchfit.models.lora import ALL_LINEAR, LoraSpec, lora_spec
-from batchfit.validation import check_choice
+from batchfit.validation import as_number, check_choice
 
 __all__ = ["FLAT_LORA_KEYS", "LORA_ROLES", "as_lora_spec", "lora_keys", "read_lora"]
 
@@ -127,13 +127,7 @@ def as_lora_spec(value: Any, name: str = "lora") -> LoraSpec | None:
 
 def _number(value: Any) -> Any:
     """``"128"`` / ``"0.5"`` (command-line overrides) as numbers; ``None`` stays (the default)."""
-    value = as_int(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
+    return as_number(as_int(value))
 
 
 def _targets(value: Any, key: str, *, peft_string: bool = True) -> Any:

@@ -51,7 +51,7 @@ from batchfit.frameworks.verl_rules import VERL
 from batchfit.frameworks.your_sizes import verl_sizes
 from batchfit.plan.config import BatchConfig
 from batchfit.plan.placement import ENGINES, RolloutEngine
-from batchfit.validation import short_repr
+from batchfit.validation import as_number, short_repr
 
 MODEL = "actor_rollout_ref.model."
 ACTOR = "actor_rollout_ref.actor."
@@ -336,7 +336,7 @@ def read(data: dict[str, Any], given: dict[str, Any]) -> RunConfig:
         warnings += unmodelled_warnings(given, framework_defaults("verl"), UNMODELLED, schema.title)
         mixed_precision, dtype = _precision(flat, given, warnings)
         checkpointing = as_bool(flat.get(MODEL + "enable_gradient_checkpointing"))
-    entropy_in_loss = _number(flat.get(ACTOR + "entropy_coeff")) != 0
+    entropy_in_loss = as_number(flat.get(ACTOR + "entropy_coeff")) != 0
     if critic:
         warnings += differing_warnings(flat, CRITIC_SAME, "the critic", "the actor's", schema.title)
     roles = ["policy", *(["reference"] if reference else []), *(["critic"] if critic else [])]
@@ -483,15 +483,6 @@ def _bool_or_none(value: Any) -> bool | None:
     return value if isinstance(value, bool) else None
 
 
-def _number(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
 def _kept(flat: dict[str, Any], prefix: str, *, optimizer: bool) -> tuple[str, ...]:
     """The state a model keeps on its GPUs while a colocated one runs (not offloaded)."""
     kept = [] if as_bool(flat.get(prefix + "param_offload")) is True else ["parameters"]
@@ -535,7 +526,7 @@ def _engine(flat: dict[str, Any], lora: dict[str, Any] | None, notes: list[str])
         name=name,
         colocated=True,
         tensor_parallel=as_int(flat.get(ROLLOUT + "tensor_model_parallel_size")) or 1,
-        memory_fraction=_number(flat.get(ROLLOUT + "gpu_memory_utilization")),
+        memory_fraction=as_number(flat.get(ROLLOUT + "gpu_memory_utilization")),
         sleeps=sleeps,
         sleep_level=(1 if lora else 2) if name == "vllm" else None,
         cuda_graphs=as_bool(flat.get(ROLLOUT + "enforce_eager")) is not True,
@@ -970,7 +961,7 @@ def _megatron_optimizer(flat: dict[str, Any], warnings: list[str]) -> dict[str, 
         out["precision_aware_optimizer"] = True
         out["optimizer_dtypes"] = {name: v for name, v in dtypes.items() if v != "fp32"}
     if as_bool(flat.get(OPTIMIZER_OVERRIDES + "optimizer_cpu_offload")) is True:
-        fraction = _as_float(flat.get(OPTIMIZER_OVERRIDES + "optimizer_offload_fraction", 0.0))
+        fraction = as_number(flat.get(OPTIMIZER_OVERRIDES + "optimizer_offload_fraction", 0.0))
         if precision_aware:
             out["optimizer_cpu_offload"] = True
             out["optimizer_offload_fraction"] = fraction
@@ -982,20 +973,6 @@ def _megatron_optimizer(flat: dict[str, Any], warnings: list[str]) -> dict[str, 
                 "use_precision_aware_optimizer=True to profile the offload"
             )
     return out
-
-
-def _as_float(value: Any) -> Any:
-    """``"0.5"`` → 0.5 (YAML and hydra strings), an int as a float; other values unchanged."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
 
 
 # NOTE [ verl's Megatron router ]
@@ -1079,7 +1056,7 @@ def _megatron_entropy(flat: dict[str, Any], mcore: dict[str, Any]) -> tuple[str,
     chunked = as_bool(mcore["entropy_from_logits_with_chunking"]) is True
     mode = "chunked" if chunked else "full"
     in_update = (
-        as_bool(flat.get(ACTOR + "calculate_entropy")) is True or _number(flat.get(ACTOR + "entropy_coeff")) != 0
+        as_bool(flat.get(ACTOR + "calculate_entropy")) is True or as_number(flat.get(ACTOR + "entropy_coeff")) != 0
     )
     bypass = as_bool(flat.get("algorithm.rollout_correction.bypass_mode")) is True
     chunk = as_int(mcore["entropy_from_logits_chunk_size"]) if chunked else None
@@ -1172,7 +1149,7 @@ def _entropy(flat: dict[str, Any], remove_padding: Any) -> tuple[str, str, int |
         mode = "full"
     in_update = (
         as_bool(flat.get(ACTOR + "calculate_entropy")) is True
-        or _number(flat.get(ACTOR + "entropy_coeff")) != 0
+        or as_number(flat.get(ACTOR + "entropy_coeff")) != 0
     )
     bypass = as_bool(flat.get("algorithm.rollout_correction.bypass_mode")) is True
     chunk = as_int(flat.get(ENGINE + "entropy_from_logits_chunk_size")) if mode == "chunked" else None
