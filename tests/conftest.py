@@ -100,3 +100,10 @@ def host_memory() -> HostMemory:
     except OSError as exc:
         pytest.skip(f"the resident-memory peak cannot be reset here: {exc}")
     return HostMemory()
+
+
+@pytest.fixture
+def megatron():
+    """Skips a test where megatron-core or mbridge is not installed (the first tier installs neither)."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
+    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")

@@ -19,12 +19,6 @@ from multirank import run_ranks
 LAYERS, SEQ = 2, 64
 
 
-@pytest.fixture
-def megatron():
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
-    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
-
-
 def _chunks(rank: int, cp: int, seq: int):
     import torch
 

@@ -15,12 +15,6 @@ from test_megatron_mla import TINY_DEEPSEEK_V3
 SHAPE = [64]
 
 
-@pytest.fixture
-def megatron():
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
-    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
-
-
 def _steps(layers: int, dense: int, sharding: Sharding, model: dict = TINY_DEEPSEEK_V3):
     import warnings
 

@@ -45,12 +45,6 @@ TINY_GLM4_MOE = {
 ROWS, SEQ = 1, 64
 
 
-@pytest.fixture
-def megatron():
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
-    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
-
-
 def _config():
     from transformers import AutoConfig
 

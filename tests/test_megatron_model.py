@@ -21,12 +21,6 @@ MOE_PRESETS = {"gpt-oss-20b"}
 MAPPED_MOE_PRESETS = {"qwen3-235b-a22b", "qwen3-30b-a3b", "deepseek-v3", "glm-4.5-air"}
 
 
-@pytest.fixture
-def megatron():
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
-    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
-
-
 def _count_every_preset(rank: int) -> dict[str, object]:
     import warnings
 

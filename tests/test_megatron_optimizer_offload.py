@@ -45,12 +45,6 @@ def test_the_sharding_says_the_offload_and_serialises_it_only_when_on():
 # ---------------------------------------------------------------- megatron-core (slow) ---------------------------------
 
 
-@pytest.fixture
-def megatron():
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
-    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
-
-
 SHAPE = [64, 64]
 
 

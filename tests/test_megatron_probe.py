@@ -18,12 +18,6 @@ pytestmark = pytest.mark.slow
 LIMIT, MAX_SEQ_LEN, LAYERS = "24MiB", 128, 2
 
 
-@pytest.fixture
-def megatron():
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
-    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
-
-
 def _budget(backend_name: str, tp: int, pp: int, **probe: object) -> dict[str, object]:
     import warnings
 

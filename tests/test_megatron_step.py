@@ -27,12 +27,6 @@ LAYOUTS = (
 IDS = ["tp2", "tp2-sp", "tp2-bf16", "dp2-distributed-optimizer"]
 
 
-@pytest.fixture
-def megatron():
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
-    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
-
-
 def _registered(model, training, inputs):
     objects, categories = training.registered()
     return (model, *objects, inputs), (None, *categories, None)

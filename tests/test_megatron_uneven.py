@@ -73,12 +73,6 @@ def test_the_sharding_describes_and_serialises_its_uneven_stages():
 # ---------------------------------------------------------------- megatron-core (slow) ---------------------------------
 
 
-@pytest.fixture
-def megatron():
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
-    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
-
-
 #: tiny at 3 layers over PP 2, the last stage 1 (the first 2): Megatron-core's num_layers_in_last_pipeline_stage
 UNEVEN = {"num_layers": 3, "num_layers_in_last_pipeline_stage": 1}
 SHAPE = [64, 64]
