@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from batchfit import InvalidArgument
+from megatron_moe_referee import IDS, RUNS, hf_config, measure, real_rank
 from multirank import run_ranks
 
 # DeepSeek-V3's shape scaled down: 3 layers (the first dense), 8 routed experts in 4 groups (2 chosen), 2 per token,
@@ -53,53 +54,21 @@ TINY_DEEPSEEK_V3 = {
     "hidden_act": "silu",
     "attention_bias": False,
 }
-ROWS, SEQ = 1, 64
 
 
 def _config():
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(**TINY_DEEPSEEK_V3)
-
-
-def _step(backend_name: str, **kwargs):
-    import warnings
-
-    import torch
-
-    from batchfit.budget.megatron_probe import MegatronStep
-    from batchfit.memory import get_backend
-
-    warnings.filterwarnings("ignore")
-    return MegatronStep(
-        _config(), routing="skewed", backend=get_backend(backend_name, round_to=1), dtype=torch.bfloat16, attention="sdpa", **kwargs
-    )
-
-
-#: each 2-rank run: TP 2 + SP with the experts over EP 2 (expert TP 1); EP 2 over data parallelism 2
-RUNS = (
-    {"tensor_parallel": 2, "sequence_parallel": True, "data_parallel": 1, "expert_parallel": 2, "expert_tensor_parallel": 1},
-    {"data_parallel": 2, "expert_parallel": 2},
-)
-IDS = ["tp2-sp-ep2-etp1", "dp2-ep2"]
+    return hf_config(TINY_DEEPSEEK_V3)
 
 
 def _measure(backend_name: str, run: dict) -> dict[str, object]:
-    got = _step(backend_name, **run).measure([SEQ] * ROWS)
-    return {"peak": got.peak_bytes, "breakdown": dict(got.breakdown)}
-
-
-def _real_rank(rank: int, runs: tuple[dict, ...]) -> list[dict[str, object]]:
-    # the lower of two real runs, as in test_megatron_step.py: a gloo buffer let go after its last Python
-    # reference an op late adds its bytes to one run's peak (dp2-ep2 once in a .ci/run, 2026-12-02)
-    return [min((_measure("cpu", run) for _ in range(2)), key=lambda got: got["peak"]) for run in runs]
+    return measure(TINY_DEEPSEEK_V3, backend_name, run)
 
 
 @pytest.fixture(scope="module")
 def real_runs():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
     pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
-    return run_ranks(_real_rank, RUNS, world=2, timeout=400)
+    return run_ranks(real_rank, TINY_DEEPSEEK_V3, RUNS, world=2, timeout=400)
 
 
 @pytest.mark.slow  # 2 gloo ranks, then the estimate

@@ -131,26 +131,32 @@ def test_the_command_line_takes_the_router_and_says_a_bad_one_in_one_line(capsys
 
 
 # tests/test_megatron_moe.py's small Qwen3-MoE (8 experts of 32, 2 per token, 2 layers), as slime's --hf-checkpoint
+def _moe_script(tmp_path, extra: str):
+    """slime's script with ``extra`` flags over tests/test_megatron_moe.py's small Qwen3-MoE as its --hf-checkpoint;
+    the model's directory and the script."""
+    from test_megatron_moe import CONFIG
+
+    model = tmp_path / "tiny-qwen3-moe"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(CONFIG), encoding="utf-8")
+    script = _script(tmp_path, extra=extra)
+    script.write_text(script.read_text().replace("--hf-checkpoint /root/Qwen3-4B", f"--hf-checkpoint {model}"))
+    return model, script
+
+
 @pytest.mark.slow  # megatron-core's import and two estimates of the profile's own step
-def test_the_auxiliary_loss_flag_raises_the_profiles_peak(tmp_path):
+def test_the_auxiliary_loss_flag_raises_the_profiles_peak(tmp_path, megatron):
     import warnings
 
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
-    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
     from batchfit.budget.megatron_profile import budget_step, quiet_megatron
     from batchfit.frameworks.config_options import run_profile_options
     from batchfit.memory import get_backend
     from batchfit.models import load_config, parse_dtype
-    from test_megatron_moe import CONFIG
 
     warnings.filterwarnings("ignore")
-    model = tmp_path / "tiny-qwen3-moe"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(CONFIG), encoding="utf-8")
     measured = {}
     for extra in ("", "--moe-aux-loss-coeff 1e-3"):
-        script = _script(tmp_path, extra=f"--expert-model-parallel-size 2 {extra}")  # TP 2 + SP, EP 2, dp 4 of 8 GPUs
-        script.write_text(script.read_text().replace("--hf-checkpoint /root/Qwen3-4B", f"--hf-checkpoint {model}"))
+        model, script = _moe_script(tmp_path, f"--expert-model-parallel-size 2 {extra}")  # TP 2 + SP, EP 2, dp 4 of 8 GPUs
         options = run_profile_options(read_run_config(script), {"backend": "estimate", "max_seq_len": 64}).options
         backend = get_backend("estimate", memory_limit="1GiB", reserve_bytes=0, round_to=1)
         with quiet_megatron():
@@ -178,21 +184,14 @@ def test_the_megatron_report_names_the_router_settings_profiled():
 
 
 @pytest.mark.slow  # a budget search of the Megatron step (about 30 s on 2 cores)
-def test_a_slime_profiles_json_states_the_router_it_profiled(tmp_path):
+def test_a_slime_profiles_json_states_the_router_it_profiled(tmp_path, megatron):
     import warnings
 
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e '.[megatron]'")
-    pytest.importorskip("mbridge", reason="mbridge is not installed: pip install -e '.[megatron]'")
     from batchfit.budget import profile_model
     from batchfit.frameworks.config_options import run_profile_options
-    from test_megatron_moe import CONFIG
 
     warnings.filterwarnings("ignore")
-    model = tmp_path / "tiny-qwen3-moe"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(CONFIG), encoding="utf-8")
-    script = _script(tmp_path, extra="--expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-3")
-    script.write_text(script.read_text().replace("--hf-checkpoint /root/Qwen3-4B", f"--hf-checkpoint {model}"))
+    model, script = _moe_script(tmp_path, "--expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-3")
     chosen = {"backend": "estimate", "max_seq_len": 64, "memory_limit": "16MiB", "reserve_bytes": 0}
     options = run_profile_options(read_run_config(script), chosen).options
     profile = profile_model(str(model), options=options, roles=("policy",))
