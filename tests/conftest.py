@@ -22,6 +22,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # Every test (and its subprocesses) measures: a profile answered from the user's cache would
     # test the cache, not the code (tests/test_profile_cache.py turns it on in a folder of its own).
     os.environ["BATCHFIT_CACHE"] = "0"
+    # The suite's workers already fill the machine's CPUs: a profile measures its shallow copies in
+    # process (tests/test_side_by_side.py opens side_by_side(2) itself and holds the two equal).
+    os.environ["BATCHFIT_JOBS"] = "1"
 
 
 def pytest_report_header(config: pytest.Config) -> str:

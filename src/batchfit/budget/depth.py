@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from batchfit.budget.side_by_side import Beside, call_method
 from batchfit.errors import InvalidArgument
 from batchfit.memory import Backend, MemoryMeasurement
 from batchfit.validation import check_positive_int
@@ -90,6 +91,7 @@ class DepthExtrapolatedStep:
         if len(backends) != 1:
             raise InvalidArgument("the two shallow steps must share one backend, but got two backends")
         self.backend: Backend = steps[self.k1].backend
+        self._deeper = Beside(self.steps[self.k2], self.backend)
 
     @property
     def only_loss_tokens(self) -> bool:
@@ -121,10 +123,17 @@ class DepthExtrapolatedStep:
             and host bytes are extrapolated to :attr:`depth`.
         """
         start = time.perf_counter()
-        shallow = self.steps[self.k1].measure(lengths)
+        # NOTE [ Shallow copies measured side by side ]: the deeper copy runs in a worker meanwhile, if any
+        pending = self._deeper.start(call_method, "measure", list(lengths))
+        try:
+            shallow = self.steps[self.k1].measure(lengths)
+        except BaseException:
+            pending.drop()
+            raise
         if shallow.exceeded:
+            pending.drop()
             return replace(shallow, seconds=time.perf_counter() - start)
-        deeper = self.steps[self.k2].measure(lengths)
+        deeper = pending.get()
         if deeper.exceeded:
             return replace(deeper, seconds=time.perf_counter() - start)
         result = extrapolate(shallow, deeper, self.k1, self.k2, self.depth, self.backend.limit_bytes)
@@ -132,7 +141,9 @@ class DepthExtrapolatedStep:
 
     def measure_state(self) -> MemoryMeasurement:
         """The state the step keeps between its calls at full depth, extrapolated from the two shallow steps'."""
-        shallow, deeper = self.steps[self.k1].measure_state(), self.steps[self.k2].measure_state()
+        pending = self._deeper.start(call_method, "measure_state")
+        shallow = self.steps[self.k1].measure_state()
+        deeper = pending.get()
         return extrapolate(shallow, deeper, self.k1, self.k2, self.depth, self.backend.limit_bytes)
 
 

@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from batchfit.budget.depth import extrapolate
+from batchfit.budget.side_by_side import Beside
 from batchfit.memory import MemoryMeasurement
 
 #: The layers per pipeline stage (per model chunk, with virtual stages) the two shallow copies hold.
@@ -79,6 +80,7 @@ class DepthExtrapolatedMegatronStep:
         self.stage_peaks: dict[int, int] = {}
         self.binding_stage: int | None = None
         self.peaks_by_shape: dict[tuple[int, int], dict[int, int]] = {}
+        self._deeper = Beside(self.steps[k2], backend)
 
     @property
     def _step(self) -> Any:
@@ -100,8 +102,14 @@ class DepthExtrapolatedMegatronStep:
         from batchfit.budget.megatron_probe import shape_key, stage_measurements
 
         k1, k2 = STAGE_DEPTHS
-        shallow = stage_measurements(self.steps[k1], lengths)
-        deeper = stage_measurements(self.steps[k2], lengths)
+        # NOTE [ Shallow copies measured side by side ] (batchfit.budget.side_by_side)
+        pending = self._deeper.start(stage_measurements, list(lengths))
+        try:
+            shallow = stage_measurements(self.steps[k1], lengths)
+        except BaseException:
+            pending.drop()
+            raise
+        deeper = pending.get()
         limit = self.backend.limit_bytes
         per_stage = self.layers_per_stage
         at_depth = {

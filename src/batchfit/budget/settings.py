@@ -284,6 +284,9 @@ def _rows() -> Iterator[ProfileSetting]:
             help="plot peak memory vs. tokens per probed length")
     yield s("progress", "--no-progress", "output", "off", default=True, said=False,
             help="no progress (a bar on a terminal; else a line per probe on stderr)")
+    yield s("jobs", "--jobs", "output", "int", metavar="N", said=False, help=(
+        "processes a probe measures in: 2 measures the two shallow copies side by side (the default where this "
+        "process may use 2 CPUs; estimate backend, outside torchrun), 1 one after the other; the same budgets either way"))
     yield s("cache", "--no-cache", "output", "off", default=True, said=False, help=(
         "measure again instead of answering from the profiles already estimated with the same model, settings and "
         "batchfit (kept in $BATCHFIT_CACHE_DIR, default ~/.cache/batchfit/profiles; BATCHFIT_CACHE=0 turns it off)"))

@@ -32,6 +32,7 @@ from batchfit.budget.settings import (
     MAX_ESTIMATE_WORLD_SIZE,
     SETTINGS,
 )
+from batchfit.budget.side_by_side import check_jobs
 from batchfit.errors import KEYWORDS, InvalidArgument, Setting, Vocabulary
 from batchfit.frameworks.run import RunConfig
 from batchfit.memory import backend_class
@@ -76,6 +77,8 @@ class ProfileRequest:
         progress: show progress (when not ``json`` and on rank 0).
         cache: :meth:`profile` answers estimates from the profile cache when it can (NOTE [ A profile is a
             function of its inputs ] in :mod:`batchfit.budget.profile_cache`); on unless ``--no-cache``.
+        jobs: the processes :meth:`profile` measures a probe in (NOTE [ Shallow copies measured side by
+            side ] in :mod:`batchfit.budget.side_by_side`): ``None`` = 2 where two CPUs are free, else 1.
         vocabulary: how this request's messages name its settings.
     """
 
@@ -96,6 +99,7 @@ class ProfileRequest:
     plot: str | None = None
     progress: bool = True
     cache: bool = True
+    jobs: int | None = None
     vocabulary: Vocabulary = field(default=KEYWORDS, compare=False, repr=False)
 
     @property
@@ -125,8 +129,9 @@ class ProfileRequest:
                 "run_confirm (batchfit profile --confirm does)"
             )
         from batchfit.budget.profile_cache import caching
+        from batchfit.budget.side_by_side import side_by_side
 
-        with caching(enabled=self.cache):
+        with caching(enabled=self.cache), side_by_side(self.jobs):
             return self._profile(self.options.replace(progress=progress))
 
     def _profile(self, options: ProfileOptions) -> ProfileAnswer:
@@ -435,6 +440,7 @@ class _Resolver:
             plot=v["plot"],
             progress=bool(v["progress"]),
             cache=bool(v["cache"]),
+            jobs=check_jobs(v["jobs"]),
             vocabulary=self.vocabulary,
         )
 

@@ -1,0 +1,158 @@
+"""batchfit.budget.side_by_side: the deeper shallow copy measured in a forked worker gives the same measurements."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import warnings
+
+import pytest
+
+from batchfit import InvalidArgument
+from batchfit.budget import side_by_side as sbs
+from batchfit.budget.causal_lm_probe import causal_lm_step
+from batchfit.budget.depth import DEFAULT_DEPTHS, DepthExtrapolatedStep
+from batchfit.budget.side_by_side import Beside, WorkerLost, call_method, side_by_side
+from batchfit.memory import get_backend
+from batchfit.models import build_causal_lm
+from batchfit.parallel.distributed import simulated_world
+from batchfit.parallel.sharding import Sharding
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="side by side needs a POSIX fork")
+
+
+def _depth_step(memory_limit: int | None = None, **step_opts) -> DepthExtrapolatedStep:
+    be = get_backend("estimate", memory_limit=memory_limit, reserve_bytes=0)
+    sharding = Sharding("fsdp2", world_size=4)
+
+    def make(n_layers: int):
+        model = build_causal_lm("tiny", backend=be, sharding=sharding, num_hidden_layers=n_layers, gradient_checkpointing=True)
+        return causal_lm_step(model, backend=be, **step_opts)
+
+    return DepthExtrapolatedStep({k: make(k) for k in DEFAULT_DEPTHS}, 9)
+
+
+def _fields(m):
+    return {k: v for k, v in dataclasses.asdict(m).items() if k != "seconds"}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+# lengths in the order a search probes them, one over the limit among them
+PROBES = ([40] * 2, [64] * 3, [17, 40], [512] * 64, [40] * 2, [8])
+
+
+@pytest.mark.parametrize("step_opts", [{}, {"forward_only": True}], ids=["update", "forward-only"])
+def test_the_deeper_copy_measured_beside_gives_every_field_as_in_process(step_opts):
+    limit = 64 * 2**20
+    with simulated_world(4):
+        here = _depth_step(limit, **step_opts)
+        expected = [_fields(here.measure(lengths)) for lengths in PROBES]
+        expected_state = _fields(here.measure_state())
+        beside = _depth_step(limit, **step_opts)
+        with side_by_side(2) as used:
+            assert used == 2
+            got = [_fields(beside.measure(lengths)) for lengths in PROBES]
+            got_state = _fields(beside.measure_state())
+            worker = beside._deeper._worker
+            assert worker is not None and worker.pid != os.getpid()  # measured in another process
+        assert _gone(worker.pid)  # the block reaped it
+    assert any(not m["fits"] for m in expected)  # the limit decided one probe
+    assert got == expected
+    assert got_state == expected_state
+
+
+def test_after_its_block_the_copy_is_measured_here_again():
+    with simulated_world(4):
+        step = _depth_step()
+        with side_by_side(2):
+            first = _fields(step.measure([40] * 2))
+        assert step._deeper._current() is None  # no block: no worker
+        assert _fields(step.measure([40] * 2)) == first
+
+
+class _Toy:
+    """A stand-in step: what its calls do in whichever process they run."""
+
+    simulated = True
+
+    def measure(self, lengths):
+        if lengths == [0]:
+            raise InvalidArgument("lengths must be positive, but got lengths=[0]")
+        if lengths == [13]:
+            warnings.warn("thirteen tokens", UserWarning, stacklevel=1)
+        return (os.getpid(), sum(lengths))
+
+
+def test_an_error_a_warning_and_a_lost_worker_reach_the_caller():
+    beside = Beside(_Toy(), _Toy())
+    with side_by_side(2):
+        pid, total = beside.call(call_method, "measure", [3, 4])
+        assert (total, pid != os.getpid()) == (7, True)
+        with pytest.raises(InvalidArgument, match=r"lengths=\[0\]"):
+            beside.call(call_method, "measure", [0])
+        with pytest.warns(UserWarning, match="thirteen tokens"):
+            assert beside.call(call_method, "measure", [13])[1] == 13
+        os.kill(beside._worker.pid, signal.SIGKILL)
+        with pytest.raises(WorkerLost, match=r"killed by signal 9.*--jobs 1"):
+            beside.call(call_method, "measure", [1])
+
+
+def test_nothing_is_forked_outside_a_block_or_with_one_job():
+    beside = Beside(_Toy(), _Toy())
+    assert beside.call(call_method, "measure", [2])[0] == os.getpid()
+    with side_by_side(1):
+        assert beside.call(call_method, "measure", [2])[0] == os.getpid()
+    not_simulated = Beside(_Toy(), object())
+    with side_by_side(2):
+        assert not_simulated.call(call_method, "measure", [2])[0] == os.getpid()
+
+
+def test_blocks_nest_and_jobs_are_checked(monkeypatch):
+    with side_by_side(2):
+        with side_by_side(1):
+            assert sbs.jobs() == 1
+        assert sbs.jobs() == 2
+    assert sbs.jobs() == 1
+    with side_by_side(5) as used:
+        assert used == sbs.MAX_JOBS
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(InvalidArgument, match="jobs must be a positive integer"), side_by_side(bad):
+            pass
+    monkeypatch.setenv(sbs.JOBS_ENV, "two")
+    with pytest.raises(InvalidArgument, match=r"BATCHFIT_JOBS='two'"), side_by_side():
+        pass
+    monkeypatch.setenv(sbs.JOBS_ENV, "2")
+    with side_by_side() as used:
+        assert used == 2
+    monkeypatch.delenv(sbs.JOBS_ENV)
+    with side_by_side() as used:
+        assert used == (2 if sbs.available_cpus() >= 2 else 1)
+
+
+def test_the_cli_answers_the_same_with_one_and_two_jobs(capsys):
+    from batchfit.cli import main
+
+    outputs = []
+    for jobs in ("1", "2"):
+        argv = ["profile", "--model", "qwen2.5-0.5b", "--max-seq-len", "512", "--json", "--no-progress", "--no-cache"]
+        assert main([*argv, "--jobs", jobs]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0] == outputs[1]
+    assert outputs[0]["combined"]["tokens"] > 0
+
+
+def test_a_bad_jobs_flag_is_one_line(capsys):
+    from batchfit.cli import main
+
+    assert main(["profile", "--jobs", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "jobs must be a positive integer" in err[0]
