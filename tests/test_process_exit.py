@@ -42,3 +42,35 @@ def test_the_cli_ends_there_only_when_it_joined_ranks():
     assert "name a command" in joined.stderr  # the command's own error line was flushed
     alone = _python(code.format(join=""))
     assert alone.returncode == 0 and "returned 2" in alone.stdout and "finalized" in alone.stdout
+
+
+def test_a_quick_exit_runs_the_atexit_handlers_flushes_and_keeps_the_code(tmp_path):
+    # NOTE [ A command ends without tearing torch down ]
+    marker = tmp_path / "handler-ran"
+    done = _python(
+        f"""
+        import atexit, sys, weakref
+        from batchfit.parallel.process_exit import quick_exit
+        atexit.register(lambda: open({str(marker)!r}, "w").close())
+        class Held: pass
+        held = Held()
+        weakref.finalize(held, print, "finalizer ran")
+        print("out", end="")
+        sys.stderr.write("err")
+        quick_exit(3)
+        print("after")
+        """
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (3, "outfinalizer ran\n", "err")
+    assert marker.exists()
+
+
+def test_the_console_script_ends_quickly_with_the_commands_code_and_output():
+    ok = subprocess.run(
+        [sys.executable, "-m", "batchfit", "plan", "--json", "--policy-mini-batch-size", "4", "--train-batch-size", "8"],
+        capture_output=True, text=True, timeout=scaled(120),
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.rstrip().endswith("}")  # the whole JSON was flushed
+    bad = subprocess.run([sys.executable, "-m", "batchfit", "profile", "--jobs", "0"], capture_output=True, text=True, timeout=scaled(120))
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1

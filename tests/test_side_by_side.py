@@ -13,8 +13,8 @@ import pytest
 from batchfit import InvalidArgument
 from batchfit.budget import side_by_side as sbs
 from batchfit.budget.causal_lm_probe import causal_lm_step
-from batchfit.budget.depth import DEFAULT_DEPTHS, DepthExtrapolatedStep
-from batchfit.budget.side_by_side import Beside, WorkerLost, call_method, side_by_side
+from batchfit.budget.depth import DEFAULT_DEPTHS, DepthExtrapolatedStep, build_depth_steps
+from batchfit.budget.side_by_side import Beside, Deferred, WorkerLost, call_method, side_by_side
 from batchfit.memory import get_backend
 from batchfit.models import build_causal_lm
 from batchfit.parallel.distributed import simulated_world
@@ -23,7 +23,7 @@ from batchfit.parallel.sharding import Sharding
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="side by side needs a POSIX fork")
 
 
-def _depth_step(memory_limit: int | None = None, **step_opts) -> DepthExtrapolatedStep:
+def _depth_step(memory_limit: int | None = None, built_beside: bool = False, **step_opts) -> DepthExtrapolatedStep:
     be = get_backend("estimate", memory_limit=memory_limit, reserve_bytes=0)
     sharding = Sharding("fsdp2", world_size=4)
 
@@ -31,6 +31,8 @@ def _depth_step(memory_limit: int | None = None, **step_opts) -> DepthExtrapolat
         model = build_causal_lm("tiny", backend=be, sharding=sharding, num_hidden_layers=n_layers, gradient_checkpointing=True)
         return causal_lm_step(model, backend=be, **step_opts)
 
+    if built_beside:
+        return build_depth_steps(make, 9, backend=be)
     return DepthExtrapolatedStep({k: make(k) for k in DEFAULT_DEPTHS}, 9)
 
 
@@ -50,16 +52,21 @@ def _gone(pid: int) -> bool:
 PROBES = ([40] * 2, [64] * 3, [17, 40], [512] * 64, [40] * 2, [8])
 
 
-@pytest.mark.parametrize("step_opts", [{}, {"forward_only": True}], ids=["update", "forward-only"])
-def test_the_deeper_copy_measured_beside_gives_every_field_as_in_process(step_opts):
+@pytest.mark.parametrize(
+    ("step_opts", "built_beside"),
+    [({}, False), ({"forward_only": True}, False), ({}, True)],
+    ids=["update", "forward-only", "update-built-beside"],
+)
+def test_the_deeper_copy_measured_beside_gives_every_field_as_in_process(step_opts, built_beside):
     limit = 64 * 2**20
     with simulated_world(4):
         here = _depth_step(limit, **step_opts)
         expected = [_fields(here.measure(lengths)) for lengths in PROBES]
         expected_state = _fields(here.measure_state())
-        beside = _depth_step(limit, **step_opts)
         with side_by_side(2) as used:
             assert used == 2
+            beside = _depth_step(limit, built_beside, **step_opts)
+            assert isinstance(beside.steps[6], Deferred) == built_beside  # built in the worker only
             got = [_fields(beside.measure(lengths)) for lengths in PROBES]
             got_state = _fields(beside.measure_state())
             worker = beside._deeper._worker
@@ -70,13 +77,25 @@ def test_the_deeper_copy_measured_beside_gives_every_field_as_in_process(step_op
     assert got_state == expected_state
 
 
-def test_after_its_block_the_copy_is_measured_here_again():
+@pytest.mark.parametrize("built_beside", [False, True], ids=["built-here", "built-beside"])
+def test_after_its_block_the_copy_is_measured_here_again(built_beside):
     with simulated_world(4):
-        step = _depth_step()
         with side_by_side(2):
+            step = _depth_step(built_beside=built_beside)
             first = _fields(step.measure([40] * 2))
         assert step._deeper._current() is None  # no block: no worker
         assert _fields(step.measure([40] * 2)) == first
+        assert step._deeper._step is not None  # built here now, if it was built beside before
+
+
+def test_a_build_error_in_the_worker_is_raised_here():
+    def make(n_layers: int):
+        if n_layers == 6:
+            raise InvalidArgument("num_hidden_layers=6 is refused here")
+        return _Toy()
+
+    with side_by_side(2), pytest.raises(InvalidArgument, match="num_hidden_layers=6"):
+        build_depth_steps(make, 9, backend=_Toy())
 
 
 class _Toy:

@@ -1,5 +1,3 @@
-import sys
+from batchfit.cli import console
 
-from batchfit.cli import main
-
-sys.exit(main())
+console()

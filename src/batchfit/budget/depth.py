@@ -23,12 +23,13 @@ caller then measures the full depth.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from batchfit.budget.side_by_side import Beside, call_method
+from batchfit.budget.side_by_side import Beside, Deferred, call_method
 from batchfit.errors import InvalidArgument
 from batchfit.memory import Backend, MemoryMeasurement
 from batchfit.validation import check_positive_int
@@ -69,13 +70,15 @@ class DepthExtrapolatedStep:
         steps: ``{depth: step}`` for exactly two depths below ``depth``, each a
             :class:`~batchfit.budget.probe.BudgetStep` (a :class:`~batchfit.budget.causal_lm_probe.TrainingStep`).
         depth: the number of layers of the model predicted.
+        deeper: the deeper copy's :class:`~batchfit.budget.side_by_side.Beside` when it was built
+            in a worker (:func:`build_depth_steps`); by default one over ``steps``' deeper copy.
 
     Raises:
         InvalidArgument: not two depths, a depth not below ``depth``, or steps on
             different backends.
     """
 
-    def __init__(self, steps: dict[int, Any], depth: int):
+    def __init__(self, steps: dict[int, Any], depth: int, *, deeper: Beside | None = None):
         self.depth = check_positive_int("depth", depth)
         if len(steps) != 2:
             raise InvalidArgument(
@@ -91,7 +94,7 @@ class DepthExtrapolatedStep:
         if len(backends) != 1:
             raise InvalidArgument("the two shallow steps must share one backend, but got two backends")
         self.backend: Backend = steps[self.k1].backend
-        self._deeper = Beside(self.steps[self.k2], self.backend)
+        self._deeper = deeper if deeper is not None else Beside(self.steps[self.k2], self.backend)
 
     @property
     def only_loss_tokens(self) -> bool:
@@ -197,7 +200,7 @@ def extrapolate(
 
 
 def build_depth_steps(
-    make_step: Callable[[int], Any], depth: int, depths: tuple[int, int] = DEFAULT_DEPTHS
+    make_step: Callable[[int], Any], depth: int, depths: tuple[int, int] = DEFAULT_DEPTHS, *, backend: Any = None
 ) -> DepthExtrapolatedStep | Any:
     """The step of a ``depth``-layer model: extrapolated from ``depths`` when ``depth`` is deeper.
 
@@ -206,6 +209,9 @@ def build_depth_steps(
             returns its step.
         depth: the model's real depth.
         depths: the two shallow depths to measure.
+        backend: the backend ``make_step`` builds on: given, inside a
+            :func:`~batchfit.budget.side_by_side.side_by_side` block the deeper copy is built (and
+            then measured) in a worker meanwhile (NOTE [ Shallow copies measured side by side ]).
 
     Returns:
         ``make_step(depth)`` when ``depth <= max(depths)`` (nothing to gain), else a
@@ -214,4 +220,10 @@ def build_depth_steps(
     k1, k2 = sorted(depths)
     if depth <= k2:
         return make_step(depth)
-    return DepthExtrapolatedStep({k1: make_step(k1), k2: make_step(k2)}, depth)
+    # NOTE [ Shallow copies measured side by side ]: the deeper copy built in its worker meanwhile
+    deeper = None if backend is None else Beside.building(functools.partial(make_step, k2), backend)
+    if deeper is None:
+        return DepthExtrapolatedStep({k1: make_step(k1), k2: make_step(k2)}, depth)
+    shallow = make_step(k1)
+    deeper.built()
+    return DepthExtrapolatedStep({k1: shallow, k2: Deferred(deeper)}, depth, deeper=deeper)

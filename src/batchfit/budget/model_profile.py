@@ -1016,7 +1016,7 @@ class RoleBuilder:
                 activation_offload=options.activation_offload,
             )
 
-        return build_depth_steps(make, self.depth) if self.extrapolate else make(self.depth)
+        return build_depth_steps(make, self.depth, backend=self.backend) if self.extrapolate else make(self.depth)
 
 
 def _optimizer(role: str, options: ProfileOptions) -> str | None:

@@ -45,7 +45,7 @@ from typing import Any
 from batchfit.errors import InvalidArgument
 from batchfit.validation import check_positive_int
 
-__all__ = ["JOBS_ENV", "MAX_JOBS", "Beside", "Pending", "WorkerLost", "available_cpus", "check_jobs", "jobs", "side_by_side"]
+__all__ = ["JOBS_ENV", "MAX_JOBS", "Beside", "Deferred", "Pending", "WorkerLost", "available_cpus", "check_jobs", "jobs", "side_by_side"]
 
 #: Processes a probe's measurements can use: one per shallow copy.
 MAX_JOBS = 2
@@ -127,17 +127,46 @@ class Beside:
     """One step whose calls run in a worker process while a :func:`side_by_side` block allows it, else here.
 
     NOTE [ Shallow copies measured side by side ]. The worker is forked at the first call inside
-    a block, inheriting ``step`` as it is then; a worker whose block ended is dropped and the
-    calls run here again (a measurement does not depend on the ones before it).
+    a block, inheriting ``step`` as it is then, or (:meth:`building`) before the step is built,
+    to build it itself; a worker whose block ended is dropped and the calls run here again (a
+    measurement does not depend on the ones before it), on a step built here then if need be.
 
     Args:
-        step: the step (the deeper shallow copy).
+        step: the step (the deeper shallow copy), or ``None`` with ``make``.
         backend: its backend (only a simulated one is measured beside).
+        make: builds the step here when it is first needed here (``step`` ``None``).
     """
 
-    def __init__(self, step: Any, backend: Any):
-        self.step, self.backend = step, backend
+    def __init__(self, step: Any, backend: Any, make: Callable[[], Any] | None = None):
+        self._step, self.backend, self._make = step, backend, make
         self._worker: _Worker | None = None
+
+    @classmethod
+    def building(cls, make: Callable[[], Any], backend: Any) -> Beside | None:
+        """A worker forked now that builds ``make()`` while the caller builds its own copy; ``None`` where not allowed.
+
+        Call :meth:`built` once the caller's copy is built: it raises the worker's build error, if any.
+        """
+        if not _beside_allowed(backend):
+            return None
+        beside = cls(None, backend, make)
+        beside._worker = _Worker(build=make)
+        _WORKERS.append(beside._worker)
+        return beside
+
+    def built(self) -> None:
+        """Wait for the worker started by :meth:`building` to have built its step (its error raised here)."""
+        if self._worker is not None:
+            self._worker.result()
+
+    @property
+    def step(self) -> Any:
+        """The step in this process (built now if it was built in the worker only)."""
+        if self._step is None:
+            if self._make is None:  # Beside's own invariant, not user input
+                raise RuntimeError("a Beside without a step needs make")
+            self._step = self._make()
+        return self._step
 
     def start(self, fn: Callable[..., Any], *args: Any) -> Pending:
         """Start ``fn(step, *args)`` (a module-level function) in the worker, or hold it to run here on :meth:`Pending.get`."""
@@ -159,6 +188,20 @@ class Beside:
         return self._worker
 
 
+class Deferred:
+    """Stands for a step a :class:`Beside` worker built: its backend is known here; any other attribute builds it here first."""
+
+    def __init__(self, beside: Beside):
+        self._beside = beside
+
+    @property
+    def backend(self) -> Any:
+        return self._beside.backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._beside.step, name)
+
+
 def _beside_allowed(backend: Any) -> bool:
     if _JOBS < 2 or not getattr(backend, "simulated", False) or not hasattr(os, "fork"):
         return False
@@ -175,7 +218,7 @@ def call_method(step: Any, name: str, *args: Any) -> Any:
 class _Worker:
     """One forked process serving ``measure`` and ``measure_state`` calls of one step over a pipe."""
 
-    def __init__(self, step: Any):
+    def __init__(self, step: Any = None, build: Callable[[], Any] | None = None):
         mine, theirs = Pipe(duplex=True)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -188,7 +231,7 @@ class _Worker:
             code = 0
             try:
                 mine.close()
-                _serve(step, theirs)
+                _serve(step, theirs, build)
             except BaseException:
                 code = 1
             finally:
@@ -273,18 +316,30 @@ def _sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def _serve(step: Any, conn: Connection) -> None:
-    """The worker's loop: answer each call until the pipe closes."""
+def _build(make: Callable[[], Any]) -> Any:
+    return make()
+
+
+def _serve(step: Any, conn: Connection, build: Callable[[], Any] | None = None) -> None:
+    """The worker's loop: build the step first if asked (answering ``None``), then answer each call until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when a run stops
+    first = None if build is None else (_build, (build,))
     while True:
-        try:
-            fn, args = conn.recv()
-        except (EOFError, OSError):
-            return
+        if first is not None:
+            (fn, args), first = first, None
+        else:
+            try:
+                fn, args = conn.recv()
+            except (EOFError, OSError):
+                return
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # the parent's filters and registries decide what is shown
             try:
-                answer: tuple[str, Any] = ("value", fn(step, *args))
+                if fn is _build:
+                    step = _build(*args)
+                    answer: tuple[str, Any] = ("value", None)
+                else:
+                    answer = ("value", fn(step, *args))
             except Exception as exc:
                 answer = ("error", _portable(exc))
         seen = [(str(w.message), w.category, w.filename, w.lineno, _module_of(w.filename)) for w in caught]

@@ -18,7 +18,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from batchfit.errors import BatchConfigError, BatchfitError, DoesNotFitError, TaskError, Vocabulary
 
@@ -177,8 +177,19 @@ EXIT_OUTPUT = 2
 """Exit code when stdout cannot be written (full, closed): like a file named on the command line."""
 
 
+def console() -> NoReturn:
+    """The ``batchfit`` console script and ``python -m batchfit``: :func:`main`, then a quick exit.
+
+    NOTE [ A command ends without tearing torch down ] in :mod:`batchfit.parallel.process_exit`.
+    """
+    code = main()
+    from batchfit.parallel.process_exit import quick_exit
+
+    quick_exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``batchfit`` console script; returns the exit code.
+    """Run the command of ``argv`` (default ``sys.argv[1:]``); returns the exit code (the console script is :func:`console`).
 
     A process that joined torchrun's ranks here ends in :func:`~batchfit.parallel.process_exit.exit_after_collectives`
     instead of returning (NOTE [ A collective's worker outlives the interpreter ]).
