@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -19,6 +23,7 @@ from batchfit.memory import get_backend
 from batchfit.models import build_causal_lm
 from batchfit.parallel.distributed import simulated_world
 from batchfit.parallel.sharding import Sharding
+from multirank import scaled
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="side by side needs a POSIX fork")
 
@@ -48,8 +53,20 @@ def _gone(pid: int) -> bool:
     return False
 
 
-# lengths in the order a search probes them, one over the limit among them
-PROBES = ([40] * 2, [64] * 3, [17, 40], [512] * 64, [40] * 2, [8])
+# lengths in the order a search probes them, one over the limit among them, and how the search
+# has the backend measure each: as it is, stopped at a lower limit, or run to the end
+PROBES = ([40] * 2, [64] * 3, [17, 40], [512] * 64, [512] * 64, [40] * 2, [8])
+CONTEXTS = ("plain", "stop", "plain", "plain", "to_the_end", "stop", "plain")
+
+
+def _measured(step: DepthExtrapolatedStep) -> list[dict]:
+    out, be = [], step.backend
+    for lengths, how in zip(PROBES, CONTEXTS):
+        context = {"plain": contextlib.nullcontext, "stop": lambda: be.stopping_above(3_000_000),
+                   "to_the_end": be.running_to_the_end}[how]()  # fmt: skip
+        with context:
+            out.append(_fields(step.measure(lengths)))
+    return out
 
 
 @pytest.mark.parametrize(
@@ -61,18 +78,20 @@ def test_the_deeper_copy_measured_beside_gives_every_field_as_in_process(step_op
     limit = 64 * 2**20
     with simulated_world(4):
         here = _depth_step(limit, **step_opts)
-        expected = [_fields(here.measure(lengths)) for lengths in PROBES]
+        expected = _measured(here)
         expected_state = _fields(here.measure_state())
         with side_by_side(2) as used:
             assert used == 2
             beside = _depth_step(limit, built_beside, **step_opts)
             assert isinstance(beside.steps[6], Deferred) == built_beside  # built in the worker only
-            got = [_fields(beside.measure(lengths)) for lengths in PROBES]
+            got = _measured(beside)
             got_state = _fields(beside.measure_state())
             worker = beside._deeper._worker
             assert worker is not None and worker.pid != os.getpid()  # measured in another process
         assert _gone(worker.pid)  # the block reaped it
-    assert any(not m["fits"] for m in expected)  # the limit decided one probe
+    # stopped at the device's limit, then run to the end past it; (update) stopped at the search's limit
+    exceeded = [m["exceeded"] for m in expected]
+    assert exceeded[3:5] == [True, False] and exceeded[1] == (not step_opts)
     assert got == expected
     assert got_state == expected_state
 
@@ -175,3 +194,24 @@ def test_a_bad_jobs_flag_is_one_line(capsys):
     assert main(["profile", "--jobs", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "jobs must be a positive integer" in err[0]
+
+
+def test_a_worker_of_a_parent_that_ran_openmp_threads_does_not_hang():
+    # GNU libgomp's threads are not in a forked child: a parallel region there waited on them forever
+    code = textwrap.dedent(
+        """
+        import torch
+        from batchfit.budget.side_by_side import Beside, side_by_side
+        torch.set_num_threads(2)
+        (torch.ones(4_000_000) * 2).sum()  # the parent's OpenMP team, started
+        class Toy:
+            simulated = True
+        def work(step):
+            return float((torch.ones(4_000_000) * 3).sum())
+        with side_by_side(2):
+            print(Beside(Toy(), Toy()).call(work))
+        """
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120), env=env)
+    assert (done.returncode, done.stdout.strip()) == (0, "12000000.0"), done.stderr

@@ -13,6 +13,12 @@ have returned in process. The peaks are the same to the byte (``tests/test_side_
 compares every field of every probe, an exceeded one and a forward-only one included, and
 ``benchmarks/speed.py`` the whole ``--json`` output of the main job and the verl example);
 what changes is the wall time, the larger of the two measurements instead of their sum.
+The worker's backend is the parent's copy at the fork, and what decides a call changes
+between calls (a search stops a candidate at its own limit, or runs it to the end; a world
+size sets the reserve): each call carries the backend's
+:meth:`~batchfit.memory.Backend.call_settings` of the moment, set in the worker before it
+measures (a first version without them stopped verl's update probes that the process ran to
+the end).
 
 Only where it is safe and can gain: a simulated backend (fake tensors: no device a forked
 process could not share), no real ranks (a rank's collectives stay in its own process), a
@@ -150,7 +156,7 @@ class Beside:
         if not _beside_allowed(backend):
             return None
         beside = cls(None, backend, make)
-        beside._worker = _Worker(build=make)
+        beside._worker = _Worker(build=make, backend=backend)
         _WORKERS.append(beside._worker)
         return beside
 
@@ -172,7 +178,8 @@ class Beside:
         """Start ``fn(step, *args)`` (a module-level function) in the worker, or hold it to run here on :meth:`Pending.get`."""
         worker = self._current()
         if worker is not None:
-            worker.submit(fn, *args)
+            settings = self.backend.call_settings() if hasattr(self.backend, "call_settings") else None
+            worker.submit(fn, *args, settings=settings)
         return Pending(worker, lambda: fn(self.step, *args))
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -183,7 +190,7 @@ class Beside:
         if self._worker is not None and self._worker.closed:
             self._worker = None
         if self._worker is None and _beside_allowed(self.backend):
-            self._worker = _Worker(self.step)
+            self._worker = _Worker(self.step, backend=self.backend)
             _WORKERS.append(self._worker)
         return self._worker
 
@@ -218,7 +225,7 @@ def call_method(step: Any, name: str, *args: Any) -> Any:
 class _Worker:
     """One forked process serving ``measure`` and ``measure_state`` calls of one step over a pipe."""
 
-    def __init__(self, step: Any = None, build: Callable[[], Any] | None = None):
+    def __init__(self, step: Any = None, build: Callable[[], Any] | None = None, backend: Any = None):
         mine, theirs = Pipe(duplex=True)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -231,7 +238,7 @@ class _Worker:
             code = 0
             try:
                 mine.close()
-                _serve(step, theirs, build)
+                _serve(step, theirs, build, backend)
             except BaseException:
                 code = 1
             finally:
@@ -244,12 +251,13 @@ class _Worker:
         """The worker was stopped (its block ended) or lost."""
         return self._conn.closed
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Ask the worker to run ``fn(step, *args)`` (``fn`` a module-level function); :meth:`result` reads the answer."""
+    def submit(self, fn: Callable[..., Any], *args: Any, settings: dict[str, Any] | None = None) -> None:
+        """Ask the worker to run ``fn(step, *args)`` (``fn`` a module-level function) with its backend's ``settings``
+        (:meth:`~batchfit.memory.Backend.call_settings` here, now); :meth:`result` reads the answer."""
         if self._pending:
             raise RuntimeError("the worker's previous answer was not read")  # a bug of the caller, not user input
         try:
-            self._conn.send((fn, args))
+            self._conn.send((fn, args, settings))
         except OSError as exc:
             raise self._lost() from exc
         self._pending = True
@@ -320,18 +328,30 @@ def _build(make: Callable[[], Any]) -> Any:
     return make()
 
 
-def _serve(step: Any, conn: Connection, build: Callable[[], Any] | None = None) -> None:
-    """The worker's loop: build the step first if asked (answering ``None``), then answer each call until the pipe closes."""
+def _serve(step: Any, conn: Connection, build: Callable[[], Any] | None = None, backend: Any = None) -> None:
+    """The worker's loop: build the step first if asked (answering ``None``), then answer each call until the pipe closes.
+
+    Each call first takes the parent's backend settings of the moment (its limits, a search's
+    stop, running to the end): the worker's copy of the backend is the parent's at the fork.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when a run stops
-    first = None if build is None else (_build, (build,))
+    # the parent's OpenMP threads are not in this process: a parallel region here would wait for
+    # them forever (GNU libgomp's team barrier, seen when the parent had run a large host op first);
+    # one intra-op thread runs every region inline. A measurement's host ops are small.
+    import torch
+
+    torch.set_num_threads(1)
+    first = None if build is None else (_build, (build,), None)
     while True:
         if first is not None:
-            (fn, args), first = first, None
+            (fn, args, settings), first = first, None
         else:
             try:
-                fn, args = conn.recv()
+                fn, args, settings = conn.recv()
             except (EOFError, OSError):
                 return
+        if settings is not None and backend is not None:
+            backend.apply_call_settings(settings)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # the parent's filters and registries decide what is shown
             try:

@@ -119,6 +119,21 @@ class Backend(abc.ABC):
         """Create models, optimizers and inputs inside this (re-entrant; a no-op by default)."""
         yield
 
+    #: The attributes that decide how a call is measured and may change between calls (the
+    #: limits, the reserve, the contexts below): what a worker measuring beside this process
+    #: is given before each call (NOTE [ Shallow copies measured side by side ] in
+    #: :mod:`batchfit.budget.side_by_side`).
+    CALL_SETTINGS: tuple[str, ...] = ("memory_limit", "reserve_bytes", "round_to", "attention_kernels", "_stop_bytes", "_to_the_end")
+
+    def call_settings(self) -> dict[str, Any]:
+        """The :attr:`CALL_SETTINGS` as they are now (plain data)."""
+        return {name: getattr(self, name) for name in self.CALL_SETTINGS if hasattr(self, name)}
+
+    def apply_call_settings(self, settings: dict[str, Any]) -> None:
+        """Set what :meth:`call_settings` returned in another process."""
+        for name, value in settings.items():
+            setattr(self, name, value)
+
     @contextlib.contextmanager
     def stopping_above(self, stop_bytes: int | None) -> Iterator[None]:
         """Inside, a tracked call is aborted as soon as it holds more than ``stop_bytes``.

@@ -97,6 +97,7 @@ class EstimateBackend(TrackedBackend):
     name = "estimate"
     holds_memory = False
     simulated = True
+    CALL_SETTINGS = (*TrackedBackend.CALL_SETTINGS, "untracked", "_device", "_default_reserve")
     extrapolates_depth = True
     suggests_world_sizes = True
 
