@@ -71,8 +71,12 @@ def _measured(step: DepthExtrapolatedStep) -> list[dict]:
 
 @pytest.mark.parametrize(
     ("step_opts", "built_beside"),
-    [({}, False), ({"forward_only": True}, False), ({}, True)],
-    ids=["update", "forward-only", "update-built-beside"],
+    [
+        pytest.param({}, True, id="update-built-beside"),
+        # the first tier's time: one case there, the others in the second
+        pytest.param({}, False, id="update", marks=pytest.mark.slow),
+        pytest.param({"forward_only": True}, False, id="forward-only", marks=pytest.mark.slow),
+    ],
 )
 def test_the_deeper_copy_measured_beside_gives_every_field_as_in_process(step_opts, built_beside):
     limit = 64 * 2**20
@@ -96,7 +100,7 @@ def test_the_deeper_copy_measured_beside_gives_every_field_as_in_process(step_op
     assert got_state == expected_state
 
 
-@pytest.mark.parametrize("built_beside", [False, True], ids=["built-here", "built-beside"])
+@pytest.mark.parametrize("built_beside", [pytest.param(False, marks=pytest.mark.slow), True], ids=["built-here", "built-beside"])
 def test_after_its_block_the_copy_is_measured_here_again(built_beside):
     with simulated_world(4):
         with side_by_side(2):
@@ -176,6 +180,7 @@ def test_blocks_nest_and_jobs_are_checked(monkeypatch):
         assert used == (2 if sbs.available_cpus() >= 2 else 1)
 
 
+@pytest.mark.slow
 def test_the_cli_answers_the_same_with_one_and_two_jobs(capsys):
     from batchfit.cli import main
 
