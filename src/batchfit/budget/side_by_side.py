@@ -42,6 +42,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -101,7 +102,7 @@ def side_by_side(jobs: int | None = None) -> Iterator[int]:
     if jobs is None:
         chosen = MAX_JOBS if available_cpus() >= MAX_JOBS else 1
     else:
-        chosen = min(check_jobs(jobs) or 1, MAX_JOBS)
+        chosen = min(_positive_jobs(jobs), MAX_JOBS)
     before, started = _JOBS, len(_WORKERS)
     _JOBS = chosen
     try:
@@ -293,7 +294,7 @@ class _Worker:
                 return
             if done:
                 return
-            _sleep(0.1)
+            time.sleep(0.1)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
@@ -311,17 +312,11 @@ class _Worker:
             if done:
                 status = f"killed by signal {os.WTERMSIG(raw)}" if os.WIFSIGNALED(raw) else f"exit code {os.WEXITSTATUS(raw)}"
                 break
-            _sleep(0.02)
+            time.sleep(0.02)
         return WorkerLost(
             f"the process measuring the deeper shallow copy (pid {self.pid}) stopped answering ({status}); "
             "run with --jobs 1 (side_by_side(jobs=1) from Python) to measure both copies in this process"
         )
-
-
-def _sleep(seconds: float) -> None:
-    import time
-
-    time.sleep(seconds)
 
 
 def _build(make: Callable[[], Any]) -> Any:
@@ -402,8 +397,10 @@ def check_jobs(value: Any) -> int | None:
     Raises:
         InvalidArgument: anything else, naming the value and the fix.
     """
-    if value is None:
-        return None
+    return None if value is None else _positive_jobs(value)
+
+
+def _positive_jobs(value: Any) -> int:
     try:
         return check_positive_int("jobs", value)
     except InvalidArgument:
